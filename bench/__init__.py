@@ -1,0 +1,1 @@
+"""Benchmarks: heterogeneity emulator, baselines, result tables."""

@@ -1,0 +1,5 @@
+import sys
+
+from xronos.cli.main import main
+
+sys.exit(main())

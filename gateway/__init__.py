@@ -1,0 +1,1 @@
+"""Coordinator: node registry, cost model, planner, job state machine. Never imports torch."""

@@ -1,0 +1,1 @@
+"""Device agent: capabilities, profiler, tensor-parallel engine, model families, trainer."""

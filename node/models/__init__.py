@@ -1,0 +1,1 @@
+"""Model families: one compact file each, in the spirit of nanoGPT."""

@@ -1,0 +1,1 @@
+"""Tensor-parallel primitives. Every function takes its process group explicitly."""
