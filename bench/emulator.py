@@ -1,0 +1,308 @@
+"""Heterogeneity emulator: confine each local rank to a CPU share (and optionally a memory cap).
+
+One machine stands in for a set of edge boxes by giving every rank its own cgroup with a CFS
+bandwidth quota: a rank with share 0.3 may use 0.3 of one core per period, whatever its thread
+count, so a "Raspberry Pi 5" rank is slower than an "N100" rank by the ratio of their shares.
+cgroup v1 (`cpu.cfs_quota_us` / `cpu.cfs_period_us`, `memory.limit_in_bytes`) and v2
+(`cpu.max`, `memory.max`) are both supported; whichever hierarchy has the controller mounted and
+writable is used. Groups are created *below the cgroup this process already lives in* (so a
+supervisor's accounting still covers them), one parent per run with one child per rank, and are
+removed on exit, also on error.
+
+Usage:
+    with Confinement([RankLimits(0.45), RankLimits(0.3, memory_bytes=1 << 30)]) as conf:
+        popen = subprocess.Popen(...); conf.add(rank, popen.pid)   # or launch_local(wrap=conf.wrap)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+# The CFS period. Short periods make a throttled rank slow *evenly* (as a slower core is) rather
+# than run-then-stall in 100 ms bursts, which would distort the many small all-reduces of TP.
+DEFAULT_PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000  # the kernel's lower bound for cfs_quota_us
+MIN_MEMORY_BYTES = 64 << 20
+
+
+class EmulatorError(ValueError):
+    """The requested confinement cannot be enforced on this machine (or the request is bad)."""
+
+
+@dataclass(frozen=True)
+class RankLimits:
+    cpu_share: float  # cores, e.g. 0.3 = 30% of one core
+    memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Controller:
+    """Where one controller (cpu or memory) can be driven: hierarchy version and our own group."""
+
+    kind: str  # "cpu" | "memory"
+    version: int  # 1 | 2
+    base: Path  # the cgroup this process is in, under which run groups are created
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _mounts(mounts_file: Path) -> list[tuple[str, str, set[str]]]:
+    """(mount point, fs type, options) of cgroup mounts."""
+    out = []
+    for line in mounts_file.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] in ("cgroup", "cgroup2"):
+            out.append((parts[1], parts[2], set(parts[3].split(","))))
+    return out
+
+
+def _own_paths(proc_cgroup: Path) -> dict[str, str]:
+    """Controller name (or "" for the v2 unified hierarchy) -> this process's cgroup path."""
+    paths: dict[str, str] = {}
+    for line in proc_cgroup.read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        for name in names.split(",") if names else [""]:
+            paths[name] = path
+    return paths
+
+
+def _writable(path: Path) -> bool:
+    return path.is_dir() and os.access(path, os.W_OK)
+
+
+def find_controller(
+    kind: str, *, mounts_file: Path = Path("/proc/self/mounts"),
+    proc_cgroup: Path = Path("/proc/self/cgroup"),
+) -> Controller | None:
+    """The writable hierarchy that has `kind` ("cpu"|"memory"), preferring v1 where both do."""
+    own = _own_paths(proc_cgroup)
+    v1_file, v2_file = {"cpu": ("cpu.cfs_quota_us", "cpu.max"),
+                        "memory": ("memory.limit_in_bytes", "memory.max")}[kind]
+    found: list[Controller] = []
+    for mount, fstype, opts in _mounts(mounts_file):
+        if fstype == "cgroup" and kind in opts and kind in own:
+            base = Path(mount) / own[kind].lstrip("/")
+            if _writable(base) and (base / v1_file).exists():
+                found.append(Controller(kind, 1, base))
+        elif fstype == "cgroup2" and "" in own:
+            base = Path(mount) / own[""].lstrip("/")
+            controllers = (base / "cgroup.controllers")
+            if _writable(base) and controllers.exists() and kind in controllers.read_text().split():
+                found.append(Controller(kind, 2, base))
+    return found[0] if found else None
+
+
+def cpu_limit_of(ctl: Controller) -> float | None:
+    """The CPU bandwidth (cores) our own group is already limited to, None when unlimited."""
+    if ctl.version == 1:
+        quota = int((ctl.base / "cpu.cfs_quota_us").read_text())
+        period = int((ctl.base / "cpu.cfs_period_us").read_text())
+        return None if quota < 0 else quota / period
+    f = ctl.base / "cpu.max"
+    if not f.exists():  # the root group has no cpu.max
+        return None
+    quota, period = f.read_text().split()
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def validate_limits(limits: list[RankLimits], cores: int, parent_limit: float | None) -> None:
+    """Refuse what a CFS quota cannot deliver: the shares must fit the cores we actually have."""
+    if not limits:
+        raise EmulatorError("no ranks to confine")
+    capacity = float(cores) if parent_limit is None else min(float(cores), parent_limit)
+    for r, lim in enumerate(limits):
+        if isinstance(lim.cpu_share, bool) or not isinstance(lim.cpu_share, (int, float)):
+            raise TypeError(f"rank {r}: cpu_share must be a number, got {lim.cpu_share!r}")
+        if not lim.cpu_share * 1_000_000 >= MIN_QUOTA_US * 100:  # also rejects NaN
+            raise EmulatorError(f"rank {r}: cpu_share {lim.cpu_share} is below 0.1% of a core")
+        if lim.cpu_share > capacity:
+            raise EmulatorError(
+                f"rank {r}: cpu_share {lim.cpu_share} exceeds the {capacity:g} cores this "
+                "machine can give one process; a quota above that cannot be enforced")
+        if lim.memory_bytes is not None and lim.memory_bytes < MIN_MEMORY_BYTES:
+            raise EmulatorError(f"rank {r}: memory cap {lim.memory_bytes} B is below 64 MiB")
+    total = sum(lim.cpu_share for lim in limits)
+    if total > capacity + 1e-9:
+        # Each quota alone would hold, but together the ranks would contend for cores and the
+        # speed *ratios* — the point of the emulation — would no longer be the quotas' ratios.
+        raise EmulatorError(
+            f"total cpu share {total:.3g} exceeds the {capacity:g} cores available; "
+            "scale the shares down")
+
+
+class Confinement:
+    """Per-run cgroups, one per rank. A context manager: groups exist only inside `with`."""
+
+    def __init__(self, limits: list[RankLimits], *, period_us: int = DEFAULT_PERIOD_US,
+                 cpu: Controller | None = None, memory: Controller | None = None) -> None:
+        self.limits = list(limits)
+        self.period_us = period_us
+        self.cpu = cpu or find_controller("cpu")
+        if self.cpu is None:
+            raise EmulatorError(
+                "no writable cgroup cpu controller (neither v1 cpu.cfs_quota_us nor v2 cpu.max); "
+                "run as root on a machine with the cpu controller mounted")
+        self.parent_limit = cpu_limit_of(self.cpu)
+        validate_limits(self.limits, usable_cores(), self.parent_limit)
+        self.memory: Controller | None = None
+        if any(lim.memory_bytes is not None for lim in self.limits):
+            self.memory = memory or find_controller("memory")
+            if self.memory is None:
+                raise EmulatorError("a memory cap was asked for but no writable cgroup memory "
+                                    "controller exists (v1 memory.limit_in_bytes or v2 memory.max)")
+        self.name = f"xronos-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._dirs: list[Path] = []  # created groups, parents first
+        self._rank_dirs: dict[int, list[Path]] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> Confinement:
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _mkdir(self, path: Path) -> Path:
+        path.mkdir()
+        self._dirs.append(path)
+        return path
+
+    def _create(self) -> None:
+        ctls = [c for c in (self.cpu, self.memory) if c is not None]
+        # cpu and memory may share one v2 hierarchy: create each run group only once.
+        bases = {c.base for c in ctls}
+        run_dirs = {base: self._mkdir(base / self.name) for base in bases}
+        for base, run in run_dirs.items():
+            if any(c.version == 2 and c.base == base for c in ctls):
+                wanted = [c.kind for c in ctls if c.base == base and c.version == 2]
+                self._enable_v2(base, wanted)
+                self._enable_v2(run, wanted)
+        for rank, lim in enumerate(self.limits):
+            dirs = []
+            for base, run in run_dirs.items():
+                dirs.append(self._mkdir(run / f"rank{rank}"))
+            self._rank_dirs[rank] = dirs
+            self._write_cpu(self._dir_for(rank, self.cpu), lim.cpu_share)
+            if lim.memory_bytes is not None:
+                assert self.memory is not None
+                self._write_memory(self._dir_for(rank, self.memory), lim.memory_bytes)
+        log.info("confinement.created", name=self.name, cpu_v=self.cpu.version,
+                 shares=[lim.cpu_share for lim in self.limits], period_us=self.period_us)
+
+    def _dir_for(self, rank: int, ctl: Controller) -> Path:
+        return next(d for d in self._rank_dirs[rank] if d.is_relative_to(ctl.base))
+
+    @staticmethod
+    def _enable_v2(group: Path, kinds: list[str]) -> None:
+        enabled = (group / "cgroup.subtree_control").read_text().split()
+        for kind in kinds:
+            if kind not in enabled:
+                try:
+                    (group / "cgroup.subtree_control").write_text(f"+{kind}")
+                except OSError as exc:
+                    raise EmulatorError(f"cannot enable the v2 {kind} controller in {group}: "
+                                        f"{exc.strerror}") from exc
+
+    def _write_cpu(self, group: Path, share: float) -> None:
+        quota = max(MIN_QUOTA_US, round(share * self.period_us))
+        try:
+            if self.cpu.version == 1:  # type: ignore[union-attr]
+                (group / "cpu.cfs_period_us").write_text(str(self.period_us))
+                (group / "cpu.cfs_quota_us").write_text(str(quota))
+            else:
+                (group / "cpu.max").write_text(f"{quota} {self.period_us}")
+        except OSError as exc:
+            raise EmulatorError(f"cannot set cpu quota {quota}/{self.period_us} us in {group}: "
+                                f"{exc.strerror}") from exc
+
+    def _write_memory(self, group: Path, limit: int) -> None:
+        name = "memory.limit_in_bytes" if self.memory.version == 1 else "memory.max"  # type: ignore[union-attr]
+        try:
+            (group / name).write_text(str(limit))
+            if self.memory.version == 2:  # type: ignore[union-attr]
+                # Without swap off the cap would only push pages out, not stop the rank.
+                swap = group / "memory.swap.max"
+                if swap.exists():
+                    swap.write_text("0")
+        except OSError as exc:
+            raise EmulatorError(f"cannot set {name}={limit} in {group}: {exc.strerror}") from exc
+
+    # -- placing processes -------------------------------------------------------------------
+    def add(self, rank: int, pid: int) -> None:
+        """Move process `pid` (all its threads; later children inherit) into rank's groups."""
+        if rank not in self._rank_dirs:
+            raise EmulatorError(f"rank {rank} has no group (run has {len(self.limits)} ranks)")
+        for d in self._rank_dirs[rank]:
+            (d / "cgroup.procs").write_text(str(pid))
+
+    def wrap(self, rank: int, popen: object) -> None:
+        """Hook for launch_local(..., wrap=...): confine a freshly started rank process."""
+        self.add(rank, popen.pid)  # type: ignore[attr-defined]
+
+    def quotas(self) -> list[dict[str, object]]:
+        """What was enforced, for the result file's environment block."""
+        return [{"rank": r, "cpu_share": lim.cpu_share, "period_us": self.period_us,
+                 "quota_us": max(MIN_QUOTA_US, round(lim.cpu_share * self.period_us)),
+                 "memory_bytes": lim.memory_bytes, "cgroup_version": self.cpu.version}  # type: ignore[union-attr]
+                for r, lim in enumerate(self.limits)]
+
+    def throttle_stats(self, rank: int) -> dict[str, int]:
+        """Kernel throttling counters of rank's cpu group (evidence the quota was hit)."""
+        group = self._dir_for(rank, self.cpu)  # type: ignore[arg-type]
+        fields = (group / "cpu.stat").read_text().split()
+        return {k: int(v) for k, v in zip(fields[::2], fields[1::2])
+                if k in ("nr_periods", "nr_throttled", "throttled_time", "throttled_usec")}
+
+    # -- cleanup -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Move survivors back to our own group, then remove every group we made (leaves first)."""
+        for d in reversed(self._dirs):
+            home = d.parent.parent if d.name.startswith("rank") else d.parent
+            procs = d / "cgroup.procs"
+            try:
+                pids = procs.read_text().split() if procs.exists() else []
+            except OSError:
+                pids = []
+            for pid in pids:
+                try:
+                    (home / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass  # it exited meanwhile
+            for attempt in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY or attempt == 49:
+                        log.warning("confinement.cleanup_failed", group=str(d), error=str(exc))
+                        break
+                    time.sleep(0.02)  # exiting tasks leave the group asynchronously
+        self._dirs.clear()
+        self._rank_dirs.clear()
+
+
+def leftover_groups() -> list[Path]:
+    """Run groups of ours still present below our cpu/memory groups (should be none)."""
+    out: list[Path] = []
+    for kind in ("cpu", "memory"):
+        ctl = find_controller(kind)
+        if ctl is not None:
+            out += sorted(ctl.base.glob("xronos-bench-*"))
+    return out

@@ -1,0 +1,137 @@
+"""The emulator really confines CPU and memory, cleans up after itself, and refuses bad input."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from xronos.bench.emulator import (
+    Confinement, EmulatorError, RankLimits, find_controller, leftover_groups, validate_limits,
+)
+
+CPU = find_controller("cpu")
+needs_cgroup = pytest.mark.skipif(CPU is None, reason="no writable cgroup cpu controller here")
+
+# A busy process with a second thread: the quota must hold for all threads of the process.
+BUSY = "import threading\ndef spin():\n    while True: pass\nthreading.Thread(target=spin, daemon=True).start()\nspin()\n"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@needs_cgroup
+def test_quota_limits_cpu_rate_of_busy_process() -> None:
+    share = 0.2
+    with Confinement([RankLimits(share)]) as conf:
+        proc = subprocess.Popen([sys.executable, "-c", BUSY])
+        try:
+            conf.wrap(0, proc)
+            time.sleep(0.3)
+            c0, t0 = _cpu_seconds(proc.pid), time.monotonic()
+            time.sleep(2.0)
+            rate = (_cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
+            throttled = conf.throttle_stats(0)
+        finally:
+            proc.kill()
+            proc.wait()
+    # Unconfined this would be ~1 core (two spinning threads, GIL-bound); the quota caps it.
+    # Generous tolerance: clock-tick accounting and a shared machine. Not a speed assertion.
+    assert 0.02 < rate < share * 1.5, rate
+    assert throttled["nr_throttled"] > 0, throttled
+
+
+@needs_cgroup
+def test_groups_removed_after_run_and_after_error() -> None:
+    with Confinement([RankLimits(0.1), RankLimits(0.1)]) as conf:
+        made = list(conf._dirs)
+        assert made and all(d.is_dir() for d in made)
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        conf.wrap(1, proc)  # a live process inside must not keep the group alive
+    assert not any(d.exists() for d in made)
+    proc.kill()
+    proc.wait()
+    with pytest.raises(RuntimeError, match="boom"):
+        with Confinement([RankLimits(0.1)]) as conf:
+            made = list(conf._dirs)
+            raise RuntimeError("boom")
+    assert not any(d.exists() for d in made)
+    assert leftover_groups() == []
+
+
+@needs_cgroup
+@pytest.mark.skipif(find_controller("memory") is None, reason="no writable memory controller")
+def test_memory_cap_stops_a_process_that_exceeds_it() -> None:
+    grab = "import time\nx = bytearray(300 << 20)\nfor i in range(0, len(x), 4096): x[i] = 1\nprint('survived')\n"
+    with Confinement([RankLimits(0.5, memory_bytes=128 << 20)]) as conf:
+        # Start it stopped so the allocation happens only once it is inside the group.
+        proc = subprocess.Popen([sys.executable, "-c", "import os,signal; os.kill(os.getpid(), signal.SIGSTOP)\n" + grab],
+                                stdout=subprocess.PIPE, text=True)
+        _wait_stopped(proc.pid)
+        conf.wrap(0, proc)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and "survived" not in out
+
+
+def _wait_stopped(pid: int) -> None:
+    for _ in range(500):
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+            return
+        time.sleep(0.01)
+    raise AssertionError("child never stopped")
+
+
+@pytest.mark.parametrize("limits, match", [
+    ([RankLimits(3.5)], "exceeds the 2 cores"),
+    ([RankLimits(1.2), RankLimits(1.2)], "total cpu share 2.4"),
+    ([RankLimits(0.0)], "below 0.1%"),
+    ([RankLimits(-0.5)], "below 0.1%"),
+    ([RankLimits(math.nan)], "below 0.1%"),
+    ([RankLimits(0.3, memory_bytes=1024)], "below 64 MiB"),
+    ([], "no ranks"),
+])
+def test_bad_limits_refused(limits: list[RankLimits], match: str) -> None:
+    with pytest.raises(EmulatorError, match=match):
+        validate_limits(limits, cores=2, parent_limit=None)
+
+
+def test_parent_quota_bounds_what_can_be_enforced() -> None:
+    with pytest.raises(EmulatorError, match="exceeds the 0.5 cores"):
+        validate_limits([RankLimits(0.8)], cores=2, parent_limit=0.5)
+    with pytest.raises(TypeError, match="must be a number"):
+        validate_limits([RankLimits("0.5")], cores=2, parent_limit=None)  # type: ignore[arg-type]
+
+
+@needs_cgroup
+def test_bad_rank_refused_and_nothing_left() -> None:
+    with Confinement([RankLimits(0.1)]) as conf:
+        with pytest.raises(EmulatorError, match="rank 3 has no group"):
+            conf.add(3, os.getpid())
+    assert leftover_groups() == []
+
+
+def test_v2_hierarchy_detected(tmp_path: Path) -> None:
+    """Pure detection logic on a v2-shaped tree (this machine's cpu controller is on v1)."""
+    root = tmp_path / "unified"
+    (root / "svc").mkdir(parents=True)
+    (root / "svc" / "cgroup.controllers").write_text("cpu memory pids\n")
+    (root / "svc" / "cpu.max").write_text("50000 100000\n")
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"cgroup2 {root} cgroup2 rw,relatime 0 0\n")
+    own = tmp_path / "cgroup"
+    own.write_text("0::/svc\n")
+    ctl = find_controller("cpu", mounts_file=mounts, proc_cgroup=own)
+    assert ctl is not None and ctl.version == 2 and ctl.base == root / "svc"
+    from xronos.bench.emulator import cpu_limit_of
+    assert cpu_limit_of(ctl) == 0.5
+    (root / "svc" / "cgroup.controllers").write_text("pids\n")
+    assert find_controller("cpu", mounts_file=mounts, proc_cgroup=own) is None
