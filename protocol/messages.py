@@ -267,6 +267,46 @@ class JobState(Message):
     error: str | None = None
 
 
+class InspectRequest(Message):
+    """Gateway → owner at submit time: can you run this job (paths, model, dataset)?"""
+
+    request_id: Name
+    job_id: Name
+    spec: JobSpec
+
+
+class InspectReport(Message):
+    node_id: Name
+    request_id: Name
+    job_id: Name
+    ok: bool
+    arch: ArchSpec | None = None
+    units: PosInt | None = None  # H of the model
+    train_rows: NonNegInt | None = None
+    eval_rows: NonNegInt | None = None
+    total_steps: NonNegInt | None = None
+    error: str | None = None
+
+
+class NodeJobStatus(Message):
+    """A node's view of its current job (retained): what a restarted gateway reconciles from."""
+
+    node_id: Name
+    job_id: Name
+    plan_version: NonNegInt
+    rank: NonNegInt
+    status: Literal["accepted", "running", "paused", "completed", "failed", "cancelled"]
+    step: NonNegInt = 0
+    epoch: NonNegInt = 0
+    checkpoint_step: NonNegInt | None = None
+    eval_metric: float | None = None
+    eval_metric_name: str | None = None
+    eval_initial: float | None = None
+    export_dir: str | None = None
+    detail: str | None = None
+    sent_at: float
+
+
 class ErrorResponse(Message):
     code: str
     message: str

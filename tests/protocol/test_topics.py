@@ -20,7 +20,8 @@ def test_table_values_match_the_contract():
     assert t.build("gateway.request.job/submit") == "xronos/gateway/request/job/submit"
     assert t.build("gateway.response", name="plan/preview") == "xronos/gateway/response/plan/preview"
     retained = {e.key for e in ENTRIES if e.retained}
-    assert retained == {"node.availability", "node.capabilities", "job.state", "gateway.availability"}
+    assert retained == {"node.availability", "node.capabilities", "node.job", "job.state",
+                        "gateway.availability"}
     assert BY_KEY["node.metrics"].encoding == "msgpack" and BY_KEY["job.state"].encoding == "json"
     assert [e.key.split(".", 2)[2] for e in ENTRIES if e.is_request] == list(m.REQUEST_MODELS)
 
