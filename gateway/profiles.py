@@ -1,0 +1,176 @@
+"""Adapters between protocol messages and the planner core: profile reports in, Plan out.
+
+`load_report` reads one ProfileReport JSON file (as the profiler writes it, `model_dump(mode=
+"json")`); `check_compatible` refuses a set of reports that cannot be planned together;
+`plan_reports` runs the cost model and planner over them. Every refusal names the file and field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from pydantic import ValidationError
+
+from xronos.gateway.costmodel import (
+    DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, Fit, LayerCost, NodeProfile, comm_time, node_cost,
+    tp_comm_volume,
+)
+from xronos.gateway.planner import MiB, PlanResult, Strategy, plan
+from xronos.protocol.messages import SCHEMA_VERSION, Plan, PlanEntry, ProfileReport
+
+DEFAULT_RESERVE_MB = 512
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A validated report and where it came from (for error messages)."""
+
+    source: str
+    report: ProfileReport
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<document>"
+
+
+def parse_report(data: object, source: str) -> ProfileReport:
+    """Validate a decoded JSON document as a ProfileReport; ValueError names source and field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a JSON object (a ProfileReport), got {type(data).__name__}")
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise ValueError(f"{source}: field schema_version: unknown schema version {version!r} "
+                         f"(this Xronos reads {SCHEMA_VERSION})")
+    try:
+        report = ProfileReport.model_validate(data, strict=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        got = f" (got {first['input']!r})" if "input" in first and not isinstance(first["input"], dict) else ""
+        raise ValueError(f"{source}: field {_loc(first['loc'])}: {first['msg']}{got}{more}") from None
+    _check_numbers(report, source)
+    return report
+
+
+def _check_numbers(r: ProfileReport, source: str) -> None:
+    """What the schema lets through but the planner cannot use: NaN/inf, negative samples."""
+    if not r.layers:
+        raise ValueError(f"{source}: field layers: a profile needs at least one layer")
+    for i, lay in enumerate(r.layers):
+        values = {"time_s": lay.time_s, "weight_bytes": lay.weight_bytes,
+                  "activation_bytes": lay.activation_bytes, "temp_bytes": lay.temp_bytes}
+        for j, (p, t) in enumerate(lay.time_samples):
+            values[f"time_samples[{j}][0]"] = p
+            values[f"time_samples[{j}][1]"] = t
+        for name, v in values.items():
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{source}: field layers[{i}].{name}: must be finite and >= 0, got {v!r}")
+        for j, (p, _) in enumerate(lay.time_samples):
+            if not 0 < p <= 1:
+                raise ValueError(f"{source}: field layers[{i}].time_samples[{j}][0]: ratio p must be "
+                                 f"in (0, 1], got {p!r}")
+        if lay.partitioned and len({p for p, _ in lay.time_samples}) < 2:
+            raise ValueError(f"{source}: field layers[{i}].time_samples: partitioned layer "
+                             f"{lay.name!r} needs samples at >= 2 distinct ratios for the affine fit")
+
+
+def load_report(path: str | Path) -> ProfileReport:
+    """Read and validate one ProfileReport JSON file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such profile file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the profile: {exc}") from None
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    return parse_report(data, str(path))
+
+
+# Fields that must agree across every report of one plan (they fix the model and the batch).
+_SAME = ("arch", "task", "batch_size", "seq_len", "units", "num_blocks")
+
+
+def check_compatible(loaded: Sequence[Loaded]) -> None:
+    """Refuse a set of reports that do not describe one job on distinct nodes."""
+    if not loaded:
+        raise ValueError("profiles: a plan needs at least one node's profile, got none")
+    first = loaded[0]
+    seen: dict[str, str] = {}
+    for item in loaded:
+        r = item.report
+        if r.node_id in seen:
+            raise ValueError(f"{item.source}: field node_id: duplicate node id {r.node_id!r} "
+                             f"(also in {seen[r.node_id]})")
+        seen[r.node_id] = item.source
+        for name in _SAME:
+            mine, theirs = getattr(r, name), getattr(first.report, name)
+            if mine != theirs:
+                show = (lambda v: v.model_dump(mode="json")) if name == "arch" else repr
+                raise ValueError(f"{item.source}: field {name}: {show(mine)} differs from "
+                                 f"{show(theirs)} in {first.source}; one plan needs one model and batch shape")
+
+
+def node_profile(report: ProfileReport) -> NodeProfile:
+    """Cost-model input of one report."""
+    layers = tuple(
+        LayerCost(
+            name=lay.name, kind=lay.kind, partitioned=lay.partitioned, time_s=lay.time_s,
+            time_samples=tuple((float(p), float(t)) for p, t in lay.time_samples),
+            weight_bytes=float(lay.weight_bytes), activation_bytes=float(lay.activation_bytes),
+            temp_bytes=float(lay.temp_bytes),
+        )
+        for lay in report.layers
+    )
+    return NodeProfile(node_id=report.node_id, num_blocks=report.num_blocks, layers=layers)
+
+
+def memory_cap(report: ProfileReport, reserve_mb: float = DEFAULT_RESERVE_MB) -> float:
+    """Bytes the job may use on this node: available memory minus the day job's reserve."""
+    if not (reserve_mb >= 0 and math.isfinite(reserve_mb)):
+        raise ValueError(f"reserve_mb must be finite and >= 0, got {reserve_mb}")
+    return max(0.0, float(report.capabilities.memory_available) - reserve_mb * MiB)
+
+
+def plan_reports(
+    loaded: Sequence[Loaded],
+    strategy: Strategy,
+    *,
+    reserve_mb: float = DEFAULT_RESERVE_MB,
+    bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS,
+    latency_s: float = DEFAULT_LATENCY_S,
+    fit: Fit = "affine",
+) -> PlanResult:
+    """Cost model + communication term + planner over validated reports (ranks in given order)."""
+    check_compatible(loaded)
+    r0 = loaded[0].report
+    volume = tp_comm_volume(r0.arch.hidden_size, r0.batch_size, r0.seq_len, r0.num_blocks, r0.task)
+    comm = comm_time(volume, len(loaded), bandwidth_Bps, latency_s)
+    nodes = [node_cost(node_profile(item.report), fit) for item in loaded]
+    caps = [memory_cap(item.report, reserve_mb) for item in loaded]
+    return plan(nodes, r0.units, strategy, caps, comm)
+
+
+def plan_message(result: PlanResult, job_id: str, version: int = 0) -> Plan:
+    """The protocol's Plan message for a planner result."""
+    return Plan(
+        job_id=job_id, version=version, strategy=result.strategy, units_total=result.units_total,
+        entries=[
+            PlanEntry(node_id=r.node_id, rank=r.rank, units=r.units, ratio=r.ratio,
+                      predicted_compute_s=r.predicted_compute_s, predicted_memory=r.predicted_memory,
+                      memory_cap=r.memory_cap)
+            for r in result.rows
+        ],
+        predicted_iteration_s=result.predicted_iteration_s,
+        ideal_iteration_s=result.ideal_iteration_s, comm_s=result.comm_s,
+    )
