@@ -1,0 +1,106 @@
+"""Turn incoming (topic, payload) into typed messages and run the registered handler, safely.
+
+Bad input is logged (topic, client, reason), counted per reason, answered where someone waits for
+an answer (a gateway request gets an error GatewayResponse with its transaction when it can be
+recovered), and never stops the service. A handler that raises is treated the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import structlog
+from pydantic_core import to_jsonable_python
+
+from . import messages as m
+from .codec import MAX_PAYLOAD, DecodeError, decode
+from .topics import BY_KEY, TopicEntry
+
+log = structlog.get_logger(__name__)
+
+# handler(message, params) -> for a gateway request, the response `data` (dict | list | None)
+Handler = Callable[[Any, dict[str, str]], Any]
+
+
+class RequestError(ValueError):
+    """Raised by a request handler to answer with an error text (no traceback logged)."""
+
+
+class Dispatcher:
+    def __init__(self, bus: Any, *, max_bytes: int = MAX_PAYLOAD, node_id: str | None = None) -> None:
+        """`node_id`: when set, bad input on this node's own topics is answered with an
+        ErrorResponse on `{base}/node/{node_id}/error` (so the gateway sees why nothing happened)."""
+        self.bus, self.table, self.max_bytes, self.node_id = bus, bus.table, max_bytes, node_id
+        self.handlers: dict[str, Handler] = {}
+        self.errors: collections.Counter[str] = collections.Counter()
+
+    def on(self, key: str, handler: Handler, *, subscribe: bool = True, **params: str) -> None:
+        """Handle topic-table entry `key`; subscribes to its filter (params narrow it)."""
+        entry = BY_KEY[key]
+        self.handlers[key] = handler
+        if subscribe:
+            self.bus.subscribe(self.table.filter(entry, **params))
+
+    def run_once(self, timeout: float | None) -> bool:
+        """Dispatch one incoming message; False if none arrived within `timeout`."""
+        item = self.bus.get(timeout)
+        if item is None:
+            return False
+        self.dispatch(*item)
+        return True
+
+    def dispatch(self, topic: str, payload: bytes) -> None:
+        found = self.table.match(topic)
+        entry, params = found if found else (None, {})
+        try:
+            msg = decode(topic, payload, table=self.table, max_bytes=self.max_bytes)
+        except DecodeError as err:
+            self._bad(entry, params, topic, err.reason, str(err), err.transaction)
+            return
+        handler = self.handlers.get(entry.key)
+        if handler is None:
+            self.errors["no_handler"] += 1
+            log.debug("dispatch.no_handler", topic=topic, client=self.bus.client_id)
+            return
+        txn = getattr(msg, "transaction", None)
+        try:
+            data = handler(msg, params)
+        except (RequestError, ValueError, TypeError) as exc:
+            self._bad(entry, params, topic, "rejected", str(exc), txn)
+            return
+        except Exception as exc:
+            self.errors["handler_error"] += 1
+            log.exception("dispatch.handler_error", topic=topic, client=self.bus.client_id)
+            self._answer(entry, params, topic, "handler_error", f"internal error: {type(exc).__name__}: {exc}", txn)
+            return
+        if entry.is_request:
+            self._respond(entry, txn, data=data)
+
+    def _bad(self, entry: TopicEntry | None, params: dict[str, str], topic: str, reason: str,
+             text: str, txn: str | None) -> None:
+        self.errors[reason] += 1
+        log.warning("dispatch.bad_input", topic=topic, client=self.bus.client_id, reason=reason, detail=text)
+        self._answer(entry, params, topic, reason, text, txn)
+
+    def _answer(self, entry: TopicEntry | None, params: dict[str, str], topic: str, reason: str,
+                text: str, txn: str | None) -> None:
+        if entry is None:
+            return
+        if entry.is_request:
+            self._respond(entry, txn, error=text[:2000])
+        elif self.node_id is not None and params.get("node_id") == self.node_id and entry.key != "node.error":
+            self.bus.publish_message(m.ErrorResponse(code=reason, message=text[:2000], topic=topic),
+                                     node_id=self.node_id)
+
+    def _respond(self, entry: TopicEntry, txn: str | None, *, data: Any = None, error: str | None = None) -> None:
+        name = entry.key.removeprefix("gateway.request.")
+        try:
+            response = m.GatewayResponse(status="error" if error else "ok", error=error,
+                                         data=to_jsonable_python(data), transaction=txn)
+            self.bus.publish_message(response, name=name)
+        except (ValueError, TypeError) as exc:  # handler data not a dict/list, not JSON-able, too large
+            self.errors["response_error"] += 1
+            log.warning("dispatch.response_error", name=name, client=self.bus.client_id, detail=str(exc))
+            self.bus.publish_message(m.GatewayResponse(status="error", error=f"cannot send response: {exc}"[:2000],
+                                                       transaction=txn), name=name)
