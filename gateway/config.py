@@ -1,0 +1,57 @@
+"""The gateway service's configuration: /etc/xronos/gateway.toml (see systemd/gateway.toml.example)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, Field
+
+from xronos.protocol.configfile import (
+    STRICT_CONFIG,
+    AbsPath,
+    ConfigError,
+    Identifier,
+    LogLevel,
+    TopicPrefix,
+    finish_broker,
+    load_toml_model,
+)
+from xronos.protocol.transport import BrokerSettings
+
+__all__ = ["ConfigError", "GatewayConfig", "HomeAssistantSettings", "load_config"]
+
+PosFloat = Annotated[float, Field(gt=0)]
+
+
+class HomeAssistantSettings(BaseModel):
+    model_config = STRICT_CONFIG
+
+    enabled: bool = True
+    discovery_prefix: TopicPrefix = "homeassistant"  # HA's birth message is {prefix}/status
+
+
+class GatewayConfig(BaseModel):
+    model_config = STRICT_CONFIG
+
+    gateway_id: Identifier = "gateway"
+    broker: BrokerSettings = Field(default_factory=BrokerSettings)
+    base_topic: TopicPrefix = "xronos"
+    state_dir: AbsPath = Path("/var/lib/xronos-gateway")
+    reserve_mb: Annotated[int, Field(ge=0)] = 512  # default JobSpec.reserve_mb for submitted jobs
+    # The LAN the data plane runs on, for the planner's communication estimate.
+    bandwidth_mbps: PosFloat = 1000.0
+    latency_ms: Annotated[float, Field(ge=0)] = 0.5
+    profile_timeout_s: PosFloat = 600.0  # a Raspberry Pi profiling a 1.5B block takes minutes
+    ack_timeout_s: PosFloat = 30.0
+    homeassistant: HomeAssistantSettings = Field(default_factory=HomeAssistantSettings)
+    log_level: LogLevel = "info"
+
+
+def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Load and validate a gateway config; ConfigError naming file, key and reason on any problem."""
+    cfg = load_toml_model(GatewayConfig, path)
+    broker = finish_broker(cfg.broker, path, env=env)
+    return cfg if broker is cfg.broker else cfg.model_copy(update={"broker": broker})
