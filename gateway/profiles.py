@@ -98,7 +98,7 @@ def load_report(path: str | Path) -> ProfileReport:
 
 
 # Fields that must agree across every report of one plan (they fix the model and the batch).
-_SAME = ("arch", "task", "batch_size", "seq_len", "units", "num_blocks")
+_SAME = ("task", "batch_size", "seq_len", "units", "num_blocks", "arch")
 
 
 def check_compatible(loaded: Sequence[Loaded]) -> None:
@@ -115,10 +115,13 @@ def check_compatible(loaded: Sequence[Loaded]) -> None:
         seen[r.node_id] = item.source
         for name in _SAME:
             mine, theirs = getattr(r, name), getattr(first.report, name)
+            if name == "arch":  # name the architecture field that differs, not the whole spec
+                diff = [k for k in type(mine).model_fields if getattr(mine, k) != getattr(theirs, k)]
+                if diff:
+                    name, mine, theirs = f"arch.{diff[0]}", getattr(mine, diff[0]), getattr(theirs, diff[0])
             if mine != theirs:
-                show = (lambda v: v.model_dump(mode="json")) if name == "arch" else repr
-                raise ValueError(f"{item.source}: field {name}: {show(mine)} differs from "
-                                 f"{show(theirs)} in {first.source}; one plan needs one model and batch shape")
+                raise ValueError(f"{item.source}: field {name}: {mine!r} differs from {theirs!r} in "
+                                 f"{first.source}; one plan needs one model and batch shape")
 
 
 def node_profile(report: ProfileReport) -> NodeProfile:

@@ -1,0 +1,89 @@
+"""`xronos plan PROFILE.json ...`: predicted split of a job over nodes from their profile reports.
+
+Gateway-side and torch-free: it reads the profiler's JSON reports, runs the cost model and the
+planner, and prints per node units, ratio, predicted compute, memory vs cap and idle time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from xronos.gateway.costmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, FITS
+from xronos.gateway.planner import MiB, STRATEGIES, PlanResult
+from xronos.gateway.profiles import DEFAULT_RESERVE_MB, Loaded, load_report, plan_message, plan_reports
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan", help="plan units per node from profile reports",
+        description="Predict the best split of a model's partition units over nodes from their "
+                    "profile reports (xronos profile --out FILE.json). Ranks follow the file order.",
+    )
+    p.add_argument("profiles", nargs="+", metavar="PROFILE.json", help="one report per node")
+    p.add_argument("--strategy", choices=STRATEGIES, default="optimal",
+                   help="optimal (exact, default), greedy (the paper's) or uniform (Megatron-LM)")
+    p.add_argument("--reserve-mb", type=float, default=DEFAULT_RESERVE_MB,
+                   help=f"MiB of available memory left to the node's day job (default {DEFAULT_RESERVE_MB})")
+    p.add_argument("--bandwidth-mbps", type=float, default=DEFAULT_BANDWIDTH_BPS * 8 / 1e6,
+                   help="slowest link in Mbit/s for the all-reduce term (default 1000)")
+    p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_S * 1e3,
+                   help=f"per all-reduce latency in ms (default {DEFAULT_LATENCY_S * 1e3:g})")
+    p.add_argument("--fit", choices=FITS, default="affine",
+                   help="time of partitioned layers: affine in width (default) or linear (paper)")
+    p.add_argument("--job-id", default="preview", help="job id written into --json output")
+    p.add_argument("--json", action="store_true", help="print the protocol Plan message as JSON")
+    p.set_defaults(func=run)
+
+
+def _positive(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"--{name} must be a finite number > 0, got {value}")
+
+
+def run(args: argparse.Namespace) -> int:
+    _positive("bandwidth-mbps", args.bandwidth_mbps)
+    if not (args.latency_ms >= 0 and math.isfinite(args.latency_ms)):
+        raise ValueError(f"--latency-ms must be a finite number >= 0, got {args.latency_ms}")
+    if not (args.reserve_mb >= 0 and math.isfinite(args.reserve_mb)):
+        raise ValueError(f"--reserve-mb must be a finite number >= 0, got {args.reserve_mb}")
+    loaded = [Loaded(str(path), load_report(path)) for path in args.profiles]
+    result = plan_reports(
+        loaded, args.strategy, reserve_mb=args.reserve_mb,
+        bandwidth_Bps=args.bandwidth_mbps * 1e6 / 8, latency_s=args.latency_ms / 1e3, fit=args.fit,
+    )
+    if args.json:
+        print(plan_message(result, args.job_id).model_dump_json(indent=2))
+    else:
+        print(render(result))
+    if not result.feasible:
+        over = [r.node_id for r in result.rows if r.over_cap]
+        print(f"xronos plan: warning: this plan exceeds the memory cap on {over}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def render(result: PlanResult) -> str:
+    """Human-readable table of a plan."""
+    width = max(4, *(len(r.node_id) for r in result.rows))
+    lines = [
+        f"strategy {result.strategy}, H = {result.units_total} units over {len(result.rows)} nodes",
+        f"{'node':<{width}}  {'units':>5}  {'ratio':>6}  {'compute s':>10}  "
+        f"{'memory / cap MiB':>21}  {'idle s':>8}",
+    ]
+    for r in result.rows:
+        mem = f"{r.predicted_memory / MiB:.1f} / {r.memory_cap / MiB:.1f}"
+        flag = "  OVER CAP" if r.over_cap else ""
+        lines.append(f"{r.node_id:<{width}}  {r.units:>5}  {r.ratio:>6.3f}  "
+                     f"{r.predicted_compute_s:>10.4f}  {mem:>21}  {r.idle_s:>8.4f}{flag}")
+    ideal = result.ideal_iteration_s
+    if not math.isfinite(ideal):
+        bound = "ideal lower bound: none, the model does not fit the caps even fractionally"
+    elif ideal > 0:
+        bound = f"ideal lower bound {ideal:.4f} s (predicted / ideal = {result.predicted_iteration_s / ideal:.3f})"
+    else:
+        bound = f"ideal lower bound {ideal:.4f} s"
+    lines.append(f"predicted iteration {result.predicted_iteration_s:.4f} s = compute "
+                 f"{result.bottleneck_s:.4f} + comm {result.comm_s:.4f}; {bound}")
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""`xronos plan` end to end on ProfileReport JSON files written here."""
+
+import json
+import math
+
+import pytest
+
+from xronos.bench.plan_speed import synthetic_report
+from xronos.cli.main import main
+from xronos.protocol.messages import Plan
+
+GiB = 1024**3
+
+
+def write(tmp_path, name, **kw):
+    kw.setdefault("units", 8)
+    kw.setdefault("num_blocks", 2)
+    edits = kw.pop("edits", {})
+    data = synthetic_report(kw.pop("node_id", name), **kw).model_dump(mode="json")
+    data.update(edits)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.fixture
+def three(tmp_path):
+    return [write(tmp_path, "fast", slowness=1.0), write(tmp_path, "mid", slowness=2.0),
+            write(tmp_path, "slow", slowness=4.0)]
+
+
+def test_table_for_each_strategy(three, capsys):
+    for strategy in ("optimal", "greedy", "uniform"):
+        assert main(["plan", *three, "--strategy", strategy]) == 0
+        out = capsys.readouterr().out
+        assert f"strategy {strategy}, H = 8 units over 3 nodes" in out
+        for node in ("fast", "mid", "slow"):
+            assert node in out
+        assert "predicted iteration" in out and "ideal lower bound" in out and "predicted / ideal" in out
+    assert main(["plan", *three, "--strategy", "uniform"]) == 0
+    rows = [l.split() for l in capsys.readouterr().out.splitlines() if l.split()[0] in ("fast", "mid", "slow")]
+    assert [int(r[1]) for r in rows] == [3, 3, 2]
+
+
+def test_json_is_a_plan_message(three, capsys):
+    assert main(["plan", *three, "--json", "--job-id", "j1", "--bandwidth-mbps", "100",
+                 "--latency-ms", "0.1", "--reserve-mb", "256", "--fit", "linear"]) == 0
+    plan = Plan.model_validate_json(capsys.readouterr().out)
+    assert plan.job_id == "j1" and plan.units_total == 8 and plan.strategy == "optimal"
+    units = [e.units for e in plan.entries]
+    assert sum(units) == 8 and units[0] > units[2]  # the fast node takes more than the slow one
+    assert plan.entries[0].memory_cap == 8 * GiB - 256 * 1024**2
+    assert plan.ideal_iteration_s <= plan.predicted_iteration_s
+    assert plan.comm_s > 0
+
+
+def test_uniform_over_cap_is_flagged_with_exit_1(tmp_path, capsys):
+    small = write(tmp_path, "small", memory_available=1 * GiB)
+    big = write(tmp_path, "big", memory_available=64 * GiB)
+    assert main(["plan", small, big, "--strategy", "uniform"]) == 1
+    captured = capsys.readouterr()
+    assert "OVER CAP" in captured.out and "['small']" in captured.err
+    assert main(["plan", small, big, "--strategy", "optimal"]) == 0  # routes around the small box
+
+
+def test_infeasible_names_needs_and_caps(tmp_path, capsys):
+    paths = [write(tmp_path, f"pi{i}", memory_available=1 * GiB) for i in range(2)]
+    assert main(["plan", *paths, "--strategy", "greedy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xronos plan: error: no plan fits the memory caps")
+    assert "pi0: needs" in err and "cap 512.0 MiB" in err
+
+
+@pytest.mark.parametrize("kw, other_kw, needle", [
+    ({}, dict(batch_size=4), "b.json: field batch_size"),
+    ({}, dict(hidden=512), "b.json: field arch.hidden_size"),
+    ({}, dict(node_id="a"), "b.json: field node_id: duplicate node id 'a'"),
+    ({}, dict(edits={"schema_version": 7}), "b.json: field schema_version: unknown schema version 7"),
+    ({}, dict(edits={"units": 0}), "b.json: field units"),
+    ({}, dict(edits={"profile_seconds": -1.0}), "b.json: field profile_seconds"),
+])
+def test_bad_input_names_file_and_field(tmp_path, capsys, kw, other_kw, needle):
+    paths = [write(tmp_path, "a", **kw), write(tmp_path, "b", **other_kw)]
+    assert main(["plan", *paths]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_nan_time_names_file_and_field(tmp_path, capsys):
+    path = write(tmp_path, "a")
+    data = json.loads(open(path).read())
+    data["layers"][1]["time_s"] = math.nan
+    open(path, "w").write(json.dumps(data))
+    assert main(["plan", path]) == 2
+    assert "a.json: field layers[1].time_s" in capsys.readouterr().err
+
+
+def test_bad_options_and_missing_files(tmp_path, capsys):
+    path = write(tmp_path, "a")
+    assert main(["plan", path, "--bandwidth-mbps", "0"]) == 2
+    assert "--bandwidth-mbps" in capsys.readouterr().err
+    assert main(["plan", path, "--reserve-mb", "-5"]) == 2
+    assert "--reserve-mb" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # zero profiles: argparse refuses (nargs="+")
+        main(["plan"])

@@ -1,0 +1,118 @@
+"""ProfileReport files -> cost-model inputs; every refusal names the file and the field."""
+
+import json
+import math
+
+import pytest
+
+from xronos.bench.plan_speed import synthetic_report
+from xronos.gateway.costmodel import comm_time, node_cost, predict_time, tp_comm_volume
+from xronos.gateway.planner import MiB
+from xronos.gateway.profiles import (
+    Loaded, check_compatible, load_report, memory_cap, node_profile, plan_message, plan_reports,
+)
+from xronos.protocol.messages import Plan
+
+
+def write(path, report=None, **edits):
+    data = (report or synthetic_report("n0", units=8, num_blocks=2)).model_dump(mode="json")
+    for dotted, value in edits.items():
+        target, keys = data, dotted.split("__")
+        for k in keys[:-1]:
+            target = target[int(k)] if k.isdigit() else target[k]
+        target[int(keys[-1]) if keys[-1].isdigit() else keys[-1]] = value
+    path.write_text(json.dumps(data))  # json.dumps writes NaN/Infinity as the profiler's json would
+    return path
+
+
+def test_roundtrip_and_conversion(tmp_path):
+    report = synthetic_report("n0", units=8, num_blocks=2)
+    loaded = load_report(write(tmp_path / "a.json", report))
+    assert loaded == report
+    prof = node_profile(loaded)
+    assert prof.node_id == "n0" and prof.num_blocks == 2
+    assert [l.name for l in prof.layers] == [l.name for l in report.layers]
+    attn = prof.layers[1]
+    assert attn.partitioned and attn.time_samples == tuple(tuple(s) for s in report.layers[1].time_samples)
+    # synthetic partitioned layers cost 0.002 + work * p: the affine fit recovers it exactly.
+    assert node_cost(prof).t_icpt == pytest.approx(0.002 * (1 + 2 * 2))
+
+
+def test_memory_cap_is_available_minus_reserve():
+    r = synthetic_report("n0", memory_available=1000 * MiB)
+    assert memory_cap(r, 200) == 800 * MiB
+    assert memory_cap(r, 5000) == 0.0
+    with pytest.raises(ValueError, match="reserve_mb"):
+        memory_cap(r, -1)
+
+
+@pytest.mark.parametrize("edits, field", [
+    ({"schema_version": 2}, "field schema_version: unknown schema version 2"),
+    ({"layers__1__time_s": math.nan}, "field layers[1].time_s"),
+    ({"layers__1__time_s": -0.5}, "field layers[1].time_s"),
+    ({"layers__2__time_samples__0__1": math.inf}, "field layers[2].time_samples[0][1]"),
+    ({"layers__2__time_samples__0__1": -1.0}, "field layers[2].time_samples[0][1]"),
+    ({"layers__2__time_samples__0__0": 1.5}, "field layers[2].time_samples[0][0]"),
+    ({"layers__2__time_samples": [[1.0, 0.1], [1.0, 0.1]]}, "field layers[2].time_samples"),
+    ({"layers__2__time_samples": [[1.0, 0.1]]}, "layers[2]"),
+    ({"layers__0__weight_bytes": -4}, "field layers[0].weight_bytes"),
+    ({"units": 0}, "field units"),
+    ({"layers": []}, "field layers"),
+    ({"capabilities__memory_available": "lots"}, "field capabilities.memory_available"),
+])
+def test_bad_report_names_file_and_field(tmp_path, edits, field):
+    path = write(tmp_path / "bad.json", **edits)
+    with pytest.raises(ValueError) as err:
+        load_report(path)
+    assert str(path) in str(err.value) and field in str(err.value)
+
+
+def test_unreadable_files(tmp_path):
+    (tmp_path / "junk.json").write_text("{not json")
+    with pytest.raises(ValueError, match="junk.json: not valid JSON"):
+        load_report(tmp_path / "junk.json")
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(ValueError, match="list.json: expected a JSON object"):
+        load_report(tmp_path / "list.json")
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        load_report(tmp_path / "missing.json")
+
+
+def loaded(name, **kw):
+    kw.setdefault("units", 8)
+    kw.setdefault("num_blocks", 2)
+    return Loaded(f"{name}.json", synthetic_report(kw.pop("node_id", name), **kw))
+
+
+@pytest.mark.parametrize("other, field", [
+    (dict(hidden=512), "field arch.hidden_size: 512 differs from 1024 in a.json"),
+    (dict(batch_size=4), "field batch_size"),
+    (dict(seq_len=64), "field seq_len"),
+    (dict(task="causal-lm"), "field task"),
+    (dict(units=4), "field units"),
+    (dict(num_blocks=3), "field num_blocks"),
+    (dict(node_id="a"), "field node_id: duplicate node id 'a'"),
+])
+def test_incompatible_reports_refused(other, field):
+    with pytest.raises(ValueError) as err:
+        check_compatible([loaded("a"), loaded("b", **other)])
+    assert "b.json" in str(err.value) and field in str(err.value)
+
+
+def test_zero_nodes_refused():
+    with pytest.raises(ValueError, match="profiles: .* none"):
+        check_compatible([])
+
+
+def test_plan_reports_adds_comm_and_makes_a_plan_message():
+    items = [loaded("a", slowness=1.0), loaded("b", slowness=3.0)]
+    res = plan_reports(items, "optimal", bandwidth_Bps=1e8, latency_s=1e-4)
+    r0 = items[0].report
+    vol = tp_comm_volume(r0.arch.hidden_size, r0.batch_size, r0.seq_len, r0.num_blocks, r0.task)
+    assert res.comm_s == pytest.approx(comm_time(vol, 2, 1e8, 1e-4)) and res.comm_s > 0
+    assert res.units[0] > res.units[1]  # the faster node takes more
+    assert res.rows[0].predicted_compute_s == predict_time(node_cost(node_profile(r0)), res.units[0], 8)
+    msg = plan_message(res, "job1", 3)
+    assert isinstance(msg, Plan) and msg.version == 3 and [e.units for e in msg.entries] == list(res.units)
+    assert Plan.model_validate_json(msg.model_dump_json()) == msg
+    assert plan_reports(items[:1], "greedy").comm_s == 0.0  # one node: no all-reduce
