@@ -1,0 +1,375 @@
+"""The job state machine: pure functions over plain data, no I/O, no clock.
+
+`handle(job, event, ctx) -> (job, effects)`: an event (a node answered, a node dropped, a metric
+arrived, a person asked to pause, time passed) turns one job record into a new one plus a list of
+effects the service carries out (publish an inspection request, plan, assign, send a control,
+answer a request). Every timeout is a deadline checked on `Tick`, so tests drive time by hand.
+
+Phases: queued → profiling → planning → assigning → running ⇄ paused → completed|failed|cancelled,
+and recovering (a node dropped or a rank failed: cancel the survivors, re-plan on who is online,
+resume from the owner's last checkpoint). Submit-time checks (owner online, owner's inspection,
+every profile, a feasible plan) all run before the job is *accepted*; a failure there refuses the
+submit request with the reason instead of failing half-way. Metrics aggregation is in `progress`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from .jobtypes import (
+    ACTIVE, TERMINAL, Acked, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job,
+    MakePlan, Metrics, NodeDown, NodeUp, Out, Planned, Profile, Profiled, Respond, Status, Tick,
+    Timeouts,
+)
+from .progress import apply_metrics
+
+
+def _note(job: Job, now: float, text: str, **changes: Any) -> Job:
+    stamp = time.strftime("%H:%M:%S", time.gmtime(now))
+    return replace(job, events=(job.events + (f"{stamp} {text}",))[-20:], updated_at=now, **changes)
+
+
+def occupies(job: Job) -> bool:
+    """Holds (or is about to hold) the nodes: no other job may start meanwhile."""
+    return job.phase in ACTIVE or (job.phase == "planning" and job.accepted)
+
+
+# --- creation --------------------------------------------------------------------------------
+def new_job(job_id: str, spec: dict[str, Any], transaction: str | None, ctx: Ctx,
+            respond_to: str = "job/submit") -> Out:
+    job = _note(Job(job_id, spec, ctx.now, respond_to=respond_to, transaction=transaction),
+                ctx.now, f"submitted (owner {spec['owner']})")
+    named = spec.get("nodes")
+    if spec["owner"] not in ctx.online:
+        return _refuse(job, ctx, f"owner node {spec['owner']!r} is offline or not participating")
+    if named is not None:
+        if spec["owner"] not in named:
+            return _refuse(job, ctx, f"nodes: the owner {spec['owner']!r} must be one of {named}")
+        missing = sorted(set(named) - ctx.online)
+        if missing:
+            return _refuse(job, ctx, f"nodes: {', '.join(missing)} offline or not participating")
+    job = replace(job, awaiting="inspect", waiting=(job.owner,), deadline=ctx.now + ctx.timeouts.inspect_s)
+    return job, [Inspect(job_id, job.owner)]
+
+
+def _refuse(job: Job, ctx: Ctx, reason: str) -> Out:
+    """Submit-time refusal: the request is answered with the reason; nothing ran."""
+    respond = Respond(job.respond_to, job.transaction, False, {"job_id": job.job_id}, reason)
+    job = _note(job, ctx.now, f"refused: {reason}", phase="failed", error=reason, transaction=None,
+                awaiting="", waiting=(), deadline=None)
+    return job, [respond]
+
+
+def _fail(job: Job, ctx: Ctx, reason: str) -> Out:
+    effects: list[Effect] = []
+    if job.plan and job.phase in ACTIVE:
+        effects.append(Control(job.job_id, job.plan_version, job.plan_nodes, "cancel"))
+    job = _note(job, ctx.now, f"failed: {reason}", phase="failed", error=reason, awaiting="",
+                waiting=(), deadline=None, recover_deadline=None)
+    return job, effects
+
+
+def _candidates(job: Job, ctx: Ctx) -> tuple[str, ...]:
+    """Nodes a plan may use now: the named ones (or every online one), online, owner first."""
+    pool = job.spec.get("nodes") or sorted(ctx.online)
+    usable = [n for n in pool if n in ctx.online and n not in job.excluded and n != job.owner]
+    return ((job.owner,) if job.owner in ctx.online else ()) + tuple(usable)
+
+
+def _plan_or_profile(job: Job, ctx: Ctx, nodes: tuple[str, ...]) -> Out:
+    """Ask the nodes without a profile for one; once every node has one, ask for a plan."""
+    missing = tuple(n for n in nodes if n not in job.profiles)
+    if missing:
+        phase = "recovering" if job.phase == "recovering" else "profiling"
+        job = replace(job, phase=phase, awaiting="profiles", waiting=missing,
+                      deadline=ctx.now + ctx.timeouts.profile_s, updated_at=ctx.now)
+        return job, [Profile(job.job_id, missing)]
+    if not nodes:
+        return _no_plan(job, ctx, "no node is online to run it")
+    phase = "recovering" if job.phase == "recovering" else "planning"
+    job = replace(job, phase=phase, awaiting="plan", waiting=nodes, deadline=None, updated_at=ctx.now)
+    return job, [MakePlan(job.job_id, nodes, job.plan_version + 1)]
+
+
+def _no_plan(job: Job, ctx: Ctx, reason: str) -> Out:
+    if not job.accepted:
+        return _refuse(job, ctx, reason)
+    if job.phase == "recovering":  # wait for a node to come back, until the recovery deadline
+        return _note(job, ctx.now, f"cannot re-plan yet: {reason}", awaiting="retry", waiting=(),
+                     deadline=ctx.now + ctx.timeouts.retry_s), []
+    return _fail(job, ctx, reason)
+
+
+def _assign(job: Job, ctx: Ctx, plan: dict[str, Any]) -> Out:
+    nodes = tuple(e["node_id"] for e in plan["entries"])
+    units = ", ".join(f"{e['node_id']}={e['units']}" for e in plan["entries"])
+    job = _note(job, ctx.now, f"plan v{plan['version']} ({plan['strategy']}): {units}; "
+                f"resume from step {job.checkpoint_step}",
+                phase="assigning", plan=plan, plan_version=plan["version"], awaiting="acks",
+                waiting=nodes, deadline=ctx.now + ctx.timeouts.ack_s, agg={},
+                resume_step=job.checkpoint_step, step=job.checkpoint_step)
+    return job, [Assign(job.job_id, plan, job.checkpoint_step)]
+
+
+def _recover(job: Job, ctx: Ctx, reason: str) -> Out:
+    """A node or rank of the running plan is gone: stop the survivors, re-plan, resume."""
+    if job.recoveries >= ctx.timeouts.max_recoveries:
+        return _fail(job, ctx, f"{reason}; gave up after {job.recoveries} recoveries")
+    effects: list[Effect] = [Control(job.job_id, job.plan_version, job.plan_nodes, "cancel")]
+    job = _note(job, ctx.now, f"recovering: {reason}; resuming from step {job.checkpoint_step}",
+                phase="recovering", recoveries=job.recoveries + 1, error=None,
+                recover_deadline=ctx.now + ctx.timeouts.recover_s)
+    job, more = _replan(job, ctx)
+    return job, effects + more
+
+
+def _replan(job: Job, ctx: Ctx) -> Out:
+    if job.owner not in ctx.online:  # the owner holds the data and the checkpoint
+        return _note(job, ctx.now, f"waiting for the owner {job.owner!r} to come back",
+                     awaiting="retry", waiting=(), deadline=ctx.now + ctx.timeouts.retry_s), []
+    return _plan_or_profile(job, ctx, _candidates(job, ctx))
+
+
+def _start(job: Job, ctx: Ctx) -> Out:
+    nodes = job.plan_nodes
+    effects: list[Effect] = [Control(job.job_id, job.plan_version, nodes, "start")]
+    phase = "running"
+    if job.want_paused:
+        effects.append(Control(job.job_id, job.plan_version, nodes, "pause"))
+        phase = "paused"
+    job = _note(job, ctx.now, f"started plan v{job.plan_version} on {len(nodes)} nodes", phase=phase,
+                awaiting="", waiting=(), deadline=ctx.now + ctx.timeouts.stall_s, recover_deadline=None)
+    return job, effects
+
+
+# --- the transition function -----------------------------------------------------------------
+def handle(job: Job, event: Event, ctx: Ctx) -> Out:
+    if job.phase in TERMINAL:
+        if isinstance(event, Command):
+            return job, [Respond(f"job/{event.action}", event.transaction, False, None,
+                                 f"job {job.job_id} is already {job.phase}")]
+        return job, []
+    handler = _HANDLERS[type(event)]
+    return handler(job, event, ctx)
+
+
+def _on_inspected(job: Job, ev: Inspected, ctx: Ctx) -> Out:
+    if job.awaiting != "inspect" or ev.node_id != job.owner:
+        return job, []
+    if not ev.ok:
+        return _refuse(job, ctx, f"owner {job.owner!r} cannot run it: {ev.error}")
+    job = _note(job, ctx.now, f"owner checked model and data: {ev.arch['family']} with {ev.units} "
+                f"units, {ev.total_steps} steps", arch=ev.arch, units_total=ev.units,
+                total_steps=ev.total_steps or 0)
+    return _plan_or_profile(job, ctx, _candidates(job, ctx))
+
+
+def _on_profiled(job: Job, ev: Profiled, ctx: Ctx) -> Out:
+    if job.awaiting != "profiles" or ev.node_id not in job.waiting:
+        return job, []
+    waiting = tuple(n for n in job.waiting if n != ev.node_id)
+    if ev.report is not None:
+        job = replace(job, profiles={**job.profiles, ev.node_id: ev.report}, waiting=waiting)
+    else:
+        job, out = _drop_node(job, ctx, ev.node_id, f"could not profile: {ev.error}")
+        if out is not None:
+            return out
+        job = replace(job, waiting=waiting)
+    if waiting:
+        return job, []
+    return _plan_or_profile(job, ctx, tuple(n for n in _candidates(job, ctx) if n in job.profiles))
+
+
+def _drop_node(job: Job, ctx: Ctx, node: str, why: str) -> tuple[Job, Out | None]:
+    """A candidate is unusable. Fatal when it was named or is the owner (before acceptance)."""
+    named = job.spec.get("nodes") or ()
+    if not job.accepted and (node == job.owner or node in named):
+        return job, _refuse(job, ctx, f"node {node!r} {why}")
+    if node == job.owner:
+        return job, _replan(_note(job, ctx.now, f"owner {why}"), ctx)
+    return _note(job, ctx.now, f"leaving out {node!r}: it {why}", excluded=job.excluded + (node,)), None
+
+
+def _on_planned(job: Job, ev: Planned, ctx: Ctx) -> Out:
+    if job.awaiting != "plan":
+        return job, []
+    if ev.plan is None:
+        return _no_plan(job, ctx, f"plan cannot fit: {ev.error}")
+    if job.respond_to == "plan/preview":
+        respond = Respond("plan/preview", job.transaction, True, {"plan": ev.plan})
+        return _note(job, ctx.now, "plan preview answered", phase="completed", plan=ev.plan,
+                     awaiting="", transaction=None), [respond]
+    effects: list[Effect] = []
+    if not job.accepted:
+        effects.append(Respond("job/submit", job.transaction, True,
+                               {"job_id": job.job_id, "plan": ev.plan, "total_steps": job.total_steps}))
+        job = _note(job, ctx.now, "accepted", accepted=True, transaction=None)
+        if ctx.busy:  # the plan proved it fits; it is redone when the nodes are free
+            return replace(job, phase="queued", awaiting="", waiting=(), plan=ev.plan), effects
+    job, more = _assign(job, ctx, ev.plan)
+    return job, effects + more
+
+
+def _on_acked(job: Job, ev: Acked, ctx: Ctx) -> Out:
+    if job.awaiting != "acks" or ev.plan_version != job.plan_version or ev.node_id not in job.waiting:
+        return job, []
+    if not ev.accepted:
+        job = replace(job, excluded=job.excluded + (ev.node_id,))
+        return _recover(job, ctx, f"node {ev.node_id!r} refused its assignment: {ev.reason}")
+    job = replace(job, waiting=tuple(n for n in job.waiting if n != ev.node_id))
+    return _start(job, ctx) if not job.waiting else (job, [])
+
+
+def _on_down(job: Job, ev: NodeDown, ctx: Ctx) -> Out:
+    node = ev.node_id
+    if job.awaiting in ("inspect", "profiles") and node in job.waiting:
+        if job.awaiting == "inspect":
+            return _refuse(job, ctx, f"owner {node!r} went offline")
+        return _on_profiled(job, Profiled(node, None, "went offline"), ctx)
+    if job.phase in ("assigning", "running", "paused") and node in job.plan_nodes:
+        return _recover(job, ctx, f"node {node!r} went offline")
+    return job, []
+
+
+def _on_up(job: Job, ev: NodeUp, ctx: Ctx) -> Out:
+    if ev.node_id in job.excluded:
+        job = replace(job, excluded=tuple(n for n in job.excluded if n != ev.node_id))
+    if job.phase == "recovering" and job.awaiting == "retry":
+        return _replan(_note(job, ctx.now, f"node {ev.node_id!r} is back"), ctx)
+    return job, []
+
+
+def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
+    s = ev.s
+    if s["plan_version"] != job.plan_version or s["node_id"] not in job.plan_nodes:
+        return job, []
+    is_owner = s["rank"] == 0
+    if is_owner and s.get("checkpoint_step") and s["checkpoint_step"] > job.checkpoint_step:
+        job = _note(job, ctx.now, f"checkpoint at step {s['checkpoint_step']}",
+                    checkpoint_step=s["checkpoint_step"])
+    if is_owner and s.get("eval_initial") is not None and job.eval_initial is None:
+        job = _note(job, ctx.now, f"before training: {s.get('eval_metric_name')} {s['eval_initial']:.4f}",
+                    eval_initial=s["eval_initial"], eval_metric_name=s.get("eval_metric_name"))
+    if is_owner and s.get("eval_metric") is not None:
+        job = replace(job, eval_metric=s["eval_metric"], eval_metric_name=s.get("eval_metric_name"))
+    if s["status"] == "failed" and job.phase in ("assigning", "running", "paused"):
+        return _recover(job, ctx, f"rank {s['rank']} on {s['node_id']!r} failed: {s.get('detail')}")
+    if s["status"] == "completed" and is_owner and job.phase in ("running", "paused"):
+        return _complete(job, ctx, s), []
+    return job, []
+
+
+def _complete(job: Job, ctx: Ctx, s: dict[str, Any]) -> Job:
+    return _note(job, ctx.now, f"completed at step {s['step']}; model exported to {s.get('export_dir')}",
+                 phase="completed", step=s["step"], epoch=s["epoch"], export_dir=s.get("export_dir"),
+                 awaiting="", deadline=None)
+
+
+def _on_command(job: Job, ev: Command, ctx: Ctx) -> Out:
+    name = f"job/{ev.action}"
+
+    def ok(j: Job, *effects: Effect) -> Out:
+        return j, [*effects, Respond(name, ev.transaction, True, {"job_id": j.job_id, "phase": j.phase})]
+
+    if ev.action == "cancel":
+        effects: list[Effect] = []
+        if job.plan and job.phase in ACTIVE:
+            effects.append(Control(job.job_id, job.plan_version, job.plan_nodes, "cancel"))
+        if job.transaction:  # a submit still being checked
+            effects.append(Respond(job.respond_to, job.transaction, False, {"job_id": job.job_id},
+                                   "cancelled while being checked"))
+        job = _note(job, ctx.now, "cancelled", phase="cancelled", awaiting="", waiting=(), deadline=None,
+                    transaction=None)
+        return ok(job, *effects)
+    if ev.action == "pause":
+        if job.phase == "running":
+            return ok(_note(job, ctx.now, "paused", phase="paused", want_paused=True),
+                      Control(job.job_id, job.plan_version, job.plan_nodes, "pause"))
+        if job.phase in ("paused", "assigning", "recovering", "queued", "planning") and job.accepted:
+            return ok(replace(job, want_paused=True))
+    if ev.action == "resume":
+        if job.phase == "paused":
+            return ok(_note(job, ctx.now, "resumed", phase="running", want_paused=False,
+                            deadline=ctx.now + ctx.timeouts.stall_s),
+                      Control(job.job_id, job.plan_version, job.plan_nodes, "resume"))
+        if job.accepted:
+            return ok(replace(job, want_paused=False))
+    return job, [Respond(name, ev.transaction, False, {"job_id": job.job_id},
+                         f"job {job.job_id} is {job.phase}: cannot {ev.action}")]
+
+
+def _on_tick(job: Job, _ev: Tick, ctx: Ctx) -> Out:
+    if job.recover_deadline is not None and ctx.now > job.recover_deadline:
+        return _fail(job, ctx, f"could not recover within {ctx.timeouts.recover_s:.0f} s: "
+                     f"{job.events[-1] if job.events else ''}")
+    if job.deadline is None or ctx.now <= job.deadline:
+        return job, []
+    late = ", ".join(job.waiting)
+    if job.awaiting == "inspect":
+        return _refuse(job, ctx, f"owner {job.owner!r} did not answer the inspection within "
+                       f"{ctx.timeouts.inspect_s:.0f} s")
+    if job.awaiting == "profiles":
+        for node in job.waiting:
+            job, out = _drop_node(job, ctx, node, f"did not profile within {ctx.timeouts.profile_s:.0f} s")
+            if out is not None:
+                return out
+        return _plan_or_profile(replace(job, waiting=()),
+                                ctx, tuple(n for n in _candidates(job, ctx) if n in job.profiles))
+    if job.awaiting == "acks":
+        return _recover(replace(job, excluded=job.excluded + job.waiting), ctx, f"no ack from {late}")
+    if job.awaiting == "retry":
+        return _replan(replace(job, awaiting=""), ctx)
+    if job.phase == "running":
+        return _recover(job, ctx, f"no progress for {ctx.timeouts.stall_s:.0f} s")
+    return replace(job, deadline=None), []
+
+
+def _on_metrics(job: Job, ev: Metrics, ctx: Ctx) -> Out:
+    return apply_metrics(job, ev.m, ctx.now, ctx.timeouts.stall_s), []
+
+
+_HANDLERS = {Inspected: _on_inspected, Profiled: _on_profiled, Planned: _on_planned, Acked: _on_acked,
+             NodeDown: _on_down, NodeUp: _on_up, Metrics: _on_metrics, Status: _on_status,
+             Command: _on_command, Tick: _on_tick}
+
+
+# --- scheduling and restart ------------------------------------------------------------------
+def schedule(jobs: dict[str, Job], ctx: Ctx) -> tuple[dict[str, Job], list[Effect]]:
+    """Start the oldest accepted queued job when no job holds the nodes."""
+    if any(occupies(j) for j in jobs.values()):
+        return jobs, []
+    waiting = sorted((j for j in jobs.values() if j.phase == "queued" and j.accepted),
+                     key=lambda j: j.created_at)
+    if not waiting:
+        return jobs, []
+    job, effects = _replan(_note(waiting[0], ctx.now, "nodes free: planning"), ctx)
+    if job.awaiting == "retry":  # the owner is away: stay queued, try again on the next event
+        return jobs, []
+    return {**jobs, job.job_id: job}, effects
+
+
+def restart(job: Job, ctx: Ctx) -> Out:
+    """After a gateway restart: re-issue whatever the job was waiting for.
+
+    Running and paused jobs are left alone: the nodes train without the gateway; their retained
+    NodeJobStatus and availability messages (arriving right after subscribing) complete or
+    recover the job, and the stall deadline catches a plan that silently died meanwhile.
+    """
+    if job.phase in TERMINAL or (job.phase == "queued" and job.accepted):
+        return job, []
+    job = _note(job, ctx.now, "gateway restarted")
+    if job.phase in ("running", "paused"):
+        return replace(job, deadline=ctx.now + ctx.timeouts.stall_s), []
+    if job.awaiting == "inspect":
+        return replace(job, deadline=ctx.now + ctx.timeouts.inspect_s), [Inspect(job.job_id, job.owner)]
+    if job.awaiting == "profiles":
+        return replace(job, deadline=ctx.now + ctx.timeouts.profile_s), [Profile(job.job_id, job.waiting)]
+    if job.awaiting == "plan":
+        return job, [MakePlan(job.job_id, job.waiting, job.plan_version + 1)]
+    if job.awaiting == "acks":  # nobody started: the same assignment again (nodes re-ack)
+        return replace(job, waiting=job.plan_nodes, deadline=ctx.now + ctx.timeouts.ack_s), \
+            [Assign(job.job_id, job.plan, job.resume_step)]
+    # recovering, between attempts: retry once the retained availability has arrived
+    return replace(job, awaiting="retry", deadline=ctx.now + ctx.timeouts.retry_s), []
