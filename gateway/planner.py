@@ -9,6 +9,10 @@ Strategies over the same inputs (NodeCost per node, H, caps in bytes, a constant
 - `uniform` Megatron-LM: H // N each, the remainder to the first nodes; memory is ignored like
             the baseline does, so the result may be over cap (flagged, `feasible=False`).
 Every result also carries the ideal lower bound: continuous ratios, perfect balance, same caps.
+
+Because T_d is nondecreasing in h, greedy hands out the H smallest marginal times and so reaches
+the optimal bottleneck too (the tests check both against exhaustive search); `optimal` is the
+exact certificate, and trims its surplus from the slowest node, so per-node splits may differ.
 """
 
 from __future__ import annotations
@@ -91,15 +95,16 @@ def _infeasible(nodes: Sequence[NodeCost], H: int, caps: Sequence[float], tab: _
     return InfeasiblePlan(f"no plan fits the memory caps ({why}):\n" + "\n".join(lines))
 
 
-def _greedy(tab: _Tables, H: int) -> list[int]:
+def _greedy(tab: _Tables, H: int) -> list[int] | None:
+    """Paper §IV-B4; None when every node is full before all H units are placed."""
     units = [0] * len(tab.times)
     candidates = list(range(len(units)))
     for _ in range(H):
-        # Paper §IV-B4: drop nodes that cannot take another unit, then give it to the node
+        # Drop nodes whose memory cannot take another unit, then give the unit to the node
         # that is fastest after taking it (ties: lowest rank).
         candidates = [d for d in candidates if units[d] + 1 <= tab.hmax[d]]
         if not candidates:
-            raise AssertionError("unreachable: feasibility is checked before the search")
+            return None
         best = min(candidates, key=lambda d: (tab.times[d][units[d] + 1], d))
         units[best] += 1
     return units
@@ -221,10 +226,16 @@ def plan(
     tab = _tables(nodes, H, caps)
     if strategy == "uniform":
         units = _uniform(len(nodes), H)
-    elif min(tab.hmax) < 0 or sum(tab.hmax) < H:
-        raise _infeasible(nodes, H, caps, tab)
     else:
-        units = _greedy(tab, H) if strategy == "greedy" else _optimal(tab, H)
+        found = None
+        if min(tab.hmax) >= 0:  # even with 0 units a node holds every replicated layer
+            if strategy == "greedy":
+                found = _greedy(tab, H)
+            elif sum(tab.hmax) >= H:
+                found = _optimal(tab, H)
+        if found is None:
+            raise _infeasible(nodes, H, caps, tab)
+        units = found
     assert sum(units) == H
     times = [tab.times[d][u] for d, u in enumerate(units)]
     bottleneck = max(times)
