@@ -23,6 +23,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _check_bindable(host: str, port: int) -> None:
+    """Fail with a clear message before amqtt logs a traceback for a taken port or a bad address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"embedded broker cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 class EmbeddedBroker:
     """`with EmbeddedBroker() as b: ...` or start()/stop(); anonymous access, no persistence."""
 
@@ -40,6 +50,7 @@ class EmbeddedBroker:
             from amqtt.broker import Broker
         except ImportError:
             raise ValueError("the embedded broker needs amqtt: pip install 'xronos[broker]'") from None
+        _check_bindable(self.host, self.port)
         for name in ("amqtt", "transitions"):  # both log every packet/state at INFO
             logging.getLogger(name).setLevel(logging.WARNING)
         config = {
