@@ -54,6 +54,9 @@ def _parse(topic: str, entry: TopicEntry, payload: bytes) -> Any:
         raise DecodeError(topic, "bad_encoding", f"not {entry.encoding}: {exc}", entry=entry) from None
 
 
+_REASONS = {"extra_forbidden": (0, "unknown_field"), "missing": (1, "missing_field")}
+
+
 def _field(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc) or "<payload>"
 
@@ -84,10 +87,9 @@ def decode_entry(entry: TopicEntry, topic: str, payload: bytes, *, max_bytes: in
         return entry.adapter.validate_python(obj, strict=True)
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_input=False)
-        first = errors[0]
-        kinds = {e["type"] for e in errors}
-        reason = ("unknown_field" if "extra_forbidden" in kinds else
-                  "missing_field" if "missing" in kinds else "invalid")
+        # Name an unknown field first, then a missing one: they explain the rest (e.g. a typo).
+        first = min(errors, key=lambda e: _REASONS.get(e["type"], (2, "invalid"))[0])
+        reason = _REASONS.get(first["type"], (2, "invalid"))[1]
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         raise DecodeError(topic, reason, f"{first['msg']}{more}", field=_field(first["loc"]),
                           transaction=txn, entry=entry) from None
