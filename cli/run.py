@@ -1,0 +1,124 @@
+"""`xronos run`: tensor-parallel fine-tuning on N local ranks (one process each, Gloo on loopback).
+
+The handler is three steps — choose the units per rank, refuse bad input, launch — so that a
+planner can supply the units instead of `--units` (see `resolve_units`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# RunConfig field -> the flag a user typed (for error messages).
+_FLAGS = {
+    "model_dir": "--model", "data_path": "--data", "threads": "--threads-per-node",
+    "metrics_path": "--metrics", "export_dir": "--export", "gloo_timeout_s": "--gloo-timeout",
+    "shuffle": "--no-shuffle",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="fine-tune a model with heterogeneous tensor parallelism on local ranks",
+        description="Fine-tune a Hugging Face checkpoint on N local ranks (one process each, Gloo "
+        "on 127.0.0.1), rank r holding units[r] of the model's H partition units; export a "
+        "standard Hugging Face directory.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
+    p.add_argument("--data", required=True, metavar="FILE", help="CSV, JSON or JSONL file")
+    p.add_argument("--task", required=True, choices=["classify", "causal-lm"])
+    p.add_argument("--nodes", required=True, type=int, metavar="N", help="number of ranks")
+    p.add_argument("--units", metavar="u1,...,uN", help="partition units per rank (sum = H)")
+    p.add_argument("--batch-size", required=True, type=int, metavar="B")
+    p.add_argument("--seq-len", required=True, type=int, metavar="S")
+    p.add_argument("--lr", required=True, type=float)
+    p.add_argument("--max-steps", required=True, type=int, metavar="K")
+    p.add_argument("--seed", required=True, type=int)
+    p.add_argument("--no-shuffle", action="store_true", help="consecutive rows instead of a seeded shuffle")
+    p.add_argument("--dropout", type=float, metavar="P", help="override every dropout probability")
+    p.add_argument("--weight-decay", type=float, default=0.0, metavar="W")
+    p.add_argument("--max-grad-norm", type=float, metavar="G", help="clip by the global gradient norm")
+    p.add_argument("--warmup-steps", type=int, default=0, metavar="W", help="linear LR warmup steps")
+    p.add_argument("--text-column", default="text", metavar="C")
+    p.add_argument("--text-pair-column", metavar="C2")
+    p.add_argument("--label-column", default="label", metavar="L")
+    p.add_argument("--threads-per-node", type=int, default=1, metavar="T")
+    p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
+                   help="hold out this tail fraction of the rows for evaluation before/after training")
+    p.add_argument("--metrics", metavar="FILE.json", help="write per-iteration metrics of every rank here")
+    p.add_argument("--gloo-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a rank waits in a collective before giving up (default 300)")
+    p.add_argument("--export", required=True, metavar="OUT", help="output Hugging Face directory")
+    p.set_defaults(func=handle)
+
+
+def parse_units(text: str) -> list[int]:
+    try:
+        return [int(u) for u in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--units must be comma-separated integers, got {text!r}") from None
+
+
+def resolve_units(args: argparse.Namespace) -> list[int]:
+    """The units per rank. Today from --units; a planner (--strategy) computes them here."""
+    if args.units is None:
+        raise ValueError("--units is required")
+    return parse_units(args.units)
+
+
+def config_from_args(args: argparse.Namespace, units: list[int]):
+    from pydantic import ValidationError
+
+    from xronos.node.runconfig import RunConfig
+
+    export = Path(args.export).resolve()
+    if export == Path(args.model).resolve():
+        raise ValueError(f"--export {args.export} would overwrite the input model directory")
+    if args.metrics is not None and not Path(args.metrics).resolve().parent.is_dir():
+        raise FileNotFoundError(f"--metrics {args.metrics}: directory does not exist")
+    fields = dict(
+        model_dir=str(Path(args.model).resolve()), data_path=str(Path(args.data).resolve()),
+        task=args.task, units=units, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        max_steps=args.max_steps, seed=args.seed, shuffle=not args.no_shuffle, dropout=args.dropout,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        warmup_steps=args.warmup_steps, text_column=args.text_column,
+        text_pair_column=args.text_pair_column, label_column=args.label_column,
+        threads=args.threads_per_node, eval_fraction=args.eval_fraction,
+        metrics_path=str(Path(args.metrics).resolve()) if args.metrics else None,
+        export_dir=str(export), gloo_timeout_s=args.gloo_timeout, progress=True,
+    )
+    try:
+        return RunConfig(**fields)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{_FLAGS.get(str(e['loc'][0]), '--' + str(e['loc'][0]).replace('_', '-')) if e['loc'] else 'run'}: "
+            f"{e['msg']} (got {e.get('input')!r})"
+            for e in exc.errors()
+        )
+        raise ValueError(problems) from None
+
+
+def handle(args: argparse.Namespace) -> int:
+    from xronos.node.launch import RankFailed, launch_local
+    from xronos.node.validate import preflight
+
+    if args.nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    units = resolve_units(args)
+    cfg = config_from_args(args, units)
+    pre = preflight(cfg, args.nodes)
+    print(
+        f"xronos run: {pre.family} model with H={pre.units_total} units on {args.nodes} ranks "
+        f"{units}; {pre.train_rows} training rows"
+        + (f", {pre.eval_rows} eval rows" if pre.eval_rows else ""),
+        file=sys.stderr, flush=True,
+    )
+    try:
+        launch_local(cfg, args.nodes)
+    except RankFailed as exc:
+        print(f"xronos run: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"xronos run: exported to {cfg.export_dir}", file=sys.stderr)
+    return 0

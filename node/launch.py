@@ -1,0 +1,126 @@
+"""Spawn one worker process per rank on this machine, joined over Gloo on loopback.
+
+Any rank that dies takes the run down: the launcher kills the others at once and raises
+`RankFailed` naming the rank and the last lines it wrote to stderr. (Without the launcher, the
+ranks' own Gloo timeout does the same, only later.) Rank 0's stderr — the progress bar — is
+echoed live; every rank's stdout is inherited.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from xronos.node.runconfig import RunConfig
+
+Wrap = Callable[[int, subprocess.Popen], None]
+_TAIL_BYTES = 8192
+
+
+class RankFailed(RuntimeError):
+    def __init__(self, rank: int, returncode: int, tail: str):
+        self.rank, self.returncode, self.tail = rank, returncode, tail
+        how = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
+        super().__init__(f"rank {rank} {how}; its last stderr lines:\n{tail}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rank_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    env.update(
+        GLOO_SOCKET_IFNAME="lo",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+class _StderrPump(threading.Thread):
+    """Drains a rank's stderr (so it never blocks on a full pipe), keeps its tail, optionally echoes."""
+
+    def __init__(self, stream, echo: bool):
+        super().__init__(daemon=True)
+        self.stream, self.echo, self.buf = stream, echo, bytearray()
+
+    def run(self) -> None:
+        fd = self.stream.fileno()
+        while chunk := os.read(fd, 4096):
+            self.buf += chunk
+            del self.buf[:-_TAIL_BYTES]
+            if self.echo:
+                sys.stderr.write(chunk.decode(errors="replace"))
+                sys.stderr.flush()
+
+    def tail(self, lines: int = 20) -> str:
+        text = self.buf.decode(errors="replace").replace("\r", "\n")
+        return "\n".join([ln for ln in text.splitlines() if ln.strip()][-lines:])
+
+
+def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0: bool = True) -> None:
+    """Run `config` on n local ranks; returns when all exit 0, raises RankFailed otherwise."""
+    if n != config.world_size:
+        raise ValueError(f"launch of {n} ranks for a layout of {config.world_size} units entries {config.units}")
+    port = free_port(config.rendezvous_host)
+    env = rank_env(config.threads)
+    procs: list[subprocess.Popen] = []
+    pumps: list[_StderrPump] = []
+    with tempfile.TemporaryDirectory(prefix="xronos-run-") as tmp:
+        try:
+            for rank in range(n):
+                path = Path(tmp) / f"rank{rank}.json"
+                config.for_rank(rank, port).write(path)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "xronos.node.worker", str(path)],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
+                procs.append(proc)
+                pump = _StderrPump(proc.stderr, echo=echo_rank0 and rank == 0)
+                pump.start()
+                pumps.append(pump)
+                if wrap is not None:
+                    wrap(rank, proc)
+            _supervise(procs, pumps)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            for pump in pumps:
+                pump.join(timeout=5)
+
+
+def _supervise(procs: list[subprocess.Popen], pumps: list[_StderrPump]) -> None:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            # A rank killed by a signal is the cause; the others merely noticed it.
+            rank = min(failed, key=lambda r: (codes[r] >= 0, r))
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            pumps[rank].join(timeout=5)
+            raise RankFailed(rank, codes[rank], pumps[rank].tail())
+        if all(c == 0 for c in codes):
+            return
+        time.sleep(0.1)

@@ -1,0 +1,129 @@
+"""Per-iteration measurements of one rank, and the idle/communication split across ranks.
+
+At a synchronisation point every rank leaves the collective at (about) the same moment, so the
+fastest rank's time inside it is the pure communication cost and anything a rank spent beyond that
+was waiting for a straggler: idle = own - min over ranks, comm = min over ranks (summed over the
+iteration's collectives).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+# ru_maxrss is KiB on Linux, bytes on macOS.
+_RSS_UNIT = 1 if sys.platform == "darwin" else 1024
+
+
+def comm_and_idle(per_rank: torch.Tensor, rank: int) -> tuple[float, float]:
+    """per_rank: [world, C] seconds each rank spent in each of the iteration's C collectives.
+    Returns (comm_s, idle_s) of `rank`."""
+    if per_rank.numel() == 0:
+        return 0.0, 0.0
+    fastest = per_rank.min(dim=0).values  # [C]
+    comm = float(fastest.sum())
+    idle = float((per_rank[rank] - fastest).sum())
+    return comm, idle
+
+
+class Rusage:
+    """Context-switch deltas and peak RSS of this process (all its threads)."""
+
+    def __init__(self) -> None:
+        self._last = resource.getrusage(resource.RUSAGE_SELF)
+
+    def delta(self) -> tuple[int, int]:
+        """(voluntary, involuntary) context switches since the previous call."""
+        now = resource.getrusage(resource.RUSAGE_SELF)
+        d = (now.ru_nvcsw - self._last.ru_nvcsw, now.ru_nivcsw - self._last.ru_nivcsw)
+        self._last = now
+        return d
+
+    @staticmethod
+    def peak_rss() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One rank's numbers for one training iteration (seconds, bytes, counts)."""
+
+    step: int
+    epoch: int
+    loss: float
+    lr: float
+    iteration_s: float
+    compute_s: float
+    comm_s: float
+    idle_s: float
+    data_s: float
+    voluntary_ctx_switches: int
+    involuntary_ctx_switches: int
+    peak_rss: int
+
+    def as_row(self) -> list[float]:
+        return [float(v) for v in asdict(self).values()]
+
+    @classmethod
+    def from_row(cls, row: list[float]) -> IterationRecord:
+        kinds = {f.name: f.type for f in fields(cls)}
+        return cls(**{n: (int(v) if kinds[n] == "int" else float(v)) for n, v in zip(kinds, row)})
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    rank: int
+    units: int
+    ratio: float
+    iterations: int
+    iteration_s: float  # mean per iteration (first iteration excluded as warm-up when K > 1)
+    compute_s: float
+    comm_s: float
+    idle_s: float
+    data_s: float
+    idle_ratio: float  # idle / iteration time
+    voluntary_ctx_switches: int  # totals over all iterations
+    involuntary_ctx_switches: int
+    peak_rss: int
+
+
+def summarize(rank: int, units: list[int], records: list[IterationRecord]) -> RankSummary:
+    steady = records[1:] if len(records) > 1 else records
+    n = len(steady)
+
+    def mean(name: str) -> float:
+        return sum(getattr(r, name) for r in steady) / n
+
+    it = mean("iteration_s")
+    return RankSummary(
+        rank=rank,
+        units=units[rank],
+        ratio=units[rank] / sum(units),
+        iterations=len(records),
+        iteration_s=it,
+        compute_s=mean("compute_s"),
+        comm_s=mean("comm_s"),
+        idle_s=mean("idle_s"),
+        data_s=mean("data_s"),
+        idle_ratio=mean("idle_s") / it if it > 0 else 0.0,
+        voluntary_ctx_switches=sum(r.voluntary_ctx_switches for r in records),
+        involuntary_ctx_switches=sum(r.involuntary_ctx_switches for r in records),
+        peak_rss=max(r.peak_rss for r in records),
+    )
+
+
+def format_table(summaries: list[RankSummary]) -> str:
+    head = f"{'rank':>4} {'units':>5} {'ratio':>6} {'iter s':>8} {'compute s':>9} {'comm s':>8} " \
+        f"{'idle s':>8} {'idle %':>6} {'data s':>8} {'ctx vol/inv':>13} {'peak RSS':>10}"
+    lines = [head]
+    for s in summaries:
+        ctx = f"{s.voluntary_ctx_switches}/{s.involuntary_ctx_switches}"
+        lines.append(
+            f"{s.rank:>4} {s.units:>5} {s.ratio:>6.3f} {s.iteration_s:>8.4f} {s.compute_s:>9.4f} "
+            f"{s.comm_s:>8.4f} {s.idle_s:>8.4f} {100 * s.idle_ratio:>6.1f} {s.data_s:>8.4f} "
+            f"{ctx:>13} {s.peak_rss / 2**20:>8.1f}Mi"
+        )
+    return "\n".join(lines)
