@@ -1,0 +1,176 @@
+"""Home Assistant discovery: payloads checked against the documented schema (INTERFACES.md §7),
+templates rendered the way HA renders them, and a Home Assistant-like client pressing a button
+on a real broker."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+
+import jinja2
+import paho.mqtt.client as mqtt
+import pytest
+
+from xronos.gateway import homeassistant as ha
+from xronos.protocol import hastate
+from xronos.protocol.messages import Capabilities, JobState
+from xronos.protocol.transport import BrokerSettings, MqttBus
+
+CTX = ha.HAContext(base_topic="xronos", gateway_id="gw1", discovery_prefix="homeassistant")
+PLATFORMS = {"sensor", "binary_sensor", "button", "switch"}
+JINJA = jinja2.Environment(undefined=jinja2.StrictUndefined)  # a missing field fails loudly
+
+
+def caps(node_id: str, temp: float | None) -> Capabilities:
+    return Capabilities(node_id=node_id, hostname=node_id, arch="aarch64", cpu_model="Cortex-A76",
+                        cores=4, memory_total=8 << 30, memory_available=6 << 30,
+                        torch_version="2.13.0", data_host="10.0.0.5", cpu_temp_c=temp, sent_at=1.0)
+
+
+def job(**kw) -> JobState:
+    base = dict(job_id="j1", name="sst2", phase="running", step=30, total_steps=120, loss=0.6931,
+                eval_metric=0.81, eval_metric_name="accuracy", iteration_s=2.5,
+                idle_ratio={"pi5": 0.1, "n100": 0.3}, measured_s={"pi5": 2.4, "n100": 1.1},
+                eta_s=225.0, updated_at=10.0)
+    return JobState(**{**base, **kw})
+
+
+def states() -> dict[str, list[dict]]:
+    """Sample payloads for every state topic: a full one and an all-unknown one."""
+    gw_full = ha.gateway_state(job(), nodes_online=2, now=11.0, last_command="pause: ok")
+    gw_idle = ha.gateway_state(None, nodes_online=0, now=11.0)
+    node_full = hastate.NodeHAState(participate=True, job_id="j1", units=5, units_total=12,
+                                    ratio_pct=41.7, compute_pct=80.0, idle_pct=15.0,
+                                    cpu_temp_c=61.5, updated_at=1.0)
+    node_none = hastate.NodeHAState(participate=False, updated_at=1.0)
+    out = {CTX.topic(hastate.GATEWAY_STATE): [gw_full, gw_idle]}
+    for n in ("pi5", "n100"):
+        out[CTX.topic(hastate.NODE_STATE, node_id=n)] = [node_full, node_none]
+    return {t: [json.loads(s.model_dump_json()) for s in v] for t, v in out.items()}
+
+
+def all_configs() -> list[tuple[str, dict]]:
+    return [(t, json.loads(p)) for t, p in
+            ha.discovery_messages(CTX, [caps("pi5", 61.5), caps("n100", None)])]
+
+
+def render(template: str, value_json: dict) -> str:
+    return JINJA.from_string(template).render(value_json=value_json, value=json.dumps(value_json))
+
+
+def test_discovery_matches_the_documented_schema():
+    configs = all_configs()
+    assert [t for t, _ in configs] == ["homeassistant/device/xronos_gw1/config",
+                                      "homeassistant/device/xronos_gw1_node_pi5/config",
+                                      "homeassistant/device/xronos_gw1_node_n100/config"]
+    sample = states()
+    availability_topics = {"xronos/gateway/availability", "xronos/node/pi5/availability",
+                           "xronos/node/n100/availability"}
+    uids = set()
+    for topic, cfg in configs:
+        assert re.fullmatch(r"homeassistant/device/[A-Za-z0-9_-]+/config", topic)
+        assert cfg["dev"]["identifiers"] and cfg["dev"]["name"] and cfg["o"]["name"] == "xronos"
+        for key, c in cfg["cmps"].items():
+            assert c["p"] in PLATFORMS, key
+            assert c["unique_id"] not in uids
+            uids.add(c["unique_id"])
+            assert c["availability"] and {a["topic"] for a in c["availability"]} <= availability_topics
+            if "state_topic" in c and c["state_topic"] in sample:
+                for value_json in sample[c["state_topic"]]:
+                    rendered = render(c["value_template"], value_json)
+                    if c.get("state_class") == "measurement":  # numeric, or "None" = unknown
+                        assert rendered == "None" or isinstance(float(rendered), float), (key, rendered)
+                    if c.get("device_class") == "enum":
+                        assert rendered in c["options"]
+                    if c["p"] == "switch":
+                        assert rendered in (c["state_on"], c["state_off"])
+                    if "json_attributes_template" in c:
+                        assert isinstance(json.loads(render(c["json_attributes_template"], value_json)), dict)
+            elif "state_topic" in c:
+                assert c["state_topic"] in availability_topics and c["p"] == "binary_sensor"
+            if c["p"] == "button":
+                cmd = hastate.parse_command(hastate.GatewayCommand, c["payload_press"].encode(), "t")
+                assert c["command_topic"] == "xronos/gateway/set" and cmd.action == key
+            if c["p"] == "switch":
+                assert c["command_topic"] == c["state_topic"].replace("/state", "/set")
+                for payload, want in ((c["payload_on"], True), (c["payload_off"], False)):
+                    assert hastate.parse_command(hastate.NodeCommand, payload.encode(), "t").participate is want
+
+
+def test_entities_present():
+    (_, gw), (_, pi5), (_, n100) = all_configs()
+    assert set(gw["cmps"]) == {"job_phase", "job_name", "progress", "loss", "eval_metric",
+                               "iteration_time", "eta", "slowest_node", "idle_ratio",
+                               "nodes_online", "last_command", "pause", "resume", "cancel"}
+    node_keys = {"online", "units", "ratio", "compute_share", "idle_share", "participate"}
+    assert set(pi5["cmps"]) == node_keys | {"cpu_temperature"}  # the Pi reports a temperature
+    assert set(n100["cmps"]) == node_keys  # this one does not
+    assert pi5["dev"]["via_device"] == gw["dev"]["identifiers"][0]
+
+
+def test_gateway_state_from_job():
+    s = ha.gateway_state(job(), nodes_online=2, now=11.0)
+    assert s.progress_pct == 25.0 and s.slowest_node == "pi5" and s.idle_ratio_pct == pytest.approx(20.0)
+    assert s.phase == "running" and s.eval_metric_name == "accuracy"
+    diverged = ha.gateway_state(job(loss=float("nan"), total_steps=None), nodes_online=2, now=1.0)
+    assert diverged.loss is None and diverged.progress_pct is None
+    assert "NaN" not in diverged.model_dump_json()  # HA's JSON parser would reject it
+    assert ha.gateway_state(None, nodes_online=0, now=1.0).phase == "idle"
+
+
+def test_commands_parse_and_refuse():
+    assert hastate.parse_command(hastate.GatewayCommand, b'{"action":"cancel"}', "x").action == "cancel"
+    for bad in (b'{"action":"explode"}', b'{"action":"pause","job":"j"}', b"pause", b"{}"):
+        with pytest.raises(ValueError, match="xronos/gateway/set: bad GatewayCommand payload"):
+            hastate.parse_command(hastate.GatewayCommand, bad, "xronos/gateway/set")
+    with pytest.raises(ValueError, match="participate"):
+        hastate.parse_command(hastate.NodeCommand, b'{"participate":"no"}', "xronos/node/a/set")
+    assert hastate.iteration_shares(1.5, 0.5, 2.0) == (75.0, 25.0)
+    assert hastate.iteration_shares(1.0, 0.0, 0.0) == (0.0, 0.0)
+
+
+def test_ha_birth_and_removal():
+    assert ha.is_ha_online(CTX, "homeassistant/status", b"online")
+    assert not ha.is_ha_online(CTX, "homeassistant/status", b"offline")
+    assert not ha.is_ha_online(CTX, "other/status", b"online")
+    assert ha.node_removal(CTX, "pi5") == ("homeassistant/device/xronos_gw1_node_pi5/config", b"")
+
+
+def test_home_assistant_presses_pause_on_a_real_broker(mqtt_broker):
+    """Gateway side (MqttBus) publishes retained discovery; a client behaving like Home Assistant
+    connects afterwards, finds the Pause button in the discovery it receives, presses it; the
+    gateway side receives a command it can parse. HA's birth message asks for discovery again."""
+    bus = MqttBus(BrokerSettings(host=mqtt_broker.host, port=mqtt_broker.port), "ha-test-gw")
+    bus.start()
+    assert bus.wait_connected(10)
+    bus.subscribe(CTX.topic(hastate.GATEWAY_SET))
+    bus.subscribe(CTX.status_topic)
+    for topic, payload in ha.discovery_messages(CTX, [caps("pi5", 50.0)]):
+        bus.publish(topic, payload, retain=True)
+    home = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="ha-test-home")
+    inbox: queue.Queue[tuple[str, bytes, bool]] = queue.Queue()
+    home.on_message = lambda c, u, m: inbox.put((m.topic, m.payload, m.retain))
+    try:
+        home.connect(mqtt_broker.host, mqtt_broker.port)
+        home.loop_start()
+        home.subscribe("homeassistant/device/+/config", qos=1)
+        seen = {}
+        while len(seen) < 2:
+            topic, payload, retained = inbox.get(timeout=10)
+            assert retained  # HA gets discovery on subscribe because it is retained
+            seen[topic] = json.loads(payload)
+        pause = seen["homeassistant/device/xronos_gw1/config"]["cmps"]["pause"]
+        home.publish(pause["command_topic"], pause["payload_press"], qos=1).wait_for_publish(10)
+        home.publish("homeassistant/status", b"online", qos=1).wait_for_publish(10)
+        got = [bus.get(timeout=10) for _ in range(2)]
+        topic, payload = got[0]
+        assert topic == "xronos/gateway/set"
+        assert hastate.parse_command(hastate.GatewayCommand, payload, topic).action == "pause"
+        assert ha.is_ha_online(CTX, *got[1])
+    finally:
+        home.loop_stop()
+        home.disconnect()
+        for topic, _ in ha.discovery_messages(CTX, [caps("pi5", 50.0)]):
+            bus.publish(topic, b"", retain=True)  # leave the shared session broker clean
+        bus.stop()
