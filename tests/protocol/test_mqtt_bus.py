@@ -33,10 +33,11 @@ def _wait_for(bus, topic, timeout=10.0, payload=None):
 def buses():
     made = []
 
-    def make(broker, name, **kw):
+    def make(broker, name, start=True, **kw):
         bus = MqttBus(_settings(broker), f"{name}-{os.getpid()}", **kw)
         made.append(bus)
-        bus.start()
+        if start:
+            bus.start()
         return bus
 
     yield make
@@ -73,6 +74,8 @@ def test_broker_down_at_boot_is_retried(fresh_mqtt_broker, buses):
 
 WILL_CLIENT = """
 import sys, time
+import structlog
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout: handshake only
 from xronos.protocol import messages as m
 from xronos.protocol.transport import BrokerSettings, MqttBus
 port, node = int(sys.argv[1]), sys.argv[2]
@@ -82,7 +85,7 @@ bus.start()
 assert bus.wait_connected(10)
 bus.publish_message(m.Availability.ONLINE, node_id=node)
 print("ready", flush=True)
-time.sleep(60)
+time.sleep(20)  # killed long before; bounded if the test goes wrong
 """
 
 
@@ -95,9 +98,7 @@ def test_sigkilled_client_goes_offline_through_last_will(mqtt_broker, buses):
     proc = subprocess.Popen([sys.executable, "-c", WILL_CLIENT, str(mqtt_broker.port), node],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        while (line := proc.stdout.readline()) and line.strip() != "ready":
-            pass  # structlog's default output shares stdout
-        assert line.strip() == "ready"
+        assert proc.stdout.readline().strip() == "ready"
         assert decode(*_wait_for(watcher, topic, payload=b"online")) is m.Availability.ONLINE
         os.kill(proc.pid, signal.SIGKILL)  # no DISCONNECT packet: only the will can tell
         proc.wait(5)
@@ -112,10 +113,11 @@ def test_sigkilled_client_goes_offline_through_last_will(mqtt_broker, buses):
 
 
 def test_reconnect_restores_subscriptions_and_runs_hooks(fresh_mqtt_broker, buses):
-    sub = buses(fresh_mqtt_broker, "resub")
+    sub = buses(fresh_mqtt_broker, "resub", start=False)
     hook_runs = []
     sub.on_connect(lambda: hook_runs.append(sub.publish_message(m.Availability.ONLINE)))
     sub.subscribe("xronos/node/+/metrics")
+    sub.start()
     assert sub.wait_connected(5)
     fresh_mqtt_broker.stop()
     deadline = time.monotonic() + 5
@@ -150,3 +152,23 @@ def test_username_and_password_file_against_mosquitto(tmp_path, buses):
             assert not anon.connected  # refused: anonymous access is off
         finally:
             good.stop(flush_timeout=0.5)
+
+
+def test_gateway_request_response_over_real_broker(mqtt_broker, buses):
+    from xronos.protocol.dispatch import Dispatcher
+
+    service = buses(mqtt_broker, "gw")
+    disp = Dispatcher(service)
+    disp.on("gateway.request.job/pause", lambda req, params: {"job_id": req.job_id, "phase": "paused"})
+    client = buses(mqtt_broker, "cli")
+    client.subscribe("xronos/gateway/response/#")
+    assert service.wait_connected(5) and client.wait_connected(5)
+    time.sleep(0.2)  # subscriptions are made asynchronously on connect
+    client.publish("xronos/gateway/request/job/pause", '{"transaction": "t3", "job_id": "j1"}')
+    client.publish("xronos/gateway/request/job/pause", '{"transaction": "t4", "job": "j1"}')
+    for _ in range(2):
+        assert disp.run_once(5)
+    got = [decode(*_wait_for(client, "xronos/gateway/response/job/pause")) for _ in range(2)]
+    assert got[0] == m.GatewayResponse(status="ok", data={"job_id": "j1", "phase": "paused"}, transaction="t3")
+    assert got[1].status == "error" and got[1].transaction == "t4" and "'job'" in got[1].error
+    assert disp.errors == {"unknown_field": 1}
