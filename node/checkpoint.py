@@ -1,0 +1,119 @@
+"""Consolidated checkpoints on the owner: weights and AdamW state as full HF-named tensors.
+
+Every `checkpoint_interval` steps all ranks call `save_checkpoint`; `gather_full` brings every
+partitioned tensor to the owner, which writes
+  <dir>/model.safetensors + config.json    the weights (a loadable HF directory, like the export)
+  <dir>/optimizer.safetensors              "exp_avg.<hf name>", "exp_avg_sq.<hf name>"
+  <dir>/state.json                         step, epoch, seed, plan version and layout, ...
+into a fresh directory that then replaces the previous checkpoint by rename. Because everything is
+stored unsharded, a resume may use a different plan: the owner serves each rank its new slices of
+weights *and* optimizer moments through the same spec table (`CheckpointSource` + streaming).
+The data order needs no state of its own: batches are a pure function of (seed, step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from xronos.node.models.export import gather_full, save_hf_dir
+from xronos.node.models.loading import MissingTensorError, SafetensorsSource, ShardSource
+from xronos.node.models.specs import TensorSpec
+from xronos.node.tp.group import TPGroup
+from xronos.node.tp.layout import ShardLayout
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+FORMAT = 1
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@torch.no_grad()
+def save_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, specs: dict[str, TensorSpec],
+                    layout: ShardLayout, group: TPGroup, opt: torch.optim.Optimizer,
+                    config: dict[str, Any], task: str, meta: dict[str, Any]) -> Path | None:
+    """Collective: every rank calls it; the owner (rank 0) writes. Returns the directory on rank 0."""
+    weights = gather_full(model, specs, layout, group, dst=0)
+    params = dict(model.named_parameters())
+    moments: dict[str, torch.Tensor] = {}
+    for m in MOMENTS:
+        local = {n: opt.state[p][m] for n, p in params.items()}
+        moments.update({f"{m}.{k}": v for k, v in gather_full(local, specs, layout, group, dst=0).items()})
+    if layout.rank != 0:
+        return None
+    final = Path(ckpt_dir)
+    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_dir(tmp, config, task, weights)
+    save_file({k: v.contiguous() for k, v in moments.items()}, str(tmp / OPTIMIZER_FILE))
+    (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **meta}, indent=1))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_meta(ckpt_dir: str | Path) -> dict[str, Any] | None:
+    """The checkpoint's state.json (falling back to the previous one if a swap was cut short)."""
+    for d in (Path(ckpt_dir), Path(str(ckpt_dir) + ".old")):
+        path = d / STATE_FILE
+        if path.is_file():
+            meta = json.loads(path.read_text())
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT}")
+            return {**meta, "dir": str(d)}
+    return None
+
+
+class CheckpointSource:
+    """Owner-side source over a checkpoint: weights by HF name, moments as "<moment>.<HF name>"."""
+
+    def __init__(self, ckpt_dir: str | Path) -> None:
+        self.dir = Path(ckpt_dir)
+        self.weights = SafetensorsSource(self.dir)
+        self._opt = safe_open(str(self.dir / OPTIMIZER_FILE), framework="pt")
+        self._opt_keys = set(self._opt.keys())
+
+    def read(self, spec: TensorSpec) -> torch.Tensor:
+        if spec.hf_name.split(".", 1)[0] not in MOMENTS:
+            return self.weights.read(spec)
+        if spec.hf_name not in self._opt_keys:
+            raise MissingTensorError(f"optimizer state {spec.hf_name} not in {self.dir}")
+        sl = self._opt.get_slice(spec.hf_name)
+        if tuple(sl.get_shape()) != spec.full_shape:
+            raise ValueError(f"{spec.hf_name} in {self.dir}: shape {sl.get_shape()}, expected {spec.full_shape}")
+        return spec.take(sl) if spec.dim is not None else sl[tuple(slice(None) for _ in spec.full_shape)]
+
+
+@torch.no_grad()
+def load_moments(opt: torch.optim.Optimizer, model: torch.nn.Module, specs: dict[str, TensorSpec],
+                 source: ShardSource, step: int) -> None:
+    """Give every local parameter its slice of the saved AdamW moments and the step count."""
+    for name, p in model.named_parameters():
+        spec = specs[name]
+        state: dict[str, torch.Tensor] = {"step": torch.tensor(float(step))}
+        for m in MOMENTS:
+            t = source.read(TensorSpec(f"{m}.{spec.hf_name}", spec.dim, spec.segments, spec.full_shape))
+            state[m] = t.to(p.dtype).reshape(p.shape).clone()
+        opt.state[p] = state

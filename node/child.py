@@ -1,0 +1,115 @@
+"""The node service's handle on its training child process (`xronos.node.jobproc`).
+
+The child gets its config as a JSON file, its controls as JSON lines on stdin, and writes events
+as JSON lines on an inherited pipe, which a reader thread turns into a queue the control loop
+drains without blocking. stdout/stderr go to a log file next to the config, whose tail explains a
+failure. `kill()` ends the child's whole process group, so a cancel leaves nothing behind and
+returns all of its memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+def child_env(threads: int, gloo_ifname: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if gloo_ifname:
+        env["GLOO_SOCKET_IFNAME"] = gloo_ifname
+    else:
+        env.pop("GLOO_SOCKET_IFNAME", None)
+    return env
+
+
+class RankProcess:
+    def __init__(self, workdir: Path, config: dict[str, Any], env: dict[str, str]) -> None:
+        """Start the child. `config` is a JobProcConfig without `events_fd` (set here)."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        read_fd, write_fd = os.pipe()
+        cfg_path = workdir / "rank.json"
+        cfg_path.write_text(json.dumps({**config, "events_fd": write_fd}, indent=1))
+        self.log_path = workdir / "rank.log"
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "xronos.node.jobproc", str(cfg_path)], stdin=subprocess.PIPE,
+                stdout=logf, stderr=subprocess.STDOUT, pass_fds=(write_fd,), env=env,
+                start_new_session=True)
+        os.close(write_fd)
+        self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
+        self._reader.start()
+        log.info("rank process started", pid=self.proc.pid, job=config["job_id"],
+                 version=config["plan_version"], rank=config["run"]["rank"])
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "r") as stream:
+            for line in stream:
+                try:
+                    self.events.put(json.loads(line))
+                except ValueError:
+                    log.warning("unparsable event from rank process", line=line[:200])
+
+    def drain(self) -> list[dict[str, Any]]:
+        out = []
+        while True:
+            try:
+                out.append(self.events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def send(self, action: str) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((json.dumps({"action": action}) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # already gone; exit handling reports it
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def finished(self) -> bool:
+        """Exited and every event it wrote has been read."""
+        return self.proc.poll() is not None and not self._reader.is_alive()
+
+    def tail(self, n: int = 1500) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self, grace_s: float = 3.0) -> None:
+        """Ask it to stop, then end its process group; returns once it is gone."""
+        if self.proc.poll() is None:
+            self.send("cancel")
+            deadline = time.monotonic() + grace_s
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        self._reader.join(timeout=2.0)

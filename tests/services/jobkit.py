@@ -1,0 +1,67 @@
+"""Helpers for the services tests: the engine's test kit (tiny checkpoints, reference loop) and
+rank processes of a job started directly, without MQTT."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
+
+import runkit  # noqa: E402  (tests/node/runkit.py: tiny real checkpoints, reference training)
+
+from xronos.node.child import RankProcess, child_env  # noqa: E402
+from xronos.node.jobproc import spec_run_config  # noqa: E402
+from xronos.node.launch import free_port  # noqa: E402
+
+__all__ = ["runkit", "make_case", "job_spec", "start_ranks", "wait_ranks"]
+
+
+def make_case(tmp: Path, rows: int = 40, family: str = "gpt2") -> tuple[Path, Path]:
+    """A tiny classify checkpoint (H = 12) and a labelled CSV."""
+    model = runkit.make_model(tmp / "model", family, "classify", num_labels=2)
+    data = runkit.write_rows(tmp / "data.csv", [{"text": t, "label": i % 2}
+                                                  for i, t in enumerate(runkit.texts(rows))])
+    return model, data
+
+
+def job_spec(model: Path, data: Path, export: Path, owner: str = "n0", **kw) -> dict:
+    spec = {"name": "t", "owner": owner, "model_dir": str(model), "data_path": str(data),
+            "task": "classify", "text_column": "text", "text_pair_column": None, "label_column": "label",
+            "batch_size": 4, "seq_len": runkit.SEQ_LEN, "lr": 1e-3, "epochs": None, "max_steps": 6,
+            "eval_fraction": 0.2, "strategy": "greedy", "checkpoint_interval": 3, "export_dir": str(export),
+            "nodes": None, "reserve_mb": 0, "seed": 3, "warmup_steps": 0, "weight_decay": 0.0,
+            "max_grad_norm": None, "dropout": 0.0, "schema_version": 1}
+    return {**spec, **kw}
+
+
+def start_ranks(tmp: Path, spec: dict, units: list[int], *, total_steps: int, resume_step: int = 0,
+                version: int = 1, ckpt: Path | None = None) -> list[RankProcess]:
+    port = free_port()
+    procs = []
+    for rank in range(len(units)):
+        run = spec_run_config(spec, units=units, rank=rank, total_steps=total_steps, host="127.0.0.1",
+                              port=port, threads=1, gloo_timeout_s=60.0)
+        cfg = {"job_id": "j", "plan_version": version, "node_id": f"n{rank}", "run": run.model_dump(),
+               "total_steps": total_steps, "resume_step": resume_step,
+               "checkpoint_interval": spec["checkpoint_interval"],
+               "checkpoint_dir": str(ckpt or tmp / "ckpt") if rank == 0 else None}
+        procs.append(RankProcess(tmp / f"v{version}-rank{rank}", cfg, child_env(1, "lo")))
+    return procs
+
+
+def wait_ranks(procs: list[RankProcess], timeout: float = 240.0) -> list[list[dict]]:
+    events: list[list[dict]] = [[] for _ in procs]
+    deadline = time.monotonic() + timeout
+    while not all(p.finished() for p in procs):
+        for i, p in enumerate(procs):
+            events[i] += p.drain()
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill(0)
+            raise TimeoutError("ranks did not finish: " + " | ".join(p.tail(600) for p in procs))
+        time.sleep(0.1)
+    for i, p in enumerate(procs):
+        events[i] += p.drain()
+    return events
