@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import paho.mqtt.client as paho
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .codec import MAX_PAYLOAD, encode
 from .topics import TopicTable
@@ -47,6 +47,16 @@ class BrokerSettings(BaseModel):
     max_outgoing: int = Field(1000, ge=1)  # publishes kept while disconnected
     max_incoming: int = Field(10000, ge=1)
     max_payload: int = Field(MAX_PAYLOAD, ge=1)
+
+    @model_validator(mode="after")
+    def _tls_consistent(self) -> BrokerSettings:
+        if self.tls_key is not None and self.tls_cert is None:
+            raise ValueError("tls_key: set only together with tls_cert")
+        if self.tls_insecure and self.tls_ca is None and self.tls_cert is None:
+            raise ValueError("tls_insecure: only meaningful with TLS (tls_ca or tls_cert)")
+        if self.reconnect_max_s < self.reconnect_min_s:
+            raise ValueError("reconnect_max_s: must be >= reconnect_min_s")
+        return self
 
     def read_password(self) -> str | None:
         if self.password_file is None:

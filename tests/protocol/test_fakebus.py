@@ -82,3 +82,5 @@ def test_password_file_read_on_demand_and_never_in_repr(tmp_path):
         BrokerSettings(username="u", password_file=tmp_path / "missing").read_password()
     with pytest.raises(ValueError, match="port"):
         BrokerSettings(port=0)
+    with pytest.raises(ValueError, match="tls_key"):
+        BrokerSettings(tls_key=tmp_path / "k.pem")
