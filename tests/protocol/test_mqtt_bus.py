@@ -172,3 +172,38 @@ def test_gateway_request_response_over_real_broker(mqtt_broker, buses):
     assert got[0] == m.GatewayResponse(status="ok", data={"job_id": "j1", "phase": "paused"}, transaction="t3")
     assert got[1].status == "error" and got[1].transaction == "t4" and "'job'" in got[1].error
     assert disp.errors == {"unknown_field": 1}
+
+
+def _make_certs(d):
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=xronos-test-ca")
+    ssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "1", "-extfile", "san.ext")
+
+
+def test_tls_with_ca_against_mosquitto(tmp_path, buses):
+    from brokers import mosquitto_path, start_mosquitto
+
+    if mosquitto_path() is None or not shutil.which("openssl"):
+        pytest.skip("needs mosquitto and openssl")
+    bdir = tmp_path / "tls"
+    bdir.mkdir()
+    _make_certs(bdir)
+    extra = "cafile {dir}/ca.crt\ncertfile {dir}/server.crt\nkeyfile {dir}/server.key"
+    with start_mosquitto(extra, tmp_dir=bdir) as broker:
+        plain = buses(broker, "plain")
+        tls = MqttBus(_settings(broker, tls_ca=bdir / "ca.crt"), "tls")
+        tls.start()
+        try:
+            assert tls.wait_connected(5)
+            tls.subscribe("t/#")
+            tls.publish("t/x", b"secure")
+            _wait_for(tls, "t/x", payload=b"secure")
+            assert not plain.connected  # the listener speaks TLS only
+        finally:
+            tls.stop(flush_timeout=0.5)
