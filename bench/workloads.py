@@ -1,0 +1,94 @@
+"""Benchmark workloads: the paper's model shapes with random weights, a word-level tokenizer, and a
+synthetic labelled dataset — all written to disk once and read by every strategy alike.
+
+Shapes (paper Table III): RoBERTa-Base (encoder, 12 blocks), GPT-2-Medium (decoder, 24 blocks),
+MobileLLaMA-1.4B (decoder, 24 blocks). `blocks` keeps fewer transformer blocks at the full layer
+shape (hidden size, heads, MLP width, vocabulary) so a run fits this machine; every table states it.
+Dropout is 0 so that every strategy computes the same function (no random streams to align).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SHAPES: dict[str, dict] = {
+    "roberta-base": dict(
+        model_type="roberta", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+        intermediate_size=3072, vocab_size=50265, max_position_embeddings=514, type_vocab_size=1,
+        layer_norm_eps=1e-5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        classifier_dropout=0.0, pad_token_id=0),
+    "gpt2-medium": dict(
+        model_type="gpt2", n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, pad_token_id=0),
+    "mobilellama-1.4b": dict(
+        model_type="llama", hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0),
+}
+PAPER_BLOCKS = {"roberta-base": 12, "gpt2-medium": 24, "mobilellama-1.4b": 24}
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+
+
+def get_shape(name: str) -> dict:
+    try:
+        return dict(SHAPES[name])
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(SHAPES)}") from None
+
+
+def layers_key(config: dict) -> str:
+    return "n_layer" if config["model_type"] == "gpt2" else "num_hidden_layers"
+
+
+def shape_config(name: str, blocks: int | None) -> dict:
+    """The config dict of `name` with `blocks` transformer blocks (None = the paper's count)."""
+    cfg = get_shape(name)
+    full = cfg[layers_key(cfg)]
+    if blocks is not None:
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= full:
+            raise ValueError(f"--blocks must be an integer in [1, {full}] for {name}, got {blocks!r}")
+        cfg[layers_key(cfg)] = blocks
+    return cfg
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over "w4 .. w{V-1}" (ids = the word number), pad id 0."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                   cls_token="[CLS]", sep_token="[SEP]", model_max_length=1 << 20)
+    fast.save_pretrained(str(out_dir))
+
+
+def write_checkpoint(out_dir: Path, config: dict, *, num_labels: int = 2, seed: int = 0) -> Path:
+    """A random-weight sequence-classification checkpoint (safetensors) plus its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    cfg = AutoConfig.for_model(config["model_type"], num_labels=num_labels, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    model.save_pretrained(str(out_dir))
+    write_tokenizer(out_dir, cfg.vocab_size)
+    return out_dir
+
+
+def write_dataset(path: Path, rows: int, seq_len: int, vocab_size: int, *, seed: int = 0) -> Path:
+    """JSONL of random word sequences that fill `seq_len` tokens, with random binary labels."""
+    rng = random.Random(seed)
+    words = max(1, seq_len)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            text = " ".join(f"w{rng.randrange(len(SPECIAL), vocab_size)}" for _ in range(words))
+            f.write(json.dumps({"text": text, "label": rng.randrange(2)}) + "\n")
+    return path

@@ -1,0 +1,149 @@
+"""The pipeline baseline trains the same function as single-device transformers: equal gradients."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xronos.bench.pp_plan import InfeasiblePipeline, plan_pipeline
+from xronos.bench.pp_worker import PPRankConfig
+from xronos.bench.procs import spawn_ranks
+from xronos.bench.workloads import write_checkpoint
+
+TINY = {
+    "llama": dict(model_type="llama", hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, vocab_size=100, max_position_embeddings=64,
+                  pad_token_id=0, tie_word_embeddings=False),
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=4, n_head=4, vocab_size=100, n_positions=64,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0),
+    "roberta": dict(model_type="roberta", hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                    intermediate_size=64, vocab_size=100, max_position_embeddings=80, pad_token_id=0,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0),
+    "bert": dict(model_type="bert", hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                 intermediate_size=64, vocab_size=100, max_position_embeddings=64, pad_token_id=0,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+}
+
+
+def _data(path: Path, rows: int = 24) -> Path:
+    rng = random.Random(1)
+    with open(path, "w") as f:
+        for _ in range(rows):  # uneven lengths: padding and masks matter
+            words = " ".join(f"w{rng.randrange(4, 100)}" for _ in range(rng.randrange(3, 14)))
+            f.write(json.dumps({"text": words, "label": rng.randrange(2)}) + "\n")
+    return path
+
+
+def _reference(model_dir: Path, data: Path) -> tuple[float, dict[str, torch.Tensor]]:
+    from transformers import AutoModelForSequenceClassification
+
+    from xronos.node.data import BatchSource
+    from xronos.node.runconfig import RunConfig
+
+    run = RunConfig(model_dir=str(model_dir), data_path=str(data), task="classify", units=[1],
+                    batch_size=8, seq_len=16, lr=1e-3, max_steps=1, seed=0)
+    _, b = next(BatchSource(run, 2).train_batches())
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir))
+    model.train()
+    kw = {"token_type_ids": b.token_type_ids} if b.token_type_ids is not None else {}
+    loss = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels, **kw).loss
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, spans", [
+    ("llama", [(0, 2), (2, 4), (4, 6)]),
+    ("gpt2", [(0, 3), (3, 6)]),
+    ("roberta", [(0, 1), (1, 5), (5, 6)]),
+    ("bert", [(0, 4), (4, 6)]),
+])
+def test_pipeline_gradients_equal_single_device(tmp_path: Path, family: str, spans) -> None:
+    model_dir = write_checkpoint(tmp_path / "model", TINY[family])
+    data = _data(tmp_path / "data.jsonl")
+    cfg = PPRankConfig(model_dir=str(model_dir), data_path=str(data), batch_size=8, seq_len=16, lr=1e-3,
+                       max_steps=1, micro_batches=4, spans=spans, metrics_path=str(tmp_path / "m.json"),
+                       grads_dir=str(tmp_path / "grads"), gloo_timeout_s=60)
+    spawn_ranks("xronos.bench.pp_worker", [cfg] * len(spans), timeout_s=240)
+    ref_loss, ref = _reference(model_dir, data)
+    got: dict[str, torch.Tensor] = {}
+    for r in range(len(spans)):
+        part = load_file(str(tmp_path / "grads" / f"grads-rank{r}.safetensors"))
+        assert not set(part) & set(got), "a tensor is owned by two stages"
+        got.update(part)
+    assert set(got) == set(ref), (sorted(set(ref) - set(got)), sorted(set(got) - set(ref)))
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    last = json.loads((tmp_path / "m.json").read_text())["ranks"][-1]["iterations"][0]
+    assert last["loss"] == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_dp_puts_more_layers_on_the_faster_device_and_respects_memory() -> None:
+    L = 10  # emb, 8 blocks, out
+    fast, slow = [0.01] * L, [0.02] * L
+    plan = plan_pipeline([fast, slow], [1.0] * L, [0.0] * L, [0.0] * L, caps=[100, 100], micro_batches=8)
+    sizes = {s.device: s.stop - s.start for s in plan.stages}
+    assert sizes[0] > sizes[1] and sum(sizes.values()) == L
+    assert [s.start for s in plan.stages][0] == 0 and plan.stages[-1].stop == L
+    # Cap the fast device to 3 layers: the split must follow the cap.
+    plan = plan_pipeline([fast, slow], [1.0] * L, [0.0] * L, [0.0] * L, caps=[3, 100], micro_batches=8)
+    assert {s.device: s.stop - s.start for s in plan.stages}[0] <= 3
+    with pytest.raises(InfeasiblePipeline, match="no pipeline cut fits"):
+        plan_pipeline([fast, slow], [1.0] * L, [0.0] * L, [0.0] * L, caps=[3, 3], micro_batches=8)
+
+
+def test_dp_matches_exhaustive_search() -> None:
+    """Per device order the DP finds the smallest bottleneck; the plan is the best order's."""
+    import itertools
+
+    from xronos.bench.pp_plan import _plan_in_order
+
+    rng = random.Random(3)
+    for _ in range(30):
+        N, L = rng.randrange(1, 4), rng.randrange(2, 7)
+        times = [[rng.uniform(0.1, 1) for _ in range(L)] for _ in range(N)]
+        mem, act, comm = [rng.uniform(1, 3) for _ in range(L)], [rng.uniform(0, 0.5) for _ in range(L)], \
+            [rng.uniform(0, 0.2) for _ in range(L)]
+        caps = [rng.uniform(3, 12) for _ in range(N)]
+        cands = []
+        for order in itertools.permutations(range(N)):
+            got = _plan_in_order(order, times, mem, act, comm, caps, 4)
+            best = _brute(order, times, mem, act, comm, caps, 4)
+            assert (got is None) == (best is None)
+            if got is not None:
+                assert got.bottleneck_s == pytest.approx(best)
+                cands.append(got.predicted_iteration_s)
+        if cands:
+            plan = plan_pipeline(times, mem, act, comm, caps, micro_batches=4)
+            assert plan.predicted_iteration_s == pytest.approx(min(cands))
+        else:
+            with pytest.raises(InfeasiblePipeline):
+                plan_pipeline(times, mem, act, comm, caps, micro_batches=4)
+
+
+def _brute(order, times, mem, act, comm, caps, M):
+    """Smallest bottleneck over every contiguous cut in this device order (empty stages allowed)."""
+    import itertools
+
+    N, L = len(order), len(mem)
+    best = None
+    for cuts in itertools.combinations_with_replacement(range(L + 1), N - 1):
+        bounds = [0, *cuts, L]
+        worst, ok = 0.0, True
+        for pos, d in enumerate(order):
+            j, l = bounds[pos], bounds[pos + 1]
+            if j == l:
+                continue
+            t = sum(times[d][j:l]) + (comm[l - 1] if l < L else 0)
+            if sum(mem[j:l]) + min(M, N - pos) * sum(act[j:l]) > caps[d]:
+                ok = False
+                break
+            worst = max(worst, t)
+        if ok and (best is None or worst < best):
+            best = worst
+    return best
