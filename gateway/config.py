@@ -46,6 +46,9 @@ class GatewayConfig(BaseModel):
     latency_ms: Annotated[float, Field(ge=0)] = 0.5
     profile_timeout_s: PosFloat = 600.0  # a Raspberry Pi profiling a 1.5B block takes minutes
     ack_timeout_s: PosFloat = 30.0
+    # TCP ports the owner node's Gloo rendezvous may use; each plan version takes the next one.
+    rendezvous_port_min: Annotated[int, Field(gt=1023, lt=65536)] = 29600
+    rendezvous_port_max: Annotated[int, Field(gt=1023, lt=65536)] = 29699
     homeassistant: HomeAssistantSettings = Field(default_factory=HomeAssistantSettings)
     log_level: LogLevel = "info"
 

@@ -27,6 +27,11 @@ class RequestError(ValueError):
     """Raised by a request handler to answer with an error text (no traceback logged)."""
 
 
+# A request handler returns DEFER when it will publish the response itself later (e.g. a job
+# submit answered only after the owner's inspection, the profiles and a feasible plan).
+DEFER = object()
+
+
 class Dispatcher:
     def __init__(self, bus: Any, *, max_bytes: int = MAX_PAYLOAD, node_id: str | None = None) -> None:
         """`node_id`: when set, bad input on this node's own topics is answered with an
@@ -74,7 +79,7 @@ class Dispatcher:
             log.exception("dispatch.handler_error", topic=topic, client=self.bus.client_id)
             self._answer(entry, params, topic, "handler_error", f"internal error: {type(exc).__name__}: {exc}", txn)
             return
-        if entry.is_request:
+        if entry.is_request and data is not DEFER:
             self._respond(entry, txn, data=data)
 
     def _bad(self, entry: TopicEntry | None, params: dict[str, str], topic: str, reason: str,
