@@ -1,0 +1,73 @@
+"""`xronos profile`: measure this box on a model's profiling set and write a ProfileReport JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from xronos.node.models.shapes import SHAPES
+
+    p = subparsers.add_parser(
+        "profile",
+        help="profile this machine on a model's profiling set (embedding, one block, output)",
+        description="Run a few fine-tuning iterations of a model's profiling set (embedding layer, one "
+        "transformer block, output layer; random weights, synthetic batch) at full and reduced "
+        "partition widths, and write per-layer time and memory (weights+grads+AdamW state, "
+        "activations, temporaries) as a ProfileReport JSON for `xronos plan`.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="Hugging Face model directory (only config.json is read)")
+    src.add_argument("--arch", metavar="NAME", help=f"built-in shape: {', '.join(SHAPES)}")
+    p.add_argument("--task", required=True, choices=["classify", "causal-lm"])
+    p.add_argument("--batch-size", required=True, type=_positive, metavar="B")
+    p.add_argument("--seq-len", required=True, type=_positive, metavar="S")
+    p.add_argument("--threads", type=_positive, metavar="T", help="torch threads (default: torch's)")
+    p.add_argument("--iters", type=_positive, default=10, metavar="K",
+                   help="measured iterations at full width after warm-up (default 10)")
+    p.add_argument("--no-clip", action="store_true",
+                   help="the job does not clip gradients (leave out the global-norm pass)")
+    p.add_argument("--node-id", default="local", help="node id written into the report")
+    p.add_argument("--cache-dir", metavar="DIR", help="reuse/store profiles of this hardware here")
+    p.add_argument("--out", required=True, metavar="FILE.json")
+    p.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if not out.resolve().parent.is_dir():
+        raise FileNotFoundError(f"--out {args.out}: directory does not exist")
+
+    from xronos.node.models.shapes import shape
+    from xronos.node.profiler import config_for, profile
+
+    if args.model is not None:
+        config = config_for(model_dir=args.model)
+    else:
+        config = config_for(arch=shape(args.arch, args.task))
+    report = profile(config, args.task, args.batch_size, args.seq_len, threads=args.threads,
+                     iters=args.iters, clip=not args.no_clip, node_id=args.node_id,
+                     cache_dir=args.cache_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report.model_dump(mode="json"), indent=1))
+    tmp.replace(out)
+    print(f"xronos profile: {report.arch.family} H={report.units} B={report.num_blocks} "
+          f"profiled in {report.profile_seconds:.1f} s -> {out}", file=sys.stderr)
+    for lay in report.layers:
+        print(f"  {lay.name:<14} {'part' if lay.partitioned else 'repl'}  T={lay.time_s * 1e3:9.2f} ms  "
+              f"M_w={lay.weight_bytes / 2**20:8.2f} MiB  M_a={lay.activation_bytes / 2**20:7.2f} MiB  "
+              f"M_t={lay.temp_bytes / 2**20:7.2f} MiB", file=sys.stderr)
+    return 0

@@ -1,0 +1,54 @@
+"""`xronos profile` end to end on a tiny shape and on a model directory's config.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from xronos.cli.main import build_parser, main
+from xronos.gateway.profiles import load_report
+
+ARGS = ["--task", "classify", "--batch-size", "2", "--seq-len", "8", "--iters", "2", "--threads", "1"]
+
+
+def test_listed_in_help() -> None:
+    assert "profile" in build_parser().format_help()
+
+
+def test_profile_builtin_arch_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "p.json"
+    assert main(["profile", "--arch", "tiny-gpt2", *ARGS, "--node-id", "box1", "--out", str(out)]) == 0
+    report = load_report(out)  # the planner's own validation accepts it
+    assert report.node_id == "box1" and report.units == 4 and report.num_blocks == 2
+    assert "blk.attn" in capsys.readouterr().err
+
+
+def test_profile_model_dir(tmp_path: Path) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=300, n_positions=64,
+               architectures=["GPT2ForSequenceClassification"]).save_pretrained(tmp_path / "m")
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", str(tmp_path / "m"), *ARGS, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["units"] == 2 and data["num_blocks"] == 3 and data["arch"]["vocab_size"] == 300
+
+
+def test_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = str(tmp_path / "p.json")
+    assert main(["profile", "--arch", "nope", *ARGS, "--out", out]) == 2
+    assert "unknown --arch 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["profile", "--arch", "tiny-gpt2", "--task", "classify", "--batch-size", "0",
+              "--seq-len", "8", "--out", out])
+    assert "--batch-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --model and --arch together
+        main(["profile", "--arch", "tiny-gpt2", "--model", str(tmp_path), *ARGS, "--out", out])
+    assert main(["profile", "--model", str(tmp_path / "none"), *ARGS, "--out", out]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert main(["profile", "--arch", "tiny-gpt2", *ARGS[:-4], "--seq-len", "4096", "--out", out]) == 2
+    assert "max_positions" in capsys.readouterr().err
+    assert main(["profile", "--arch", "tiny-gpt2", *ARGS, "--out", str(tmp_path / "no" / "p.json")]) == 2
+    assert not Path(out).exists()

@@ -1,0 +1,173 @@
+"""Profiler: a valid, plausible ProfileReport on tiny models; the cache; the memory instruments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from xronos.gateway.profiles import Loaded, parse_report, plan_reports
+from xronos.node import profiler as prof
+from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
+from xronos.node.models.shapes import shape
+from xronos.protocol.messages import ProfileReport
+
+B, S = 2, 16
+TINY = shape("tiny-gpt2", "classify")  # hidden 64, 4 heads, MLP 256, vocab 500, 2 blocks
+E, I, V, P, H = 64, 256, 500, 128, 4
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, ProfileReport]:
+    torch.set_num_threads(1)
+    out = {}
+    for task in ("classify", "causal-lm"):
+        config = prof.config_for(arch=shape("tiny-gpt2", task))
+        out[task] = prof.profile(config, task, B, S, threads=1, iters=3, warmup=1)
+    return out
+
+
+def _params(name: str, task: str) -> int:
+    """Parameter count of each profiled layer, from the shape alone."""
+    return {
+        "emb": V * E + P * E,
+        "blk.attn": E * 3 * E + 3 * E + E * E + E,
+        "blk.mlp": E * I + I + I * E + E,
+        "blk.rest": 4 * E,
+        "out": 2 * E + (2 * E if task == "classify" else 0),
+    }[name]
+
+
+@pytest.mark.parametrize("task", ["classify", "causal-lm"])
+def test_report_is_valid_and_plausible(reports: dict[str, ProfileReport], task: str) -> None:
+    r = reports[task]
+    assert r.units == H and r.num_blocks == 2 and r.task == task
+    assert (r.batch_size, r.seq_len, r.threads) == (B, S, 1)
+    assert r.arch.hidden_size == E and r.capabilities.cores >= 1
+    layers = {lay.name: lay for lay in r.layers}
+    assert set(layers) == {"emb", "blk.attn", "blk.mlp", "blk.rest", "out"}
+    assert [lay.kind for lay in r.layers] == ["emb", "blk", "blk", "blk", "out"]
+    expect_part = {"emb": True, "blk.attn": True, "blk.mlp": True, "blk.rest": False,
+                   "out": task == "causal-lm"}  # the LM head is vocab-parallel, a class head replicated
+    for name, lay in layers.items():
+        assert lay.partitioned == expect_part[name], name
+        assert lay.time_s > 0, name
+        if lay.partitioned:
+            assert [p for p, _ in lay.time_samples] == [1.0, 0.5, 0.25], name
+            assert all(t > 0 for _, t in lay.time_samples)
+            assert lay.time_samples[0][1] == lay.time_s
+        # Weights, grads, exp_avg, exp_avg_sq: at least 4 fp32 copies of every parameter.
+        assert lay.weight_bytes >= 16 * _params(name, task), name
+        assert lay.activation_bytes > 0, name
+    # Activations a shape implies must be among the saved tensors:
+    assert layers["blk.mlp"].activation_bytes >= 4 * B * S * I  # the activation fed to c_proj
+    assert layers["blk.rest"].activation_bytes >= 4 * B * S * E  # the block input, saved by ln_1
+    assert layers["blk.attn"].activation_bytes >= 4 * 3 * B * S * E  # q, k, v
+    # Temporaries: AdamW's update buffer of the biggest weight and the norm pass exist.
+    assert layers["emb"].temp_bytes >= 4 * V * E
+    assert r.profile_seconds > 0
+
+
+def test_report_round_trips_and_plans(reports: dict[str, ProfileReport], tmp_path: Path) -> None:
+    r = reports["classify"]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(r.model_dump(mode="json")))
+    again = parse_report(json.loads(path.read_text()), str(path))
+    assert again == r
+    other = r.model_copy(update={"node_id": "other"})
+    result = plan_reports([Loaded("a", r), Loaded("b", other)], "optimal", reserve_mb=0)
+    assert sum(row.units for row in result.rows) == H
+
+
+def test_cache_hit_does_not_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = prof.config_for(arch=TINY)
+    first = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path,
+                         node_id="n1", job_id="j1")
+    assert len(list(tmp_path.glob("profile-*.json"))) == 1
+
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("profiled again despite a cached report")
+
+    monkeypatch.setattr(prof, "_ProfilingSet", boom)
+    second = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path,
+                          node_id="n1", job_id="j2", request_id="r2")
+    assert second.layers == first.layers and second.created_at == first.created_at
+    assert (second.job_id, second.request_id) == ("j2", "r2")
+    # Another batch shape is another profile.
+    with pytest.raises(AssertionError, match="profiled again"):
+        prof.profile(config, "classify", B + 1, S, threads=1, iters=2, cache_dir=tmp_path)
+
+
+def test_bad_input_is_refused() -> None:
+    config = prof.config_for(arch=TINY)
+    with pytest.raises(ValueError, match="batch_size"):
+        prof.profile(config, "classify", 0, S)
+    with pytest.raises(TypeError, match="seq_len"):
+        prof.profile(config, "classify", B, 8.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_positions"):
+        prof.profile(config, "classify", B, P + 1)
+    with pytest.raises(ValueError, match="architecture"):
+        prof.profile({"architectures": ["NopeModel"]}, "classify", B, S)
+    with pytest.raises(ValueError, match="exactly one"):
+        prof.config_for()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        prof.config_for(model_dir="/nonexistent")
+
+
+def test_widths_and_regions() -> None:
+    assert prof.widths(16) == [16, 8, 4]
+    assert prof.widths(4) == [4, 2, 1]
+    assert prof.widths(2) == [2, 1]
+    assert prof.widths(1) == [1]
+
+    class Blk(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(4)
+            self.attn = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            self.out = nn.ModuleDict(dict(dense=nn.Linear(4, 4), norm=nn.LayerNorm(4)))
+
+    blk = Blk()
+    part = {id(blk.attn[0].weight), id(blk.attn[1].weight), id(blk.out["dense"].weight)}
+    assert set(prof.find_regions(blk, part)) == {"attn", "out.dense"}  # norms stay replicated
+
+
+# --- the instruments on plain modules ---
+
+
+def test_saved_tensor_meter_counts_storages_once_without_params() -> None:
+    lin = nn.Linear(32, 64)
+    x = torch.randn(8, 32, requires_grad=True)
+    meter = SavedTensorMeter({storage_key(p) for p in lin.parameters()})
+    with meter():
+        y = torch.relu(lin(x))
+        z = y.view(-1) * 2.0  # scalar mul saves nothing; y's view shares its storage
+        z.sum().backward()
+    # linear saves its input x (the weight is excluded); relu saves its output y.
+    assert meter.by_region == {"blk.rest": 4 * 8 * 32 + 4 * 8 * 64}
+
+
+def test_alloc_trace_temporary_peak() -> None:
+    x = torch.randn(256, 1024)  # 1 MiB
+    with AllocTrace() as trace:
+        with mark("phase"):
+            y = (x * 2.0).sum()  # x * 2 is a 1 MiB temporary, freed at once
+        with mark("kept"):
+            keep = x * 3.0  # allocated and alive at the end: not a temporary
+    assert float(y) != 0 and keep.numel() == x.numel()
+    assert trace.temp_bytes("xr::phase") >= 1 << 20
+    assert trace.temp_bytes("xr::kept") < 1 << 20
+    assert trace.temp_bytes("xr::phase", skip=("xr::phase",)) == 0
+
+
+def test_state_bytes_after_adamw_step() -> None:
+    lin = nn.Linear(10, 20)
+    opt = torch.optim.AdamW(lin.parameters())
+    lin(torch.randn(3, 10)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in lin.parameters())
+    assert state_bytes(lin.parameters(), opt) == 16 * n  # param, grad, exp_avg, exp_avg_sq
+    assert state_bytes(lin.parameters(), None) == 8 * n
