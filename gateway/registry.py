@@ -34,9 +34,12 @@ Registry = dict[str, NodeInfo]
 
 
 def on_availability(reg: Registry, node_id: str, online: bool, now: float) -> tuple[Registry, str | None]:
-    """New registry and "up"/"down" when the node's online state changed (None otherwise)."""
-    old = reg.get(node_id, NodeInfo(node_id))
-    change = None if old.online == online else ("up" if online else "down")
+    """New registry and "up"/"down" when the node's online state changed (None otherwise). The
+    first word about a node counts as a change: a node found offline at a gateway's start may
+    hold a job that must now recover."""
+    old = reg.get(node_id)
+    change = None if old is not None and old.online == online else ("up" if online else "down")
+    old = old or NodeInfo(node_id)
     return {**reg, node_id: replace(old, online=online, seen_at=now)}, change
 
 

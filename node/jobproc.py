@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from xronos.node.checkpoint import CheckpointSource, load_moments, read_meta, save_checkpoint
 from xronos.node.data import BatchSource, batch_order
+from xronos.node.jobcheck import total_steps
 from xronos.node.metrics import Rusage, comm_and_idle
 from xronos.node.models.common import num_labels
 from xronos.node.models.export import gather_full, save_hf_dir
@@ -52,20 +53,20 @@ class JobProcConfig(BaseModel):
     job_id: str
     plan_version: int
     node_id: str
+    spec: dict[str, Any]  # the JobSpec (JSON form); the owner's paths already confined
     run: RunConfig  # rank, units, rendezvous, and the training settings from the JobSpec
-    total_steps: int
     resume_step: int = 0
-    checkpoint_interval: int
     checkpoint_dir: str | None = None  # owner only
     events_fd: int
 
 
-def spec_run_config(spec: dict[str, Any], *, units: list[int], rank: int, total_steps: int, host: str,
-                    port: int, threads: int, gloo_timeout_s: float) -> RunConfig:
-    """The RunConfig a JobSpec means (a job always shuffles with its seed, like `xronos run`)."""
+def spec_run_config(spec: dict[str, Any], *, units: list[int], rank: int, host: str, port: int,
+                    threads: int, gloo_timeout_s: float) -> RunConfig:
+    """The RunConfig a JobSpec means (a job always shuffles with its seed, like `xronos run`).
+    max_steps is a placeholder: the job's length depends on the data, which only the owner has."""
     return RunConfig(
         model_dir=spec["model_dir"], data_path=spec["data_path"], task=spec["task"], units=units,
-        batch_size=spec["batch_size"], seq_len=spec["seq_len"], lr=spec["lr"], max_steps=max(total_steps, 1),
+        batch_size=spec["batch_size"], seq_len=spec["seq_len"], lr=spec["lr"], max_steps=1,
         seed=spec["seed"], shuffle=True, dropout=spec["dropout"], weight_decay=spec["weight_decay"],
         max_grad_norm=spec["max_grad_norm"], warmup_steps=spec["warmup_steps"],
         text_column=spec["text_column"], text_pair_column=spec["text_pair_column"],
@@ -170,6 +171,7 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
     group.broadcast(header, src=0)
     n_train, n_eval, pad_id, token_types = (int(v) for v in header)
     config["pad_token_id"] = pad_id
+    steps = total_steps(job.spec, n_train)
 
     torch.manual_seed(cfg.seed)
     layout = ShardLayout(tuple(cfg.units), cfg.rank)
@@ -201,7 +203,7 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
 
     rusage, per_epoch = Rusage(), n_train // cfg.batch_size
     batches = channel.train(n_train)
-    for step in range(k, job.total_steps):
+    for step in range(k, steps):
         if control.sync(group) == STOP:
             events.emit("cancelled", step=step)
             return
@@ -225,7 +227,7 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
                     iteration_s=iteration_s, voluntary_ctx_switches=vol, involuntary_ctx_switches=invol,
                     peak_rss=Rusage.peak_rss())
         done = step + 1
-        if done % job.checkpoint_interval == 0 and done < job.total_steps:
+        if done % job.spec["checkpoint_interval"] == 0 and done < steps:
             meta = {"job_id": job.job_id, "step": done, "epoch": done // per_epoch, "seed": cfg.seed,
                     "plan_version": job.plan_version, "units": list(cfg.units), "saved_at": time.time()}
             save_checkpoint(job.checkpoint_dir or "", model, specs, layout, group, opt, config, cfg.task, meta)
@@ -240,7 +242,7 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
             events.emit("eval", when="after", **_eval_fields(after))
         save_hf_dir(cfg.export_dir, config, cfg.task, state, cfg.model_dir)
     group.barrier()  # nobody reports completion before the export exists
-    events.emit("completed", step=job.total_steps, epoch=max(job.total_steps - 1, 0) // per_epoch,
+    events.emit("completed", step=steps, epoch=max(steps - 1, 0) // per_epoch,
                 export_dir=cfg.export_dir if owner else None)
 
 

@@ -36,16 +36,15 @@ def job_spec(model: Path, data: Path, export: Path, owner: str = "n0", **kw) -> 
     return {**spec, **kw}
 
 
-def start_ranks(tmp: Path, spec: dict, units: list[int], *, total_steps: int, resume_step: int = 0,
+def start_ranks(tmp: Path, spec: dict, units: list[int], *, resume_step: int = 0,
                 version: int = 1, ckpt: Path | None = None) -> list[RankProcess]:
     port = free_port()
     procs = []
     for rank in range(len(units)):
-        run = spec_run_config(spec, units=units, rank=rank, total_steps=total_steps, host="127.0.0.1",
-                              port=port, threads=1, gloo_timeout_s=60.0)
+        run = spec_run_config(spec, units=units, rank=rank, host="127.0.0.1", port=port, threads=1,
+                              gloo_timeout_s=60.0)
         cfg = {"job_id": "j", "plan_version": version, "node_id": f"n{rank}", "run": run.model_dump(),
-               "total_steps": total_steps, "resume_step": resume_step,
-               "checkpoint_interval": spec["checkpoint_interval"],
+               "spec": spec, "resume_step": resume_step,
                "checkpoint_dir": str(ckpt or tmp / "ckpt") if rank == 0 else None}
         procs.append(RankProcess(tmp / f"v{version}-rank{rank}", cfg, child_env(1, "lo")))
     return procs

@@ -27,7 +27,7 @@ def _kinds(events):
 def test_job_ranks_match_xronos_run_and_resume_under_another_plan(tmp_path):
     model, data = make_case(tmp_path)
     spec = job_spec(model, data, tmp_path / "export")
-    events = wait_ranks(start_ranks(tmp_path, spec, [2, 6, 4], total_steps=6))
+    events = wait_ranks(start_ranks(tmp_path, spec, [2, 6, 4]))
     owner = events[0]
     assert _kinds(owner)[0] == "eval" and owner[0]["when"] == "before"
     assert [e["step"] for e in owner if e["type"] == "metrics"] == [1, 2, 3, 4, 5, 6]
@@ -44,7 +44,7 @@ def test_job_ranks_match_xronos_run_and_resume_under_another_plan(tmp_path):
 
     # Resume at the step-3 checkpoint on two ranks with another split: same end point.
     spec2 = job_spec(model, data, tmp_path / "export2")
-    events = wait_ranks(start_ranks(tmp_path, spec2, [9, 3], total_steps=6, resume_step=3, version=2))
+    events = wait_ranks(start_ranks(tmp_path, spec2, [9, 3], resume_step=3, version=2))
     assert [e["step"] for e in events[0] if e["type"] == "metrics"] == [4, 5, 6]
     assert "eval" in _kinds(events[0])  # after only: no "before" on a resume
     max_abs, rel = runkit.compare(_load(tmp_path / "export2"), _load(ref))
@@ -54,6 +54,6 @@ def test_job_ranks_match_xronos_run_and_resume_under_another_plan(tmp_path):
 def test_resume_without_checkpoint_fails_cleanly(tmp_path):
     model, data = make_case(tmp_path)
     spec = job_spec(model, data, tmp_path / "export")
-    events = wait_ranks(start_ranks(tmp_path, spec, [6, 6], total_steps=6, resume_step=3), timeout=120)
+    events = wait_ranks(start_ranks(tmp_path, spec, [6, 6], resume_step=3), timeout=120)
     assert events[0][-1]["type"] == "failed" and "no checkpoint at step 3" in events[0][-1]["detail"]
     assert events[1][-1]["type"] == "failed"  # the peer learns from Gloo, not by hanging

@@ -27,6 +27,7 @@ def test_registry_tracks_availability_capabilities_and_participation():
     assert R.usable(reg) == frozenset() and reg["a"].online
     reg, change = R.on_availability(reg, "a", False, 5.0)
     assert change == "down"
+    assert R.on_availability({}, "z", False, 1.0)[1] == "down"  # first word about a node
     assert R.memory_cap(R.on_capabilities(reg, CAPS, 6), "a", 1024) == (4 << 30) - (1024 << 20)
     assert R.memory_cap(R.on_capabilities(reg, CAPS, 6), "a", 10**6) == 0.0
     row = R.listing(reg)[0]

@@ -1,0 +1,243 @@
+"""The gateway service over the in-memory FakeBus: the whole submit → run → complete exchange with
+scripted nodes, restart from the persisted table, and a battery of bad payloads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "protocol"))
+from protocol_samples import ARCH, CAPS, LAYERS  # noqa: E402
+
+from xronos.gateway import jobs as J  # noqa: E402
+from xronos.gateway.config import GatewayConfig  # noqa: E402
+from xronos.gateway.service import GatewayService  # noqa: E402
+from xronos.protocol import messages as m  # noqa: E402
+from xronos.protocol.codec import decode, encode  # noqa: E402
+from xronos.protocol.fakebus import FakeBroker  # noqa: E402
+from xronos.protocol.topics import TopicTable  # noqa: E402
+
+T = TopicTable()
+NODES = ("a", "b", "c")
+SPEC = m.JobSpec(name="Glue Test", owner="a", model_dir="/m", data_path="/d.csv", task="causal-lm",
+                 batch_size=4, seq_len=64, lr=1e-4, max_steps=10, export_dir="/out", checkpoint_interval=5,
+                 reserve_mb=0)
+
+
+class Harness:
+    def __init__(self, tmp: Path, broker: FakeBroker | None = None):
+        self.broker = broker or FakeBroker()
+        self.cfg = GatewayConfig(state_dir=tmp / "gw", homeassistant={"enabled": True},
+                                 rendezvous_port_min=40000, rendezvous_port_max=40009)
+        self.gw = GatewayService(self.cfg, self.broker.bus("gw", will=(T.build("gateway.availability"),
+                                                                        "offline", True)),
+                                 timeouts=J.Timeouts(inspect_s=5, ack_s=5, stall_s=60, recover_s=60, retry_s=0.0))
+        self.client = self.broker.bus("client")
+        self.client.subscribe("#")
+        self.client.start()
+        self.gw.start()
+
+    def pump(self, n: int = 50):
+        for _ in range(n):
+            self.gw.step(0)
+
+    def seen(self, key: str) -> list[tuple[dict, object]]:
+        out = []
+        for topic, payload in self.client.drain():
+            found = T.match(topic)
+            if found and found[0].key == key:
+                out.append((found[1], decode(topic, payload)))
+        return out
+
+    def node_says(self, msg, node: str):
+        topic, _ = T.topic_for(msg, node_id=node)
+        self.client.publish(topic, encode(msg), retain=T.entry_for(msg, {"node_id": node}).retained)
+
+    def request(self, name: str, payload: bytes | dict):
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.client.publish(f"xronos/gateway/request/{name}", data)
+        self.pump()
+        return [p for _, p in self.responses(name)]
+
+    def responses(self, name: str):
+        return [(t, decode(t, p)) for t, p in self.client.drain() if t == f"xronos/gateway/response/{name}"]
+
+
+def announce(h: Harness, nodes=NODES):
+    for n in nodes:
+        h.client.publish(T.build("node.availability", node_id=n), "online", retain=True)
+        h.node_says(CAPS.model_copy(update={"node_id": n, "memory_available": 8 << 30}), n)
+    h.pump()
+
+
+def report(node: str, rid: str, job_id: str) -> m.ProfileReport:
+    caps = CAPS.model_copy(update={"node_id": node, "memory_available": 8 << 30})
+    return m.ProfileReport(node_id=node, request_id=rid, job_id=job_id, capabilities=caps, arch=ARCH,
+                           task="causal-lm", batch_size=4, seq_len=64, threads=1, units=2, num_blocks=2,
+                           layers=LAYERS, profile_seconds=1.0, created_at=1.0)
+
+
+def submit_until_assigned(h: Harness) -> tuple[str, list[m.Assignment]]:
+    h.client.drain()
+    h.client.publish("xronos/gateway/request/job/submit",
+                     json.dumps({"transaction": "t1", "spec": SPEC.model_dump(mode="json")}).encode())
+    h.pump()
+    (params, insp), = h.seen("node.inspect_request")
+    assert params["node_id"] == "a" and insp.spec == SPEC
+    h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=True, arch=ARCH,
+                                units=2, train_rows=40, eval_rows=4, total_steps=10), "a")
+    h.pump()
+    reqs = h.seen("node.profile_request")
+    assert sorted(p["node_id"] for p, _ in reqs) == list(NODES)
+    for params, req in reqs:
+        h.node_says(report(params["node_id"], req.request_id, req.job_id), params["node_id"])
+    h.pump()
+    msgs = h.client.drain()
+    resp = [decode(t, p) for t, p in msgs if t.endswith("response/job/submit")]
+    assert resp[0].status == "ok" and resp[0].transaction == "t1", resp
+    assigned = [decode(t, p) for t, p in msgs if t.endswith("/assignment")]
+    return insp.job_id, assigned
+
+
+def test_submit_plan_assign_run_complete(tmp_path):
+    h = Harness(tmp_path)
+    announce(h)
+    job_id, assigned = submit_until_assigned(h)
+    assert [a.rank for a in assigned] == [0, 1] or len(assigned) >= 1
+    assert assigned[0].node_id == "a" and assigned[0].rank == 0  # the owner is rank 0
+    assert {a.rendezvous_port for a in assigned} <= set(range(40000, 40010))
+    assert sum(assigned[0].units) == 2
+    for a in assigned:
+        h.node_says(m.AssignmentAck(job_id=job_id, plan_version=a.plan_version, node_id=a.node_id, accepted=True),
+                    a.node_id)
+    h.pump()
+    starts = h.seen("node.control")
+    assert {p["node_id"] for p, c in starts if c.action == "start"} == {a.node_id for a in assigned}
+    for step in (1, 2, 3):
+        for a in assigned:
+            h.node_says(m.IterationMetrics(job_id=job_id, plan_version=1, node_id=a.node_id, rank=a.rank,
+                                           step=step, epoch=0, loss=1.0, compute_s=0.1, comm_s=0.01, idle_s=0.01,
+                                           iteration_s=0.12, voluntary_ctx_switches=1, involuntary_ctx_switches=0,
+                                           peak_rss=1), a.node_id)
+    h.pump()
+    h.gw._flush(force=True)
+    states = [s for _, s in h.seen("job.state")]
+    assert states[-1].phase == "running" and states[-1].step == 3 and states[-1].eta_s is not None
+    h.node_says(m.NodeJobStatus(node_id="a", job_id=job_id, plan_version=1, rank=0, status="completed", step=10,
+                                epoch=0, export_dir="/out", sent_at=1.0), "a")
+    h.pump()
+    h.gw._flush(force=True)
+    assert [s for _, s in h.seen("job.state")][-1].phase == "completed"
+    assert json.loads((tmp_path / "gw" / "jobs.json").read_text())["jobs"][0]["phase"] == "completed"
+    ha_state = json.loads(h.broker.retained["xronos/gateway/state"])
+    assert ha_state["phase"] == "completed" and ha_state["job_id"] == job_id
+
+
+def test_refusals_answered_at_submit(tmp_path):
+    h = Harness(tmp_path)
+    announce(h, ("b",))
+    h.client.drain()
+    (resp,) = h.request("job/submit", {"transaction": "x", "spec": SPEC.model_dump(mode="json")})
+    assert resp.status == "error" and "owner node 'a' is offline" in resp.error and resp.transaction == "x"
+    announce(h, ("a",))
+    h.client.drain()
+    h.client.publish("xronos/gateway/request/job/submit",
+                     json.dumps({"transaction": "y", "spec": SPEC.model_dump(mode="json")}).encode())
+    h.pump()
+    (_, insp), = h.seen("node.inspect_request")
+    h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=False,
+                                error="spec.data_path '/d.csv' is outside the allowed directories"), "a")
+    h.pump()
+    (_, resp), = h.responses("job/submit")
+    assert resp.status == "error" and "outside the allowed directories" in resp.error
+
+
+def test_infeasible_plan_refused(tmp_path):
+    h = Harness(tmp_path)
+    announce(h)
+    h.client.publish("xronos/gateway/request/job/submit", json.dumps(
+        {"transaction": "z", "spec": SPEC.model_copy(update={"reserve_mb": 9000}).model_dump(mode="json")}).encode())
+    h.pump()
+    (_, insp), = h.seen("node.inspect_request")
+    h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=True, arch=ARCH,
+                                units=2, train_rows=40, eval_rows=4, total_steps=10), "a")
+    h.pump()
+    for params, req in h.seen("node.profile_request"):
+        h.node_says(report(params["node_id"], req.request_id, req.job_id), params["node_id"])
+    h.pump()
+    (_, resp), = h.responses("job/submit")
+    assert resp.status == "error" and resp.error.startswith("plan cannot fit"), resp
+
+
+def test_node_loss_then_gateway_restart(tmp_path):
+    h = Harness(tmp_path)
+    announce(h)
+    job_id, assigned = submit_until_assigned(h)
+    for a in assigned:
+        h.node_says(m.AssignmentAck(job_id=job_id, plan_version=1, node_id=a.node_id, accepted=True), a.node_id)
+    h.pump()
+    h.node_says(m.NodeJobStatus(node_id="a", job_id=job_id, plan_version=1, rank=0, status="running", step=5,
+                                checkpoint_step=5, sent_at=1.0), "a")
+    h.pump()
+    # The gateway dies (no clean disconnect) and comes back with the same state directory.
+    h.gw.bus.kill()
+    assert h.broker.retained["xronos/gateway/availability"] == b"offline"
+    h2 = Harness(tmp_path, h.broker)
+    h2.pump()
+    job = h2.gw.jobs[job_id]
+    assert job.phase == "running" and job.checkpoint_step == 5 and "gateway restarted" in job.events[-1]
+    victim = assigned[-1].node_id
+    if victim == "a":
+        pytest.skip("single-node plan")
+    h2.client.publish(T.build("node.availability", node_id=victim), "offline", retain=True)
+    h2.pump()
+    job = h2.gw.jobs[job_id]
+    assert job.phase in ("recovering", "assigning") and job.recoveries == 1
+    again = [a for _, a in h2.seen("node.assignment")]
+    assert again and all(a.plan_version == 2 and a.resume_step == 5 and a.node_id != victim for a in again)
+
+
+BAD = {
+    "malformed": b"{not json",
+    "unknown field": json.dumps({"transaction": "b1", "bogus": 1}).encode(),
+    "wrong version": json.dumps({"transaction": "b2", "schema_version": 7}).encode(),
+    "wrong type": json.dumps({"transaction": "b3", "job_id": 5}).encode(),
+    "oversized": json.dumps({"transaction": "b4", "pad": "x" * 300_000}).encode(),
+    "not an object": b"[1, 2]",
+}
+
+
+@pytest.mark.parametrize("name", list(m.REQUEST_MODELS))
+def test_every_request_topic_answers_bad_payloads(tmp_path, name):
+    h = Harness(tmp_path)
+    announce(h)
+    for label, payload in BAD.items():
+        h.client.drain()
+        answers = h.request(name, payload)
+        assert len(answers) == 1 and answers[0].status == "error", (label, answers)
+    (ok,) = h.request("nodes/list", {"transaction": "fine"})  # still serving
+    assert ok.status == "ok" and [n["node_id"] for n in ok.data["nodes"]] == list(NODES)
+
+
+def test_node_topics_claiming_another_node_are_ignored(tmp_path):
+    h = Harness(tmp_path)
+    announce(h)
+    job_id, assigned = submit_until_assigned(h)
+    victim = assigned[0]
+    # "b" publishes an ack and a failure in the name of "a", and capabilities for "a".
+    h.node_says(m.AssignmentAck(job_id=job_id, plan_version=1, node_id="a", accepted=False, reason="evil"), "b")
+    h.node_says(CAPS.model_copy(update={"node_id": "a", "participate": False}), "b")
+    h.client.publish(T.build("node.metrics", node_id="b"), msgpack.packb({"garbage": True}))
+    h.pump()
+    job = h.gw.jobs[job_id]
+    assert job.phase == "assigning" and victim.node_id in job.waiting
+    assert h.gw.reg["a"].participate and h.gw.dispatcher.errors["rejected"] == 2
+    assert h.gw.dispatcher.errors["unknown_field"] + h.gw.dispatcher.errors["missing_field"] >= 1
+    (ok,) = h.request("job/status", {"transaction": "s", "job_id": job_id})
+    assert ok.status == "ok" and ok.data["job"]["phase"] == "assigning"
+    (err,) = h.request("job/pause", {"transaction": "p", "job_id": "nope"})
+    assert err.status == "error" and "unknown job" in err.error
