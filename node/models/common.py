@@ -1,0 +1,271 @@
+"""What every model family shares: the TPModel base, dropout streams, attention, masks, losses."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from xronos.node.tp.group import TPGroup
+from xronos.node.tp.layers import vocab_parallel_cross_entropy
+from xronos.node.tp.layout import ShardLayout
+from xronos.node.tp.mappings import copy_to_tp
+
+from .specs import TensorSpec
+
+TASKS = ("classify", "causal-lm")
+
+
+def cfg_get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The first of `keys` present in config.json (HF configs have aliases, e.g. n_embd)."""
+    for k in keys:
+        if config.get(k) is not None:
+            return config[k]
+    return default
+
+
+def cfg_require(config: dict[str, Any], *keys: str) -> Any:
+    v = cfg_get(config, *keys)
+    if v is None:
+        raise ValueError(f"config.json lacks {' / '.join(keys)}")
+    return v
+
+
+def num_labels(config: dict[str, Any]) -> int:
+    id2label = config.get("id2label")
+    return len(id2label) if id2label else int(config.get("num_labels", 2))
+
+
+class DropoutStreams:
+    """Two random streams: `replicated` (same seed on every rank, so replicated layers drop the same
+    elements everywhere) and `local` (distinct per rank, for partitioned activations)."""
+
+    def __init__(self, rank: int, seed: int = 0) -> None:
+        self.rank = rank
+        self.seed(seed)
+
+    def seed(self, seed: int) -> None:
+        self.replicated = torch.Generator(device="cpu").manual_seed(seed)
+        self.local = torch.Generator(device="cpu").manual_seed(
+            zlib.crc32(f"{seed}:rank{self.rank}".encode()))
+
+
+def dropout(x: torch.Tensor, p: float, gen: torch.Generator, training: bool) -> torch.Tensor:
+    if not training or p == 0.0:
+        return x
+    keep = torch.rand(x.shape, generator=gen, dtype=x.dtype, device=x.device) >= p
+    return x * keep / (1.0 - p)
+
+
+class Dropout(nn.Module):
+    def __init__(self, p: float, streams: DropoutStreams, *, partitioned: bool = False) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p, self.streams, self.partitioned = p, streams, partitioned
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gen = self.streams.local if self.partitioned else self.streams.replicated
+        return dropout(x, self.p, gen, self.training)
+
+
+def attention_mask_bool(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[B, S] 1/0 padding mask -> bool [B, 1, S|1, S], True = may attend (as transformers' sdpa)."""
+    keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
+    if not causal:
+        return keys
+    S = attention_mask.shape[1]
+    tril = torch.ones(S, S, dtype=torch.bool, device=attention_mask.device).tril()
+    return keys & tril  # [B, 1, S, S]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           attn_dropout: Dropout) -> torch.Tensor:
+    """q [B, h, S, d], k/v [B, h_kv, S, d] (h_kv divides h: GQA), mask bool -> [B, S, h*d]."""
+    B, h, S, d = q.shape
+    if k.shape[1] not in (0, h):
+        rep = h // k.shape[1]
+        k = k[:, :, None].expand(B, k.shape[1], rep, S, d).reshape(B, h, S, d)
+        v = v[:, :, None].expand(B, v.shape[1], rep, S, d).reshape(B, h, S, d)
+    if attn_dropout.training and attn_dropout.p > 0.0:
+        # Explicit path so the probabilities' dropout draws from this rank's own stream.
+        scores = (q @ k.transpose(-1, -2)) * scale  # [B, h, S, S]
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        y = attn_dropout(scores.softmax(dim=-1)) @ v
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return y.transpose(1, 2).reshape(B, S, h * d)
+
+
+class TPModel(nn.Module):
+    """A model family's tensor-parallel module. Subclasses set up layers and `_specs` and implement
+    `hidden_states` (replicated [B, S, hidden]) and the task heads."""
+
+    hf_classes: dict[str, str] = {}
+
+    def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup) -> None:
+        super().__init__()
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        if task not in self.hf_classes:
+            raise ValueError(f"{type(self).__name__} does not support task {task!r}")
+        if group.world_size != layout.world_size or group.rank != layout.rank:
+            raise ValueError(f"group (rank {group.rank} of {group.world_size}) does not match layout "
+                             f"(rank {layout.rank} of {layout.world_size})")
+        self.config, self.task, self.layout, self.group = dict(config), task, layout, group
+        self.streams = DropoutStreams(layout.rank)
+        self._specs: dict[str, TensorSpec] = {}
+        if task == "classify":
+            self.num_labels = num_labels(config)
+            if self.num_labels < 2 or config.get("problem_type") not in (None, "single_label_classification"):
+                raise ValueError(f"only single-label classification with >= 2 labels is supported, got "
+                                 f"num_labels={self.num_labels}, problem_type={config.get('problem_type')}")
+
+    @property
+    def hf_class(self) -> str:
+        return self.hf_classes[self.task]
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        return dict(self._specs)
+
+    def seed(self, seed: int) -> None:
+        """Reset the dropout streams (call with the same seed on every rank)."""
+        self.streams.seed(seed)
+
+    def _check_specs(self) -> None:
+        names = {n for n, _ in self.named_parameters()}
+        assert names == set(self._specs), (names ^ set(self._specs))
+        for n, p in self.named_parameters():
+            assert tuple(p.shape) == self._specs[n].local_shape, (n, p.shape, self._specs[n])
+
+    def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        return torch.ones_like(input_ids) if attention_mask is None else attention_mask
+
+    # Subclasses: replicated final hidden states [B, S, hidden].
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """classify: [B, num_labels], replicated. causal-lm: this rank's vocab slice
+        [B, S, vocab_stop - vocab_start] (see `vocab_range`)."""
+        attention_mask = self._inputs(input_ids, attention_mask)
+        h = self.hidden_states(input_ids, attention_mask, token_type_ids)
+        return self.classify_head(h, input_ids) if self.task == "classify" else self.lm_logits(h)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss, exactly as the transformers class computes it (identical on every rank)."""
+        if labels is None:
+            raise ValueError("forward needs labels; use .logits() for inference")
+        logits = self.logits(input_ids, attention_mask, token_type_ids)
+        if self.task == "classify":
+            return F.cross_entropy(logits, labels.view(-1))
+        # Causal LM: tokens < n predict n, the last position has no target (HF pads with -100).
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_range[0], self.group)
+
+    # --- task heads, overridden or configured by subclasses ---
+    def classify_head(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def last_token_pool(h: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """The hidden state at the rightmost non-pad token, as transformers' decoder classifiers pool."""
+    B = input_ids.shape[0]
+    if pad_token_id is None:
+        if B != 1:
+            raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined "
+                             "(set pad_token_id in config.json)")
+        last = torch.full((1,), -1, dtype=torch.long, device=h.device)
+    else:
+        non_pad = (input_ids != pad_token_id).to(torch.int32)
+        idx = torch.arange(input_ids.shape[-1], device=h.device, dtype=torch.int32)
+        last = (idx * non_pad).argmax(-1)
+    return h[torch.arange(B, device=h.device), last]  # [B, hidden]
+
+
+def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """Vocab-parallel logits: replicated h [B, S, hidden] x local rows [V_local, hidden]."""
+    return F.linear(copy_to_tp(h, group), weight)  # [B, S, V_local]
+
+
+def init_std(config: dict[str, Any]) -> float:
+    return float(config.get("initializer_range", 0.02))
+
+
+def gelu_fn(name: str):
+    fns = {
+        "gelu": F.gelu,
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "relu": F.relu,
+        "silu": F.silu,
+        "swish": F.silu,
+        "tanh": torch.tanh,
+        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    }
+    if name not in fns:
+        raise ValueError(f"unsupported activation function {name!r} (supported: {sorted(fns)})")
+    return fns[name]
+
+
+
+ARCH_FIELDS = ("family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+               "vocab_size", "max_positions", "num_labels", "tie_word_embeddings")
+
+
+class Family:
+    """A model family: which HF architectures it reads and how to build its TPModel."""
+
+    name: str = ""
+    architectures: tuple[str, ...] = ()
+    model_cls: type[TPModel] = TPModel
+
+    def num_units(self, config: dict[str, Any]) -> int:
+        """H: partition units per layer (attention heads; KV heads for GQA)."""
+        raise NotImplementedError
+
+    def max_positions(self, config: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def arch_spec(self, config: dict[str, Any], task: str) -> dict[str, Any]:
+        """The fields of protocol.messages.ArchSpec for this checkpoint and task."""
+        raise NotImplementedError
+
+    def config_from_arch(self, arch: dict[str, Any]) -> dict[str, Any]:
+        """A config.json dict of this family's shape (for random-weight profiling and benchmarks)."""
+        raise NotImplementedError
+
+    def hf_class(self, task: str) -> str:
+        if task not in self.model_cls.hf_classes:
+            raise ValueError(f"family {self.name} does not support task {task!r} "
+                             f"(supported: {sorted(self.model_cls.hf_classes)})")
+        return self.model_cls.hf_classes[task]
+
+    def build(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup, *,
+              dropout: float | None = None) -> TPModel:
+        """The model on the meta device (no storage): `materialize` or `init_random` fills it."""
+        self.hf_class(task)
+        H = self.num_units(config)
+        if layout.H != H:
+            raise ValueError(f"layout {list(layout.units)} sums to {layout.H} units but "
+                             f"{self.name} with this config.json has H={H}")
+        with torch.device("meta"):
+            model = self.model_cls(config, task, layout, group, dropout=dropout)
+        model._check_specs()
+        return model

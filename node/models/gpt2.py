@@ -1,0 +1,205 @@
+"""GPT-2 (GPT2LMHeadModel, GPT2ForSequenceClassification), tensor-parallel, nanoGPT style.
+
+Module names mirror transformers', so local parameter names are the HF names. HF's Conv1D keeps
+weights as [in, out]; we keep that orientation (`transposed=True`) so every local weight is a plain
+slice of the checkpoint tensor. c_attn fuses q|k|v: a rank's local c_attn is its q head columns,
+then its k head columns, then its v head columns (3 segments).
+Partition unit u = head u + MLP columns unit_bounds(n_inner, H)[u:u+2].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from xronos.node.tp.group import TPGroup
+from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from xronos.node.tp.layout import ShardLayout
+from xronos.node.tp.mappings import copy_to_tp
+
+from .common import (Dropout, DropoutStreams, Family, TPModel, attend, attention_mask_bool, cfg_get,
+                     cfg_require, gelu_fn, init_std, last_token_pool, lm_head_logits, num_labels)
+from .specs import TensorSpec, replicated, split
+
+
+class GPT2Dims:
+    def __init__(self, c: dict[str, Any], dropout: float | None) -> None:
+        self.hidden = int(cfg_require(c, "n_embd", "hidden_size"))
+        self.n_layer = int(cfg_require(c, "n_layer", "num_hidden_layers"))
+        self.n_head = int(cfg_require(c, "n_head", "num_attention_heads"))
+        self.vocab = int(cfg_require(c, "vocab_size"))
+        self.n_pos = int(cfg_require(c, "n_positions", "max_position_embeddings"))
+        self.n_inner = int(cfg_get(c, "n_inner", default=4 * self.hidden))
+        self.eps = float(cfg_get(c, "layer_norm_epsilon", default=1e-5))
+        self.act = gelu_fn(cfg_get(c, "activation_function", default="gelu_new"))
+        if self.hidden % self.n_head:
+            raise ValueError(f"n_embd {self.hidden} is not a multiple of n_head {self.n_head}")
+        if c.get("add_cross_attention"):
+            raise ValueError("GPT-2 with cross-attention (add_cross_attention=true) is not supported")
+        self.head_dim = self.hidden // self.n_head
+        p = lambda key, default: float(dropout if dropout is not None else cfg_get(c, key, default=default))
+        self.resid_p, self.embd_p, self.attn_p = p("resid_pdrop", 0.1), p("embd_pdrop", 0.1), p("attn_pdrop", 0.1)
+        self.scale_weights = bool(cfg_get(c, "scale_attn_weights", default=True))
+        self.scale_by_layer = bool(cfg_get(c, "scale_attn_by_inverse_layer_idx", default=False))
+        self.tied = bool(cfg_get(c, "tie_word_embeddings", default=True))
+        self.pad_token_id = c.get("pad_token_id")
+
+
+class Attention(nn.Module):
+    def __init__(self, d: GPT2Dims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams,
+                 layer_idx: int) -> None:
+        super().__init__()
+        h0, h1 = layout.unit_range()
+        self.group, self.head_dim, self.n_local = group, d.head_dim, h1 - h0
+        self.width = self.n_local * d.head_dim
+        self.c_attn = ColumnParallelLinear(d.hidden, 3 * self.width, transposed=True)
+        self.c_proj = RowParallelLinear(self.width, d.hidden, group, transposed=True)
+        self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
+        self.resid_dropout = Dropout(d.resid_p, streams)
+        self.scale = d.head_dim ** -0.5 if d.scale_weights else 1.0
+        if d.scale_by_layer:
+            self.scale /= float(layer_idx + 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape  # x [B, S, hidden], replicated
+        q, k, v = self.c_attn(copy_to_tp(x, self.group)).split([self.width] * 3, dim=2)  # [B, S, h*hd]
+        q, k, v = (t.view(B, S, self.n_local, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, h, S, hd]
+        y = attend(q, k, v, mask, self.scale, self.attn_dropout)  # [B, S, h*hd]
+        return self.resid_dropout(self.c_proj(y))  # [B, S, hidden], summed over ranks
+
+
+class MLP(nn.Module):
+    def __init__(self, d: GPT2Dims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams) -> None:
+        super().__init__()
+        c0, c1 = layout.slice_of(d.n_inner)
+        self.group, self.act = group, d.act
+        self.c_fc = ColumnParallelLinear(d.hidden, c1 - c0, transposed=True)
+        self.c_proj = RowParallelLinear(c1 - c0, d.hidden, group, transposed=True)
+        self.dropout = Dropout(d.resid_p, streams)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
+        x = self.act(self.c_fc(copy_to_tp(x, self.group)))  # [B, S, inner_local]
+        return self.dropout(self.c_proj(x))  # [B, S, hidden]
+
+
+class Block(nn.Module):
+    def __init__(self, d: GPT2Dims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams,
+                 layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d.hidden, eps=d.eps)
+        self.attn = Attention(d, layout, group, streams, layer_idx)
+        self.ln_2 = nn.LayerNorm(d.hidden, eps=d.eps)
+        self.mlp = MLP(d, layout, group, streams)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(TPModel):
+    hf_classes = {"causal-lm": "GPT2LMHeadModel", "classify": "GPT2ForSequenceClassification"}
+
+    def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup, *,
+                 dropout: float | None = None) -> None:
+        super().__init__(config, task, layout, group)
+        d = self.d = GPT2Dims(config, dropout)
+        self.transformer = nn.ModuleDict(dict(
+            wte=VocabParallelEmbedding(d.vocab, d.hidden, layout, group),
+            wpe=nn.Embedding(d.n_pos, d.hidden),
+            drop=Dropout(d.embd_p, self.streams),
+            h=nn.ModuleList(Block(d, layout, group, self.streams, i) for i in range(d.n_layer)),
+            ln_f=nn.LayerNorm(d.hidden, eps=d.eps),
+        ))
+        if task == "classify":
+            self.score = nn.Linear(d.hidden, self.num_labels, bias=False)
+        elif not d.tied:
+            v0, v1 = layout.slice_of(d.vocab)
+            self.lm_head = nn.Linear(d.hidden, v1 - v0, bias=False)
+        self._specs = self._spec_table()
+
+    def _spec_table(self) -> dict[str, TensorSpec]:
+        d, lay = self.d, self.layout
+        E, I, V = d.hidden, d.n_inner, d.vocab
+        h0, h1 = (u * d.head_dim for u in lay.unit_range())
+        c0, c1 = lay.slice_of(I)
+        specs = {"transformer.wte.weight": split("transformer.wte.weight", (V, E), 0, lay.slice_of(V)),
+                 "transformer.wpe.weight": replicated("transformer.wpe.weight", (d.n_pos, E))}
+        for i in range(d.n_layer):
+            p = f"transformer.h.{i}."
+            qkv = ((h0, h1), (E + h0, E + h1), (2 * E + h0, 2 * E + h1))
+            layer = [split(p + "attn.c_attn.weight", (E, 3 * E), 1, *qkv),
+                     split(p + "attn.c_attn.bias", (3 * E,), 0, *qkv),
+                     split(p + "attn.c_proj.weight", (E, E), 0, (h0, h1)),
+                     replicated(p + "attn.c_proj.bias", (E,)),
+                     split(p + "mlp.c_fc.weight", (E, I), 1, (c0, c1)),
+                     split(p + "mlp.c_fc.bias", (I,), 0, (c0, c1)),
+                     split(p + "mlp.c_proj.weight", (I, E), 0, (c0, c1)),
+                     replicated(p + "mlp.c_proj.bias", (E,))]
+            layer += [replicated(p + f"{ln}.{w}", (E,)) for ln in ("ln_1", "ln_2") for w in ("weight", "bias")]
+            specs.update((s.hf_name, s) for s in layer)
+        specs.update((f"transformer.ln_f.{w}", replicated(f"transformer.ln_f.{w}", (E,))) for w in ("weight", "bias"))
+        if self.task == "classify":
+            specs["score.weight"] = TensorSpec("score.weight", None, (), (self.num_labels, E), "normal", init_std(self.config))
+        elif not d.tied:
+            specs["lm_head.weight"] = split("lm_head.weight", (V, E), 0, lay.slice_of(V))
+        return specs
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        wte = self.transformer.wte
+        return wte.vocab_start, wte.vocab_stop
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        B, S = input_ids.shape
+        if S > self.d.n_pos:
+            raise ValueError(f"sequence length {S} exceeds GPT-2's n_positions {self.d.n_pos}")
+        t = self.transformer
+        pos = torch.arange(S, device=input_ids.device)
+        x = t.wte(input_ids) + t.wpe(pos)  # [B, S, hidden]
+        if token_type_ids is not None:  # GPT-2 embeds token types with the word embedding
+            x = x + t.wte(token_type_ids)
+        x = t.drop(x)
+        mask = attention_mask_bool(attention_mask, causal=True)  # [B, 1, S, S]
+        for block in t.h:
+            x = block(x, mask)
+        return t.ln_f(x)  # [B, S, hidden]
+
+    def classify_head(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        # score is linear per position, so pooling first equals HF's score-then-pool.
+        return self.score(last_token_pool(h, input_ids, self.d.pad_token_id))  # [B, num_labels]
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.transformer.wte.weight if self.d.tied else self.lm_head.weight
+        return lm_head_logits(h, weight, self.group)  # [B, S, V_local]
+
+
+class GPT2Family(Family):
+    name = "gpt2"
+    architectures = ("GPT2LMHeadModel", "GPT2Model", "GPT2ForSequenceClassification", "GPT2DoubleHeadsModel")
+    model_cls = GPT2
+
+    def num_units(self, config: dict[str, Any]) -> int:
+        return int(cfg_require(config, "n_head", "num_attention_heads"))
+
+    def max_positions(self, config: dict[str, Any]) -> int:
+        return int(cfg_require(config, "n_positions", "max_position_embeddings"))
+
+    def arch_spec(self, config: dict[str, Any], task: str) -> dict[str, Any]:
+        d = GPT2Dims(config, None)
+        return dict(family="gpt2", hidden_size=d.hidden, num_layers=d.n_layer, num_heads=d.n_head,
+                    num_kv_heads=d.n_head, intermediate_size=d.n_inner, vocab_size=d.vocab,
+                    max_positions=d.n_pos, num_labels=num_labels(config) if task == "classify" else None,
+                    tie_word_embeddings=d.tied)
+
+    def config_from_arch(self, arch: dict[str, Any]) -> dict[str, Any]:
+        config = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=arch["hidden_size"],
+                      n_layer=arch["num_layers"], n_head=arch["num_heads"], n_inner=arch["intermediate_size"],
+                      vocab_size=arch["vocab_size"], n_positions=arch["max_positions"],
+                      tie_word_embeddings=arch.get("tie_word_embeddings", True),
+                      pad_token_id=arch["vocab_size"] - 1)
+        if arch.get("num_labels") is not None:
+            config["num_labels"] = arch["num_labels"]
+        return config

@@ -1,0 +1,149 @@
+"""Parallel layers with any local width, 0 included.
+
+A rank with 0 units holds [0, in] / [out, 0] weights: its matmuls produce empty or all-zero
+outputs but it still joins every all-reduce, so the collectives line up on all ranks.
+Weights are [out, in] like nn.Linear, or [in, out] with `transposed=True` (GPT-2's Conv1D), so a
+local weight is always a plain slice of the checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .group import TPGroup
+from .layout import ShardLayout
+from .mappings import reduce_from_tp
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool):
+    return F.linear(x, weight.t() if transposed else weight, bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T + b_local, split on output features.
+
+    The input must already be inside the TP region (`copy_to_tp`), entered once for all column
+    layers reading the same activation so backward needs a single all-reduce.
+    """
+
+    def __init__(self, in_features: int, local_out: int, *, bias: bool = True,
+                 transposed: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.local_out, self.transposed = in_features, local_out, transposed
+        shape = (in_features, local_out) if transposed else (local_out, in_features)
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.bias = nn.Parameter(torch.empty(local_out)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., local_out]
+        return _linear(x, self.weight, self.bias, self.transposed)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T) + b, split on input features; bias added once."""
+
+    def __init__(self, local_in: int, out_features: int, group: TPGroup, *, bias: bool = True,
+                 transposed: bool = False) -> None:
+        super().__init__()
+        self.local_in, self.out_features, self.transposed = local_in, out_features, transposed
+        self.group = group
+        shape = (local_in, out_features) if transposed else (out_features, local_in)
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., local_in] -> [..., out]
+        # An empty inner dimension gives exact zeros, so a 0-unit rank adds nothing.
+        y = reduce_from_tp(_linear(x, self.weight, None, self.transposed), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, stop) = layout.slice_of(vocab) of the embedding; lookups summed over ranks."""
+
+    def __init__(self, vocab_size: int, dim: int, layout: ShardLayout, group: TPGroup, *,
+                 padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.vocab_size, self.dim, self.group = vocab_size, dim, group
+        self.vocab_start, self.vocab_stop = layout.slice_of(vocab_size)
+        # The padding row gets no gradient from lookups, as in nn.Embedding(padding_idx=...).
+        owns_pad = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_stop
+        self.local_padding_idx = padding_idx - self.vocab_start if owns_pad else None
+        self.weight = nn.Parameter(torch.empty(self.vocab_stop - self.vocab_start, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B, S, dim]
+        inside = (ids >= self.vocab_start) & (ids < self.vocab_stop)
+        if self.weight.shape[0] == 0:
+            # Adding the empty weight's sum (0) keeps it in the graph: it gets an (empty) gradient
+            # like every other parameter, so optimizers and gather_full see no special case.
+            out = self.weight.new_zeros(*ids.shape, self.dim) + self.weight.sum()
+        else:
+            local_ids = torch.where(inside, ids - self.vocab_start, 0)
+            out = F.embedding(local_ids, self.weight, padding_idx=self.local_padding_idx)
+            out = out.masked_fill(~inside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token -log softmax(target) over a vocabulary split across ranks (3 all-reduces)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,  # type: ignore[override]
+                group: TPGroup, ignore_index: int) -> torch.Tensor:
+        n, v_local = logits.shape  # [N, V_local], targets [N]
+        if v_local > 0:
+            gmax = logits.detach().max(dim=-1).values
+        else:
+            gmax = logits.new_full((n,), float("-inf"))
+        group.all_reduce(gmax, op="max")
+        shifted = logits.detach() - gmax.unsqueeze(-1)  # [N, V_local]
+
+        inside = (targets >= vocab_start) & (targets < vocab_start + v_local)
+        local_t = torch.where(inside, targets - vocab_start, 0)
+        target_logit = logits.new_zeros(n)
+        if v_local > 0:
+            picked = shifted.gather(1, local_t.unsqueeze(1)).squeeze(1)
+            target_logit = torch.where(inside, picked, target_logit)
+        group.all_reduce(target_logit)
+
+        exp = shifted.exp_()  # reuse the buffer: only softmax is needed for backward
+        sum_exp = exp.sum(dim=-1)
+        group.all_reduce(sum_exp)
+
+        valid = targets != ignore_index
+        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0)  # [N]
+        exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(exp, inside, local_t, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
+        softmax, inside, local_t, valid = ctx.saved_tensors
+        grad = softmax.clone()  # d loss_i / d logit_ij = softmax_ij - [j == t_i]
+        if grad.shape[1] > 0:
+            rows = torch.nonzero(inside, as_tuple=True)[0]
+            grad[rows, local_t[rows]] -= 1.0
+        grad.mul_(torch.where(valid, grad_loss, 0.0).unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                 group: TPGroup, ignore_index: int = -100,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits whose last dim is this rank's vocab slice [vocab_start, +V_local).
+
+    `mean` averages over non-ignored tokens (like F.cross_entropy and HF's causal-LM loss; 0/0 gives
+    NaN exactly as they do); `sum` and `none` (per token, 0 where ignored) are also available.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
+    if local_logits.shape[:-1] != targets.shape:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(local_logits.shape)}")
+    flat_t = targets.reshape(-1)
+    flat_logits = local_logits.reshape(flat_t.shape[0], local_logits.shape[-1])  # V_local may be 0
+    per_token = _VocabParallelCE.apply(flat_logits.float(), flat_t, vocab_start, group, ignore_index)
+    if reduction == "none":
+        return per_token.view(targets.shape)
+    if reduction == "sum":
+        return per_token.sum()
+    return per_token.sum() / (flat_t != ignore_index).sum()

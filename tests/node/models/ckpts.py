@@ -1,0 +1,103 @@
+"""Tiny random checkpoints written by transformers' own save_pretrained, their batches, and the
+single-process transformers reference (loss, logits, every gradient, one AdamW step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+LR = 1e-3
+WEIGHT_DECAY = 0.01
+
+
+def _configs():
+    import transformers as T
+
+    no_drop = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    enc = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=50,
+               vocab_size=101, max_position_embeddings=40, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, num_labels=3)
+    llama = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=103,
+                 max_position_embeddings=64, rms_norm_eps=1e-6)
+    return {
+        "gpt2-lm": (T.GPT2LMHeadModel, T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97,
+                                                    n_positions=40, bos_token_id=96, eos_token_id=96, **no_drop)),
+        "gpt2-cls": (T.GPT2ForSequenceClassification,
+                     T.GPT2Config(n_embd=48, n_layer=2, n_head=4, n_inner=70, vocab_size=89, n_positions=40,
+                                  num_labels=3, pad_token_id=0, bos_token_id=88, eos_token_id=88,
+                                  activation_function="gelu", **no_drop)),
+        "bert-cls": (T.BertForSequenceClassification, T.BertConfig(**enc)),
+        "roberta-cls": (T.RobertaForSequenceClassification,
+                        T.RobertaConfig(**dict(enc, max_position_embeddings=42, num_labels=2), pad_token_id=1,
+                                        bos_token_id=0, eos_token_id=2)),
+        # GQA (H = 2 KV heads), intermediate 51 not divisible by H, untied head.
+        "llama-gqa-lm": (T.LlamaForCausalLM, T.LlamaConfig(**llama, num_key_value_heads=2, intermediate_size=51,
+                                                           tie_word_embeddings=False)),
+        # MHA (H = 4), biases everywhere, tied head, explicit head_dim different from hidden/heads.
+        "llama-mha-lm": (T.LlamaForCausalLM, T.LlamaConfig(**llama, num_key_value_heads=4, intermediate_size=50,
+                                                           attention_bias=True, mlp_bias=True, head_dim=12,
+                                                           tie_word_embeddings=True, rope_theta=500.0)),
+        "llama-cls": (T.LlamaForSequenceClassification,
+                      T.LlamaConfig(**llama, num_key_value_heads=2, intermediate_size=45, num_labels=3,
+                                    pad_token_id=0)),
+    }
+
+
+KINDS = tuple(_configs())
+
+
+def task_of(kind: str) -> str:
+    return "causal-lm" if kind.endswith("-lm") else "classify"
+
+
+def make_checkpoint(kind: str, out: Path) -> Path:
+    cls, config = _configs()[kind]
+    torch.manual_seed(sum(map(ord, kind)))
+    model = cls(config)
+    with torch.no_grad():  # make norms and biases non-trivial so their gradients mean something
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return out
+
+
+def make_batch(kind: str, B: int = 3, S: int = 12, seed: int = 0) -> dict[str, torch.Tensor]:
+    _, config = _configs()[kind]
+    g = torch.Generator().manual_seed(seed)
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    low = 3
+    ids = torch.randint(low, config.vocab_size, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, S - 4:] = 0  # right padding
+    if kind == "llama-cls":
+        mask[1, :3] = 0  # and left padding, pooled at the rightmost non-pad token
+    ids = ids.masked_fill(mask == 0, pad)
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if task_of(kind) == "causal-lm":
+        batch["labels"] = ids.masked_fill(mask == 0, -100)
+    else:
+        batch["labels"] = torch.randint(0, config.num_labels, (B,), generator=g)
+    if kind == "bert-cls":
+        batch["token_type_ids"] = (torch.arange(S) >= S // 2).long().expand(B, S).contiguous()
+    return batch
+
+
+def hf_reference(ckpt: Path, task: str, batch: dict[str, torch.Tensor], lr: float = LR) -> dict[str, torch.Tensor]:
+    """loss, logits, grad/<name>, param/<name> after one AdamW step, exp_avg/<name>."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cls = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    model = cls.from_pretrained(ckpt)
+    model.eval()  # no dropout; gradients still flow
+    out = model(**batch)
+    out.loss.backward()
+    ref = {"loss": out.loss.detach().reshape(1), "logits": out.logits.detach()}
+    params = dict(model.named_parameters())
+    ref.update((f"grad/{n}", p.grad.clone()) for n, p in params.items())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
+    opt.step()
+    ref.update((f"param/{n}", p.detach().clone()) for n, p in params.items())
+    ref.update((f"exp_avg/{n}", opt.state[p]["exp_avg"].clone()) for n, p in params.items())
+    return ref

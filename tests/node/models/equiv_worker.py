@@ -1,0 +1,92 @@
+"""One rank of an equivalence world: for each case build the sharded model from the checkpoint,
+run forward + backward + one AdamW step, and consolidate everything on rank 0 with gather_full."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tp"))
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from tp_world import worker_setup  # noqa: E402
+
+from xronos.node.models.export import gather_full, save_hf_dir  # noqa: E402
+from xronos.node.models.loading import SafetensorsSource, materialize  # noqa: E402
+from xronos.node.models.registry import family_for  # noqa: E402
+from xronos.node.models.specs import TensorSpec  # noqa: E402
+from xronos.node.tp.layout import ShardLayout  # noqa: E402
+
+LR, WEIGHT_DECAY = 1e-3, 0.01
+
+
+def run_case(case: dict, rank: int, group, out: Path) -> None:
+    ckpt = Path(case["ckpt"])
+    config = json.loads((ckpt / "config.json").read_text())
+    family = family_for(config)
+    layout = ShardLayout(tuple(case["units"]), rank)
+    model = family.build(config, case["task"], layout, group, dropout=case.get("dropout", 0.0))
+    source = SafetensorsSource(ckpt)
+    materialize(model, source)
+    specs = model.tensor_specs()
+    batch = load_file(case["batch"])
+    args = (batch["input_ids"], batch["attention_mask"], batch["labels"], batch.get("token_type_ids"))
+
+    model.train()
+    if case.get("dropout"):
+        model.seed(1234)
+    loss = model(*args)
+    loss.backward()
+    res: dict[str, torch.Tensor] = {"loss": loss.detach().reshape(1)}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    res.update((f"grad/{k}", v) for k, v in gather_full(grads, specs, layout, group).items())
+
+    # Replicated parameters must get identical gradients on every rank without communication.
+    rep_diff = 0.0
+    for n, p in model.named_parameters():
+        if specs[n].dim is None:
+            t = p.grad.clone()
+            group.broadcast(t, 0)
+            rep_diff = max(rep_diff, (t - p.grad).abs().max().item())
+    loss0 = loss.detach().reshape(1).clone()
+    group.broadcast(loss0, 0)
+
+    model.eval()
+    with torch.no_grad():
+        logits = model.logits(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
+    if case["task"] == "causal-lm":
+        B, S, _ = logits.shape
+        V = config["vocab_size"]
+        logit_spec = {"logits": TensorSpec("logits", 2, (model.vocab_range,), (B, S, V))}
+        logits = gather_full({"logits": logits}, logit_spec, layout, group).get("logits")
+    if logits is not None:
+        res["logits"] = logits
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt.step()
+    res.update((f"param/{k}", v) for k, v in gather_full(model, specs, layout, group).items())
+    exp_avg = {n: opt.state[p]["exp_avg"] for n, p in model.named_parameters()}
+    res.update((f"exp_avg/{k}", v) for k, v in gather_full(exp_avg, specs, layout, group).items())
+
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in res.items()}, str(out / f"{case['id']}.safetensors"))
+        if case.get("export"):
+            state = {k.removeprefix("param/"): v for k, v in res.items() if k.startswith("param/")}
+            save_hf_dir(out / f"{case['id']}-export", config, case["task"], state, ckpt)
+    info = {"loss": loss.item(), "rank0_loss": loss0.item(), "replicated_grad_diff": rep_diff,
+            "slice_reads": source.slice_reads, "full_reads": source.full_reads,
+            "collectives": len(group.drain_timings())}
+    (out / f"{case['id']}.rank{rank}.json").write_text(json.dumps(info))
+
+
+def main() -> None:
+    job, rank, group = worker_setup(sys.argv)
+    out = Path(job["out"])
+    for case in job["cases"]:
+        run_case(case, rank, group, out)
+
+
+if __name__ == "__main__":
+    main()
