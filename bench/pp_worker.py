@@ -24,6 +24,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from xronos.bench.pp_model import Stage, StageSpan, num_blocks
+from xronos.bench.rankdata import batch_source, broadcast_batch
 from xronos.node.metrics import Rusage
 
 
@@ -52,38 +53,8 @@ class PPRankConfig(BaseModel):
     grads_dir: str | None = None  # tests: write this stage's gradients after the first step
 
 
-FIELDS = ("iteration_s", "recv_wait_s", "send_wait_s", "data_s", "loss",
+FIELDS = ("iteration_s", "cpu_s", "recv_wait_s", "send_wait_s", "data_s", "loss",
           "voluntary_ctx_switches", "involuntary_ctx_switches", "peak_rss")
-
-
-def _batch_source(cfg: PPRankConfig):
-    from xronos.node.data import BatchSource
-    from xronos.node.runconfig import RunConfig
-
-    run = RunConfig(model_dir=cfg.model_dir, data_path=cfg.data_path, task="classify", units=[1],
-                    batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, max_steps=cfg.max_steps,
-                    seed=cfg.seed, shuffle=cfg.shuffle, text_column=cfg.text_column,
-                    label_column=cfg.label_column)
-    config = json.loads((Path(cfg.model_dir) / "config.json").read_text())
-    num_labels = len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))
-    return BatchSource(run, num_labels)
-
-
-def _broadcast_batch(cfg: PPRankConfig, batches, pad_types: bool) -> dict[str, torch.Tensor]:
-    B, S = cfg.batch_size, cfg.seq_len
-    if batches is not None:
-        _, b = next(batches)
-        t = {"input_ids": b.input_ids, "attention_mask": b.attention_mask, "labels": b.labels}
-        if pad_types:
-            t["token_type_ids"] = b.token_type_ids
-    else:
-        t = {"input_ids": torch.empty(B, S, dtype=torch.long),
-             "attention_mask": torch.empty(B, S, dtype=torch.long), "labels": torch.empty(B, dtype=torch.long)}
-        if pad_types:
-            t["token_type_ids"] = torch.empty(B, S, dtype=torch.long)
-    for v in t.values():
-        dist.broadcast(v, src=0)
-    return t
 
 
 class Pipe:
@@ -170,7 +141,7 @@ def run(cfg: PPRankConfig) -> None:
         raise ValueError("the pipeline baseline needs at least two stages")
     config = json.loads((Path(cfg.model_dir) / "config.json").read_text())
     B = num_blocks(config)
-    source = _batch_source(cfg) if cfg.rank == 0 else None
+    source = batch_source(cfg) if cfg.rank == 0 else None
     header = torch.tensor([source.pad_token_id, int(source.has_token_types)] if source else [0, 0])
     dist.broadcast(header, src=0)
     pad_id, has_types = int(header[0]), bool(header[1])
@@ -184,8 +155,8 @@ def run(cfg: PPRankConfig) -> None:
     rusage = Rusage()
     rows: list[list[float]] = []
     for step in range(cfg.max_steps):
-        t0 = time.perf_counter()
-        batch = _broadcast_batch(cfg, batches, has_types)
+        t0, c0 = time.perf_counter(), time.process_time()
+        batch = broadcast_batch(cfg, batches, has_types)
         data_s = time.perf_counter() - t0
         micro = [dict(zip(batch, parts)) for parts in zip(*(v.tensor_split(cfg.micro_batches) for v in batch.values()))]
         pipe.recv_wait = pipe.send_wait = 0.0
@@ -196,7 +167,7 @@ def run(cfg: PPRankConfig) -> None:
         opt.zero_grad(set_to_none=True)
         it = time.perf_counter() - t0
         vol, inv = rusage.delta()
-        rows.append([it, pipe.recv_wait, pipe.send_wait, data_s, loss, vol, inv, Rusage.peak_rss()])
+        rows.append([it, time.process_time() - c0, pipe.recv_wait, pipe.send_wait, data_s, loss, vol, inv, Rusage.peak_rss()])
     mine = torch.tensor(rows, dtype=torch.float64)
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine)

@@ -1,0 +1,50 @@
+"""Profile one emulated device: `python -m xronos.bench.profile_device CONFIG.json`.
+
+Run inside the device's cgroup, so the times are those of that device's CPU share: the Xronos
+profiler's report (the planner's input, paper §IV-A) and the pipeline baseline's per-layer
+micro-batch profile (Asteroid's input). Both are written as JSON (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ProfileJob(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_dir: str
+    batch_size: int
+    seq_len: int
+    micro_rows: int
+    threads: int = 1
+    tp_out: str | None = None
+    pp_out: str | None = None
+    iters: int = 5
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    job = ProfileJob.model_validate_json(Path(argv[1]).read_text())
+    torch.set_num_threads(job.threads)
+    if job.tp_out is not None:
+        from xronos.node.profiler import profile
+
+        config = json.loads((Path(job.model_dir) / "config.json").read_text())
+        report = profile(config, "classify", job.batch_size, job.seq_len, threads=job.threads, iters=job.iters)
+        Path(job.tp_out).write_text(json.dumps(report.model_dump(mode="json")))
+    if job.pp_out is not None:
+        from xronos.bench.pp_profile import profile_layers
+
+        Path(job.pp_out).write_text(json.dumps(profile_layers(job.model_dir, job.micro_rows, job.seq_len,
+                                                              iters=job.iters)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
