@@ -18,6 +18,8 @@ from xronos.node.runconfig import RunConfig
 
 IGNORE_INDEX = -100
 _BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json"}
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model",
+                "sentencepiece.bpe.model")
 
 
 def load_columns(path: str | Path, columns: list[str]) -> dict[str, list]:
@@ -85,6 +87,9 @@ def load_tokenizer(model_dir: str | Path):
     """The model directory's tokenizer, with EOS as the pad token when it has none."""
     from transformers import AutoTokenizer
 
+    # transformers quietly builds an empty tokenizer from config.json alone; refuse that.
+    if not any((Path(model_dir) / f).is_file() for f in _VOCAB_FILES):
+        raise ValueError(f"model dir {model_dir}: tokenizer could not be loaded: none of {list(_VOCAB_FILES)}")
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:

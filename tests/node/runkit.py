@@ -160,15 +160,17 @@ def _tokenizer(model_dir: Path):
     return tok
 
 
-def _encode(tok, rows: list[dict], idx: list[int], task: str, seq_len: int):
-    enc = tok([rows[i]["text"] for i in idx], truncation=True, max_length=seq_len,
+def _encode(tok, rows: list[dict], idx: list[int], task: str, seq_len: int) -> dict:
+    """The model inputs transformers would feed: whatever the tokenizer's model_input_names are."""
+    pairs = [rows[i]["pair"] for i in idx] if "pair" in rows[0] else None
+    enc = tok([rows[i]["text"] for i in idx], pairs, truncation=True, max_length=seq_len,
               padding="max_length", return_tensors="pt")
-    ids, mask = enc["input_ids"], enc["attention_mask"]
+    inputs = {k: enc[k] for k in tok.model_input_names}
     if task == "classify":
-        labels = torch.tensor([rows[i]["label"] for i in idx])
+        inputs["labels"] = torch.tensor([rows[i]["label"] for i in idx])
     else:
-        labels = ids.masked_fill(mask == 0, -100)
-    return ids, mask, labels
+        inputs["labels"] = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    return inputs
 
 
 def load_reference_model(model_dir: Path, task: str, pad_token_id: int):
@@ -196,8 +198,7 @@ def reference_train(model_dir: Path, rows: list[dict], task: str, *, steps: int,
         opt, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
     n_train = len(rows) if n_train is None else n_train
     for idx in batch_rows(n_train, batch_size, steps, shuffle, seed):
-        ids, mask, labels = _encode(tok, rows, idx, task, seq_len)
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        model(**_encode(tok, rows, idx, task, seq_len)).loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
@@ -214,8 +215,9 @@ def reference_eval(model, tok, rows: list[dict], task: str, n_train: int, batch_
     loss_sum, weight, correct = 0.0, 0, 0
     for s in range(n_train, len(rows), batch_size):
         idx = list(range(s, min(s + batch_size, len(rows))))
-        ids, mask, labels = _encode(tok, rows, idx, task, seq_len)
-        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        inputs = _encode(tok, rows, idx, task, seq_len)
+        labels = inputs["labels"]
+        out = model(**inputs)
         if task == "classify":
             loss_sum += float(torch.nn.functional.cross_entropy(out.logits, labels, reduction="sum"))
             correct += int((out.logits.argmax(-1) == labels).sum())

@@ -1,0 +1,94 @@
+"""`xronos run` refuses bad input with one clean line, before any process is spawned.
+(The runs themselves are exercised end to end in tests/node/test_contract.py.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
+import runkit  # noqa: E402  (the run test kit lives with the node tests)
+
+from xronos.cli import run as run_cli  # noqa: E402
+from xronos.cli.main import build_parser, main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("cli-run")
+    model = runkit.make_model(root / "gpt2", "gpt2", "classify", num_labels=2)
+    rows = [{"text": t, "label": i % 2} for i, t in enumerate(runkit.texts(12))]
+    return model, runkit.write_rows(root / "data.csv", rows)
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    def refuse(*a, **kw):
+        raise AssertionError("a process was spawned for a run that should have been refused")
+
+    monkeypatch.setattr("xronos.node.launch.subprocess.Popen", refuse)
+
+
+def _argv(good, tmp_path: Path, **overrides) -> list[str]:
+    model, data = good
+    argv = runkit.run_argv(model, data, "classify", (4, 8), tmp_path / "out")
+    for flag, value in overrides.items():
+        flag = "--" + flag.replace("_", "-")
+        i = argv.index(flag)
+        argv[i:i + 2] = [f"{flag}={value}"]  # "=" form: argparse would read "-4,16" as an option
+    return argv
+
+
+def test_run_is_registered_with_the_documented_flags() -> None:
+    help_text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
+    for flag in ("--model", "--data", "--task", "--nodes", "--units", "--batch-size", "--seq-len", "--lr",
+                 "--max-steps", "--seed", "--no-shuffle", "--dropout", "--weight-decay", "--max-grad-norm",
+                 "--warmup-steps", "--text-column", "--text-pair-column", "--label-column",
+                 "--threads-per-node", "--eval-fraction", "--metrics", "--gloo-timeout", "--export"):
+        assert flag in help_text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"units": "4,7"}, "sums to 11, but the model has H=12"),
+        ({"units": "4,4,4"}, "3 entries [4, 4, 4] but --nodes is 2"),
+        ({"units": "-4,16"}, "units must be >= 0"),
+        ({"units": "4,x"}, "--units must be comma-separated integers"),
+        ({"nodes": "0"}, "--nodes must be >= 1"),
+        ({"seq_len": "65"}, "--seq-len 65 exceeds the model's maximum of 64"),
+        ({"batch_size": "0"}, "--batch-size: Input should be greater than 0"),
+        ({"batch_size": "13"}, "--batch-size 13 is larger than the 12 training rows"),
+        ({"data": "/nonexistent/d.csv"}, "data file /nonexistent/d.csv does not exist"),
+        ({"model": "/nonexistent/m"}, "model dir /nonexistent/m does not exist"),
+        ({"lr": "-1"}, "--lr: Input should be greater than 0"),
+    ],
+)
+def test_bad_input_is_one_clean_error_line(good, tmp_path, capsys, no_spawn, overrides, message) -> None:
+    assert main(_argv(good, tmp_path, **overrides)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("xronos run: error: ")
+    assert message in err[0], err[0]
+
+
+def test_labels_out_of_range_for_the_head(good, tmp_path, capsys, no_spawn) -> None:
+    data = runkit.write_rows(tmp_path / "d.jsonl", [{"text": t, "label": i % 3} for i, t in enumerate(runkit.texts(8))])
+    assert main(_argv(good, tmp_path, data=str(data))) == 2
+    assert "row 2 has label 2 outside [0, 2)" in capsys.readouterr().err
+
+
+def test_export_must_not_overwrite_the_input(good, tmp_path, capsys, no_spawn) -> None:
+    assert main(_argv(good, tmp_path, export=str(good[0]))) == 2
+    assert "would overwrite the input model directory" in capsys.readouterr().err
+
+
+def test_units_come_from_one_replaceable_function() -> None:
+    args = build_parser().parse_args(["run", "--model", "m", "--data", "d", "--task", "classify", "--nodes", "2",
+                                      "--units", "3,9", "--batch-size", "1", "--seq-len", "8", "--lr", "1",
+                                      "--max-steps", "1", "--seed", "0", "--export", "o"])
+    assert run_cli.resolve_units(args) == [3, 9]
+    args.units = None
+    with pytest.raises(ValueError, match="--units is required"):
+        run_cli.resolve_units(args)

@@ -1,0 +1,136 @@
+"""Pre-flight refusals: every bad input is named before any process is spawned."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import runkit
+from xronos.node.runconfig import RunConfig
+from xronos.node.validate import preflight
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("validate")
+    model = runkit.make_model(root / "gpt2", "gpt2", "classify", num_labels=3)
+    rows = [{"text": t, "label": i % 3} for i, t in enumerate(runkit.texts(10))]
+    return model, runkit.write_rows(root / "data.jsonl", rows)
+
+
+def _cfg(model: Path, data: Path, **kw) -> RunConfig:
+    base = dict(model_dir=str(model), data_path=str(data), task="classify", units=[4, 8], batch_size=4,
+                seq_len=16, lr=1e-4, max_steps=3)
+    return RunConfig(**{**base, **kw})
+
+
+def _copy(model: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(model, tmp_path / "copy"))
+
+
+def _edit_config(model: Path, **changes) -> None:
+    path = model / "config.json"
+    cfg = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    path.write_text(json.dumps(cfg))
+
+
+def test_a_good_run_passes(good) -> None:
+    pre = preflight(_cfg(*good, eval_fraction=0.2), nodes=2)
+    assert (pre.family, pre.units_total, pre.num_labels, pre.train_rows, pre.eval_rows) == ("gpt2", 12, 3, 8, 2)
+
+
+def test_model_dir_problems(good, tmp_path: Path) -> None:
+    model, data = good
+    with pytest.raises(FileNotFoundError, match="model dir .*nowhere does not exist"):
+        preflight(_cfg(tmp_path / "nowhere", data), 2)
+    m = _copy(model, tmp_path)
+    _edit_config(m, architectures=None)
+    with pytest.raises(ValueError, match="no 'architectures'"):
+        preflight(_cfg(m, data), 2)
+    _edit_config(m, architectures=["T5ForConditionalGeneration"])
+    with pytest.raises(ValueError, match="unsupported architecture T5ForConditionalGeneration"):
+        preflight(_cfg(m, data), 2)
+    (m / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        preflight(_cfg(m, data), 2)
+
+
+def test_units_must_match_nodes_and_H(good) -> None:
+    with pytest.raises(ValueError, match=r"sums to 11, but the model has H=12"):
+        preflight(_cfg(*good, units=[4, 7]), 2)
+    with pytest.raises(ValueError, match=r"3 entries \[4, 4, 4\] but --nodes is 2"):
+        preflight(_cfg(*good, units=[4, 4, 4]), 2)
+    with pytest.raises(ValueError, match=r"units must be >= 0"):
+        _cfg(*good, units=[-1, 13])
+
+
+def test_seq_len_above_the_model_maximum(good) -> None:
+    with pytest.raises(ValueError, match="--seq-len 65 exceeds the model's maximum of 64"):
+        preflight(_cfg(*good, seq_len=65), 2)
+
+
+def test_checkpoint_problems(good, tmp_path: Path) -> None:
+    model, data = good
+    m = _copy(model, tmp_path)
+    weights = m / "model.safetensors"
+    state = load_file(str(weights))
+    del state["transformer.h.1.mlp.c_fc.weight"]
+    save_file(state, str(weights))
+    with pytest.raises(ValueError, match="lacks tensor transformer.h.1.mlp.c_fc.weight"):
+        preflight(_cfg(m, data), 2)
+    _edit_config(m, n_inner=64)
+    shutil.copy(model / "model.safetensors", weights)
+    with pytest.raises(ValueError, match=r"has shape \[48, 100\], config.json implies \[48, 64\]"):
+        preflight(_cfg(m, data), 2)
+    _edit_config(m, n_inner=100)
+    raw = bytearray(weights.read_bytes())
+    raw[8:40] = b"\xff" * 32  # corrupt the JSON header
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="model.safetensors is unreadable"):
+        preflight(_cfg(m, data), 2)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
+        preflight(_cfg(m, data), 2)
+
+
+def test_tokenizer_missing(good, tmp_path: Path) -> None:
+    model, data = good
+    m = _copy(model, tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (m / f).unlink()
+    with pytest.raises(ValueError, match="tokenizer could not be loaded"):
+        preflight(_cfg(m, data), 2)
+
+
+def test_data_problems(good, tmp_path: Path) -> None:
+    model, _ = good
+    with pytest.raises(FileNotFoundError, match="missing.csv does not exist"):
+        preflight(_cfg(model, tmp_path / "missing.csv"), 2)
+    d = runkit.write_rows(tmp_path / "d1.csv", [{"sentence": "a", "label": 0}] * 8)
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['text'\]"):
+        preflight(_cfg(model, d), 2)
+    d = runkit.write_rows(tmp_path / "d2.jsonl", [{"text": "a", "label": 0}] * 7 + [{"text": "b", "label": 0.5}])
+    with pytest.raises(ValueError, match=r"row 7 has non-integer label 0.5"):
+        preflight(_cfg(model, d), 2)
+    d = runkit.write_rows(tmp_path / "d3.json", [{"text": "a", "label": i} for i in range(4)])
+    with pytest.raises(ValueError, match=r"row 3 has label 3 outside \[0, 3\)"):
+        preflight(_cfg(model, d), 2)
+    d = runkit.write_rows(tmp_path / "d4.jsonl", [{"text": "a", "label": 0}] * 5)
+    with pytest.raises(ValueError, match=r"--batch-size 4 is larger than the 3 training rows .*\(2 rows held out"):
+        preflight(_cfg(model, d, eval_fraction=0.4), 2)
+    d = runkit.write_rows(tmp_path / "d5.jsonl", [{"text": "a", "label": 0}] * 3 + [{"text": 5, "label": 0}])
+    with pytest.raises(ValueError, match=r"column 'text' row 3 is not text: 5"):
+        preflight(_cfg(model, d, batch_size=2), 2)
+    # causal-lm needs no label column
+    d = runkit.write_rows(tmp_path / "d6.jsonl", [{"text": "a b"}] * 4)
+    lm = _copy(model, tmp_path)
+    assert preflight(_cfg(lm, d, task="causal-lm"), 2).num_labels is None
