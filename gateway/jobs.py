@@ -113,14 +113,20 @@ def _assign(job: Job, ctx: Ctx, plan: dict[str, Any]) -> Out:
     return job, [Assign(job.job_id, plan, job.checkpoint_step)]
 
 
-def _recover(job: Job, ctx: Ctx, reason: str) -> Out:
-    """A node or rank of the running plan is gone: stop the survivors, re-plan, resume."""
+def _recover(job: Job, ctx: Ctx, reason: str, known_cause: bool = False) -> Out:
+    """A node or rank of the running plan is gone: stop the survivors, re-plan, resume.
+
+    Unless the lost node is known (its last-will arrived), re-planning waits `regroup_s`: a rank
+    that failed usually failed because a peer died, and that peer's last-will may still be on
+    its way; planning it in again would only cost an ack timeout."""
     if job.recoveries >= ctx.timeouts.max_recoveries:
         return _fail(job, ctx, f"{reason}; gave up after {job.recoveries} recoveries")
     effects: list[Effect] = [Control(job.job_id, job.plan_version, job.plan_nodes, "cancel")]
     job = _note(job, ctx.now, f"recovering: {reason}; resuming from step {job.checkpoint_step}",
                 phase="recovering", recoveries=job.recoveries + 1, error=None,
                 recover_deadline=ctx.now + ctx.timeouts.recover_s)
+    if not known_cause:
+        return replace(job, awaiting="retry", waiting=(), deadline=ctx.now + ctx.timeouts.regroup_s), effects
     job, more = _replan(job, ctx)
     return job, effects + more
 
@@ -217,7 +223,7 @@ def _on_acked(job: Job, ev: Acked, ctx: Ctx) -> Out:
         return job, []
     if not ev.accepted:
         job = replace(job, excluded=job.excluded + (ev.node_id,))
-        return _recover(job, ctx, f"node {ev.node_id!r} refused its assignment: {ev.reason}")
+        return _recover(job, ctx, f"node {ev.node_id!r} refused its assignment: {ev.reason}", known_cause=True)
     job = replace(job, waiting=tuple(n for n in job.waiting if n != ev.node_id))
     return _start(job, ctx) if not job.waiting else (job, [])
 
@@ -229,7 +235,7 @@ def _on_down(job: Job, ev: NodeDown, ctx: Ctx) -> Out:
             return _refuse(job, ctx, f"owner {node!r} went offline")
         return _on_profiled(job, Profiled(node, None, "went offline"), ctx)
     if job.phase in ("assigning", "running", "paused") and node in job.plan_nodes:
-        return _recover(job, ctx, f"node {node!r} went offline")
+        return _recover(job, ctx, f"node {node!r} went offline", known_cause=True)
     return job, []
 
 
@@ -247,6 +253,8 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
         return job, []
     is_owner = s["rank"] == 0
     if is_owner and s.get("checkpoint_step") and s["checkpoint_step"] > job.checkpoint_step:
+        if job.events and " checkpoint at step " in job.events[-1]:  # one line for a run of them
+            job = replace(job, events=job.events[:-1])
         job = _note(job, ctx.now, f"checkpoint at step {s['checkpoint_step']}",
                     checkpoint_step=s["checkpoint_step"])
     if is_owner and s.get("eval_initial") is not None and job.eval_initial is None:
@@ -318,7 +326,8 @@ def _on_tick(job: Job, _ev: Tick, ctx: Ctx) -> Out:
         return _plan_or_profile(replace(job, waiting=()),
                                 ctx, tuple(n for n in _candidates(job, ctx) if n in job.profiles))
     if job.awaiting == "acks":
-        return _recover(replace(job, excluded=job.excluded + job.waiting), ctx, f"no ack from {late}")
+        return _recover(replace(job, excluded=job.excluded + job.waiting), ctx, f"no ack from {late}",
+                        known_cause=True)
     if job.awaiting == "retry":
         return _replan(replace(job, awaiting=""), ctx)
     if job.phase == "running":

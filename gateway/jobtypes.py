@@ -20,6 +20,7 @@ class Timeouts:
     stall_s: float = 300.0  # running without a metric this long = a silent failure
     recover_s: float = 900.0  # give up re-planning after this long
     retry_s: float = 5.0  # re-plan attempt interval while recovering
+    regroup_s: float = 3.0  # after a rank failure, time for a dead peer's last-will to arrive
     max_recoveries: int = 5
 
 

@@ -12,7 +12,8 @@ from xronos.gateway.progress import state_view
 SPEC = {"name": "t", "owner": "a", "model_dir": "/m", "data_path": "/d.csv", "task": "classify",
         "batch_size": 4, "seq_len": 16, "lr": 1e-4, "max_steps": 10, "export_dir": "/out", "nodes": None}
 ARCH = {"family": "bert", "hidden_size": 32}
-TO = J.Timeouts(inspect_s=10, profile_s=20, ack_s=10, stall_s=30, recover_s=100, retry_s=5, max_recoveries=3)
+TO = J.Timeouts(inspect_s=10, profile_s=20, ack_s=10, stall_s=30, recover_s=100, retry_s=5, regroup_s=2,
+                max_recoveries=3)
 
 
 def ctx(now=0.0, online=("a", "b", "c"), busy=False):
@@ -70,7 +71,9 @@ def test_happy_path_metrics_and_completion():
     assert view["idle_ratio"]["a"] == pytest.approx(0.1) and view["eta_s"] == pytest.approx(7 * 0.2)
     assert view["predicted_s"] == {"a": 0.1, "b": 0.1, "c": 0.1}
     job, _ = J.handle(job, status("a", 0, "running", checkpoint_step=2), ctx(9))
-    assert job.checkpoint_step == 2
+    job, _ = J.handle(job, status("a", 0, "running", checkpoint_step=4), ctx(9))
+    assert job.checkpoint_step == 4 and job.events[-1].endswith("checkpoint at step 4")
+    assert not any(e.endswith("checkpoint at step 2") for e in job.events)
     job, eff = J.handle(job, status("b", 1, "completed", step=10), ctx(10))
     assert job.phase == "running"  # only the owner's completion counts (it holds the export)
     job, eff = J.handle(job, status("a", 0, "completed", step=10, export_dir="/out", eval_metric=0.9,
@@ -155,14 +158,19 @@ def test_node_loss_recovers_from_checkpoint_on_survivors():
 def test_rank_failure_and_waiting_for_memory_or_owner():
     job = submit_to_running()
     job, eff = J.handle(job, status("b", 1, "failed", detail="Gloo timeout"), ctx(5))
-    assert job.phase == "recovering" and "Gloo timeout" in job.events[-1]
-    job, eff = J.handle(job, J.Planned(None, "b needs 9 GB"), ctx(6))
+    assert job.phase == "recovering" and "Gloo timeout" in job.events[-1] and job.awaiting == "retry"
+    assert eff == [J.Control("j", 1, ("a", "b", "c"), "cancel")]  # then wait for last-wills
+    job, eff = J.handle(job, J.Tick(), ctx(6))
+    assert eff == []
+    job, eff = J.handle(job, J.Tick(), ctx(7.5))
+    assert eff == [J.MakePlan("j", ("a", "b", "c"), 2)]
+    job, eff = J.handle(job, J.Planned(None, "b needs 9 GB"), ctx(8))
     assert job.phase == "recovering" and job.awaiting == "retry"
     job, eff = J.handle(job, J.NodeDown("a"), ctx(7, online=("b", "c")))
     assert eff == []
-    job, eff = J.handle(job, J.Tick(), ctx(12, online=("b", "c")))
+    job, eff = J.handle(job, J.Tick(), ctx(14, online=("b", "c")))
     assert job.awaiting == "retry" and "waiting for the owner" in job.events[-1]
-    job, eff = J.handle(job, J.NodeUp("a"), ctx(13))
+    job, eff = J.handle(job, J.NodeUp("a"), ctx(15))
     assert eff == [J.MakePlan("j", ("a", "b", "c"), 2)]
     job, eff = J.handle(job, J.Tick(), ctx(200))
     assert job.phase == "failed" and "could not recover" in job.error

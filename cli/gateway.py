@@ -1,0 +1,35 @@
+"""`xronos gateway --config gateway.toml`: run the gateway until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("gateway", help="run the gateway (node registry, planner, jobs)",
+                              description="Run the gateway: keeps the node registry, plans and drives jobs, "
+                                          "answers requests on {base}/gateway/request/<name>, persists its "
+                                          "job table under state_dir and publishes Home Assistant discovery.")
+    p.add_argument("--config", required=True, metavar="TOML", help="gateway config (see systemd/gateway.toml.example)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from xronos.gateway.config import load_config
+    from xronos.gateway.service import GatewayService
+    from xronos.protocol.logsetup import configure_logging
+
+    cfg = load_config(args.config)
+    configure_logging(cfg.log_level)
+    service = GatewayService(cfg)
+
+    def stop(*_: object) -> None:
+        service.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        service.run()
+    except KeyboardInterrupt:
+        pass
+    return 0

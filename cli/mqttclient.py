@@ -1,0 +1,189 @@
+"""What the job and nodes commands share: broker options, a request/response client for the
+gateway's topics, job spec files, and the plan and progress displays."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from xronos.protocol import messages as m
+from xronos.protocol.codec import decode
+from xronos.protocol.topics import TopicTable
+from xronos.protocol.transport import BrokerSettings, MqttBus
+
+TERMINAL = ("completed", "failed", "cancelled")
+
+
+def add_broker_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("broker")
+    g.add_argument("--config", metavar="TOML", help="take [broker] and base_topic from this gateway/node config")
+    g.add_argument("--host", help="broker host (default 127.0.0.1)")
+    g.add_argument("--port", type=int, help="broker port (default 1883)")
+    g.add_argument("--username", help="MQTT user name")
+    g.add_argument("--password-file", help="file holding the MQTT password")
+    g.add_argument("--base-topic", help="Xronos base topic (default xronos)")
+    g.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the gateway")
+
+
+def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
+    fields: dict[str, Any] = {}
+    base = "xronos"
+    if args.config:
+        from xronos.protocol.configfile import read_toml
+
+        doc = read_toml(args.config)
+        fields = dict(doc.get("broker", {}))
+        base = doc.get("base_topic", base)
+    for opt, key in (("host", "host"), ("port", "port"), ("username", "username"), ("password_file", "password_file")):
+        if getattr(args, opt) is not None:
+            fields[key] = getattr(args, opt)
+    return BrokerSettings(**fields), args.base_topic or base
+
+
+class GatewayClient:
+    """Requests on {base}/gateway/request/<name>, answers matched by transaction."""
+
+    def __init__(self, settings: BrokerSettings, base: str = "xronos") -> None:
+        self.table = TopicTable(base)
+        self.bus = MqttBus(settings, f"cli-{uuid.uuid4().hex[:8]}", table=self.table)
+        self.bus.subscribe(self.table.filter("gateway.response"))
+        self.bus.start()
+
+    def close(self) -> None:
+        self.bus.stop()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, name: str, timeout: float, **fields: Any) -> dict[str, Any] | list[Any]:
+        """The response's data; ValueError with the gateway's error text, TimeoutError if silent."""
+        if not self.bus.wait_connected(min(timeout, 10.0)):
+            raise TimeoutError(f"cannot reach the MQTT broker at {self.bus.settings.host}:{self.bus.settings.port}")
+        txn = uuid.uuid4().hex
+        req = m.REQUEST_MODELS[name](transaction=txn, **fields)
+        self.bus.publish(self.table.build(f"gateway.request.{name}"), req.model_dump_json())
+        want = self.table.build("gateway.response", name=name)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            item = self.bus.get(left)
+            if item is None or item[0] != want:
+                continue
+            resp = decode(*item, table=self.table)
+            if resp.transaction != txn:
+                continue
+            if resp.status == "error":
+                raise ValueError(f"gateway: {resp.error}")
+            return resp.data if resp.data is not None else {}
+        raise TimeoutError(f"no answer to {name} within {timeout:.0f} s (is the gateway running?)")
+
+    def follow(self, job_id: str, on_state, timeout: float | None = None) -> m.JobState:
+        """Call on_state(JobState) for each retained job state until the job ends."""
+        self.bus.subscribe(self.table.build("job.state", job_id=job_id))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
+            item = self.bus.get(1.0)
+            if item is None or not item[0].endswith(f"/job/{job_id}/state"):
+                continue
+            state = decode(*item, table=self.table)
+            on_state(state)
+            if state.phase in TERMINAL:
+                return state
+        raise TimeoutError(f"job {job_id} did not finish within {timeout:.0f} s")
+
+
+def load_spec(path: str | Path) -> m.JobSpec:
+    """A job spec from TOML (.toml) or YAML (.yaml/.yml); errors name the file and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"job spec {path}: no such file")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            doc = yaml.safe_load(text)
+        elif path.suffix == ".toml":
+            doc = tomllib.loads(text)
+        else:
+            raise ValueError(f"job spec {path}: expected a .toml, .yaml or .yml file")
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ValueError(f"job spec {path}: {exc}") from None
+    except Exception as exc:  # yaml.YAMLError
+        raise ValueError(f"job spec {path}: not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"job spec {path}: expected a table of settings")
+    doc = doc.get("job", doc)  # either top-level keys or a [job] table
+    try:
+        return m.JobSpec.model_validate(doc)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"job spec {path}: {problems}") from None
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    lines = [f"plan v{plan['version']} ({plan['strategy']}, H={plan['units_total']}): predicted iteration "
+             f"{plan['predicted_iteration_s']:.3f} s (ideal {plan['ideal_iteration_s']:.3f} s, "
+             f"communication {plan['comm_s']:.3f} s)",
+             f"  {'node':<16} {'rank':>4} {'units':>5} {'ratio':>6} {'compute s':>9} {'memory MiB':>11} {'cap MiB':>9}"]
+    for e in plan["entries"]:
+        lines.append(f"  {e['node_id']:<16} {e['rank']:>4} {e['units']:>5} {e['ratio']:>6.3f} "
+                     f"{e['predicted_compute_s']:>9.4f} {e['predicted_memory'] / 2**20:>11.1f} "
+                     f"{e['memory_cap'] / 2**20:>9.0f}")
+    return "\n".join(lines)
+
+
+def format_state(s: dict[str, Any]) -> str:
+    lines = [f"job {s['job_id']} ({s['name']}): {s['phase']}, step {s['step']}/{s.get('total_steps') or '?'}"
+             f", epoch {s['epoch']}" + (f", loss {s['loss']:.4f}" if s.get("loss") is not None else "")]
+    if s.get("eval_metric") is not None:
+        lines.append(f"  {s['eval_metric_name']}: {s['eval_metric']:.4f}")
+    if s.get("iteration_s") is not None:
+        eta = f", ETA {s['eta_s']:.0f} s" if s.get("eta_s") is not None else ""
+        lines.append(f"  iteration {s['iteration_s']:.3f} s{eta}")
+    nodes = sorted(set(s.get("predicted_s", {})) | set(s.get("measured_s", {})))
+    if nodes:
+        lines.append(f"  {'node':<16} {'predicted s':>11} {'measured s':>10} {'idle %':>6}")
+        for n in nodes:
+            pred, meas, idle = s["predicted_s"].get(n), s["measured_s"].get(n), s["idle_ratio"].get(n)
+            lines.append(f"  {n:<16} {_num(pred, '.4f'):>11} {_num(meas, '.4f'):>10} "
+                         f"{_num(None if idle is None else 100 * idle, '.1f'):>6}")
+    if s.get("error"):
+        lines.append(f"  error: {s['error']}")
+    lines += [f"  | {e}" for e in s.get("events", [])[-8:]]
+    return "\n".join(lines)
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def progress_bar(desc: str = "training"):
+    """A tqdm bar driven by JobState updates (returns the on_state callback and the bar)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=1, desc=desc, unit="step", dynamic_ncols=True)
+
+    def on_state(state: m.JobState) -> None:
+        bar.total = max(state.total_steps or 1, 1)
+        bar.n = min(state.step, bar.total)
+        post = {"phase": state.phase}
+        if state.loss is not None:
+            post["loss"] = f"{state.loss:.4f}"
+        bar.set_postfix(post, refresh=False)
+        bar.refresh()
+
+    return on_state, bar
+
+
+def dump(data: Any) -> str:
+    return json.dumps(data, indent=1, allow_nan=True)

@@ -1,0 +1,31 @@
+"""`xronos node --config node.toml`: run the node agent until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("node", help="run the node agent (announce, profile, train on assignment)",
+                              description="Run the node agent: connects to the broker with a last-will, "
+                                          "announces this device, answers profile and inspection requests "
+                                          "and trains its rank of assigned jobs in a child process.")
+    p.add_argument("--config", required=True, metavar="TOML", help="node config (see systemd/node.toml.example)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from xronos.node.config import load_config
+    from xronos.node.service import NodeService
+    from xronos.protocol.logsetup import configure_logging
+
+    cfg = load_config(args.config)  # a bad file: one line naming file, key and reason
+    configure_logging(cfg.log_level)
+    service = NodeService(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: service.stopping.set())
+    try:
+        service.run()
+    except KeyboardInterrupt:
+        pass
+    return 0
