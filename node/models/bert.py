@@ -1,0 +1,245 @@
+"""BERT and RoBERTa (…ForSequenceClassification), tensor-parallel, post-LayerNorm encoders.
+
+Partition unit u = attention head u (its query/key/value columns, its rows of the attention
+output) + MLP columns unit_bounds(intermediate, H)[u:u+2]. Word embeddings are vocab-parallel;
+position and token-type embeddings, layer norms and the classification head are replicated.
+RoBERTa differs in three places: position ids count non-pad tokens from padding_idx + 1, its head
+is dense+tanh+out_proj on <s> (no pooler), and its tensors live under `roberta.`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from xronos.node.tp.group import TPGroup
+from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from xronos.node.tp.layout import ShardLayout
+from xronos.node.tp.mappings import copy_to_tp
+
+from .common import (Dropout, DropoutStreams, Family, TPModel, attend, attention_mask_bool, cfg_get,
+                     cfg_require, gelu_fn, init_std, num_labels)
+from .specs import TensorSpec, replicated, split
+
+
+class EncoderDims:
+    def __init__(self, c: dict[str, Any], dropout: float | None, roberta: bool) -> None:
+        self.hidden = int(cfg_require(c, "hidden_size"))
+        self.n_layer = int(cfg_require(c, "num_hidden_layers"))
+        self.n_head = int(cfg_require(c, "num_attention_heads"))
+        self.inter = int(cfg_require(c, "intermediate_size"))
+        self.vocab = int(cfg_require(c, "vocab_size"))
+        self.n_pos = int(cfg_require(c, "max_position_embeddings"))
+        self.n_types = int(cfg_get(c, "type_vocab_size", default=2))
+        self.eps = float(cfg_get(c, "layer_norm_eps", default=1e-12))
+        self.act = gelu_fn(cfg_get(c, "hidden_act", default="gelu"))
+        self.pad = cfg_get(c, "pad_token_id", default=1 if roberta else 0)
+        if self.hidden % self.n_head:
+            raise ValueError(f"hidden_size {self.hidden} is not a multiple of num_attention_heads {self.n_head}")
+        if c.get("is_decoder") or c.get("add_cross_attention"):
+            raise ValueError("BERT/RoBERTa as a decoder (is_decoder / add_cross_attention) is not supported")
+        if cfg_get(c, "position_embedding_type", default="absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {c['position_embedding_type']!r} is not supported "
+                             "(only 'absolute')")
+        self.head_dim = self.hidden // self.n_head
+        p = lambda key, default: float(dropout if dropout is not None else cfg_get(c, key, default=default))
+        self.hidden_p, self.attn_p = p("hidden_dropout_prob", 0.1), p("attention_probs_dropout_prob", 0.1)
+        self.cls_p = float(dropout if dropout is not None else cfg_get(c, "classifier_dropout", default=self.hidden_p))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d: EncoderDims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams) -> None:
+        super().__init__()
+        h0, h1 = layout.unit_range()
+        self.group, self.n_local, self.head_dim = group, h1 - h0, d.head_dim
+        width = self.n_local * d.head_dim
+        self.query = ColumnParallelLinear(d.hidden, width)
+        self.key = ColumnParallelLinear(d.hidden, width)
+        self.value = ColumnParallelLinear(d.hidden, width)
+        self.out = RowParallelLinear(width, d.hidden, group)
+        self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape  # x [B, S, hidden], replicated
+        x = copy_to_tp(x, self.group)
+        q, k, v = (lin(x).view(B, S, self.n_local, self.head_dim).transpose(1, 2)
+                   for lin in (self.query, self.key, self.value))  # [B, h, S, hd]
+        y = attend(q, k, v, mask, self.head_dim ** -0.5, self.attn_dropout)  # [B, S, h*hd]
+        return self.out(y)  # [B, S, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, d: EncoderDims, layout: ShardLayout, group: TPGroup) -> None:
+        super().__init__()
+        c0, c1 = layout.slice_of(d.inter)
+        self.group, self.act = group, d.act
+        self.up = ColumnParallelLinear(d.hidden, c1 - c0)
+        self.down = RowParallelLinear(c1 - c0, d.hidden, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
+        return self.down(self.act(self.up(copy_to_tp(x, self.group))))
+
+
+class Layer(nn.Module):
+    def __init__(self, d: EncoderDims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams) -> None:
+        super().__init__()
+        self.attn = SelfAttention(d, layout, group, streams)
+        self.attn_ln = nn.LayerNorm(d.hidden, eps=d.eps)
+        self.mlp = MLP(d, layout, group)
+        self.mlp_ln = nn.LayerNorm(d.hidden, eps=d.eps)
+        self.drop = Dropout(d.hidden_p, streams)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # post-LN
+        x = self.attn_ln(x + self.drop(self.attn(x, mask)))
+        return self.mlp_ln(x + self.drop(self.mlp(x)))
+
+
+# local name (inside layers.{i}.) -> HF name (inside encoder.layer.{i}.)
+_LAYER_NAMES = {"attn.query": "attention.self.query", "attn.key": "attention.self.key",
+                "attn.value": "attention.self.value", "attn.out": "attention.output.dense",
+                "attn_ln": "attention.output.LayerNorm", "mlp.up": "intermediate.dense",
+                "mlp.down": "output.dense", "mlp_ln": "output.LayerNorm"}
+
+
+class Encoder(TPModel):
+    roberta = False
+    prefix = "bert."
+
+    def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup, *,
+                 dropout: float | None = None) -> None:
+        super().__init__(config, task, layout, group)
+        d = self.d = EncoderDims(config, dropout, self.roberta)
+        self.word_embeddings = VocabParallelEmbedding(d.vocab, d.hidden, layout, group, padding_idx=d.pad)
+        self.position_embeddings = nn.Embedding(d.n_pos, d.hidden, padding_idx=d.pad if self.roberta else None)
+        self.token_type_embeddings = nn.Embedding(d.n_types, d.hidden)
+        self.emb_ln = nn.LayerNorm(d.hidden, eps=d.eps)
+        self.emb_drop = Dropout(d.hidden_p, self.streams)
+        self.layers = nn.ModuleList(Layer(d, layout, group, self.streams) for _ in range(d.n_layer))
+        self.head_drop = Dropout(d.cls_p, self.streams)
+        if self.roberta:
+            self.head_dense = nn.Linear(d.hidden, d.hidden)
+            self.head_out = nn.Linear(d.hidden, self.num_labels)
+        else:
+            self.pooler = nn.Linear(d.hidden, d.hidden)
+            self.classifier = nn.Linear(d.hidden, self.num_labels)
+        self._specs = self._spec_table()
+
+    def _spec_table(self) -> dict[str, TensorSpec]:
+        d, lay, P = self.d, self.layout, self.prefix
+        E, I, V = d.hidden, d.inter, d.vocab
+        h0, h1 = (u * d.head_dim for u in lay.unit_range())
+        c0, c1 = lay.slice_of(I)
+        specs = {"word_embeddings.weight": split(P + "embeddings.word_embeddings.weight", (V, E), 0, lay.slice_of(V)),
+                 "position_embeddings.weight": replicated(P + "embeddings.position_embeddings.weight", (d.n_pos, E)),
+                 "token_type_embeddings.weight": replicated(P + "embeddings.token_type_embeddings.weight", (d.n_types, E)),
+                 "emb_ln.weight": replicated(P + "embeddings.LayerNorm.weight", (E,)),
+                 "emb_ln.bias": replicated(P + "embeddings.LayerNorm.bias", (E,))}
+        for i in range(d.n_layer):
+            hf = {k: f"{P}encoder.layer.{i}.{v}" for k, v in _LAYER_NAMES.items()}
+            loc = f"layers.{i}."
+            for lin in ("attn.query", "attn.key", "attn.value"):
+                specs[loc + lin + ".weight"] = split(hf[lin] + ".weight", (E, E), 0, (h0, h1))
+                specs[loc + lin + ".bias"] = split(hf[lin] + ".bias", (E,), 0, (h0, h1))
+            specs[loc + "attn.out.weight"] = split(hf["attn.out"] + ".weight", (E, E), 1, (h0, h1))
+            specs[loc + "mlp.up.weight"] = split(hf["mlp.up"] + ".weight", (I, E), 0, (c0, c1))
+            specs[loc + "mlp.up.bias"] = split(hf["mlp.up"] + ".bias", (I,), 0, (c0, c1))
+            specs[loc + "mlp.down.weight"] = split(hf["mlp.down"] + ".weight", (E, I), 1, (c0, c1))
+            for rep in ("attn.out.bias", "mlp.down.bias", "attn_ln.weight", "attn_ln.bias",
+                        "mlp_ln.weight", "mlp_ln.bias"):
+                mod, _, w = rep.rpartition(".")
+                specs[loc + rep] = replicated(f"{hf[mod]}.{w}", (E,))
+        # Task heads: created fresh (like transformers) when a base checkpoint lacks them.
+        L, std = self.num_labels, init_std(self.config)
+        heads = ({"head_dense": ("classifier.dense", E), "head_out": ("classifier.out_proj", L)} if self.roberta
+                 else {"pooler": (P + "pooler.dense", E), "classifier": ("classifier", L)})
+        for loc, (hf_name, out) in heads.items():
+            specs[loc + ".weight"] = TensorSpec(hf_name + ".weight", None, (), (out, E), "normal", std)
+            specs[loc + ".bias"] = TensorSpec(hf_name + ".bias", None, (), (out,), "zeros")
+        return specs
+
+    def _position_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        S = input_ids.shape[1]
+        if not self.roberta:
+            return torch.arange(S, device=input_ids.device)[None]  # [1, S]
+        # fairseq: non-pad tokens count up from padding_idx + 1, pads keep padding_idx.
+        not_pad = input_ids.ne(self.d.pad).int()
+        return (torch.cumsum(not_pad, dim=1) * not_pad).long() + self.d.pad  # [B, S]
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        B, S = input_ids.shape
+        pos = self._position_ids(input_ids)
+        if int(pos.max()) >= self.d.n_pos:
+            raise ValueError(f"sequence length {S} exceeds the model's {self.d.n_pos} position embeddings")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        x = self.emb_drop(self.emb_ln(x + self.position_embeddings(pos)))  # [B, S, hidden]
+        mask = attention_mask_bool(attention_mask, causal=False)  # [B, 1, 1, S]
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+    def classify_head(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        x = h[:, 0]  # [B, hidden]: [CLS] / <s>
+        if self.roberta:
+            x = torch.tanh(self.head_dense(self.head_drop(x)))
+            return self.head_out(self.head_drop(x))  # [B, num_labels]
+        return self.classifier(self.head_drop(torch.tanh(self.pooler(x))))
+
+
+class Bert(Encoder):
+    hf_classes = {"classify": "BertForSequenceClassification"}
+
+
+class Roberta(Encoder):
+    hf_classes = {"classify": "RobertaForSequenceClassification"}
+    roberta = True
+    prefix = "roberta."
+
+
+class BertFamily(Family):
+    name = "bert"
+    architectures = ("BertModel", "BertForSequenceClassification", "BertForMaskedLM", "BertForPreTraining")
+    model_cls: type[Encoder] = Bert
+
+    def num_units(self, config: dict[str, Any]) -> int:
+        return int(cfg_require(config, "num_attention_heads"))
+
+    def max_positions(self, config: dict[str, Any]) -> int:
+        return int(cfg_require(config, "max_position_embeddings"))
+
+    def arch_spec(self, config: dict[str, Any], task: str) -> dict[str, Any]:
+        self.hf_class(task)
+        d = EncoderDims(config, None, self.model_cls.roberta)
+        return dict(family=self.name, hidden_size=d.hidden, num_layers=d.n_layer, num_heads=d.n_head,
+                    num_kv_heads=d.n_head, intermediate_size=d.inter, vocab_size=d.vocab,
+                    max_positions=self.max_positions(config), num_labels=num_labels(config),
+                    tie_word_embeddings=False)
+
+    def config_from_arch(self, arch: dict[str, Any]) -> dict[str, Any]:
+        cls = self.model_cls.hf_classes["classify"]
+        config = dict(model_type=self.name, architectures=[cls], hidden_size=arch["hidden_size"],
+                      num_hidden_layers=arch["num_layers"], num_attention_heads=arch["num_heads"],
+                      intermediate_size=arch["intermediate_size"], vocab_size=arch["vocab_size"],
+                      max_position_embeddings=arch["max_positions"], type_vocab_size=2, pad_token_id=0,
+                      num_labels=arch.get("num_labels") or 2)
+        return config
+
+
+class RobertaFamily(BertFamily):
+    name = "roberta"
+    architectures = ("RobertaModel", "RobertaForSequenceClassification", "RobertaForMaskedLM")
+    model_cls = Roberta
+
+    def max_positions(self, config: dict[str, Any]) -> int:
+        # Positions start at padding_idx + 1, so the first pad + 1 rows are never a token's.
+        pad = int(cfg_get(config, "pad_token_id", default=1))
+        return int(cfg_require(config, "max_position_embeddings")) - pad - 1
+
+    def config_from_arch(self, arch: dict[str, Any]) -> dict[str, Any]:
+        config = super().config_from_arch(arch)
+        config.update(pad_token_id=1, type_vocab_size=1, max_position_embeddings=arch["max_positions"] + 2)
+        return config
