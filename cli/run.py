@@ -1,7 +1,8 @@
 """`xronos run`: tensor-parallel fine-tuning on N local ranks (one process each, Gloo on loopback).
 
-The handler is three steps — choose the units per rank, refuse bad input, launch — so that a
-planner can supply the units instead of `--units` (see `resolve_units`).
+The handler is three steps — choose the units per rank, refuse bad input, launch. The units come
+from `--units`, or, with `--strategy`, from profiling every rank and planning (`xronos.cli.strategy`),
+in which case predicted and measured compute time per rank are reported after training.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--task", required=True, choices=["classify", "causal-lm"])
     p.add_argument("--nodes", required=True, type=int, metavar="N", help="number of ranks")
     p.add_argument("--units", metavar="u1,...,uN", help="partition units per rank (sum = H)")
+    p.add_argument("--strategy", choices=["greedy", "optimal", "uniform"],
+                   help="instead of --units: profile every rank where it will run, plan with this "
+                   "strategy, and report predicted vs measured compute time per rank")
+    p.add_argument("--cpu-shares", metavar="s1,...,sN",
+                   help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
+                   "quota, to emulate heterogeneous boxes on one machine (needs a writable cgroup)")
+    p.add_argument("--reserve-mb", type=float, default=512.0, metavar="M",
+                   help="with --strategy: memory each rank keeps free for its day job (default 512)")
+    p.add_argument("--profile-cache", metavar="DIR", help="with --strategy: reuse/store rank profiles here")
     p.add_argument("--batch-size", required=True, type=int, metavar="B")
     p.add_argument("--seq-len", required=True, type=int, metavar="S")
     p.add_argument("--lr", required=True, type=float)
@@ -62,7 +72,7 @@ def parse_units(text: str) -> list[int]:
 
 
 def resolve_units(args: argparse.Namespace) -> list[int]:
-    """The units per rank. Today from --units; a planner (--strategy) computes them here."""
+    """The units per rank from --units (with --strategy they are planned instead)."""
     if args.units is None:
         raise ValueError("--units is required")
     return parse_units(args.units)
@@ -101,12 +111,38 @@ def config_from_args(args: argparse.Namespace, units: list[int]):
 
 
 def handle(args: argparse.Namespace) -> int:
-    from xronos.node.launch import RankFailed, launch_local
+    from xronos.cli.strategy import confinement, plan_run
     from xronos.node.validate import preflight
 
     if args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
-    units = resolve_units(args)
+    with confinement(args.cpu_shares, args.nodes) as wrap:
+        if args.strategy is None:
+            return _launch(args, resolve_units(args), wrap)
+        if args.units is not None:
+            raise ValueError("give either --units or --strategy, not both")
+        # Refuse bad input before spending minutes on profiles: check with a placeholder split.
+        preflight(config_from_args(args, uniform_units(args)), args.nodes)
+        planned = plan_run(args, wrap)
+        return _launch(args, list(planned[0].units), wrap, planned)
+
+
+def uniform_units(args: argparse.Namespace) -> list[int]:
+    from xronos.node.models.registry import family_for
+    from xronos.node.validate import read_config
+
+    config = read_config(str(Path(args.model).resolve()))
+    H = family_for(config).num_units(config)
+    return [H // args.nodes + (1 if r < H % args.nodes else 0) for r in range(args.nodes)]
+
+
+def _launch(args: argparse.Namespace, units: list[int], wrap, planned=None) -> int:
+    import tempfile
+
+    from xronos.cli.strategy import report_run
+    from xronos.node.launch import RankFailed, launch_local
+    from xronos.node.validate import preflight
+
     cfg = config_from_args(args, units)
     pre = preflight(cfg, args.nodes)
     print(
@@ -115,10 +151,15 @@ def handle(args: argparse.Namespace) -> int:
         + (f", {pre.eval_rows} eval rows" if pre.eval_rows else ""),
         file=sys.stderr, flush=True,
     )
-    try:
-        launch_local(cfg, args.nodes)
-    except RankFailed as exc:
-        print(f"xronos run: error: {exc}", file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="xronos-run-metrics-") as tmp:
+        if planned is not None and cfg.metrics_path is None:  # the prediction check needs metrics
+            cfg = cfg.model_copy(update={"metrics_path": str(Path(tmp) / "metrics.json")})
+        try:
+            launch_local(cfg, args.nodes, wrap=wrap)
+        except RankFailed as exc:
+            print(f"xronos run: error: {exc}", file=sys.stderr)
+            return 1
+        if planned is not None:
+            report_run(*planned, cfg.metrics_path, keep=args.metrics is not None)
     print(f"xronos run: exported to {cfg.export_dir}", file=sys.stderr)
     return 0

@@ -1,0 +1,162 @@
+"""`xronos run --strategy`: profile every local rank where it will run, plan, then judge the plan.
+
+Each rank's profile is taken in its own process (`xronos profile`), with the rank's thread count
+and — under `--cpu-shares` — inside the rank's CPU cgroup (the same `wrap` hook the training
+launch uses), one rank after the other so that profiles do not contend with each other. The
+gateway's planner turns the reports into units per rank. After training, each rank's predicted
+compute time per iteration is set against the mean measured compute time (the trainer's
+`compute_s`, steady-state iterations), with the mean absolute percentage error (MAPE) of the
+affine-in-p cost model and of the paper's linear-in-p model side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from xronos.gateway.costmodel import node_cost, predict_time
+from xronos.gateway.planner import PlanResult
+from xronos.gateway.profiles import Loaded, load_report, node_profile, plan_reports
+from xronos.protocol.messages import ProfileReport
+
+Wrap = Callable[[int, subprocess.Popen], None]
+
+
+def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, threads: int, n: int, *,
+                  wrap: Wrap | None = None, clip: bool = True, iters: int = 10,
+                  cache_dir: str | None = None) -> list[ProfileReport]:
+    """One ProfileReport per rank (node id `rank{r}`), each measured in its own process."""
+    from xronos.node.launch import rank_env
+
+    env = rank_env(threads)
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="xronos-profile-") as tmp:
+        for rank in range(n):
+            out = Path(tmp) / f"rank{rank}.json"
+            cmd = [sys.executable, "-m", "xronos.cli", "profile", "--model", model_dir, "--task", task,
+                   "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--threads", str(threads),
+                   "--iters", str(iters), "--node-id", f"rank{rank}", "--out", str(out)]
+            cmd += ["--cache-dir", cache_dir] if cache_dir else []
+            cmd += [] if clip else ["--no-clip"]
+            print(f"xronos run: profiling rank {rank} ...", file=sys.stderr, flush=True)
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+            try:
+                if wrap is not None:
+                    wrap(rank, proc)
+                _, err = proc.communicate()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            if proc.returncode != 0:
+                tail = "\n".join(err.strip().splitlines()[-10:])
+                raise RuntimeError(f"profiling rank {rank} failed (exit {proc.returncode}):\n{tail}")
+            reports.append(load_report(out))
+    return reports
+
+
+def plan_units(reports: list[ProfileReport], strategy: str, reserve_mb: float) -> PlanResult:
+    return plan_reports([Loaded(f"profile of {r.node_id}", r) for r in reports], strategy,  # type: ignore[arg-type]
+                        reserve_mb=reserve_mb)
+
+
+def predictions(reports: list[ProfileReport], units: list[int]) -> dict[str, list[float]]:
+    """Predicted compute seconds per rank for `units`, by each time model."""
+    H = reports[0].units
+    return {fit: [predict_time(node_cost(node_profile(r), fit), u, H) for r, u in zip(reports, units)]
+            for fit in ("affine", "linear")}
+
+
+def mape(predicted: list[float], measured: list[float]) -> float:
+    return 100.0 * sum(abs(p - m) / m for p, m in zip(predicted, measured)) / len(measured)
+
+
+def judge(result: PlanResult, reports: list[ProfileReport], measured: list[float]) -> dict[str, Any]:
+    """Predicted vs measured compute time per rank, and the MAPE of both time models."""
+    units = list(result.units)
+    pred = predictions(reports, units)
+    ranks = [dict(rank=r, units=u, predicted_compute_s=pa, predicted_linear_s=pl, measured_compute_s=m,
+                  error_pct=100.0 * (pa - m) / m)
+             for r, (u, pa, pl, m) in enumerate(zip(units, pred["affine"], pred["linear"], measured))]
+    return dict(strategy=result.strategy, units=units, predicted_iteration_s=result.predicted_iteration_s,
+                comm_s=result.comm_s, ranks=ranks, mape_pct=mape(pred["affine"], measured),
+                mape_linear_pct=mape(pred["linear"], measured),
+                profile_seconds=[r.profile_seconds for r in reports])
+
+
+def format_judgement(j: dict[str, Any]) -> str:
+    lines = [f"{'rank':>4} {'units':>5} {'predicted s':>11} {'measured s':>10} {'error':>7}"]
+    for r in j["ranks"]:
+        lines.append(f"{r['rank']:>4} {r['units']:>5} {r['predicted_compute_s']:>11.4f} "
+                     f"{r['measured_compute_s']:>10.4f} {r['error_pct']:>+6.1f}%")
+    lines.append(f"compute-time prediction MAPE {j['mape_pct']:.2f}% (affine in p); "
+                 f"{j['mape_linear_pct']:.2f}% with the paper's linear-in-p model")
+    return "\n".join(lines)
+
+
+def parse_shares(text: str, n: int) -> list[float]:
+    try:
+        shares = [float(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--cpu-shares must be comma-separated numbers of cores, got {text!r}") from None
+    if len(shares) != n:
+        raise ValueError(f"--cpu-shares has {len(shares)} entries for --nodes {n}")
+    return shares
+
+
+@contextmanager
+def confinement(shares: str | None, n: int) -> Iterator[Wrap | None]:
+    """The launcher's wrap hook putting rank r into a cgroup with a CPU quota of shares[r] cores
+    (the bench's heterogeneity emulator), or None without --cpu-shares."""
+    if shares is None:
+        yield None
+        return
+    from xronos.bench.emulator import Confinement, RankLimits
+
+    with Confinement([RankLimits(s) for s in parse_shares(shares, n)]) as conf:
+        prioritize(conf)
+        yield conf.wrap
+
+
+def prioritize(conf: Any) -> None:
+    """Give a Confinement's groups the highest CPU weight. A quota is only a ceiling: on a machine
+    that other work keeps busy, a rank at the default weight gets the neighbours' leftovers, not
+    its quota, and every emulated device ends up equally slow. With the top weight the quota is
+    what binds, so a rank runs at its emulated device's speed (and its profile predicts it)."""
+    ctl = conf.cpu
+    run = ctl.base / conf.name
+    name, value = ("cpu.shares", "262144") if ctl.version == 1 else ("cpu.weight", "10000")
+    for group in [run, *(run / f"rank{r}" for r in range(len(conf.limits)))]:
+        (group / name).write_text(value)
+
+
+def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileReport]]:
+    """Profile each rank of an `xronos run` where it will run, then plan with args.strategy."""
+    reports = profile_ranks(str(Path(args.model).resolve()), args.task, args.batch_size, args.seq_len,
+                            args.threads_per_node, args.nodes, wrap=wrap,
+                            clip=args.max_grad_norm is not None, cache_dir=args.profile_cache)
+    result = plan_units(reports, args.strategy, args.reserve_mb)
+    print(f"xronos run: {args.strategy} plan {list(result.units)}, predicted iteration "
+          f"{result.predicted_iteration_s:.4f} s (compute {result.bottleneck_s:.4f} s + comm "
+          f"{result.comm_s:.4f} s)", file=sys.stderr, flush=True)
+    return result, reports
+
+
+def report_run(result: PlanResult, reports: list[ProfileReport], metrics_path: str, keep: bool) -> dict[str, Any]:
+    """Print predicted vs measured compute per rank; with `keep`, add it to the metrics JSON."""
+    path = Path(metrics_path)
+    doc = json.loads(path.read_text())
+    measured = [r["summary"]["compute_s"] for r in doc["ranks"]]
+    verdict = judge(result, reports, measured)
+    print(format_judgement(verdict), flush=True)
+    if keep:
+        doc["prediction"] = verdict
+        path.write_text(json.dumps(doc, indent=1))
+    return verdict

@@ -1,0 +1,104 @@
+"""`xronos run --strategy`: profile each rank, plan, train, judge the prediction."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from xronos.bench.plan_speed import synthetic_report
+from xronos.cli import strategy
+from xronos.cli.main import main
+
+
+def test_judge_and_mape() -> None:
+    reports = [synthetic_report("fast", slowness=1.0), synthetic_report("slow", slowness=2.0)]
+    result = strategy.plan_units(reports, "optimal", reserve_mb=0)
+    assert result.units[0] > result.units[1]  # the fast node takes more units
+    pred = strategy.predictions(reports, list(result.units))
+    measured = [pred["affine"][0] * 1.1, pred["affine"][1] * 0.8]  # 10% and 20% off
+    verdict = strategy.judge(result, reports, measured)
+    assert verdict["mape_pct"] == pytest.approx((100 / 11 + 25) / 2)
+    assert [r["units"] for r in verdict["ranks"]] == list(result.units)
+    assert verdict["ranks"][0]["error_pct"] == pytest.approx(100 * (1 / 1.1 - 1))
+    assert "MAPE" in strategy.format_judgement(verdict)
+    assert strategy.mape([1.0, 3.0], [2.0, 2.0]) == pytest.approx(50.0)
+
+
+def test_parse_shares() -> None:
+    assert strategy.parse_shares("1,0.45", 2) == [1.0, 0.45]
+    with pytest.raises(ValueError, match="2 entries for --nodes 3"):
+        strategy.parse_shares("1,0.45", 3)
+    with pytest.raises(ValueError, match="comma-separated"):
+        strategy.parse_shares("1;2", 1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from xronos.bench.workloads import write_checkpoint, write_dataset
+
+    root = tmp_path_factory.mktemp("strategy")
+    cfg = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=120, n_positions=32,
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1,
+               eos_token_id=1)
+    return write_checkpoint(root / "m", cfg), write_dataset(root / "d.jsonl", 32, 8, 120)
+
+
+def _args(tiny: tuple[Path, Path], tmp: Path) -> list[str]:
+    model, data = tiny
+    return ["run", "--model", str(model), "--data", str(data), "--task", "classify", "--nodes", "2",
+            "--batch-size", "4", "--seq-len", "8", "--lr", "1e-3", "--max-steps", "4", "--seed", "0",
+            "--max-grad-norm", "1.0", "--export", str(tmp / "out")]
+
+
+def test_units_and_strategy_exclusive(tiny: tuple[Path, Path], tmp_path: Path,
+                                      capsys: pytest.CaptureFixture) -> None:
+    assert main([*_args(tiny, tmp_path), "--units", "2,2", "--strategy", "greedy"]) == 2
+    assert "either --units or --strategy" in capsys.readouterr().err
+    assert main([*_args(tiny, tmp_path)]) == 2
+    assert main([*_args(tiny, tmp_path), "--strategy", "greedy", "--cpu-shares", "0.5"]) == 2
+    assert "1 entries for --nodes 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_with_strategy_reports_prediction(tiny: tuple[Path, Path], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    metrics = tmp_path / "m.json"
+    cache = tmp_path / "cache"
+    rc = main([*_args(tiny, tmp_path), "--strategy", "optimal", "--metrics", str(metrics),
+               "--profile-cache", str(cache)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "compute-time prediction MAPE" in out
+    doc = json.loads(metrics.read_text())
+    pred = doc["prediction"]
+    assert pred["strategy"] == "optimal" and sum(pred["units"]) == 4
+    assert doc["config"]["units"] == pred["units"]
+    assert [r["rank"] for r in pred["ranks"]] == [0, 1]
+    for r in pred["ranks"]:
+        assert r["predicted_compute_s"] > 0 and r["measured_compute_s"] > 0
+    assert pred["mape_pct"] >= 0 and pred["mape_linear_pct"] >= 0
+    # Both ranks share this machine unconfined: one hardware fingerprint, one cached profile.
+    assert len(list(cache.glob("profile-*.json"))) == 1
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_confinement_prioritizes_groups() -> None:
+    from xronos.bench.emulator import EmulatorError
+
+    try:
+        ctx = strategy.confinement("0.2,0.1", 2)
+        wrap = ctx.__enter__()
+    except EmulatorError as exc:
+        pytest.skip(f"no writable cgroup cpu controller here: {exc}")
+    try:
+        assert callable(wrap)
+        conf = wrap.__self__
+        run = conf.cpu.base / conf.name
+        name = "cpu.shares" if conf.cpu.version == 1 else "cpu.weight"
+        for group in (run, run / "rank0", run / "rank1"):
+            assert int((group / name).read_text()) == (262144 if conf.cpu.version == 1 else 10000)
+    finally:
+        ctx.__exit__(None, None, None)
+    assert strategy.confinement(None, 3).__enter__() is None
