@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tp"))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from tp_world import worker_setup  # noqa: E402
 
@@ -17,6 +18,7 @@ from xronos.node.models.export import gather_full, save_hf_dir  # noqa: E402
 from xronos.node.models.loading import SafetensorsSource, materialize  # noqa: E402
 from xronos.node.models.registry import family_for  # noqa: E402
 from xronos.node.models.specs import TensorSpec  # noqa: E402
+from xronos.node.tp.group import TPGroup  # noqa: E402
 from xronos.node.tp.layout import ShardLayout  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -70,7 +72,7 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     exp_avg = {n: opt.state[p]["exp_avg"] for n, p in model.named_parameters()}
     res.update((f"exp_avg/{k}", v) for k, v in gather_full(exp_avg, specs, layout, group).items())
 
-    if rank == 0:
+    if layout.rank == 0:
         save_file({k: v.contiguous() for k, v in res.items()}, str(out / f"{case['id']}.safetensors"))
         if case.get("export"):
             state = {k.removeprefix("param/"): v for k, v in res.items() if k.startswith("param/")}
@@ -82,10 +84,24 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
 
 
 def main() -> None:
-    job, rank, group = worker_setup(sys.argv)
+    """Phases run one after another; within a phase, disjoint subgroups of the world run their
+    cases concurrently (so one 5-process world covers N = 1..5 with few process launches)."""
+    job, rank, world_group = worker_setup(sys.argv)
     out = Path(job["out"])
-    for case in job["cases"]:
-        run_case(case, rank, group, out)
+    groups = []  # every rank creates every subgroup, in the same order
+    for phase in job["phases"]:
+        for sub in phase:
+            pg = dist.new_group(sub["ranks"]) if len(sub["ranks"]) > 1 else None
+            groups.append((sub, pg))
+    for phase in job["phases"]:
+        for sub, pg in groups:
+            if sub in phase and rank in sub["ranks"]:
+                n = len(sub["ranks"])
+                me = sub["ranks"].index(rank)
+                group = TPGroup(pg, me, n) if n > 1 else TPGroup.single()
+                for case in sub["cases"]:
+                    run_case(case, me, group, out)
+        world_group.barrier()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Sharded == transformers: loss, logits, the gradient of every parameter, one AdamW step.
 
-Each world size N runs several (family, task, layout) cases in ONE spawned Gloo world; layouts are
-deliberately lopsided and include ranks with 0 units and ranks with all but one unit.
+One 5-process Gloo world covers N = 1..5: in each phase disjoint subgroups run their cases
+concurrently. Layouts are deliberately lopsided and include ranks with 0 units and ranks with all
+but one unit. Also here: replicated dropout agreeing across ranks, and exports that transformers
+loads with no Xronos code.
 """
 
 from __future__ import annotations
@@ -12,89 +14,149 @@ from pathlib import Path
 import pytest
 import torch
 from ckpts import LR, hf_reference, make_batch, make_checkpoint, task_of
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from equiv_worker import run_case
 from tp_world import run_world
-
-from xronos.node.tp.group import TPGroup
 
 WORKER = Path(__file__).with_name("equiv_worker.py")
 
-# kind -> units per rank. H = 4 for all but the GQA LLaMAs (H = num_key_value_heads = 2).
+# N -> (kind, units per rank). H = 4 except the GQA LLaMAs (H = num_key_value_heads = 2), MiniLM 12.
 WORLDS: dict[int, list[tuple[str, tuple[int, ...]]]] = {
     1: [("gpt2-lm", (4,)), ("gpt2-cls", (4,)), ("bert-cls", (4,)), ("roberta-cls", (4,)),
         ("llama-gqa-lm", (2,)), ("llama-mha-lm", (4,)), ("llama-cls", (2,))],
     2: [("gpt2-lm", (1, 3)), ("gpt2-cls", (0, 4)), ("bert-cls", (3, 1)), ("roberta-cls", (2, 2)),
         ("llama-gqa-lm", (1, 1)), ("llama-mha-lm", (3, 1)), ("llama-cls", (0, 2))],
     3: [("gpt2-lm", (0, 3, 1)), ("gpt2-cls", (1, 2, 1)), ("bert-cls", (0, 2, 2)), ("roberta-cls", (1, 3, 0)),
-        ("llama-gqa-lm", (0, 1, 1)), ("llama-mha-lm", (1, 2, 1)), ("llama-cls", (1, 0, 1))],
+        ("llama-gqa-lm", (0, 1, 1)), ("llama-mha-lm", (1, 2, 1)), ("llama-cls", (1, 0, 1)),
+        ("minilm", (1, 10, 1))],
     4: [("gpt2-lm", (1, 1, 1, 1)), ("gpt2-cls", (2, 0, 1, 1)), ("bert-cls", (1, 1, 1, 1)),
         ("roberta-cls", (0, 0, 3, 1)), ("llama-gqa-lm", (0, 1, 0, 1)), ("llama-mha-lm", (0, 1, 1, 2))],
     5: [("gpt2-lm", (1, 1, 0, 1, 1)), ("bert-cls", (0, 1, 1, 1, 1)), ("roberta-cls", (1, 0, 1, 1, 1)),
         ("llama-gqa-lm", (1, 0, 0, 1, 0)), ("llama-mha-lm", (0, 1, 1, 1, 1)), ("llama-cls", (0, 0, 1, 0, 1))],
 }
+EXPORTS = {("gpt2-lm", 3), ("gpt2-cls", 2), ("llama-gqa-lm", 2), ("llama-mha-lm", 4), ("bert-cls", 4),
+           ("roberta-cls", 5), ("llama-cls", 5), ("minilm", 3)}
+DROPOUT = [("gpt2-lm", (0, 3, 1)), ("bert-cls", (2, 1, 1)), ("llama-cls", (0, 1, 1))]  # run with p = 0.1
+# phase -> subgroups (ranks, N); N = 1 runs on a lone rank with TPGroup.single()
+PHASES = [[((0, 1), 2), ((2, 3, 4), 3)], [((0, 1, 2, 3), 4), ((4,), 1)], [((0, 1, 2, 3, 4), 5)]]
+
+
+def case_id(kind: str, units: tuple[int, ...], dropout: bool = False) -> str:
+    return f"{kind}-N{len(units)}-{'.'.join(map(str, units))}" + ("-dropout" if dropout else "")
+
+
+ALL_CASES = [case_id(k, u) for n in WORLDS for k, u in WORLDS[n]]
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """kind -> (checkpoint dir, batch file, transformers reference), built once per module."""
+def world(tmp_path_factory):
+    """Run the whole world once: returns (results dir, kind -> reference, case id -> case)."""
     root = tmp_path_factory.mktemp("equiv")
-    cache: dict[str, tuple[Path, Path, dict[str, torch.Tensor]]] = {}
+    refs, batches, ckpts = {}, {}, {}
+    kinds = {k for cases in WORLDS.values() for k, _ in cases}
+    for kind in sorted(kinds):
+        ckpts[kind] = make_checkpoint(kind, root / kind)
+        batch = make_batch(kind)
+        batches[kind] = root / f"{kind}-batch.safetensors"
+        save_file(batch, str(batches[kind]))
+        refs[kind] = hf_reference(ckpts[kind], task_of(kind), batch)
 
-    def get(kind: str):
-        if kind not in cache:
-            ckpt = make_checkpoint(kind, root / kind)
-            batch = make_batch(kind)
-            batch_file = root / f"{kind}-batch.safetensors"
-            save_file(batch, str(batch_file))
-            cache[kind] = (ckpt, batch_file, hf_reference(ckpt, task_of(kind), batch))
-        return cache[kind]
+    def case(kind: str, units: tuple[int, ...], dropout: bool = False) -> dict:
+        return {"id": case_id(kind, units, dropout), "kind": kind, "ckpt": str(ckpts[kind]),
+                "task": task_of(kind), "units": list(units), "batch": str(batches[kind]),
+                "export": (kind, len(units)) in EXPORTS and not dropout, "dropout": 0.1 if dropout else 0.0}
 
-    return get
+    phases, cases = [], {}
+    for phase in PHASES:
+        subs = []
+        for ranks, n in phase:
+            sub_cases = [case(k, u) for k, u in WORLDS[n]]
+            if n == 3:
+                sub_cases += [case(k, u, dropout=True) for k, u in DROPOUT]
+            cases.update((c["id"], c) for c in sub_cases)
+            subs.append({"ranks": list(ranks), "cases": sub_cases})
+        phases.append(subs)
+    out = root / "out"
+    run_world(WORKER, 5, {"phases": phases}, out, timeout=600)
+    return out, refs, cases
 
 
-def max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+def max_rel_err(got: torch.Tensor, ref: torch.Tensor, floor: float = 1e-6) -> float:
     assert got.shape == ref.shape, (got.shape, ref.shape)
-    return (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+    return (got - ref).abs().max().item() / max(ref.abs().max().item(), floor)
 
 
-def check_case(res: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], label: str) -> dict[str, float]:
-    ours = {k for k in res if "/" in k}
-    theirs = {k for k in ref if "/" in k}
-    assert ours == theirs, f"{label}: parameter sets differ: {sorted(ours ^ theirs)[:8]}"
+def worst_rel_err(res: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], prefix: str) -> float:
+    """Max over tensors of the error relative to the tensor's scale, that scale floored at 1% of
+    the model's largest: some gradients are 0 in exact arithmetic (a key bias shifts every score of
+    a query equally) and hold only rounding noise, ~1e-10, on both sides."""
+    keys = [k for k in ref if k.startswith(prefix)]
+    floor = 1e-2 * max(ref[k].abs().max().item() for k in keys)
+    return max(max_rel_err(res[k], ref[k], floor) for k in keys)
+
+
+def rank_infos(out: Path, cid: str, n: int) -> list[dict]:
+    return [json.loads((out / f"{cid}.rank{r}.json").read_text()) for r in range(n)]
+
+
+@pytest.mark.parametrize("cid", ALL_CASES)
+def test_sharded_matches_transformers(world, cid):
+    out, refs, cases = world
+    case = cases[cid]
+    ref = refs[case["kind"]]
+    res = load_file(str(out / f"{cid}.safetensors"))
+    ours, theirs = {k for k in res if "/" in k}, {k for k in ref if "/" in k}
+    assert ours == theirs, f"parameter sets differ: {sorted(ours ^ theirs)[:8]}"
     errs = {"loss": max_rel_err(res["loss"], ref["loss"]), "logits": max_rel_err(res["logits"], ref["logits"])}
-    for kind in ("grad", "exp_avg"):
-        errs[kind] = max(max_rel_err(res[k], ref[k]) for k in ours if k.startswith(kind + "/"))
-    # After one step the parameters moved by ~lr; compare the update itself against lr.
-    errs["param"] = max((res[k] - ref[k]).abs().max().item() for k in ours if k.startswith("param/"))
-    return errs
+    for kind in ("grad", "exp_avg"):  # every parameter, consolidated under its HF name
+        errs[kind] = worst_rel_err(res, ref, kind + "/")
+    # One AdamW step moves each weight by ~lr * g / (|g| + eps): where |g| is near eps (gradients
+    # that are 0 in exact arithmetic hold rounding noise) the direction is arbitrary on both sides,
+    # so the step is compared where it is well-conditioned (|g| > 100 eps) and only bounded elsewhere.
+    errs["param"] = errs["param_any"] = 0.0
+    for k in (k for k in ours if k.startswith("param/")):
+        diff = (res[k] - ref[k]).abs()
+        well = ref["grad/" + k.removeprefix("param/")].abs() > 1e-6
+        errs["param"] = max(errs["param"], diff[well].max().item() if well.any() else 0.0)
+        errs["param_any"] = max(errs["param_any"], diff.max().item())
+    print(cid, {k: f"{v:.1e}" for k, v in errs.items()})
+    assert errs["loss"] < 1e-5 and errs["logits"] < 1e-5, errs
+    assert errs["grad"] < 1e-5 and errs["exp_avg"] < 1e-5, errs
+    assert errs["param"] < 1e-3 * LR and errs["param_any"] <= 2 * LR, errs
+    for info in rank_infos(out, cid, len(case["units"])):
+        assert info["loss"] == info["rank0_loss"], info  # every rank computes the same loss
+        assert info["replicated_grad_diff"] == 0.0, info  # replicated grads agree bit for bit
 
 
-@pytest.mark.parametrize("world", sorted(WORLDS))
-def test_sharded_matches_transformers(world, prepared, tmp_path):
-    cases = []
-    refs = {}
-    for i, (kind, units) in enumerate(WORLDS[world]):
-        ckpt, batch_file, ref = prepared(kind)
-        case_id = f"{kind}-{i}"
-        cases.append({"id": case_id, "ckpt": str(ckpt), "task": task_of(kind), "units": list(units),
-                      "batch": str(batch_file)})
-        refs[case_id] = (ref, units)
-    if world == 1:  # a world of one needs no processes: TPGroup.single(), in this process
-        for case in cases:
-            run_case(case, 0, TPGroup.single(), tmp_path)
-    else:
-        run_world(WORKER, world, {"cases": cases}, tmp_path)
+@pytest.mark.parametrize("kind,units", DROPOUT)
+def test_replicated_dropout_is_identical_on_every_rank(world, kind, units):
+    out, refs, _ = world
+    infos = rank_infos(out, case_id(kind, units, dropout=True), len(units))
+    assert all(i["loss"] == infos[0]["rank0_loss"] for i in infos), infos
+    assert all(i["replicated_grad_diff"] == 0.0 for i in infos), infos
+    assert abs(infos[0]["loss"] - refs[kind]["loss"].item()) > 1e-4  # dropout was active
 
-    for case_id, (ref, units) in refs.items():
-        label = f"{case_id} units={units}"
-        res = load_file(str(tmp_path / f"{case_id}.safetensors"))
-        errs = check_case(res, ref, label)
-        print(label, {k: f"{v:.2e}" for k, v in errs.items()})
-        assert errs["loss"] < 1e-5 and errs["logits"] < 1e-5, (label, errs)
-        assert errs["grad"] < 1e-5 and errs["exp_avg"] < 1e-5, (label, errs)
-        assert errs["param"] < 1e-2 * LR, (label, errs)  # Adam normalises tiny gradients
-        for r in range(world):
-            info = json.loads((tmp_path / f"{case_id}.rank{r}.json").read_text())
-            assert info["loss"] == info["rank0_loss"], (label, r, info)
-            assert info["replicated_grad_diff"] == 0.0, (label, r, info)
+
+@pytest.mark.parametrize("kind,n", sorted(EXPORTS))
+def test_export_loads_in_plain_transformers(world, kind, n):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    out, _, cases = world
+    cid = next(c for c, case in cases.items() if case["kind"] == kind and len(case["units"]) == n
+               and case["export"])
+    export = out / f"{cid}-export"
+    config = json.loads((export / "config.json").read_text())
+    auto = AutoModelForCausalLM if task_of(kind) == "causal-lm" else AutoModelForSequenceClassification
+    model = auto.from_pretrained(export)
+    assert type(model).__name__ == config["architectures"][0]
+    res = load_file(str(out / f"{cid}.safetensors"))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), res[f"param/{name}"]), name
+    with safe_open(str(export / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    tied = config.get("tie_word_embeddings", task_of(kind) == "causal-lm" and kind.startswith("gpt2"))
+    if task_of(kind) == "causal-lm":
+        assert ("lm_head.weight" in keys) == (not tied)  # tied heads stored once, as save_pretrained does
+    if kind == "minilm":
+        for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json"):
+            assert (export / name).is_file()
