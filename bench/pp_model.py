@@ -143,7 +143,8 @@ class Stage(nn.Module):
             for f in files:
                 with safe_open(str(f), framework="pt") as st:
                     for key in st.keys():
-                        local = self.local_name(key)
+                        # A bare base-model checkpoint (e.g. BertModel) has no "bert." prefix.
+                        local = self.local_name(key) or self.local_name(f"{self.model.base_model_prefix}.{key}")
                         if local is not None and local in params:
                             t = st.get_tensor(key)
                             if t.shape != params[local].shape:

@@ -1,7 +1,7 @@
 """Per-layer profile for the pipeline partitioner (Asteroid profiles each device at micro-batch size).
 
 For the chain [emb, blk, out] we time forward + backward of ONE micro-batch through the very
-modules a stage runs, plus that layer's AdamW step, and count its resident bytes (weights, grads,
+modules a stage runs, and separately that layer's AdamW step (once per iteration), and count its resident bytes (weights, grads,
 two AdamW moments = 16 B per fp32 parameter). Activation bytes per micro-batch are the saved
 tensors autograd keeps for backward (measured with saved-tensor hooks). All blocks share a shape,
 so one block stands for all B. Median over `iters` after `warmup`.
@@ -70,30 +70,35 @@ def profile_layers(model_dir: str, micro_rows: int, seq_len: int, *, iters: int 
         h = torch.randn(micro_rows, seq_len, H, generator=g).requires_grad_()
         return F.cross_entropy(stage.head(h, ids).float(), labels, reduction="sum")
 
-    times, acts = {}, {}
+    times, steps, acts = {}, {}, {}
     for key, fn in (("emb", run_emb), ("blk", run_blk), ("out", run_out)):
-        samples = []
+        fb, st = [], []
         for i in range(warmup + iters):
             t0 = time.perf_counter()
             out, saved = _saved_bytes(fn)
             out.backward(torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out))
+            t1 = time.perf_counter()
             opts[key].step()
             opts[key].zero_grad(set_to_none=True)
             if i >= warmup:
-                samples.append(time.perf_counter() - t0)
+                fb.append(t1 - t0)
+                st.append(time.perf_counter() - t1)
             acts[key] = saved
-        times[key] = statistics.median(samples)
+        times[key], steps[key] = statistics.median(fb), statistics.median(st)
     weights = {k: 16 * sum(p.numel() for p in v) for k, v in groups.items()}
-    return {"times": [times["emb"], times["blk"], times["out"]],
+    return {"times": [times["emb"], times["blk"], times["out"]],  # per micro-batch, forward + backward
+            "step_times": [steps["emb"], steps["blk"], steps["out"]],  # AdamW, once per iteration
             "weights": [weights["emb"], weights["blk"], weights["out"]],
             "acts": [acts["emb"], acts["blk"], acts["out"]], "hidden": H, "num_blocks": B}
 
 
-def chain(profile: dict) -> tuple[list[float], list[float], list[float]]:
-    """Expand [emb, blk, out] to the B + 2 layer chain: (times, weights, acts)."""
+def chain(profile: dict, micro_batches: int) -> tuple[list[float], list[float], list[float]]:
+    """Expand [emb, blk, out] to the B + 2 layer chain: (time per micro-batch slot, weights, acts).
+    The optimizer step runs once per iteration; it is spread over the M micro-batch slots."""
     B = profile["num_blocks"]
 
     def expand(v: list[float]) -> list[float]:
         return [v[0]] + [v[1]] * B + [v[2]]
 
-    return expand(profile["times"]), expand(profile["weights"]), expand(profile["acts"])
+    slot = [t + s / micro_batches for t, s in zip(profile["times"], profile["step_times"])]
+    return expand(slot), expand(profile["weights"]), expand(profile["acts"])

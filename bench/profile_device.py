@@ -36,13 +36,14 @@ def main(argv: list[str]) -> int:
         from xronos.node.profiler import profile
 
         config = json.loads((Path(job.model_dir) / "config.json").read_text())
-        report = profile(config, "classify", job.batch_size, job.seq_len, threads=job.threads, iters=job.iters)
+        report = profile(config, "classify", job.batch_size, job.seq_len, threads=job.threads,
+                         iters=job.iters, warmup=1)
         Path(job.tp_out).write_text(json.dumps(report.model_dump(mode="json")))
     if job.pp_out is not None:
         from xronos.bench.pp_profile import profile_layers
 
         Path(job.pp_out).write_text(json.dumps(profile_layers(job.model_dir, job.micro_rows, job.seq_len,
-                                                              iters=job.iters)))
+                                                              iters=job.iters, warmup=1)))
     return 0
 
 

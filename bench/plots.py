@@ -1,0 +1,105 @@
+"""PNG plots in the paper's style (Figs. 6, 8, 9, 10), rendered to bytes (written atomically elsewhere)."""
+
+from __future__ import annotations
+
+import io
+
+COLORS = {"xronos": "#1f77b4", "xronos-optimal": "#6baed6", "uniform": "#d62728", "pp": "#2ca02c",
+          "hf-tp": "#9467bd"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def iteration_bars(cells: list[dict], title: str) -> bytes:
+    """Fig. 6: iteration time, bars grouped by cell (scenario / model / seq), one bar per strategy."""
+    plt = _plt()
+    strategies = [s for s in COLORS if any(s in c["summary"] for c in cells)]
+    fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(cells) + 1), 3.2))
+    width = 0.8 / max(1, len(strategies))
+    for j, s in enumerate(strategies):
+        xs = [i + j * width for i, c in enumerate(cells) if s in c["summary"]]
+        ys = [c["summary"][s]["iteration_s"] for c in cells if s in c["summary"]]
+        ax.bar(xs, ys, width, label=s, color=COLORS[s])
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))])
+    ax.set_xticklabels([f"{c['scenario']['name']}\n{c['model']['name']}\nseq {c['spec']['seq_len']}" for c in cells],
+                       fontsize=7)
+    ax.set_ylabel("Iteration time (s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def idle_bars(doc: dict) -> bytes:
+    """Fig. 4/8: idle-time ratio per node and strategy."""
+    plt = _plt()
+    names = [d["name"] for d in doc["scenario"]["devices"]]
+    strategies = [s for s in COLORS if s in doc["summary"]]
+    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.2))
+    width = 0.8 / max(1, len(strategies))
+    for j, s in enumerate(strategies):
+        by_dev = {n["device"]: n["idle_ratio"] for n in doc["summary"][s]["nodes"]}
+        xs = [i + j * width for i in range(len(names)) if i in by_dev]
+        ax.bar(xs, [100 * by_dev[i] for i in range(len(names)) if i in by_dev], width, label=s, color=COLORS[s])
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
+    ax.set_xticklabels([f"{n}-{i}" for i, n in enumerate(names)], fontsize=7, rotation=15)
+    ax.set_ylabel("Idle time fraction (%)")
+    ax.set_title(doc["spec"]["cell_name"], fontsize=9)
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def predicted_scatter(points: list[tuple[str, float, float]], title: str) -> bytes:
+    """Fig. 9: predicted vs measured per-node compute time, with the y = x diagonal."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(3.6, 3.4))
+    for label in sorted({p[0] for p in points}):
+        xs = [m for lab, _, m in points if lab == label]
+        ys = [p for lab, p, _ in points if lab == label]
+        ax.scatter(xs, ys, s=14, label=label)
+    hi = max([max(p, m) for _, p, m in points] + [1e-3]) * 1.1
+    ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="ideal (y = x)")
+    ax.set_xlim(0, hi), ax.set_ylim(0, hi)
+    ax.set_xlabel("Measured compute time (s)")
+    ax.set_ylabel("Predicted compute time (s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=6)
+    return _png(fig)
+
+
+def accuracy_curves(curves: dict[str, list[tuple[float, float]]], target: float, title: str) -> bytes:
+    """Fig. 10: accuracy over elapsed training time per strategy, with the target line."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    for s, pts in curves.items():
+        ax.plot([t for t, _ in pts], [a for _, a in pts], marker="o", ms=3, label=s, color=COLORS.get(s))
+    ax.axhline(target, color="k", ls=":", lw=0.8, label=f"target {target:.0%}")
+    ax.set_xlabel("Elapsed training time (s)")
+    ax.set_ylabel("Accuracy")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def cell_plots(doc: dict) -> dict[str, bytes]:
+    out = {}
+    if doc["summary"]:
+        out["iteration"] = iteration_bars([doc], doc["spec"]["cell_name"])
+        out["idle"] = idle_bars(doc)
+    pts = [(s, p, m) for s, v in doc["summary"].items() for p, m in v.get("predicted_vs_measured", [])]
+    if pts:
+        out["predicted"] = predicted_scatter(pts, doc["spec"]["cell_name"])
+    return out

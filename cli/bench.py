@@ -1,0 +1,76 @@
+"""`xronos bench`: one benchmark cell — every strategy on the same emulated devices and model.
+
+    xronos bench --scenario set-a --model gpt2-medium --strategies xronos,uniform,pp --iters 6 \\
+        --seq-len 32 --blocks 2
+
+Needs root (cgroup CPU quotas). Writes bench/results/<name>.json (+ .md, plots) atomically; bad
+input is refused before anything is written or spawned.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+
+def _mem_scale(text: str) -> float | None:
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        value = _fraction(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mem-scale must be a number like 0.125 or 1/8, or 'none'; got {text!r}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--mem-scale must be > 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    if "/" in text:
+        num, den = text.split("/", 1)
+        return float(num) / float(den)
+    return float(text)
+
+
+def register(subparsers) -> None:
+    from xronos.bench.scenarios import SCENARIOS
+    from xronos.bench.workloads import SHAPES
+
+    p = subparsers.add_parser("bench", help="run one benchmark cell (strategies side by side on emulated devices)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", required=True, help=f"one of {', '.join(SCENARIOS)}")
+    p.add_argument("--model", required=True, help=f"one of {', '.join(SHAPES)}")
+    p.add_argument("--strategies", default="xronos,uniform,pp,hf-tp",
+                   help="comma list of xronos, xronos-optimal, uniform, pp, hf-tp")
+    p.add_argument("--iters", type=int, default=6, help="iterations per strategy (incl. warm-up)")
+    p.add_argument("--warmup", type=int, default=2, help="iterations excluded from the means")
+    p.add_argument("--seq-len", type=int, default=32, help="32/64/128 = the paper's CoLA/SST-2/MRPC")
+    p.add_argument("--blocks", type=int, default=None, help="keep this many transformer blocks (full width)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--mem-scale", type=_mem_scale, default="1/8",
+                   help="memory cap = device RAM x this (default 1/8: a Pi 5 gets 1 GiB); 'none' = no caps")
+    p.add_argument("--unit-share", type=float, default=0.30,
+                   help="cores per unit of device speed (a Raspberry Pi 5 rank gets this share)")
+    p.add_argument("--name", default=None, help="result file name (default from the cell)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=handler)
+
+
+def handler(args) -> int:
+    from xronos.bench import results
+    from xronos.bench.harness import CellSpec, run_cell, validate
+
+    spec = CellSpec(scenario=args.scenario, model=args.model,
+                    strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+                    iters=args.iters, warmup=args.warmup, seq_len=args.seq_len, blocks=args.blocks,
+                    batch_size=args.batch_size, mem_scale=args.mem_scale, unit_share=args.unit_share, name=args.name)
+    validate(spec)  # refuse before any work
+    doc = results.summarize(run_cell(spec))
+    paths = results.write(doc, args.out, plots=not args.no_plots)
+    print(results.markdown(doc))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    failed = [k for k, v in doc["strategies"].items() if "failed" in v]
+    return 1 if failed else 0
