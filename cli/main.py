@@ -13,7 +13,7 @@ import importlib
 import sys
 
 # Only subcommands that exist are listed here; a later feature adds its module name.
-SUBCOMMANDS: tuple[str, ...] = ("plan", "broker", "run", "profile", "node", "gateway", "job", "nodes", "bench")
+SUBCOMMANDS: tuple[str, ...] = ("plan", "broker", "run", "profile", "node", "gateway", "job", "nodes", "demo", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ ACTIVE = frozenset({"assigning", "running", "paused", "recovering"})
 
 @dataclass(frozen=True)
 class Timeouts:
-    inspect_s: float = 30.0
+    inspect_s: float = 120.0  # the owner's first inspection imports torch, transformers, datasets
     profile_s: float = 600.0
     ack_s: float = 60.0
     stall_s: float = 300.0  # running without a metric this long = a silent failure

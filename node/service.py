@@ -66,6 +66,7 @@ class NodeService:
         self.bus.subscribe(self._set_topic)
         self.bus.on_connect(self._announce)
         self.bus.start()
+        self.work.submit(_warm_up)
 
     def _announce(self) -> None:
         """Runs after every (re)connect: the retained view of this node, afresh."""
@@ -320,3 +321,13 @@ class NodeService:
             self.last_shares = hastate.iteration_shares(ev["compute_s"], ev["idle_s"], ev["iteration_s"])
         if self.status is not None:
             self.status = self.status.model_copy(update={"step": ev["step"], "epoch": ev["epoch"]})
+
+
+def _warm_up() -> None:
+    """Import the heavy libraries on the worker thread at start, so that the first inspection or
+    profile request (which the gateway times) does not pay for them."""
+    import datasets  # noqa: F401
+    import transformers  # noqa: F401
+
+    import xronos.node.jobcheck  # noqa: F401
+    import xronos.node.profiler  # noqa: F401

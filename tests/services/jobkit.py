@@ -41,10 +41,12 @@ def start_ranks(tmp: Path, spec: dict, units: list[int], *, resume_step: int = 0
     port = free_port()
     procs = []
     for rank in range(len(units)):
-        run = spec_run_config(spec, units=units, rank=rank, host="127.0.0.1", port=port, threads=1,
+        # Only the owner has model and data: the other ranks get paths that do not exist.
+        own = spec if rank == 0 else {**spec, "model_dir": "/nonexistent/model", "data_path": "/nonexistent/d.csv"}
+        run = spec_run_config(own, units=units, rank=rank, host="127.0.0.1", port=port, threads=1,
                               gloo_timeout_s=60.0)
         cfg = {"job_id": "j", "plan_version": version, "node_id": f"n{rank}", "run": run.model_dump(),
-               "spec": spec, "resume_step": resume_step,
+               "spec": own, "resume_step": resume_step,
                "checkpoint_dir": str(ckpt or tmp / "ckpt") if rank == 0 else None}
         procs.append(RankProcess(tmp / f"v{version}-rank{rank}", cfg, child_env(1, "lo")))
     return procs

@@ -1,79 +1,13 @@
-"""A real deployment on one machine for the end-to-end tests: a gateway process and node
-processes (`xronos gateway|node --config`), each with its own TOML config and state directory,
-talking through a real broker (the `mqtt_broker` fixture)."""
+"""The end-to-end tests' deployment: `xronos.cli.localstack.LocalStack` on the `mqtt_broker`
+fixture's real broker, with the owner's data directory as the allowed directory."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from xronos.cli.mqttclient import GatewayClient
-from xronos.node.launch import free_port
-from xronos.protocol.transport import BrokerSettings
+from xronos.cli.localstack import LocalStack
 
 
-class Stack:
-    def __init__(self, tmp: Path, broker, allowed: Path, base: str = "xronos", keepalive: int = 2) -> None:
-        self.tmp, self.broker, self.allowed, self.base = tmp, broker, allowed, base
-        self.keepalive = keepalive
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.port0 = free_port()
-        self.client = GatewayClient(BrokerSettings(host=broker.host, port=broker.port), base)
-
-    def _broker_toml(self) -> str:
-        return (f'base_topic = "{self.base}"\n[broker]\nhost = "{self.broker.host}"\nport = {self.broker.port}\n'
-                f"keepalive = {self.keepalive}\nreconnect_max_s = 2\n")
-
-    def _spawn(self, name: str, kind: str, toml: str) -> None:
-        cfg = self.tmp / f"{name}.toml"
-        cfg.write_text(toml)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        with open(self.tmp / f"{name}.log", "ab") as log:
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", "xronos.cli.main", kind, "--config", str(cfg)],
-                                                stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def gateway(self, **extra: object) -> None:
-        lines = "".join(f"{k} = {v}\n" for k, v in extra.items())
-        self._spawn("gateway", "gateway", f'state_dir = "{self.tmp / "gw-state"}"\n'
-                    f"rendezvous_port_min = {self.port0}\nrendezvous_port_max = {self.port0 + 20}\n"
-                    f"ack_timeout_s = 20.0\nprofile_timeout_s = 300.0\n{lines}" + self._broker_toml())
-
-    def node(self, node_id: str) -> None:
-        self._spawn(node_id, "node", f'node_id = "{node_id}"\nstate_dir = "{self.tmp / node_id}"\n'
-                    f'allowed_dirs = ["{self.allowed}", "{self.tmp / node_id}"]\ndata_host = "127.0.0.1"\n'
-                    f"threads = 1\nreserve_mb = 0\ngloo_timeout_s = 30.0\n" + self._broker_toml())
-
-    def kill(self, name: str) -> None:
-        proc = self.procs.pop(name)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-
-    def wait_nodes(self, n: int, timeout: float = 60.0) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                nodes = self.client.request("nodes/list", 5.0)["nodes"]
-            except TimeoutError:
-                continue
-            if sum(1 for x in nodes if x["online"] and x["cpu_model"]) >= n:
-                return nodes
-            time.sleep(0.5)
-        raise TimeoutError(f"{n} nodes did not come online:\n{self.logs()}")
-
-    def logs(self, tail: int = 3000) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-tail:]}" for p in sorted(self.tmp.glob("*.log")))
-
-    def close(self) -> None:
-        for name in list(self.procs):
-            proc = self.procs.pop(name)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.client.close()
+class Stack(LocalStack):
+    def __init__(self, tmp: Path, broker, allowed: Path, base: str = "xronos") -> None:
+        super().__init__(tmp, broker.host, broker.port, allowed, base)

@@ -1,7 +1,8 @@
 """The data plane of a job, without MQTT: rank processes as the node service starts them.
 
-The exported model equals what `xronos run` produces for the same spec and layout, and a job cut
-at a checkpoint and resumed under a different plan ends where the uninterrupted one does.
+Ranks other than the owner are given paths that do not exist: everything they hold came over Gloo.
+A job cut at its checkpoint and resumed under a different plan (other ranks, other split) ends
+where the uninterrupted one does; equality with `xronos run` is checked end to end (test_e2e).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from jobkit import job_spec, make_case, runkit, start_ranks, wait_ranks
-from xronos.cli.main import main as xronos
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def _kinds(events):
     return [e["type"] for e in events]
 
 
-def test_job_ranks_match_xronos_run_and_resume_under_another_plan(tmp_path):
+def test_resume_under_another_plan_ends_where_the_uninterrupted_job_does(tmp_path):
     model, data = make_case(tmp_path)
     spec = job_spec(model, data, tmp_path / "export")
     events = wait_ranks(start_ranks(tmp_path, spec, [2, 6, 4]))
@@ -34,20 +34,13 @@ def test_job_ranks_match_xronos_run_and_resume_under_another_plan(tmp_path):
     assert [e["step"] for e in owner if e["type"] == "checkpoint"] == [3]
     assert owner[-1] == {"type": "completed", "step": 6, "epoch": 0, "export_dir": str(tmp_path / "export")}
     assert all(ev[-1]["type"] == "completed" for ev in events)
-    assert not (tmp_path / "v1-rank1" / "model").exists()
-
-    ref = tmp_path / "ref"
-    assert xronos(runkit.run_argv(model, data, "classify", (2, 6, 4), ref, steps=6, lr=1e-3, seed=3,
-                                  extra=("--eval-fraction", "0.2", "--dropout", "0"))) == 0
-    max_abs, rel = runkit.compare(_load(tmp_path / "export"), _load(ref))
-    assert max_abs <= 5e-4 and rel <= 1e-5
 
     # Resume at the step-3 checkpoint on two ranks with another split: same end point.
     spec2 = job_spec(model, data, tmp_path / "export2")
     events = wait_ranks(start_ranks(tmp_path, spec2, [9, 3], resume_step=3, version=2))
     assert [e["step"] for e in events[0] if e["type"] == "metrics"] == [4, 5, 6]
     assert "eval" in _kinds(events[0])  # after only: no "before" on a resume
-    max_abs, rel = runkit.compare(_load(tmp_path / "export2"), _load(ref))
+    max_abs, rel = runkit.compare(_load(tmp_path / "export2"), _load(tmp_path / "export"))
     assert max_abs <= 5e-4 and rel <= 1e-5
 
 

@@ -1,0 +1,138 @@
+"""The node service over the in-memory FakeBus: announcing, the owner's inspection, assignment
+checks (including payloads claiming another node), the participate switch."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from jobkit import job_spec, make_case
+from xronos.node.config import NodeConfig
+from xronos.node.service import NodeService
+from xronos.protocol import messages as m
+from xronos.protocol.codec import decode, encode
+from xronos.protocol.fakebus import FakeBroker
+from xronos.protocol.topics import TopicTable
+
+T = TopicTable()
+
+
+@pytest.fixture
+def node(tmp_path):
+    broker = FakeBroker()
+    cfg = NodeConfig(node_id="n0", state_dir=tmp_path / "state", allowed_dirs=[tmp_path / "allowed"],
+                     data_host="127.0.0.1", threads=1)
+    (tmp_path / "allowed").mkdir()
+    will = (T.build("node.availability", node_id="n0"), "offline", True)
+    svc = NodeService(cfg, broker.bus("n0", will=will))
+    client = broker.bus("gw")
+    client.subscribe("#")
+    client.start()
+    svc.start()
+    yield svc, client, broker, tmp_path
+    svc.work.shutdown(wait=True)
+
+
+def pump(svc, until=None, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        svc.step(0.05)
+        if until is None or until():
+            return
+    raise TimeoutError
+
+
+def msgs(client, key):
+    out = []
+    for topic, payload in client.drain():
+        found = T.match(topic)
+        if found and found[0].key == key:
+            out.append(decode(topic, payload))
+    return out
+
+
+def test_announces_and_last_will(node):
+    svc, client, broker, _ = node
+    svc.step(0)
+    assert broker.retained["xronos/node/n0/availability"] == b"online"
+    caps = decode("xronos/node/n0/capabilities", broker.retained["xronos/node/n0/capabilities"])
+    assert caps.node_id == "n0" and caps.data_host == "127.0.0.1" and caps.participate
+    ha = json.loads(broker.retained["xronos/node/n0/state"])
+    assert ha["participate"] is True and ha["job_id"] is None
+    svc.bus.reconnect()  # announced again after every reconnect
+    assert msgs(client, "node.capabilities")
+    svc.bus.kill()
+    assert broker.retained["xronos/node/n0/availability"] == b"offline"
+
+
+def test_participate_switch_from_home_assistant(node):
+    svc, client, broker, _ = node
+    client.publish("xronos/node/n0/set", b'{"participate": false}')
+    svc.step(0.1)
+    caps = decode("xronos/node/n0/capabilities", broker.retained["xronos/node/n0/capabilities"])
+    assert caps.participate is False
+    client.publish("xronos/node/n0/set", b'{"participate": "nope"}')
+    svc.step(0.1)
+    (err,) = msgs(client, "node.error")
+    assert err.code == "invalid" and "participate" in err.message
+
+
+def test_inspection_refuses_paths_outside_allowed_dirs_and_accepts_a_good_job(node):
+    svc, client, broker, tmp = node
+    model, data = make_case(tmp / "allowed", rows=40)
+    outside = m.JobSpec(**{**job_spec(model, "/etc/passwd", tmp / "allowed" / "out", owner="n0")})
+    good = m.JobSpec(**job_spec(model, data, tmp / "allowed" / "out", owner="n0", max_steps=None, epochs=2))
+    missing = m.JobSpec(**job_spec(tmp / "allowed" / "nope", data, tmp / "allowed" / "out", owner="n0"))
+    for rid, spec in (("r1", outside), ("r2", good), ("r3", missing)):
+        svc.bus.publish(T.build("node.inspect_request", node_id="n0"),
+                        encode(m.InspectRequest(request_id=rid, job_id="j", spec=spec)))
+    got: list[m.InspectReport] = []
+    pump(svc, until=lambda: _collect(got, client) >= 3, timeout=120)
+    by = {r.request_id: r for r in got}
+    assert not by["r1"].ok and "outside the allowed directories" in by["r1"].error
+    assert by["r2"].ok and by["r2"].arch.family == "gpt2" and by["r2"].units == 12
+    assert by["r2"].train_rows == 32 and by["r2"].eval_rows == 8 and by["r2"].total_steps == 16
+    assert not by["r3"].ok and "does not exist" in by["r3"].error
+
+
+def _collect(got, client):
+    got += msgs(client, "node.inspect_report")
+    return len(got)
+
+
+def test_assignments_checked(node):
+    svc, client, broker, tmp = node
+    spec = m.JobSpec(**job_spec(tmp / "allowed" / "m", tmp / "allowed" / "d.csv", tmp / "allowed" / "o", owner="n0"))
+    base = dict(job_id="j", plan_version=1, rank=0, world_size=2, rendezvous_host="127.0.0.1",
+                rendezvous_port=41234, units=[6, 6], spec=spec)
+    client.drain()
+    # A payload naming another node on n0's topic: ignored, logged, answered on n0's error topic.
+    svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(m.Assignment(node_id="n1", **base)))
+    svc.step(0.1)
+    (err,) = msgs(client, "node.error")
+    assert err.code == "rejected" and "names node 'n1'" in err.message and svc.assignment is None
+    # Rank 1 for the owner is refused with a reason in the ack.
+    svc.bus.publish(T.build("node.assignment", node_id="n0"),
+                    encode(m.Assignment(node_id="n0", **{**base, "rank": 1})))
+    svc.step(0.1)
+    (ack,) = msgs(client, "node.ack")
+    assert not ack.accepted and "owner must be rank 0" in ack.reason
+    svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(m.Assignment(node_id="n0", **base)))
+    svc.step(0.1)
+    (ack,) = msgs(client, "node.ack")
+    assert ack.accepted and svc.assignment.plan_version == 1
+    status = decode("xronos/node/n0/job", broker.retained["xronos/node/n0/job"])
+    assert status.status == "accepted" and status.rank == 0
+    # Controls for a plan this node does not hold are errors; a stale cancel is fine.
+    svc.bus.publish(T.build("node.control", node_id="n0"), encode(m.JobPause(job_id="j", plan_version=7)))
+    svc.bus.publish(T.build("node.control", node_id="n0"), encode(m.JobCancel(job_id="j", plan_version=7)))
+    svc.step(0.1)
+    svc.step(0.1)
+    (err,) = msgs(client, "node.error")
+    assert "no such assignment" in err.message
+    svc.bus.publish(T.build("node.control", node_id="n0"), encode(m.JobCancel(job_id="j", plan_version=1)))
+    svc.step(0.1)
+    assert svc.assignment is None
+    assert decode("xronos/node/n0/job", broker.retained["xronos/node/n0/job"]).status == "cancelled"
