@@ -30,5 +30,14 @@ test: $(STAMP) system-deps
 demo: $(STAMP)
 	$(VENV)/bin/xronos demo
 
+# The benchmark grid (not part of `make test`; needs root for cgroup CPU quotas): README "Benchmarks".
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c requirements.lock -e '.[node,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) -m xronos.bench.grid
+
 clean:
 	rm -rf $(VENV) build *.egg-info

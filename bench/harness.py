@@ -140,47 +140,51 @@ def run_cell(spec: CellSpec, scratch: str | None = None) -> dict:
         ctx = st.Ctx(work, model_dir, data, config, sc.shares(spec.unit_share), sc.memory_caps(spec.mem_scale),
                      [d.name for d in sc.devices], spec.batch_size, spec.seq_len, spec.micro_batches,
                      spec.iters, spec.lr, spec.seed)
-        want_tp = any(s in st.TP_STRATEGIES for s in spec.strategies)
-        tp_reason = _tp_unavailable(model_dir) if want_tp else None
-        t0 = time.perf_counter()
-        profiles = st.profile_devices(ctx, want_tp and tp_reason is None, "pp" in spec.strategies)
-        doc["profiling_s"] = time.perf_counter() - t0
-        doc["profiles"] = profiles
-        plans: dict[str, object] = {}
-        for strat in spec.strategies:
-            log.info("bench.strategy", cell=spec.cell_name, strategy=strat)
-            entry: dict = {}
-            t0 = time.perf_counter()
-            try:
-                if strat in st.TP_STRATEGIES:
-                    if tp_reason:
-                        raise _NotRun(tp_reason)
-                    plan = st.tp_plan(ctx, profiles, strat)
-                    plans[strat] = plan
-                    entry["plan"] = _plan_dict(plan)
-                    entry["raw"] = st.run_tp(ctx, list(plan.units), strat)
-                elif strat == "pp":
-                    plan = st.pp_plan(ctx, profiles)
-                    entry["plan"] = _plan_dict(plan)
-                    entry["raw"] = st.run_pp(ctx, plan)
-                else:
-                    from xronos.bench.hftp_worker import supported
-
-                    reason = supported(config, sc.n)
-                    if reason:
-                        raise _NotRun(reason)
-                    entry["raw"] = st.run_hftp(ctx)
-            except _NotRun as exc:
-                entry["not_run"] = str(exc)
-            except Exception as exc:  # a strategy failing (e.g. OOM-killed) is a result, not a crash
-                log.warning("bench.strategy_failed", strategy=strat, error=str(exc)[-500:])
-                entry["failed"] = f"{type(exc).__name__}: {exc}"[-3000:]
-            entry["wall_s"] = time.perf_counter() - t0
-            doc["strategies"][strat] = entry
+        doc["strategies"] = run_strategies(spec, sc, config, ctx, doc)
     env["loadavg_end"] = os.getloadavg()
     env["finished_at"] = time.time()
     return doc
 
+
+def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc: dict) -> dict:
+    """Profile the devices (into doc), then run every strategy; a failing one is recorded, not fatal."""
+    want_tp = any(s in st.TP_STRATEGIES for s in spec.strategies)
+    tp_reason = _tp_unavailable(ctx.model_dir) if want_tp else None
+    t0 = time.perf_counter()
+    profiles = st.profile_devices(ctx, want_tp and tp_reason is None, "pp" in spec.strategies)
+    doc["profiling_s"] = time.perf_counter() - t0
+    doc["profiles"] = profiles
+    out: dict[str, dict] = {}
+    for strat in spec.strategies:
+        log.info("bench.strategy", cell=spec.cell_name, strategy=strat)
+        entry: dict = {}
+        t0 = time.perf_counter()
+        try:
+            if strat in st.TP_STRATEGIES:
+                if tp_reason:
+                    raise _NotRun(tp_reason)
+                plan = st.tp_plan(ctx, profiles, strat)
+                entry["plan"] = _plan_dict(plan)
+                entry["raw"] = st.run_tp(ctx, list(plan.units), strat)
+            elif strat == "pp":
+                plan = st.pp_plan(ctx, profiles)
+                entry["plan"] = _plan_dict(plan)
+                entry["raw"] = st.run_pp(ctx, plan)
+            else:
+                from xronos.bench.hftp_worker import supported
+
+                reason = supported(config, sc.n)
+                if reason:
+                    raise _NotRun(reason)
+                entry["raw"] = st.run_hftp(ctx)
+        except _NotRun as exc:
+            entry["not_run"] = str(exc)
+        except Exception as exc:  # a strategy failing (e.g. OOM-killed) is a result, not a crash
+            log.warning("bench.strategy_failed", strategy=strat, error=str(exc)[-500:])
+            entry["failed"] = f"{type(exc).__name__}: {exc}"[-3000:]
+        entry["wall_s"] = time.perf_counter() - t0
+        out[strat] = entry
+    return out
 
 class _NotRun(Exception):
     pass

@@ -42,6 +42,7 @@ class PPRankConfig(BaseModel):
     max_steps: int = Field(gt=0)
     seed: int = 0
     shuffle: bool = True
+    eval_fraction: float = Field(default=0.0, ge=0, lt=1)  # held-out tail, so batches match the TP runs'
     micro_batches: int = Field(default=8, gt=0)
     spans: list[tuple[int, int]] = Field(min_length=1)  # layer range per pipeline rank
     threads: int = 1

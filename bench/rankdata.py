@@ -17,7 +17,7 @@ def batch_source(cfg):
     run = RunConfig(model_dir=cfg.model_dir, data_path=cfg.data_path, task="classify", units=[1],
                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, max_steps=cfg.max_steps,
                     seed=cfg.seed, shuffle=cfg.shuffle, text_column=cfg.text_column,
-                    label_column=cfg.label_column)
+                    label_column=cfg.label_column, eval_fraction=getattr(cfg, "eval_fraction", 0.0))
     config = json.loads((Path(cfg.model_dir) / "config.json").read_text())
     num_labels = len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))
     return BatchSource(run, num_labels)

@@ -109,7 +109,7 @@ def markdown(doc: dict) -> str:
         f"### {sp['cell_name']}", "",
         f"- Scenario **{sc['name']}**: {devs}",
         f"- Model: **{m['name']} shape with {m['blocks']} of {m['paper_blocks']} transformer blocks** "
-        f"(full layer width, random weights, {m['parameters'] / 1e6:.1f} M parameters), fp32, batch "
+        f"(full layer width, {m.get('weights', 'random weights')}, {m['parameters'] / 1e6:.1f} M parameters), fp32, batch "
         f"{sp['batch_size']}, sequence length {sp['seq_len']}, AdamW lr {sp['lr']}, classification",
         f"- {sp['iters']} iterations per strategy, first {sp['warmup']} excluded (warm-up); pp: "
         f"{sp['micro_batches']} micro-batches, 1F1B",
@@ -165,11 +165,17 @@ def write(doc: dict, out_dir: Path, plots: bool = True) -> list[Path]:
     """Result JSON, Markdown and (optionally) PNG plots of one cell; returns the paths written."""
     name = doc["spec"]["cell_name"]
     md = markdown(doc)  # render everything before the first file lands
+    if "tta" in doc:
+        from xronos.bench.tta import markdown as tta_markdown
+
+        md += "\n" + tta_markdown(doc)
     pngs = {}
     if plots:
-        from xronos.bench.plots import cell_plots
+        from xronos.bench.plots import accuracy_curves, cell_plots
 
         pngs = cell_plots(doc)
+        if "tta" in doc:
+            pngs["accuracy"] = accuracy_curves(doc["tta"]["curves"], doc["tta"]["target"], name)
     written = []
     for suffix, data in [(".json", json.dumps(doc, indent=1, default=str).encode()), (".md", md.encode()),
                          *[(f"-{k}.png", v) for k, v in pngs.items()]]:

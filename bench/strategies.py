@@ -47,6 +47,7 @@ class Ctx:
     iters: int
     lr: float
     seed: int
+    eval_fraction: float = 0.0  # > 0 only for the time-to-accuracy run (trainer evaluates the tail)
 
 
 def limits(ctx: Ctx, order: list[int]) -> list[RankLimits]:
@@ -120,13 +121,14 @@ def run_tp(ctx: Ctx, units: list[int], tag: str) -> dict:
     cfg = RunConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), task="classify",
                     units=units, batch_size=ctx.batch_size, seq_len=ctx.seq_len, lr=ctx.lr,
                     max_steps=ctx.iters, seed=ctx.seed, threads=1, metrics_path=str(metrics),
-                    progress=False, gloo_timeout_s=600)
+                    progress=False, gloo_timeout_s=600, eval_fraction=ctx.eval_fraction)
     with Confinement(limits(ctx, list(range(len(units))))) as conf:
         launch_local(cfg, len(units), wrap=conf.wrap, echo_rank0=False)
         quotas = conf.quotas()
     doc = json.loads(metrics.read_text())
     return {"ranks": [{"device": d, "units": u, "iterations": r["iterations"]}
-                      for d, u, r in zip(range(len(units)), units, doc["ranks"])], "quotas": quotas}
+                      for d, u, r in zip(range(len(units)), units, doc["ranks"])], "quotas": quotas,
+            "eval_before": doc.get("eval_before"), "eval_after": doc.get("eval_after")}
 
 
 # -- pipeline -----------------------------------------------------------------------------------
@@ -156,7 +158,7 @@ def run_pp(ctx: Ctx, plan) -> dict:
     cfg = PPRankConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), batch_size=ctx.batch_size,
                        seq_len=ctx.seq_len, lr=ctx.lr, max_steps=ctx.iters, seed=ctx.seed,
                        micro_batches=ctx.micro_batches, spans=[(s.start, s.stop) for s in plan.stages],
-                       metrics_path=str(metrics), gloo_timeout_s=600)
+                       metrics_path=str(metrics), gloo_timeout_s=600, eval_fraction=ctx.eval_fraction)
     with Confinement(limits(ctx, order)) as conf:
         spawn_ranks("xronos.bench.pp_worker", [cfg] * len(order), conf.wrap)
         quotas = conf.quotas()

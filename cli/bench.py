@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="run one benchmark cell (strategies side by side on emulated devices)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", required=True, help=f"one of {', '.join(SCENARIOS)}")
-    p.add_argument("--model", required=True, help=f"one of {', '.join(SHAPES)}")
+    p.add_argument("--model", help=f"one of {', '.join(SHAPES)} (not with --tta)")
     p.add_argument("--strategies", default="xronos,uniform,pp,hf-tp",
                    help="comma list of xronos, xronos-optimal, uniform, pp, hf-tp")
     p.add_argument("--iters", type=int, default=6, help="iterations per strategy (incl. warm-up)")
@@ -56,6 +56,11 @@ def register(subparsers) -> None:
     p.add_argument("--name", default=None, help="result file name (default from the cell)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--tta", action="store_true",
+                   help="time-to-accuracy instead: the real MiniLM on generated sentiment data, --iters steps")
+    p.add_argument("--target", type=float, default=0.9, help="--tta: target held-out accuracy")
+    p.add_argument("--eval-every", type=int, default=5, help="--tta: reference evaluation interval (steps)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-5; 5e-5 with --tta)")
     p.set_defaults(func=handler)
 
 
@@ -63,12 +68,28 @@ def handler(args) -> int:
     from xronos.bench import results
     from xronos.bench.harness import CellSpec, run_cell, validate
 
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    if args.tta:
+        from xronos.bench.tta import run_tta
+
+        if args.model:
+            raise ValueError("--tta uses the real MiniLM; drop --model")
+        doc = run_tta(args.scenario, strategies, steps=args.iters, eval_every=args.eval_every,
+                      target=args.target, seq_len=args.seq_len, lr=args.lr or 5e-5, mem_scale=args.mem_scale,
+                      unit_share=args.unit_share)
+        return _finish(results, doc, args)
+    if not args.model:
+        raise ValueError("--model is required (or --tta)")
+
     spec = CellSpec(scenario=args.scenario, model=args.model,
-                    strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+                    strategies=strategies, lr=args.lr or 2e-5,
                     iters=args.iters, warmup=args.warmup, seq_len=args.seq_len, blocks=args.blocks,
                     batch_size=args.batch_size, mem_scale=args.mem_scale, unit_share=args.unit_share, name=args.name)
     validate(spec)  # refuse before any work
-    doc = results.summarize(run_cell(spec))
+    return _finish(results, results.summarize(run_cell(spec)), args)
+
+
+def _finish(results, doc: dict, args) -> int:
     paths = results.write(doc, args.out, plots=not args.no_plots)
     print(results.markdown(doc))
     print("wrote " + ", ".join(str(p) for p in paths))
