@@ -145,9 +145,14 @@ class Confinement:
     """Per-run cgroups, one per rank. A context manager: groups exist only inside `with`."""
 
     def __init__(self, limits: list[RankLimits], *, period_us: int = DEFAULT_PERIOD_US,
-                 cpu: Controller | None = None, memory: Controller | None = None) -> None:
+                 cpu: Controller | None = None, memory: Controller | None = None,
+                 top_weight: bool = False) -> None:
         self.limits = list(limits)
         self.period_us = period_us
+        # A quota is only a ceiling: on a machine other work keeps busy, a group at the default
+        # CFS weight gets the leftovers, not its quota, and every emulated device ends up equally
+        # slow. With the top weight the quota is what binds (the groups still never exceed it).
+        self.top_weight = top_weight
         self.cpu = cpu or find_controller("cpu")
         if self.cpu is None:
             raise EmulatorError(
@@ -192,12 +197,16 @@ class Confinement:
                 wanted = [c.kind for c in ctls if c.base == base and c.version == 2]
                 self._enable_v2(base, wanted)
                 self._enable_v2(run, wanted)
+        if self.top_weight:
+            self._write_weight(run_dirs[self.cpu.base])  # type: ignore[union-attr]
         for rank, lim in enumerate(self.limits):
             dirs = []
             for base, run in run_dirs.items():
                 dirs.append(self._mkdir(run / f"rank{rank}"))
             self._rank_dirs[rank] = dirs
             self._write_cpu(self._dir_for(rank, self.cpu), lim.cpu_share)
+            if self.top_weight:
+                self._write_weight(self._dir_for(rank, self.cpu))  # type: ignore[arg-type]
             if lim.memory_bytes is not None:
                 assert self.memory is not None
                 self._write_memory(self._dir_for(rank, self.memory), lim.memory_bytes)
@@ -229,6 +238,13 @@ class Confinement:
         except OSError as exc:
             raise EmulatorError(f"cannot set cpu quota {quota}/{self.period_us} us in {group}: "
                                 f"{exc.strerror}") from exc
+
+    def _write_weight(self, group: Path) -> None:
+        name, value = ("cpu.shares", "262144") if self.cpu.version == 1 else ("cpu.weight", "10000")  # type: ignore[union-attr]
+        try:
+            (group / name).write_text(value)
+        except OSError as exc:
+            raise EmulatorError(f"cannot set {name}={value} in {group}: {exc.strerror}") from exc
 
     def _write_memory(self, group: Path, limit: int) -> None:
         name = "memory.limit_in_bytes" if self.memory.version == 1 else "memory.max"  # type: ignore[union-attr]
@@ -298,11 +314,11 @@ class Confinement:
         self._rank_dirs.clear()
 
 
-def leftover_groups() -> list[Path]:
-    """Run groups of ours still present below our cpu/memory groups (should be none)."""
+def leftover_groups(pid: int | None = None) -> list[Path]:
+    """Run groups made by process `pid` (default: this one) still present (should be none)."""
     out: list[Path] = []
     for kind in ("cpu", "memory"):
         ctl = find_controller(kind)
         if ctl is not None:
-            out += sorted(ctl.base.glob("xronos-bench-*"))
+            out += sorted(ctl.base.glob(f"xronos-bench-{pid or os.getpid()}-*"))
     return out

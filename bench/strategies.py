@@ -75,7 +75,7 @@ def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int = 3) -> d
     log.info("bench.profile", devices=list(first))
     # CPU share only: the memory caps emulate the training budget; the profiler's own transient
     # footprint (several widths, memory instrumentation) is not scaled down like the caps are.
-    with Confinement([RankLimits(ctx.shares[d]) for d in first.values()]) as conf:
+    with Confinement([RankLimits(ctx.shares[d]) for d in first.values()], top_weight=True) as conf:
         procs = {}
         for r, (name, d) in enumerate(first.items()):
             procs[name] = subprocess.Popen(
@@ -122,7 +122,7 @@ def run_tp(ctx: Ctx, units: list[int], tag: str) -> dict:
                     units=units, batch_size=ctx.batch_size, seq_len=ctx.seq_len, lr=ctx.lr,
                     max_steps=ctx.iters, seed=ctx.seed, threads=1, metrics_path=str(metrics),
                     progress=False, gloo_timeout_s=600, eval_fraction=ctx.eval_fraction)
-    with Confinement(limits(ctx, list(range(len(units))))) as conf:
+    with Confinement(limits(ctx, list(range(len(units)))), top_weight=True) as conf:
         launch_local(cfg, len(units), wrap=conf.wrap, echo_rank0=False)
         quotas = conf.quotas()
     doc = json.loads(metrics.read_text())
@@ -159,7 +159,7 @@ def run_pp(ctx: Ctx, plan) -> dict:
                        seq_len=ctx.seq_len, lr=ctx.lr, max_steps=ctx.iters, seed=ctx.seed,
                        micro_batches=ctx.micro_batches, spans=[(s.start, s.stop) for s in plan.stages],
                        metrics_path=str(metrics), gloo_timeout_s=600, eval_fraction=ctx.eval_fraction)
-    with Confinement(limits(ctx, order)) as conf:
+    with Confinement(limits(ctx, order), top_weight=True) as conf:
         spawn_ranks("xronos.bench.pp_worker", [cfg] * len(order), conf.wrap)
         quotas = conf.quotas()
     doc = json.loads(metrics.read_text())
@@ -178,7 +178,7 @@ def run_hftp(ctx: Ctx) -> dict:
     cfg = HFTPRankConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), batch_size=ctx.batch_size,
                          seq_len=ctx.seq_len, lr=ctx.lr, max_steps=ctx.iters, seed=ctx.seed, world_size=n,
                          metrics_path=str(metrics))
-    with Confinement(limits(ctx, list(range(n)))) as conf:
+    with Confinement(limits(ctx, list(range(n))), top_weight=True) as conf:
         spawn_ranks("xronos.bench.hftp_worker", [cfg] * n, conf.wrap)
         quotas = conf.quotas()
     doc = json.loads(metrics.read_text())

@@ -51,8 +51,10 @@ def test_quota_limits_cpu_rate_of_busy_process() -> None:
 
 @needs_cgroup
 def test_groups_removed_after_run_and_after_error() -> None:
-    with Confinement([RankLimits(0.1), RankLimits(0.1)]) as conf:
+    with Confinement([RankLimits(0.1), RankLimits(0.1)], top_weight=True) as conf:
         made = list(conf._dirs)
+        weight = "cpu.shares" if conf.cpu.version == 1 else "cpu.weight"
+        assert all((d / weight).read_text().strip() in ("262144", "10000") for d in made if d.is_relative_to(conf.cpu.base))
         assert made and all(d.is_dir() for d in made)
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         conf.wrap(1, proc)  # a live process inside must not keep the group alive
