@@ -54,7 +54,7 @@ from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, Profi
 
 log = structlog.get_logger(__name__)
 
-PROFILER_VERSION = 1  # part of the cache key: bump when the method changes
+PROFILER_VERSION = 2  # part of the cache key: bump when the method changes
 _LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers")
 
 
@@ -416,8 +416,7 @@ def profile(
             full = h == H
             ps = _ProfilingSet(small, task, H, h, batch_size, seq_len, seed, clip)
             try:
-                n_iter = iters if full else max(3, iters // 2)
-                runs = [ps.iteration() for _ in range(warmup + n_iter)][warmup:]
+                runs = [ps.iteration() for _ in range(warmup + iters)][warmup:]
                 for key in ps.groups:
                     samples[key].append((h / H, statistics.median(r.get(key, 0.0) for r in runs)))
                 if full:
