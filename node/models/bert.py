@@ -46,7 +46,7 @@ class EncoderDims:
         self.head_dim = self.hidden // self.n_head
         p = lambda key, default: float(dropout if dropout is not None else cfg_get(c, key, default=default))
         self.hidden_p, self.attn_p = p("hidden_dropout_prob", 0.1), p("attention_probs_dropout_prob", 0.1)
-        self.cls_p = float(dropout if dropout is not None else cfg_get(c, "classifier_dropout", default=self.hidden_p))
+        self.cls_p = p("classifier_dropout", self.hidden_p)
 
 
 class SelfAttention(nn.Module):
@@ -61,12 +61,12 @@ class SelfAttention(nn.Module):
         self.out = RowParallelLinear(width, d.hidden, group)
         self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, S, _ = x.shape  # x [B, S, hidden], replicated
         x = copy_to_tp(x, self.group)
         q, k, v = (lin(x).view(B, S, self.n_local, self.head_dim).transpose(1, 2)
                    for lin in (self.query, self.key, self.value))  # [B, h, S, hd]
-        y = attend(q, k, v, mask, self.head_dim ** -0.5, self.attn_dropout)  # [B, S, h*hd]
+        y = attend(q, k, v, mask, self.head_dim ** -0.5, self.attn_dropout, causal=False)  # [B, S, h*hd]
         return self.out(y)  # [B, S, hidden]
 
 
@@ -91,7 +91,7 @@ class Layer(nn.Module):
         self.mlp_ln = nn.LayerNorm(d.hidden, eps=d.eps)
         self.drop = Dropout(d.hidden_p, streams)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # post-LN
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # post-LN
         x = self.attn_ln(x + self.drop(self.attn(x, mask)))
         return self.mlp_ln(x + self.drop(self.mlp(x)))
 
@@ -131,11 +131,12 @@ class Encoder(TPModel):
         E, I, V = d.hidden, d.inter, d.vocab
         h0, h1 = (u * d.head_dim for u in lay.unit_range())
         c0, c1 = lay.slice_of(I)
-        specs = {"word_embeddings.weight": split(P + "embeddings.word_embeddings.weight", (V, E), 0, lay.slice_of(V)),
-                 "position_embeddings.weight": replicated(P + "embeddings.position_embeddings.weight", (d.n_pos, E)),
-                 "token_type_embeddings.weight": replicated(P + "embeddings.token_type_embeddings.weight", (d.n_types, E)),
-                 "emb_ln.weight": replicated(P + "embeddings.LayerNorm.weight", (E,)),
-                 "emb_ln.bias": replicated(P + "embeddings.LayerNorm.bias", (E,))}
+        emb = P + "embeddings."
+        specs = {"word_embeddings.weight": split(emb + "word_embeddings.weight", (V, E), 0, lay.slice_of(V)),
+                 "position_embeddings.weight": replicated(emb + "position_embeddings.weight", (d.n_pos, E)),
+                 "token_type_embeddings.weight": replicated(emb + "token_type_embeddings.weight", (d.n_types, E)),
+                 "emb_ln.weight": replicated(emb + "LayerNorm.weight", (E,)),
+                 "emb_ln.bias": replicated(emb + "LayerNorm.bias", (E,))}
         for i in range(d.n_layer):
             hf = {k: f"{P}encoder.layer.{i}.{v}" for k, v in _LAYER_NAMES.items()}
             loc = f"layers.{i}."

@@ -56,8 +56,8 @@ class DropoutStreams:
 def dropout(x: torch.Tensor, p: float, gen: torch.Generator, training: bool) -> torch.Tensor:
     if not training or p == 0.0:
         return x
-    keep = torch.rand(x.shape, generator=gen, dtype=x.dtype, device=x.device) >= p
-    return x * keep / (1.0 - p)
+    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=gen).div_(1.0 - p)
+    return x * keep
 
 
 class Dropout(nn.Module):
@@ -72,8 +72,11 @@ class Dropout(nn.Module):
         return dropout(x, self.p, gen, self.training)
 
 
-def attention_mask_bool(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
-    """[B, S] 1/0 padding mask -> bool [B, 1, S|1, S], True = may attend (as transformers' sdpa)."""
+def attention_mask_bool(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor | None:
+    """[B, S] 1/0 padding mask -> bool [B, 1, S|1, S], True = may attend (as transformers' sdpa);
+    None when nothing is padded (then `attend(causal=...)` alone decides, like HF's mask skip)."""
+    if bool(attention_mask.all()):
+        return None
     keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
     if not causal:
         return keys
@@ -82,9 +85,9 @@ def attention_mask_bool(attention_mask: torch.Tensor, causal: bool) -> torch.Ten
     return keys & tril  # [B, 1, S, S]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           attn_dropout: Dropout) -> torch.Tensor:
-    """q [B, h, S, d], k/v [B, h_kv, S, d] (h_kv divides h: GQA), mask bool -> [B, S, h*d]."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           attn_dropout: Dropout, causal: bool) -> torch.Tensor:
+    """q [B, h, S, d], k/v [B, h_kv, S, d] (h_kv divides h: GQA), mask bool or None -> [B, S, h*d]."""
     B, h, S, d = q.shape
     if k.shape[1] not in (0, h):
         rep = h // k.shape[1]
@@ -92,11 +95,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         v = v[:, :, None].expand(B, v.shape[1], rep, S, d).reshape(B, h, S, d)
     if attn_dropout.training and attn_dropout.p > 0.0:
         # Explicit path so the probabilities' dropout draws from this rank's own stream.
+        if mask is None and causal:
+            mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
         scores = (q @ k.transpose(-1, -2)) * scale  # [B, h, S, S]
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         y = attn_dropout(scores.softmax(dim=-1)) @ v
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                           is_causal=causal and mask is None)
     return y.transpose(1, 2).reshape(B, S, h * d)
 
 

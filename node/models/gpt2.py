@@ -62,11 +62,11 @@ class Attention(nn.Module):
         if d.scale_by_layer:
             self.scale /= float(layer_idx + 1)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, S, _ = x.shape  # x [B, S, hidden], replicated
         q, k, v = self.c_attn(copy_to_tp(x, self.group)).split([self.width] * 3, dim=2)  # [B, S, h*hd]
         q, k, v = (t.view(B, S, self.n_local, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, h, S, hd]
-        y = attend(q, k, v, mask, self.scale, self.attn_dropout)  # [B, S, h*hd]
+        y = attend(q, k, v, mask, self.scale, self.attn_dropout, causal=True)  # [B, S, h*hd]
         return self.resid_dropout(self.c_proj(y))  # [B, S, hidden], summed over ranks
 
 
@@ -93,7 +93,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(d.hidden, eps=d.eps)
         self.mlp = MLP(d, layout, group, streams)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
@@ -139,9 +139,11 @@ class GPT2(TPModel):
                      replicated(p + "mlp.c_proj.bias", (E,))]
             layer += [replicated(p + f"{ln}.{w}", (E,)) for ln in ("ln_1", "ln_2") for w in ("weight", "bias")]
             specs.update((s.hf_name, s) for s in layer)
-        specs.update((f"transformer.ln_f.{w}", replicated(f"transformer.ln_f.{w}", (E,))) for w in ("weight", "bias"))
-        if self.task == "classify":
-            specs["score.weight"] = TensorSpec("score.weight", None, (), (self.num_labels, E), "normal", init_std(self.config))
+        for w in ("weight", "bias"):
+            specs[f"transformer.ln_f.{w}"] = replicated(f"transformer.ln_f.{w}", (E,))
+        if self.task == "classify":  # a fresh head when the checkpoint is a base/LM model, as in HF
+            specs["score.weight"] = TensorSpec("score.weight", None, (), (self.num_labels, E), "normal",
+                                               init_std(self.config))
         elif not d.tied:
             specs["lm_head.weight"] = split("lm_head.weight", (V, E), 0, lay.slice_of(V))
         return specs

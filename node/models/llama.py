@@ -97,7 +97,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.n_q * d.head_dim, d.hidden, group, bias=d.attn_bias)
         self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape  # [B, S, hidden], replicated
         hd = self.d.head_dim
         x = copy_to_tp(x, self.group)
@@ -105,7 +106,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, S, self.n_kv, hd).transpose(1, 2)  # [B, kv, S, hd]
         v = self.v_proj(x).view(B, S, self.n_kv, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = attend(q, k, v, mask, hd ** -0.5, self.attn_dropout)  # [B, S, n_q*hd]
+        y = attend(q, k, v, mask, hd ** -0.5, self.attn_dropout, causal=True)  # [B, S, n_q*hd]
         return self.o_proj(y)  # [B, S, hidden]
 
 
@@ -131,7 +132,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d.hidden, d.eps)
         self.mlp = MLP(d, layout, group)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 

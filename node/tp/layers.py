@@ -73,7 +73,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B, S, dim]
         inside = (ids >= self.vocab_start) & (ids < self.vocab_stop)
-        if self.weight.shape[0] == 0:
+        if self.vocab_start == 0 and self.vocab_stop == self.vocab_size:  # the whole vocabulary
+            out = F.embedding(ids, self.weight, padding_idx=self.local_padding_idx)
+        elif self.weight.shape[0] == 0:
             # Adding the empty weight's sum (0) keeps it in the graph: it gets an (empty) gradient
             # like every other parameter, so optimizers and gather_full see no special case.
             out = self.weight.new_zeros(*ids.shape, self.dim) + self.weight.sum()
