@@ -35,21 +35,15 @@ import math
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
-from torch import nn
-from torch.autograd.profiler import record_function
 
 from xronos.node.capabilities import fingerprint, probe
-from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
-from xronos.node.models.loading import init_random
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
-from xronos.node.tp.group import TPGroup
-from xronos.node.tp.layout import ShardLayout
+from xronos.node.profset import ProfilingSet
 from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport
 
 log = structlog.get_logger(__name__)
@@ -58,280 +52,9 @@ PROFILER_VERSION = 2  # part of the cache key: bump when the method changes
 _LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers")
 
 
-class _Alone(TPGroup):
-    """Rank 0 of a TP world profiled alone: the peers' collectives are skipped, so the time is
-    this rank's compute only (what the cost model predicts; communication is a separate term)."""
-
-    def __init__(self, world_size: int) -> None:  # noqa: D107 - no process group on purpose
-        self.pg, self.rank, self.world_size, self.timings = None, 0, world_size, []
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return t
-
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        return t
-
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        pass
-
-    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        return t
-
-    def barrier(self) -> None:
-        pass
-
-
 def widths(H: int) -> list[int]:
     """Units the profiled rank holds: H (p = 1), then about H/2 and H/4 (distinct, >= 1)."""
     return sorted({H, math.ceil(H / 2), math.ceil(H / 4)}, reverse=True)
-
-
-def find_regions(block: nn.Module, partitioned: set[int]) -> dict[str, nn.Module]:
-    """The largest submodules of `block` whose every parameter-owning module owns a partitioned
-    parameter (attention, MLP); what is left over is the replicated remainder."""
-    out: dict[str, nn.Module] = {}
-
-    def owners(m: nn.Module) -> list[bool]:
-        return [any(id(p) in partitioned for p in s.parameters(recurse=False))
-                for s in m.modules() if next(s.parameters(recurse=False), None) is not None]
-
-    def visit(name: str, m: nn.Module) -> None:
-        flags = owners(m)
-        if not any(flags):
-            return
-        if all(flags) and name:
-            out[name] = m
-            return
-        for child_name, child in m.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child)
-
-    visit("", block)
-    return out
-
-
-class _Timeline:
-    """Splits one iteration into layers with hooks; accumulates seconds per layer key and knows
-    which layer is running (for attributing saved activations)."""
-
-    def __init__(self, block: nn.Module, regions: dict[str, nn.Module]) -> None:
-        self.regions = regions
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.inputs: dict[str, set[tuple[int, int]]] = {}
-        self.annotate = False
-        self.phase, self.top, self._t0, self._rf = "fwd", "", 0.0, None
-        self._stack: list[str] = []
-        self._sub: dict[str, tuple[float, Any]] = {}
-        self._handles = [
-            block.register_forward_pre_hook(lambda *_: self.switch("blk")),
-            block.register_forward_hook(lambda *_: self.switch("out")),
-            block.register_full_backward_pre_hook(lambda *_: self.switch("blk")),
-            block.register_full_backward_hook(lambda *_: self.switch("emb")),
-        ]
-        for name, mod in regions.items():
-            self._handles += [
-                mod.register_forward_pre_hook(self._enter(name, capture=True)),
-                mod.register_forward_hook(self._leave(name)),
-                mod.register_full_backward_pre_hook(self._enter(name)),
-                mod.register_full_backward_hook(self._leave(name)),
-            ]
-
-    def start(self, phase: str, top: str) -> None:
-        self.phase = phase
-        self._open(top)
-
-    def switch(self, top: str) -> None:
-        self._close()
-        self._open(top)
-
-    def stop(self) -> None:
-        self._close()
-
-    def _open(self, top: str) -> None:
-        self.top = top
-        if self.annotate:
-            self._rf = record_function(f"xr::{self.phase}::{top}")
-            self._rf.__enter__()
-        self._t0 = time.perf_counter()
-
-    def _close(self) -> None:
-        self.seconds[self.top] += time.perf_counter() - self._t0
-        if self._rf is not None:
-            self._rf.__exit__(None, None, None)
-            self._rf = None
-
-    def _enter(self, name: str, capture: bool = False) -> Callable:
-        def hook(_m: nn.Module, args: tuple) -> None:
-            self._stack.append(name)
-            if capture:
-                self.inputs[f"blk.{name}"] = {storage_key(a) for a in args if isinstance(a, torch.Tensor)}
-            rf = None
-            if self.annotate:
-                rf = record_function(f"xr::{self.phase}::blk.{name}")
-                rf.__enter__()
-            self._sub[name] = (time.perf_counter(), rf)
-        return hook
-
-    def _leave(self, name: str) -> Callable:
-        def hook(_m: nn.Module, *_: object) -> None:
-            t0, rf = self._sub.pop(name)
-            self.seconds[f"blk.{name}"] += time.perf_counter() - t0
-            if rf is not None:
-                rf.__exit__(None, None, None)
-            assert self._stack.pop() == name, "region hooks out of order"
-        return hook
-
-    def current(self) -> str:
-        if self._stack:
-            return f"blk.{self._stack[-1]}"
-        return "blk.rest" if self.top == "blk" else self.top
-
-    def take(self) -> dict[str, float]:
-        """Seconds per layer key of the iteration just run (blk.rest = block minus regions)."""
-        s = dict(self.seconds)
-        self.seconds = defaultdict(float)
-        blk = s.pop("blk", 0.0)
-        s["blk.rest"] = max(0.0, blk - sum(s.get(f"blk.{r}", 0.0) for r in self.regions))
-        return s
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-class _ProfilingSet:
-    """The one-block model at one width, its layer groups, one AdamW per layer, a synthetic batch."""
-
-    def __init__(self, config: dict[str, Any], task: str, H: int, h: int, batch: int, seq: int,
-                 seed: int, clip: bool) -> None:
-        family = family_for(config)
-        layout = ShardLayout((h, H - h), 0)
-        self.model = family.build(config, task, layout, _Alone(2))
-        init_random(self.model, seed)
-        self.model.train()
-        self.clip = clip
-        specs = self.model.tensor_specs()
-        part = {id(p) for n, p in self.model.named_parameters() if specs[n].dim is not None}
-        self.block = _only_block(self.model)
-        self.regions = find_regions(self.block, part)
-        self.timeline = _Timeline(self.block, self.regions)
-        self.groups = self._groups(config, task, batch, seq, seed)
-        self.opts = {k: torch.optim.AdamW(ps, lr=2e-5) for k, ps in self.groups.items() if ps}
-        # A layer is partitioned when it holds partitioned parameters — or, for the LM head, when
-        # its compute is vocabulary-parallel even though its weight is tied to the embedding's.
-        self.partitioned = {k: any(id(p) in part for p in ps) or (k == "out" and task == "causal-lm")
-                            for k, ps in self.groups.items()}
-
-    def _batch(self, config: dict[str, Any], task: str, B: int, S: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        V = int(config.get("vocab_size"))
-        self.ids = torch.randint(0, V, (B, S), generator=g)
-        self.mask = torch.ones(B, S, dtype=torch.long)
-        self.labels = (torch.randint(0, self.model.num_labels, (B,), generator=g) if task == "classify"
-                       else self.ids.clone())
-
-    def _groups(self, config: dict[str, Any], task: str, B: int, S: int, seed: int) -> dict[str, list]:
-        """Parameters per layer key: block params by region, others by where they are first used."""
-        self._batch(config, task, B, S, seed)
-        in_block = {id(p) for p in self.block.parameters()}
-        first_use: dict[int, str] = {}
-        hooks = []
-        for m in self.model.modules():
-            own = [p for p in m.parameters(recurse=False) if id(p) not in in_block]
-            if own:
-                hooks.append(m.register_forward_pre_hook(
-                    lambda _m, _a, own=own: first_use.update(
-                        {id(p): self.timeline.top for p in own if id(p) not in first_use})))
-        self.timeline.start("fwd", "emb")
-        with torch.no_grad():
-            self.model(self.ids, self.mask, self.labels)
-        self.timeline.stop()
-        self.timeline.take()
-        for h in hooks:
-            h.remove()
-        groups: dict[str, list] = {"emb": [], **{f"blk.{r}": [] for r in self.regions}, "blk.rest": [], "out": []}
-        region_of = {id(p): f"blk.{r}" for r, m in self.regions.items() for p in m.parameters()}
-        for p in self.model.parameters():
-            if id(p) in in_block:
-                groups[region_of.get(id(p), "blk.rest")].append(p)
-            else:
-                groups["emb" if first_use.get(id(p)) == "emb" else "out"].append(p)
-        return groups
-
-    def _step(self, key: str, measure: Callable[[], None] | None = None) -> None:
-        """The trainer's per-step work on this layer's parameters: norm pass, clip, AdamW, zero."""
-        opt = self.opts[key]
-        grads = [p.grad for p in self.groups[key] if p.grad is not None]
-        if self.clip and grads:
-            sq = torch.zeros(1, dtype=torch.float64)
-            for g in grads:
-                sq.add_(g.detach().double().pow(2).sum())
-            for g in grads:
-                g.mul_(0.5)
-        opt.step()
-        if measure is not None:
-            measure()
-        opt.zero_grad(set_to_none=True)
-
-    def iteration(self) -> dict[str, float]:
-        """One fine-tuning iteration; seconds per layer key (forward + backward + optimizer)."""
-        tl = self.timeline
-        tl.start("fwd", "emb")
-        loss = self.model(self.ids, self.mask, self.labels)
-        tl.phase = "bwd"
-        tl.switch("out")
-        loss.backward()
-        tl.stop()
-        secs = tl.take()
-        for key in self.opts:
-            t0 = time.perf_counter()
-            self._step(key)
-            secs[key] = secs.get(key, 0.0) + time.perf_counter() - t0
-        return secs
-
-    def memory(self) -> dict[str, tuple[int, int, int]]:
-        """(M_w, M_a, M_t) per layer key, measured on one iteration."""
-        tl = self.timeline
-        exclude = {storage_key(p) for p in self.model.parameters()}
-        meter = SavedTensorMeter(exclude, current=tl.current, inputs=tl.inputs)
-        weights: dict[str, int] = {}
-        tl.annotate = True
-        try:
-            with AllocTrace() as trace:
-                with meter():
-                    tl.start("fwd", "emb")
-                    loss = self.model(self.ids, self.mask, self.labels)
-                    tl.phase = "bwd"
-                    tl.switch("out")
-                loss.backward()
-                tl.stop()
-                for key in self.opts:
-                    with mark(f"opt::{key}"):
-                        self._step(key, lambda key=key: weights.__setitem__(
-                            key, state_bytes(self.groups[key], self.opts[key])))
-        finally:
-            tl.annotate = False
-            tl.take()
-        out = {}
-        subs = [f"blk.{r}" for r in self.regions]
-        for key in self.groups:
-            if key == "blk.rest":
-                names, skip = ["fwd::blk", "bwd::blk"], tuple(f"xr::{ph}::{s}" for ph in ("fwd", "bwd") for s in subs)
-            else:
-                names, skip = [f"fwd::{key}", f"bwd::{key}"], ()
-            temp = max([trace.temp_bytes(f"xr::{n}", skip=skip) for n in names]
-                       + [trace.temp_bytes(f"xr::opt::{key}")])
-            out[key] = (weights.get(key, 0), meter.by_region.get(key, 0), temp)
-        return out
-
-    def close(self) -> None:
-        self.timeline.remove()
-
-
-def _only_block(model: nn.Module) -> nn.Module:
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == 1]
-    if len(lists) != 1:
-        raise RuntimeError(f"cannot find the single transformer block of {type(model).__name__}")
-    return lists[0][0]
 
 
 def one_block_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -414,7 +137,7 @@ def profile(
         mem: dict[str, tuple[int, int, int]] = {}
         for h in widths(H):
             full = h == H
-            ps = _ProfilingSet(small, task, H, h, batch_size, seq_len, seed, clip)
+            ps = ProfilingSet(small, task, H, h, batch_size, seq_len, seed, clip)
             try:
                 runs = [ps.iteration() for _ in range(warmup + iters)][warmup:]
                 for key in ps.groups:

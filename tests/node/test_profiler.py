@@ -13,6 +13,7 @@ from xronos.gateway.profiles import Loaded, parse_report, plan_reports
 from xronos.node import profiler as prof
 from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.shapes import shape
+from xronos.node.profset import find_regions
 from xronos.protocol.messages import ProfileReport
 
 B, S = 2, 16
@@ -91,7 +92,7 @@ def test_cache_hit_does_not_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     def boom(*a: object, **k: object) -> None:
         raise AssertionError("profiled again despite a cached report")
 
-    monkeypatch.setattr(prof, "_ProfilingSet", boom)
+    monkeypatch.setattr(prof, "ProfilingSet", boom)
     second = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path,
                           node_id="n1", job_id="j2", request_id="r2")
     assert second.layers == first.layers and second.created_at == first.created_at
@@ -132,7 +133,7 @@ def test_widths_and_regions() -> None:
 
     blk = Blk()
     part = {id(blk.attn[0].weight), id(blk.attn[1].weight), id(blk.out["dense"].weight)}
-    assert set(prof.find_regions(blk, part)) == {"attn", "out.dense"}  # norms stay replicated
+    assert set(find_regions(blk, part)) == {"attn", "out.dense"}  # norms stay replicated
 
 
 # --- the instruments on plain modules ---
