@@ -114,7 +114,6 @@ class BatchSource:
 
     def __init__(self, cfg: RunConfig, num_labels: int | None):
         self.cfg = cfg
-        self.tokenizer = load_tokenizer(cfg.model_dir)
         cols = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
         if cfg.task == "classify":
             cols.append(cfg.label_column)
@@ -130,6 +129,7 @@ class BatchSource:
             assert num_labels is not None
             self.labels = as_int_labels(table[cfg.label_column], cfg.data_path, cfg.label_column, num_labels)
         self.n_train, self.n_eval = split_sizes(len(self.texts), cfg.eval_fraction)
+        self.tokenizer = load_tokenizer(cfg.model_dir)
 
     @property
     def pad_token_id(self) -> int:
