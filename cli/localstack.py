@@ -77,12 +77,15 @@ class LocalStack:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-tail:]}" for p in sorted(self.dir.glob("*.log")))
 
     def close(self) -> None:
-        for name in list(self.procs):
-            proc = self.procs.pop(name)
+        """SIGTERM everything at once (nodes end their training children), then reap."""
+        for proc in self.procs.values():
             proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
             try:
-                proc.wait(15)
+                proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.procs.clear()
         self.client.close()

@@ -131,7 +131,7 @@ class NodeService:
 
     def shutdown(self) -> None:
         if self.child is not None:
-            self.child.kill()
+            self.child.kill(grace_s=1.0)
             self._set_status("cancelled", detail="node service stopped")
         self.work.shutdown(wait=False, cancel_futures=True)
         self.bus.publish(self.table.build("node.availability", node_id=self.node_id), "offline", retain=True)

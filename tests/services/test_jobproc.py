@@ -1,11 +1,16 @@
 """The data plane of a job, without MQTT: rank processes as the node service starts them.
 
 Ranks other than the owner are given paths that do not exist: everything they hold came over Gloo.
-A job cut at its checkpoint and resumed under a different plan (other ranks, other split) ends
-where the uninterrupted one does; equality with `xronos run` is checked end to end (test_e2e).
+A pause holds every rank at the same iteration boundary; a job cut at its checkpoint and resumed
+under a different plan (other ranks, other split) ends where the uninterrupted one does (equality
+with `xronos run` is checked end to end, in test_e2e); a cancel stops every rank at the same
+boundary and leaves no process behind.
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 
@@ -20,28 +25,74 @@ def _load(path):
     return AutoModelForSequenceClassification.from_pretrained(str(path))
 
 
-def _kinds(events):
-    return [e["type"] for e in events]
+class Ranks:
+    def __init__(self, procs):
+        self.procs, self.seen = procs, [[] for _ in procs]
+
+    def pump(self, until=lambda: True, timeout=180.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for i, p in enumerate(self.procs):
+                self.seen[i] += p.drain()
+            if until():
+                return
+            time.sleep(0.02)
+        raise TimeoutError([p.tail(800) for p in self.procs])
+
+    def steps(self, i):
+        return [e["step"] for e in self.seen[i] if e["type"] == "metrics"]
+
+    def send(self, action):  # the node service forwards every control; only rank 0's counts
+        for p in self.procs:
+            p.send(action)
+
+    def done(self):
+        return all(p.finished() for p in self.procs)
 
 
-def test_resume_under_another_plan_ends_where_the_uninterrupted_job_does(tmp_path):
+def test_pause_then_resume_from_checkpoint_under_another_plan(tmp_path):
     model, data = make_case(tmp_path)
-    spec = job_spec(model, data, tmp_path / "export")
-    events = wait_ranks(start_ranks(tmp_path, spec, [2, 6, 4]))
-    owner = events[0]
-    assert _kinds(owner)[0] == "eval" and owner[0]["when"] == "before"
-    assert [e["step"] for e in owner if e["type"] == "metrics"] == [1, 2, 3, 4, 5, 6]
-    assert [e["step"] for e in owner if e["type"] == "checkpoint"] == [3]
-    assert owner[-1] == {"type": "completed", "step": 6, "epoch": 0, "export_dir": str(tmp_path / "export")}
-    assert all(ev[-1]["type"] == "completed" for ev in events)
+    spec = job_spec(model, data, tmp_path / "export", max_steps=20, checkpoint_interval=10)
+    r = Ranks(start_ranks(tmp_path, spec, [2, 6, 4]))
+    r.pump(lambda: len(r.steps(2)) >= 2)
+    r.send("pause")
+    r.pump(lambda: all(any(e.get("status") == "paused" for e in s) for s in r.seen))
+    held = r.steps(0)[-1]
+    time.sleep(2.0)  # peers wait on the owner's heartbeat, well inside their Gloo timeout
+    r.pump()
+    assert held < 20 and [r.steps(i)[-1] for i in range(3)] == [held] * 3
+    r.send("resume")
+    r.pump(r.done)
+    owner = r.seen[0]
+    assert owner[0]["type"] == "eval" and owner[0]["when"] == "before"
+    assert r.steps(0) == list(range(1, 21))
+    assert [e["step"] for e in owner if e["type"] == "checkpoint"] == [10]
+    assert owner[-1] == {"type": "completed", "step": 20, "epoch": 2, "export_dir": str(tmp_path / "export")}
+    assert all(ev[-1]["type"] == "completed" for ev in r.seen)
 
-    # Resume at the step-3 checkpoint on two ranks with another split: same end point.
-    spec2 = job_spec(model, data, tmp_path / "export2")
-    events = wait_ranks(start_ranks(tmp_path, spec2, [9, 3], resume_step=3, version=2))
-    assert [e["step"] for e in events[0] if e["type"] == "metrics"] == [4, 5, 6]
-    assert "eval" in _kinds(events[0])  # after only: no "before" on a resume
+    # Resume at the step-10 checkpoint on two ranks with another split: same end point.
+    spec2 = job_spec(model, data, tmp_path / "export2", max_steps=20, checkpoint_interval=10)
+    events = wait_ranks(start_ranks(tmp_path, spec2, [9, 3], resume_step=10, version=2))
+    assert [e["step"] for e in events[0] if e["type"] == "metrics"] == list(range(11, 21))
+    assert [e["when"] for e in events[0] if e["type"] == "eval"] == ["after"]  # no "before" on a resume
     max_abs, rel = runkit.compare(_load(tmp_path / "export2"), _load(tmp_path / "export"))
     assert max_abs <= 5e-4 and rel <= 1e-5
+
+
+def test_cancel_stops_every_rank_at_one_boundary_and_leaves_nothing(tmp_path):
+    model, data = make_case(tmp_path)
+    spec = job_spec(model, data, tmp_path / "export", max_steps=100000, checkpoint_interval=100000)
+    r = Ranks(start_ranks(tmp_path, spec, [4, 8]))
+    r.pump(lambda: len(r.steps(1)) >= 2)
+    r.send("cancel")
+    r.pump(r.done)
+    assert [ev[-1]["type"] for ev in r.seen] == ["cancelled", "cancelled"]
+    assert r.steps(0)[-1] == r.steps(1)[-1]
+    for p in r.procs:
+        assert p.poll() == 0
+        p.kill()
+        with pytest.raises(ProcessLookupError):
+            os.killpg(p.proc.pid, 0)  # nothing left of its process group
 
 
 def test_resume_without_checkpoint_fails_cleanly(tmp_path):
