@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import structlog
 import torch
 import torch.distributed as dist
 
@@ -28,7 +27,6 @@ from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.validate import read_config
 
-log = structlog.get_logger(__name__)
 OnIteration = Callable[[IterationRecord], None]
 
 
@@ -159,7 +157,7 @@ def run_rank(cfg: RunConfig, group: TPGroup, on_iteration: OnIteration | None = 
     # GPT-2/LLaMA classification pick the last non-pad token: the pad id must be the tokenizer's.
     config["pad_token_id"] = pad_id
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # anything random outside the dropout streams agrees across ranks
     layout = ShardLayout(tuple(cfg.units), cfg.rank)
     model = family.build(config, cfg.task, layout, group, dropout=cfg.dropout)
     materialize(model, SafetensorsSource(cfg.model_dir))
