@@ -42,6 +42,11 @@ ADAPTERS: dict[str, Adapter] = {
 }
 
 
+# Every dropout probability of the four families' configs (what the engine's `dropout=` overrides).
+DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "resid_pdrop",
+                "embd_pdrop", "attn_pdrop", "summary_first_dropout", "attention_dropout")
+
+
 def family_of(config: dict) -> str:
     fam = config.get("model_type")
     if fam not in ADAPTERS:
@@ -81,7 +86,8 @@ def _get(root: nn.Module, path: str) -> nn.Module:
 
 
 class Stage(nn.Module):
-    def __init__(self, model_dir: str | Path, span: StageSpan, pad_token_id: int | None) -> None:
+    def __init__(self, model_dir: str | Path, span: StageSpan, pad_token_id: int | None,
+                 dropout: float | None = None) -> None:
         super().__init__()
         import transformers
 
@@ -93,6 +99,10 @@ class Stage(nn.Module):
         setattr(cfg, ad.layers_key, len(span.blocks))
         if pad_token_id is not None:
             cfg.pad_token_id = pad_token_id  # the pooling of GPT-2/LLaMA heads looks for it
+        if dropout is not None:
+            for key in DROPOUT_KEYS:
+                if hasattr(cfg, key):
+                    setattr(cfg, key, dropout)
         self.full_vocab = cfg.vocab_size
         if not span.owns_embed:
             cfg.vocab_size = (cfg.pad_token_id or 0) + 1  # a stub: never read, costs nothing

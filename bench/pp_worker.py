@@ -43,6 +43,7 @@ class PPRankConfig(BaseModel):
     seed: int = 0
     shuffle: bool = True
     eval_fraction: float = Field(default=0.0, ge=0, lt=1)  # held-out tail, so batches match the TP runs'
+    dropout: float | None = Field(default=None, ge=0, lt=1)  # override all dropout probabilities
     micro_batches: int = Field(default=8, gt=0)
     spans: list[tuple[int, int]] = Field(min_length=1)  # layer range per pipeline rank
     threads: int = 1
@@ -148,7 +149,7 @@ def run(cfg: PPRankConfig) -> None:
     pad_id, has_types = int(header[0]), bool(header[1])
     torch.manual_seed(cfg.seed)  # a fresh classification head starts identical to the TP runs'
     start, stop = cfg.spans[cfg.rank]
-    stage = Stage(cfg.model_dir, StageSpan(start, stop, B), pad_id)
+    stage = Stage(cfg.model_dir, StageSpan(start, stop, B), pad_id, dropout=cfg.dropout)
     stage.train()
     opt = torch.optim.AdamW([p for _, p in stage.owned_parameters()], lr=cfg.lr, weight_decay=cfg.weight_decay)
     pipe = Pipe(stage, cfg.rank, world, cfg.micro_batches, stage.config.hidden_size)

@@ -48,6 +48,7 @@ class Ctx:
     lr: float
     seed: int
     eval_fraction: float = 0.0  # > 0 only for the time-to-accuracy run (trainer evaluates the tail)
+    dropout: float | None = None  # override every dropout probability (None: the checkpoint's)
 
 
 def limits(ctx: Ctx, order: list[int]) -> list[RankLimits]:
@@ -121,7 +122,8 @@ def run_tp(ctx: Ctx, units: list[int], tag: str) -> dict:
     cfg = RunConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), task="classify",
                     units=units, batch_size=ctx.batch_size, seq_len=ctx.seq_len, lr=ctx.lr,
                     max_steps=ctx.iters, seed=ctx.seed, threads=1, metrics_path=str(metrics),
-                    progress=False, gloo_timeout_s=600, eval_fraction=ctx.eval_fraction)
+                    progress=False, gloo_timeout_s=600, eval_fraction=ctx.eval_fraction,
+                    dropout=ctx.dropout)
     with Confinement(limits(ctx, list(range(len(units)))), top_weight=True) as conf:
         launch_local(cfg, len(units), wrap=conf.wrap, echo_rank0=False)
         quotas = conf.quotas()
@@ -158,7 +160,8 @@ def run_pp(ctx: Ctx, plan) -> dict:
     cfg = PPRankConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), batch_size=ctx.batch_size,
                        seq_len=ctx.seq_len, lr=ctx.lr, max_steps=ctx.iters, seed=ctx.seed,
                        micro_batches=ctx.micro_batches, spans=[(s.start, s.stop) for s in plan.stages],
-                       metrics_path=str(metrics), gloo_timeout_s=600, eval_fraction=ctx.eval_fraction)
+                       metrics_path=str(metrics), gloo_timeout_s=600, eval_fraction=ctx.eval_fraction,
+                       dropout=ctx.dropout)
     with Confinement(limits(ctx, order), top_weight=True) as conf:
         spawn_ranks("xronos.bench.pp_worker", [cfg] * len(order), conf.wrap)
         quotas = conf.quotas()

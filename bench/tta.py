@@ -2,7 +2,7 @@
 small generated sentiment dataset, on one emulated scenario, per strategy.
 
 How the curves are made — stated in every table: all strategies compute the same updates on the
-same batches (TP == single device and PP == single device are tested), so accuracy as a function
+same batches with dropout off (TP == single device and PP == single device are tested), so accuracy as a function
 of the *step* is measured once, in a single-process reference run with the same batches that
 evaluates the held-out tail every `eval_every` steps; each strategy's *time* axis is its own
 measured per-step iteration times (max over ranks) on the emulated devices. The TP strategies'
@@ -55,7 +55,7 @@ def reference_curve(model_dir: Path, data: Path, *, steps: int, eval_every: int,
                     seq_len: int, lr: float, eval_fraction: float, seed: int) -> list[tuple[int, float]]:
     """(step, held-out accuracy) of single-process transformers training on the trainer's batches."""
     import torch
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from xronos.node.data import BatchSource
     from xronos.node.runconfig import RunConfig
@@ -65,7 +65,13 @@ def reference_curve(model_dir: Path, data: Path, *, steps: int, eval_every: int,
                     eval_fraction=eval_fraction)
     src = BatchSource(run, 2)
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=2)
+    from xronos.bench.pp_model import DROPOUT_KEYS
+
+    cfg = AutoConfig.from_pretrained(str(model_dir), num_labels=2)
+    for key in DROPOUT_KEYS:  # no dropout: every strategy then computes the very same updates
+        if hasattr(cfg, key):
+            setattr(cfg, key, 0.0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), config=cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def accuracy() -> float:
@@ -186,7 +192,7 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
         work = Path(tmp)
         data = write_sentiment(work / "sentiment.jsonl", rows, seed)
         ctx = st.Ctx(work, model_dir, data, config, shares, caps, [d.name for d in sc.devices], 8, seq_len, 8,
-                     steps, lr, seed, eval_fraction=0.2)
+                     steps, lr, seed, eval_fraction=0.2, dropout=0.0)
         doc["strategies"] = run_strategies(spec, sc, config, ctx, doc)
         curve = reference_curve(model_dir, data, steps=steps, eval_every=eval_every, batch_size=8,
                                 seq_len=seq_len, lr=lr, eval_fraction=0.2, seed=seed)
