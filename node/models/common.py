@@ -174,7 +174,7 @@ class TPModel(nn.Module):
             raise ValueError("forward needs labels; use .logits() for inference")
         logits = self.logits(input_ids, attention_mask, token_type_ids)
         if self.task == "classify":
-            return F.cross_entropy(logits, labels.view(-1))
+            return F.cross_entropy(logits, labels.reshape(-1))
         # Causal LM: tokens < n predict n, the last position has no target (HF pads with -100).
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         return vocab_parallel_cross_entropy(logits, targets, self.vocab_range[0], self.group)
