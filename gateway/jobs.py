@@ -264,7 +264,8 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
         job = replace(job, eval_metric=s["eval_metric"], eval_metric_name=s.get("eval_metric_name"))
     if s["status"] == "failed" and job.phase in ("assigning", "running", "paused"):
         return _recover(job, ctx, f"rank {s['rank']} on {s['node_id']!r} failed: {s.get('detail')}")
-    if s["status"] == "completed" and is_owner and job.phase in ("running", "paused"):
+    # "recovering" too: the owner may finish just as a peer's last-will arrives.
+    if s["status"] == "completed" and is_owner and job.phase in ("running", "paused", "recovering"):
         return _complete(job, ctx, s), []
     return job, []
 

@@ -247,8 +247,8 @@ class NodeService:
                 return  # nothing of that plan runs here: already as asked
             raise ValueError(f"{c.action} for {c.job_id} v{c.plan_version}: no such assignment here")
         if c.action == "start":
-            if self.child is None:
-                self._start_child(a)
+            if self.child is None and self.status is not None and self.status.status == "accepted":
+                self._start_child(a)  # once per assignment: a repeated start never re-runs a rank
         elif c.action == "cancel":
             if self.child is not None:
                 self.child.kill()
