@@ -22,15 +22,14 @@ from typing import Any
 
 import structlog
 
+from xronos.node.launch import rank_env
+
 log = structlog.get_logger(__name__)
 
 
 def child_env(threads: int, gloo_ifname: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        env[var] = str(threads)
-    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    """The local launcher's rank environment, with Gloo on the configured interface (or its choice)."""
+    env = rank_env(threads)
     if gloo_ifname:
         env["GLOO_SOCKET_IFNAME"] = gloo_ifname
     else:

@@ -41,7 +41,8 @@ from xronos.node.runconfig import RunConfig
 from xronos.node.streaming import load_shard, share_json
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
-from xronos.node.trainer import BatchChannel, clip_global_grad_norm, evaluate, lr_factor
+from xronos.node.trainer import (BatchChannel, _exchange_timings, clip_global_grad_norm, evaluate,
+                                 lr_factor)
 from xronos.node.validate import read_config
 from xronos.node.worker import join
 
@@ -139,15 +140,6 @@ class _ResumedBatches:
         return self.source.eval_batches()
 
 
-def _timings_of_all(own: list[float], group: TPGroup) -> torch.Tensor:
-    mine = torch.tensor(own, dtype=torch.float64)
-    if group.world_size == 1 or not own:
-        return mine.unsqueeze(0)
-    parts = [torch.empty_like(mine) for _ in range(group.world_size)]
-    dist.all_gather(parts, mine, group=group.pg)
-    return torch.stack(parts)
-
-
 def _eval_fields(ev: Any) -> dict[str, Any]:
     if ev is None:
         return {}
@@ -220,7 +212,7 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
         loss_v = float(loss)
         iteration_s = time.perf_counter() - t0
         own = [s for _, s in group.drain_timings()]
-        comm_s, idle_s = comm_and_idle(_timings_of_all(own, group), cfg.rank)
+        comm_s, idle_s = comm_and_idle(_exchange_timings(own, group), cfg.rank)
         vol, invol = rusage.delta()
         events.emit("metrics", step=step + 1, epoch=step // per_epoch, loss=loss_v,
                     compute_s=max(iteration_s - data_s - sum(own), 0.0), comm_s=comm_s, idle_s=idle_s,
