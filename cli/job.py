@@ -29,6 +29,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except TimeoutError as exc:  # no broker or no gateway: one clean error line
+        raise ValueError(str(exc)) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.job_command == "submit":
         spec = load_spec(args.file)  # refused locally, before anything is sent
     settings, base = broker_from_args(args)

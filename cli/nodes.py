@@ -18,7 +18,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     settings, base = broker_from_args(args)
     with GatewayClient(settings, base) as client:
-        nodes = client.request("nodes/list", args.timeout)["nodes"]
+        try:
+            nodes = client.request("nodes/list", args.timeout)["nodes"]
+        except TimeoutError as exc:  # no broker or no gateway: one clean error line
+            raise ValueError(str(exc)) from None
     if args.json:
         print(dump(nodes))
         return 0

@@ -1,0 +1,67 @@
+"""The job commands' local side: spec files (TOML, YAML) validated before anything is sent, clean
+errors, and the plan and state displays."""
+
+from __future__ import annotations
+
+import pytest
+
+from xronos.cli.main import main as xronos
+from xronos.cli.mqttclient import format_plan, format_state, load_spec
+
+TOML = """
+[job]
+name = "t"
+owner = "n0"
+model_dir = "/srv/m"
+data_path = "/srv/d.csv"
+task = "classify"
+batch_size = 8
+seq_len = 64
+lr = 2e-5
+epochs = 1
+export_dir = "/srv/out"
+"""
+
+
+def test_spec_files_toml_yaml_and_errors(tmp_path):
+    (tmp_path / "a.toml").write_text(TOML)
+    spec = load_spec(tmp_path / "a.toml")
+    assert spec.owner == "n0" and spec.epochs == 1 and spec.strategy == "greedy"
+    (tmp_path / "b.yaml").write_text("name: t\nowner: n0\nmodel_dir: /m\ndata_path: /d.csv\ntask: causal-lm\n"
+                                     "batch_size: 2\nseq_len: 8\nlr: 0.001\nmax_steps: 5\nexport_dir: /o\n")
+    assert load_spec(tmp_path / "b.yaml").max_steps == 5
+    (tmp_path / "c.toml").write_text(TOML.replace("batch_size = 8", "batch_size = 0\nbogus = 1"))
+    with pytest.raises(ValueError, match=r"c.toml: batch_size: .*greater than 0.*; bogus: Extra inputs"):
+        load_spec(tmp_path / "c.toml")
+    (tmp_path / "d.toml").write_text(TOML.replace("epochs = 1\n", ""))
+    with pytest.raises(ValueError, match="epochs/max_steps: at least one"):
+        load_spec(tmp_path / "d.toml")
+    with pytest.raises(ValueError, match="expected a .toml"):
+        (tmp_path / "e.json").write_text("{}")
+        load_spec(tmp_path / "e.json")
+
+
+def test_cli_refuses_a_bad_spec_before_connecting(tmp_path, capsys):
+    (tmp_path / "c.toml").write_text(TOML.replace('task = "classify"', 'task = "regress"'))
+    assert xronos(["job", "submit", str(tmp_path / "c.toml"), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xronos job: error: job spec") and "task" in err
+
+
+def test_cli_without_broker_is_one_clean_line(capsys):
+    assert xronos(["nodes", "--port", "1", "--timeout", "1"]) == 2
+    assert "cannot reach the MQTT broker" in capsys.readouterr().err
+
+
+def test_displays():
+    plan = {"version": 2, "strategy": "greedy", "units_total": 12, "predicted_iteration_s": 0.5,
+            "ideal_iteration_s": 0.45, "comm_s": 0.05,
+            "entries": [{"node_id": "n100", "rank": 0, "units": 8, "ratio": 2 / 3, "predicted_compute_s": 0.4,
+                         "predicted_memory": 2 << 30, "memory_cap": 8 << 30}]}
+    text = format_plan(plan)
+    assert "plan v2 (greedy, H=12)" in text and "n100" in text and "2048.0" in text
+    state = {"job_id": "j", "name": "t", "phase": "running", "step": 3, "total_steps": 10, "epoch": 0,
+             "loss": 0.5, "eval_metric": None, "iteration_s": 0.5, "eta_s": 3.5, "predicted_s": {"n100": 0.4},
+             "measured_s": {"n100": 0.42}, "idle_ratio": {"n100": 0.03}, "events": ["x"], "error": None}
+    text = format_state(state)
+    assert "step 3/10" in text and "ETA 4 s" in text and "3.0" in text
