@@ -91,7 +91,7 @@ def handler(args) -> int:
 
 def _finish(results, doc: dict, args) -> int:
     paths = results.write(doc, args.out, plots=not args.no_plots)
-    print(results.markdown(doc))
+    print(paths[1].read_text())  # the Markdown file, as written
     print("wrote " + ", ".join(str(p) for p in paths))
     failed = [k for k, v in doc["strategies"].items() if "failed" in v]
     return 1 if failed else 0
