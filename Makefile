@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml requirements.lock
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c requirements.lock -e '.[node,broker,test]'
+	$(PY) -m pip install --quiet -c requirements.lock -e '.[node,broker,bench,test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -31,12 +31,7 @@ demo: $(STAMP)
 	$(VENV)/bin/xronos demo
 
 # The benchmark grid (not part of `make test`; needs root for cgroup CPU quotas): README "Benchmarks".
-BENCH_STAMP := $(VENV)/.bench-installed
-$(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -c requirements.lock -e '.[node,bench]'
-	touch $(BENCH_STAMP)
-
-bench: $(BENCH_STAMP)
+bench: $(STAMP)
 	$(PY) -m xronos.bench.grid
 
 clean:
