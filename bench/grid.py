@@ -37,9 +37,10 @@ def summary_markdown(docs: list[dict], tta: dict | None, seconds: float) -> str:
     lines = ["# Benchmark grid", "",
              f"{len(docs)} cells in {seconds / 60:.1f} min. Machine: {docs[0]['environment']['cpu_model']}, "
              f"{docs[0]['environment']['cores']} cores (shared with other work: see each cell's load average).", "",
-             "| cell | xronos s | uniform s | pp s | hf-tp s | xronos/uniform | xronos/pp | xronos/ideal | "
+             "| cell | xronos s | uniform s | pp s | hf-tp s | xronos/uniform | xronos/pp | xronos/ideal (measured fit) | "
+             "xronos/ideal (profile) | "
              "uniform/hf-tp | max idle xronos | max idle uniform | MAPE xronos |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def it(d, s):
         v = d["summary"].get(s)
@@ -60,7 +61,7 @@ def summary_markdown(docs: list[dict], tta: dict | None, seconds: float) -> str:
         x = d["summary"].get("xronos", {})
         lines.append(f"| {d['spec']['cell_name']} | {it(d, 'xronos')} | {it(d, 'uniform')} | {it(d, 'pp')} | "
                      f"{it(d, 'hf-tp')} | {ratio(d, 'xronos/uniform')} | {ratio(d, 'xronos/pp')} | "
-                     f"{ratio(d, 'xronos/ideal')} | {ratio(d, 'uniform/hf-tp')} | {idle(d, 'xronos')} | "
+                     f"{ratio(d, 'xronos/ideal (measured fit)')} | {ratio(d, 'xronos/ideal (profile)')} | {ratio(d, 'uniform/hf-tp')} | {idle(d, 'xronos')} | "
                      f"{idle(d, 'uniform')} | {x.get('mape_pct', float('nan')):.1f}% |")
     if tta:
         lines += ["", "Time to accuracy (MiniLM, target "
@@ -71,7 +72,7 @@ def summary_markdown(docs: list[dict], tta: dict | None, seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from xronos.bench import plots, results
+    from xronos.bench import results
     from xronos.bench.harness import run_cell, validate
     from xronos.bench.tta import run_tta
 
@@ -79,12 +80,16 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Set-A and the homogeneous control only, no TTA")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--rerender", action="store_true",
+                    help="run nothing: re-summarize the cells' JSON already in --out, rewrite tables and plots")
     args = ap.parse_args(argv)
     cells = QUICK if args.quick else STANDARD
+    if args.rerender:
+        return rerender(cells, args.out, with_tta=not args.quick)
     for spec in cells:
         validate(spec)  # refuse the whole grid before spending time on any cell
     t0 = time.time()
-    docs = []
+    docs: list[dict] = []
     for spec in cells:
         print(f"== {spec.cell_name}", flush=True)
         doc = results.summarize(run_cell(spec))
@@ -95,18 +100,46 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         tta = run_tta(TTA["scenario"], TTA["strategies"], steps=TTA["steps"])
         results.write(tta, args.out)
-    md = summary_markdown(docs, tta, time.time() - t0)
+    write_summary(docs, tta, args.out, time.time() - t0)
+    return 0
+
+
+def rerender(cells: list[CellSpec], out: Path, with_tta: bool) -> int:
+    from xronos.bench import results
+
+    docs, seconds = [], 0.0
+    for spec in cells:
+        path = out / f"{spec.cell_name}.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no result to re-render (run the grid first)")
+        doc = results.summarize(json.loads(path.read_text()))
+        results.write(doc, out)
+        docs.append(doc)
+        seconds += doc["environment"].get("finished_at", 0) - doc["environment"].get("started_at", 0)
+    tta = None
+    tta_path = out / f"tta_{TTA['scenario']}.json"
+    if with_tta and tta_path.is_file():
+        tta = json.loads(tta_path.read_text())
+        summarize_tta = results.summarize(tta)
+        results.write(summarize_tta, out)
+    write_summary(docs, tta, out, seconds)
+    return 0
+
+
+def write_summary(docs: list[dict], tta: dict | None, out: Path, seconds: float) -> None:
+    from xronos.bench import plots, results
+
+    md = summary_markdown(docs, tta, seconds)
     pts = [(f"{d['scenario']['name']} {s}", p, m) for d in docs for s, v in d["summary"].items()
            for p, m in v.get("predicted_vs_measured", [])]
-    results.atomic_write(args.out / "grid.md", md.encode())
-    results.atomic_write(args.out / "grid-iteration.png", plots.iteration_bars(docs, "Iteration time per cell"))
+    results.atomic_write(out / "grid.md", md.encode())
+    results.atomic_write(out / "grid-iteration.png", plots.iteration_bars(docs, "Iteration time per cell"))
     if pts:
-        results.atomic_write(args.out / "grid-predicted.png", plots.predicted_scatter(pts, "Predicted vs measured"))
-    results.atomic_write(args.out / "grid.json", json.dumps(
+        results.atomic_write(out / "grid-predicted.png", plots.predicted_scatter(pts, "Predicted vs measured"))
+    results.atomic_write(out / "grid.json", json.dumps(
         {"cells": [d["spec"]["cell_name"] for d in docs], "ratios": {d["spec"]["cell_name"]: d["ratios"] for d in docs},
-         "seconds": time.time() - t0}, indent=1).encode())
+         "seconds": seconds}, indent=1).encode())
     print(md)
-    return 0
 
 
 if __name__ == "__main__":

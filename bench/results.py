@@ -7,6 +7,8 @@ the rank's iteration time, and report the mean over the steps after warm-up. Idl
 - hf-tp: no per-collective timings exist, so 1 - CPU time / (CPU share x wall time), a
   utilisation estimate (also given for pp as a cross-check).
 MAPE: predicted (cost model) vs measured per-node compute time, over nodes holding units.
+Ideal lower bound, two ways: from the planner (profiles: fractional perfect balance) and from this
+cell's measured per-node compute times (see `measured_ideal`), each plus the measured communication.
 """
 
 from __future__ import annotations
@@ -71,8 +73,48 @@ def summarize(doc: dict) -> dict:
     shares = doc["scenario"]["shares"]
     summ = {k: summarize_strategy(k, v, shares, warmup) for k, v in doc["strategies"].items()}
     doc["summary"] = {k: v for k, v in summ.items() if v is not None}
+    for x in ("xronos", "xronos-optimal"):
+        if x in doc["summary"]:
+            measured = measured_ideal(doc["summary"])
+            if measured is not None:
+                x_sum = doc["summary"][x]
+                x_sum["ideal_measured_s"] = measured + x_sum["comm_s"] + max(n["data_s"] for n in x_sum["nodes"])
     doc["ratios"] = ratios(doc["summary"])
     return doc
+
+
+def measured_ideal(summary: dict) -> float | None:
+    """Perfect-balance compute time from *measured* per-node compute (not the profile): each
+    node's compute(units) = a + b*units fitted through its points from the TP runs of this cell
+    (two distinct unit counts; otherwise through the origin), then the continuous balance
+    sum_d (T - a_d) / b_d = H solved for T (nodes that would get a negative share dropped)."""
+    runs = [summary[k] for k in ("xronos", "xronos-optimal", "uniform") if k in summary]
+    if not runs or "units" not in runs[0]["nodes"][0]:
+        return None
+    H = sum(n["units"] for n in runs[0]["nodes"])
+    fits = []
+    for d in range(len(runs[0]["nodes"])):
+        pts = {n["units"]: n["compute_s"] for r in runs for n in [r["nodes"][d]] if n["units"] > 0}
+        if not pts:
+            return None
+        if len(pts) >= 2:
+            (u0, t0), (u1, t1) = min(pts.items()), max(pts.items())
+            b = (t1 - t0) / (u1 - u0)
+            a = t0 - b * u0
+            if b <= 0 or a < 0:  # noise: fall back to proportional
+                a, b = 0.0, statistics.mean(t / u for u, t in pts.items())
+        else:
+            (u, t), = pts.items()
+            a, b = 0.0, t / u
+        fits.append((a, b))
+    active = list(range(len(fits)))
+    while active:
+        T = (H + sum(fits[d][0] / fits[d][1] for d in active)) / sum(1 / fits[d][1] for d in active)
+        drop = [d for d in active if fits[d][0] > T]
+        if not drop:
+            return max(T, max(fits[d][0] for d in range(len(fits))))
+        active = [d for d in active if d not in drop]
+    return None
 
 
 def ratios(s: dict) -> dict:
@@ -86,8 +128,10 @@ def ratios(s: dict) -> dict:
         out[f"{x}/uniform"] = r(x, "uniform")
         out[f"{x}/pp"] = r(x, "pp")
         out[f"{x}/hf-tp"] = r(x, "hf-tp")
+        if s[x].get("ideal_measured_s"):
+            out[f"{x}/ideal (measured fit)"] = s[x]["iteration_s"] / s[x]["ideal_measured_s"]
         if s[x].get("ideal_iteration_s"):
-            out[f"{x}/ideal"] = s[x]["iteration_s"] / s[x]["ideal_iteration_s"]
+            out[f"{x}/ideal (profile)"] = s[x]["iteration_s"] / s[x]["ideal_iteration_s"]
             if "uniform" in s:  # share of the ideal gain over uniform that was captured
                 u, i = s["uniform"]["iteration_s"], s[x]["ideal_iteration_s"]
                 out[f"{x} gain captured"] = (u - s[x]["iteration_s"]) / (u - i) if u > i else None
