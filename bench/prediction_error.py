@@ -2,7 +2,7 @@
 
     .venv/bin/python -m xronos.bench.prediction_error [--models gpt2-medium,roberta-base]
         [--blocks 2] [--scenarios set-a,set-b] [--strategies optimal] [--steps 10]
-        [--malloc default|tuned] [--out FILE.json]
+        [--malloc tuned|glibc] [--out FILE.json]
 
 Every run is the real `xronos run --strategy S --cpu-shares ...`: each rank is profiled in its own
 process inside its CPU cgroup (the paper's device speeds as CFS quotas, `bench/scenarios.py`),
@@ -15,10 +15,11 @@ transformer blocks (full hidden size, heads, MLP width and vocabulary), batch 8,
 (CoLA), random weights, synthetic data; the profile cache is shared across runs, so a rank with a
 share already profiled reuses its profile, as a node would.
 
-`--malloc tuned` runs profiles and ranks with glibc's malloc never returning big blocks to the
-kernel (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=64 GiB): tensors above glibc's 32 MiB mmap
-ceiling are otherwise mmapped and page-faulted afresh every iteration, which makes wide layers
-superlinearly slow (and training slower); see the final report for the measured effect.
+`--malloc tuned` (the default, as `xronos.node.launch.rank_env` sets for every rank) runs profiles
+and ranks with glibc's malloc never returning big blocks to the kernel (MALLOC_MMAP_MAX_=0,
+MALLOC_TRIM_THRESHOLD_=64 GiB): tensors above glibc's 32 MiB mmap ceiling are otherwise mmapped
+and page-faulted afresh every iteration, which makes wide layers superlinearly slow (and training
+slower). `--malloc glibc` leaves glibc's own behaviour (XRONOS_MALLOC=glibc) for comparison.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import time
 from pathlib import Path
 
 BATCH, SEQ = 8, 32
-TUNED_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 
 
 def workload(root: Path, model: str, blocks: int, rows: int) -> tuple[Path, Path]:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default="set-a,set-b")
     ap.add_argument("--strategies", default="optimal")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--malloc", choices=["default", "tuned"], default="default")
+    ap.add_argument("--malloc", choices=["tuned", "glibc"], default="tuned")
     ap.add_argument("--work", default="/tmp/xronos-prediction-error", help="checkpoints, data, cache")
     ap.add_argument("--out", metavar="FILE.json")
     args = ap.parse_args(argv)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.work)
     root.mkdir(parents=True, exist_ok=True)
     cache = root / f"profiles-{args.malloc}"
-    env = dict(os.environ, **(TUNED_MALLOC if args.malloc == "tuned" else {}))
+    env = dict(os.environ, **({"XRONOS_MALLOC": "glibc"} if args.malloc == "glibc" else {}))
     runs = []
     for model in args.models.split(","):
         mdir, data = workload(root, model, args.blocks, max(64, (args.steps + 2) * BATCH))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Any
 
@@ -15,6 +16,22 @@ from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.mappings import copy_to_tp
 
 from .specs import TensorSpec
+
+
+@contextlib.contextmanager
+def _no_meta_init():
+    """Skip nn.Embedding's random init while building on the meta device.
+
+    Meta tensors hold no values, so the init is meaningless there — and in torch 2.13
+    `normal_` on a meta tensor imports torch._dynamo, which costs every rank seconds at start-up.
+    """
+    saved = nn.init.normal_
+    nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        nn.init.normal_ = saved
+
 
 TASKS = ("classify", "causal-lm")
 
@@ -272,7 +289,7 @@ class Family:
         if layout.H != H:
             raise ValueError(f"layout {list(layout.units)} sums to {layout.H} units but "
                              f"{self.name} with this config.json has H={H}")
-        with torch.device("meta"):
+        with torch.device("meta"), _no_meta_init():
             model = self.model_cls(config, task, layout, group, dropout=dropout)
         model._check_specs()
         return model
