@@ -1,0 +1,19 @@
+"""The gateway must run on a small box that never installs torch: its whole import closure,
+including the service and its CLI commands, stays free of torch and transformers."""
+
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import xronos.gateway
+
+
+def test_no_gateway_module_imports_torch():
+    modules = [f"xronos.gateway.{m.name}" for m in pkgutil.iter_modules(xronos.gateway.__path__)]
+    assert "xronos.gateway.service" in modules and "xronos.gateway.planner" in modules
+    code = "; ".join(f"import {m}" for m in modules + ["xronos.cli.gateway", "xronos.cli.job", "xronos.cli.nodes"])
+    code += "; import sys; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'datasets'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent)
+    assert out.stdout.strip() == "[]", out.stdout
