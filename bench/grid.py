@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cells = QUICK if args.quick else STANDARD
     if args.rerender:
-        return rerender(cells, args.out, with_tta=not args.quick)
+        return rerender(cells, args.out, with_tta=True)
     for spec in cells:
         validate(spec)  # refuse the whole grid before spending time on any cell
     t0 = time.time()
