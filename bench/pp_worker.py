@@ -178,6 +178,9 @@ def run(cfg: PPRankConfig) -> None:
             {"span": list(cfg.spans[r]), "iterations": [dict(zip(FIELDS, row)) for row in p.tolist()]}
             for r, p in enumerate(parts)]}
         Path(cfg.metrics_path).write_text(json.dumps(doc, indent=1))
+    # Tear down together: a rank that closes its Gloo pairs while a peer still uses them can make
+    # that peer's transport thread abort (seen once in CI as SIGABRT of the last stage).
+    dist.barrier()
     dist.destroy_process_group()
 
 
