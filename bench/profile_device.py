@@ -30,6 +30,9 @@ class ProfileJob(BaseModel):
 def main(argv: list[str]) -> int:
     import torch
 
+    from xronos.node import allocator
+
+    allocator.tune()  # as the ranks run (node/allocator.py): both profiles must predict them
     job = ProfileJob.model_validate_json(Path(argv[1]).read_text())
     torch.set_num_threads(job.threads)
     if job.tp_out is not None:

@@ -51,8 +51,11 @@ def handle(args: argparse.Namespace) -> int:
     if not out.resolve().parent.is_dir():
         raise FileNotFoundError(f"--out {args.out}: directory does not exist")
 
+    from xronos.node import allocator
     from xronos.node.models.shapes import shape
     from xronos.node.profiler import config_for, profile
+
+    allocator.tune()  # measure under the training ranks' malloc setting (see node/allocator.py)
 
     if args.model is not None:
         config = config_for(model_dir=args.model)

@@ -48,7 +48,7 @@ from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, Profi
 
 log = structlog.get_logger(__name__)
 
-PROFILER_VERSION = 2  # part of the cache key: bump when the method changes
+PROFILER_VERSION = 3  # part of the cache key: bump when the method changes
 _LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers")
 
 

@@ -174,14 +174,18 @@ class NodeService:
 
     def _profile(self, req: m.ProfileRequest) -> None:
         from xronos.node.capabilities import probe
-        from xronos.node.profiler import config_for, profile
+        from xronos.node.profilechild import ProfileJob, profile_in_child
+        from xronos.node.profiler import config_for
 
         try:
-            report = profile(config_for(arch=req.arch), req.task, req.batch_size, req.seq_len,
-                             threads=req.threads or self.cfg.threads, node_id=self.node_id,
+            # In a child process: measured under the training ranks' allocator setting, and the
+            # service does not keep a full-width block's memory afterwards (node/profilechild.py).
+            job = ProfileJob(config=config_for(arch=req.arch), task=req.task, batch_size=req.batch_size,
+                             seq_len=req.seq_len, threads=req.threads or self._threads(), node_id=self.node_id,
                              request_id=req.request_id, job_id=req.job_id,
                              capabilities=probe(self.node_id, self.data_host, self.participate),
-                             cache_dir=self.state_dir / "profiles")
+                             cache_dir=str(self.state_dir / "profiles"))
+            report = profile_in_child(job)
         except Exception as exc:
             log.warning("profiling failed", job=req.job_id, reason=str(exc))
             topic = self.table.build("node.profile_request", node_id=self.node_id)
@@ -189,6 +193,10 @@ class NodeService:
                                             topic=topic))
             return
         self.outbox.put(report)
+
+    def _threads(self) -> int:
+        """Torch threads of this node's profiles and training ranks (the same, so the one predicts the other)."""
+        return self.cfg.threads or max(os.cpu_count() or 1, 1)
 
     # --- assignment and control ----------------------------------------------------------------
     def _ack(self, a: m.Assignment, reason: str | None) -> None:
@@ -263,7 +271,7 @@ class NodeService:
         from xronos.node.jobproc import spec_run_config
 
         assert self.spec is not None
-        threads = self.cfg.threads or max(os.cpu_count() or 1, 1)
+        threads = self._threads()
         run = spec_run_config(self.spec, units=list(a.units), rank=a.rank, host=a.rendezvous_host,
                               port=a.rendezvous_port, threads=threads, gloo_timeout_s=self.cfg.gloo_timeout_s)
         jobdir = self.state_dir / "jobs" / a.job_id
@@ -324,10 +332,9 @@ class NodeService:
 
 
 def _warm_up() -> None:
-    """Import the heavy libraries on the worker thread at start, so that the first inspection or
-    profile request (which the gateway times) does not pay for them."""
+    """Import the heavy libraries on the worker thread at start, so that the first inspection
+    (which the gateway times) does not pay for them. Profiles run in a child process."""
     import datasets  # noqa: F401
     import transformers  # noqa: F401
 
     import xronos.node.jobcheck  # noqa: F401
-    import xronos.node.profiler  # noqa: F401

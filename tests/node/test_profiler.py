@@ -172,3 +172,21 @@ def test_state_bytes_after_adamw_step() -> None:
     n = sum(p.numel() for p in lin.parameters())
     assert state_bytes(lin.parameters(), opt) == 16 * n  # param, grad, exp_avg, exp_avg_sq
     assert state_bytes(lin.parameters(), None) == 8 * n
+
+
+def test_profile_in_child_process(tmp_path: Path) -> None:
+    """The node service's path: the report comes from a child process, ids and capabilities kept,
+    and a failing child is an error carrying what it printed."""
+    from xronos.node.capabilities import probe
+    from xronos.node.profilechild import ProfileJob, profile_in_child
+
+    caps = probe("n7", "127.0.0.1")
+    job = ProfileJob(config=prof.config_for(arch=TINY), task="classify", batch_size=B, seq_len=S, threads=1,
+                     iters=2, node_id="n7", request_id="req-1", job_id="job-1", capabilities=caps,
+                     cache_dir=str(tmp_path / "cache"))
+    report = profile_in_child(job)
+    assert (report.node_id, report.request_id, report.job_id) == ("n7", "req-1", "job-1")
+    assert report.capabilities == caps and report.units == H
+    assert len(list((tmp_path / "cache").glob("profile-*.json"))) == 1
+    with pytest.raises(RuntimeError, match="max_positions"):
+        profile_in_child(job.model_copy(update={"seq_len": P + 1}))

@@ -1,0 +1,97 @@
+"""Profile in a child process: what the node service does on a profile request.
+
+The service is long-lived and small; a profile allocates a full-width block, its gradients and
+AdamW state. Running it in a child (a) measures under the allocator setting the training ranks use
+(`xronos.node.allocator`), which a running process cannot take on without keeping its peak heap
+for life, (b) hands every byte back to the box when it ends, and (c) keeps a crash or the OOM
+killer away from the service. The child dies with its parent (PR_SET_PDEATHSIG).
+
+    python -m xronos.node.profilechild REQUEST.json REPORT.json
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from xronos.protocol.messages import Capabilities, ProfileReport
+
+_TAIL_LINES = 15
+
+
+class ProfileJob(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: dict[str, Any]
+    task: str
+    batch_size: int
+    seq_len: int
+    threads: int
+    iters: int = 10
+    clip: bool = True
+    node_id: str
+    request_id: str
+    job_id: str
+    capabilities: Capabilities
+    cache_dir: str | None = None
+
+
+def profile_in_child(job: ProfileJob, timeout_s: float = 3600.0) -> ProfileReport:
+    """Run `job` in a fresh process with the ranks' environment; its report, or RuntimeError with
+    the tail of what it printed."""
+    from xronos.node.launch import rank_env
+
+    with tempfile.TemporaryDirectory(prefix="xronos-profile-") as tmp:
+        req, out = Path(tmp) / "request.json", Path(tmp) / "report.json"
+        req.write_text(job.model_dump_json())
+        proc = subprocess.Popen([sys.executable, "-m", "xronos.node.profilechild", str(req), str(out)],
+                                env=rank_env(job.threads), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"profiling did not finish within {timeout_s:.0f} s") from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if proc.returncode != 0:
+            how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+            tail = "\n".join([ln for ln in err.splitlines() if ln.strip()][-_TAIL_LINES:])
+            raise RuntimeError(f"the profiling process failed ({how}; signal 9 is usually the OOM killer):\n{tail}")
+        return ProfileReport.model_validate_json(out.read_text())
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: python -m xronos.node.profilechild REQUEST.json REPORT.json", file=sys.stderr)
+        return 2
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    from xronos.node.profiler import profile
+
+    job = ProfileJob.model_validate_json(Path(argv[1]).read_text())
+    report = profile(job.config, job.task, job.batch_size, job.seq_len, threads=job.threads, iters=job.iters,
+                     clip=job.clip, node_id=job.node_id, request_id=job.request_id, job_id=job.job_id,
+                     capabilities=job.capabilities, cache_dir=job.cache_dir)
+    out = Path(argv[2])
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(report.model_dump_json())
+    tmp.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
