@@ -4,8 +4,10 @@
 
 Cells run one after another (each needs the whole machine's CPU). Shapes are the paper's with one
 transformer block kept (`--blocks 1`, full layer width) so that the grid fits in under 40 minutes on
-two idle cores; every table says so. The grid's summary (grid.md, grid-iteration.png,
-grid-predicted.png) collects the per-cell ratios; a cell that fails is reported, not fatal.
+two idle cores; every table says so. Every rank sits behind an emulated 1 Gbit/s link, the paper's
+LAN (network namespaces + tc, `bench/netem.py`; needs root, like the cgroup quotas). The grid's
+summary (grid.md, grid-iteration.png, grid-predicted.png) collects the per-cell ratios; a cell that
+fails is reported, not fatal.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import time
 from pathlib import Path
 
 from xronos.bench.harness import CellSpec
+from xronos.bench.netem import PAPER_RATE_MBIT
 
-TP = ("xronos", "uniform", "pp")
+TP = ("xronos", "uniform", "pp")  # every cell: CellSpec's default network, the paper's 1 Gbit/s
 STANDARD: list[CellSpec] = [
     CellSpec("set-a", "gpt2-medium", TP, iters=5, blocks=1, seq_len=32),
     CellSpec("set-b", "gpt2-medium", TP, iters=5, blocks=1, seq_len=32),
@@ -30,13 +33,17 @@ STANDARD: list[CellSpec] = [
              mem_scale=None),
 ]
 QUICK: list[CellSpec] = [STANDARD[0], STANDARD[-1]]
-TTA = dict(scenario="set-a", strategies=("xronos", "uniform", "pp"), steps=40)
+TTA = dict(scenario="set-a", strategies=("xronos", "uniform", "pp"), steps=40, bandwidth_mbit=PAPER_RATE_MBIT)
 
 
 def summary_markdown(docs: list[dict], tta: dict | None, seconds: float) -> str:
+    from xronos.bench.results import network
+
+    nets = sorted({network(d) for d in docs})
     lines = ["# Benchmark grid", "",
              f"{len(docs)} cells in {seconds / 60:.1f} min. Machine: {docs[0]['environment']['cpu_model']}, "
-             f"{docs[0]['environment']['cores']} cores (shared with other work: see each cell's load average).", "",
+             f"{docs[0]['environment']['cores']} cores (shared with other work: see each cell's load average). "
+             f"Network: {'; '.join(nets)}.", "",
              "| cell | xronos s | uniform s | pp s | hf-tp s | xronos/uniform | xronos/pp | xronos/ideal (measured fit) | "
              "xronos/ideal (profile) | "
              "uniform/hf-tp | max idle xronos | max idle uniform | MAPE xronos |",
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         docs.append(doc)
     tta = None
     if not args.quick:
-        tta = run_tta(TTA["scenario"], TTA["strategies"], steps=TTA["steps"])
+        tta = run_tta(TTA["scenario"], TTA["strategies"], steps=TTA["steps"], bandwidth_mbit=TTA["bandwidth_mbit"])
         results.write(tta, args.out)
     write_summary(docs, tta, args.out, time.time() - t0)
     return 0

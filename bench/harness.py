@@ -2,9 +2,11 @@
 
 `validate` refuses bad input before anything is written or spawned: unknown scenario, model or
 strategy names, shares the machine cannot enforce, a model that cannot fit the emulated memory
-caps. `run_cell` then writes the checkpoint and data to a scratch directory, profiles each
-distinct device in its cgroup, runs each strategy, and returns the result document (raw numbers,
-summaries, environment). Nothing is written to the results directory here (see `results.write`).
+caps, a network rate this machine cannot emulate (not root, no iproute2, no namespaces). `run_cell`
+then writes the checkpoint and data to a scratch directory, profiles each distinct device in its
+cgroup, runs each strategy (each rank behind its emulated link), and returns the result document
+(raw numbers, summaries, environment). Nothing is written to the results directory here (see
+`results.write`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import structlog
 
+from xronos.bench import netem
 from xronos.bench import strategies as st
 from xronos.bench.emulator import Confinement, RankLimits, find_controller, usable_cores, validate_limits
 from xronos.bench.scenarios import DEFAULT_MEM_SCALE, PI5_SHARE, Scenario, get_scenario
@@ -40,6 +43,9 @@ class CellSpec:
     micro_batches: int = 8
     mem_scale: float | None = DEFAULT_MEM_SCALE
     unit_share: float = PI5_SHARE
+    # Every rank's link rate, emulated with network namespaces + tc (bench/netem.py); the paper's
+    # LAN is 1 Gbit/s. 0 = plain loopback (no limit).
+    bandwidth_mbit: float = netem.PAPER_RATE_MBIT
     lr: float = 2e-5
     seed: int = 0
     name: str | None = None
@@ -48,7 +54,15 @@ class CellSpec:
     @property
     def cell_name(self) -> str:
         blocks = f"b{self.blocks}" if self.blocks else "full"
-        return self.name or f"{self.scenario}_{self.model}_s{self.seq_len}_{blocks}"
+        return self.name or f"{self.scenario}_{self.model}_s{self.seq_len}_{blocks}{network_suffix(self.bandwidth_mbit)}"
+
+
+def network_suffix(rate_mbit: float) -> str:
+    """The paper's 1 Gbit/s is the standard; any other network is in the cell's name, so that its
+    result never overwrites a standard cell's."""
+    if rate_mbit == netem.PAPER_RATE_MBIT:
+        return ""
+    return f"_{rate_mbit:g}mbit" if rate_mbit else "_loopback"
 
 
 def _param_count(config: dict) -> int:
@@ -83,6 +97,7 @@ def validate(spec: CellSpec) -> tuple[Scenario, dict]:
         raise ValueError(f"batch {spec.batch_size} does not split into {spec.micro_batches} micro-batches")
     if not (spec.unit_share > 0 and math.isfinite(spec.unit_share)):
         raise ValueError(f"unit share must be > 0, got {spec.unit_share}")
+    check_bandwidth(spec.bandwidth_mbit)
     # Can this machine enforce the shares and caps? (EmulatorError is a ValueError.)
     caps = sc.memory_caps(spec.mem_scale)
     lims = [RankLimits(s, c) for s, c in zip(sc.shares(spec.unit_share), caps)]
@@ -104,7 +119,19 @@ def validate(spec: CellSpec) -> tuple[Scenario, dict]:
                 f"needs at least {need / 2**30:.2f} GiB (weights, grads, AdamW state, runtime) but the "
                 f"emulated caps of {sc.name} total {sum(caps) / 2**30:.2f} GiB "
                 f"({[round(c / 2**30, 2) for c in caps]}); use fewer --blocks or a larger --mem-scale")
+    if spec.bandwidth_mbit:
+        netem.check_available()  # builds and removes a one-rank network: refuses naming what failed
     return sc, config
+
+
+def check_bandwidth(rate_mbit: float) -> None:
+    """The value only (0 = loopback); whether the machine can emulate it is `netem.check_available`."""
+    bad = isinstance(rate_mbit, bool) or not isinstance(rate_mbit, (int, float)) or not (
+        math.isfinite(rate_mbit) and rate_mbit >= 0)
+    if bad:
+        raise ValueError(f"--bandwidth-mbit must be a number >= 0 (0 = loopback), got {rate_mbit!r}")
+    if rate_mbit:
+        netem.validate_rate(rate_mbit)
 
 
 def environment(cpu_version: int | None) -> dict:
@@ -123,6 +150,7 @@ def run_cell(spec: CellSpec, scratch: str | None = None) -> dict:
     sc, config = validate(spec)
     cpu = find_controller("cpu")
     env = environment(cpu.version if cpu else None)
+    env["network"] = netem.describe(spec.bandwidth_mbit)
     doc: dict = {"spec": asdict(spec) | {"cell_name": spec.cell_name}, "environment": env,
                  "scenario": {"name": sc.name, "note": sc.note, "devices": [asdict(d) for d in sc.devices],
                               "shares": sc.shares(spec.unit_share), "memory_caps": sc.memory_caps(spec.mem_scale),
@@ -139,7 +167,7 @@ def run_cell(spec: CellSpec, scratch: str | None = None) -> dict:
                              seed=spec.seed)
         ctx = st.Ctx(work, model_dir, data, config, sc.shares(spec.unit_share), sc.memory_caps(spec.mem_scale),
                      [d.name for d in sc.devices], spec.batch_size, spec.seq_len, spec.micro_batches,
-                     spec.iters, spec.lr, spec.seed)
+                     spec.iters, spec.lr, spec.seed, bandwidth_mbit=spec.bandwidth_mbit)
         doc["strategies"] = run_strategies(spec, sc, config, ctx, doc)
     env["loadavg_end"] = os.getloadavg()
     env["finished_at"] = time.time()

@@ -1,7 +1,8 @@
 """Spawn the baselines' rank processes (one JSON config each), confined by a wrap hook.
 
 The same contract as `xronos.node.launch.launch_local`: any rank that dies takes the others down
-and `RankFailed` names it with the tail of its stderr.
+and `RankFailed` names it with the tail of its stderr; an optional `Placement` (e.g. the network
+emulator's `Network`) says where each rank runs and where the rendezvous is.
 """
 
 from __future__ import annotations
@@ -16,15 +17,23 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from xronos.node.launch import RankFailed, free_port, rank_env
+from xronos.node.launch import Placement, RankFailed, free_port, rank_env
 
 Wrap = Callable[[int, subprocess.Popen], None]
 
 
 def spawn_ranks(module: str, configs: list[BaseModel], wrap: Wrap | None = None, *,
-                threads: int = 1, timeout_s: float = 3600.0, extra_env: dict[str, str] | None = None) -> None:
-    """Run `python -m module rankN.json` for every config (rank = list index); wait for all."""
-    port = free_port()
+                threads: int = 1, timeout_s: float = 3600.0, extra_env: dict[str, str] | None = None,
+                placement: Placement | None = None) -> None:
+    """Run `python -m module rankN.json` for every config (rank = list index); wait for all.
+    Each config needs `rank` and `rendezvous_port` fields (and `rendezvous_host` with a placement)."""
+    update: dict[str, object] = {}
+    if placement is None:
+        port = free_port()
+    else:
+        # A fresh namespace has every port free: the configs' own port is as good as any.
+        port = configs[0].rendezvous_port  # type: ignore[attr-defined]
+        update["rendezvous_host"] = placement.rendezvous_host
     env = {**rank_env(threads), **(extra_env or {})}
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="xronos-bench-") as tmp:
@@ -32,10 +41,13 @@ def spawn_ranks(module: str, configs: list[BaseModel], wrap: Wrap | None = None,
         try:
             for rank, cfg in enumerate(configs):
                 path = Path(tmp) / f"rank{rank}.json"
-                path.write_text(cfg.model_copy(update={"rank": rank, "rendezvous_port": port}).model_dump_json())
+                path.write_text(cfg.model_copy(update={**update, "rank": rank, "rendezvous_port": port})
+                                .model_dump_json())
                 err = open(Path(tmp) / f"rank{rank}.err", "w+b")
                 errs.append(err)
-                proc = subprocess.Popen([sys.executable, "-m", module, str(path)], env=env,
+                prefix = placement.argv_prefix(rank) if placement else []
+                proc = subprocess.Popen([*prefix, sys.executable, "-m", module, str(path)],
+                                        env={**env, **placement.env(rank)} if placement else env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
                 procs.append(proc)
                 if wrap is not None:

@@ -144,6 +144,13 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{100 * v:.1f}%"
 
 
+def network(doc: dict) -> str:
+    """How the cell's ranks were connected; results from before the network emulator ran on loopback."""
+    from xronos.bench.netem import describe
+
+    return doc["environment"].get("network") or describe(doc["spec"].get("bandwidth_mbit"))
+
+
 def markdown(doc: dict) -> str:
     sp, sc, m, env = doc["spec"], doc["scenario"], doc["model"], doc["environment"]
     devs = ", ".join(f"{d['name']} ({d['speed']:g}x → {s:g} core"
@@ -152,6 +159,7 @@ def markdown(doc: dict) -> str:
     lines = [
         f"### {sp['cell_name']}", "",
         f"- Scenario **{sc['name']}**: {devs}",
+        f"- Network: **{network(doc)}**",
         f"- Model: **{m['name']} shape with {m['blocks']} of {m['paper_blocks']} transformer blocks** "
         f"(full layer width, {m.get('weights', 'random weights')}, {m['parameters'] / 1e6:.1f} M parameters), fp32, batch "
         f"{sp['batch_size']}, sequence length {sp['seq_len']}, AdamW lr {sp['lr']}, classification",

@@ -6,14 +6,18 @@ rank confined to its device's CPU share and memory cap:
   from the planner (greedy, optimal, Megatron-style even split) over the devices' profiles;
 - `pp`: the Asteroid-style pipeline (stages from the DP over the devices' layer profiles);
 - `hf-tp`: transformers' own even TP, where the model's sizes divide the rank count.
+With `Ctx.bandwidth_mbit` set, every launch runs its ranks in the network emulator (one namespace
+per rank behind a link of that rate, `bench/netem.py`) and planning assumes that rate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
@@ -26,7 +30,7 @@ STRATEGIES = (*TP_STRATEGIES, "pp", "hf-tp")
 # Bytes a rank process needs before any model tensor: Python, torch, transformers, Gloo buffers.
 # Subtracted from each memory cap before planning (the cost model predicts model memory only).
 RUNTIME_RESERVE = 450 << 20
-NOMINAL_BW_BPS = 1e9 / 8  # 1 Gbit/s Ethernet (the paper's LAN) for planning inputs
+NOMINAL_BW_BPS = 1e9 / 8  # 1 Gbit/s Ethernet (the paper's LAN) for planning inputs on loopback
 NOMINAL_LATENCY_S = 0.5e-3
 
 
@@ -49,10 +53,34 @@ class Ctx:
     seed: int
     eval_fraction: float = 0.0  # > 0 only for the time-to-accuracy run (trainer evaluates the tail)
     dropout: float | None = None  # override every dropout probability (None: the checkpoint's)
+    bandwidth_mbit: float = 0.0  # emulated link rate per rank (bench/netem.py); 0: plain loopback
 
 
 def limits(ctx: Ctx, order: list[int]) -> list[RankLimits]:
     return [RankLimits(ctx.shares[d], ctx.caps[d]) for d in order]
+
+
+def planning_bw_bps(ctx: Ctx) -> float:
+    """Bytes/s the planners assume per link: the emulated rate, or the paper's LAN on loopback."""
+    return ctx.bandwidth_mbit * 1e6 / 8 if ctx.bandwidth_mbit else NOMINAL_BW_BPS
+
+
+@contextlib.contextmanager
+def network(ctx: Ctx, n: int) -> Iterator[object | None]:
+    """The ranks' placement for one launch: an emulated LAN of n links, or None (loopback)."""
+    if not ctx.bandwidth_mbit:
+        yield None
+        return
+    from xronos.bench.netem import Network
+
+    with Network(n, ctx.bandwidth_mbit) as net:
+        yield net
+
+
+def network_record(net) -> dict:
+    from xronos.bench.netem import LOOPBACK
+
+    return net.describe() if net is not None else {"kind": "loopback", "description": LOOPBACK}
 
 
 def planning_caps(ctx: Ctx) -> list[float]:
@@ -110,7 +138,7 @@ def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
         nodes.append(dataclasses.replace(node_cost(node_profile(report)), node_id=f"r{d} {name}"))
     r0 = ProfileReport.model_validate(profiles[ctx.device_names[0]]["tp"])
     volume = tp_comm_volume(r0.arch.hidden_size, ctx.batch_size, ctx.seq_len, r0.num_blocks, "classify")
-    comm = comm_time(volume, len(nodes), NOMINAL_BW_BPS, NOMINAL_LATENCY_S)
+    comm = comm_time(volume, len(nodes), planning_bw_bps(ctx), NOMINAL_LATENCY_S)
     return plan(nodes, r0.units, TP_STRATEGIES[strategy], planning_caps(ctx), comm)
 
 
@@ -124,13 +152,14 @@ def run_tp(ctx: Ctx, units: list[int], tag: str) -> dict:
                     max_steps=ctx.iters, seed=ctx.seed, threads=1, metrics_path=str(metrics),
                     progress=False, gloo_timeout_s=600, eval_fraction=ctx.eval_fraction,
                     dropout=ctx.dropout)
-    with Confinement(limits(ctx, list(range(len(units)))), top_weight=True) as conf:
-        launch_local(cfg, len(units), wrap=conf.wrap, echo_rank0=False)
-        quotas = conf.quotas()
+    with Confinement(limits(ctx, list(range(len(units)))), top_weight=True) as conf, \
+            network(ctx, len(units)) as net:
+        launch_local(cfg, len(units), wrap=conf.wrap, echo_rank0=False, placement=net)
+        quotas, link = conf.quotas(), network_record(net)
     doc = json.loads(metrics.read_text())
     return {"ranks": [{"device": d, "units": u, "iterations": r["iterations"]}
                       for d, u, r in zip(range(len(units)), units, doc["ranks"])], "quotas": quotas,
-            "eval_before": doc.get("eval_before"), "eval_after": doc.get("eval_after")}
+            "network": link, "eval_before": doc.get("eval_before"), "eval_after": doc.get("eval_after")}
 
 
 # -- pipeline -----------------------------------------------------------------------------------
@@ -145,7 +174,7 @@ def pp_plan(ctx: Ctx, profiles: dict[str, dict]):
     hidden = profiles[ctx.device_names[0]]["pp"]["hidden"]
     rows = max(1, ctx.batch_size // ctx.micro_batches)
     msg = rows * ctx.seq_len * hidden * 4  # one fp32 activation (and its gradient) per boundary
-    boundary = [2 * (NOMINAL_LATENCY_S + msg / NOMINAL_BW_BPS)] * len(weights)
+    boundary = [2 * (NOMINAL_LATENCY_S + msg / planning_bw_bps(ctx))] * len(weights)
     return plan_pipeline(times, weights, acts, boundary, planning_caps(ctx), ctx.micro_batches)
 
 
@@ -162,12 +191,12 @@ def run_pp(ctx: Ctx, plan) -> dict:
                        micro_batches=ctx.micro_batches, spans=[(s.start, s.stop) for s in plan.stages],
                        metrics_path=str(metrics), gloo_timeout_s=600, eval_fraction=ctx.eval_fraction,
                        dropout=ctx.dropout)
-    with Confinement(limits(ctx, order), top_weight=True) as conf:
-        spawn_ranks("xronos.bench.pp_worker", [cfg] * len(order), conf.wrap)
-        quotas = conf.quotas()
+    with Confinement(limits(ctx, order), top_weight=True) as conf, network(ctx, len(order)) as net:
+        spawn_ranks("xronos.bench.pp_worker", [cfg] * len(order), conf.wrap, placement=net)
+        quotas, link = conf.quotas(), network_record(net)
     doc = json.loads(metrics.read_text())
     return {"ranks": [{"device": d, "span": r["span"], "iterations": r["iterations"]}
-                      for d, r in zip(order, doc["ranks"])], "quotas": quotas,
+                      for d, r in zip(order, doc["ranks"])], "quotas": quotas, "network": link,
             "idle_devices": [d for d in range(len(ctx.shares)) if d not in order]}
 
 
@@ -181,9 +210,9 @@ def run_hftp(ctx: Ctx) -> dict:
     cfg = HFTPRankConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), batch_size=ctx.batch_size,
                          seq_len=ctx.seq_len, lr=ctx.lr, max_steps=ctx.iters, seed=ctx.seed, world_size=n,
                          metrics_path=str(metrics))
-    with Confinement(limits(ctx, list(range(n))), top_weight=True) as conf:
-        spawn_ranks("xronos.bench.hftp_worker", [cfg] * n, conf.wrap)
-        quotas = conf.quotas()
+    with Confinement(limits(ctx, list(range(n))), top_weight=True) as conf, network(ctx, n) as net:
+        spawn_ranks("xronos.bench.hftp_worker", [cfg] * n, conf.wrap, placement=net)
+        quotas, link = conf.quotas(), network_record(net)
     doc = json.loads(metrics.read_text())
     return {"ranks": [{"device": d, "iterations": r["iterations"]} for d, r in enumerate(doc["ranks"])],
-            "quotas": quotas}
+            "quotas": quotas, "network": link}

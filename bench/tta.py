@@ -151,15 +151,17 @@ def markdown(doc: dict) -> str:
 
 def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval_every: int = 5,
             target: float = 0.9, seq_len: int = 32, lr: float = 5e-5, mem_scale: float | None = None,
-            unit_share: float | None = None, rows: int = 480, seed: int = 0) -> dict:
+            unit_share: float | None = None, rows: int = 480, seed: int = 0,
+            bandwidth_mbit: float = 1000.0) -> dict:
     """Run the time-to-accuracy cell; returns the summarized result document (not yet written)."""
     import os
     import tempfile
     from dataclasses import asdict
 
+    from xronos.bench import netem
     from xronos.bench import strategies as st
     from xronos.bench.emulator import RankLimits, cpu_limit_of, find_controller, usable_cores, validate_limits
-    from xronos.bench.harness import CellSpec, environment, run_strategies
+    from xronos.bench.harness import CellSpec, check_bandwidth, environment, network_suffix, run_strategies
     from xronos.bench.results import summarize
     from xronos.bench.scenarios import PI5_SHARE, get_scenario
 
@@ -177,12 +179,17 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
     if cpu is None:
         raise ValueError("no writable cgroup cpu controller: the emulator cannot confine ranks here")
     validate_limits([RankLimits(s, c) for s, c in zip(shares, caps)], usable_cores(), cpu_limit_of(cpu))
+    check_bandwidth(bandwidth_mbit)
+    if bandwidth_mbit:
+        netem.check_available()
     model_dir = minilm_dir()
     config = json.loads((model_dir / "config.json").read_text())
     spec = CellSpec(scenario=scenario, model="minilm-l6", strategies=tuple(strategies), iters=steps, warmup=1,
-                    seq_len=seq_len, lr=lr, mem_scale=mem_scale, unit_share=unit, name=f"tta_{scenario}")
+                    seq_len=seq_len, lr=lr, mem_scale=mem_scale, unit_share=unit, bandwidth_mbit=bandwidth_mbit,
+                    name=f"tta_{scenario}{network_suffix(bandwidth_mbit)}")
     started = time.time()
-    doc: dict = {"spec": asdict(spec) | {"cell_name": spec.cell_name}, "environment": environment(cpu.version),
+    doc: dict = {"spec": asdict(spec) | {"cell_name": spec.cell_name},
+                 "environment": environment(cpu.version) | {"network": netem.describe(bandwidth_mbit)},
                  "scenario": {"name": sc.name, "note": sc.note, "devices": [asdict(d) for d in sc.devices],
                               "shares": shares, "memory_caps": caps,
                               "ideal_ratio_to_uniform_from_speeds": sc.ideal_ratio_to_uniform()},
@@ -192,7 +199,7 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
         work = Path(tmp)
         data = write_sentiment(work / "sentiment.jsonl", rows, seed)
         ctx = st.Ctx(work, model_dir, data, config, shares, caps, [d.name for d in sc.devices], 8, seq_len, 8,
-                     steps, lr, seed, eval_fraction=0.2, dropout=0.0)
+                     steps, lr, seed, eval_fraction=0.2, dropout=0.0, bandwidth_mbit=bandwidth_mbit)
         doc["strategies"] = run_strategies(spec, sc, config, ctx, doc)
         curve = reference_curve(model_dir, data, steps=steps, eval_every=eval_every, batch_size=8,
                                 seq_len=seq_len, lr=lr, eval_fraction=0.2, seed=seed)

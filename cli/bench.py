@@ -3,8 +3,9 @@
     xronos bench --scenario set-a --model gpt2-medium --strategies xronos,uniform,pp --iters 6 \\
         --seq-len 32 --blocks 2
 
-Needs root (cgroup CPU quotas). Writes bench/results/<name>.json (+ .md, plots) atomically; bad
-input is refused before anything is written or spawned.
+Needs root (cgroup CPU quotas; network namespaces + tc for the emulated 1 Gbit/s links, or
+--bandwidth-mbit 0 for plain loopback). Writes bench/results/<name>.json (+ .md, plots) atomically;
+bad input is refused before anything is written or spawned.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def register(subparsers) -> None:
                    help="memory cap = device RAM x this (default 1/8: a Pi 5 gets 1 GiB); 'none' = no caps")
     p.add_argument("--unit-share", type=float, default=0.30,
                    help="cores per unit of device speed (a Raspberry Pi 5 rank gets this share)")
+    p.add_argument("--bandwidth-mbit", type=float, default=1000.0,
+                   help="every rank's link rate, emulated with network namespaces + tc (default 1000: the "
+                        "paper's 1 Gbit/s LAN; needs root); 0 = plain loopback, no limit")
     p.add_argument("--name", default=None, help="result file name (default from the cell)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     p.add_argument("--no-plots", action="store_true")
@@ -76,7 +80,7 @@ def handler(args) -> int:
             raise ValueError("--tta uses the real MiniLM; drop --model")
         doc = run_tta(args.scenario, strategies, steps=args.iters, eval_every=args.eval_every,
                       target=args.target, seq_len=args.seq_len, lr=args.lr or 5e-5, mem_scale=args.mem_scale,
-                      unit_share=args.unit_share)
+                      unit_share=args.unit_share, bandwidth_mbit=args.bandwidth_mbit)
         return _finish(results, doc, args)
     if not args.model:
         raise ValueError("--model is required (or --tta)")
@@ -84,7 +88,8 @@ def handler(args) -> int:
     spec = CellSpec(scenario=args.scenario, model=args.model,
                     strategies=strategies, lr=args.lr or 2e-5,
                     iters=args.iters, warmup=args.warmup, seq_len=args.seq_len, blocks=args.blocks,
-                    batch_size=args.batch_size, mem_scale=args.mem_scale, unit_share=args.unit_share, name=args.name)
+                    batch_size=args.batch_size, mem_scale=args.mem_scale, unit_share=args.unit_share,
+                    bandwidth_mbit=args.bandwidth_mbit, name=args.name)
     validate(spec)  # refuse before any work
     return _finish(results, results.summarize(run_cell(spec)), args)
 

@@ -1,4 +1,5 @@
-"""Spawn one worker process per rank on this machine, joined over Gloo on loopback.
+"""Spawn one worker process per rank on this machine, joined over Gloo on loopback (or wherever
+a `Placement` puts each rank, e.g. the bench's emulated LAN).
 
 Any rank that dies takes the run down: the launcher kills the others at once and raises
 `RankFailed` naming the rank and the last lines it wrote to stderr. (Without the launcher, the
@@ -17,11 +18,30 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from xronos.node.runconfig import RunConfig
 
 Wrap = Callable[[int, subprocess.Popen], None]
 _TAIL_BYTES = 8192
+
+
+class Placement(Protocol):
+    """Where each rank process runs, when not plainly on this host's loopback.
+
+    The launcher runs `argv_prefix(rank) + [python, -m, ...]` — the prefix must exec the rest
+    (e.g. `ip netns exec NAME`), so the pid is the rank's own and `wrap` confines the rank itself —
+    adds `env(rank)` (e.g. `GLOO_SOCKET_IFNAME`) to its environment and points every rank at
+    `rendezvous_host` (rank 0's address there). The rendezvous port is the config's own: a port
+    probed free here says nothing about another network namespace.
+    """
+
+    @property
+    def rendezvous_host(self) -> str: ...
+
+    def argv_prefix(self, rank: int) -> list[str]: ...
+
+    def env(self, rank: int) -> dict[str, str]: ...
 
 
 class RankFailed(RuntimeError):
@@ -81,11 +101,16 @@ class _StderrPump(threading.Thread):
         return "\n".join([ln for ln in text.splitlines() if ln.strip()][-lines:])
 
 
-def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0: bool = True) -> None:
+def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0: bool = True,
+                 placement: Placement | None = None) -> None:
     """Run `config` on n local ranks; returns when all exit 0, raises RankFailed otherwise."""
     if n != config.world_size:
         raise ValueError(f"launch of {n} ranks for a layout of {config.world_size} units entries {config.units}")
-    port = free_port(config.rendezvous_host)
+    if placement is None:
+        port = free_port(config.rendezvous_host)
+    else:
+        config = config.model_copy(update={"rendezvous_host": placement.rendezvous_host})
+        port = config.rendezvous_port
     env = rank_env(config.threads)
     procs: list[subprocess.Popen] = []
     pumps: list[_StderrPump] = []
@@ -95,8 +120,9 @@ def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0
                 path = Path(tmp) / f"rank{rank}.json"
                 config.for_rank(rank, port).write(path)
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "xronos.node.worker", str(path)],
-                    env=env,
+                    [*(placement.argv_prefix(rank) if placement else []),
+                     sys.executable, "-m", "xronos.node.worker", str(path)],
+                    env={**env, **placement.env(rank)} if placement else env,
                     stdin=subprocess.DEVNULL,
                     stderr=subprocess.PIPE,
                 )

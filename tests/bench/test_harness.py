@@ -22,6 +22,9 @@ GOOD = ["bench", "--scenario", "set-a", "--model", "gpt2-medium", "--blocks", "1
     ({"--blocks": "99"}, "--blocks must be an integer in [1, 24]"),
     ({"--unit-share": "1.0"}, "exceeds the 2 cores"),  # 1.5 cores for the MiniPC + 2 Pis = 3.5
     ({"--model": "mobilellama-1.4b", "--blocks": "24"}, "needs at least"),  # 1.4B params vs 4 GiB of caps
+    ({"--bandwidth-mbit": "-5"}, "--bandwidth-mbit must be a number >= 0 (0 = loopback)"),
+    ({"--bandwidth-mbit": "nan"}, "--bandwidth-mbit must be a number >= 0 (0 = loopback)"),
+    ({"--bandwidth-mbit": "0.5"}, "network rate 0.5 Mbit/s is outside 1 .. 100000"),
 ])
 def test_bad_input_refused_before_anything_is_written(tmp_path: Path, capsys, change, message) -> None:
     args = list(GOOD)
@@ -80,6 +83,9 @@ def test_summary_ratios_and_table() -> None:
     md = markdown(doc)
     assert "| hf-tp | not run: hf-tp is run for the LLaMA architecture only" in md
     assert "1 of 24 transformer blocks" in md and "units 8/4/4" in md
+    assert "- Network: **loopback (unlimited)**" in md  # a result from before the network emulator
+    doc["spec"]["bandwidth_mbit"] = 1000.0
+    assert "- Network: **1 Gbit/s per rank link, both directions" in markdown(doc)
     json.dumps(doc)  # the result document is plain JSON
 
 
