@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from xronos.node import allocator
 from xronos.node.runconfig import RunConfig
 
 Wrap = Callable[[int, subprocess.Popen], None]
@@ -69,14 +70,11 @@ def rank_env(threads: int) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         PYTHONUNBUFFERED="1",
     )
-    # glibc hands every buffer above its mmap threshold back to the kernel when freed, so each
-    # iteration page-faults its large activations and gradients in afresh; keeping them in the
-    # heap cut a GPT-2-medium 2-block iteration from 4.0 s to 2.35 s here (bench/prediction_error).
-    # A rank's RSS then stays at its peak, which is what the planner budgets for anyway.
-    # XRONOS_MALLOC=glibc keeps glibc's own behaviour (for comparison in the benchmarks).
-    if env.get("XRONOS_MALLOC") != "glibc":
-        env.setdefault("MALLOC_MMAP_MAX_", "0")
-        env.setdefault("MALLOC_TRIM_THRESHOLD_", str(64 << 30))
+    # Big freed blocks stay in the heap instead of being page-faulted in afresh every iteration
+    # (node/allocator.py has the measurements); XRONOS_MALLOC=glibc keeps glibc's behaviour.
+    if allocator.wanted():
+        for var, value in allocator.ENV.items():
+            env.setdefault(var, value)
     return env
 
 
