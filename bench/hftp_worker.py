@@ -18,35 +18,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from xronos.bench.rankdata import batch_source, broadcast_batch
+from xronos.bench.rankdata import BaselineRankConfig, batch_source, broadcast_batch
 from xronos.node.metrics import Rusage
 
 FIELDS = ("iteration_s", "cpu_s", "data_s", "loss", "voluntary_ctx_switches", "involuntary_ctx_switches",
           "peak_rss")
 
 
-class HFTPRankConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model_dir: str
-    data_path: str
-    text_column: str = "text"
-    label_column: str = "label"
-    batch_size: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
-    lr: float = Field(gt=0)
-    weight_decay: float = 0.0
-    max_steps: int = Field(gt=0)
-    seed: int = 0
-    shuffle: bool = True
+class HFTPRankConfig(BaselineRankConfig):
     world_size: int = Field(gt=1)
-    threads: int = 1
-    rank: int = 0
-    rendezvous_host: str = "127.0.0.1"
-    rendezvous_port: int = 29500
-    metrics_path: str | None = None
 
 
 def supported(config: dict, n: int) -> str | None:

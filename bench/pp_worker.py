@@ -21,37 +21,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from xronos.bench.pp_model import Stage, StageSpan, num_blocks
-from xronos.bench.rankdata import batch_source, broadcast_batch
+from xronos.bench.rankdata import BaselineRankConfig, batch_source, broadcast_batch
 from xronos.node.metrics import Rusage
 
 
-class PPRankConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model_dir: str
-    data_path: str
-    text_column: str = "text"
-    label_column: str = "label"
-    batch_size: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
-    lr: float = Field(gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    max_steps: int = Field(gt=0)
-    seed: int = 0
-    shuffle: bool = True
+class PPRankConfig(BaselineRankConfig):
     eval_fraction: float = Field(default=0.0, ge=0, lt=1)  # held-out tail, so batches match the TP runs'
     dropout: float | None = Field(default=None, ge=0, lt=1)  # override all dropout probabilities
     micro_batches: int = Field(default=8, gt=0)
     spans: list[tuple[int, int]] = Field(min_length=1)  # layer range per pipeline rank
-    threads: int = 1
-    rank: int = 0
-    rendezvous_host: str = "127.0.0.1"
-    rendezvous_port: int = 29500
     gloo_timeout_s: float = 300.0
-    metrics_path: str | None = None
     grads_dir: str | None = None  # tests: write this stage's gradients after the first step
 
 

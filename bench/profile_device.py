@@ -39,8 +39,10 @@ def main(argv: list[str]) -> int:
         from xronos.node.profiler import profile
 
         config = json.loads((Path(job.model_dir) / "config.json").read_text())
+        # As the cell's TP runs train: no clipping and no weight decay (RunConfig's defaults, and
+        # the baselines' too); profiling a clipping pass the runs never take over-predicts them.
         report = profile(config, "classify", job.batch_size, job.seq_len, threads=job.threads,
-                         iters=job.iters, warmup=1)
+                         iters=job.iters, warmup=1, clip=False, weight_decay=0.0)
         Path(job.tp_out).write_text(json.dumps(report.model_dump(mode="json")))
     if job.pp_out is not None:
         from xronos.bench.pp_profile import profile_layers

@@ -8,6 +8,31 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BaselineRankConfig(BaseModel):
+    """What every baseline rank (pipeline, transformers' TP) is told: the TP runs' model, data and
+    training settings, and where to meet. Each baseline adds its own fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_dir: str
+    data_path: str
+    text_column: str = "text"
+    label_column: str = "label"
+    batch_size: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    lr: float = Field(gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_steps: int = Field(gt=0)
+    seed: int = 0
+    shuffle: bool = True
+    threads: int = 1
+    rank: int = 0
+    rendezvous_host: str = "127.0.0.1"
+    rendezvous_port: int = 29500
+    metrics_path: str | None = None
 
 
 def batch_source(cfg):

@@ -40,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="measured iterations at full width after warm-up (default 10)")
     p.add_argument("--no-clip", action="store_true",
                    help="the job does not clip gradients (leave out the global-norm pass)")
+    p.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
+                   help="the job's AdamW weight decay (default 0, as `xronos run`)")
     p.add_argument("--node-id", default="local", help="node id written into the report")
     p.add_argument("--cache-dir", metavar="DIR", help="reuse/store profiles of this hardware here")
     p.add_argument("--out", required=True, metavar="FILE.json")
@@ -62,7 +64,8 @@ def handle(args: argparse.Namespace) -> int:
     else:
         config = config_for(arch=shape(args.arch, args.task))
     report = profile(config, args.task, args.batch_size, args.seq_len, threads=args.threads,
-                     iters=args.iters, clip=not args.no_clip, node_id=args.node_id,
+                     iters=args.iters, clip=not args.no_clip, weight_decay=args.weight_decay,
+                     node_id=args.node_id,
                      cache_dir=args.cache_dir)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report.model_dump(mode="json"), indent=1))

@@ -29,7 +29,7 @@ Wrap = Callable[[int, subprocess.Popen], None]
 
 
 def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, threads: int, n: int, *,
-                  wrap: Wrap | None = None, clip: bool = True, iters: int = 10,
+                  wrap: Wrap | None = None, clip: bool = True, weight_decay: float = 0.0, iters: int = 10,
                   cache_dir: str | None = None) -> list[ProfileReport]:
     """One ProfileReport per rank (node id `rank{r}`), each measured in its own process."""
     from xronos.node.launch import rank_env
@@ -44,6 +44,7 @@ def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, thre
                    "--iters", str(iters), "--node-id", f"rank{rank}", "--out", str(out)]
             cmd += ["--cache-dir", cache_dir] if cache_dir else []
             cmd += [] if clip else ["--no-clip"]
+            cmd += ["--weight-decay", repr(weight_decay)]
             print(f"xronos run: profiling rank {rank} ...", file=sys.stderr, flush=True)
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, text=True)
@@ -120,28 +121,18 @@ def confinement(shares: str | None, n: int) -> Iterator[Wrap | None]:
         return
     from xronos.bench.emulator import Confinement, RankLimits
 
-    with Confinement([RankLimits(s) for s in parse_shares(shares, n)]) as conf:
-        prioritize(conf)
+    # Top CPU weight: a quota is only a ceiling, and on a busy machine a rank at the default
+    # weight gets its neighbours' leftovers instead, so every emulated device would be equally slow.
+    with Confinement([RankLimits(s) for s in parse_shares(shares, n)], top_weight=True) as conf:
         yield conf.wrap
-
-
-def prioritize(conf: Any) -> None:
-    """Give a Confinement's groups the highest CPU weight. A quota is only a ceiling: on a machine
-    that other work keeps busy, a rank at the default weight gets the neighbours' leftovers, not
-    its quota, and every emulated device ends up equally slow. With the top weight the quota is
-    what binds, so a rank runs at its emulated device's speed (and its profile predicts it)."""
-    ctl = conf.cpu
-    run = ctl.base / conf.name
-    name, value = ("cpu.shares", "262144") if ctl.version == 1 else ("cpu.weight", "10000")
-    for group in [run, *(run / f"rank{r}" for r in range(len(conf.limits)))]:
-        (group / name).write_text(value)
 
 
 def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileReport]]:
     """Profile each rank of an `xronos run` where it will run, then plan with args.strategy."""
     reports = profile_ranks(str(Path(args.model).resolve()), args.task, args.batch_size, args.seq_len,
                             args.threads_per_node, args.nodes, wrap=wrap,
-                            clip=args.max_grad_norm is not None, cache_dir=args.profile_cache)
+                            clip=args.max_grad_norm is not None, weight_decay=args.weight_decay,
+                            cache_dir=args.profile_cache)
     result = plan_units(reports, args.strategy, args.reserve_mb)
     print(f"xronos run: {args.strategy} plan {list(result.units)}, predicted iteration "
           f"{result.predicted_iteration_s:.4f} s (compute {result.bottleneck_s:.4f} s + comm "

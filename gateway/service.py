@@ -183,7 +183,9 @@ class GatewayService:
             for node in e.nodes:
                 req = m.ProfileRequest(request_id=self._request_id(e.job_id, node), job_id=e.job_id,
                                        arch=m.ArchSpec(**job.arch), task=job.spec["task"],
-                                       batch_size=job.spec["batch_size"], seq_len=job.spec["seq_len"])
+                                       batch_size=job.spec["batch_size"], seq_len=job.spec["seq_len"],
+                                       weight_decay=job.spec.get("weight_decay", 0.0),
+                                       clip=job.spec.get("max_grad_norm", 1.0) is not None)
                 self.bus.publish_message(req, node_id=node)
         elif isinstance(e, J.MakePlan):
             self._event(e.job_id, self._plan(e))

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 from xronos.node.checkpoint import CheckpointSource, load_moments, read_meta, save_checkpoint
 from xronos.node.data import BatchSource, batch_order
 from xronos.node.jobcheck import total_steps
-from xronos.node.metrics import Rusage, comm_and_idle
+from xronos.node.metrics import Rusage
 from xronos.node.models.common import num_labels
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.loading import SafetensorsSource
@@ -41,8 +41,7 @@ from xronos.node.runconfig import RunConfig
 from xronos.node.streaming import load_shard, share_json
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
-from xronos.node.trainer import (BatchChannel, _exchange_timings, clip_global_grad_norm, evaluate,
-                                 lr_factor)
+from xronos.node.trainer import BatchChannel, evaluate, lr_factor, train_step
 from xronos.node.validate import read_config
 from xronos.node.worker import join
 
@@ -199,25 +198,12 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
         if control.sync(group) == STOP:
             events.emit("cancelled", step=step)
             return
-        t0 = time.perf_counter()
-        _, batch = next(batches)
-        data_s = sum(s for _, s in group.drain_timings())
-        loss = model(batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids)
-        loss.backward()
-        if cfg.max_grad_norm is not None:
-            clip_global_grad_norm(model, replicated, cfg.max_grad_norm, group)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss_v = float(loss)
-        iteration_s = time.perf_counter() - t0
-        own = [s for _, s in group.drain_timings()]
-        comm_s, idle_s = comm_and_idle(_exchange_timings(own, group), cfg.rank)
-        vol, invol = rusage.delta()
-        events.emit("metrics", step=step + 1, epoch=step // per_epoch, loss=loss_v,
-                    compute_s=max(iteration_s - data_s - sum(own), 0.0), comm_s=comm_s, idle_s=idle_s,
-                    iteration_s=iteration_s, voluntary_ctx_switches=vol, involuntary_ctx_switches=invol,
-                    peak_rss=Rusage.peak_rss())
+        rec = train_step(model, opt, sched, group, cfg, replicated, batches, step, rusage)
+        # The epoch from the step, not the batch: after a resume only the owner's order knows it.
+        events.emit("metrics", step=step + 1, epoch=step // per_epoch, loss=rec.loss, compute_s=rec.compute_s,
+                    comm_s=rec.comm_s, idle_s=rec.idle_s, iteration_s=rec.iteration_s,
+                    voluntary_ctx_switches=rec.voluntary_ctx_switches,
+                    involuntary_ctx_switches=rec.involuntary_ctx_switches, peak_rss=rec.peak_rss)
         done = step + 1
         if done % job.spec["checkpoint_interval"] == 0 and done < steps:
             meta = {"job_id": job.job_id, "step": done, "epoch": done // per_epoch, "seed": cfg.seed,

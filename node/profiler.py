@@ -2,8 +2,8 @@
 
 The profiling set is the engine's own model with ONE transformer block: embedding, one
 representative block, output layer — random weights, synthetic batch, the same code that trains
-(`Family.build` + `init_random`), the same optimizer (AdamW) and the same per-step work as the
-trainer (global-norm clipping pass, step, zero_grad). One fine-tuning iteration of that model is
+(`Family.build` + `init_random`), the same optimizer (AdamW, with the job's weight decay) and the
+same per-step work as the trainer (global-norm clipping pass, step, zero_grad). One fine-tuning iteration of that model is
 split into layers by module hooks on the block:
 
     forward : [emb ....][blk: attn | rest | mlp | rest][out + loss]
@@ -48,7 +48,7 @@ from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, Profi
 
 log = structlog.get_logger(__name__)
 
-PROFILER_VERSION = 3  # part of the cache key: bump when the method changes
+PROFILER_VERSION = 4  # part of the cache key: bump when the method changes
 _LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers")
 
 
@@ -78,8 +78,10 @@ def _check_positive_int(name: str, value: object) -> int:
     return value
 
 
-def cache_key(fp: str, arch: ArchSpec, task: str, batch: int, seq: int, iters: int, clip: bool) -> str:
-    doc = json.dumps([PROFILER_VERSION, fp, arch.model_dump(mode="json"), task, batch, seq, iters, clip],
+def cache_key(fp: str, arch: ArchSpec, task: str, batch: int, seq: int, iters: int, clip: bool,
+              weight_decay: float = 0.0) -> str:
+    doc = json.dumps([PROFILER_VERSION, fp, arch.model_dump(mode="json"), task, batch, seq, iters, clip,
+                      weight_decay],
                      sort_keys=True)
     return hashlib.sha256(doc.encode()).hexdigest()[:24]
 
@@ -94,6 +96,7 @@ def profile(
     iters: int = 10,
     warmup: int = 2,
     clip: bool = True,
+    weight_decay: float = 0.0,
     node_id: str = "local",
     request_id: str = "local",
     job_id: str = "local",
@@ -108,6 +111,8 @@ def profile(
     """
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("iters", iters)):
         _check_positive_int(name, v)
+    if not weight_decay >= 0:  # also NaN
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     if threads is not None:
         _check_positive_int("threads", threads)
     family = family_for(config)
@@ -119,7 +124,7 @@ def profile(
     ids = dict(node_id=node_id, request_id=request_id, job_id=job_id, capabilities=caps)
     path = None
     if cache_dir is not None:
-        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip)
+        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay)
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.is_file():
             cached = ProfileReport.model_validate_json(path.read_text())
@@ -137,7 +142,7 @@ def profile(
         mem: dict[str, tuple[int, int, int]] = {}
         for h in widths(H):
             full = h == H
-            ps = ProfilingSet(small, task, H, h, batch_size, seq_len, seed, clip)
+            ps = ProfilingSet(small, task, H, h, batch_size, seq_len, seed, clip, weight_decay)
             try:
                 runs = [ps.iteration() for _ in range(warmup + iters)][warmup:]
                 for key in ps.groups:

@@ -162,7 +162,7 @@ class ProfilingSet:
     """The one-block model at one width, its layer groups, one AdamW per layer, a synthetic batch."""
 
     def __init__(self, config: dict[str, Any], task: str, H: int, h: int, batch: int, seq: int,
-                 seed: int, clip: bool) -> None:
+                 seed: int, clip: bool, weight_decay: float = 0.0) -> None:
         family = family_for(config)
         layout = ShardLayout((h, H - h), 0)
         self.model = family.build(config, task, layout, _Alone(2))
@@ -175,7 +175,10 @@ class ProfilingSet:
         self.regions = find_regions(self.block, part)
         self.timeline = _Timeline(self.block, self.regions)
         self.groups = self._groups(config, task, batch, seq, seed)
-        self.opts = {k: torch.optim.AdamW(ps, lr=2e-5) for k, ps in self.groups.items() if ps}
+        # AdamW's default weight decay (0.01) is not the trainer's (the job's, 0 by default): the
+        # decay is a pass over every parameter, 30% of RoBERTa-base's optimizer step here.
+        self.opts = {k: torch.optim.AdamW(ps, lr=2e-5, weight_decay=weight_decay)
+                     for k, ps in self.groups.items() if ps}
         # A layer is partitioned when it holds partitioned parameters — or, for the LM head, when
         # its compute is vocabulary-parallel even though its weight is tied to the embedding's.
         self.partitioned = {k: any(id(p) in part for p in ps) or (k == "out" and task == "causal-lm")

@@ -143,6 +143,34 @@ def _exchange_timings(own: list[float], group: TPGroup) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+               group: TPGroup, cfg: RunConfig, replicated: set[str], batches: Iterator[tuple[int, Batch]],
+               step: int, rusage: Rusage) -> IterationRecord:
+    """One training iteration on this rank and its measurements — the step `xronos run` and a
+    job's rank process (`xronos.node.jobproc`) both take, so both train the same model."""
+    t0 = time.perf_counter()
+    epoch, batch = next(batches)
+    data_s = sum(s for _, s in group.drain_timings())
+    loss = model(batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids)
+    loss.backward()
+    if cfg.max_grad_norm is not None:
+        clip_global_grad_norm(model, replicated, cfg.max_grad_norm, group)
+    lr = opt.param_groups[0]["lr"]
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    loss_v = float(loss.detach())
+    iteration_s = time.perf_counter() - t0
+    own = [s for _, s in group.drain_timings()]
+    comm_s, idle_s = comm_and_idle(_exchange_timings(own, group), cfg.rank)
+    vol, invol = rusage.delta()
+    return IterationRecord(
+        step=step, epoch=epoch, loss=loss_v, lr=lr, iteration_s=iteration_s,
+        compute_s=max(iteration_s - data_s - sum(own), 0.0), comm_s=comm_s, idle_s=idle_s, data_s=data_s,
+        voluntary_ctx_switches=vol, involuntary_ctx_switches=invol, peak_rss=Rusage.peak_rss(),
+    )
+
+
 def run_rank(cfg: RunConfig, group: TPGroup, on_iteration: OnIteration | None = None) -> RankResult:
     """Train on this rank; rank 0 also writes the export. Returns this rank's measurements."""
     config = read_config(cfg.model_dir)
@@ -177,32 +205,12 @@ def run_rank(cfg: RunConfig, group: TPGroup, on_iteration: OnIteration | None = 
     bar = _progress(cfg)
     batches = channel.train(n_train)
     for step in range(cfg.max_steps):
-        t0 = time.perf_counter()
-        epoch, batch = next(batches)
-        data_s = sum(s for _, s in group.drain_timings())
-        loss = model(batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids)
-        loss.backward()
-        if cfg.max_grad_norm is not None:
-            clip_global_grad_norm(model, replicated, cfg.max_grad_norm, group)
-        lr = opt.param_groups[0]["lr"]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss_v = float(loss.detach())
-        iteration_s = time.perf_counter() - t0
-        own = [s for _, s in group.drain_timings()]
-        comm_s, idle_s = comm_and_idle(_exchange_timings(own, group), cfg.rank)
-        vol, invol = rusage.delta()
-        rec = IterationRecord(
-            step=step, epoch=epoch, loss=loss_v, lr=lr, iteration_s=iteration_s,
-            compute_s=iteration_s - data_s - sum(own), comm_s=comm_s, idle_s=idle_s, data_s=data_s,
-            voluntary_ctx_switches=vol, involuntary_ctx_switches=invol, peak_rss=Rusage.peak_rss(),
-        )
+        rec = train_step(model, opt, sched, group, cfg, replicated, batches, step, rusage)
         records.append(rec)
         if on_iteration is not None:
             on_iteration(rec)
         if bar is not None:
-            bar.set_postfix(loss=f"{loss_v:.4f}", epoch=epoch, refresh=False)
+            bar.set_postfix(loss=f"{rec.loss:.4f}", epoch=rec.epoch, refresh=False)
             bar.update(1)
     if bar is not None:
         bar.close()

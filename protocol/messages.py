@@ -83,6 +83,10 @@ class ProfileRequest(Message):
     batch_size: PosInt
     seq_len: PosInt
     threads: PosInt | None = None
+    # The job's optimizer settings: decoupled weight decay and the clipping pass each add a pass
+    # over every parameter, which the profile must time as the trainer will run it.
+    weight_decay: NonNegFloat = 0.0
+    clip: bool = True
 
 
 class LayerProfile(Message):

@@ -137,3 +137,16 @@ def test_v2_hierarchy_detected(tmp_path: Path) -> None:
     assert cpu_limit_of(ctl) == 0.5
     (root / "svc" / "cgroup.controllers").write_text("pids\n")
     assert find_controller("cpu", mounts_file=mounts, proc_cgroup=own) is None
+
+
+def test_period_is_the_shortest_with_a_one_millisecond_quota() -> None:
+    from xronos.bench.emulator import DEFAULT_PERIOD_US, MIN_QUOTA_US, period_for
+
+    for share in (0.01, 0.05, 0.3, 0.405, 0.45, 1.0, 1.5):
+        period = period_for(share)
+        assert period >= DEFAULT_PERIOD_US
+        assert round(share * period) >= MIN_QUOTA_US  # what the kernel accepts
+        # ...and no longer than that needs: a longer period is a longer burst after a wait.
+        assert period == DEFAULT_PERIOD_US or round(share * (period - 1)) < MIN_QUOTA_US + 1
+    # Small shares are not silently rounded up to a bigger quota (the rank would run faster).
+    assert abs(0.05 * period_for(0.05) - MIN_QUOTA_US) < 1

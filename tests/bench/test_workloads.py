@@ -1,0 +1,30 @@
+"""The benchmark's checkpoints and `xronos profile --arch` describe the same three paper models.
+
+The bench keeps its own config dicts (dropout 0 so every strategy computes one function, its own
+pad id and tokenizer); the layer shapes must still be the ones `node/models/shapes.py` names."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig
+
+from xronos.bench.workloads import PAPER_BLOCKS, SHAPES, shape_config
+from xronos.node.models.registry import arch_spec
+from xronos.node.models.shapes import shape
+
+# The position table is the checkpoint's own business (RoBERTa offsets positions by its pad id), and
+# the bench only classifies, where no LM head exists to tie to the embedding.
+_FREE = {"max_positions", "tie_word_embeddings"}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_bench_shape_matches_the_built_in_shape(name: str) -> None:
+    cfg = shape_config(name, None)
+    # The config.json the bench's checkpoint gets (write_checkpoint saves a SequenceClassification model).
+    written = AutoConfig.for_model(**cfg).to_dict()
+    written["architectures"] = [{"gpt2": "GPT2", "roberta": "Roberta", "llama": "Llama"}[cfg["model_type"]]
+                                + "ForSequenceClassification"]
+    ours = arch_spec(written, "classify")
+    built_in = shape(name, "classify")
+    assert {k: v for k, v in ours.items() if k not in _FREE} == {k: v for k, v in built_in.items() if k not in _FREE}
+    assert ours["num_layers"] == PAPER_BLOCKS[name]
