@@ -25,7 +25,7 @@ T = TopicTable()
 NODES = ("a", "b", "c")
 SPEC = m.JobSpec(name="Glue Test", owner="a", model_dir="/m", data_path="/d.csv", task="causal-lm",
                  batch_size=4, seq_len=64, lr=1e-4, max_steps=10, export_dir="/out", checkpoint_interval=5,
-                 reserve_mb=0)
+                 reserve_mb=0, weight_decay=0.05, max_grad_norm=None)  # not the defaults: they must travel
 
 
 class Harness:
@@ -93,6 +93,8 @@ def submit_until_assigned(h: Harness) -> tuple[str, list[m.Assignment]]:
     h.pump()
     reqs = h.seen("node.profile_request")
     assert sorted(p["node_id"] for p, _ in reqs) == list(NODES)
+    # The profile times the job's optimizer as the trainer will run it.
+    assert {(r.weight_decay, r.clip) for _, r in reqs} == {(SPEC.weight_decay, SPEC.max_grad_norm is not None)}
     for params, req in reqs:
         h.node_says(report(params["node_id"], req.request_id, req.job_id), params["node_id"])
     h.pump()
