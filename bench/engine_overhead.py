@@ -139,6 +139,7 @@ def rss_child(cfg_path: str) -> None:
 
     from xronos.node.models import loading, registry  # noqa: F401 - imported before the baseline
     from xronos.node.tp.group import TPGroup
+    from xronos.node.worker import leave
 
     cfg = json.loads(Path(cfg_path).read_text())
     torch.set_num_threads(cfg["threads"])
@@ -161,7 +162,7 @@ def rss_child(cfg_path: str) -> None:
     Path(cfg["out"]).write_text(json.dumps(dict(rank=rank, units=units, base=base, loaded=loaded,
                                                 stepped=stepped, local_partitioned=local_part,
                                                 local_replicated=local_rep)))
-    dist.destroy_process_group()
+    leave()
 
 
 def rss_measurement(layers: int, threads: int) -> dict:

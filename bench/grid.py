@@ -23,13 +23,13 @@ from xronos.bench.netem import PAPER_RATE_MBIT
 
 TP = ("xronos", "uniform", "pp")  # every cell: CellSpec's default network, the paper's 1 Gbit/s
 STANDARD: list[CellSpec] = [
-    CellSpec("set-a", "gpt2-medium", TP, iters=5, blocks=1, seq_len=32),
-    CellSpec("set-b", "gpt2-medium", TP, iters=5, blocks=1, seq_len=32),
-    CellSpec("set-c", "gpt2-medium", TP, iters=5, blocks=1, seq_len=32),
-    CellSpec("set-a", "roberta-base", TP, iters=5, blocks=2, seq_len=64),
+    CellSpec("set-a", "gpt2-medium", TP, iters=8, blocks=1, seq_len=32),
+    CellSpec("set-b", "gpt2-medium", TP, iters=8, blocks=1, seq_len=32),
+    CellSpec("set-c", "gpt2-medium", TP, iters=8, blocks=1, seq_len=32),
+    CellSpec("set-a", "roberta-base", TP, iters=8, blocks=2, seq_len=64),
     # The homogeneous control: transformers' own TP runs here (16 heads, 5632 divide 4).
     # No memory caps here: this cell compares speed, and transformers' loader peaks above 1 GiB.
-    CellSpec("homo", "mobilellama-1.4b", ("xronos", "uniform", "hf-tp"), iters=5, blocks=1, seq_len=32,
+    CellSpec("homo", "mobilellama-1.4b", ("xronos", "uniform", "hf-tp"), iters=8, blocks=1, seq_len=32,
              mem_scale=None),
 ]
 QUICK: list[CellSpec] = [STANDARD[0], STANDARD[-1]]

@@ -22,6 +22,7 @@ from pydantic import Field
 
 from xronos.bench.rankdata import BaselineRankConfig, batch_source, broadcast_batch
 from xronos.node.metrics import Rusage
+from xronos.node.worker import leave
 
 FIELDS = ("iteration_s", "cpu_s", "data_s", "loss", "voluntary_ctx_switches", "involuntary_ctx_switches",
           "peak_rss")
@@ -80,7 +81,7 @@ def run(cfg: HFTPRankConfig) -> None:
     if cfg.rank == 0 and cfg.metrics_path is not None:
         doc = {"ranks": [{"iterations": [dict(zip(FIELDS, r)) for r in p.tolist()]} for p in parts]}
         Path(cfg.metrics_path).write_text(json.dumps(doc, indent=1))
-    dist.destroy_process_group()
+    leave()
 
 
 def main(argv: list[str]) -> int:

@@ -43,7 +43,7 @@ from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.trainer import BatchChannel, evaluate, lr_factor, train_step
 from xronos.node.validate import read_config
-from xronos.node.worker import join
+from xronos.node.worker import join, leave
 
 GO, PAUSE, STOP = 0, 1, 2
 
@@ -247,8 +247,7 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         events.emit("failed", detail=f"{type(exc).__name__}: {exc}"[:2000])
         return 1
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave()
     return 0
 
 

@@ -36,6 +36,15 @@ def join(cfg: RunConfig) -> TPGroup:
     return TPGroup(dist.group.WORLD, cfg.rank, cfg.world_size)
 
 
+def leave() -> None:
+    """Tear the Gloo group down together. A rank that destroys its group while a peer's pair still
+    has traffic in flight can abort that peer (SIGABRT, "terminate called without an active
+    exception"), which the launcher then reports as a failed run."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def gather_records(records: list[IterationRecord], group: TPGroup) -> list[list[IterationRecord]]:
     """Every rank's records, on every rank (same number of iterations everywhere)."""
     mine = torch.tensor([r.as_row() for r in records], dtype=torch.float64)
@@ -79,8 +88,7 @@ def main(argv: list[str]) -> int:
     # On an exception we exit at once: peers find out from their next collective.
     result = run_rank(cfg, group)
     report(cfg, result, group)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave()
     return 0
 
 
