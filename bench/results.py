@@ -134,7 +134,9 @@ def ratios(s: dict) -> dict:
             out[f"{x}/ideal (profile)"] = s[x]["iteration_s"] / s[x]["ideal_iteration_s"]
             if "uniform" in s:  # share of the ideal gain over uniform that was captured
                 u, i = s["uniform"]["iteration_s"], s[x]["ideal_iteration_s"]
-                out[f"{x} gain captured"] = (u - s[x]["iteration_s"]) / (u - i) if u > i else None
+                # Only where there is a gain to capture: on equal devices u - i is run-to-run noise,
+                # and a ratio over it means nothing (the homogeneous control read -55 once).
+                out[f"{x} gain captured"] = (u - s[x]["iteration_s"]) / (u - i) if u > 1.05 * i else None
     out["uniform/hf-tp"] = r("uniform", "hf-tp")
     return {k: v for k, v in out.items() if v is not None}
 
