@@ -61,7 +61,8 @@ def _engine_model(model_dir: Path, task: str, units: tuple[int, ...], rank: int,
     from xronos.node.validate import read_config
 
     config = read_config(model_dir)
-    model = family_for(config).build(config, task, ShardLayout(units, rank), group)
+    family = family_for(config)
+    model = family.build(config, task, ShardLayout.tied(units, family.sizes(config), rank), group)
     return materialize(model, SafetensorsSource(model_dir))
 
 

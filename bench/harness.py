@@ -193,7 +193,7 @@ def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc:
                     raise _NotRun(tp_reason)
                 plan = st.tp_plan(ctx, profiles, strat)
                 entry["plan"] = _plan_dict(plan)
-                entry["raw"] = st.run_tp(ctx, list(plan.units), strat)
+                entry["raw"] = st.run_tp(ctx, plan.layout, strat)
             elif strat == "pp":
                 plan = st.pp_plan(ctx, profiles)
                 entry["plan"] = _plan_dict(plan)

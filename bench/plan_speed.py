@@ -23,6 +23,7 @@ from pathlib import Path
 from xronos.gateway.costmodel import node_cost
 from xronos.gateway.planner import STRATEGIES, plan
 from xronos.gateway.profiles import memory_cap, node_profile
+from xronos.protocol.layout import Sizes
 from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport
 
 GiB = 1024**3
@@ -47,7 +48,8 @@ def synthetic_report(
 
     def part(name: str, kind: str, work: float, weights: int, acts: int, temp: int) -> LayerProfile:
         samples = [(p, overhead_s + slowness * work * p) for p in SAMPLE_RATIOS]
-        return LayerProfile(name=name, kind=kind, partitioned=True, time_s=samples[-1][1],
+        segment = "vocab" if kind == "emb" else name
+        return LayerProfile(name=name, kind=kind, partitioned=True, segment=segment, time_s=samples[-1][1],
                             time_samples=samples, weight_bytes=weights, activation_bytes=acts,
                             temp_bytes=temp)
 
@@ -72,7 +74,7 @@ def synthetic_report(
                     tie_word_embeddings=True)
     return ProfileReport(node_id=node_id, request_id="bench", job_id="bench", capabilities=caps,
                          arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=None,
-                         units=units, num_blocks=num_blocks, layers=layers, profile_seconds=1.0,
+                         sizes=Sizes(attn=units, mlp=4 * hidden, vocab=50_000), num_blocks=num_blocks, layers=layers, profile_seconds=1.0,
                          created_at=0.0)
 
 

@@ -33,7 +33,7 @@ def full_model_iteration_s(config: dict, task: str, batch: int, seq: int, iters:
 
     family = family_for(config)
     group = TPGroup.single()
-    model = init_random(family.build(config, task, ShardLayout.single(family.num_units(config)), group), 0)
+    model = init_random(family.build(config, task, ShardLayout.single(family.sizes(config)), group), 0)
     model.train()
     replicated = {n for n, s in model.tensor_specs().items() if s.dim is None}
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5)

@@ -38,8 +38,10 @@ class BaselineRankConfig(BaseModel):
 def batch_source(cfg):
     from xronos.node.data import BatchSource
     from xronos.node.runconfig import RunConfig
+    from xronos.protocol.layout import Layout
 
-    run = RunConfig(model_dir=cfg.model_dir, data_path=cfg.data_path, task="classify", units=[1],
+    run = RunConfig(model_dir=cfg.model_dir, data_path=cfg.data_path, task="classify",
+                    layout=Layout(attn=(1,), mlp=(1,), vocab=(1,)),  # one rank; only the data is used
                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, max_steps=cfg.max_steps,
                     seed=cfg.seed, shuffle=cfg.shuffle, text_column=cfg.text_column,
                     label_column=cfg.label_column, eval_fraction=getattr(cfg, "eval_fraction", 0.0))

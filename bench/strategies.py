@@ -139,26 +139,29 @@ def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
     r0 = ProfileReport.model_validate(profiles[ctx.device_names[0]]["tp"])
     volume = tp_comm_volume(r0.arch.hidden_size, ctx.batch_size, ctx.seq_len, r0.num_blocks, "classify")
     comm = comm_time(volume, len(nodes), planning_bw_bps(ctx), NOMINAL_LATENCY_S)
-    return plan(nodes, r0.units, TP_STRATEGIES[strategy], planning_caps(ctx), comm)
+    result = plan(nodes, r0.sizes.attn, TP_STRATEGIES[strategy], planning_caps(ctx), comm)
+    return dataclasses.replace(result, sizes=r0.sizes)
 
 
-def run_tp(ctx: Ctx, units: list[int], tag: str) -> dict:
+def run_tp(ctx: Ctx, layout, tag: str) -> dict:
     from xronos.node.launch import launch_local
     from xronos.node.runconfig import RunConfig
 
     metrics = ctx.work / f"metrics-{tag}.json"
     cfg = RunConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), task="classify",
-                    units=units, batch_size=ctx.batch_size, seq_len=ctx.seq_len, lr=ctx.lr,
+                    layout=layout, batch_size=ctx.batch_size, seq_len=ctx.seq_len, lr=ctx.lr,
                     max_steps=ctx.iters, seed=ctx.seed, threads=1, metrics_path=str(metrics),
                     progress=False, gloo_timeout_s=600, eval_fraction=ctx.eval_fraction,
                     dropout=ctx.dropout)
-    with Confinement(limits(ctx, list(range(len(units)))), top_weight=True) as conf, \
-            network(ctx, len(units)) as net:
-        launch_local(cfg, len(units), wrap=conf.wrap, echo_rank0=False, placement=net)
+    n = layout.world_size
+    with Confinement(limits(ctx, list(range(n))), top_weight=True) as conf, network(ctx, n) as net:
+        launch_local(cfg, n, wrap=conf.wrap, echo_rank0=False, placement=net)
         quotas, link = conf.quotas(), network_record(net)
     doc = json.loads(metrics.read_text())
-    return {"ranks": [{"device": d, "units": u, "iterations": r["iterations"]}
-                      for d, u, r in zip(range(len(units)), units, doc["ranks"])], "quotas": quotas,
+    # "units" is the rank's attention units (the planning unit of the head-tied strategies).
+    return {"ranks": [{"device": d, "units": layout.attn[d], "attn": layout.attn[d], "mlp": layout.mlp[d],
+                       "vocab": layout.vocab[d], "iterations": r["iterations"]}
+                      for d, r in zip(range(n), doc["ranks"])], "quotas": quotas,
             "network": link, "eval_before": doc.get("eval_before"), "eval_after": doc.get("eval_after")}
 
 

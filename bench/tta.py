@@ -59,8 +59,10 @@ def reference_curve(model_dir: Path, data: Path, *, steps: int, eval_every: int,
 
     from xronos.node.data import BatchSource
     from xronos.node.runconfig import RunConfig
+    from xronos.protocol.layout import Layout
 
-    run = RunConfig(model_dir=str(model_dir), data_path=str(data), task="classify", units=[1],
+    run = RunConfig(model_dir=str(model_dir), data_path=str(data), task="classify",
+                    layout=Layout(attn=(1,), mlp=(1,), vocab=(1,)),  # one rank; only the data is used
                     batch_size=batch_size, seq_len=seq_len, lr=lr, max_steps=steps, seed=seed,
                     eval_fraction=eval_fraction)
     src = BatchSource(run, 2)

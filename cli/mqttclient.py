@@ -131,12 +131,15 @@ def load_spec(path: str | Path) -> m.JobSpec:
 
 
 def format_plan(plan: dict[str, Any]) -> str:
-    lines = [f"plan v{plan['version']} ({plan['strategy']}, H={plan['units_total']}): predicted iteration "
+    sz = plan["sizes"]
+    lines = [f"plan v{plan['version']} ({plan['strategy']}; {sz['attn']} attention units, {sz['mlp']} MLP "
+             f"columns, {sz['vocab']} vocabulary rows): predicted iteration "
              f"{plan['predicted_iteration_s']:.3f} s (ideal {plan['ideal_iteration_s']:.3f} s, "
              f"communication {plan['comm_s']:.3f} s)",
-             f"  {'node':<16} {'rank':>4} {'units':>5} {'ratio':>6} {'compute s':>9} {'memory MiB':>11} {'cap MiB':>9}"]
+             f"  {'node':<16} {'rank':>4} {'attn':>4} {'mlp':>6} {'vocab':>6} {'compute s':>9} {'memory MiB':>11} "
+             f"{'cap MiB':>9}"]
     for e in plan["entries"]:
-        lines.append(f"  {e['node_id']:<16} {e['rank']:>4} {e['units']:>5} {e['ratio']:>6.3f} "
+        lines.append(f"  {e['node_id']:<16} {e['rank']:>4} {e['attn']:>4} {e['mlp']:>6} {e['vocab']:>6} "
                      f"{e['predicted_compute_s']:>9.4f} {e['predicted_memory'] / 2**20:>11.1f} "
                      f"{e['memory_cap'] / 2**20:>9.0f}")
     return "\n".join(lines)

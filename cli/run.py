@@ -24,14 +24,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "run",
         help="fine-tune a model with heterogeneous tensor parallelism on local ranks",
         description="Fine-tune a Hugging Face checkpoint on N local ranks (one process each, Gloo "
-        "on 127.0.0.1), rank r holding units[r] of the model's H partition units; export a "
-        "standard Hugging Face directory.",
+        "on 127.0.0.1), rank r holding its range of each segment kind (attention units, MLP "
+        "columns, vocabulary rows); export a standard Hugging Face directory.",
     )
     p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
     p.add_argument("--data", required=True, metavar="FILE", help="CSV, JSON or JSONL file")
     p.add_argument("--task", required=True, choices=["classify", "causal-lm"])
     p.add_argument("--nodes", required=True, type=int, metavar="N", help="number of ranks")
-    p.add_argument("--units", metavar="u1,...,uN", help="partition units per rank (sum = H)")
+    p.add_argument("--layout", metavar="attn=a1,..;mlp=m1,..;vocab=v1,..",
+                   help="a hand-chosen per-segment layout: attention units, MLP columns and vocabulary "
+                   "rows per rank (each kind sums to the model's size; MLP and vocabulary cuts fall on "
+                   "multiples of 32)")
+    p.add_argument("--units", metavar="u1,...,uN",
+                   help="the paper's head-tied unit instead: attention units per rank (sum = the "
+                   "model's heads, KV heads under GQA), MLP columns and vocabulary rows following them")
     p.add_argument("--strategy", choices=["greedy", "optimal", "uniform"],
                    help="instead of --units: profile every rank where it will run, plan with this "
                    "strategy, and report predicted vs measured compute time per rank")
@@ -71,14 +77,24 @@ def parse_units(text: str) -> list[int]:
         raise ValueError(f"--units must be comma-separated integers, got {text!r}") from None
 
 
-def resolve_units(args: argparse.Namespace) -> list[int]:
-    """The units per rank from --units (with --strategy they are planned instead)."""
+def resolve_layout(args: argparse.Namespace):
+    """The layout from --layout or --units (with --strategy it is planned instead)."""
+    from xronos.node.validate import check_units, model_sizes
+    from xronos.protocol.layout import Layout
+
+    if args.layout is not None and args.units is not None:
+        raise ValueError("give either --layout or --units, not both")
+    if args.layout is not None:
+        return Layout.parse(args.layout)
     if args.units is None:
-        raise ValueError("--units is required")
-    return parse_units(args.units)
+        raise ValueError("one of --layout, --units or --strategy is required")
+    units = parse_units(args.units)
+    sizes = model_sizes(str(Path(args.model).resolve()))
+    check_units(units, args.nodes, sizes.attn)
+    return Layout.tied(units, sizes)
 
 
-def config_from_args(args: argparse.Namespace, units: list[int]):
+def config_from_args(args: argparse.Namespace, layout):
     from pydantic import ValidationError
 
     from xronos.node.runconfig import RunConfig
@@ -90,7 +106,7 @@ def config_from_args(args: argparse.Namespace, units: list[int]):
         raise FileNotFoundError(f"--metrics {args.metrics}: directory does not exist")
     fields = dict(
         model_dir=str(Path(args.model).resolve()), data_path=str(Path(args.data).resolve()),
-        task=args.task, units=units, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        task=args.task, layout=layout, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         max_steps=args.max_steps, seed=args.seed, shuffle=not args.no_shuffle, dropout=args.dropout,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         warmup_steps=args.warmup_steps, text_column=args.text_column,
@@ -118,36 +134,36 @@ def handle(args: argparse.Namespace) -> int:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
     with confinement(args.cpu_shares, args.nodes) as wrap:
         if args.strategy is None:
-            return _launch(args, resolve_units(args), wrap)
-        if args.units is not None:
-            raise ValueError("give either --units or --strategy, not both")
+            return _launch(args, resolve_layout(args), wrap)
+        if args.units is not None or args.layout is not None:
+            raise ValueError("give either --layout/--units or --strategy, not both")
         # Refuse bad input before spending minutes on profiles: check with a placeholder split.
-        preflight(config_from_args(args, uniform_units(args)), args.nodes)
+        preflight(config_from_args(args, uniform_layout(args)), args.nodes)
         planned = plan_run(args, wrap)
-        return _launch(args, list(planned[0].units), wrap, planned)
+        return _launch(args, planned[0].layout, wrap, planned)
 
 
-def uniform_units(args: argparse.Namespace) -> list[int]:
-    from xronos.node.models.registry import family_for
-    from xronos.node.validate import read_config
+def uniform_layout(args: argparse.Namespace):
+    from xronos.node.validate import model_sizes
+    from xronos.protocol.layout import Layout
 
-    config = read_config(str(Path(args.model).resolve()))
-    H = family_for(config).num_units(config)
-    return [H // args.nodes + (1 if r < H % args.nodes else 0) for r in range(args.nodes)]
+    sizes = model_sizes(str(Path(args.model).resolve()))
+    H, n = sizes.attn, args.nodes
+    return Layout.tied([H // n + (1 if r < H % n else 0) for r in range(n)], sizes)
 
 
-def _launch(args: argparse.Namespace, units: list[int], wrap, planned=None) -> int:
+def _launch(args: argparse.Namespace, layout, wrap, planned=None) -> int:
     import tempfile
 
     from xronos.cli.strategy import report_run
     from xronos.node.launch import RankFailed, launch_local
     from xronos.node.validate import preflight
 
-    cfg = config_from_args(args, units)
+    cfg = config_from_args(args, layout)
     pre = preflight(cfg, args.nodes)
     print(
-        f"xronos run: {pre.family} model with H={pre.units_total} units on {args.nodes} ranks "
-        f"{units}; {pre.train_rows} training rows"
+        f"xronos run: {pre.family} model ({pre.sizes.describe()}) on {args.nodes} ranks, "
+        f"layout {layout.describe()}; {pre.train_rows} training rows"
         + (f", {pre.eval_rows} eval rows" if pre.eval_rows else ""),
         file=sys.stderr, flush=True,
     )

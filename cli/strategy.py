@@ -70,7 +70,7 @@ def plan_units(reports: list[ProfileReport], strategy: str, reserve_mb: float) -
 
 def predictions(reports: list[ProfileReport], units: list[int]) -> dict[str, list[float]]:
     """Predicted compute seconds per rank for `units`, by each time model."""
-    H = reports[0].units
+    H = reports[0].sizes.attn
     return {fit: [predict_time(node_cost(node_profile(r), fit), u, H) for r, u in zip(reports, units)]
             for fit in ("affine", "linear")}
 
@@ -134,7 +134,7 @@ def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileRepo
                             clip=args.max_grad_norm is not None, weight_decay=args.weight_decay,
                             cache_dir=args.profile_cache)
     result = plan_units(reports, args.strategy, args.reserve_mb)
-    print(f"xronos run: {args.strategy} plan {list(result.units)}, predicted iteration "
+    print(f"xronos run: {args.strategy} plan {result.layout.describe()}, predicted iteration "
           f"{result.predicted_iteration_s:.4f} s (compute {result.bottleneck_s:.4f} s + comm "
           f"{result.comm_s:.4f} s)", file=sys.stderr, flush=True)
     return result, reports

@@ -104,7 +104,8 @@ def _no_plan(job: Job, ctx: Ctx, reason: str) -> Out:
 
 def _assign(job: Job, ctx: Ctx, plan: dict[str, Any]) -> Out:
     nodes = tuple(e["node_id"] for e in plan["entries"])
-    units = ", ".join(f"{e['node_id']}={e['units']}" for e in plan["entries"])
+    units = ", ".join(f"{e['node_id']}=attn {e['attn']}/mlp {e['mlp']}/vocab {e['vocab']}"
+                      for e in plan["entries"])
     job = _note(job, ctx.now, f"plan v{plan['version']} ({plan['strategy']}): {units}; "
                 f"resume from step {job.checkpoint_step}",
                 phase="assigning", plan=plan, plan_version=plan["version"], awaiting="acks",
@@ -166,8 +167,11 @@ def _on_inspected(job: Job, ev: Inspected, ctx: Ctx) -> Out:
         return job, []
     if not ev.ok:
         return _refuse(job, ctx, f"owner {job.owner!r} cannot run it: {ev.error}")
-    job = _note(job, ctx.now, f"owner checked model and data: {ev.arch['family']} with {ev.units} "
-                f"units, {ev.total_steps} steps", arch=ev.arch, units_total=ev.units,
+    a = ev.arch or {}
+    job = _note(job, ctx.now, f"owner checked model and data: {a.get('family')} with "
+                f"{a.get('num_kv_heads')} attention units, {a.get('intermediate_size')} MLP columns, "
+                f"{a.get('vocab_size')} vocabulary rows; {ev.total_steps} steps", arch=ev.arch,
+                units_total=a.get("num_kv_heads"),
                 total_steps=ev.total_steps or 0)
     return _plan_or_profile(job, ctx, _candidates(job, ctx))
 

@@ -84,7 +84,6 @@ class Inspected:
     node_id: str
     ok: bool
     arch: dict[str, Any] | None = None
-    units: int | None = None
     total_steps: int | None = None
     error: str | None = None
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from xronos.gateway.costmodel import NodeCost, memory_at, time_at
+from xronos.protocol.layout import Layout, Sizes
 
 Strategy = Literal["greedy", "optimal", "uniform"]
 STRATEGIES: tuple[str, ...] = ("greedy", "optimal", "uniform")
@@ -58,10 +59,18 @@ class PlanResult:
     ideal_compute_s: float  # continuous relaxation; inf if not even that fits the caps
     ideal_iteration_s: float
     feasible: bool
+    sizes: Sizes | None = None  # set by the caller that knows the model (gateway.profiles)
 
     @property
     def units(self) -> tuple[int, ...]:
         return tuple(r.units for r in self.rows)
+
+    @property
+    def layout(self) -> Layout:
+        """The head-tied plan as a per-segment layout (MLP and vocabulary follow the heads)."""
+        if self.sizes is None:
+            raise ValueError("plan has no model sizes: cannot build its layout")
+        return Layout.tied(self.units, self.sizes)
 
 
 @dataclass(frozen=True)

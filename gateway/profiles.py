@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ def load_report(path: str | Path) -> ProfileReport:
 
 
 # Fields that must agree across every report of one plan (they fix the model and the batch).
-_SAME = ("task", "batch_size", "seq_len", "units", "num_blocks", "arch")
+_SAME = ("task", "batch_size", "seq_len", "num_blocks", "arch", "sizes")
 
 
 def check_compatible(loaded: Sequence[Loaded]) -> None:
@@ -161,17 +162,19 @@ def plan_reports(
     comm = comm_time(volume, len(loaded), bandwidth_Bps, latency_s)
     nodes = [node_cost(node_profile(item.report), fit) for item in loaded]
     caps = [memory_cap(item.report, reserve_mb) for item in loaded]
-    return plan(nodes, r0.units, strategy, caps, comm)
+    result = plan(nodes, r0.sizes.attn, strategy, caps, comm)
+    return dataclasses.replace(result, sizes=r0.sizes)
 
 
 def plan_message(result: PlanResult, job_id: str, version: int = 0) -> Plan:
     """The protocol's Plan message for a planner result."""
+    layout = result.layout
     return Plan(
-        job_id=job_id, version=version, strategy=result.strategy, units_total=result.units_total,
+        job_id=job_id, version=version, strategy=result.strategy, sizes=result.sizes,
         entries=[
-            PlanEntry(node_id=r.node_id, rank=r.rank, units=r.units, ratio=r.ratio,
-                      predicted_compute_s=r.predicted_compute_s, predicted_memory=r.predicted_memory,
-                      memory_cap=r.memory_cap)
+            PlanEntry(node_id=r.node_id, rank=r.rank, attn=layout.attn[r.rank], mlp=layout.mlp[r.rank],
+                      vocab=layout.vocab[r.rank], predicted_compute_s=r.predicted_compute_s,
+                      predicted_memory=r.predicted_memory, memory_cap=r.memory_cap)
             for r in result.rows
         ],
         predicted_iteration_s=result.predicted_iteration_s,

@@ -230,11 +230,11 @@ class GatewayService:
         lo, hi = self.cfg.rendezvous_port_min, self.cfg.rendezvous_port_max
         port = lo + (zlib.crc32(e.job_id.encode()) + e.plan["version"]) % (hi - lo + 1)
         entries = e.plan["entries"]
-        units = [x["units"] for x in entries]
+        layout = m.Plan.model_validate(e.plan).layout()
         for x in entries:
             self.bus.publish_message(m.Assignment(
                 job_id=e.job_id, plan_version=e.plan["version"], node_id=x["node_id"], rank=x["rank"],
-                world_size=len(entries), rendezvous_host=host or "127.0.0.1", rendezvous_port=port, units=units,
+                world_size=len(entries), rendezvous_host=host or "127.0.0.1", rendezvous_port=port, layout=layout,
                 spec=m.JobSpec(**job.spec), resume_step=e.resume_step), node_id=x["node_id"])
 
     # --- node topics ---------------------------------------------------------------------------
@@ -287,7 +287,7 @@ class GatewayService:
         self._same_node(msg.node_id, params)
         if self.requests.pop(msg.request_id, None) is not None:
             self._event(msg.job_id, J.Inspected(msg.node_id, msg.ok, msg.arch and msg.arch.model_dump(mode="json"),
-                                                msg.units, msg.total_steps, msg.error))
+                                                msg.total_steps, msg.error))
 
     def _on_ack(self, msg: m.AssignmentAck, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)

@@ -42,20 +42,20 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path]) -> dict[str, 
     from xronos.node.models.common import num_labels
     from xronos.node.models.registry import arch_spec, family_for
     from xronos.node.validate import check_checkpoint, check_data, read_config
+    from xronos.protocol.layout import Layout
 
     s = confined_spec(spec, allowed_dirs)
     if not Path(s["data_path"]).is_file():
         raise FileNotFoundError(f"spec.data_path {spec.data_path!r}: no such file on the owner")
     config = read_config(s["model_dir"])
     family = family_for(config)
-    H = family.num_units(config)
     if spec.seq_len > family.max_positions(config):
         raise ValueError(f"spec.seq_len {spec.seq_len} exceeds the model's maximum of "
                          f"{family.max_positions(config)} positions")
     family.hf_class(spec.task)
     check_checkpoint(s["model_dir"], config, spec.task)
     load_tokenizer(s["model_dir"])
-    run = spec_run_config(s, units=[H], rank=0, host="127.0.0.1", port=1, threads=1, gloo_timeout_s=1.0)
+    run = spec_run_config(s, layout=Layout.single(family.sizes(config)), rank=0, host="127.0.0.1", port=1, threads=1, gloo_timeout_s=1.0)
     n_train, n_eval = check_data(run, num_labels(config) if spec.task == "classify" else None)
-    return {"arch": arch_spec(config, spec.task), "units": H, "train_rows": n_train, "eval_rows": n_eval,
+    return {"arch": arch_spec(config, spec.task), "train_rows": n_train, "eval_rows": n_eval,
             "total_steps": total_steps(s, n_train)}

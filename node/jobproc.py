@@ -41,6 +41,7 @@ from xronos.node.runconfig import RunConfig
 from xronos.node.streaming import load_shard, share_json
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
+from xronos.protocol.layout import Layout
 from xronos.node.trainer import BatchChannel, evaluate, lr_factor, train_step
 from xronos.node.validate import read_config
 from xronos.node.worker import join, leave
@@ -54,18 +55,18 @@ class JobProcConfig(BaseModel):
     plan_version: int
     node_id: str
     spec: dict[str, Any]  # the JobSpec (JSON form); the owner's paths already confined
-    run: RunConfig  # rank, units, rendezvous, and the training settings from the JobSpec
+    run: RunConfig  # rank, layout, rendezvous, and the training settings from the JobSpec
     resume_step: int = 0
     checkpoint_dir: str | None = None  # owner only
     events_fd: int
 
 
-def spec_run_config(spec: dict[str, Any], *, units: list[int], rank: int, host: str, port: int,
+def spec_run_config(spec: dict[str, Any], *, layout: Layout, rank: int, host: str, port: int,
                     threads: int, gloo_timeout_s: float) -> RunConfig:
     """The RunConfig a JobSpec means (a job always shuffles with its seed, like `xronos run`).
     max_steps is a placeholder: the job's length depends on the data, which only the owner has."""
     return RunConfig(
-        model_dir=spec["model_dir"], data_path=spec["data_path"], task=spec["task"], units=units,
+        model_dir=spec["model_dir"], data_path=spec["data_path"], task=spec["task"], layout=layout,
         batch_size=spec["batch_size"], seq_len=spec["seq_len"], lr=spec["lr"], max_steps=1,
         seed=spec["seed"], shuffle=True, dropout=spec["dropout"], weight_decay=spec["weight_decay"],
         max_grad_norm=spec["max_grad_norm"], warmup_steps=spec["warmup_steps"],
@@ -165,7 +166,7 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
     steps = total_steps(job.spec, n_train)
 
     torch.manual_seed(cfg.seed)
-    layout = ShardLayout(tuple(cfg.units), cfg.rank)
+    layout = ShardLayout.of(cfg.layout, cfg.rank)
     model = family.build(config, cfg.task, layout, group, dropout=cfg.dropout)
     specs = model.tensor_specs()
     opt_holder: list[torch.optim.AdamW] = []
@@ -207,7 +208,7 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
         done = step + 1
         if done % job.spec["checkpoint_interval"] == 0 and done < steps:
             meta = {"job_id": job.job_id, "step": done, "epoch": done // per_epoch, "seed": cfg.seed,
-                    "plan_version": job.plan_version, "units": list(cfg.units), "saved_at": time.time()}
+                    "plan_version": job.plan_version, "layout": cfg.layout.model_dump(mode="json"), "saved_at": time.time()}
             save_checkpoint(job.checkpoint_dir or "", model, specs, layout, group, opt, config, cfg.task, meta)
             group.drain_timings()
             if owner:

@@ -103,7 +103,7 @@ def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0
                  placement: Placement | None = None) -> None:
     """Run `config` on n local ranks; returns when all exit 0, raises RankFailed otherwise."""
     if n != config.world_size:
-        raise ValueError(f"launch of {n} ranks for a layout of {config.world_size} units entries {config.units}")
+        raise ValueError(f"launch of {n} ranks for a layout of {config.world_size} ranks ({config.layout.describe()})")
     if placement is None:
         port = free_port(config.rendezvous_host)
     else:

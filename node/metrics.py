@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from xronos.protocol.layout import Layout
+
 # ru_maxrss is KiB on Linux, bytes on macOS.
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024
 
@@ -76,8 +78,9 @@ class IterationRecord:
 @dataclass(frozen=True)
 class RankSummary:
     rank: int
-    units: int
-    ratio: float
+    attn: int  # this rank's attention units, MLP columns and vocabulary rows
+    mlp: int
+    vocab: int
     iterations: int
     iteration_s: float  # mean per iteration (first iteration excluded as warm-up when K > 1)
     compute_s: float
@@ -90,7 +93,7 @@ class RankSummary:
     peak_rss: int
 
 
-def summarize(rank: int, units: list[int], records: list[IterationRecord]) -> RankSummary:
+def summarize(rank: int, layout: Layout, records: list[IterationRecord]) -> RankSummary:
     steady = records[1:] if len(records) > 1 else records
     n = len(steady)
 
@@ -100,8 +103,9 @@ def summarize(rank: int, units: list[int], records: list[IterationRecord]) -> Ra
     it = mean("iteration_s")
     return RankSummary(
         rank=rank,
-        units=units[rank],
-        ratio=units[rank] / sum(units),
+        attn=layout.attn[rank],
+        mlp=layout.mlp[rank],
+        vocab=layout.vocab[rank],
         iterations=len(records),
         iteration_s=it,
         compute_s=mean("compute_s"),
@@ -116,13 +120,13 @@ def summarize(rank: int, units: list[int], records: list[IterationRecord]) -> Ra
 
 
 def format_table(summaries: list[RankSummary]) -> str:
-    head = f"{'rank':>4} {'units':>5} {'ratio':>6} {'iter s':>8} {'compute s':>9} {'comm s':>8} " \
+    head = f"{'rank':>4} {'attn':>4} {'mlp':>6} {'vocab':>6} {'iter s':>8} {'compute s':>9} {'comm s':>8} " \
         f"{'idle s':>8} {'idle %':>6} {'data s':>8} {'ctx vol/inv':>13} {'peak RSS':>10}"
     lines = [head]
     for s in summaries:
         ctx = f"{s.voluntary_ctx_switches}/{s.involuntary_ctx_switches}"
         lines.append(
-            f"{s.rank:>4} {s.units:>5} {s.ratio:>6.3f} {s.iteration_s:>8.4f} {s.compute_s:>9.4f} "
+            f"{s.rank:>4} {s.attn:>4} {s.mlp:>6} {s.vocab:>6} {s.iteration_s:>8.4f} {s.compute_s:>9.4f} "
             f"{s.comm_s:>8.4f} {s.idle_s:>8.4f} {100 * s.idle_ratio:>6.1f} {s.data_s:>8.4f} "
             f"{ctx:>13} {s.peak_rss / 2**20:>8.1f}Mi"
         )

@@ -139,6 +139,7 @@ def profile(
     try:
         samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
         partitioned: dict[str, bool] = {}
+        segments: dict[str, str | None] = {}
         mem: dict[str, tuple[int, int, int]] = {}
         for h in widths(H):
             full = h == H
@@ -146,9 +147,12 @@ def profile(
             try:
                 runs = [ps.iteration() for _ in range(warmup + iters)][warmup:]
                 for key in ps.groups:
-                    samples[key].append((h / H, statistics.median(r.get(key, 0.0) for r in runs)))
+                    seg = ps.segment(key)
+                    share = ps.layout.share(seg) if seg else 1.0
+                    samples[key].append((share, statistics.median(r.get(key, 0.0) for r in runs)))
                 if full:
                     partitioned = ps.partitioned
+                    segments = {k: ps.segment(k) for k in ps.groups}
                     mem = ps.memory()
             finally:
                 ps.close()
@@ -161,11 +165,11 @@ def profile(
         part = partitioned[key]
         w, a, t = mem[key]
         layers.append(LayerProfile(
-            name=key, kind=kind, partitioned=part, time_s=pts[0][1],
+            name=key, kind=kind, partitioned=part, segment=segments[key], time_s=pts[0][1],
             time_samples=pts if part else pts[:1], weight_bytes=w, activation_bytes=a, temp_bytes=t))
     report = ProfileReport(
         **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
-        units=H, num_blocks=arch.num_layers, layers=layers,
+        sizes=family.sizes(config), num_blocks=arch.num_layers, layers=layers,
         profile_seconds=time.perf_counter() - t_start, created_at=time.time())
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -164,7 +164,7 @@ class ProfilingSet:
     def __init__(self, config: dict[str, Any], task: str, H: int, h: int, batch: int, seq: int,
                  seed: int, clip: bool, weight_decay: float = 0.0) -> None:
         family = family_for(config)
-        layout = ShardLayout((h, H - h), 0)
+        layout = self.layout = ShardLayout.tied((h, H - h), family.sizes(config), 0)
         self.model = family.build(config, task, layout, _Alone(2))
         init_random(self.model, seed)
         self.model.train()
@@ -183,6 +183,17 @@ class ProfilingSet:
         # its compute is vocabulary-parallel even though its weight is tied to the embedding's.
         self.partitioned = {k: any(id(p) in part for p in ps) or (k == "out" and task == "causal-lm")
                             for k, ps in self.groups.items()}
+
+    def segment(self, key: str) -> str | None:
+        """The segment kind whose width a partitioned layer follows (None: replicated)."""
+        if not self.partitioned[key]:
+            return None
+        if key in ("emb", "out"):
+            return "vocab"
+        for kind in ("attn", "mlp"):
+            if kind in key.rsplit(".", 1)[-1]:
+                return kind
+        raise RuntimeError(f"cannot tell the segment kind of partitioned layer {key!r}")
 
     def _batch(self, config: dict[str, Any], task: str, B: int, S: int, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)

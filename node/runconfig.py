@@ -1,7 +1,7 @@
 """The configuration of one local/LAN training run, as handed to each rank's worker (JSON).
 
 One `RunConfig` per rank: everything is identical across ranks except `rank`. The layout is the
-whole `units` list (one entry per rank), so the world size is `len(units)`.
+whole world's (per-kind counts, one entry per rank), so the world size is `layout.world_size`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from xronos.protocol.layout import Layout
 
 Task = Literal["classify", "causal-lm"]
 
@@ -20,7 +22,7 @@ class RunConfig(BaseModel):
     model_dir: str
     data_path: str
     task: Task
-    units: list[int] = Field(min_length=1)
+    layout: Layout
     batch_size: int = Field(gt=0)
     seq_len: int = Field(gt=0)
     lr: float = Field(gt=0)
@@ -47,15 +49,13 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
-        if any(u < 0 for u in self.units):
-            raise ValueError(f"units must be >= 0, got {self.units}")
-        if self.rank >= len(self.units):
-            raise ValueError(f"rank {self.rank} outside a world of {len(self.units)} ranks")
+        if self.rank >= self.layout.world_size:
+            raise ValueError(f"rank {self.rank} outside a world of {self.layout.world_size} ranks")
         return self
 
     @property
     def world_size(self) -> int:
-        return len(self.units)
+        return self.layout.world_size
 
     def for_rank(self, rank: int, port: int | None = None) -> RunConfig:
         update: dict[str, object] = {"rank": rank}

@@ -88,9 +88,9 @@ class NodeService:
         a = self.assignment if self.status and self.status.status in ("accepted", "running", "paused") else None
         compute, idle = self.last_shares or (None, None)
         st = hastate.NodeHAState(
-            participate=self.participate, job_id=a.job_id if a else None, units=a.units[a.rank] if a else None,
-            units_total=sum(a.units) if a else None,
-            ratio_pct=100.0 * a.units[a.rank] / sum(a.units) if a and sum(a.units) else None,
+            participate=self.participate, job_id=a.job_id if a else None, units=a.layout.attn[a.rank] if a else None,
+            units_total=sum(a.layout.attn) if a else None,
+            ratio_pct=100.0 * a.layout.share("attn", a.rank) if a else None,
             compute_pct=compute if a else None, idle_pct=idle if a else None,
             cpu_temp_c=cpu_temperature(), updated_at=time.time())
         topic = self.table.base + "/" + hastate.NODE_STATE.format(node_id=self.node_id)
@@ -273,7 +273,7 @@ class NodeService:
 
         assert self.spec is not None
         threads = self._threads()
-        run = spec_run_config(self.spec, units=list(a.units), rank=a.rank, host=a.rendezvous_host,
+        run = spec_run_config(self.spec, layout=a.layout, rank=a.rank, host=a.rendezvous_host,
                               port=a.rendezvous_port, threads=threads, gloo_timeout_s=self.cfg.gloo_timeout_s)
         jobdir = self.state_dir / "jobs" / a.job_id
         config = {"job_id": a.job_id, "plan_version": a.plan_version, "node_id": self.node_id,

@@ -186,7 +186,7 @@ def run_rank(cfg: RunConfig, group: TPGroup, on_iteration: OnIteration | None = 
     config["pad_token_id"] = pad_id
 
     torch.manual_seed(cfg.seed)  # anything random outside the dropout streams agrees across ranks
-    layout = ShardLayout(tuple(cfg.units), cfg.rank)
+    layout = ShardLayout.of(cfg.layout, cfg.rank)
     model = family.build(config, cfg.task, layout, group, dropout=cfg.dropout)
     materialize(model, SafetensorsSource(cfg.model_dir))
     model.train()

@@ -1,7 +1,7 @@
 """Pre-flight checks of a run: everything that can be refused before a process is spawned.
 
 Each check raises ValueError/FileNotFoundError with a message naming the file, field or value.
-`preflight` returns what it learned (H, labels, data sizes) so the caller can report it.
+`preflight` returns what it learned (sizes per segment kind, labels, data sizes) so the caller can report it.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from pathlib import Path
 
 from xronos.node.data import as_int_labels, as_texts, load_columns, load_tokenizer, split_sizes
 from xronos.node.runconfig import RunConfig
+from xronos.protocol.layout import Sizes
 
 
 @dataclass(frozen=True)
 class Preflight:
     family: str
-    units_total: int  # H
+    sizes: Sizes  # attention units, MLP columns, vocabulary rows
     num_labels: int | None
     train_rows: int
     eval_rows: int
@@ -39,22 +40,23 @@ def read_config(model_dir: str | Path) -> dict:
     return config
 
 
-def model_units(model_dir: str | Path) -> int:
-    """H of the model in `model_dir` (for callers that compute the units list themselves)."""
+def model_sizes(model_dir: str | Path) -> Sizes:
+    """Totals per segment kind of the model in `model_dir` (for callers that build a layout)."""
     from xronos.node.models.registry import family_for
 
     config = read_config(model_dir)
-    return family_for(config).num_units(config)
+    return family_for(config).sizes(config)
 
 
 def check_units(units: list[int], nodes: int, H: int) -> None:
+    """`--units` (the paper's head-tied unit: attention units, the rest following)."""
     if len(units) != nodes:
         raise ValueError(f"--units has {len(units)} entries {units} but --nodes is {nodes}")
     negative = [u for u in units if u < 0]
     if negative:
         raise ValueError(f"--units {units} has negative entries {negative}")
     if sum(units) != H:
-        raise ValueError(f"--units {units} sums to {sum(units)}, but the model has H={H} partition units")
+        raise ValueError(f"--units {units} sums to {sum(units)}, but the model has {H} attention units")
 
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
@@ -95,7 +97,7 @@ def check_checkpoint(model_dir: str | Path, config: dict, task: str) -> None:
 
     shapes = checkpoint_shapes(model_dir)
     family = family_for(config)
-    model = family.build(config, task, ShardLayout.single(family.num_units(config)), TPGroup.single())
+    model = family.build(config, task, ShardLayout.single(family.sizes(config)), TPGroup.single())
     source = SafetensorsSource(model_dir)
     for spec in model.tensor_specs().values():
         key = source.resolve(spec.hf_name)
@@ -133,8 +135,8 @@ def preflight(cfg: RunConfig, nodes: int) -> Preflight:
 
     config = read_config(cfg.model_dir)
     family = family_for(config)
-    H = family.num_units(config)
-    check_units(list(cfg.units), nodes, H)
+    sizes = family.sizes(config)
+    cfg.layout.check(sizes, world_size=nodes)
     max_pos = family.max_positions(config)
     if cfg.seq_len > max_pos:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of {max_pos} positions")
@@ -143,4 +145,4 @@ def preflight(cfg: RunConfig, nodes: int) -> Preflight:
     check_checkpoint(cfg.model_dir, config, cfg.task)
     load_tokenizer(cfg.model_dir)
     n_train, n_eval = check_data(cfg, num_labels)
-    return Preflight(family.name, H, num_labels, n_train, n_eval)
+    return Preflight(family.name, sizes, num_labels, n_train, n_eval)

@@ -59,7 +59,7 @@ def report(cfg: RunConfig, result: RankResult, group: TPGroup) -> None:
     per_rank = gather_records(result.records, group)
     if cfg.rank != 0:
         return
-    summaries = [summarize(r, cfg.units, recs) for r, recs in enumerate(per_rank)]
+    summaries = [summarize(r, cfg.layout, recs) for r, recs in enumerate(per_rank)]
     print(format_table(summaries), flush=True)
     for name, ev in (("before", result.eval_before), ("after", result.eval_after)):
         if ev is not None:

@@ -81,8 +81,10 @@ def decode_entry(entry: TopicEntry, topic: str, payload: bytes, *, max_bytes: in
     txn = txn if isinstance(txn, str) and len(txn) <= 256 else None
     version = obj.get("schema_version", m.SCHEMA_VERSION)
     if type(version) is not int or version != m.SCHEMA_VERSION:
+        hint = (" (the sender runs an older Xronos: upgrade it)" if type(version) is int and version < m.SCHEMA_VERSION
+                else "")
         raise DecodeError(topic, "schema_version", f"saw schema_version {version!r}, this build supports "
-                          f"{m.SCHEMA_VERSION}", field="schema_version", transaction=txn, entry=entry)
+                          f"{m.SCHEMA_VERSION}{hint}", field="schema_version", transaction=txn, entry=entry)
     try:
         return entry.adapter.validate_python(obj, strict=True)
     except ValidationError as exc:

@@ -13,7 +13,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
-SCHEMA_VERSION = 1
+from .layout import Kind, Layout, LayoutError, Sizes
+
+# 2: the per-segment layout (Assignment.layout, Plan entries per kind, ProfileReport.sizes).
+SCHEMA_VERSION = 2
 
 Task = Literal["classify", "causal-lm"]
 Strategy = Literal["greedy", "optimal", "uniform"]
@@ -37,7 +40,7 @@ Sample = Annotated[tuple[float, float], BeforeValidator(_list_to_tuple)]
 class Message(BaseModel):
     # ser_json_inf_nan="constants": a diverged loss (NaN) must survive a JSON round trip.
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid", ser_json_inf_nan="constants")
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
 
 
 class Availability(StrEnum):
@@ -58,6 +61,11 @@ class ArchSpec(Message):
     max_positions: PosInt
     num_labels: PosInt | None = None
     tie_word_embeddings: bool
+
+    def sizes(self) -> Sizes:
+        """Totals per segment kind: attention units (KV heads: a GQA unit is one KV head with its
+        query heads), MLP columns, vocabulary rows."""
+        return Sizes(attn=self.num_kv_heads, mlp=self.intermediate_size, vocab=self.vocab_size)
 
 
 class Capabilities(Message):
@@ -93,6 +101,9 @@ class LayerProfile(Message):
     name: str
     kind: Literal["emb", "blk", "out"]
     partitioned: bool
+    # Which segment kind a partitioned layer's width follows (None for a replicated layer); its
+    # time_samples are (share of that kind, seconds).
+    segment: Kind | None = None
     time_s: NonNegFloat
     time_samples: list[Sample]
     weight_bytes: NonNegInt
@@ -101,6 +112,9 @@ class LayerProfile(Message):
 
     @model_validator(mode="after")
     def _enough_samples(self) -> LayerProfile:
+        if self.partitioned != (self.segment is not None):
+            raise ValueError(f"segment: layer {self.name!r} is {'' if self.partitioned else 'not '}"
+                             f"partitioned, so its segment must {'' if self.partitioned else 'not '}be set")
         if self.partitioned and len(self.time_samples) < 2:
             raise ValueError(
                 f"time_samples: partitioned layer {self.name!r} needs >= 2 (ratio, seconds) "
@@ -119,7 +133,7 @@ class ProfileReport(Message):
     batch_size: PosInt
     seq_len: PosInt
     threads: PosInt | None
-    units: PosInt
+    sizes: Sizes
     num_blocks: PosInt
     layers: list[LayerProfile]
     profile_seconds: NonNegFloat
@@ -162,8 +176,10 @@ class JobSpec(Message):
 class PlanEntry(Message):
     node_id: Name
     rank: NonNegInt
-    units: NonNegInt
-    ratio: Annotated[float, Field(ge=0, le=1)]
+    # This node's count of each segment kind (attention units, MLP columns, vocabulary rows).
+    attn: NonNegInt
+    mlp: NonNegInt
+    vocab: NonNegInt
     predicted_compute_s: NonNegFloat
     predicted_memory: NonNegFloat
     memory_cap: NonNegFloat
@@ -173,11 +189,27 @@ class Plan(Message):
     job_id: Name
     version: NonNegInt
     strategy: Strategy
-    units_total: PosInt
+    sizes: Sizes
     entries: list[PlanEntry]
     predicted_iteration_s: NonNegFloat
     ideal_iteration_s: NonNegFloat
     comm_s: NonNegFloat
+
+    @model_validator(mode="after")
+    def _covers_model(self) -> Plan:
+        if [e.rank for e in self.entries] != list(range(len(self.entries))):
+            raise ValueError(f"entries: ranks must be 0..N-1 in order, got {[e.rank for e in self.entries]}")
+        if self.entries:
+            try:
+                self.layout().check(self.sizes, quanta=None)
+            except LayoutError as exc:
+                raise ValueError(f"entries: {exc}") from None
+        return self
+
+    def layout(self) -> Layout:
+        """The entries' counts as a Layout (rank order)."""
+        return Layout(attn=tuple(e.attn for e in self.entries), mlp=tuple(e.mlp for e in self.entries),
+                      vocab=tuple(e.vocab for e in self.entries))
 
 
 class Assignment(Message):
@@ -188,7 +220,7 @@ class Assignment(Message):
     world_size: PosInt
     rendezvous_host: str
     rendezvous_port: Annotated[int, Field(gt=0, lt=65536)]
-    units: list[NonNegInt]
+    layout: Layout  # every rank's counts per segment kind; this node's ranges follow from `rank`
     spec: JobSpec
     resume_step: NonNegInt = 0
 
@@ -196,8 +228,8 @@ class Assignment(Message):
     def _consistent(self) -> Assignment:
         if self.rank >= self.world_size:
             raise ValueError(f"rank: {self.rank} is not below world_size {self.world_size}")
-        if len(self.units) != self.world_size:
-            raise ValueError(f"units: {len(self.units)} entries for world_size {self.world_size}")
+        if self.layout.world_size != self.world_size:
+            raise ValueError(f"layout: {self.layout.world_size} ranks for world_size {self.world_size}")
         return self
 
 
@@ -285,7 +317,6 @@ class InspectReport(Message):
     job_id: Name
     ok: bool
     arch: ArchSpec | None = None
-    units: PosInt | None = None  # H of the model
     train_rows: NonNegInt | None = None
     eval_rows: NonNegInt | None = None
     total_steps: NonNegInt | None = None

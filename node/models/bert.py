@@ -1,7 +1,8 @@
 """BERT and RoBERTa (…ForSequenceClassification), tensor-parallel, post-LayerNorm encoders.
 
-Partition unit u = attention head u (its query/key/value columns, its rows of the attention
-output) + MLP columns unit_bounds(intermediate, H)[u:u+2]. Word embeddings are vocab-parallel;
+Per-segment layout: a rank holds its range of attention heads (their query/key/value columns and
+rows of the attention output), its own range of MLP columns and of vocabulary rows, each cut on
+its own (`layout.range(kind)`). Word embeddings are vocab-parallel;
 position and token-type embeddings, layer norms and the classification head are replicated.
 RoBERTa differs in three places: position ids count non-pad tokens from padding_idx + 1, its head
 is dense+tanh+out_proj on <s> (no pooler), and its tensors live under `roberta.`.
@@ -52,7 +53,7 @@ class EncoderDims:
 class SelfAttention(nn.Module):
     def __init__(self, d: EncoderDims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams) -> None:
         super().__init__()
-        h0, h1 = layout.unit_range()
+        h0, h1 = layout.range("attn")
         self.group, self.n_local, self.head_dim = group, h1 - h0, d.head_dim
         width = self.n_local * d.head_dim
         self.query = ColumnParallelLinear(d.hidden, width)
@@ -73,7 +74,7 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, d: EncoderDims, layout: ShardLayout, group: TPGroup) -> None:
         super().__init__()
-        c0, c1 = layout.slice_of(d.inter)
+        c0, c1 = layout.range("mlp")
         self.group, self.act = group, d.act
         self.up = ColumnParallelLinear(d.hidden, c1 - c0)
         self.down = RowParallelLinear(c1 - c0, d.hidden, group)
@@ -129,10 +130,10 @@ class Encoder(TPModel):
     def _spec_table(self) -> dict[str, TensorSpec]:
         d, lay, P = self.d, self.layout, self.prefix
         E, I, V = d.hidden, d.inter, d.vocab
-        h0, h1 = (u * d.head_dim for u in lay.unit_range())
-        c0, c1 = lay.slice_of(I)
+        h0, h1 = (u * d.head_dim for u in lay.range("attn"))
+        c0, c1 = lay.range("mlp")
         emb = P + "embeddings."
-        specs = {"word_embeddings.weight": split(emb + "word_embeddings.weight", (V, E), 0, lay.slice_of(V)),
+        specs = {"word_embeddings.weight": split(emb + "word_embeddings.weight", (V, E), 0, lay.range("vocab")),
                  "position_embeddings.weight": replicated(emb + "position_embeddings.weight", (d.n_pos, E)),
                  "token_type_embeddings.weight": replicated(emb + "token_type_embeddings.weight", (d.n_types, E)),
                  "emb_ln.weight": replicated(emb + "LayerNorm.weight", (E,)),

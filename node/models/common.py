@@ -14,6 +14,7 @@ from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import vocab_parallel_cross_entropy
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.mappings import copy_to_tp
+from xronos.protocol.layout import Sizes
 
 from .specs import TensorSpec
 
@@ -261,8 +262,13 @@ class Family:
     model_cls: type[TPModel] = TPModel
 
     def num_units(self, config: dict[str, Any]) -> int:
-        """H: partition units per layer (attention heads; KV heads for GQA)."""
+        """Attention units per layer (attention heads; KV heads for GQA)."""
         raise NotImplementedError
+
+    def sizes(self, config: dict[str, Any]) -> Sizes:
+        """Totals per segment kind: attention units, MLP columns, vocabulary rows."""
+        a = self.arch_spec(config, next(iter(self.model_cls.hf_classes)))
+        return Sizes(attn=self.num_units(config), mlp=a["intermediate_size"], vocab=a["vocab_size"])
 
     def max_positions(self, config: dict[str, Any]) -> int:
         raise NotImplementedError
@@ -285,10 +291,7 @@ class Family:
               dropout: float | None = None) -> TPModel:
         """The model on the meta device (no storage): `materialize` or `init_random` fills it."""
         self.hf_class(task)
-        H = self.num_units(config)
-        if layout.H != H:
-            raise ValueError(f"layout {list(layout.units)} sums to {layout.H} units but "
-                             f"{self.name} with this config.json has H={H}")
+        layout.check(self.sizes(config))
         with torch.device("meta"), _no_meta_init():
             model = self.model_cls(config, task, layout, group, dropout=dropout)
         model._check_specs()

@@ -4,7 +4,8 @@ Module names mirror transformers', so local parameter names are the HF names. HF
 weights as [in, out]; we keep that orientation (`transposed=True`) so every local weight is a plain
 slice of the checkpoint tensor. c_attn fuses q|k|v: a rank's local c_attn is its q head columns,
 then its k head columns, then its v head columns (3 segments).
-Partition unit u = head u + MLP columns unit_bounds(n_inner, H)[u:u+2].
+Per-segment layout: a rank holds its range of heads (`layout.range("attn")`), of MLP columns
+(`"mlp"`) and of vocabulary rows (`"vocab"`), each cut on its own.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Attention(nn.Module):
     def __init__(self, d: GPT2Dims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams,
                  layer_idx: int) -> None:
         super().__init__()
-        h0, h1 = layout.unit_range()
+        h0, h1 = layout.range("attn")
         self.group, self.head_dim, self.n_local = group, d.head_dim, h1 - h0
         self.width = self.n_local * d.head_dim
         self.c_attn = ColumnParallelLinear(d.hidden, 3 * self.width, transposed=True)
@@ -73,7 +74,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, d: GPT2Dims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams) -> None:
         super().__init__()
-        c0, c1 = layout.slice_of(d.n_inner)
+        c0, c1 = layout.range("mlp")
         self.group, self.act = group, d.act
         self.c_fc = ColumnParallelLinear(d.hidden, c1 - c0, transposed=True)
         self.c_proj = RowParallelLinear(c1 - c0, d.hidden, group, transposed=True)
@@ -115,16 +116,16 @@ class GPT2(TPModel):
         if task == "classify":
             self.score = nn.Linear(d.hidden, self.num_labels, bias=False)
         elif not d.tied:
-            v0, v1 = layout.slice_of(d.vocab)
+            v0, v1 = layout.range("vocab")
             self.lm_head = nn.Linear(d.hidden, v1 - v0, bias=False)
         self._specs = self._spec_table()
 
     def _spec_table(self) -> dict[str, TensorSpec]:
         d, lay = self.d, self.layout
         E, I, V = d.hidden, d.n_inner, d.vocab
-        h0, h1 = (u * d.head_dim for u in lay.unit_range())
-        c0, c1 = lay.slice_of(I)
-        specs = {"transformer.wte.weight": split("transformer.wte.weight", (V, E), 0, lay.slice_of(V)),
+        h0, h1 = (u * d.head_dim for u in lay.range("attn"))
+        c0, c1 = lay.range("mlp")
+        specs = {"transformer.wte.weight": split("transformer.wte.weight", (V, E), 0, lay.range("vocab")),
                  "transformer.wpe.weight": replicated("transformer.wpe.weight", (d.n_pos, E))}
         for i in range(d.n_layer):
             p = f"transformer.h.{i}."
@@ -145,7 +146,7 @@ class GPT2(TPModel):
             specs["score.weight"] = TensorSpec("score.weight", None, (), (self.num_labels, E), "normal",
                                                init_std(self.config))
         elif not d.tied:
-            specs["lm_head.weight"] = split("lm_head.weight", (V, E), 0, lay.slice_of(V))
+            specs["lm_head.weight"] = split("lm_head.weight", (V, E), 0, lay.range("vocab"))
         return specs
 
     @property

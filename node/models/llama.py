@@ -1,8 +1,8 @@
 """LLaMA (LlamaForCausalLM, LlamaForSequenceClassification), tensor-parallel, pre-RMSNorm decoder.
 
-Grouped-query attention: partition unit u = KV head u together with the n_rep = heads / kv_heads
-query heads that read it, so H = num_key_value_heads, plus MLP columns
-unit_bounds(intermediate, H)[u:u+2] of gate_proj/up_proj (rows of down_proj).
+Grouped-query attention: an attention unit u = KV head u together with the n_rep = heads / kv_heads
+query heads that read it, so there are num_key_value_heads of them; MLP columns of gate_proj/up_proj
+(rows of down_proj) and vocabulary rows are cut on their own ranges (`layout.range(kind)`).
 Module names mirror transformers', so local parameter names are the HF names.
 RoPE: the default type only; cos/sin are computed per forward (no buffers: the model is built
 on the meta device and materialized with `to_empty`).
@@ -88,7 +88,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, d: LlamaDims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams) -> None:
         super().__init__()
-        g0, g1 = layout.unit_range()
+        g0, g1 = layout.range("attn")
         self.group, self.d, self.n_kv = group, d, g1 - g0
         self.n_q = self.n_kv * d.n_rep
         self.q_proj = ColumnParallelLinear(d.hidden, self.n_q * d.head_dim, bias=d.attn_bias)
@@ -113,7 +113,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, d: LlamaDims, layout: ShardLayout, group: TPGroup) -> None:
         super().__init__()
-        c0, c1 = layout.slice_of(d.inter)
+        c0, c1 = layout.range("mlp")
         self.group, self.act = group, d.act
         self.gate_proj = ColumnParallelLinear(d.hidden, c1 - c0, bias=d.mlp_bias)
         self.up_proj = ColumnParallelLinear(d.hidden, c1 - c0, bias=d.mlp_bias)
@@ -153,19 +153,19 @@ class Llama(TPModel):
         if task == "classify":
             self.score = nn.Linear(d.hidden, self.num_labels, bias=False)
         elif not d.tied:
-            v0, v1 = layout.slice_of(d.vocab)
+            v0, v1 = layout.range("vocab")
             self.lm_head = nn.Linear(d.hidden, v1 - v0, bias=False)
         self._specs = self._spec_table()
 
     def _spec_table(self) -> dict[str, TensorSpec]:
         d, lay = self.d, self.layout
         E, I, V, hd = d.hidden, d.inter, d.vocab, d.head_dim
-        g0, g1 = lay.unit_range()
+        g0, g1 = lay.range("attn")
         q = (g0 * d.n_rep * hd, g1 * d.n_rep * hd)
         kv = (g0 * hd, g1 * hd)
-        c = lay.slice_of(I)
+        c = lay.range("mlp")
         Q, KV = d.n_head * hd, d.n_kv * hd
-        specs = {"model.embed_tokens.weight": split("model.embed_tokens.weight", (V, E), 0, lay.slice_of(V)),
+        specs = {"model.embed_tokens.weight": split("model.embed_tokens.weight", (V, E), 0, lay.range("vocab")),
                  "model.norm.weight": replicated("model.norm.weight", (E,))}
         for i in range(d.n_layer):
             p = f"model.layers.{i}."
@@ -191,7 +191,7 @@ class Llama(TPModel):
             specs["score.weight"] = TensorSpec("score.weight", None, (), (self.num_labels, E), "normal",
                                                init_std(self.config))
         elif not d.tied:
-            specs["lm_head.weight"] = split("lm_head.weight", (V, E), 0, lay.slice_of(V))
+            specs["lm_head.weight"] = split("lm_head.weight", (V, E), 0, lay.range("vocab"))
         return specs
 
     @property

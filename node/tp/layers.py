@@ -59,13 +59,15 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, stop) = layout.slice_of(vocab) of the embedding; lookups summed over ranks."""
+    """Rows [start, stop) = layout.range("vocab") of the embedding; lookups summed over ranks."""
 
     def __init__(self, vocab_size: int, dim: int, layout: ShardLayout, group: TPGroup, *,
                  padding_idx: int | None = None) -> None:
         super().__init__()
         self.vocab_size, self.dim, self.group = vocab_size, dim, group
-        self.vocab_start, self.vocab_stop = layout.slice_of(vocab_size)
+        self.vocab_start, self.vocab_stop = layout.range("vocab")
+        if layout.total("vocab") != vocab_size:
+            raise ValueError(f"layout holds {layout.total('vocab')} vocabulary rows, the embedding {vocab_size}")
         # The padding row gets no gradient from lookups, as in nn.Embedding(padding_idx=...).
         owns_pad = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_stop
         self.local_padding_idx = padding_idx - self.vocab_start if owns_pad else None

@@ -107,10 +107,13 @@ def test_tp_run_through_the_network_equals_loopback(netns, tmp_path: Path) -> No
     from xronos.bench.workloads import write_checkpoint
     from xronos.node.launch import launch_local
     from xronos.node.runconfig import RunConfig
+    from xronos.node.validate import model_sizes
+    from xronos.protocol.layout import Layout
 
     model = write_checkpoint(tmp_path / "model", TINY["gpt2"])
     data = _data(tmp_path / "data.jsonl")
-    cfg = RunConfig(model_dir=str(model), data_path=str(data), task="classify", units=[1, 3], batch_size=8,
+    cfg = RunConfig(model_dir=str(model), data_path=str(data), task="classify",
+                    layout=Layout.tied([1, 3], model_sizes(model)), batch_size=8,
                     seq_len=16, lr=1e-3, max_steps=1, seed=0, progress=False, gloo_timeout_s=60,
                     metrics_path=str(tmp_path / "m.json"))
 

@@ -46,8 +46,8 @@ def test_json_is_a_plan_message(three, capsys):
     assert main(["plan", *three, "--json", "--job-id", "j1", "--bandwidth-mbps", "100",
                  "--latency-ms", "0.1", "--reserve-mb", "256", "--fit", "linear"]) == 0
     plan = Plan.model_validate_json(capsys.readouterr().out)
-    assert plan.job_id == "j1" and plan.units_total == 8 and plan.strategy == "optimal"
-    units = [e.units for e in plan.entries]
+    assert plan.job_id == "j1" and plan.sizes.attn == 8 and plan.strategy == "optimal"
+    units = [e.attn for e in plan.entries]
     assert sum(units) == 8 and units[0] > units[2]  # the fast node takes more than the slow one
     assert plan.entries[0].memory_cap == 8 * GiB - 256 * 1024**2
     assert plan.ideal_iteration_s <= plan.predicted_iteration_s

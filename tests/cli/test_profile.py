@@ -21,7 +21,7 @@ def test_profile_builtin_arch_writes_a_report(tmp_path: Path, capsys: pytest.Cap
     out = tmp_path / "p.json"
     assert main(["profile", "--arch", "tiny-gpt2", *ARGS, "--node-id", "box1", "--out", str(out)]) == 0
     report = load_report(out)  # the planner's own validation accepts it
-    assert report.node_id == "box1" and report.units == 4 and report.num_blocks == 2
+    assert report.node_id == "box1" and report.sizes.attn == 4 and report.num_blocks == 2
     assert "blk.attn" in capsys.readouterr().err
 
 
@@ -33,7 +33,7 @@ def test_profile_model_dir(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     assert main(["profile", "--model", str(tmp_path / "m"), *ARGS, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["units"] == 2 and data["num_blocks"] == 3 and data["arch"]["vocab_size"] == 300
+    assert data["sizes"]["attn"] == 2 and data["num_blocks"] == 3 and data["arch"]["vocab_size"] == 300
 
 
 def test_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -43,7 +43,7 @@ def _argv(good, tmp_path: Path, **overrides) -> list[str]:
 
 def test_run_is_registered_with_the_documented_flags() -> None:
     help_text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
-    for flag in ("--model", "--data", "--task", "--nodes", "--units", "--batch-size", "--seq-len", "--lr",
+    for flag in ("--model", "--data", "--task", "--nodes", "--layout", "--units", "--batch-size", "--seq-len", "--lr",
                  "--max-steps", "--seed", "--no-shuffle", "--dropout", "--weight-decay", "--max-grad-norm",
                  "--warmup-steps", "--text-column", "--text-pair-column", "--label-column",
                  "--threads-per-node", "--eval-fraction", "--metrics", "--gloo-timeout", "--export"):
@@ -53,9 +53,9 @@ def test_run_is_registered_with_the_documented_flags() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"units": "4,7"}, "sums to 11, but the model has H=12"),
+        ({"units": "4,7"}, "sums to 11, but the model has 12 attention units"),
         ({"units": "4,4,4"}, "3 entries [4, 4, 4] but --nodes is 2"),
-        ({"units": "-4,16"}, "units must be >= 0"),
+        ({"units": "-4,16"}, "has negative entries [-4]"),
         ({"units": "4,x"}, "--units must be comma-separated integers"),
         ({"nodes": "0"}, "--nodes must be >= 1"),
         ({"seq_len": "65"}, "--seq-len 65 exceeds the model's maximum of 64"),
@@ -84,11 +84,14 @@ def test_export_must_not_overwrite_the_input(good, tmp_path, capsys, no_spawn) -
     assert "would overwrite the input model directory" in capsys.readouterr().err
 
 
-def test_units_come_from_one_replaceable_function() -> None:
-    args = build_parser().parse_args(["run", "--model", "m", "--data", "d", "--task", "classify", "--nodes", "2",
-                                      "--units", "3,9", "--batch-size", "1", "--seq-len", "8", "--lr", "1",
-                                      "--max-steps", "1", "--seed", "0", "--export", "o"])
-    assert run_cli.resolve_units(args) == [3, 9]
+def test_layout_comes_from_one_replaceable_function(good) -> None:
+    args = build_parser().parse_args(["run", "--model", str(good[0]), "--data", "d", "--task", "classify",
+                                      "--nodes", "2", "--units", "3,9", "--batch-size", "1", "--seq-len", "8",
+                                      "--lr", "1", "--max-steps", "1", "--seed", "0", "--export", "o"])
+    lay = run_cli.resolve_layout(args)
+    assert lay.attn == (3, 9) and sum(lay.mlp) == 100 and lay.mlp[0] % 32 == 0  # MLP follows the heads
     args.units = None
-    with pytest.raises(ValueError, match="--units is required"):
-        run_cli.resolve_units(args)
+    with pytest.raises(ValueError, match="one of --layout, --units or --strategy is required"):
+        run_cli.resolve_layout(args)
+    args.layout = "attn=0,12;mlp=64,36;vocab=32,5"
+    assert run_cli.resolve_layout(args).mlp == (64, 36)

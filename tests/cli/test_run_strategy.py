@@ -55,7 +55,7 @@ def _args(tiny: tuple[Path, Path], tmp: Path) -> list[str]:
 def test_units_and_strategy_exclusive(tiny: tuple[Path, Path], tmp_path: Path,
                                       capsys: pytest.CaptureFixture) -> None:
     assert main([*_args(tiny, tmp_path), "--units", "2,2", "--strategy", "greedy"]) == 2
-    assert "either --units or --strategy" in capsys.readouterr().err
+    assert "either --layout/--units or --strategy" in capsys.readouterr().err
     assert main([*_args(tiny, tmp_path)]) == 2
     assert main([*_args(tiny, tmp_path), "--strategy", "greedy", "--cpu-shares", "0.5"]) == 2
     assert "1 entries for --nodes 2" in capsys.readouterr().err
@@ -74,7 +74,7 @@ def test_run_with_strategy_reports_prediction(tiny: tuple[Path, Path], tmp_path:
     doc = json.loads(metrics.read_text())
     pred = doc["prediction"]
     assert pred["strategy"] == "optimal" and sum(pred["units"]) == 4
-    assert doc["config"]["units"] == pred["units"]
+    assert list(doc["config"]["layout"]["attn"]) == pred["units"]
     assert [r["rank"] for r in pred["ranks"]] == [0, 1]
     for r in pred["ranks"]:
         assert r["predicted_compute_s"] > 0 and r["measured_compute_s"] > 0

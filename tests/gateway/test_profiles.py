@@ -47,7 +47,7 @@ def test_memory_cap_is_available_minus_reserve():
 
 
 @pytest.mark.parametrize("edits, field", [
-    ({"schema_version": 2}, "field schema_version: unknown schema version 2"),
+    ({"schema_version": 3}, "field schema_version: unknown schema version 3"),
     ({"layers__1__time_s": math.nan}, "field layers[1].time_s"),
     ({"layers__1__time_s": -0.5}, "field layers[1].time_s"),
     ({"layers__2__time_samples__0__1": math.inf}, "field layers[2].time_samples[0][1]"),
@@ -56,7 +56,7 @@ def test_memory_cap_is_available_minus_reserve():
     ({"layers__2__time_samples": [[1.0, 0.1], [1.0, 0.1]]}, "field layers[2].time_samples"),
     ({"layers__2__time_samples": [[1.0, 0.1]]}, "layers[2]"),
     ({"layers__0__weight_bytes": -4}, "field layers[0].weight_bytes"),
-    ({"units": 0}, "field units"),
+    ({"sizes__attn": 0}, "field sizes.attn"),
     ({"layers": []}, "field layers"),
     ({"capabilities__memory_available": "lots"}, "field capabilities.memory_available"),
 ])
@@ -89,7 +89,7 @@ def loaded(name, **kw):
     (dict(batch_size=4), "field batch_size"),
     (dict(seq_len=64), "field seq_len"),
     (dict(task="causal-lm"), "field task"),
-    (dict(units=4), "field units"),
+    (dict(units=4), "field arch.num_heads"),
     (dict(num_blocks=3), "field num_blocks"),
     (dict(node_id="a"), "field node_id: duplicate node id 'a'"),
 ])
@@ -113,6 +113,6 @@ def test_plan_reports_adds_comm_and_makes_a_plan_message():
     assert res.units[0] > res.units[1]  # the faster node takes more
     assert res.rows[0].predicted_compute_s == predict_time(node_cost(node_profile(r0)), res.units[0], 8)
     msg = plan_message(res, "job1", 3)
-    assert isinstance(msg, Plan) and msg.version == 3 and [e.units for e in msg.entries] == list(res.units)
+    assert isinstance(msg, Plan) and msg.version == 3 and [e.attn for e in msg.entries] == list(res.units)
     assert Plan.model_validate_json(msg.model_dump_json()) == msg
     assert plan_reports(items[:1], "greedy").comm_s == 0.0  # one node: no all-reduce

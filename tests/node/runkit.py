@@ -241,9 +241,11 @@ def compare(exported, reference) -> tuple[float, float]:
     return max_abs, diff / norm
 
 
-def run_argv(model: Path, data: Path, task: str, units: tuple[int, ...], out: Path, *, steps: int = 20,
+def run_argv(model: Path, data: Path, task: str, units, out: Path, *, steps: int = 20,
              batch_size: int = 4, lr: float = 1e-4, seed: int = 0, extra: tuple[str, ...] = ()) -> list[str]:
-    return ["run", "--model", str(model), "--data", str(data), "--task", task,
-            "--nodes", str(len(units)), "--units", ",".join(map(str, units)),
+    """`xronos run` argv; `units` is the head-tied --units tuple or a protocol Layout (--layout)."""
+    split = (["--nodes", str(len(units)), "--units", ",".join(map(str, units))] if isinstance(units, tuple)
+             else ["--nodes", str(units.world_size), "--layout", units.to_text()])
+    return ["run", "--model", str(model), "--data", str(data), "--task", task, *split,
             "--batch-size", str(batch_size), "--seq-len", str(SEQ_LEN), "--lr", str(lr),
             "--max-steps", str(steps), "--seed", str(seed), "--export", str(out), *extra]

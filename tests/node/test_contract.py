@@ -111,7 +111,7 @@ def test_shuffle_clipping_warmup_decay_eval_and_metrics(tmp_path: Path, capfd) -
     assert doc["eval_after"]["perplexity"] == pytest.approx(ref_ppl, rel=1e-3)
     initial = runkit.load_reference_model(model_dir, "causal-lm", tok.pad_token_id)
     assert doc["eval_before"]["loss"] == pytest.approx(runkit.reference_eval(initial, tok, rows, "causal-lm", 32, BATCH)[0], abs=1e-4)
-    assert [r["summary"]["units"] for r in doc["ranks"]] == [4, 8]
+    assert [r["summary"]["attn"] for r in doc["ranks"]] == [4, 8]
     for r in doc["ranks"]:
         its = r["iterations"]
         assert [i["step"] for i in its] == list(range(STEPS))

@@ -13,10 +13,12 @@ import runkit
 from xronos.node.data import (BatchSource, as_int_labels, batch_order, eval_row_groups, load_columns,
                               split_sizes)
 from xronos.node.runconfig import RunConfig
+from xronos.protocol.layout import Layout
 
 
 def _cfg(model_dir: Path, data: Path, task: str, **kw) -> RunConfig:
-    base = dict(model_dir=str(model_dir), data_path=str(data), task=task, units=[12], batch_size=4,
+    base = dict(model_dir=str(model_dir), data_path=str(data), task=task,
+                layout=Layout(attn=(12,), mlp=(100,), vocab=(1,)), batch_size=4,  # data only: any one-rank layout
                 seq_len=runkit.SEQ_LEN, lr=1e-4, max_steps=5)
     return RunConfig(**{**base, **kw})
 

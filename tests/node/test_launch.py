@@ -18,6 +18,8 @@ import pytest
 import runkit
 from xronos.node.launch import RankFailed, free_port, launch_local, rank_env
 from xronos.node.runconfig import RunConfig
+from xronos.node.validate import model_sizes
+from xronos.protocol.layout import Layout
 
 pytestmark = pytest.mark.slow
 PROGRESS = re.compile(r"\b([1-9]\d*)/1000000\b")
@@ -34,7 +36,8 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
 
 def _cfg(setup, units, **kw) -> RunConfig:
     model, data = setup
-    base = dict(model_dir=str(model), data_path=str(data), task="causal-lm", units=list(units),
+    base = dict(model_dir=str(model), data_path=str(data), task="causal-lm",
+                layout=Layout.tied(list(units), model_sizes(model)),
                 batch_size=4, seq_len=runkit.SEQ_LEN, lr=1e-4, max_steps=1_000_000, seed=0)
     return RunConfig(**{**base, **kw})
 

@@ -45,7 +45,7 @@ def _params(name: str, task: str) -> int:
 @pytest.mark.parametrize("task", ["classify", "causal-lm"])
 def test_report_is_valid_and_plausible(reports: dict[str, ProfileReport], task: str) -> None:
     r = reports[task]
-    assert r.units == H and r.num_blocks == 2 and r.task == task
+    assert r.sizes.attn == H and r.num_blocks == 2 and r.task == task
     assert (r.batch_size, r.seq_len, r.threads) == (B, S, 1)
     assert r.arch.hidden_size == E and r.capabilities.cores >= 1
     layers = {lay.name: lay for lay in r.layers}
@@ -186,7 +186,7 @@ def test_profile_in_child_process(tmp_path: Path) -> None:
                      cache_dir=str(tmp_path / "cache"))
     report = profile_in_child(job)
     assert (report.node_id, report.request_id, report.job_id) == ("n7", "req-1", "job-1")
-    assert report.capabilities == caps and report.units == H
+    assert report.capabilities == caps and report.sizes.attn == H
     assert len(list((tmp_path / "cache").glob("profile-*.json"))) == 1
     with pytest.raises(RuntimeError, match="max_positions"):
         profile_in_child(job.model_copy(update={"seq_len": P + 1}))

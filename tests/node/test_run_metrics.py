@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from xronos.protocol.layout import Layout
 import torch
 
 from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, summarize
@@ -33,13 +35,14 @@ def test_records_travel_as_float_rows() -> None:
 
 def test_summary_skips_the_warmup_iteration() -> None:
     recs = [_rec(0, 9.0, 5.0), _rec(1, 1.0, 0.25), _rec(2, 1.0, 0.25)]
-    s = summarize(1, [4, 8], recs)
-    assert (s.units, s.ratio, s.iterations) == (8, pytest.approx(2 / 3), 3)
+    lay = Layout(attn=(4, 8), mlp=(0, 100), vocab=(64, 236))
+    s = summarize(1, lay, recs)
+    assert (s.attn, s.mlp, s.vocab, s.iterations) == (8, 100, 236, 3)
     assert (s.iteration_s, s.idle_s, s.idle_ratio) == (pytest.approx(1.0), pytest.approx(0.25), pytest.approx(0.25))
     assert (s.voluntary_ctx_switches, s.involuntary_ctx_switches, s.peak_rss) == (9, 3, 1002)
-    table = format_table([summarize(0, [4, 8], recs), s])
-    assert table.splitlines()[0].split()[:3] == ["rank", "units", "ratio"]
-    assert table.splitlines()[2].split()[:3] == ["1", "8", "0.667"]
+    table = format_table([summarize(0, lay, recs), s])
+    assert table.splitlines()[0].split()[:4] == ["rank", "attn", "mlp", "vocab"]
+    assert table.splitlines()[2].split()[:4] == ["1", "8", "100", "236"]
 
 
 def test_rusage_counts_context_switches() -> None:

@@ -11,7 +11,11 @@ from safetensors.torch import load_file, save_file
 
 import runkit
 from xronos.node.runconfig import RunConfig
-from xronos.node.validate import preflight
+from xronos.node.validate import model_sizes, preflight
+from xronos.protocol.layout import Layout, Sizes
+
+# runkit's GPT-2: 12 heads, 100 MLP columns, its words plus 2 special tokens as vocabulary.
+SIZES = Sizes(attn=12, mlp=100, vocab=len(runkit.WORDS) + 2)
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +27,14 @@ def good(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _cfg(model: Path, data: Path, **kw) -> RunConfig:
-    base = dict(model_dir=str(model), data_path=str(data), task="classify", units=[4, 8], batch_size=4,
+    base = dict(model_dir=str(model), data_path=str(data), task="classify", batch_size=4,
                 seq_len=16, lr=1e-4, max_steps=3)
-    return RunConfig(**{**base, **kw})
+    try:  # the head-tied layout of the model as it is on disk (tests edit its config)
+        sizes = model_sizes(model)
+    except (OSError, ValueError):
+        sizes = SIZES
+    layout = kw.pop("layout", None) or Layout.tied(kw.pop("units", [4, 8]), sizes)
+    return RunConfig(**{**base, **kw, "layout": layout})
 
 
 def _copy(model: Path, tmp_path: Path) -> Path:
@@ -45,7 +54,7 @@ def _edit_config(model: Path, **changes) -> None:
 
 def test_a_good_run_passes(good) -> None:
     pre = preflight(_cfg(*good, eval_fraction=0.2), nodes=2)
-    assert (pre.family, pre.units_total, pre.num_labels, pre.train_rows, pre.eval_rows) == ("gpt2", 12, 3, 8, 2)
+    assert (pre.family, pre.sizes, pre.num_labels, pre.train_rows, pre.eval_rows) == ("gpt2", SIZES, 3, 8, 2)
 
 
 def test_model_dir_problems(good, tmp_path: Path) -> None:
@@ -64,13 +73,24 @@ def test_model_dir_problems(good, tmp_path: Path) -> None:
         preflight(_cfg(m, data), 2)
 
 
-def test_units_must_match_nodes_and_H(good) -> None:
-    with pytest.raises(ValueError, match=r"sums to 11, but the model has H=12"):
-        preflight(_cfg(*good, units=[4, 7]), 2)
-    with pytest.raises(ValueError, match=r"3 entries \[4, 4, 4\] but --nodes is 2"):
-        preflight(_cfg(*good, units=[4, 4, 4]), 2)
-    with pytest.raises(ValueError, match=r"units must be >= 0"):
-        _cfg(*good, units=[-1, 13])
+def test_layout_must_match_nodes_sizes_and_quanta(good) -> None:
+    def lay(attn, mlp, vocab):
+        return Layout(attn=attn, mlp=mlp, vocab=vocab)
+
+    v = SIZES.vocab
+    with pytest.raises(ValueError, match=r"attn: counts \[4, 7\] sum to 11, but the model has 12 attention units"):
+        preflight(_cfg(*good, layout=lay((4, 7), (32, 68), (32, v - 32))), 2)
+    with pytest.raises(ValueError, match=r"layout has 3 ranks but the world has 2"):
+        preflight(_cfg(*good, layout=lay((4, 4, 4), (32, 32, 36), (32, 0, v - 32))), 2)
+    with pytest.raises(ValueError, match=r"mlp: the cut after rank 0 falls at 30, not a multiple of the MLP "
+                                         r"columns quantum 32"):
+        preflight(_cfg(*good, layout=lay((4, 8), (30, 70), (32, v - 32))), 2)
+    with pytest.raises(ValueError, match=r"vocab: counts .* sum to"):
+        preflight(_cfg(*good, layout=lay((4, 8), (32, 68), (32, v))), 2)
+    with pytest.raises(ValueError):
+        _cfg(*good, layout=lay((-1, 13), (32, 68), (32, v - 32)))
+    # A rank with no heads but MLP columns, and one with heads but no vocabulary rows, are fine.
+    preflight(_cfg(*good, layout=lay((0, 12), (64, 36), (v, 0))), 2)
 
 
 def test_seq_len_above_the_model_maximum(good) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from xronos.protocol import messages as m
+from xronos.protocol.layout import Layout, Sizes
 
 ARCH = m.ArchSpec(family="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   intermediate_size=128, vocab_size=1000, max_positions=128, num_labels=None,
@@ -13,17 +14,18 @@ CAPS = m.Capabilities(node_id="pi5-a", hostname="pi5-a.lan", arch="aarch64", cpu
 SPEC = m.JobSpec(name="sst2-ft", owner="pi5-a", model_dir="/models/gpt2", data_path="/data/sst2.jsonl",
                  task="classify", batch_size=8, seq_len=128, lr=5e-5, epochs=1, export_dir="/out",
                  nodes=["pi5-a", "n100"], max_grad_norm=None)
-PLAN = m.Plan(job_id="j1", version=2, strategy="greedy", units_total=12,
-              entries=[m.PlanEntry(node_id="pi5-a", rank=0, units=4, ratio=1 / 3, predicted_compute_s=0.5,
+SIZES = Sizes(attn=12, mlp=3072, vocab=50257)
+PLAN = m.Plan(job_id="j1", version=2, strategy="greedy", sizes=SIZES,
+              entries=[m.PlanEntry(node_id="pi5-a", rank=0, attn=4, mlp=1024, vocab=16000, predicted_compute_s=0.5,
                                    predicted_memory=1.5e9, memory_cap=6e9),
-                       m.PlanEntry(node_id="n100", rank=1, units=8, ratio=2 / 3, predicted_compute_s=0.48,
+                       m.PlanEntry(node_id="n100", rank=1, attn=8, mlp=2048, vocab=34257, predicted_compute_s=0.48,
                                    predicted_memory=2.5e9, memory_cap=12e9)],
               predicted_iteration_s=0.55, ideal_iteration_s=0.5, comm_s=0.05)
 LAYERS = [
-    m.LayerProfile(name="emb", kind="emb", partitioned=True, time_s=0.01,
+    m.LayerProfile(name="emb", kind="emb", partitioned=True, segment="vocab", time_s=0.01,
                    time_samples=[(0.25, 0.003), (1.0, 0.01)], weight_bytes=1000, activation_bytes=200,
                    temp_bytes=50),
-    m.LayerProfile(name="blk", kind="blk", partitioned=True, time_s=0.2,
+    m.LayerProfile(name="blk.mlp", kind="blk", partitioned=True, segment="mlp", time_s=0.2,
                    time_samples=[(0.25, 0.06), (0.5, 0.11), (1.0, 0.2)], weight_bytes=10**6,
                    activation_bytes=10**5, temp_bytes=10**4),
     m.LayerProfile(name="out", kind="out", partitioned=False, time_s=0.001, time_samples=[],
@@ -37,10 +39,11 @@ SAMPLES: dict[str, object] = {
                                              batch_size=4, seq_len=64, threads=None),
     "node.profile_report": m.ProfileReport(node_id="pi5-a", request_id="r1", job_id="j1", capabilities=CAPS,
                                            arch=ARCH, task="causal-lm", batch_size=4, seq_len=64, threads=4,
-                                           units=2, num_blocks=2, layers=LAYERS, profile_seconds=3.5,
+                                           sizes=ARCH.sizes(), num_blocks=2, layers=LAYERS, profile_seconds=3.5,
                                            created_at=1.7e9),
     "node.assignment": m.Assignment(job_id="j1", plan_version=2, node_id="n100", rank=1, world_size=2,
-                                    rendezvous_host="192.168.1.20", rendezvous_port=29500, units=[4, 8],
+                                    rendezvous_host="192.168.1.20", rendezvous_port=29500,
+                                    layout=Layout(attn=(0, 2), mlp=(32, 96), vocab=(640, 360)),
                                     spec=SPEC, resume_step=0),
     "node.ack": m.AssignmentAck(job_id="j1", plan_version=2, node_id="n100", accepted=False,
                                 reason="not enough memory"),
@@ -51,7 +54,7 @@ SAMPLES: dict[str, object] = {
     "node.error": m.ErrorResponse(code="bad_assignment", message="rank out of range", topic="xronos/x"),
     "node.inspect_request": m.InspectRequest(request_id="r2", job_id="j1", spec=SPEC),
     "node.inspect_report": m.InspectReport(node_id="pi5-a", request_id="r2", job_id="j1", ok=True, arch=ARCH,
-                                           units=2, train_rows=900, eval_rows=100, total_steps=113),
+                                           train_rows=900, eval_rows=100, total_steps=113),
     "node.job": m.NodeJobStatus(node_id="pi5-a", job_id="j1", plan_version=2, rank=0, status="running",
                                 step=10, epoch=0, checkpoint_step=8, eval_metric=None, sent_at=1.7e9),
     "job.state": m.JobState(job_id="j1", name="sst2-ft", phase="running", step=10, total_steps=100, epoch=0,

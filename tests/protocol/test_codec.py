@@ -73,8 +73,10 @@ CAPS_TOPIC = TABLE.build("node.capabilities", node_id="pi5-a")
 @pytest.mark.parametrize("payload,reason,field,text", [
     (b"\xff\x00garbage", "bad_encoding", None, "not json"),
     (b"[1, 2]", "invalid", None, "expected an object"),
-    (_payload("node.capabilities", lambda o: o.update(schema_version=2)), "schema_version",
-     "schema_version", "saw schema_version 2, this build supports 1"),
+    (_payload("node.capabilities", lambda o: o.update(schema_version=3)), "schema_version",
+     "schema_version", "saw schema_version 3, this build supports 2"),
+    (_payload("node.capabilities", lambda o: o.update(schema_version=1)), "schema_version",
+     "schema_version", "saw schema_version 1, this build supports 2 (the sender runs an older Xronos"),
     (_payload("node.capabilities", lambda o: o.update(schema_version=True)), "schema_version",
      "schema_version", "True"),
     (_payload("node.capabilities", lambda o: o.update(gpu="none")), "unknown_field", "gpu", "Extra"),
@@ -126,11 +128,11 @@ def test_semantic_validators():
     with pytest.raises(ValueError, match="epochs/max_steps"):
         m.JobSpec(name="x", owner="o", model_dir="d", data_path="p", task="classify", batch_size=1,
                   seq_len=8, lr=1e-3, export_dir="e")
-    with pytest.raises(ValueError, match="units"):
-        SAMPLES["node.assignment"].model_copy(update={}).model_validate(
-            {**SAMPLES["node.assignment"].model_dump(), "units": [1, 2, 3]})
+    with pytest.raises(ValueError, match="layout: 3 ranks for world_size 2"):
+        m.Assignment.model_validate({**SAMPLES["node.assignment"].model_dump(),
+                                     "layout": {"attn": [0, 1, 1], "mlp": [0, 64, 64], "vocab": [1, 1, 998]}})
     with pytest.raises(ValueError, match="samples"):
-        m.LayerProfile(name="b", kind="blk", partitioned=True, time_s=1.0, time_samples=[(1.0, 1.0)],
+        m.LayerProfile(name="b", kind="blk", partitioned=True, segment="mlp", time_s=1.0, time_samples=[(1.0, 1.0)],
                        weight_bytes=1, activation_bytes=1, temp_bytes=1)
 
 
@@ -208,3 +210,16 @@ def test_fuzz_structural_mutations(i, data):
         parent[path[-1]] = data.draw(JSONISH)
     payload = json.dumps(obj).encode() if entry.encoding == "json" else msgpack.packb(obj)
     _decode_or_decode_error(topic, payload)
+
+
+def test_an_assignment_of_the_head_tied_schema_is_refused_by_name():
+    """Schema 1 carried `units` (one list of heads); schema 2 carries the per-segment layout."""
+    import msgpack
+
+    old = json.loads(SAMPLES["node.assignment"].model_dump_json())
+    old.pop("layout")
+    old.update(schema_version=1, units=[4, 8])
+    topic = TABLE.build("node.assignment", node_id="n100")
+    with pytest.raises(DecodeError) as info:
+        decode(topic, msgpack.packb(old))
+    assert info.value.field == "schema_version" and "older Xronos" in str(info.value)

@@ -14,6 +14,8 @@ import runkit  # noqa: E402  (tests/node/runkit.py: tiny real checkpoints, refer
 from xronos.node.child import RankProcess, child_env  # noqa: E402
 from xronos.node.jobproc import spec_run_config  # noqa: E402
 from xronos.node.launch import free_port  # noqa: E402
+from xronos.node.validate import model_sizes  # noqa: E402
+from xronos.protocol.layout import Layout  # noqa: E402
 
 __all__ = ["runkit", "make_case", "job_spec", "start_ranks", "wait_ranks"]
 
@@ -36,14 +38,16 @@ def job_spec(model: Path, data: Path, export: Path, owner: str = "n0", **kw) -> 
     return {**spec, **kw}
 
 
-def start_ranks(tmp: Path, spec: dict, units: list[int], *, resume_step: int = 0,
+def start_ranks(tmp: Path, spec: dict, units, *, resume_step: int = 0,
                 version: int = 1, ckpt: Path | None = None) -> list[RankProcess]:
+    """`units`: the head-tied units per rank (a list) or a protocol Layout."""
     port = free_port()
     procs = []
-    for rank in range(len(units)):
+    layout = units if isinstance(units, Layout) else Layout.tied(units, model_sizes(spec["model_dir"]))
+    for rank in range(layout.world_size):
         # Only the owner has model and data: the other ranks get paths that do not exist.
         own = spec if rank == 0 else {**spec, "model_dir": "/nonexistent/model", "data_path": "/nonexistent/d.csv"}
-        run = spec_run_config(own, units=units, rank=rank, host="127.0.0.1", port=port, threads=1,
+        run = spec_run_config(own, layout=layout, rank=rank, host="127.0.0.1", port=port, threads=1,
                               gloo_timeout_s=60.0)
         cfg = {"job_id": "j", "plan_version": version, "node_id": f"n{rank}", "run": run.model_dump(),
                "spec": own, "resume_step": resume_step,

@@ -54,12 +54,13 @@ def test_cli_without_broker_is_one_clean_line(capsys):
 
 
 def test_displays():
-    plan = {"version": 2, "strategy": "greedy", "units_total": 12, "predicted_iteration_s": 0.5,
-            "ideal_iteration_s": 0.45, "comm_s": 0.05,
-            "entries": [{"node_id": "n100", "rank": 0, "units": 8, "ratio": 2 / 3, "predicted_compute_s": 0.4,
+    plan = {"version": 2, "strategy": "greedy", "sizes": {"attn": 12, "mlp": 3072, "vocab": 50257},
+            "predicted_iteration_s": 0.5, "ideal_iteration_s": 0.45, "comm_s": 0.05,
+            "entries": [{"node_id": "n100", "rank": 0, "attn": 8, "mlp": 2048, "vocab": 33504, "predicted_compute_s": 0.4,
                          "predicted_memory": 2 << 30, "memory_cap": 8 << 30}]}
     text = format_plan(plan)
-    assert "plan v2 (greedy, H=12)" in text and "n100" in text and "2048.0" in text
+    assert "plan v2 (greedy; 12 attention units, 3072 MLP columns, 50257 vocabulary rows)" in text
+    assert "n100" in text and "2048.0" in text and "33504" in text
     state = {"job_id": "j", "name": "t", "phase": "running", "step": 3, "total_steps": 10, "epoch": 0,
              "loss": 0.5, "eval_metric": None, "iteration_s": 0.5, "eta_s": 3.5, "predicted_s": {"n100": 0.4},
              "measured_s": {"n100": 0.42}, "idle_ratio": {"n100": 0.03}, "events": ["x"], "error": None}

@@ -71,7 +71,7 @@ def test_job_end_to_end_survives_gateway_restart_and_equals_xronos_run(stack, tm
     # Metrics published while no gateway listened are gone; the aggregate covers the rest.
     assert set(final.idle_ratio) <= {e["node_id"] for e in plan["entries"]}
 
-    units = tuple(e["units"] for e in final.plan.model_dump()["entries"])
+    units = final.plan.layout()
     ref = tmp_path / "ref"
     assert xronos(runkit.run_argv(model, data, "classify", units, ref, steps=24, lr=1e-4, seed=3,
                                   extra=("--eval-fraction", "0.2", "--dropout", "0"))) == 0

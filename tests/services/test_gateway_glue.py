@@ -77,7 +77,7 @@ def announce(h: Harness, nodes=NODES):
 def report(node: str, rid: str, job_id: str) -> m.ProfileReport:
     caps = CAPS.model_copy(update={"node_id": node, "memory_available": 8 << 30})
     return m.ProfileReport(node_id=node, request_id=rid, job_id=job_id, capabilities=caps, arch=ARCH,
-                           task="causal-lm", batch_size=4, seq_len=64, threads=1, units=2, num_blocks=2,
+                           task="causal-lm", batch_size=4, seq_len=64, threads=1, sizes=ARCH.sizes(), num_blocks=2,
                            layers=LAYERS, profile_seconds=1.0, created_at=1.0)
 
 
@@ -89,7 +89,7 @@ def submit_until_assigned(h: Harness) -> tuple[str, list[m.Assignment]]:
     (params, insp), = h.seen("node.inspect_request")
     assert params["node_id"] == "a" and insp.spec == SPEC
     h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=True, arch=ARCH,
-                                units=2, train_rows=40, eval_rows=4, total_steps=10), "a")
+                                train_rows=40, eval_rows=4, total_steps=10), "a")
     h.pump()
     reqs = h.seen("node.profile_request")
     assert sorted(p["node_id"] for p, _ in reqs) == list(NODES)
@@ -112,7 +112,7 @@ def test_submit_plan_assign_run_complete(tmp_path):
     assert [a.rank for a in assigned] == [0, 1] or len(assigned) >= 1
     assert assigned[0].node_id == "a" and assigned[0].rank == 0  # the owner is rank 0
     assert {a.rendezvous_port for a in assigned} <= set(range(40000, 40010))
-    assert sum(assigned[0].units) == 2
+    assert sum(assigned[0].layout.attn) == 2 and sum(assigned[0].layout.mlp) == ARCH.intermediate_size
     for a in assigned:
         h.node_says(m.AssignmentAck(job_id=job_id, plan_version=a.plan_version, node_id=a.node_id, accepted=True),
                     a.node_id)
@@ -166,7 +166,7 @@ def test_infeasible_plan_refused(tmp_path):
     h.pump()
     (_, insp), = h.seen("node.inspect_request")
     h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=True, arch=ARCH,
-                                units=2, train_rows=40, eval_rows=4, total_steps=10), "a")
+                                train_rows=40, eval_rows=4, total_steps=10), "a")
     h.pump()
     for params, req in h.seen("node.profile_request"):
         h.node_says(report(params["node_id"], req.request_id, req.job_id), params["node_id"])

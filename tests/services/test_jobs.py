@@ -21,8 +21,9 @@ def ctx(now=0.0, online=("a", "b", "c"), busy=False):
 
 
 def plan(nodes, version):
-    return {"job_id": "j", "version": version, "strategy": "greedy", "units_total": 4,
-            "entries": [{"node_id": n, "rank": r, "units": 1, "ratio": 0.25, "predicted_compute_s": 0.1,
+    return {"job_id": "j", "version": version, "strategy": "greedy",
+            "sizes": {"attn": len(nodes), "mlp": 32 * len(nodes), "vocab": 32 * len(nodes)},
+            "entries": [{"node_id": n, "rank": r, "attn": 1, "mlp": 32, "vocab": 32, "predicted_compute_s": 0.1,
                          "predicted_memory": 1.0, "memory_cap": 2.0} for r, n in enumerate(nodes)],
             "predicted_iteration_s": 0.1, "ideal_iteration_s": 0.1, "comm_s": 0.0}
 
@@ -34,7 +35,7 @@ def kinds(effects):
 def submit_to_running(spec=SPEC, online=("a", "b", "c")):
     job, eff = J.new_job("j", spec, "t1", ctx(online=online))
     assert eff == [J.Inspect("j", "a")] and job.awaiting == "inspect"
-    job, eff = J.handle(job, J.Inspected("a", True, ARCH, 4, 10), ctx(1))
+    job, eff = J.handle(job, J.Inspected("a", True, ARCH, 10), ctx(1))
     assert job.phase == "profiling" and eff == [J.Profile("j", ("a",) + tuple(n for n in online if n != "a"))]
     for n in job.waiting:
         job, eff = J.handle(job, J.Profiled(n, {"node_id": n}), ctx(2))
@@ -114,7 +115,7 @@ def test_refused_when_inspection_fails_or_times_out():
 
 def test_refused_when_plan_cannot_fit():
     job, _ = J.new_job("j", SPEC, "t", ctx())
-    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 4, 10), ctx(1))
+    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 10), ctx(1))
     for n in ("a", "b", "c"):
         job, eff = J.handle(job, J.Profiled(n, {}), ctx(2))
     job, eff = J.handle(job, J.Planned(None, "node a needs 3 GB, cap 1 GB"), ctx(3))
@@ -124,13 +125,13 @@ def test_refused_when_plan_cannot_fit():
 
 def test_unnamed_node_that_cannot_profile_is_left_out():
     job, _ = J.new_job("j", SPEC, "t", ctx())
-    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 4, 10), ctx(1))
+    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 10), ctx(1))
     job, _ = J.handle(job, J.Profiled("a", {}), ctx(2))
     job, _ = J.handle(job, J.Profiled("b", None, "no torch"), ctx(2))
     job, eff = J.handle(job, J.Tick(), ctx(30))  # c never answers
     assert eff == [J.MakePlan("j", ("a",), 1)] and set(job.excluded) == {"b", "c"}
     named, _ = J.new_job("j", {**SPEC, "nodes": ["a", "b"]}, "t", ctx())
-    named, _ = J.handle(named, J.Inspected("a", True, ARCH, 4, 10), ctx(1))
+    named, _ = J.handle(named, J.Inspected("a", True, ARCH, 10), ctx(1))
     named, eff = J.handle(named, J.Profiled("b", None, "no torch"), ctx(2))
     assert named.phase == "failed" and "no torch" in named.error
 
@@ -178,7 +179,7 @@ def test_rank_failure_and_waiting_for_memory_or_owner():
 
 def test_refused_assignment_excludes_node_until_it_reconnects():
     job, _ = J.new_job("j", SPEC, "t", ctx())
-    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 4, 10), ctx(1))
+    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 10), ctx(1))
     for n in ("a", "b", "c"):
         job, eff = J.handle(job, J.Profiled(n, {}), ctx(2))
     job, eff = J.handle(job, J.Planned(plan(("a", "b", "c"), 1)), ctx(3))
@@ -234,7 +235,7 @@ def test_stall_and_ack_timeouts_recover():
 def test_schedule_runs_one_job_at_a_time():
     first = submit_to_running()
     second, _ = J.new_job("k", {**SPEC, "name": "k"}, "t2", ctx(10))
-    second, _ = J.handle(second, J.Inspected("a", True, ARCH, 4, 10), ctx(11))
+    second, _ = J.handle(second, J.Inspected("a", True, ARCH, 10), ctx(11))
     for n in ("a", "b", "c"):
         second, eff = J.handle(second, J.Profiled(n, {}), ctx(12))
     second, eff = J.handle(second, J.Planned(plan(("a", "b", "c"), 1)), ctx(13, busy=True))
@@ -260,7 +261,7 @@ def test_restart_reissues_what_was_awaited():
 
 def test_plan_preview_answers_and_ends():
     job, _ = J.new_job("p", SPEC, "t9", ctx(), respond_to="plan/preview")
-    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 4, 10), ctx(1))
+    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 10), ctx(1))
     for n in ("a", "b", "c"):
         job, eff = J.handle(job, J.Profiled(n, {}), ctx(2))
     job, eff = J.handle(job, J.Planned(plan(("a", "b", "c"), 1)), ctx(3))

@@ -13,6 +13,7 @@ from xronos.node.config import NodeConfig
 from xronos.node.service import NodeService
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
+from xronos.protocol.layout import Layout
 from xronos.protocol.fakebus import FakeBroker
 from xronos.protocol.topics import TopicTable
 
@@ -92,7 +93,7 @@ def test_inspection_refuses_paths_outside_allowed_dirs_and_accepts_a_good_job(no
     pump(svc, until=lambda: _collect(got, client) >= 3, timeout=120)
     by = {r.request_id: r for r in got}
     assert not by["r1"].ok and "outside the allowed directories" in by["r1"].error
-    assert by["r2"].ok and by["r2"].arch.family == "gpt2" and by["r2"].units == 12
+    assert by["r2"].ok and by["r2"].arch.family == "gpt2" and by["r2"].arch.sizes().attn == 12
     assert by["r2"].train_rows == 32 and by["r2"].eval_rows == 8 and by["r2"].total_steps == 16
     assert not by["r3"].ok and "does not exist" in by["r3"].error
 
@@ -106,7 +107,8 @@ def test_assignments_checked(node):
     svc, client, broker, tmp = node
     spec = m.JobSpec(**job_spec(tmp / "allowed" / "m", tmp / "allowed" / "d.csv", tmp / "allowed" / "o", owner="n0"))
     base = dict(job_id="j", plan_version=1, rank=0, world_size=2, rendezvous_host="127.0.0.1",
-                rendezvous_port=41234, units=[6, 6], spec=spec)
+                rendezvous_port=41234,
+                layout=Layout(attn=(6, 6), mlp=(64, 36), vocab=(32, 5)), spec=spec)
     client.drain()
     # A payload naming another node on n0's topic: ignored, logged, answered on n0's error topic.
     svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(m.Assignment(node_id="n1", **base)))

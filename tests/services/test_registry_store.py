@@ -44,7 +44,7 @@ def _a_job():
     ctx = J.Ctx(now=1.0, online=frozenset({"a"}))
     spec = {"name": "t", "owner": "a", "nodes": None}
     job, _ = J.new_job("j1", spec, "t", ctx)
-    job, _ = J.handle(job, J.Inspected("a", True, {"family": "bert"}, 4, 10), ctx)
+    job, _ = J.handle(job, J.Inspected("a", True, {"family": "bert"}, 10), ctx)
     return job
 
 

@@ -28,7 +28,7 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     ckpt = Path(case["ckpt"])
     config = json.loads((ckpt / "config.json").read_text())
     family = family_for(config)
-    layout = ShardLayout(tuple(case["units"]), rank)
+    layout = ShardLayout.tied(tuple(case["units"]), family.sizes(config), rank)
     model = family.build(config, case["task"], layout, group, dropout=case.get("dropout", 0.0))
     source = SafetensorsSource(ckpt)
     materialize(model, source)

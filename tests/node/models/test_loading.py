@@ -26,9 +26,14 @@ class LoadOnlyGroup(TPGroup):
         self.pg, self.rank, self.world_size, self.timings = None, rank, world_size, []
 
 
+def single(config: dict) -> ShardLayout:
+    return ShardLayout.single(family_for(config).sizes(config))
+
+
 def build(config: dict, task: str, units: tuple[int, ...], rank: int, **kw):
     group = TPGroup.single() if len(units) == 1 else LoadOnlyGroup(rank, len(units))
-    return family_for(config).build(config, task, ShardLayout(units, rank), group, **kw)
+    family = family_for(config)
+    return family.build(config, task, ShardLayout.tied(units, family.sizes(config), rank), group, **kw)
 
 
 def config_of(ckpt: Path) -> dict:
@@ -147,17 +152,18 @@ def test_registry_refuses_what_it_cannot_build():
                                  intermediate_size=40, vocab_size=50, max_positions=16, num_labels=2,
                                  tie_word_embeddings=False))
     with pytest.raises(ValueError, match="causal-lm"):
-        family_for(bert).build(bert, "causal-lm", ShardLayout.single(4), TPGroup.single())
-    with pytest.raises(ValueError, match="H=4"):
-        family_for(bert).build(bert, "classify", ShardLayout.single(3), TPGroup.single())
+        family_for(bert).build(bert, "causal-lm", single(bert), TPGroup.single())
+    with pytest.raises(ValueError, match="attn: layout \\[3\\] sums to 3, but the model has 4 attention units"):
+        family_for(bert).build(bert, "classify", ShardLayout(attn=(3,), mlp=(40,), vocab=(50,), rank=0),
+                               TPGroup.single())
     llama = config_from_arch(dict(family="llama", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                                   intermediate_size=40, vocab_size=50, max_positions=16, num_labels=None,
                                   tie_word_embeddings=True))
     assert family_for(llama).num_units(llama) == 2
     scaled = dict(llama, rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ValueError, match="linear"):
-        family_for(scaled).build(scaled, "causal-lm", ShardLayout.single(2), TPGroup.single())
-    model = init_random(family_for(llama).build(llama, "causal-lm", ShardLayout.single(2), TPGroup.single()), 0)
+        family_for(scaled).build(scaled, "causal-lm", single(scaled), TPGroup.single())
+    model = init_random(family_for(llama).build(llama, "causal-lm", single(llama), TPGroup.single()), 0)
     ids = torch.zeros(1, 17, dtype=torch.long)
     with pytest.raises(ValueError, match="sequence length 17"):
         model(ids, labels=ids)
@@ -186,14 +192,14 @@ def test_random_model_from_arch_exports_a_directory_transformers_loads(arch, tas
     family = family_for(config)
     assert arch_spec(config, task) == arch
     H = family.num_units(config)
-    model = init_random(family.build(config, task, ShardLayout.single(H), TPGroup.single()), seed=3)
+    model = init_random(family.build(config, task, single(config), TPGroup.single()), seed=3)
     # Replicated tensors of a random model agree across ranks of any layout.
     other = init_random(build(config, task, (1, H - 1), 1), seed=3)
     specs = model.tensor_specs()
     for name, p in other.named_parameters():
         if specs[name].dim is None:
             assert torch.equal(p, model.get_parameter(name)), name
-    state = gather_full(model, specs, ShardLayout.single(H), TPGroup.single())
+    state = gather_full(model, specs, single(config), TPGroup.single())
     save_hf_dir(tmp_path, config, task, state)
     auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
     hf = auto.from_pretrained(tmp_path)
@@ -211,7 +217,7 @@ def test_random_model_from_arch_exports_a_directory_transformers_loads(arch, tas
 def test_batches_can_carry_token_types():
     """BERT's token_type_ids reach the model (they change the output)."""
     config = config_from_arch(dict(ARCHS[1], num_labels=2))
-    model = init_random(family_for(config).build(config, "classify", ShardLayout.single(4), TPGroup.single()), 1)
+    model = init_random(family_for(config).build(config, "classify", single(config), TPGroup.single()), 1)
     b = make_batch("bert-cls")
     model.eval()
     with torch.no_grad():

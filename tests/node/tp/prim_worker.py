@@ -24,7 +24,40 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 1e-6) -> Non
     assert err <= tol * max(1.0, b.abs().max().item() if b.numel() else 0.0), (what, err)
 
 
-def check_mlp(lay: ShardLayout, group, transposed: bool) -> None:
+def unit_bounds(total: int, H: int) -> list[int]:
+    """H+1 boundaries cutting `total` into H near-equal chunks; the first `total % H` get one more."""
+    base, rem = divmod(total, H)
+    bounds = [0]
+    for u in range(H):
+        bounds.append(bounds[-1] + base + (1 if u < rem else 0))
+    return bounds
+
+
+class Cut:
+    """The job's units per rank, cutting any size near-evenly on unit boundaries (the paper's
+    tied unit) — each check below sizes its own tensors; `layout(mlp=, vocab=)` gives the
+    per-segment ShardLayout those sizes need."""
+
+    def __init__(self, units: tuple[int, ...], rank: int) -> None:
+        self.units, self.rank, self.H = units, rank, sum(units)
+
+    def slice_of(self, total: int) -> tuple[int, int]:
+        b = unit_bounds(total, self.H)
+        u0 = sum(self.units[:self.rank])
+        return b[u0], b[u0 + self.units[self.rank]]
+
+    def counts(self, total: int) -> tuple[int, ...]:
+        b, out, u = unit_bounds(total, self.H), [], 0
+        for n in self.units:
+            out.append(b[u + n] - b[u])
+            u += n
+        return tuple(out)
+
+    def layout(self, mlp: int, vocab: int) -> ShardLayout:
+        return ShardLayout(self.units, self.counts(mlp), self.counts(vocab), self.rank)
+
+
+def check_mlp(lay: Cut, group, transposed: bool) -> None:
     g = torch.Generator().manual_seed(1)
     E, I = 6, 10  # I = 10 on H = 4 units: chunks 3, 3, 2, 2
     x = torch.randn(2, 5, E, generator=g)
@@ -58,7 +91,7 @@ def check_mlp(lay: ShardLayout, group, transposed: bool) -> None:
     close(row.bias.grad, ref[3].grad, tag + " row bias grad (added once)")
 
 
-def check_embedding(lay: ShardLayout, group) -> None:
+def check_embedding(lay: Cut, group) -> None:
     g = torch.Generator().manual_seed(2)
     V, E, pad = 11, 4, 5  # 11 on 4 units: 3, 3, 3, 2
     W = torch.randn(V, E, generator=g)
@@ -69,7 +102,7 @@ def check_embedding(lay: ShardLayout, group) -> None:
     with torch.no_grad():
         ref.weight.copy_(W)
     (ref(ids) * r).sum().backward()
-    emb = VocabParallelEmbedding(V, E, lay, group, padding_idx=pad)
+    emb = VocabParallelEmbedding(V, E, lay.layout(mlp=10, vocab=V), group, padding_idx=pad)
     with torch.no_grad():
         emb.weight.copy_(W[emb.vocab_start:emb.vocab_stop])
     out = emb(ids)
@@ -78,7 +111,7 @@ def check_embedding(lay: ShardLayout, group) -> None:
     close(emb.weight.grad, ref.weight.grad[emb.vocab_start:emb.vocab_stop], "embedding grad (pad row 0)")
 
 
-def check_cross_entropy(lay: ShardLayout, group) -> None:
+def check_cross_entropy(lay: Cut, group) -> None:
     g = torch.Generator().manual_seed(3)
     V, N = 13, 9  # 13 on 4 units: 4, 3, 3, 3
     logits = 3 * torch.randn(N, V, generator=g)
@@ -99,7 +132,7 @@ def check_cross_entropy(lay: ShardLayout, group) -> None:
     assert torch.isnan(loss) and torch.isnan(F.cross_entropy(logits, all_ignored)), "0/0 like torch"
 
 
-def check_gather(lay: ShardLayout, group, dst: int) -> None:
+def check_gather(lay: Cut, group, dst: int) -> None:
     """gather_full of arbitrary tensors with fused (3-segment) and single-segment specs."""
     g = torch.Generator().manual_seed(4)
     full_a = torch.randn(5, 3 * 8, generator=g)  # fused q|k|v columns, 8 per part on 4 units
@@ -110,7 +143,7 @@ def check_gather(lay: ShardLayout, group, dst: int) -> None:
              "b": TensorSpec("B", 0, (lay.slice_of(13),), (13, 2)),
              "c": TensorSpec("C", None, (), (3,))}
     local = {k: s.take(f) for (k, s), f in zip(specs.items(), (full_a, full_b, full_c))}
-    out = gather_full(local, specs, lay, group, dst=dst)
+    out = gather_full(local, specs, lay.layout(mlp=8, vocab=13), group, dst=dst)
     if lay.rank == dst:
         assert set(out) == {"A", "B", "C"}
         for name, f in (("A", full_a), ("B", full_b), ("C", full_c)):
@@ -121,7 +154,7 @@ def check_gather(lay: ShardLayout, group, dst: int) -> None:
 
 def main() -> None:
     job, rank, group = worker_setup(sys.argv)
-    lay = ShardLayout(tuple(job["units"]), rank)
+    lay = Cut(tuple(job["units"]), rank)
     for transposed in (False, True):
         check_mlp(lay, group, transposed)
     check_embedding(lay, group)

@@ -50,7 +50,7 @@ def test_zero_width_layers_give_exact_zeros_and_empty_gradients():
     assert torch.equal(y, torch.full((2, 3, 5), 0.5))
     y.sum().backward()
     assert row.weight.grad.shape == (5, 0) and x.grad.shape == (2, 3, 0)
-    emb = VocabParallelEmbedding(7, 4, ShardLayout((0, 2), 0), g)
+    emb = VocabParallelEmbedding(7, 4, ShardLayout(attn=(1, 1), mlp=(1, 1), vocab=(0, 7), rank=0), g)
     assert emb.weight.shape == (0, 4)
     out = emb(torch.tensor([[1, 6]]))
     assert torch.equal(out, torch.zeros(1, 2, 4))
