@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from xronos.node.checkpoint import CheckpointSource, load_moments, read_meta, save_checkpoint
+from xronos.node.checkpoint import CheckpointSource, check_saved_layout, load_moments, read_meta, save_checkpoint
 from xronos.node.data import BatchSource, batch_order
 from xronos.node.jobcheck import total_steps
 from xronos.node.metrics import Rusage
@@ -153,6 +153,8 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
         raise ValueError(f"no checkpoint at step {k} in {job.checkpoint_dir} (found {resume and resume['step']})")
     config = share_json(group, read_config(cfg.model_dir) if owner else None)
     family = family_for(config)
+    if resume is not None:  # saved under any layout of this model; resumed under cfg.layout
+        check_saved_layout(resume, family.sizes(config))
     source = None
     header = torch.zeros(4, dtype=torch.long)
     if owner:
