@@ -48,7 +48,9 @@ class GatewayService:
         self.cfg = cfg
         self.table = TopicTable(cfg.base_topic)
         will = (self.table.build("gateway.availability"), "offline", True)
-        self.bus = bus or MqttBus(cfg.broker, cfg.gateway_id, will=will, table=self.table)
+        # A random part: on a broker without use_username_as_clientid nobody can guess the id and
+        # knock the gateway off by connecting with it.
+        self.bus = bus or MqttBus(cfg.broker, f"{cfg.gateway_id}-{uuid.uuid4().hex[:8]}", will=will, table=self.table)
         self.dispatcher = Dispatcher(self.bus)
         self.timeouts = timeouts or J.Timeouts(profile_s=cfg.profile_timeout_s, ack_s=cfg.ack_timeout_s)
         self.store = JobStore(cfg.state_dir)

@@ -41,7 +41,9 @@ class NodeService:
         self.table = TopicTable(cfg.base_topic)
         self.data_host = data_host or detect_data_host(cfg)
         will = (self.table.build("node.availability", node_id=self.node_id), "offline", True)
-        self.bus = bus or MqttBus(cfg.broker, f"node-{self.node_id}", will=will, table=self.table)
+        # A random part, so that the client id cannot be guessed (see the gateway).
+        self.bus = bus or MqttBus(cfg.broker, f"node-{self.node_id}-{os.urandom(4).hex()}", will=will,
+                                  table=self.table)
         self.dispatcher = Dispatcher(self.bus, node_id=self.node_id)
         self.participate = cfg.participate
         self.work = ThreadPoolExecutor(1, thread_name_prefix="node-work")
