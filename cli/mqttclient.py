@@ -7,7 +7,6 @@ import argparse
 import json
 import os
 import time
-import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from pydantic import ValidationError
 
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode
+from xronos.protocol.specfile import load_spec  # noqa: F401  (re-exported: the CLI's spec files)
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BrokerSettings, MqttBus
 
@@ -164,35 +164,6 @@ class GatewayClient:
             if state.phase in TERMINAL:
                 return state
         raise TimeoutError(f"job {job_id} did not finish within {timeout:.0f} s")
-
-
-def load_spec(path: str | Path) -> m.JobSpec:
-    """A job spec from TOML (.toml) or YAML (.yaml/.yml); errors name the file and the field."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"job spec {path}: no such file")
-    text = path.read_text()
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            doc = yaml.safe_load(text)
-        elif path.suffix == ".toml":
-            doc = tomllib.loads(text)
-        else:
-            raise ValueError(f"job spec {path}: expected a .toml, .yaml or .yml file")
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        raise ValueError(f"job spec {path}: {exc}") from None
-    except Exception as exc:  # yaml.YAMLError
-        raise ValueError(f"job spec {path}: not valid YAML: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"job spec {path}: expected a table of settings")
-    doc = doc.get("job", doc)  # either top-level keys or a [job] table
-    try:
-        return m.JobSpec.model_validate(doc)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"job spec {path}: {problems}") from None
 
 
 def format_plan(plan: dict[str, Any]) -> str:

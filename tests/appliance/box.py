@@ -93,6 +93,7 @@ class Box:
             f"mount -t overlay overlay -o lowerdir={base},upperdir={self.workdir}/upper,"
             f"workdir={self.workdir}/work {self.root}",
             f"echo {self.hostname} > {self.root}/etc/hostname",
+            f"printf '127.0.1.1\\t{self.hostname}\\n' >> {self.root}/etc/hosts",  # as Debian's installer does
             f"exec systemd-nspawn -D {self.root} --register=no --keep-unit --boot --console=passive "
             f"--machine={self.hostname} {' '.join(opts)}",
         ])
@@ -161,8 +162,10 @@ class Box:
         return res
 
     def path(self, inside: str) -> Path:
-        """A path inside the box as seen from the host (the overlay's merged tree)."""
-        return self.root / inside.lstrip("/")
+        """A path inside the box as seen from the host: through its PID 1's root (the overlay is
+        mounted only in the box's private mount namespace)."""
+        assert self.init_pid is not None
+        return Path(f"/proc/{self.init_pid}/root") / inside.lstrip("/")
 
     def write(self, inside: str, text: str, mode: int = 0o644) -> None:
         self.run(f"install -D -m {mode:o} /dev/stdin {inside}", input=text)

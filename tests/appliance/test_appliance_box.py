@@ -72,10 +72,21 @@ def box(tmp_path_factory):
     built = time.monotonic() - t0
     B.PIP_CACHE.mkdir(parents=True, exist_ok=True)
     binds_ro = tuple(d for d in ("/opt/wheels",) if os.path.isdir(d))
+    # This machine reaches PyPI through its own CA bundle (pip's cert=): the box uses the same.
+    cert = os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt"
+    if os.path.isfile(cert):
+        binds_ro += (f"{cert}:/etc/xronos-test-ca.crt",)
     with B.Box(work, HOST, binds_ro=binds_ro, binds=((B.PIP_CACHE, "/root/.cache/pip"),)) as b:
         b.start(base)
         b.timings = {"rootfs_s": built, "boot_s": time.monotonic() - t0 - built}
         b.write("/usr/bin/editor", EDITOR, mode=0o755)
+        # pip as this machine has it: its CPU torch wheel, its CA bundle, no CUDA index (the
+        # README's `sudo install.sh` keeps XRONOS_TORCH_INDEX through sudo's env_keep).
+        pip_conf = "[global]\nfind-links = /opt/wheels\n"
+        if os.path.isfile(cert):
+            pip_conf += "cert = /etc/xronos-test-ca.crt\n"
+        b.write("/etc/pip.conf", pip_conf)
+        b.write("/etc/sudoers.d/xronos-test", 'Defaults env_keep += "XRONOS_TORCH_INDEX"\n', mode=0o440)
         yield b
         print(f"\nbox timings: {json.dumps({k: round(v, 1) for k, v in b.timings.items()})}")
 
@@ -97,7 +108,7 @@ def test_install_as_the_readme_says(box):
         box.run(readme("sudo apt install mosquitto") + " -y")
         # Instead of `git clone <this repository> xronos && cd xronos`: the checkout under test.
         B.copy_checkout(REPO, box.path("/root/xronos"))
-        pip_env = {"PIP_FIND_LINKS": "/opt/wheels", "XRONOS_TORCH_INDEX": "none"}
+        pip_env = {"XRONOS_TORCH_INDEX": "none"}
         out = box.run(readme("sudo systemd/install.sh --role node"), cwd="/root/xronos", env=pip_env,
                       timeout=1500).stdout
         assert "wrote /etc/xronos/node.toml" in out and "enabled xronos-node.service" in out
