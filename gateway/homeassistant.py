@@ -20,9 +20,13 @@ from pathlib import Path
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, get_args
 
+import structlog
+
 from xronos.protocol import hastate
 from xronos.protocol.messages import Capabilities, JobState, Phase
 from xronos.protocol.topics import TopicTable
+
+log = structlog.get_logger(__name__)
 
 try:
     SW_VERSION = version("xronos")
@@ -307,6 +311,7 @@ class Actions:
     start: Callable[[Any, str], str]  # (JobSpec, spec name) -> job id
     remove_node: Callable[[str], None]
     nodes: Callable[[], list[Capabilities]]  # for discovery
+    publish: Callable[[], None] = lambda: None  # publish gateway/state now (after a command)
 
 
 class HABridge:
@@ -372,19 +377,22 @@ class HABridge:
     # --- commands -------------------------------------------------------------------------
     def _on_bad(self, text: str) -> None:
         self.last_command = f"error: {text}"
+        self.actions.publish()
 
     def _on_status(self, msg: hastate.HAStatus, _params: dict[str, str]) -> None:
         if msg == hastate.HAStatus.ONLINE:  # Home Assistant (re)started: it forgot the devices
             self.rescan()
             self.publish_discovery()
             self._published = None  # and show it the current state again
+            self.actions.publish()
 
     def _on_command(self, cmd: hastate.GatewayCommand, _params: dict[str, str]) -> None:
         try:
             self.last_command = f"{cmd.action}: {self._do(cmd)}"
         except ValueError as exc:
             self.last_command = f"{cmd.action}: error: {exc}"
-            raise  # the dispatcher logs it as a refused command
+            log.warning("Home Assistant command refused", action=cmd.action, reason=str(exc))
+        self.actions.publish()
 
     def _do(self, cmd: hastate.GatewayCommand) -> str:
         if cmd.action in BUTTONS:

@@ -62,7 +62,7 @@ class GatewayService:
             if cfg.homeassistant.enabled else None
         self.habridge = ha.HABridge(self.ha, self.bus, cfg.homeassistant.job_dir, ha.Actions(
             job_command=self._ha_job_command, start=self._ha_start, remove_node=self._remove_node,
-            nodes=self._known_caps)) if self.ha is not None else None
+            nodes=self._known_caps, publish=self._publish_ha_state)) if self.ha is not None else None
         self._state_ids: set[str] = set(self.jobs)  # jobs whose retained JobState we publish
         self._dirty: set[str] = set()
         self._saved_at = self._published_at = 0.0

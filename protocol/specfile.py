@@ -3,6 +3,7 @@ Assistant's Start button): the file's keys are a JobSpec, at top level or under 
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -11,6 +12,22 @@ from pydantic import ValidationError
 from . import messages as m
 
 MAX_SPEC_BYTES = 64 * 1024
+# YAML 1.1 (PyYAML) reads `lr: 1e-4` as the string "1e-4"; YAML 1.2 and TOML read a number.
+_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+def _yaml_load(text: str):
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+    return yaml.load(text, Loader=Loader)  # noqa: S506  (a SafeLoader subclass)
 SUFFIXES = (".toml", ".yaml", ".yml")
 
 
@@ -29,9 +46,7 @@ def load_spec(path: str | Path) -> m.JobSpec:
         raise ValueError(f"job spec {path}: cannot read: {exc}") from None
     try:
         if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            doc = yaml.safe_load(text)
+            doc = _yaml_load(text)
         else:
             doc = tomllib.loads(text)
     except (tomllib.TOMLDecodeError, ValueError) as exc:

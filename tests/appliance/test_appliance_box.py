@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 import sys
 import textwrap
@@ -157,7 +158,8 @@ def test_install_as_the_readme_says(box):
         lines[at:at] = ["[Service]\\n", "ReadWritePaths=/srv/xronos\\n", "\\n"]
         open(path, "w").write("".join(lines))
     """)
-    box.run(readme("sudo systemctl edit xronos-node"))
+    # `systemctl edit` insists on a terminal: give it one (script(1)), as a person's shell has.
+    box.run(f"script -qec {shlex.quote(readme('sudo systemctl edit xronos-node'))} /dev/null")
     assert "ReadWritePaths=/srv/xronos" in box.run("systemctl cat xronos-node").stdout
 
 
