@@ -45,8 +45,10 @@ exec(open("/root/next-edit").read())
 
 
 def readme(cmd: str) -> str:
-    """A README command line, checked to be in the README as written (comment included)."""
-    assert any(line.strip().startswith(cmd) for line in README.splitlines()), f"not in the README: {cmd!r}"
+    """A README command, checked to be in the README as written: a line of a code block, or a
+    command in backquotes in the text."""
+    lines = any(line.strip().startswith(cmd) for line in README.splitlines())
+    assert lines or f"`{cmd}`" in README, f"not in the README: {cmd!r}"
     return cmd
 
 
@@ -186,7 +188,9 @@ def _make_job(box: B.Box) -> None:
         export_dir = "/srv/xronos/exports/box-tiny"
         """)
     box.write("/srv/xronos/job.toml", spec)
-    box.write("/etc/xronos/jobs/box-tiny.toml", spec)
+    # The same job for Home Assistant's Start button (README "Starting a job from Home Assistant").
+    box.write("/etc/xronos/jobs/box-tiny.toml", spec.replace('name = "box-tiny"', 'name = "box-ha"')
+              .replace("exports/box-tiny", "exports/box-ha"))
 
 
 def test_services_start_and_a_job_completes_under_the_sandbox(box):
@@ -218,6 +222,21 @@ def test_services_start_and_a_job_completes_under_the_sandbox(box):
     assert not box.path("/.cache").exists() and not box.path("/root/.cache/huggingface").exists()
     assert any(box.path("/var/cache/xronos-node/huggingface/datasets").iterdir())
     assert "Read-only file system" not in journal
+
+
+def test_home_assistant_starts_a_job_from_job_dir(box):
+    """What Home Assistant's Start button sends (as the homeassistant MQTT user), and the state it reads."""
+    ha = f"-h 127.0.0.1 -u homeassistant -P {PASSWORDS['homeassistant']}"
+    state = lambda: json.loads(box.run(f"mosquitto_sub {ha} -t xronos/gateway/state -C 1 -W 10").stdout)  # noqa: E731
+    discovery = json.loads(box.run(f"mosquitto_sub {ha} -t homeassistant/device/xronos_gateway/config -C 1 -W 10").stdout)
+    assert discovery["cmps"]["job_spec"]["options"] == ["box-tiny"]
+    box.run(f"mosquitto_pub {ha} -t xronos/gateway/set -m '{discovery['cmps']['start']['payload_press']}'")
+    done = box.wait_for("the job started from Home Assistant to end", lambda: (
+        lambda s: s["job_name"] == "box-ha" and s["phase"] in ("completed", "failed", "cancelled") and s)(state()),
+        timeout=600, every=3)
+    assert done["phase"] == "completed" and done["steps"] == "6 / 6", done
+    assert done["last_command"].startswith("start: submitted box-tiny as box-ha-")
+    assert box.path("/srv/xronos/exports/box-ha/model.safetensors").exists()
 
 
 def test_a_wrong_cli_password_says_not_authorised(box):
