@@ -166,6 +166,7 @@ def test_home_assistant_presses_pause_on_a_real_broker(mqtt_broker):
     bus.subscribe(CTX.status_topic)
     for topic, payload in ha.discovery_messages(CTX, [caps("pi5", 50.0)]):
         bus.publish(topic, payload, retain=True)
+    bus._last_info.wait_for_publish(10)  # stored by the broker (PUBACK) before HA subscribes
     home = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="ha-test-home")
     inbox: queue.Queue[tuple[str, bytes, bool]] = queue.Queue()
     home.on_message = lambda c, u, m: inbox.put((m.topic, m.payload, m.retain))
