@@ -8,7 +8,8 @@
 # ROLE is one of
 #   gateway        the Xronos gateway: all of {base}/#, writes Home Assistant discovery
 #   node           a node; NAME must equal node_id in its node.toml: only {base}/node/NAME/#
-#   homeassistant  Home Assistant: reads {base}/#, writes only the command topics .../set
+#   homeassistant  Home Assistant: reads {base}/#, writes only the command topics .../set, and
+#                  its own discovery tree homeassistant/# (reads discovery, writes its status)
 #   cli            a person or script running `xronos job|nodes`: reads {base}/#, sends requests
 #   keep           an existing user of the broker (zigbee2mqtt, ...) keeps the full access it had
 #                  before the broker had an ACL file (`readwrite #` and `read $SYS/#`); no password
@@ -61,7 +62,7 @@ block() {
     case "$ROLE" in
         gateway) printf 'topic readwrite %s/#\ntopic write homeassistant/device/#\ntopic read homeassistant/status\n' "$BASE" ;;
         node) printf 'topic readwrite %s/node/%s/#\ntopic read %s/gateway/availability\n' "$BASE" "$NAME" "$BASE" ;;
-        homeassistant) printf 'topic read %s/#\ntopic write %s/gateway/set\ntopic write %s/node/+/set\n' "$BASE" "$BASE" "$BASE" ;;
+        homeassistant) printf 'topic read %s/#\ntopic write %s/gateway/set\ntopic write %s/node/+/set\ntopic readwrite homeassistant/#\n' "$BASE" "$BASE" "$BASE" ;;
         cli) printf 'topic read %s/#\ntopic write %s/gateway/request/#\n' "$BASE" "$BASE" ;;
         keep) printf 'topic readwrite #\ntopic read $SYS/#\n' ;;
     esac

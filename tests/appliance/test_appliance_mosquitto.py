@@ -169,6 +169,10 @@ def test_home_assistant_and_the_cli_cannot_act_as_nodes(clients):
     assert cli.publish("xronos/gateway/set", b'{"action": "pause"}') == NOT_AUTHORIZED
     assert cli.publish("xronos/gateway/request/nodes/list", b"{}") == 0
     assert ha.publish("xronos/gateway/request/job/submit", b"{}") == NOT_AUTHORIZED
+    assert ha.publish("homeassistant/status", b"online") in (0, 16)  # its birth message (16: nobody listens)
+    ha.subscribe("homeassistant/device/+/config")
+    assert gateway.publish("homeassistant/device/xronos_gateway/config", b"{}") == 0  # discovery
+    assert ha.received_until("homeassistant/device/xronos_gateway/config")[-1][1] == b"{}"
     got = gateway.received_until("xronos/gateway/request/nodes/list")
     assert got == [("xronos/gateway/request/nodes/list", b"{}")]
 
