@@ -67,8 +67,11 @@ def port_free(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def box(tmp_path_factory):
-    if not port_free(1883):
-        pytest.fail("port 1883 is taken on this machine: the box's Mosquitto shares the host network")
+    deadline = time.monotonic() + 60  # a box of an earlier run may still be powering off
+    while not port_free(1883):
+        if time.monotonic() > deadline:
+            pytest.fail("port 1883 is taken on this machine: the box's Mosquitto shares the host network")
+        time.sleep(1)
     work = tmp_path_factory.mktemp("box")
     t0 = time.monotonic()
     base = B.rootfs(log=work / "debootstrap.log")
