@@ -46,11 +46,29 @@ def configure_client_logging() -> None:
     structlog.configure(
         processors=[structlog.stdlib.add_log_level, plain],
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # sys.stderr as it is when a line is written (tests swap it), not when configured.
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=logging.WARNING, format="xronos: %(levelname)s: %(name)s: %(message)s",
-                        stream=sys.stderr)
+    root = logging.getLogger()
+    if not any(h.get_name() == "xronos-client" for h in root.handlers):
+        handler = _StderrHandler()
+        handler.set_name("xronos-client")
+        handler.setFormatter(logging.Formatter("xronos: %(levelname)s: %(name)s: %(message)s"))
+        handler.setLevel(logging.WARNING)
+        root.addHandler(handler)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler on whatever sys.stderr is at the time of each record."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
 
 
 def build_parser() -> argparse.ArgumentParser:
