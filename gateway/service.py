@@ -402,6 +402,7 @@ class GatewayService:
             self.bus.publish(self.table.build("job.state", job_id=job_id), b"", retain=True)
             self._state_ids.discard(job_id)
 
+
 def _nodes_of(job: J.Job) -> set[str]:
     entries = (job.plan or {}).get("entries") or []
     return {e.get("node_id") for e in entries if isinstance(e, dict)} | {job.owner}

@@ -138,7 +138,7 @@ def test_install_as_the_readme_says(box):
 
     # The devices' configs, edited as the README says (the gateway and the node share this box,
     # so one /etc/xronos/mqtt_password serves both: the gateway and node users got one password).
-    edit(box, f"""
+    edit(box, """
         text = open(path).read()
         text = text.replace('# username = "xbox"', 'username = "xbox"')
         text = text.replace('# allowed_dirs = ["/var/lib/xronos-node"]', 'allowed_dirs = ["/srv/xronos"]')

@@ -14,7 +14,6 @@ from __future__ import annotations
 import queue
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
