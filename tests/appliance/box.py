@@ -130,16 +130,26 @@ class Box:
                 return pid
         return None
 
-    def stop(self, timeout: float = 60.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        if self.init_pid is not None:  # an orderly poweroff, as systemd-nspawn does on SIGTERM
-            self.run("systemctl poweroff --no-block", check=False, timeout=20)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+    def stop(self, timeout: float = 90.0) -> None:
+        """Power the box off (SIGKILL if it does not go), then drop its overlay's upper layer
+        (the installed venv: over a GB). Never raises: it runs in teardown."""
+        if self.proc is not None and self.proc.poll() is None:
+            if self.init_pid is not None:  # an orderly poweroff, as systemd-nspawn does on SIGTERM
+                try:
+                    self.run("systemctl poweroff --no-block", check=False, timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(60)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+        if self.proc is not None and self.proc.poll() is not None:
+            shutil.rmtree(self.workdir / "upper", ignore_errors=True)
+            shutil.rmtree(self.workdir / "work", ignore_errors=True)
 
     def __enter__(self) -> Box:
         return self

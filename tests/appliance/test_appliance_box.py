@@ -284,8 +284,9 @@ def test_a_bad_config_is_refused_once_without_a_restart_loop(box):
 
 
 def test_uninstall(box):
-    box.run(readme("sudo systemd/install.sh --role node --uninstall"), cwd="/root/xronos")
-    box.run("sudo systemd/install.sh --role gateway --uninstall", cwd="/root/xronos")
+    box.run(readme("sudo systemd/install.sh --role node --uninstall"), cwd="/root/xronos", timeout=900)
+    # The last role removes the venv (torch included: tens of thousands of files).
+    box.run("sudo systemd/install.sh --role gateway --uninstall", cwd="/root/xronos", timeout=900)
     res = box.run("systemctl status xronos-node xronos-gateway --no-pager", check=False)
     assert res.returncode == 4 and "could not be found" in res.stderr, res.stderr
     assert not box.path("/etc/xronos/node.toml").exists() and not box.path("/opt/xronos").exists()

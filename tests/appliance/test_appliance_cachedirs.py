@@ -29,7 +29,7 @@ def _run(tmp_path, mode: str, extra_env: dict[str, str]):
     # run as root, for whom a read-only permission bit means nothing).
     env.update(HOME="/dev/null", **extra_env)
     return subprocess.run([sys.executable, "-c", READ, str(tmp_path / "state"), mode, str(data)],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=900, env=env)
 
 
 def test_datasets_without_a_writable_home_fail_unless_the_cache_is_set(tmp_path):
