@@ -1,5 +1,9 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Each sets itself up.
-PYTHON ?= python3.11
+# Any Python >= 3.11 on PATH: the first of python3.11, python3.12, python3.13, python3.14, python3
+# that is new enough (or PYTHON=... to choose).
+PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3.14 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+	&& { echo $$p; break; }; done)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -8,21 +12,27 @@ STAMP  := $(VENV)/.installed
 
 # A venv with pinned installs; redone when the project's requirements change.
 $(STAMP): pyproject.toml requirements.lock
-	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
+	@[ -n "$(PYTHON)" ] || { echo "need Python >= 3.11 on PATH (python3.11 ... python3), or PYTHON=/path/to/python"; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "$(PYTHON) is older than Python 3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c requirements.lock -e '.[node,broker,bench,test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-# Integration tests run against a real Mosquitto. Install it from Debian's packages when it
-# is missing and we are root; otherwise the tests fall back to amqtt and say so.
+# Integration tests run against a real Mosquitto, and the appliance test boots a Debian box with
+# systemd-nspawn (tests/appliance/test_appliance_box.py). Install what is missing from Debian's
+# packages when we are root; otherwise the tests fall back to amqtt / skip the box, and say so.
+SYSTEM_PKGS := mosquitto:mosquitto mosquitto_passwd:mosquitto-clients systemd-nspawn:systemd-container \
+	debootstrap:debootstrap
 system-deps:
-	@if command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ]; then :; \
+	@missing=""; for pair in $(SYSTEM_PKGS); do cmd=$${pair%%:*}; pkg=$${pair#*:}; \
+		command -v $$cmd >/dev/null || [ -x /usr/sbin/$$cmd ] || missing="$$missing $$pkg"; done; \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing mosquitto from Debian packages"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null; \
-	else echo "mosquitto not found and cannot be installed here: integration tests will use amqtt"; fi
+		echo "installing$$missing from Debian packages"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else echo "not installed and cannot be installed here:$$missing (MQTT tests use amqtt, the box test is skipped)"; fi
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest

@@ -16,12 +16,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from xronos.cli.service import config_or_exit
     from xronos.gateway.config import load_config
     from xronos.gateway.service import GatewayService
+    from xronos.protocol import cachedirs
     from xronos.protocol.logsetup import configure_logging
 
-    cfg = load_config(args.config)
+    cfg = config_or_exit("gateway", load_config, args.config)  # a bad file: one line, exit 78
     configure_logging(cfg.log_level)
+    cachedirs.apply(cfg.state_dir)
     service = GatewayService(cfg)
 
     def stop(*_: object) -> None:

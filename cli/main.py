@@ -10,10 +10,65 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 # Only subcommands that exist are listed here; a later feature adds its module name.
 SUBCOMMANDS: tuple[str, ...] = ("plan", "broker", "run", "profile", "node", "gateway", "job", "nodes", "demo", "bench")
+# Services log JSON lines for the journal (they configure that themselves). The client commands
+# talk to a person: their own output on stdout, and only library warnings, as plain text, on stderr.
+CLIENTS = ("job", "nodes", "demo")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("xronos")
+    except PackageNotFoundError:  # a bare checkout on PYTHONPATH
+        return "0+unknown"
+
+
+def configure_client_logging() -> None:
+    """Plain `warning: event key=value` lines on stderr for the library logs of client commands."""
+    import structlog
+
+    def plain(_logger, method: str, event: dict) -> str:
+        text = str(event.pop("event", ""))
+        if text == "mqtt.connect_refused":  # the command itself says why, in words
+            raise structlog.DropEvent
+        event.pop("timestamp", None)
+        level = event.pop("level", method)
+        extra = " ".join(f"{k}={v}" for k, v in event.items() if not k.startswith("_"))
+        return f"xronos: {level}: {text}" + (f" ({extra})" if extra else "")
+
+    structlog.configure(
+        processors=[structlog.stdlib.add_log_level, plain],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        # sys.stderr as it is when a line is written (tests swap it), not when configured.
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    root = logging.getLogger()
+    if not any(h.get_name() == "xronos-client" for h in root.handlers):
+        handler = _StderrHandler()
+        handler.set_name("xronos-client")
+        handler.setFormatter(logging.Formatter("xronos: %(levelname)s: %(name)s: %(message)s"))
+        handler.setLevel(logging.WARNING)
+        root.addHandler(handler)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler on whatever sys.stderr is at the time of each record."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="xronos",
         description="Heterogeneity-aware tensor-parallel fine-tuning on CPU edge devices.",
     )
+    parser.add_argument("--version", action="version", version=f"xronos {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(f"xronos.cli.{name}").register(sub)
@@ -33,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.command in CLIENTS:
+        configure_client_logging()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

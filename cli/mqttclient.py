@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
-import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode
+from xronos.protocol.specfile import load_spec  # noqa: F401  (re-exported: the CLI's spec files)
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BrokerSettings, MqttBus
 
@@ -33,18 +34,62 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
 
 
 def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
+    """Broker settings from --config's [broker] and the command line (which wins).
+
+    A service's config names a username but no password file: its service gets the password as a
+    systemd credential from /etc/xronos/mqtt_password. Outside systemd the CLI uses that same
+    file (the config's directory, `mqtt_password`) when it can read it, and says so when not,
+    instead of connecting without a password and being refused.
+    """
+    from xronos.protocol.configfile import credential_password_file, read_toml
+
     fields: dict[str, Any] = {}
     base = "xronos"
     if args.config:
-        from xronos.protocol.configfile import read_toml
-
         doc = read_toml(args.config)
         fields = dict(doc.get("broker", {}))
         base = doc.get("base_topic", base)
     for opt, key in (("host", "host"), ("port", "port"), ("username", "username"), ("password_file", "password_file")):
         if getattr(args, opt) is not None:
             fields[key] = getattr(args, opt)
-    return BrokerSettings(**fields), args.base_topic or base
+    if fields.get("username") and not fields.get("password_file"):
+        beside = Path(args.config).parent / "mqtt_password" if args.config else None
+        found = credential_password_file() or beside
+        if found is not None and found.exists():
+            if not os.access(found, os.R_OK):
+                raise ValueError(f"broker user {fields['username']!r} needs its password: {found} is not readable "
+                                 f"by you (run with sudo, or pass --password-file FILE)")
+            fields["password_file"] = found
+        elif args.config:
+            raise ValueError(f"{args.config}: broker.username {fields['username']!r} is set but no password file: "
+                             "pass --password-file FILE")
+    if fields.get("password_file"):
+        pf = Path(fields["password_file"])
+        try:
+            pf.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"--password-file {pf}: cannot read: {exc.strerror}") from None
+    try:
+        return BrokerSettings(**fields), args.base_topic or base
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"broker settings: {problems}") from None
+
+
+class NotAuthorised(ValueError):
+    """The broker refused the connection: wrong user name or password, or not allowed."""
+
+
+def _refusal_text(reason: Any) -> str | None:
+    """The broker's CONNACK refusal in words a person can act on, or None if it is not one."""
+    text = str(reason)
+    value = getattr(reason, "value", None)
+    if value in (4, 5, 134, 135) or "user name or password" in text.lower() or "not authori" in text.lower():
+        return ("not authorised: the broker refused this user name and password (check --username and "
+                f"--password-file, and that the broker has this user) [{text}]")
+    if value in (2, 133) or "identifier" in text.lower():
+        return f"the broker refused the client id [{text}]"
+    return None
 
 
 class GatewayClient:
@@ -53,6 +98,16 @@ class GatewayClient:
     def __init__(self, settings: BrokerSettings, base: str = "xronos") -> None:
         self.table = TopicTable(base)
         self.bus = MqttBus(settings, f"cli-{uuid.uuid4().hex[:8]}", table=self.table)
+        self.refused: str | None = None
+        inner = self.bus.client.on_connect
+
+        def on_connect(client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+            if getattr(reason, "is_failure", False):
+                self.refused = _refusal_text(reason) or f"the broker refused the connection: {reason}"
+                client.disconnect()  # a person waits: say so instead of retrying in the background
+            inner(client, userdata, flags, reason, props)
+
+        self.bus.client.on_connect = on_connect
         self.bus.subscribe(self.table.filter("gateway.response"))
         self.bus.start()
 
@@ -65,10 +120,20 @@ class GatewayClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _wait_connected(self, timeout: float) -> None:
+        where = f"{self.bus.settings.host}:{self.bus.settings.port}"
+        user = self.bus.settings.username
+        deadline = time.monotonic() + timeout
+        while not self.bus.wait_connected(0.1):
+            if self.refused:
+                who = f" as user {user!r}" if user else " without a user name"
+                raise NotAuthorised(f"MQTT broker at {where}{who}: {self.refused}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cannot reach the MQTT broker at {where} (no answer within {timeout:.0f} s)")
+
     def request(self, name: str, timeout: float, **fields: Any) -> dict[str, Any] | list[Any]:
         """The response's data; ValueError with the gateway's error text, TimeoutError if silent."""
-        if not self.bus.wait_connected(min(timeout, 10.0)):
-            raise TimeoutError(f"cannot reach the MQTT broker at {self.bus.settings.host}:{self.bus.settings.port}")
+        self._wait_connected(min(timeout, 10.0))
         txn = uuid.uuid4().hex
         req = m.REQUEST_MODELS[name](transaction=txn, **fields)
         self.bus.publish(self.table.build(f"gateway.request.{name}"), req.model_dump_json())
@@ -99,35 +164,6 @@ class GatewayClient:
             if state.phase in TERMINAL:
                 return state
         raise TimeoutError(f"job {job_id} did not finish within {timeout:.0f} s")
-
-
-def load_spec(path: str | Path) -> m.JobSpec:
-    """A job spec from TOML (.toml) or YAML (.yaml/.yml); errors name the file and the field."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"job spec {path}: no such file")
-    text = path.read_text()
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            doc = yaml.safe_load(text)
-        elif path.suffix == ".toml":
-            doc = tomllib.loads(text)
-        else:
-            raise ValueError(f"job spec {path}: expected a .toml, .yaml or .yml file")
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        raise ValueError(f"job spec {path}: {exc}") from None
-    except Exception as exc:  # yaml.YAMLError
-        raise ValueError(f"job spec {path}: not valid YAML: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"job spec {path}: expected a table of settings")
-    doc = doc.get("job", doc)  # either top-level keys or a [job] table
-    try:
-        return m.JobSpec.model_validate(doc)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"job spec {path}: {problems}") from None
 
 
 def format_plan(plan: dict[str, Any]) -> str:

@@ -31,6 +31,9 @@ class HomeAssistantSettings(BaseModel):
 
     enabled: bool = True
     discovery_prefix: TopicPrefix = "homeassistant"  # HA's birth message is {prefix}/status
+    # Job specs (*.toml, *.yaml) Home Assistant may start: its "Job spec" select lists them by file
+    # name and its "Start job" button submits the selected one. A missing directory = none.
+    job_dir: AbsPath | None = Path("/etc/xronos/jobs")
 
 
 class GatewayConfig(BaseModel):

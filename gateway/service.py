@@ -30,7 +30,7 @@ from xronos.gateway.planner import InfeasiblePlan
 from xronos.gateway.profiles import Loaded, plan_message, plan_reports
 from xronos.gateway.progress import state_view
 from xronos.gateway.store import JobStore
-from xronos.protocol import hastate, sdnotify
+from xronos.protocol import sdnotify
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import DEFER, Dispatcher, RequestError
 from xronos.protocol.topics import TopicTable
@@ -46,9 +46,11 @@ class GatewayService:
     def __init__(self, cfg: GatewayConfig, bus: BusBase | None = None,
                  timeouts: J.Timeouts | None = None) -> None:
         self.cfg = cfg
-        self.table = TopicTable(cfg.base_topic)
+        self.table = TopicTable(cfg.base_topic, cfg.homeassistant.discovery_prefix)
         will = (self.table.build("gateway.availability"), "offline", True)
-        self.bus = bus or MqttBus(cfg.broker, cfg.gateway_id, will=will, table=self.table)
+        # A random part: on a broker without use_username_as_clientid nobody can guess the id and
+        # knock the gateway off by connecting with it.
+        self.bus = bus or MqttBus(cfg.broker, f"{cfg.gateway_id}-{uuid.uuid4().hex[:8]}", will=will, table=self.table)
         self.dispatcher = Dispatcher(self.bus)
         self.timeouts = timeouts or J.Timeouts(profile_s=cfg.profile_timeout_s, ack_s=cfg.ack_timeout_s)
         self.store = JobStore(cfg.state_dir)
@@ -58,7 +60,10 @@ class GatewayService:
         self.requests: dict[str, tuple[str, str]] = {}  # request id -> (job id, node id)
         self.ha = ha.HAContext(cfg.base_topic, cfg.gateway_id, cfg.homeassistant.discovery_prefix) \
             if cfg.homeassistant.enabled else None
-        self.last_command: str | None = None
+        self.habridge = ha.HABridge(self.ha, self.bus, cfg.homeassistant.job_dir, ha.Actions(
+            job_command=self._ha_job_command, start=self._ha_start, remove_node=self._remove_node,
+            nodes=self._known_caps, publish=self._publish_ha_state)) if self.ha is not None else None
+        self._state_ids: set[str] = set(self.jobs)  # jobs whose retained JobState we publish
         self._dirty: set[str] = set()
         self._saved_at = self._published_at = 0.0
         self.stopping = False
@@ -76,9 +81,9 @@ class GatewayService:
                          ("job/cancel", self._req_command), ("nodes/list", self._req_nodes),
                          ("plan/preview", self._req_preview)):
             d.on(f"gateway.request.{name}", fn)
-        if self.ha is not None:
-            self.bus.subscribe(self.ha.status_topic)
-            self.bus.subscribe(self.ha.topic(hastate.GATEWAY_SET))
+        d.on("job.state", self._on_job_state)  # retained states of jobs this gateway no longer has
+        if self.habridge is not None:
+            self.habridge.register(d)
         self.bus.on_connect(self._announce)
         self.bus.start()
         for job_id, job in list(self.jobs.items()):
@@ -89,11 +94,11 @@ class GatewayService:
         self._discovery()
 
     def _discovery(self) -> None:
-        if self.ha is None:
-            return
-        nodes = [m.Capabilities(**n.capabilities) for n in self.reg.values() if n.capabilities]
-        for topic, payload in ha.discovery_messages(self.ha, nodes):
-            self.bus.publish(topic, payload, retain=True)
+        if self.habridge is not None:
+            self.habridge.publish_discovery()
+
+    def _known_caps(self) -> list[m.Capabilities]:
+        return [m.Capabilities(**n.capabilities) for n in self.reg.values() if n.capabilities]
 
     def run(self) -> None:
         self.start()
@@ -110,11 +115,9 @@ class GatewayService:
     def step(self, timeout: float) -> None:
         item = self.bus.get(timeout)
         if item is not None:
-            topic, payload = item
-            if self.ha is not None and topic in (self.ha.status_topic, self.ha.topic(hastate.GATEWAY_SET)):
-                self._on_ha(topic, payload)
-            else:
-                self.dispatcher.dispatch(topic, payload)
+            self.dispatcher.dispatch(*item)
+        if self.habridge is not None:
+            self.habridge.tick()
         for job_id, job in list(self.jobs.items()) + list(self.previews.items()):
             if job.phase not in J.TERMINAL:
                 self._event(job_id, J.Tick())
@@ -162,8 +165,10 @@ class GatewayService:
                 job = self.jobs.get(job_id)
                 if job is not None:
                     self.bus.publish_message(m.JobState(**state_view(job)), job_id=job_id)
+                    self._state_ids.add(job_id)
                 self._dirty.discard(job_id)
             self._published_at = now
+            self._clear_pruned()
             self._publish_ha_state()
         if force or now - self._saved_at > SAVE_EVERY_S:
             self.store.save(self.jobs)
@@ -172,6 +177,8 @@ class GatewayService:
     # --- effects -------------------------------------------------------------------------------
     def _do(self, e: J.Effect) -> None:
         if isinstance(e, J.Respond):
+            if self.habridge is not None and e.name == "job/submit" and not e.ok:
+                self.habridge.refused(e.error)  # Home Assistant's "Last error" shows why
             self.bus.publish_message(m.GatewayResponse(status="ok" if e.ok else "error", data=e.data,
                                                        error=e.error, transaction=e.transaction), name=e.name)
         elif isinstance(e, J.Inspect):
@@ -344,34 +351,61 @@ class GatewayService:
         return max(live or self.jobs.values(), key=lambda j: j.created_at)
 
     def _publish_ha_state(self) -> None:
-        if self.ha is None:
+        if self.habridge is None:
             return
         job = self._current()
         online = sum(1 for n in self.reg.values() if n.online)
-        st = ha.gateway_state(m.JobState(**state_view(job)) if job else None, nodes_online=online,
-                              now=time.time(), last_command=self.last_command)
-        self.bus.publish(self.ha.topic(hastate.GATEWAY_STATE), st.model_dump_json(), retain=True)
+        self.habridge.publish_state(m.JobState(**state_view(job)) if job else None,
+                                    job.created_at if job else None, online)
 
-    def _on_ha(self, topic: str, payload: bytes) -> None:
-        assert self.ha is not None
-        if ha.is_ha_online(self.ha, topic, payload):
-            self._discovery()
-            return
-        if topic != self.ha.topic(hastate.GATEWAY_SET):
-            return
-        try:
-            cmd = hastate.parse_command(hastate.GatewayCommand, payload, topic)
-            job = self._current()
-            if job is None or job.phase in J.TERMINAL:
-                raise ValueError(f"no unfinished job to {cmd.action}")
-        except ValueError as exc:
-            self.last_command = f"error: {exc}"[:200]
-            log.warning("bad Home Assistant command", detail=str(exc))
-        else:
-            self._event(job.job_id, J.Command(cmd.action, None))
-            after = self.jobs[job.job_id]
-            self.last_command = f"{cmd.action}: {after.phase}"
-        self._publish_ha_state()
+    def _ha_job_command(self, action: str) -> str:
+        job = self._current()
+        if job is None or job.phase in J.TERMINAL:
+            raise ValueError(f"no unfinished job to {action}")
+        self._event(job.job_id, J.Command(action, None))
+        return self.jobs[job.job_id].phase
+
+    def _ha_start(self, spec: m.JobSpec, name: str) -> str:
+        job_id = self._new_id(spec.name)
+        log.info("job started from Home Assistant", spec=name, job=job_id)
+        self._run(job_id, J.new_job(job_id, spec.model_dump(mode="json"), None, self._ctx(job_id)))
+        return job_id
+
+    def _remove_node(self, node_id: str) -> None:
+        """Forget a retired node: its registry entry, its retained topics (or its capabilities
+        would bring it back on the next start) and its Home Assistant device."""
+        node = self.reg.get(node_id)
+        if node is None:
+            raise ValueError(f"unknown node {node_id!r}")
+        if node.online:
+            raise ValueError(f"node {node_id!r} is online: stop its service first")
+        users = [j.job_id for j in self.jobs.values() if j.phase not in J.TERMINAL and node_id in _nodes_of(j)]
+        if users:
+            raise ValueError(f"node {node_id!r} is in unfinished job {users[0]}")
+        self.reg = {k: v for k, v in self.reg.items() if k != node_id}
+        for key in ("node.availability", "node.capabilities", "node.job", "node.ha_state"):
+            self.bus.publish(self.table.build(key, node_id=node_id), b"", retain=True)
+        if self.ha is not None:
+            self.bus.publish(*ha.node_removal(self.ha, node_id), retain=True)
+        log.info("node removed", node=node_id)
+
+    def _on_job_state(self, _msg: m.JobState, params: dict[str, str]) -> None:
+        """A retained state of a job this gateway does not have (pruned, or jobs.json replaced):
+        clear it, or the CLI and Home Assistant would show it forever."""
+        job_id = params["job_id"]
+        if job_id not in self.jobs and job_id not in self.previews:
+            self.bus.publish(self.table.build("job.state", job_id=job_id), b"", retain=True)
+
+    def _clear_pruned(self) -> None:
+        """Jobs dropped from the table since their state was published: clear that state."""
+        for job_id in sorted(self._state_ids - set(self.jobs)):
+            self.bus.publish(self.table.build("job.state", job_id=job_id), b"", retain=True)
+            self._state_ids.discard(job_id)
+
+
+def _nodes_of(job: J.Job) -> set[str]:
+    entries = (job.plan or {}).get("entries") or []
+    return {e.get("node_id") for e in entries if isinstance(e, dict)} | {job.owner}
 
 
 def _summary(job: J.Job) -> dict[str, Any]:

@@ -13,6 +13,7 @@ running rank (that is how a recovery re-plans); another job while one runs is re
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import socket
@@ -24,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from xronos.node import participation
 from xronos.node.config import NodeConfig, detect_data_host
 from xronos.node.jobcheck import assignment_problem
 from xronos.protocol import hastate, sdnotify
@@ -42,9 +44,11 @@ class NodeService:
         self.table = TopicTable(cfg.base_topic)
         self.data_host = data_host or detect_data_host(cfg)
         will = (self.table.build("node.availability", node_id=self.node_id), "offline", True)
-        self.bus = bus or MqttBus(cfg.broker, f"node-{self.node_id}", will=will, table=self.table)
+        # A random part, so that the client id cannot be guessed (see the gateway).
+        self.bus = bus or MqttBus(cfg.broker, f"node-{self.node_id}-{os.urandom(4).hex()}", will=will,
+                                  table=self.table)
         self.dispatcher = Dispatcher(self.bus, node_id=self.node_id)
-        self.participate = cfg.participate
+        self.participate = participation.load(cfg.state_dir, cfg.participate)  # HA's last choice wins
         self.work = ThreadPoolExecutor(1, thread_name_prefix="node-work")
         self.outbox: queue.Queue[Any] = queue.Queue()  # messages the worker thread wants published
         self.assignment: m.Assignment | None = None
@@ -55,7 +59,7 @@ class NodeService:
         self.stopping = threading.Event()
         self.state_dir = Path(cfg.state_dir)
         self._caps_at = 0.0
-        self._set_topic = self.table.base + "/" + hastate.NODE_SET.format(node_id=self.node_id)
+        self._ha_published: hastate.NodeHAState | None = None
 
     # --- wiring --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -64,7 +68,7 @@ class NodeService:
         self.dispatcher.on("node.inspect_request", self._on_inspect, **own)
         self.dispatcher.on("node.assignment", self._on_assignment, **own)
         self.dispatcher.on("node.control", self._on_control, **own)
-        self.bus.subscribe(self._set_topic)
+        self.dispatcher.on("node.set", self._on_ha_command, **own)  # Home Assistant's switch
         self.bus.on_connect(self._announce)
         self.bus.start()
         self.work.submit(_warm_up)
@@ -75,7 +79,7 @@ class NodeService:
         self._publish_caps()
         if self.status is not None:
             self.bus.publish_message(self.status, node_id=self.node_id)
-        self._publish_ha()
+        self._publish_ha(force=True)
 
     def _publish_caps(self) -> None:
         from xronos.node.capabilities import probe
@@ -83,19 +87,23 @@ class NodeService:
         self._caps_at = time.monotonic()
         self.bus.publish_message(probe(self.node_id, self.data_host, self.participate), node_id=self.node_id)
 
-    def _publish_ha(self) -> None:
+    def _publish_ha(self, force: bool = False) -> None:
+        """node/<id>/state for Home Assistant, only when something but its timestamp changed."""
         from xronos.node.capabilities import cpu_temperature
 
         a = self.assignment if self.status and self.status.status in ("accepted", "running", "paused") else None
         compute, idle = self.last_shares or (None, None)
+        share = hastate.node_share(a)
+        temp = cpu_temperature()
         st = hastate.NodeHAState(
-            participate=self.participate, job_id=a.job_id if a else None, units=a.layout.attn[a.rank] if a else None,
-            units_total=sum(a.layout.attn) if a else None,
-            ratio_pct=100.0 * a.layout.share("attn", a.rank) if a else None,
+            participate=self.participate, job_id=a.job_id if a else None, **share,
             compute_pct=compute if a else None, idle_pct=idle if a else None,
-            cpu_temp_c=cpu_temperature(), updated_at=time.time())
-        topic = self.table.base + "/" + hastate.NODE_STATE.format(node_id=self.node_id)
-        self.bus.publish(topic, st.model_dump_json(), retain=True)
+            cpu_temp_c=round(temp, 1) if temp is not None and math.isfinite(temp) else None,
+            updated_at=time.time())
+        if not force and hastate.same_state(st, self._ha_published):
+            return
+        self.bus.publish_message(st, node_id=self.node_id)
+        self._ha_published = st
 
     # --- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -114,11 +122,7 @@ class NodeService:
         """One turn of the control loop (tests drive it directly)."""
         item = self.bus.get(timeout)
         if item is not None:
-            topic, payload = item
-            if topic == self._set_topic:
-                self._on_ha_command(payload)
-            else:
-                self.dispatcher.dispatch(topic, payload)
+            self.dispatcher.dispatch(*item)
         while True:
             try:
                 msg = self.outbox.get_nowait()
@@ -139,15 +143,10 @@ class NodeService:
         self.bus.stop()
 
     # --- Home Assistant switch -----------------------------------------------------------------
-    def _on_ha_command(self, payload: bytes) -> None:
-        try:
-            cmd = hastate.parse_command(hastate.NodeCommand, payload, self._set_topic)
-        except ValueError as exc:
-            log.warning("bad Home Assistant command", detail=str(exc))
-            self.bus.publish_message(m.ErrorResponse(code="invalid", message=str(exc)[:2000], topic=self._set_topic),
-                                     node_id=self.node_id)
-            return
+    def _on_ha_command(self, cmd: hastate.NodeCommand, _params: dict[str, str]) -> None:
+        """A bad payload is answered on node/<id>/error by the dispatcher."""
         self.participate = cmd.participate
+        participation.save(self.state_dir, cmd.participate)
         log.info("participation switched", participate=self.participate)
         self._publish_caps()
         self._publish_ha()

@@ -64,13 +64,16 @@ def _field(loc: tuple[Any, ...]) -> str:
 def decode_entry(entry: TopicEntry, topic: str, payload: bytes, *, max_bytes: int = MAX_PAYLOAD) -> Any:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise DecodeError(topic, "bad_encoding", f"payload is {type(payload).__name__}, not bytes", entry=entry)
+    if entry.max_bytes is not None:
+        max_bytes = min(max_bytes, entry.max_bytes)
     if len(payload) > max_bytes:  # before parsing: a huge payload costs nothing but this check
         raise DecodeError(topic, "too_large", f"{len(payload)} bytes exceeds cap {max_bytes}", entry=entry)
     payload = bytes(payload)
     if entry.encoding == "text":
         text = payload.decode("utf-8", errors="replace").strip()
+        kind = entry.payload if isinstance(entry.payload, type) else m.Availability
         try:
-            return m.Availability(text)
+            return kind(text)
         except ValueError:
             raise DecodeError(topic, "invalid", f"expected 'online' or 'offline', got {text[:40]!r}",
                               entry=entry) from None

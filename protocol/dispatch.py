@@ -16,6 +16,7 @@ from pydantic_core import to_jsonable_python
 from . import messages as m
 from .codec import MAX_PAYLOAD, DecodeError, decode
 from .topics import BY_KEY, TopicEntry
+from .transport import is_retained
 
 log = structlog.get_logger(__name__)
 
@@ -38,12 +39,17 @@ class Dispatcher:
         ErrorResponse on `{base}/node/{node_id}/error` (so the gateway sees why nothing happened)."""
         self.bus, self.table, self.max_bytes, self.node_id = bus, bus.table, max_bytes, node_id
         self.handlers: dict[str, Handler] = {}
+        self.on_errors: dict[str, Callable[[str], None]] = {}
         self.errors: collections.Counter[str] = collections.Counter()
 
-    def on(self, key: str, handler: Handler, *, subscribe: bool = True, **params: str) -> None:
-        """Handle topic-table entry `key`; subscribes to its filter (params narrow it)."""
+    def on(self, key: str, handler: Handler, *, subscribe: bool = True,
+           on_error: Callable[[str], None] | None = None, **params: str) -> None:
+        """Handle topic-table entry `key`; subscribes to its filter (params narrow it).
+        `on_error(text)` also hears why a payload on this topic was refused (e.g. to show it)."""
         entry = BY_KEY[key]
         self.handlers[key] = handler
+        if on_error is not None:
+            self.on_errors[key] = on_error
         if subscribe:
             self.bus.subscribe(self.table.filter(entry, **params))
 
@@ -58,6 +64,20 @@ class Dispatcher:
     def dispatch(self, topic: str, payload: bytes) -> None:
         found = self.table.match(topic)
         entry, params = found if found else (None, {})
+        if len(payload) == 0:
+            # MQTT deletes a retained message with an empty one; it is never a message of ours.
+            self.errors["empty"] += 1
+            log.debug("dispatch.empty_payload", topic=topic, client=self.bus.client_id)
+            return
+        if entry is not None and entry.acts_once and is_retained(payload):
+            # A request or command someone left retained: acting on it would repeat it on every
+            # (re)connect. Ignore it and clear it (where the ACL lets us; otherwise the broker drops it).
+            self.errors["retained_command"] += 1
+            log.warning("dispatch.retained_command_ignored", topic=topic, client=self.bus.client_id)
+            self.bus.publish(topic, b"", retain=True)
+            if entry.key in self.on_errors:
+                self.on_errors[entry.key]("a retained command was ignored and cleared")
+            return
         try:
             msg = decode(topic, payload, table=self.table, max_bytes=self.max_bytes)
         except DecodeError as err:
@@ -87,6 +107,11 @@ class Dispatcher:
         self.errors[reason] += 1
         log.warning("dispatch.bad_input", topic=topic, client=self.bus.client_id, reason=reason, detail=text)
         self._answer(entry, params, topic, reason, text, txn)
+        if entry is not None and entry.key in self.on_errors:
+            try:
+                self.on_errors[entry.key](text)
+            except Exception:
+                log.exception("dispatch.on_error_failed", topic=topic)
 
     def _answer(self, entry: TopicEntry | None, params: dict[str, str], topic: str, reason: str,
                 text: str, txn: str | None) -> None:

@@ -14,7 +14,7 @@ from paho.mqtt.client import topic_matches_sub
 
 from .codec import MAX_PAYLOAD
 from .topics import TopicTable
-from .transport import BusBase, OutgoingQueue, Will
+from .transport import BusBase, OutgoingQueue, RetainedPayload, Will
 
 
 class FakeBroker:
@@ -103,7 +103,7 @@ class FakeBus(BusBase):
     def _deliver_retained(self, pattern: str) -> None:
         for topic, payload in list(self.broker.retained.items()):
             if topic_matches_sub(pattern, topic):
-                self._enqueue(topic, payload)
+                self._enqueue(topic, RetainedPayload(payload))
 
     def publish(self, topic: str, payload: bytes | str, retain: bool = False, qos: int = 1) -> None:
         if "+" in topic or "#" in topic or not topic:

@@ -5,6 +5,14 @@ those entities are published by whoever owns the data: the gateway for the job, 
 itself (a node may only publish under its own topics). Commands from Home Assistant are small
 JSON objects; the effect of a command shows up on the matching state topic.
 
+These topics are entries of the one topic table (`xronos.protocol.topics`: "gateway.ha_state",
+"gateway.set", "node.ha_state", "node.set", "ha.status") and arrive through the same dispatcher
+as every other topic. They are not `Message`s: Home Assistant's buttons and switches cannot
+send a `schema_version`, and a payload carrying one is refused like any unknown field. Every
+command is bounded (at most `COMMAND_MAX_BYTES`, short identifiers only) and validated
+strictly; a retained command is ignored (and cleared) by the dispatcher, so a retained
+`{"action": "pause"}` cannot pause a job again on every restart.
+
 All topics are relative to the base topic ("xronos"). Every state field is always present (null
 when unknown) because the discovery templates read `value_json.<field>` and Home Assistant
 shows a template that renders "None" as `unknown`.
@@ -12,9 +20,10 @@ shows a template that renders "None" as `unknown`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from enum import StrEnum
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .messages import Phase
 
@@ -22,56 +31,102 @@ GATEWAY_STATE = "gateway/state"  # GatewayHAState, retained, gateway → HA
 GATEWAY_SET = "gateway/set"  # GatewayCommand, HA → gateway
 NODE_STATE = "node/{node_id}/state"  # NodeHAState, retained, node → HA
 NODE_SET = "node/{node_id}/set"  # NodeCommand, HA → node
+COMMAND_MAX_BYTES = 1024  # a command is a few dozen bytes; anything larger is refused unread
+STATE_TEXT_MAX = 255  # Home Assistant refuses a state longer than 255 characters
 
 HAPhase = Literal["idle"] | Phase  # "idle": no job yet
-Percent = Annotated[float, Field(ge=0, le=100)]
-Seconds = Annotated[float, Field(ge=0)]
+Percent = Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Text = Annotated[str, Field(max_length=STATE_TEXT_MAX)]
+Id = Annotated[str, Field(min_length=1, max_length=256)]
+# A job spec in the gateway's job_dir, by file name without .toml/.yaml/.yml.
+SpecName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+NodeId = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,64}$")]
+
+
+class HAStatus(StrEnum):
+    """Home Assistant's birth and last-will on `{discovery_prefix}/status` (plain text)."""
+
+    ONLINE = "online"
+    OFFLINE = "offline"
 
 
 class _HAModel(BaseModel):
-    # Not strict: these come back from Home Assistant as plain JSON; forbid unknown keys all the same.
+    # Decoded with strict=True by the codec: "true" is not true, 1 is not "1".
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class GatewayHAState(_HAModel):
     """The current (or last) job as Home Assistant shows it on the gateway device."""
 
-    job_id: str | None = None
-    job_name: str | None = None
+    job_id: Id | None = None
+    job_name: Id | None = None
     phase: HAPhase = "idle"
-    step: int | None = None
-    total_steps: int | None = None
+    step: Annotated[int, Field(ge=0)] | None = None
+    total_steps: Annotated[int, Field(ge=0)] | None = None
+    steps: Text | None = None  # "30 / 120", the Step sensor
     progress_pct: Percent | None = None
-    loss: float | None = None  # never NaN/inf: HA's JSON parser rejects them
-    eval_metric: float | None = None
-    eval_metric_name: str | None = None
+    loss: Finite | None = None  # never NaN/inf: HA's JSON parser rejects them
+    eval_metric: Finite | None = None
+    eval_metric_name: Text | None = None
     iteration_s: Seconds | None = None
     eta_s: Seconds | None = None
-    slowest_node: str | None = None  # node with the longest measured iteration compute time
+    finish_at: Text | None = None  # ISO 8601 UTC, the Finish time sensor (device_class timestamp)
+    slowest_node: Text | None = None  # node with the longest measured iteration compute time
     idle_ratio_pct: Percent | None = None  # mean over the job's nodes of idle / iteration time
-    nodes_online: int = 0
-    last_command: str | None = None  # e.g. "pause: ok" or "resume: error: no paused job"
-    updated_at: float
+    nodes_online: Annotated[int, Field(ge=0)] = 0
+    error: Text | None = None  # why the current job failed, or why the last submit was refused
+    selected_spec: SpecName | None = None  # the job spec the Start button starts
+    last_command: Text | None = None  # e.g. "pause: ok" or "resume: error: no paused job"
+    updated_at: Finite
 
 
 class NodeHAState(_HAModel):
     """One node as Home Assistant shows it. Published by the node itself."""
 
     participate: bool
-    job_id: str | None = None  # the job this node is assigned to, if any
-    units: int | None = None  # partition units assigned to this node (h_d)
-    units_total: int | None = None  # H
-    ratio_pct: Percent | None = None  # 100 * h_d / H
+    job_id: Id | None = None  # the job this node is assigned to, if any
+    # This node's share of each segment kind (see node_share): attention units held (and the
+    # model's total), and the percentage of attention units, MLP columns and vocabulary rows.
+    attn: Annotated[int, Field(ge=0)] | None = None
+    attn_total: Annotated[int, Field(ge=0)] | None = None
+    attn_pct: Percent | None = None
+    mlp_pct: Percent | None = None
+    vocab_pct: Percent | None = None
     compute_pct: Percent | None = None  # share of the last iteration spent computing
     idle_pct: Percent | None = None  # share of the last iteration spent waiting for peers
-    cpu_temp_c: float | None = None
-    updated_at: float
+    cpu_temp_c: Finite | None = None
+    updated_at: Finite
+
+
+GatewayAction = Literal["pause", "resume", "cancel", "start", "select", "remove_node"]
 
 
 class GatewayCommand(_HAModel):
-    """HA → gateway: act on the current job (the newest one not yet finished)."""
+    """HA → gateway.
 
-    action: Literal["pause", "resume", "cancel"]
+    - `pause` / `resume` / `cancel`: the current job (the newest one not yet finished).
+    - `start`: submit the job spec `spec` from the gateway's job_dir (default: the selected one).
+    - `select`: choose the spec the Start button starts (`spec` required).
+    - `remove_node`: forget the offline node `node_id` (its retained state and HA device).
+    """
+
+    action: GatewayAction
+    spec: SpecName | None = None
+    node_id: NodeId | None = None
+
+    @model_validator(mode="after")
+    def _fields_fit_action(self) -> GatewayCommand:
+        if self.action == "select" and self.spec is None:
+            raise ValueError("select: needs 'spec'")
+        if self.action == "remove_node" and self.node_id is None:
+            raise ValueError("remove_node: needs 'node_id'")
+        if self.spec is not None and self.action not in ("start", "select"):
+            raise ValueError(f"{self.action}: takes no 'spec'")
+        if self.node_id is not None and self.action != "remove_node":
+            raise ValueError(f"{self.action}: takes no 'node_id'")
+        return self
 
 
 class NodeCommand(_HAModel):
@@ -83,6 +138,8 @@ class NodeCommand(_HAModel):
 def parse_command(model: type[GatewayCommand] | type[NodeCommand], payload: bytes,
                   topic: str) -> GatewayCommand | NodeCommand:
     """Decode a command payload; ValueError naming the topic and the problem."""
+    if len(payload) > COMMAND_MAX_BYTES:
+        raise ValueError(f"{topic}: {len(payload)} bytes exceeds the {COMMAND_MAX_BYTES}-byte command cap")
     try:
         return model.model_validate_json(payload, strict=True)
     except ValidationError as exc:
@@ -94,9 +151,26 @@ def parse_command(model: type[GatewayCommand] | type[NodeCommand], payload: byte
 
 def iteration_shares(compute_s: float, idle_s: float, iteration_s: float) -> tuple[float, float]:
     """(compute_pct, idle_pct) of one iteration, for NodeHAState; clamped into [0, 100]."""
-    if iteration_s <= 0:
+    if not iteration_s > 0:
         return 0.0, 0.0
     return _pct(compute_s / iteration_s), _pct(idle_s / iteration_s)
+
+
+def node_share(assignment: Any) -> dict[str, Any]:
+    """NodeHAState's share fields for a node's assignment (all None without one): the one place
+    that reads the assignment's per-segment layout for Home Assistant."""
+    if assignment is None:
+        return dict(attn=None, attn_total=None, attn_pct=None, mlp_pct=None, vocab_pct=None)
+    lay, r = assignment.layout, assignment.rank
+    return dict(attn=lay.attn[r], attn_total=sum(lay.attn), attn_pct=_pct(lay.share("attn", r)),
+                mlp_pct=_pct(lay.share("mlp", r)), vocab_pct=_pct(lay.share("vocab", r)))
+
+
+def same_state(a: BaseModel | None, b: BaseModel | None) -> bool:
+    """Two states that differ only in updated_at: nothing to publish."""
+    if a is None or b is None:
+        return a is b
+    return a.model_dump(exclude={"updated_at"}) == b.model_dump(exclude={"updated_at"})
 
 
 def _pct(fraction: float) -> float:

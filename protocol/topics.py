@@ -10,10 +10,12 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter
 
+from . import hastate as ha
 from . import messages as m
 
 Encoding = Literal["json", "msgpack", "text"]
 DEFAULT_BASE = "xronos"
+DEFAULT_DISCOVERY_PREFIX = "homeassistant"
 _PARAM = re.compile(r"\{(\w+)\}")
 
 
@@ -27,6 +29,12 @@ class TopicEntry:
     direction: str  # for humans: who publishes → who reads
     # A parameter listed here may only take these values (and may contain "/").
     choices: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # "base": under the Xronos base topic; "discovery": under Home Assistant's discovery prefix.
+    root: Literal["base", "discovery"] = "base"
+    # A tighter payload cap than the bus-wide one (Home Assistant's small commands).
+    max_bytes: int | None = None
+    # A command: someone acts on it once. Retained copies are ignored (and cleared), never acted on.
+    command: bool = False
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -39,6 +47,11 @@ class TopicEntry:
     @property
     def is_request(self) -> bool:
         return self.key.startswith("gateway.request.")
+
+    @property
+    def acts_once(self) -> bool:
+        """Requests and commands: a retained copy is stale by definition."""
+        return self.is_request or self.command
 
 
 _ADAPTERS: dict[int, TypeAdapter] = {}
@@ -87,6 +100,15 @@ ENTRIES: tuple[TopicEntry, ...] = (
     *(_request_entry(name, model) for name, model in m.REQUEST_MODELS.items()),
     TopicEntry("gateway.response", "gateway/response/{name}", m.GatewayResponse, "json", False,
                "gateway → client", choices={"name": tuple(m.REQUEST_MODELS)}),
+    # Home Assistant (INTERFACES.md §7): JSON, no schema_version, small bounded commands.
+    TopicEntry("gateway.ha_state", ha.GATEWAY_STATE, ha.GatewayHAState, "json", True, "gateway → HA"),
+    TopicEntry("gateway.set", ha.GATEWAY_SET, ha.GatewayCommand, "json", False, "HA → gateway",
+               max_bytes=ha.COMMAND_MAX_BYTES, command=True),
+    TopicEntry("node.ha_state", ha.NODE_STATE, ha.NodeHAState, "json", True, "node → HA"),
+    TopicEntry("node.set", ha.NODE_SET, ha.NodeCommand, "json", False, "HA → node",
+               max_bytes=ha.COMMAND_MAX_BYTES, command=True),
+    TopicEntry("ha.status", "status", ha.HAStatus, "text", True, "HA → gateway (birth / last-will)",
+               root="discovery", max_bytes=64),
 )
 BY_KEY: dict[str, TopicEntry] = {e.key: e for e in ENTRIES}
 
@@ -100,6 +122,7 @@ def _classes(entry: TopicEntry) -> tuple[type, ...]:
     if entry.payload is m.Availability:
         return (m.Availability, str)
     return (entry.payload,)
+
 
 
 def encoding_for(message: Any) -> Encoding:
@@ -121,12 +144,16 @@ def _check_level(name: str, value: str, multi: bool) -> None:
 class TopicTable:
     """The table bound to one base topic: build topics, subscription filters, and match topics."""
 
-    def __init__(self, base: str = DEFAULT_BASE) -> None:
-        _check_level("base", base, multi=True)
-        if base.startswith("/") or base.endswith("/") or "//" in base:
-            raise ValueError(f"base topic {base!r}: no leading, trailing or empty levels")
-        self.base = base
+    def __init__(self, base: str = DEFAULT_BASE, discovery_prefix: str = DEFAULT_DISCOVERY_PREFIX) -> None:
+        for name, value in (("base", base), ("discovery_prefix", discovery_prefix)):
+            _check_level(name, value, multi=True)
+            if value.startswith("/") or value.endswith("/") or "//" in value:
+                raise ValueError(f"{name} topic {value!r}: no leading, trailing or empty levels")
+        self.base, self.discovery_prefix = base, discovery_prefix
         self._regex = [(e, self._compile(e)) for e in ENTRIES]
+
+    def root_of(self, entry: TopicEntry) -> str:
+        return self.discovery_prefix if entry.root == "discovery" else self.base
 
     def _compile(self, entry: TopicEntry) -> re.Pattern[str]:
         parts, pos = [], 0
@@ -138,7 +165,7 @@ class TopicTable:
             parts.append(f"(?P<{name}>{body})")
             pos = mt.end()
         parts.append(re.escape(entry.pattern[pos:]))
-        return re.compile(re.escape(self.base + "/") + "".join(parts) + r"\Z")
+        return re.compile(re.escape(self.root_of(entry) + "/") + "".join(parts) + r"\Z")
 
     def build(self, entry: TopicEntry | str, **params: str) -> str:
         """Concrete topic, e.g. build("node.capabilities", node_id="pi5") -> "xronos/node/pi5/capabilities"."""
@@ -149,7 +176,7 @@ class TopicTable:
             _check_level(name, value, multi=name in entry.choices)
             if name in entry.choices and value not in entry.choices[name]:
                 raise ValueError(f"topic {entry.key}: {name}={value!r} is not one of {entry.choices[name]}")
-        return f"{self.base}/{entry.pattern.format(**params)}"
+        return f"{self.root_of(entry)}/{entry.pattern.format(**params)}"
 
     def filter(self, entry: TopicEntry | str, **params: str) -> str:
         """Subscription filter: missing parameters become "+" ("#" for a multi-level one at the end)."""
@@ -160,7 +187,7 @@ class TopicTable:
         filled = {n: params.get(n, "#" if n in entry.choices else "+") for n in entry.params}
         for name, value in params.items():
             _check_level(name, value, multi=name in entry.choices)
-        return f"{self.base}/{entry.pattern.format(**filled)}"
+        return f"{self.root_of(entry)}/{entry.pattern.format(**filled)}"
 
     def match(self, topic: str) -> tuple[TopicEntry, dict[str, str]] | None:
         for entry, rx in self._regex:

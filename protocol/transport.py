@@ -67,6 +67,17 @@ class BrokerSettings(BaseModel):
             raise ValueError(f"password_file {str(self.password_file)!r}: cannot read: {exc.strerror}") from None
 
 
+class RetainedPayload(bytes):
+    """An incoming payload the broker delivered from its retained store (`msg.retain`): state,
+    never a fresh command. Everything else that arrives is plain bytes."""
+
+    retained = True
+
+
+def is_retained(payload: bytes) -> bool:
+    return getattr(payload, "retained", False)
+
+
 class OutgoingQueue:
     """Publishes waiting for a connection. A retained publish replaces a waiting one on the same
     topic (only the latest state matters); past the bound the oldest non-retained goes first."""
@@ -192,7 +203,7 @@ class MqttBus(BusBase):
         log.info("mqtt.disconnected", client=self.client_id, reason=str(reason))
 
     def _cb_message(self, _c: Any, _ud: Any, msg: paho.MQTTMessage) -> None:
-        self._enqueue(msg.topic, msg.payload)
+        self._enqueue(msg.topic, RetainedPayload(msg.payload) if msg.retain else msg.payload)
 
     # --- public ------------------------------------------------------------------------------
     @property

@@ -14,7 +14,11 @@
 # user that owns it stay.
 #
 # --root DIR   operate on a system image at DIR (no running systemd is touched; systemctl and
-#              systemd-sysusers work offline on it). Paths written into files stay absolute.
+#              systemd-sysusers work offline on it). The venv is built with this machine's
+#              $PYTHON and then made to run at its final path inside the image: its interpreter
+#              links, pyvenv.cfg and every script's shebang name PREFIX and the image's
+#              /usr/bin/python3.X, not DIR. The image must have the same Python minor version
+#              (and CPU architecture) as this machine; install.sh refuses a mismatch.
 # --skip-pip   create the venv (without pip) but do not install the package: for tests of this
 #              script and for images whose venv is filled later. The service cannot start until
 #              the package is installed.
@@ -24,6 +28,7 @@ ROLE="" ROOT="" PREFIX="/opt/xronos" UNINSTALL=0 ENABLE=1 SKIP_PIP=0
 SOURCE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 # x86_64 wheels of torch on PyPI pull in CUDA (gigabytes); these boxes have no GPU.
+# XRONOS_TORCH_INDEX=none: pip already finds a CPU torch (a local wheel, a mirror).
 TORCH_INDEX="${XRONOS_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 
 die() { echo "install.sh: error: $*" >&2; exit 2; }
@@ -96,6 +101,31 @@ node_id_guess() {
     printf '%s' "${h:-node}"
 }
 
+relocate_venv() {
+    # The venv was made at $DEST by this machine's Python; inside the image it lives at $PREFIX
+    # and runs the image's $IMAGE_PY. Point the interpreter links, pyvenv.cfg and shebangs there.
+    local venv="$DEST/venv" f
+    for f in "$venv"/bin/python "$venv"/bin/python3 "$venv"/bin/python3.*; do
+        [ -L "$f" ] || [ -e "$f" ] || continue
+        rm -f "$f"
+        ln -s "$IMAGE_PY" "$f"
+    done
+    sed -i -e "s#^home = .*#home = $(dirname "$IMAGE_PY")#" \
+        -e "s#^executable = .*#executable = $IMAGE_PY#" \
+        -e "s#^command = .*#command = $IMAGE_PY -m venv $PREFIX/venv#" "$venv/pyvenv.cfg"
+    for f in "$venv"/bin/*; do
+        [ -f "$f" ] && [ ! -L "$f" ] || continue
+        if head -c 2 "$f" | grep -q '^#!'; then
+            sed -i "1s#^\#!$venv/#\#!$PREFIX/venv/#" "$f"
+        fi
+        case "$(basename "$f")" in activate*) sed -i "s#$venv#$PREFIX/venv#g" "$f" ;; esac
+    done
+    if grep -rlsF "$ROOT" "$venv/bin" "$venv/pyvenv.cfg" >/dev/null; then
+        die "--root: $PREFIX/venv still names $ROOT after relocation: $(grep -rlsF "$ROOT" "$venv/bin" | head -3)"
+    fi
+    say "venv made to run at $PREFIX/venv with the image's $IMAGE_PY"
+}
+
 install_files() {
     [ -f "$SOURCE/pyproject.toml" ] && [ -f "$SOURCE/systemd/$UNIT" ] \
         || die "--source '$SOURCE' is not an Xronos checkout (no pyproject.toml or systemd/$UNIT)"
@@ -109,20 +139,35 @@ install_files() {
     # 2. The venv and the package.
     "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
         || die "$PYTHON is older than Python 3.11"
+    IMAGE_PY=""
+    if [ -n "$ROOT" ] && [ "$SKIP_PIP" = 0 ]; then
+        local ours
+        ours="$("$PYTHON" -c 'import sys; print("python%d.%d" % sys.version_info[:2])')"
+        IMAGE_PY="/usr/bin/$ours"
+        [ -x "$ROOT$IMAGE_PY" ] || die "--root: the image has no $IMAGE_PY (this machine's $PYTHON is $ours); \
+the venv's compiled packages need the same Python minor version inside the image: install it there, or run \
+install.sh inside the image, or set PYTHON to a matching interpreter"
+    fi
     install -d -m 0755 "$DEST"
     touch "$MARKER"
     if [ "$SKIP_PIP" = 1 ]; then
         [ -x "$DEST/venv/bin/python" ] || "$PYTHON" -m venv --without-pip "$DEST/venv"
         say "--skip-pip: venv at $PREFIX/venv left empty; the package is NOT installed"
     else
+        if [ -n "$IMAGE_PY" ] && [ -e "$DEST/venv/pyvenv.cfg" ]; then
+            "$PYTHON" -m venv --upgrade "$DEST/venv"  # undo a previous relocation, to run it here
+        fi
         [ -x "$DEST/venv/bin/pip" ] || "$PYTHON" -m venv "$DEST/venv"
         local spec="$SOURCE" extra=()
         if [ "$ROLE" = node ]; then
             spec="$SOURCE[node]"
-            [ "$(uname -m)" = x86_64 ] && extra=(--extra-index-url "$TORCH_INDEX")
+            if [ "$(uname -m)" = x86_64 ] && [ "$TORCH_INDEX" != none ]; then
+                extra=(--extra-index-url "$TORCH_INDEX")
+            fi
         fi
-        "$DEST/venv/bin/pip" install --quiet --upgrade pip
-        "$DEST/venv/bin/pip" install --quiet "${extra[@]}" -c "$SOURCE/requirements.lock" "$spec"
+        "$DEST/venv/bin/python" -m pip install --quiet --upgrade pip
+        "$DEST/venv/bin/python" -m pip install --quiet "${extra[@]}" -c "$SOURCE/requirements.lock" "$spec"
+        [ -n "$IMAGE_PY" ] && relocate_venv
         say "installed $(basename "$SOURCE") into $PREFIX/venv"
     fi
 

@@ -18,7 +18,7 @@ from xronos.protocol.messages import Capabilities, JobState
 from xronos.protocol.transport import BrokerSettings, MqttBus
 
 CTX = ha.HAContext(base_topic="xronos", gateway_id="gw1", discovery_prefix="homeassistant")
-PLATFORMS = {"sensor", "binary_sensor", "button", "switch"}
+PLATFORMS = {"sensor", "binary_sensor", "button", "switch", "select"}
 JINJA = jinja2.Environment(undefined=jinja2.StrictUndefined)  # a missing field fails loudly
 
 
@@ -40,8 +40,8 @@ def states() -> dict[str, list[dict]]:
     """Sample payloads for every state topic: a full one and an all-unknown one."""
     gw_full = ha.gateway_state(job(), nodes_online=2, now=11.0, last_command="pause: ok")
     gw_idle = ha.gateway_state(None, nodes_online=0, now=11.0)
-    node_full = hastate.NodeHAState(participate=True, job_id="j1", units=5, units_total=12,
-                                    ratio_pct=41.7, compute_pct=80.0, idle_pct=15.0,
+    node_full = hastate.NodeHAState(participate=True, job_id="j1", attn=5, attn_total=12,
+                                    attn_pct=41.7, mlp_pct=40.0, vocab_pct=38.5, compute_pct=80.0, idle_pct=15.0,
                                     cpu_temp_c=61.5, updated_at=1.0)
     node_none = hastate.NodeHAState(participate=False, updated_at=1.0)
     out = {CTX.topic(hastate.GATEWAY_STATE): [gw_full, gw_idle]}
@@ -50,9 +50,9 @@ def states() -> dict[str, list[dict]]:
     return {t: [json.loads(s.model_dump_json()) for s in v] for t, v in out.items()}
 
 
-def all_configs() -> list[tuple[str, dict]]:
+def all_configs(specs=("reviews", "sst2-small")) -> list[tuple[str, dict]]:
     return [(t, json.loads(p)) for t, p in
-            ha.discovery_messages(CTX, [caps("pi5", 61.5), caps("n100", None)])]
+            ha.discovery_messages(CTX, [caps("pi5", 61.5), caps("n100", None)], specs)]
 
 
 def render(template: str, value_json: dict) -> str:
@@ -91,7 +91,13 @@ def test_discovery_matches_the_documented_schema():
                 assert c["state_topic"] in availability_topics and c["p"] == "binary_sensor"
             if c["p"] == "button":
                 cmd = hastate.parse_command(hastate.GatewayCommand, c["payload_press"].encode(), "t")
-                assert c["command_topic"] == "xronos/gateway/set" and cmd.action == key
+                assert c["command_topic"] == "xronos/gateway/set"
+                assert cmd.action == ("remove_node" if key == "remove" else key)
+            if c["p"] == "select":
+                for option in c["options"]:
+                    sent = JINJA.from_string(c["command_template"]).render(value=option)
+                    cmd = hastate.parse_command(hastate.GatewayCommand, sent.encode(), "t")
+                    assert cmd.action == "select" and cmd.spec == option
             if c["p"] == "switch":
                 assert c["command_topic"] == c["state_topic"].replace("/state", "/set")
                 for payload, want in ((c["payload_on"], True), (c["payload_off"], False)):
@@ -102,8 +108,12 @@ def test_entities_present():
     (_, gw), (_, pi5), (_, n100) = all_configs()
     assert set(gw["cmps"]) == {"job_phase", "job_name", "progress", "loss", "eval_metric",
                                "iteration_time", "eta", "slowest_node", "idle_ratio",
-                               "nodes_online", "last_command", "pause", "resume", "cancel"}
-    node_keys = {"online", "units", "ratio", "compute_share", "idle_share", "participate"}
+                               "nodes_online", "last_command", "pause", "resume", "cancel",
+                               "steps", "finish_time", "error", "start", "job_spec"}
+    assert gw["cmps"]["finish_time"]["device_class"] == "timestamp"
+    (_, bare), *_ = all_configs(specs=())  # no job specs: no select (HA refuses an empty one), no Start
+    assert "job_spec" not in bare["cmps"] and "start" not in bare["cmps"]
+    node_keys = {"online", "attn_units", "attn_share", "mlp_share", "vocab_share", "compute_share", "idle_share", "participate", "remove"}
     assert set(pi5["cmps"]) == node_keys | {"cpu_temperature"}  # the Pi reports a temperature
     assert set(n100["cmps"]) == node_keys  # this one does not
     assert pi5["dev"]["via_device"] == gw["dev"]["identifiers"][0]
@@ -117,6 +127,14 @@ def test_gateway_state_from_job():
     assert diverged.loss is None and diverged.progress_pct is None
     assert "NaN" not in diverged.model_dump_json()  # HA's JSON parser would reject it
     assert ha.gateway_state(None, nodes_online=0, now=1.0).phase == "idle"
+    # Step x / y, and the finish time (to the minute, so it does not change with every step).
+    s = ha.gateway_state(job(), nodes_online=2, now=0.0)
+    assert s.steps == "30 / 120" and s.finish_at == "1970-01-01T00:03:00+00:00"
+    assert ha.gateway_state(job(phase="paused"), nodes_online=2, now=0.0).finish_at is None
+    long = ha.gateway_state(job(phase="failed", error="x" * 1000), nodes_online=2, now=0.0)
+    assert long.error.startswith("xxx") and len(long.error) == 255  # HA's state length limit
+    refused = ha.gateway_state(job(), nodes_online=2, now=0.0, error="owner node 'a' is offline")
+    assert refused.error == "owner node 'a' is offline"
 
 
 def test_commands_parse_and_refuse():
@@ -148,6 +166,7 @@ def test_home_assistant_presses_pause_on_a_real_broker(mqtt_broker):
     bus.subscribe(CTX.status_topic)
     for topic, payload in ha.discovery_messages(CTX, [caps("pi5", 50.0)]):
         bus.publish(topic, payload, retain=True)
+    bus._last_info.wait_for_publish(10)  # stored by the broker (PUBACK) before HA subscribes
     home = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="ha-test-home")
     inbox: queue.Queue[tuple[str, bytes, bool]] = queue.Queue()
     home.on_message = lambda c, u, m: inbox.put((m.topic, m.payload, m.retain))

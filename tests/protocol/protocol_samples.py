@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from xronos.protocol import hastate as ha
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Layout, Sizes
 
@@ -70,6 +71,12 @@ SAMPLES: dict[str, object] = {
     "gateway.request.nodes/list": m.NodesListRequest(transaction="t4"),
     "gateway.request.plan/preview": m.PlanPreviewRequest(transaction="t5", spec=SPEC),
     "gateway.response": m.GatewayResponse(status="ok", data={"jobs": [{"id": "j1"}]}, transaction="t1"),
+    "gateway.ha_state": ha.GatewayHAState(job_id="j1", phase="running", step=3, total_steps=9, steps="3 / 9",
+                                          finish_at="2026-12-01T10:00:00+00:00", updated_at=1.7e9),
+    "gateway.set": ha.GatewayCommand(action="start", spec="reviews"),
+    "node.ha_state": ha.NodeHAState(participate=True, units=4, units_total=12, ratio_pct=33.3, updated_at=1.7e9),
+    "node.set": ha.NodeCommand(participate=False),
+    "ha.status": ha.HAStatus.ONLINE,
 }
 
 PARAMS: dict[str, dict[str, str]] = {

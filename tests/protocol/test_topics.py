@@ -10,7 +10,7 @@ def test_build_and_match_every_entry_with_custom_base():
     for entry in ENTRIES:
         params = params_for(entry.key)
         topic = table.build(entry, **params)
-        assert topic.startswith("home/xronos/")
+        assert topic.startswith("home/xronos/" if entry.root == "base" else "homeassistant/")
         assert table.match(topic) == (entry, params)
 
 
@@ -21,7 +21,10 @@ def test_table_values_match_the_contract():
     assert t.build("gateway.response", name="plan/preview") == "xronos/gateway/response/plan/preview"
     retained = {e.key for e in ENTRIES if e.retained}
     assert retained == {"node.availability", "node.capabilities", "node.job", "job.state",
-                        "gateway.availability"}
+                        "gateway.availability", "gateway.ha_state", "node.ha_state", "ha.status"}
+    assert {e.key for e in ENTRIES if e.command} == {"gateway.set", "node.set"}
+    assert t.build("ha.status") == "homeassistant/status"
+    assert TopicTable(discovery_prefix="ha").build("ha.status") == "ha/status"
     assert BY_KEY["node.metrics"].encoding == "msgpack" and BY_KEY["job.state"].encoding == "json"
     assert [e.key.split(".", 2)[2] for e in ENTRIES if e.is_request] == list(m.REQUEST_MODELS)
 

@@ -1,0 +1,68 @@
+"""The README's Home Assistant section: its automations send commands the gateway accepts, name
+entities the discovery creates, and the job spec it copies into job_dir is valid."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from xronos.gateway import homeassistant as ha
+from xronos.protocol import hastate
+from xronos.protocol.codec import decode
+from xronos.protocol.specfile import load_spec
+from xronos.protocol.topics import TopicTable
+
+REPO = Path(__file__).resolve().parents[2]
+SECTION = (REPO / "README.md").read_text().split("\n## Home Assistant\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _slug(text: str) -> str:
+    """Home Assistant's entity id from "<device name> <entity name>"."""
+    return re.sub(r"_+", "_", re.sub(r"[^a-z0-9]", "_", text.lower())).strip("_")
+
+
+def _entity_ids(ctx: ha.HAContext, specs=("reviews",)) -> set[str]:
+    _, gw = ha.gateway_discovery(ctx, specs)
+    return {f"{c['p']}.{_slug(gw['dev']['name'] + ' ' + c['name'])}" for c in gw["cmps"].values()}
+
+
+def _walk(node):
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+def test_the_automations_send_valid_commands_and_name_real_entities():
+    blocks = re.findall(r"```yaml\n(.*?)```", SECTION, re.S)
+    assert len(blocks) == 2
+    docs = [yaml.safe_load(b) for b in blocks]
+    publishes = [d["data"] for doc in docs for d in _walk(doc) if d.get("action") == "mqtt.publish"]
+    assert {p["topic"] for p in publishes} == {"xronos/gateway/set"}
+    table = TopicTable()
+    actions = {decode(p["topic"], p["payload"].encode(), table=table).action for p in publishes}
+    assert actions == {"pause", "resume"}
+    known = _entity_ids(ha.HAContext())
+    named = set(re.findall(r"sensor\.xronos_[a-z0-9_]+", "\n".join(blocks)))
+    assert named and named <= known, named - known
+    phase = next(t for d in docs for t in _walk(d) if t.get("trigger") == "state" and "to" in t)
+    assert set(phase["to"]) <= set(ha.PHASE_OPTIONS)
+
+
+def test_every_documented_command_is_accepted():
+    for payload in re.findall(r"`(\{\"action\": [^`]+\})`", SECTION):
+        cmd = hastate.parse_command(hastate.GatewayCommand, payload.encode(), "xronos/gateway/set")
+        assert cmd.action in ("pause", "resume", "cancel", "start", "select", "remove_node")
+
+
+def test_the_example_job_spec_goes_into_job_dir(tmp_path):
+    assert "sudo cp examples/job.toml /etc/xronos/jobs/reviews.toml" in SECTION
+    (tmp_path / "reviews.toml").write_bytes((REPO / "examples/job.toml").read_bytes())
+    assert ha.list_specs(tmp_path) == ("reviews",) and load_spec(tmp_path / "reviews.toml").name
+    assert json.loads(json.dumps(ha.gateway_discovery(ha.HAContext(), ha.list_specs(tmp_path))[1]))
