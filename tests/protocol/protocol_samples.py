@@ -74,7 +74,8 @@ SAMPLES: dict[str, object] = {
     "gateway.ha_state": ha.GatewayHAState(job_id="j1", phase="running", step=3, total_steps=9, steps="3 / 9",
                                           finish_at="2026-12-01T10:00:00+00:00", updated_at=1.7e9),
     "gateway.set": ha.GatewayCommand(action="start", spec="reviews"),
-    "node.ha_state": ha.NodeHAState(participate=True, units=4, units_total=12, ratio_pct=33.3, updated_at=1.7e9),
+    "node.ha_state": ha.NodeHAState(participate=True, attn=4, attn_total=12, attn_pct=33.3, mlp_pct=30.0,
+                                    vocab_pct=36.5, updated_at=1.7e9),
     "node.set": ha.NodeCommand(participate=False),
     "ha.status": ha.HAStatus.ONLINE,
 }
