@@ -15,6 +15,9 @@ from . import messages as m
 Encoding = Literal["json", "msgpack", "text"]
 DEFAULT_BASE = "xronos"
 _PARAM = re.compile(r"\{(\w+)\}")
+# A node or job id in a topic: the same pattern as the messages' `Id` (safe as a topic level and a
+# file name). A topic whose id level does not match is not in the table: nothing decodes it.
+_ID_LEVEL = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,%d}" % (m.MAX_ID - 1)
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ class TopicTable:
             parts.append(re.escape(entry.pattern[pos:mt.start()]))
             name = mt.group(1)
             alts = entry.choices.get(name)
-            body = "|".join(re.escape(a) for a in alts) if alts else r"[^/+#]+"
+            body = "|".join(re.escape(a) for a in alts) if alts else _ID_LEVEL
             parts.append(f"(?P<{name}>{body})")
             pos = mt.end()
         parts.append(re.escape(entry.pattern[pos:]))
@@ -149,6 +152,9 @@ class TopicTable:
             _check_level(name, value, multi=name in entry.choices)
             if name in entry.choices and value not in entry.choices[name]:
                 raise ValueError(f"topic {entry.key}: {name}={value!r} is not one of {entry.choices[name]}")
+            if name not in entry.choices and not re.fullmatch(_ID_LEVEL, value):
+                raise ValueError(f"topic {entry.key}: {name}={value[:40]!r} is not an id "
+                                 "([A-Za-z0-9_][A-Za-z0-9_.-]*, at most 128 characters)")
         return f"{self.base}/{entry.pattern.format(**params)}"
 
     def filter(self, entry: TopicEntry | str, **params: str) -> str:
