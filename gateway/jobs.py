@@ -49,6 +49,12 @@ def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _few(names: list[str] | tuple[str, ...], n: int = 5) -> str:
+    """A list of node names for a message: the first few, and how many more."""
+    more = f" (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
 def _note(job: Job, now: float, text: str, **changes: Any) -> Job:
     stamp = time.strftime("%H:%M:%S", time.gmtime(now))
     line = _short(f"{stamp} {text}", MAX_EVENT_CHARS)
@@ -76,10 +82,10 @@ def new_job(job_id: str, spec: m.JobSpec, transaction: str | None, ctx: Ctx,
         return _refuse(job, ctx, f"owner node {spec.owner!r} is offline or not participating")
     if named is not None:
         if spec.owner not in named:
-            return _refuse(job, ctx, f"nodes: the owner {spec.owner!r} must be one of {named}")
+            return _refuse(job, ctx, f"nodes: the owner {spec.owner!r} must be one of {_few(named)}")
         missing = sorted(set(named) - ctx.online)
         if missing:
-            return _refuse(job, ctx, f"nodes: {', '.join(missing)} offline or not participating")
+            return _refuse(job, ctx, f"nodes: {_few(missing)} offline or not participating")
     return _inspect(job, ctx)
 
 

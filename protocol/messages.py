@@ -45,12 +45,13 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
-def valid_text(value: str) -> str:
+def valid_text(value: Any) -> Any:
     """Refuse text no encoder can send on: a lone UTF-16 surrogate (JSON's "\\ud800" decodes to
-    one; msgpack and UTF-8 cannot carry it)."""
-    bad = _SURROGATE.search(value)
-    if bad:
-        raise ValueError(f"not valid Unicode: lone surrogate U+{ord(bad.group()):04X} at index {bad.start()}")
+    one; msgpack and UTF-8 cannot carry it). Runs before the str validation, so the error says why."""
+    if isinstance(value, str):
+        bad = _SURROGATE.search(value)
+        if bad:
+            raise ValueError(f"not valid Unicode: lone surrogate U+{ord(bad.group()):04X} at index {bad.start()}")
     return value
 
 
@@ -69,7 +70,7 @@ def _path_text(value: str) -> str:
 
 def Text(max_length: int = MAX_TEXT, min_length: int = 0) -> Any:  # noqa: N802 (a type factory)
     """A bounded, valid-Unicode string type."""
-    return Annotated[str, Field(min_length=min_length, max_length=max_length), AfterValidator(valid_text)]
+    return Annotated[str, Field(min_length=min_length, max_length=max_length), BeforeValidator(valid_text)]
 
 
 def Int(ge: int = 0, le: int = MAX_INT) -> Any:  # noqa: N802
@@ -95,11 +96,11 @@ WorldSize = Int(ge=1, le=MAX_NODES)
 Ratio = Float(ge=0, le=1)
 # A metric that may legitimately be NaN or infinite (a diverged loss, its perplexity).
 Metric = float
-Id = Annotated[str, Field(min_length=1, max_length=MAX_ID), AfterValidator(valid_text), AfterValidator(_valid_id)]
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID), BeforeValidator(valid_text), AfterValidator(_valid_id)]
 Name = Text(256, min_length=1)
 Label = Text(256)  # column names, metric names, short labels
 Host = Text(255)
-PathText = Annotated[str, Field(min_length=1, max_length=MAX_PATH), AfterValidator(valid_text),
+PathText = Annotated[str, Field(min_length=1, max_length=MAX_PATH), BeforeValidator(valid_text),
                      AfterValidator(_path_text)]
 Dim = Int(ge=1, le=2**20)  # a model dimension (hidden, intermediate, heads, layers, positions)
 Text256 = Text(256)
