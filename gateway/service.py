@@ -134,7 +134,12 @@ class GatewayService:
             retain = getattr(item, "retain", False)
             try:
                 if self.ha is not None and topic in (self.ha.status_topic, self.ha.topic(hastate.GATEWAY_SET)):
-                    if not (retain and topic == self.ha.topic(hastate.GATEWAY_SET)):  # a command is never state
+                    if topic != self.ha.topic(hastate.GATEWAY_SET):
+                        self._on_ha(topic, payload)
+                    elif retain and payload:  # a command left retained is never state: ignored and cleared
+                        log.warning("retained command ignored", topic=topic)
+                        self.bus.publish(topic, b"", retain=True)
+                    elif payload:
                         self._on_ha(topic, payload)
                 else:
                     self.dispatcher.dispatch(topic, payload, retain=retain)
@@ -455,8 +460,9 @@ class GatewayService:
 
 
 def _summary(job: J.Job) -> dict[str, Any]:
-    return {"job_id": job.job_id, "name": job.spec.name, "phase": job.phase, "step": job.step,
-            "total_steps": job.total_steps, "loss": job.loss, "error": job.error, "created_at": job.created_at}
+    return {"job_id": job.job_id, "name": job.spec.name, "phase": job.phase, "accepted": job.accepted,
+            "step": job.step, "total_steps": job.total_steps, "loss": job.loss, "error": job.error,
+            "created_at": job.created_at}
 
 
 def _jsonable(data: Any) -> Any:

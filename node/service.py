@@ -143,7 +143,10 @@ class NodeService:
             retain = getattr(item, "retain", False)
             try:
                 if topic == self._set_topic:
-                    if not retain:  # a command left retained is never replayed
+                    if retain and payload:  # a command left retained is never replayed: cleared
+                        log.warning("retained command ignored", topic=topic)
+                        self.bus.publish(topic, b"", retain=True)
+                    elif payload:
                         self._on_ha_command(payload)
                 else:
                     self.dispatcher.dispatch(topic, payload, retain=retain)
