@@ -20,7 +20,8 @@ from xronos.node.checkpoint import read_meta
 from xronos.node.config import NodeConfig
 from xronos.node.models.export import gather_full
 from xronos.node.models.specs import TensorSpec
-from xronos.node.service import MAX_PENDING_WORK, NodeService, job_dir
+from xronos.node import service as S
+from xronos.node.service import NodeService
 from xronos.node.tp.layout import ShardLayout
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
@@ -85,8 +86,8 @@ def test_job_directory_comes_from_a_checked_id(node):
     assert "job_id" in err.message and svc.assignment is None
     for bad in ("..", ".", "a/b", "", "x\0"):
         with pytest.raises(ValueError, match="job_id"):
-            job_dir(tmp, bad)
-    assert job_dir(tmp, "ok-1.2") == (tmp / "jobs" / "ok-1.2").resolve()
+            S.job_dir(tmp, bad)
+    assert S.job_dir(tmp, "ok-1.2") == (tmp / "jobs" / "ok-1.2").resolve()
 
 
 def test_an_export_may_not_overwrite_the_base_model_or_a_jobs_checkpoint(node):
@@ -162,19 +163,19 @@ def test_pending_work_is_bounded_and_a_repeated_request_runs_once(node):
     svc.work.submit(gate.wait)  # the worker thread is busy
     client.drain()
     spec = m.JobSpec(**job_spec("/etc", "/etc/passwd", "/tmp/x", owner="n0"))  # refused at once when run
-    for i in list(range(MAX_PENDING_WORK + 3)) + [0, 1]:
+    for i in list(range(S.MAX_PENDING_WORK + 3)) + [0, 1]:
         svc.bus.publish(T.build("node.inspect_request", node_id="n0"),
                         encode(m.InspectRequest(request_id=f"q{i}", job_id="j", spec=spec)))
         svc.step(0.01)
     busy = [r for r in msgs(client, "node.inspect_report") if not r.ok and r.error.startswith("busy")]
-    assert sorted(r.request_id for r in busy) == [f"q{i}" for i in range(MAX_PENDING_WORK, MAX_PENDING_WORK + 3)]
+    assert sorted(r.request_id for r in busy) == [f"q{i}" for i in range(S.MAX_PENDING_WORK, S.MAX_PENDING_WORK + 3)]
     gate.set()
     done: list[m.InspectReport] = []
     deadline = time.monotonic() + 60
-    while len(done) < MAX_PENDING_WORK and time.monotonic() < deadline:
+    while len(done) < S.MAX_PENDING_WORK and time.monotonic() < deadline:
         svc.step(0.05)
         done += msgs(client, "node.inspect_report")
-    assert sorted(r.request_id for r in done) == [f"q{i}" for i in range(MAX_PENDING_WORK)]  # each once
+    assert sorted(r.request_id for r in done) == [f"q{i}" for i in range(S.MAX_PENDING_WORK)]  # each once
     assert all("outside the allowed directories" in r.error for r in done)
 
 
