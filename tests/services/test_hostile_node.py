@@ -158,27 +158,28 @@ def test_retained_assignments_and_controls_are_ignored_and_cleared(tmp_path):
 
 
 def test_pending_work_is_bounded_and_a_repeated_request_runs_once(node):
+    PENDING = getattr(S, "MAX_PENDING_WORK", 4)
     svc, client, broker, tmp = node
     gate = threading.Event()
     svc.work.submit(gate.wait)  # the worker thread is busy
     client.drain()
     spec = m.JobSpec(**job_spec("/etc", "/etc/passwd", "/tmp/x", owner="n0"))  # refused at once when run
     try:
-        for i in list(range(S.MAX_PENDING_WORK + 3)) + [0, 1]:
+        for i in list(range(PENDING + 3)) + [0, 1]:
             svc.bus.publish(T.build("node.inspect_request", node_id="n0"),
                             encode(m.InspectRequest(request_id=f"q{i}", job_id="j", spec=spec)))
             svc.step(0.01)
         busy = [r for r in msgs(client, "node.inspect_report") if not r.ok and r.error.startswith("busy")]
-        assert sorted(r.request_id for r in busy) == [f"q{i}" for i in range(S.MAX_PENDING_WORK,
-                                                                               S.MAX_PENDING_WORK + 3)]
+        assert sorted(r.request_id for r in busy) == [f"q{i}" for i in range(PENDING,
+                                                                               PENDING + 3)]
     finally:
         gate.set()
     done: list[m.InspectReport] = []
     deadline = time.monotonic() + 60
-    while len(done) < S.MAX_PENDING_WORK and time.monotonic() < deadline:
+    while len(done) < PENDING and time.monotonic() < deadline:
         svc.step(0.05)
         done += msgs(client, "node.inspect_report")
-    assert sorted(r.request_id for r in done) == [f"q{i}" for i in range(S.MAX_PENDING_WORK)]  # each once
+    assert sorted(r.request_id for r in done) == [f"q{i}" for i in range(PENDING)]  # each once
     assert all("outside the allowed directories" in r.error for r in done)
 
 
