@@ -112,3 +112,19 @@ def test_previous_good_table_is_recoverable(tmp_path):
     store.save({"j1": _a_job()})
     store.path.rename(store.prev)
     assert list(JobStore(tmp_path).load()) == ["j1"]
+
+
+def test_restore_previous_is_one_command(tmp_path, capsys):
+    from xronos.cli.main import main as xronos
+
+    state = tmp_path / "state"
+    store = JobStore(state)
+    store.save({"j1": _a_job()})
+    store.save({"j1": _a_job(), "j2": replace(_a_job(), job_id="j2")})
+    store.path.write_text("{damaged")
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text(f'state_dir = "{state}"\n')
+    assert xronos(["gateway", "--config", str(cfg), "--restore-previous"]) == 0
+    assert "restored" in capsys.readouterr().out and list(JobStore(state).load()) == ["j1"]
+    assert xronos(["gateway", "--config", str(cfg), "--restore-previous"]) == 2  # nothing left to restore
+    assert "no previous job table" in capsys.readouterr().err
