@@ -73,8 +73,9 @@ def Text(max_length: int = MAX_TEXT, min_length: int = 0) -> Any:  # noqa: N802 
     return Annotated[str, Field(min_length=min_length, max_length=max_length), BeforeValidator(valid_text)]
 
 
-def Int(ge: int = 0, le: int = MAX_INT) -> Any:  # noqa: N802
-    return Annotated[int, Field(ge=ge, le=le)]
+def Int(ge: int | None = 0, le: int = MAX_INT, *, gt: int | None = None) -> Any:  # noqa: N802
+    """A bounded int (`gt=0` for a positive one: its error says "greater than 0", as before)."""
+    return Annotated[int, Field(ge=None if gt is not None else ge, gt=gt, le=le)]
 
 
 def Float(ge: float | None = None, le: float | None = None, *, gt: float | None = None,
@@ -84,7 +85,7 @@ def Float(ge: float | None = None, le: float | None = None, *, gt: float | None 
 
 
 NonNegInt = Int()
-PosInt = Int(ge=1)
+PosInt = Int(gt=0)
 Count = Int(le=2**31 - 1)  # steps, epochs, versions, context switches
 NonNegFloat = Float(ge=0, le=MAX_BYTES)
 Seconds = Float(ge=0, le=MAX_SECONDS)
@@ -92,7 +93,7 @@ Timestamp = Float(ge=0, le=MAX_TIMESTAMP)
 Bytes = Int(le=2**50)  # memory and sizes in bytes (1 PiB)
 ByteFloat = Float(ge=0, le=MAX_BYTES)
 Rank = Int(le=MAX_NODES - 1)
-WorldSize = Int(ge=1, le=MAX_NODES)
+WorldSize = Int(gt=0, le=MAX_NODES)
 Ratio = Float(ge=0, le=1)
 # A metric that may legitimately be NaN or infinite (a diverged loss, its perplexity).
 Metric = float
@@ -102,28 +103,28 @@ Label = Text(256)  # column names, metric names, short labels
 Host = Text(255)
 PathText = Annotated[str, Field(min_length=1, max_length=MAX_PATH), BeforeValidator(valid_text),
                      AfterValidator(_path_text)]
-Dim = Int(ge=1, le=2**20)  # a model dimension (hidden, intermediate, heads, layers, positions)
+Dim = Int(gt=0, le=2**20)  # a model dimension (hidden, intermediate, heads, layers, positions)
 Text256 = Text(256)
 Text4k = Text(MAX_TEXT)
 Event = Text(1024)
 Temperature = Float(ge=-273.15, le=1000)
-Layers = Int(ge=1, le=1024)
-Threads = Int(ge=1, le=4096)
-Heads = Int(ge=1, le=4096)
-Vocab = Int(ge=1, le=2**23)
-Positions = Int(ge=1, le=2**22)
-Labels = Int(ge=1, le=2**16)
-Cores = Int(ge=1, le=65536)
-BatchSize = Int(ge=1, le=65536)
-SeqLen = Int(ge=1, le=2**20)
-Units = Int(ge=1, le=2**20)  # H, the partition units of a model
+Layers = Int(gt=0, le=1024)
+Threads = Int(gt=0, le=4096)
+Heads = Int(gt=0, le=4096)
+Vocab = Int(gt=0, le=2**23)
+Positions = Int(gt=0, le=2**22)
+Labels = Int(gt=0, le=2**16)
+Cores = Int(gt=0, le=65536)
+BatchSize = Int(gt=0, le=65536)
+SeqLen = Int(gt=0, le=2**20)
+Units = Int(gt=0, le=2**20)  # H, the partition units of a model
 UnitCount = Int(le=2**20)
 Decay = Float(ge=0, le=100)
 LayerName = Text(128, min_length=1)
 Column = Text(256, min_length=1)
 LearningRate = Float(gt=0, le=100)
-Epochs = Int(ge=1, le=10**6)
-Steps = Int(ge=1, le=10**9)
+Epochs = Int(gt=0, le=10**6)
+Steps = Int(gt=0, le=10**9)
 StepCount = Int(le=10**9)
 Fraction = Float(ge=0, lt=1)
 Megabytes = Int(le=2**30)
