@@ -179,7 +179,7 @@ def rss_measurement(layers: int, threads: int) -> dict:
         _save_checkpoint(model_dir, "gpt2-medium", layers, "causal-lm", 0.0)
         config = read_config(model_dir)
         family = family_for(config)
-        specs = family.build(config, "causal-lm", ShardLayout.single(16), TPGroup.single()).tensor_specs()
+        specs = family.build(config, "causal-lm", ShardLayout.single(family.sizes(config)), TPGroup.single()).tensor_specs()
         full_part = sum(4 * _numel(s.full_shape) for s in specs.values() if s.dim is not None)
         full_rep = sum(4 * _numel(s.full_shape) for s in specs.values() if s.dim is None)
         for units in RSS_SPLITS:

@@ -12,6 +12,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "answers requests on {base}/gateway/request/<name>, persists its "
                                           "job table under state_dir and publishes Home Assistant discovery.")
     p.add_argument("--config", required=True, metavar="TOML", help="gateway config (see systemd/gateway.toml.example)")
+    p.add_argument("--restore-previous", action="store_true",
+                   help="do not run: put the previous good job table (state_dir/jobs.json.prev) back in place "
+                        "of a damaged jobs.json (kept as jobs.json.damaged-<time>), then exit")
     p.set_defaults(func=run)
 
 
@@ -23,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     from xronos.protocol.logsetup import configure_logging
 
     cfg = config_or_exit("gateway", load_config, args.config)  # a bad file: one line, exit 78
+    if args.restore_previous:
+        return restore_previous(cfg)
     configure_logging(cfg.log_level)
     cachedirs.apply(cfg.state_dir)
     service = GatewayService(cfg)
@@ -35,4 +40,15 @@ def run(args: argparse.Namespace) -> int:
         service.run()
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def restore_previous(cfg) -> int:
+    """`--restore-previous`: the one command that recovers from a damaged job table."""
+    from xronos.gateway.store import JobStore
+
+    store = JobStore(cfg.state_dir)
+    n, kept = store.restore_previous()  # ValueError (one line, exit 2) if there is nothing good to restore
+    print(f"restored {store.path} from {store.prev} ({n} jobs)"
+          + (f"; the damaged table is kept as {kept}" if kept else ""))
     return 0

@@ -157,8 +157,8 @@ class GatewayClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while deadline is None or time.monotonic() < deadline:
             item = self.bus.get(1.0)
-            if item is None or not item[0].endswith(f"/job/{job_id}/state"):
-                continue
+            if item is None or not item[0].endswith(f"/job/{job_id}/state") or not item[1]:
+                continue  # an empty payload: the gateway cleared the state (pruned from its history)
             state = decode(*item, table=self.table)
             on_state(state)
             if state.phase in TERMINAL:

@@ -52,6 +52,12 @@ class GatewayConfig(BaseModel):
     # TCP ports the owner node's Gloo rendezvous may use; each plan version takes the next one.
     rendezvous_port_min: Annotated[int, Field(gt=1023, lt=65536)] = 29600
     rendezvous_port_max: Annotated[int, Field(gt=1023, lt=65536)] = 29699
+    # Job history: finished jobs are kept (jobs.json, `xronos job status`) up to this many, and
+    # none older than this; refused submits are never kept. Unfinished jobs are never pruned.
+    history_max_jobs: Annotated[int, Field(ge=0, le=100_000)] = 100
+    history_max_age_days: PosFloat = 30.0
+    # Jobs being checked or waiting for the nodes at one time; a submit beyond is refused.
+    max_unfinished_jobs: Annotated[int, Field(ge=1, le=10_000)] = 16
     homeassistant: HomeAssistantSettings = Field(default_factory=HomeAssistantSettings)
     log_level: LogLevel = "info"
 

@@ -1,34 +1,70 @@
-"""The job state machine: pure functions over plain data, no I/O, no clock.
+"""The job state machine: pure functions over typed data (`jobtypes`), no I/O, no clock.
 
 `handle(job, event, ctx) -> (job, effects)`: an event (a node answered, a node dropped, a metric
 arrived, a person asked to pause, time passed) turns one job record into a new one plus a list of
-effects the service carries out (publish an inspection request, plan, assign, send a control,
-answer a request). Every timeout is a deadline checked on `Tick`, so tests drive time by hand.
+effects the service carries out (publish an inspection or profile request, assign, send a
+control, answer a request). Planning is part of the core: once every profile is in, the
+transition itself calls `ctx.planner` (the cost model and planner, pure) and goes on to assign or
+refuse. Every timeout is a deadline checked on `Tick`, so tests drive time by hand.
 
 Phases: queued → profiling → planning → assigning → running ⇄ paused → completed|failed|cancelled,
 and recovering (a node dropped or a rank failed: cancel the survivors, re-plan on who is online,
 resume from the owner's last checkpoint). Submit-time checks (owner online, owner's inspection,
 every profile, a feasible plan) all run before the job is *accepted*; a failure there refuses the
 submit request with the reason instead of failing half-way. Metrics aggregation is in `progress`.
+
+Nodes speak only for themselves: an answer counts only if it carries the request id the job sent
+to that node; a status or metric only if its rank is the node's rank in the current plan; and
+completion, checkpoints, evaluations and the export only from rank 0 (the owner).
+`abort(job, ctx, reason)` fails a job whose transition raised unexpectedly (the service's guard);
+`prune` bounds the history of finished jobs.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from xronos.protocol import messages as m
+
 from .jobtypes import (
-    ACTIVE, TERMINAL, Acked, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job,
-    MakePlan, Metrics, NodeDown, NodeUp, Out, Planned, Profile, Profiled, Respond, Status, Tick,
-    Timeouts,
+    ACTIVE, TERMINAL, Acked, Agg, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job,
+    Metrics, Net, NodeDown, NodeUp, Out, Profile, Profiled, Respond, Status, Tick, Timeouts,
 )
 from .progress import apply_metrics
+
+__all__ = ["ACTIVE", "TERMINAL", "Acked", "Agg", "Assign", "Command", "Control", "Ctx", "Effect", "Event",
+           "Inspect", "Inspected", "Job", "Metrics", "Net", "NodeDown", "NodeUp", "Out", "Profile",
+           "Profiled", "Respond", "Status", "Tick", "Timeouts", "abort", "handle", "new_job", "occupies",
+           "prune", "restart", "schedule"]
+
+MAX_EVENTS = 20
+MAX_EVENT_CHARS = 500  # a reason may quote what a node or a person sent: never all of it
+MAX_ERROR_CHARS = 1000
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _few(names: list[str] | tuple[str, ...], n: int = 5) -> str:
+    """A list of node names for a message: the first few, and how many more."""
+    more = f" (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
 
 
 def _note(job: Job, now: float, text: str, **changes: Any) -> Job:
     stamp = time.strftime("%H:%M:%S", time.gmtime(now))
-    return replace(job, events=(job.events + (f"{stamp} {text}",))[-20:], updated_at=now, **changes)
+    line = _short(f"{stamp} {text}", MAX_EVENT_CHARS)
+    return replace(job, events=(job.events + (line,))[-MAX_EVENTS:], updated_at=now, **changes)
+
+
+def _request_ids(job: Job, nodes: tuple[str, ...]) -> tuple[Job, tuple[tuple[str, str], ...]]:
+    """Fresh request ids for these nodes ("<job id>.<seq>"); earlier rounds' answers stop counting."""
+    reqs = tuple((f"{job.job_id}.{job.request_seq + i + 1}", n) for i, n in enumerate(nodes))
+    return replace(job, requests=reqs, request_seq=job.request_seq + len(nodes)), reqs
 
 
 def occupies(job: Job) -> bool:
@@ -37,60 +73,88 @@ def occupies(job: Job) -> bool:
 
 
 # --- creation --------------------------------------------------------------------------------
-def new_job(job_id: str, spec: dict[str, Any], transaction: str | None, ctx: Ctx,
+def new_job(job_id: str, spec: m.JobSpec, transaction: str | None, ctx: Ctx,
             respond_to: str = "job/submit") -> Out:
     job = _note(Job(job_id, spec, ctx.now, respond_to=respond_to, transaction=transaction),
-                ctx.now, f"submitted (owner {spec['owner']})")
-    named = spec.get("nodes")
-    if spec["owner"] not in ctx.online:
-        return _refuse(job, ctx, f"owner node {spec['owner']!r} is offline or not participating")
+                ctx.now, f"submitted (owner {spec.owner})")
+    named = spec.nodes
+    if spec.owner not in ctx.online:
+        return _refuse(job, ctx, f"owner node {spec.owner!r} is offline or not participating")
     if named is not None:
-        if spec["owner"] not in named:
-            return _refuse(job, ctx, f"nodes: the owner {spec['owner']!r} must be one of {named}")
+        if spec.owner not in named:
+            return _refuse(job, ctx, f"nodes: the owner {spec.owner!r} must be one of {_few(named)}")
         missing = sorted(set(named) - ctx.online)
         if missing:
-            return _refuse(job, ctx, f"nodes: {', '.join(missing)} offline or not participating")
+            return _refuse(job, ctx, f"nodes: {_few(missing)} offline or not participating")
+    return _inspect(job, ctx)
+
+
+def _inspect(job: Job, ctx: Ctx) -> Out:
+    job, ((rid, _),) = _request_ids(job, (job.owner,))
     job = replace(job, awaiting="inspect", waiting=(job.owner,), deadline=ctx.now + ctx.timeouts.inspect_s)
-    return job, [Inspect(job_id, job.owner)]
+    return job, [Inspect(job.job_id, job.owner, rid)]
+
+
+def refused(job: Job) -> bool:
+    """Refused at submit time: never accepted, never ran (the service does not keep these)."""
+    return job.phase == "failed" and not job.accepted
 
 
 def _refuse(job: Job, ctx: Ctx, reason: str) -> Out:
     """Submit-time refusal: the request is answered with the reason; nothing ran."""
+    reason = _short(reason, MAX_ERROR_CHARS)
     respond = Respond(job.respond_to, job.transaction, False, {"job_id": job.job_id}, reason)
     job = _note(job, ctx.now, f"refused: {reason}", phase="failed", error=reason, transaction=None,
-                awaiting="", waiting=(), deadline=None)
+                awaiting="", waiting=(), requests=(), deadline=None)
     return job, [respond]
 
 
 def _fail(job: Job, ctx: Ctx, reason: str) -> Out:
+    reason = _short(reason, MAX_ERROR_CHARS)
     effects: list[Effect] = []
     if job.plan and job.phase in ACTIVE:
         effects.append(Control(job.job_id, job.plan_version, job.plan_nodes, "cancel"))
     job = _note(job, ctx.now, f"failed: {reason}", phase="failed", error=reason, awaiting="",
-                waiting=(), deadline=None, recover_deadline=None)
+                waiting=(), requests=(), deadline=None, recover_deadline=None)
     return job, effects
+
+
+def abort(job: Job, ctx: Ctx, reason: str) -> Out:
+    """Fail this one job after an unexpected error in its own handling (the service's guard):
+    answer a request still waiting, stop its ranks, keep the reason short."""
+    if job.phase in TERMINAL:
+        return job, []
+    if not job.accepted:
+        return _refuse(job, ctx, reason)
+    return _fail(job, ctx, reason)
 
 
 def _candidates(job: Job, ctx: Ctx) -> tuple[str, ...]:
     """Nodes a plan may use now: the named ones (or every online one), online, owner first."""
-    pool = job.spec.get("nodes") or sorted(ctx.online)
+    pool = job.spec.nodes or sorted(ctx.online)
     usable = [n for n in pool if n in ctx.online and n not in job.excluded and n != job.owner]
     return ((job.owner,) if job.owner in ctx.online else ()) + tuple(usable)
 
 
 def _plan_or_profile(job: Job, ctx: Ctx, nodes: tuple[str, ...]) -> Out:
-    """Ask the nodes without a profile for one; once every node has one, ask for a plan."""
+    """Ask the nodes without a profile for one; once every node has one, plan."""
     missing = tuple(n for n in nodes if n not in job.profiles)
     if missing:
         phase = "recovering" if job.phase == "recovering" else "profiling"
+        job, reqs = _request_ids(job, missing)
         job = replace(job, phase=phase, awaiting="profiles", waiting=missing,
                       deadline=ctx.now + ctx.timeouts.profile_s, updated_at=ctx.now)
-        return job, [Profile(job.job_id, missing)]
+        return job, [Profile(job.job_id, reqs)]
     if not nodes:
         return _no_plan(job, ctx, "no node is online to run it")
     phase = "recovering" if job.phase == "recovering" else "planning"
-    job = replace(job, phase=phase, awaiting="plan", waiting=nodes, deadline=None, updated_at=ctx.now)
-    return job, [MakePlan(job.job_id, nodes, job.plan_version + 1)]
+    job = replace(job, phase=phase, awaiting="", waiting=(), requests=(), deadline=None, updated_at=ctx.now)
+    version = job.plan_version + 1
+    try:
+        plan = ctx.planner(job, nodes, version, ctx)
+    except (ValueError, ArithmeticError) as exc:  # InfeasiblePlan is a ValueError
+        return _no_plan(job, ctx, f"plan cannot fit: {exc}")
+    return _planned(job, ctx, plan)
 
 
 def _no_plan(job: Job, ctx: Ctx, reason: str) -> Out:
@@ -102,13 +166,12 @@ def _no_plan(job: Job, ctx: Ctx, reason: str) -> Out:
     return _fail(job, ctx, reason)
 
 
-def _assign(job: Job, ctx: Ctx, plan: dict[str, Any]) -> Out:
-    nodes = tuple(e["node_id"] for e in plan["entries"])
-    units = ", ".join(f"{e['node_id']}=attn {e['attn']}/mlp {e['mlp']}/vocab {e['vocab']}"
-                      for e in plan["entries"])
-    job = _note(job, ctx.now, f"plan v{plan['version']} ({plan['strategy']}): {units}; "
+def _assign(job: Job, ctx: Ctx, plan: m.Plan) -> Out:
+    nodes = tuple(e.node_id for e in plan.entries)
+    units = ", ".join(f"{e.node_id}=attn {e.attn}/mlp {e.mlp}/vocab {e.vocab}" for e in plan.entries)
+    job = _note(job, ctx.now, f"plan v{plan.version} ({plan.strategy}): {units}; "
                 f"resume from step {job.checkpoint_step}",
-                phase="assigning", plan=plan, plan_version=plan["version"], awaiting="acks",
+                phase="assigning", plan=plan, plan_version=plan.version, awaiting="acks",
                 waiting=nodes, deadline=ctx.now + ctx.timeouts.ack_s, agg={},
                 resume_step=job.checkpoint_step, step=job.checkpoint_step)
     return job, [Assign(job.job_id, plan, job.checkpoint_step)]
@@ -162,31 +225,51 @@ def handle(job: Job, event: Event, ctx: Ctx) -> Out:
     return handler(job, event, ctx)
 
 
+def _answers(job: Job, request_id: str, node_id: str) -> bool:
+    """Is this the answer to a request the job sent to this very node?"""
+    return (request_id, node_id) in job.requests
+
+
 def _on_inspected(job: Job, ev: Inspected, ctx: Ctx) -> Out:
-    if job.awaiting != "inspect" or ev.node_id != job.owner:
+    r = ev.report
+    if job.awaiting != "inspect" or r.node_id != job.owner or not _answers(job, r.request_id, r.node_id):
         return job, []
-    if not ev.ok:
-        return _refuse(job, ctx, f"owner {job.owner!r} cannot run it: {ev.error}")
-    a = ev.arch or {}
-    job = _note(job, ctx.now, f"owner checked model and data: {a.get('family')} with "
-                f"{a.get('num_kv_heads')} attention units, {a.get('intermediate_size')} MLP columns, "
-                f"{a.get('vocab_size')} vocabulary rows; {ev.total_steps} steps", arch=ev.arch,
-                units_total=a.get("num_kv_heads"),
-                total_steps=ev.total_steps or 0)
+    if not r.ok:
+        return _refuse(job, ctx, f"owner {job.owner!r} cannot run it: {r.error}")
+    if r.arch is None or r.total_steps is None:
+        return _refuse(job, ctx, f"owner {job.owner!r} answered ok without arch and total_steps")
+    job = _note(job, ctx.now, f"owner checked model and data: {r.arch.family} with "
+                f"{r.arch.num_kv_heads} attention units, {r.arch.intermediate_size} MLP columns, "
+                f"{r.arch.vocab_size} vocabulary rows; {r.total_steps} steps", arch=r.arch,
+                units_total=r.arch.num_kv_heads, total_steps=r.total_steps, requests=())
     return _plan_or_profile(job, ctx, _candidates(job, ctx))
 
 
+def _mismatch(job: Job, report: m.ProfileReport) -> str | None:
+    """Why a profile report does not answer this job's request (None if it does)."""
+    want = {"job_id": job.job_id, "arch": job.arch, "task": job.spec.task,
+            "batch_size": job.spec.batch_size, "seq_len": job.spec.seq_len}
+    for name, value in want.items():
+        if getattr(report, name) != value:
+            return f"its report's {name} does not match the request"
+    if report.capabilities.node_id != report.node_id:
+        return "its report's capabilities name another node"
+    return None
+
+
 def _on_profiled(job: Job, ev: Profiled, ctx: Ctx) -> Out:
-    if job.awaiting != "profiles" or ev.node_id not in job.waiting:
+    if job.awaiting != "profiles" or ev.node_id not in job.waiting or not _answers(job, ev.request_id, ev.node_id):
         return job, []
     waiting = tuple(n for n in job.waiting if n != ev.node_id)
-    if ev.report is not None:
-        job = replace(job, profiles={**job.profiles, ev.node_id: ev.report}, waiting=waiting)
+    requests = tuple(r for r in job.requests if r[1] != ev.node_id)
+    error = ev.error if ev.report is None else _mismatch(job, ev.report)
+    if ev.report is not None and error is None:
+        job = replace(job, profiles={**job.profiles, ev.node_id: ev.report}, waiting=waiting, requests=requests)
     else:
-        job, out = _drop_node(job, ctx, ev.node_id, f"could not profile: {ev.error}")
+        job, out = _drop_node(job, ctx, ev.node_id, f"could not profile: {error}")
         if out is not None:
             return out
-        job = replace(job, waiting=waiting)
+        job = replace(job, waiting=waiting, requests=requests)
     if waiting:
         return job, []
     return _plan_or_profile(job, ctx, tuple(n for n in _candidates(job, ctx) if n in job.profiles))
@@ -194,7 +277,7 @@ def _on_profiled(job: Job, ev: Profiled, ctx: Ctx) -> Out:
 
 def _drop_node(job: Job, ctx: Ctx, node: str, why: str) -> tuple[Job, Out | None]:
     """A candidate is unusable. Fatal when it was named or is the owner (before acceptance)."""
-    named = job.spec.get("nodes") or ()
+    named = job.spec.nodes or ()
     if not job.accepted and (node == job.owner or node in named):
         return job, _refuse(job, ctx, f"node {node!r} {why}")
     if node == job.owner:
@@ -202,23 +285,19 @@ def _drop_node(job: Job, ctx: Ctx, node: str, why: str) -> tuple[Job, Out | None
     return _note(job, ctx.now, f"leaving out {node!r}: it {why}", excluded=job.excluded + (node,)), None
 
 
-def _on_planned(job: Job, ev: Planned, ctx: Ctx) -> Out:
-    if job.awaiting != "plan":
-        return job, []
-    if ev.plan is None:
-        return _no_plan(job, ctx, f"plan cannot fit: {ev.error}")
+def _planned(job: Job, ctx: Ctx, plan: m.Plan) -> Out:
     if job.respond_to == "plan/preview":
-        respond = Respond("plan/preview", job.transaction, True, {"plan": ev.plan})
-        return _note(job, ctx.now, "plan preview answered", phase="completed", plan=ev.plan,
+        respond = Respond("plan/preview", job.transaction, True, {"plan": plan})
+        return _note(job, ctx.now, "plan preview answered", phase="completed", plan=plan,
                      awaiting="", transaction=None), [respond]
     effects: list[Effect] = []
     if not job.accepted:
         effects.append(Respond("job/submit", job.transaction, True,
-                               {"job_id": job.job_id, "plan": ev.plan, "total_steps": job.total_steps}))
+                               {"job_id": job.job_id, "plan": plan, "total_steps": job.total_steps}))
         job = _note(job, ctx.now, "accepted", accepted=True, transaction=None)
         if ctx.busy:  # the plan proved it fits; it is redone when the nodes are free
-            return replace(job, phase="queued", awaiting="", waiting=(), plan=ev.plan), effects
-    job, more = _assign(job, ctx, ev.plan)
+            return replace(job, phase="queued", awaiting="", waiting=(), plan=plan), effects
+    job, more = _assign(job, ctx, plan)
     return job, effects + more
 
 
@@ -237,7 +316,8 @@ def _on_down(job: Job, ev: NodeDown, ctx: Ctx) -> Out:
     if job.awaiting in ("inspect", "profiles") and node in job.waiting:
         if job.awaiting == "inspect":
             return _refuse(job, ctx, f"owner {node!r} went offline")
-        return _on_profiled(job, Profiled(node, None, "went offline"), ctx)
+        rid = next((r for r, n in job.requests if n == node), "")
+        return _on_profiled(job, Profiled(node, rid, None, "went offline"), ctx)
     if job.phase in ("assigning", "running", "paused") and node in job.plan_nodes:
         return _recover(job, ctx, f"node {node!r} went offline", known_cause=True)
     return job, []
@@ -253,30 +333,34 @@ def _on_up(job: Job, ev: NodeUp, ctx: Ctx) -> Out:
 
 def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
     s = ev.s
-    if s["plan_version"] != job.plan_version or s["node_id"] not in job.plan_nodes:
+    # A node speaks only for its own rank of the current plan.
+    if s.plan_version != job.plan_version or job.rank_of(s.node_id) != s.rank:
         return job, []
-    is_owner = s["rank"] == 0
-    if is_owner and s.get("checkpoint_step") and s["checkpoint_step"] > job.checkpoint_step:
+    is_owner = s.rank == 0 and s.node_id == job.rank0 == job.owner
+    if is_owner and s.checkpoint_step and s.checkpoint_step > job.checkpoint_step:
+        if s.checkpoint_step > max(job.total_steps, job.step, 1):
+            return job, []  # a checkpoint beyond the job's end is no resume point
         if job.events and " checkpoint at step " in job.events[-1]:  # one line for a run of them
             job = replace(job, events=job.events[:-1])
-        job = _note(job, ctx.now, f"checkpoint at step {s['checkpoint_step']}",
-                    checkpoint_step=s["checkpoint_step"])
-    if is_owner and s.get("eval_initial") is not None and job.eval_initial is None:
-        job = _note(job, ctx.now, f"before training: {s.get('eval_metric_name')} {s['eval_initial']:.4f}",
-                    eval_initial=s["eval_initial"], eval_metric_name=s.get("eval_metric_name"))
-    if is_owner and s.get("eval_metric") is not None:
-        job = replace(job, eval_metric=s["eval_metric"], eval_metric_name=s.get("eval_metric_name"))
-    if s["status"] == "failed" and job.phase in ("assigning", "running", "paused"):
-        return _recover(job, ctx, f"rank {s['rank']} on {s['node_id']!r} failed: {s.get('detail')}")
+        job = _note(job, ctx.now, f"checkpoint at step {s.checkpoint_step}", checkpoint_step=s.checkpoint_step)
+    if is_owner and s.eval_initial is not None and job.eval_initial is None:
+        job = _note(job, ctx.now, f"before training: {s.eval_metric_name} {s.eval_initial:.4f}",
+                    eval_initial=s.eval_initial, eval_metric_name=s.eval_metric_name)
+    if is_owner and s.eval_metric is not None:
+        job = replace(job, eval_metric=s.eval_metric, eval_metric_name=s.eval_metric_name)
+    if s.status == "failed" and job.phase in ("assigning", "running", "paused"):
+        return _recover(job, ctx, f"rank {s.rank} on {s.node_id!r} failed: {s.detail}")
     # "recovering" too: the owner may finish just as a peer's last-will arrives.
-    if s["status"] == "completed" and is_owner and job.phase in ("running", "paused", "recovering"):
+    if s.status == "completed" and is_owner and job.phase in ("running", "paused", "recovering"):
         return _complete(job, ctx, s), []
     return job, []
 
 
-def _complete(job: Job, ctx: Ctx, s: dict[str, Any]) -> Job:
-    return _note(job, ctx.now, f"completed at step {s['step']}; model exported to {s.get('export_dir')}",
-                 phase="completed", step=s["step"], epoch=s["epoch"], export_dir=s.get("export_dir"),
+def _complete(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
+    export = s.export_dir or job.spec.export_dir  # the owner's resolved path of the spec's export_dir
+    step = min(s.step, job.total_steps) if job.total_steps else s.step
+    return _note(job, ctx.now, f"completed at step {step}; model exported to {export}",
+                 phase="completed", step=step, epoch=s.epoch, export_dir=export,
                  awaiting="", deadline=None)
 
 
@@ -293,8 +377,8 @@ def _on_command(job: Job, ev: Command, ctx: Ctx) -> Out:
         if job.transaction:  # a submit still being checked
             effects.append(Respond(job.respond_to, job.transaction, False, {"job_id": job.job_id},
                                    "cancelled while being checked"))
-        job = _note(job, ctx.now, "cancelled", phase="cancelled", awaiting="", waiting=(), deadline=None,
-                    transaction=None)
+        job = _note(job, ctx.now, "cancelled", phase="cancelled", awaiting="", waiting=(), requests=(),
+                    deadline=None, recover_deadline=None, transaction=None)
         return ok(job, *effects)
     if ev.action == "pause":
         if job.phase == "running":
@@ -344,7 +428,7 @@ def _on_metrics(job: Job, ev: Metrics, ctx: Ctx) -> Out:
     return apply_metrics(job, ev.m, ctx.now, ctx.timeouts.stall_s), []
 
 
-_HANDLERS = {Inspected: _on_inspected, Profiled: _on_profiled, Planned: _on_planned, Acked: _on_acked,
+_HANDLERS = {Inspected: _on_inspected, Profiled: _on_profiled, Acked: _on_acked,
              NodeDown: _on_down, NodeUp: _on_up, Metrics: _on_metrics, Status: _on_status,
              Command: _on_command, Tick: _on_tick}
 
@@ -377,13 +461,32 @@ def restart(job: Job, ctx: Ctx) -> Out:
     if job.phase in ("running", "paused"):
         return replace(job, deadline=ctx.now + ctx.timeouts.stall_s), []
     if job.awaiting == "inspect":
-        return replace(job, deadline=ctx.now + ctx.timeouts.inspect_s), [Inspect(job.job_id, job.owner)]
+        return _inspect(job, ctx)
     if job.awaiting == "profiles":
-        return replace(job, deadline=ctx.now + ctx.timeouts.profile_s), [Profile(job.job_id, job.waiting)]
-    if job.awaiting == "plan":
-        return job, [MakePlan(job.job_id, job.waiting, job.plan_version + 1)]
-    if job.awaiting == "acks":  # nobody started: the same assignment again (nodes re-ack)
+        job, reqs = _request_ids(job, job.waiting)
+        return replace(job, deadline=ctx.now + ctx.timeouts.profile_s), [Profile(job.job_id, reqs)]
+    if job.awaiting == "plan":  # a table written while planning was a round trip through the service
+        return _plan_or_profile(replace(job, awaiting=""), ctx, job.waiting or _candidates(job, ctx))
+    if job.awaiting == "acks" and job.plan is not None:  # nobody started: the same assignment again (nodes re-ack)
         return replace(job, waiting=job.plan_nodes, deadline=ctx.now + ctx.timeouts.ack_s), \
             [Assign(job.job_id, job.plan, job.resume_step)]
     # recovering, between attempts: retry once the retained availability has arrived
     return replace(job, awaiting="retry", deadline=ctx.now + ctx.timeouts.retry_s), []
+
+
+# --- history ---------------------------------------------------------------------------------
+def prune(jobs: Mapping[str, Job], now: float, keep: int, max_age_s: float) -> tuple[dict[str, Job], list[str]]:
+    """Bound the history: finished jobs older than `max_age_s` go, and of the rest only the newest
+    `keep`. Unfinished jobs are never pruned. Returns (kept table, ids of the jobs dropped)."""
+    done = sorted((j for j in jobs.values() if j.phase in TERMINAL), key=lambda j: (j.updated_at, j.created_at))
+    old = {j.job_id for j in done if now - j.updated_at > max_age_s}
+    young = [j for j in done if j.job_id not in old]
+    old |= {j.job_id for j in young[: max(len(young) - keep, 0)]}
+    return {k: j for k, j in jobs.items() if k not in old}, sorted(old)
+
+
+def finished(job: Job) -> Job:
+    """A finished job as the history keeps it: without its profiles and in-flight bookkeeping."""
+    if job.phase not in TERMINAL or not (job.profiles or job.requests or job.waiting):
+        return job
+    return replace(job, profiles={}, requests=(), waiting=(), awaiting="", deadline=None, recover_deadline=None)

@@ -1,15 +1,26 @@
-"""Plain data of the job state machine: the job record, the events it reacts to, the effects it asks
-for. Frozen dataclasses of JSON-able values, so the store can persist a record as it is.
+"""Typed data of the job state machine: the job record, the events it reacts to, the effects it
+asks for, and the context it decides in. Frozen dataclasses over the protocol's pydantic models
+(a job's spec is a `JobSpec`, its plan a `Plan`, its profiles `ProfileReport`s): what arrives is
+validated once, at the wire, and the core never re-reads dicts with string keys. The store
+persists a record as it is, through pydantic (`store.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Literal, NamedTuple, Union
+
+from pydantic import ConfigDict, with_config
+
+from xronos.protocol import messages as m
 
 TERMINAL = frozenset({"completed", "failed", "cancelled"})
 # Phases in which a job holds its nodes: only one such job runs at a time.
 ACTIVE = frozenset({"assigning", "running", "paused", "recovering"})
+# "plan" is only found in job tables written before planning moved into the core.
+Awaiting = Literal["", "inspect", "profiles", "plan", "acks", "retry"]
+RespondTo = Literal["job/submit", "plan/preview"]
 
 
 @dataclass(frozen=True)
@@ -25,32 +36,45 @@ class Timeouts:
 
 
 @dataclass(frozen=True)
-class Ctx:
-    now: float
-    online: frozenset[str]  # online and participating nodes
-    timeouts: Timeouts = Timeouts()
-    busy: bool = False  # another job holds the nodes
+class Net:
+    """The LAN the data plane runs on, for the planner's communication term."""
+
+    bandwidth_Bps: float = 125e6
+    latency_s: float = 0.0005
 
 
+class Agg(NamedTuple):
+    """Running sums of one node's iterations under the current plan version."""
+
+    n: int
+    compute_s: float
+    idle_s: float
+    iteration_s: float
+
+
+@with_config(ConfigDict(extra="forbid", ser_json_inf_nan="constants"))
 @dataclass(frozen=True)
 class Job:
     job_id: str
-    spec: dict[str, Any]  # JobSpec in JSON form
+    spec: m.JobSpec
     created_at: float
-    phase: str = "queued"
-    respond_to: str = "job/submit"  # or "plan/preview": a preview job ends after its plan
+    phase: m.Phase = "queued"
+    respond_to: RespondTo = "job/submit"  # or "plan/preview": a preview job ends after its plan
     transaction: str | None = None  # submit/preview request still waiting for its answer
     accepted: bool = False
-    awaiting: str = ""  # "inspect" | "profiles" | "plan" | "acks" | "retry" | ""
+    awaiting: Awaiting = ""
     waiting: tuple[str, ...] = ()  # nodes whose answer is awaited
+    # (request id, node id) of the inspection or profile requests in flight: only these answers count.
+    requests: tuple[tuple[str, str], ...] = ()
+    request_seq: int = 0  # request ids are "<job id>.<seq>"
     deadline: float | None = None
     recover_deadline: float | None = None
-    arch: dict[str, Any] | None = None
+    arch: m.ArchSpec | None = None
     units_total: int | None = None
     total_steps: int = 0
-    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    profiles: dict[str, m.ProfileReport] = field(default_factory=dict)
     excluded: tuple[str, ...] = ()  # refused an assignment; back in when it reconnects
-    plan: dict[str, Any] | None = None
+    plan: m.Plan | None = None
     plan_version: int = 0
     want_paused: bool = False
     recoveries: int = 0
@@ -62,7 +86,7 @@ class Job:
     eval_metric: float | None = None
     eval_metric_name: str | None = None
     eval_initial: float | None = None
-    agg: dict[str, list[float]] = field(default_factory=dict)  # node -> [n, compute, idle, iteration]
+    agg: dict[str, Agg] = field(default_factory=dict)
     last_iteration_s: float | None = None
     export_dir: str | None = None
     events: tuple[str, ...] = ()
@@ -71,33 +95,61 @@ class Job:
 
     @property
     def owner(self) -> str:
-        return self.spec["owner"]
+        return self.spec.owner
 
     @property
     def plan_nodes(self) -> tuple[str, ...]:
-        return tuple(e["node_id"] for e in self.plan["entries"]) if self.plan else ()
+        return tuple(e.node_id for e in self.plan.entries) if self.plan else ()
+
+    def rank_of(self, node_id: str) -> int | None:
+        """The node's rank in the current plan (None if it has none)."""
+        if self.plan is not None:
+            for e in self.plan.entries:
+                if e.node_id == node_id:
+                    return e.rank
+        return None
+
+    @property
+    def rank0(self) -> str | None:
+        """The node holding rank 0 of the current plan: the owner, the only one that may report
+        completion, checkpoints, evaluations and the export."""
+        if self.plan is not None:
+            for e in self.plan.entries:
+                if e.rank == 0:
+                    return e.node_id
+        return None
+
+
+# A planner: (job, nodes in rank order, plan version, ctx) -> Plan, or ValueError saying why not.
+Planner = Callable[[Job, tuple[str, ...], int, "Ctx"], m.Plan]
+
+
+def _no_planner(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan:
+    raise ValueError("no planner configured")
+
+
+@dataclass(frozen=True)
+class Ctx:
+    now: float
+    online: frozenset[str]  # online and participating nodes
+    timeouts: Timeouts = Timeouts()
+    busy: bool = False  # another job holds the nodes
+    caps: Mapping[str, m.Capabilities] = field(default_factory=dict)  # latest per node
+    net: Net = Net()
+    planner: Planner = _no_planner
 
 
 # --- events ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Inspected:
-    node_id: str
-    ok: bool
-    arch: dict[str, Any] | None = None
-    total_steps: int | None = None
-    error: str | None = None
+    report: m.InspectReport
 
 
 @dataclass(frozen=True)
 class Profiled:
     node_id: str
-    report: dict[str, Any] | None  # ProfileReport in JSON form; None = the node could not
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class Planned:
-    plan: dict[str, Any] | None  # Plan in JSON form, ranks in the order MakePlan gave the nodes
+    request_id: str
+    report: m.ProfileReport | None  # None = the node could not (or went offline)
     error: str | None = None
 
 
@@ -121,17 +173,17 @@ class NodeUp:
 
 @dataclass(frozen=True)
 class Metrics:
-    m: dict[str, Any]  # IterationMetrics fields
+    m: m.IterationMetrics
 
 
 @dataclass(frozen=True)
 class Status:
-    s: dict[str, Any]  # NodeJobStatus fields
+    s: m.NodeJobStatus
 
 
 @dataclass(frozen=True)
 class Command:
-    action: str  # pause | resume | cancel
+    action: Literal["pause", "resume", "cancel"]
     transaction: str | None = None
 
 
@@ -140,7 +192,7 @@ class Tick:
     pass
 
 
-Event = Union[Inspected, Profiled, Planned, Acked, NodeDown, NodeUp, Metrics, Status, Command, Tick]
+Event = Union[Inspected, Profiled, Acked, NodeDown, NodeUp, Metrics, Status, Command, Tick]
 
 
 # --- effects ---------------------------------------------------------------------------------
@@ -149,7 +201,7 @@ class Respond:
     name: str  # request name, e.g. "job/submit"
     transaction: str | None
     ok: bool
-    data: dict[str, Any] | None = None
+    data: Mapping[str, Any] | None = None
     error: str | None = None
 
 
@@ -157,25 +209,19 @@ class Respond:
 class Inspect:
     job_id: str
     node_id: str
+    request_id: str
 
 
 @dataclass(frozen=True)
 class Profile:
     job_id: str
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class MakePlan:
-    job_id: str
-    nodes: tuple[str, ...]  # owner first: it becomes rank 0
-    version: int
+    requests: tuple[tuple[str, str], ...]  # (request id, node id)
 
 
 @dataclass(frozen=True)
 class Assign:
     job_id: str
-    plan: dict[str, Any]
+    plan: m.Plan
     resume_step: int
 
 
@@ -184,8 +230,8 @@ class Control:
     job_id: str
     plan_version: int
     nodes: tuple[str, ...]
-    action: str  # start | pause | resume | cancel
+    action: Literal["start", "pause", "resume", "cancel"]
 
 
-Effect = Union[Respond, Inspect, Profile, MakePlan, Assign, Control]
+Effect = Union[Respond, Inspect, Profile, Assign, Control]
 Out = tuple[Job, list[Effect]]

@@ -1,55 +1,66 @@
 """Progress of a job from its ranks' iteration metrics, and the retained JobState view of a job.
 
 Pure arithmetic over the job record. Per node the record keeps running sums over the current plan
-version ([iterations, compute_s, idle_s, iteration_s]); the first iteration after a (re)start is
-left out of them, because it pays one-time costs (allocator warm-up, first Gloo connections) and
-would skew the comparison of measured against predicted compute time.
+version (`Agg`: iterations, compute_s, idle_s, iteration_s); the first iteration after a
+(re)start is left out of them, because it pays one-time costs (allocator warm-up, first Gloo
+connections) and would skew the comparison of measured against predicted compute time.
+
+A metric counts only from a node of the current plan speaking for its own rank; only rank 0's
+sets the job's step and loss, and never beyond the job's length. Every number of the view is
+finite and within the JobState's bounds (an ETA that would overflow is unknown, not NaN).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
-from .jobtypes import Job
+from xronos.protocol import messages as m
+
+from .jobtypes import Agg, Job
 
 
-def apply_metrics(job: Job, m: dict[str, Any], now: float, stall_s: float) -> Job:
-    if m["plan_version"] != job.plan_version or m["node_id"] not in job.plan_nodes \
+def apply_metrics(job: Job, x: m.IterationMetrics, now: float, stall_s: float) -> Job:
+    if x.plan_version != job.plan_version or job.rank_of(x.node_id) != x.rank \
             or job.phase not in ("running", "paused"):
         return job
     changes: dict[str, Any] = {"deadline": now + stall_s, "updated_at": now}
-    if m["step"] > job.resume_step + 1:
-        n, compute, idle, iteration = job.agg.get(m["node_id"], [0, 0.0, 0.0, 0.0])
-        changes["agg"] = {**job.agg, m["node_id"]: [n + 1, compute + m["compute_s"], idle + m["idle_s"],
-                                                     iteration + m["iteration_s"]]}
-    if m["rank"] == 0:
-        changes.update(step=m["step"], epoch=m["epoch"], loss=m["loss"],
-                       last_iteration_s=m["iteration_s"])
+    if x.step > job.resume_step + 1:
+        n, compute, idle, iteration = job.agg.get(x.node_id, Agg(0, 0.0, 0.0, 0.0))
+        changes["agg"] = {**job.agg, x.node_id: Agg(n + 1, compute + x.compute_s, idle + x.idle_s,
+                                                    iteration + x.iteration_s)}
+    if x.rank == 0:
+        step = min(x.step, job.total_steps) if job.total_steps else x.step
+        changes.update(step=step, epoch=x.epoch, loss=x.loss, last_iteration_s=x.iteration_s)
     return replace(job, **changes)
 
 
 def _mean_iteration_s(job: Job) -> float | None:
-    sums = [(a[0], a[3]) for a in job.agg.values() if a[0]]
+    sums = [(a.n, a.iteration_s) for a in job.agg.values() if a.n]
     if not sums:
         return job.last_iteration_s
     return max(total / n for n, total in sums)  # every rank waits for the slowest
 
 
-def state_view(job: Job) -> dict[str, Any]:
-    """Fields of the JobState message for this job."""
-    iteration_s = _mean_iteration_s(job)
+def _bounded(x: float | None, hi: float) -> float | None:
+    return x if x is not None and math.isfinite(x) and 0 <= x <= hi else None
+
+
+def state_view(job: Job) -> m.JobState:
+    """The JobState message for this job."""
+    iteration_s = _bounded(_mean_iteration_s(job), m.MAX_SECONDS)
     remaining = max(job.total_steps - job.step, 0)
-    eta = remaining * iteration_s if iteration_s is not None and job.phase == "running" else None
-    predicted = {e["node_id"]: e["predicted_compute_s"] for e in job.plan["entries"]} if job.plan else {}
-    return {
-        "job_id": job.job_id, "name": job.spec["name"], "phase": job.phase, "step": job.step,
-        "total_steps": job.total_steps or None, "epoch": job.epoch, "loss": job.loss,
-        "eval_metric": job.eval_metric, "eval_metric_name": job.eval_metric_name,
-        "iteration_s": iteration_s,
-        "idle_ratio": {n: a[2] / a[3] for n, a in job.agg.items() if a[3] > 0},
-        "predicted_s": predicted,
-        "measured_s": {n: a[1] / a[0] for n, a in job.agg.items() if a[0]},
-        "eta_s": eta, "plan": job.plan, "events": list(job.events), "updated_at": job.updated_at,
-        "error": job.error,
-    }
+    eta = _bounded(remaining * iteration_s, m.MAX_INT) \
+        if iteration_s is not None and job.phase == "running" else None
+    predicted = {e.node_id: e.predicted_compute_s for e in job.plan.entries} if job.plan else {}
+    return m.JobState(
+        job_id=job.job_id, name=job.spec.name, phase=job.phase, step=job.step,
+        total_steps=job.total_steps or None, epoch=job.epoch, loss=job.loss,
+        eval_metric=job.eval_metric, eval_metric_name=job.eval_metric_name, iteration_s=iteration_s,
+        idle_ratio={n: min(max(a.idle_s / a.iteration_s, 0.0), 1.0) for n, a in job.agg.items()
+                    if a.iteration_s > 0},
+        predicted_s=predicted,
+        measured_s={n: min(a.compute_s / a.n, m.MAX_SECONDS) for n, a in job.agg.items() if a.n},
+        eta_s=eta, plan=job.plan, events=list(job.events), updated_at=job.updated_at, error=job.error,
+    )

@@ -1,9 +1,17 @@
 """The gateway service (`xronos gateway --config gateway.toml`): thin glue around the pure parts.
 
-One control loop: bus messages become events of the job state machine (`jobs.handle`); the effects
-it returns are carried out here (publish an inspection/profile request, run the planner, publish
-assignments and controls, answer a request); every change is persisted (`store`) and published as
-the job's retained JobState (and Home Assistant's state). Time is a `Tick` each turn of the loop.
+One control loop: bus messages become events of the job state machine (`jobs.handle`, which also
+plans); the effects it returns are carried out here (publish an inspection/profile request,
+publish assignments and controls, answer a request); every change is persisted (`store`) and
+published as the job's retained JobState (and Home Assistant's state). Time is a `Tick` each turn
+of the loop.
+
+No message can break the service: every turn of the loop is guarded part by part (the message's
+dispatch, each job's tick, each effect, each publish, the save), and an unexpected error in one
+job's handling fails that job alone, with a short reason, while the service carries on. Submits
+refused at check time are answered and not kept; finished jobs are pruned from the history
+(`history_max_jobs`, `history_max_age_days`); at most `max_unfinished_jobs` are checked or wait at
+a time.
 
 Restart: the job table is reloaded, every unfinished job re-issues what it was waiting for, and
 running jobs are re-attached, not restarted: their nodes keep training without the gateway, and
@@ -18,6 +26,7 @@ import re
 import time
 import uuid
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -26,8 +35,7 @@ from xronos.gateway import homeassistant as ha
 from xronos.gateway import jobs as J
 from xronos.gateway import registry as R
 from xronos.gateway.config import GatewayConfig
-from xronos.gateway.planner import InfeasiblePlan
-from xronos.gateway.profiles import Loaded, plan_message, plan_reports
+from xronos.gateway.planning import plan_job
 from xronos.gateway.progress import state_view
 from xronos.gateway.store import JobStore
 from xronos.protocol import sdnotify
@@ -42,6 +50,10 @@ SAVE_EVERY_S = 5.0  # job table on disk at most this often while only metrics ch
 _CONTROLS = {"start": m.JobStart, "pause": m.JobPause, "resume": m.JobResume, "cancel": m.JobCancel}
 
 
+def _reason(what: str, exc: BaseException) -> str:
+    return f"internal error {what}: {type(exc).__name__}: {exc}"[:300]
+
+
 class GatewayService:
     def __init__(self, cfg: GatewayConfig, bus: BusBase | None = None,
                  timeouts: J.Timeouts | None = None) -> None:
@@ -53,18 +65,19 @@ class GatewayService:
         self.bus = bus or MqttBus(cfg.broker, f"{cfg.gateway_id}-{uuid.uuid4().hex[:8]}", will=will, table=self.table)
         self.dispatcher = Dispatcher(self.bus)
         self.timeouts = timeouts or J.Timeouts(profile_s=cfg.profile_timeout_s, ack_s=cfg.ack_timeout_s)
+        self.net = J.Net(bandwidth_Bps=cfg.bandwidth_mbps * 1e6 / 8, latency_s=cfg.latency_ms / 1000)
         self.store = JobStore(cfg.state_dir)
         self.jobs: dict[str, J.Job] = self.store.load()
         self.previews: dict[str, J.Job] = {}
         self.reg: R.Registry = {}
-        self.requests: dict[str, tuple[str, str]] = {}  # request id -> (job id, node id)
         self.ha = ha.HAContext(cfg.base_topic, cfg.gateway_id, cfg.homeassistant.discovery_prefix) \
             if cfg.homeassistant.enabled else None
         self.habridge = ha.HABridge(self.ha, self.bus, cfg.homeassistant.job_dir, ha.Actions(
             job_command=self._ha_job_command, start=self._ha_start, remove_node=self._remove_node,
             nodes=self._known_caps, publish=self._publish_ha_state)) if self.ha is not None else None
-        self._state_ids: set[str] = set(self.jobs)  # jobs whose retained JobState we publish
+        self.internal_errors = 0  # unexpected exceptions caught by a guard (each logged with its traceback)
         self._dirty: set[str] = set()
+        self._unsaved = False
         self._saved_at = self._published_at = 0.0
         self.stopping = False
 
@@ -86,8 +99,13 @@ class GatewayService:
             self.habridge.register(d)
         self.bus.on_connect(self._announce)
         self.bus.start()
-        for job_id, job in list(self.jobs.items()):
-            self._run(job_id, J.restart(job, self._ctx(job_id)))
+        for job_id, job in list(self.jobs.items()):  # each job's restart alone: one bad job fails alone
+            try:
+                out = J.restart(job, self._ctx(job_id))
+            except Exception as exc:
+                self._internal("restart", job_id, exc)
+                out = J.abort(job, self._ctx(job_id), _reason("on restart", exc))
+            self._run(job_id, out)
 
     def _announce(self) -> None:
         self.bus.publish(self.table.build("gateway.availability"), "online", retain=True)
@@ -98,7 +116,7 @@ class GatewayService:
             self.habridge.publish_discovery()
 
     def _known_caps(self) -> list[m.Capabilities]:
-        return [m.Capabilities(**n.capabilities) for n in self.reg.values() if n.capabilities]
+        return [n.capabilities for n in self.reg.values() if n.capabilities]
 
     def run(self) -> None:
         self.start()
@@ -113,89 +131,166 @@ class GatewayService:
             self.shutdown()
 
     def step(self, timeout: float) -> None:
+        """One turn of the control loop. Each part is guarded: nothing raises out of it."""
         item = self.bus.get(timeout)
         if item is not None:
-            self.dispatcher.dispatch(*item)
+            self.dispatcher.dispatch(*item, retain=getattr(item, "retain", False))  # never raises
         if self.habridge is not None:
-            self.habridge.tick()
+            try:
+                self.habridge.tick()
+            except Exception as exc:
+                self._internal("Home Assistant", None, exc)
         for job_id, job in list(self.jobs.items()) + list(self.previews.items()):
             if job.phase not in J.TERMINAL:
                 self._event(job_id, J.Tick())
-        self._flush()
+        try:
+            self._flush()
+        except Exception as exc:
+            self._internal("flush", None, exc)
 
     def shutdown(self) -> None:
-        self._flush(force=True)
+        try:
+            self._flush(force=True)
+        except Exception as exc:
+            self._internal("flush", None, exc)
         self.bus.publish(self.table.build("gateway.availability"), "offline", retain=True)
         self.bus.stop()
+
+    def _internal(self, where: str, job_id: str | None, exc: BaseException) -> None:
+        self.internal_errors += 1
+        log.error("gateway.internal_error", where=where, job=job_id, error=f"{type(exc).__name__}: {exc}"[:300],
+                  exc_info=exc)
 
     # --- the state machine's glue --------------------------------------------------------------
     def _ctx(self, job_id: str) -> J.Ctx:
         busy = any(J.occupies(j) for k, j in self.jobs.items() if k != job_id)
-        return J.Ctx(now=time.time(), online=R.usable(self.reg), timeouts=self.timeouts, busy=busy)
+        return J.Ctx(now=time.time(), online=R.usable(self.reg), timeouts=self.timeouts, busy=busy,
+                     caps=R.capabilities(self.reg), net=self.net, planner=plan_job)
 
     def _job(self, job_id: str) -> J.Job | None:
         return self.jobs.get(job_id) or self.previews.get(job_id)
 
     def _event(self, job_id: str, event: J.Event) -> None:
         job = self._job(job_id)
-        if job is not None:
-            self._run(job_id, J.handle(job, event, self._ctx(job_id)))
+        if job is None:
+            return
+        try:
+            out = J.handle(job, event, self._ctx(job_id))
+        except Exception as exc:  # this job's transition broke: it fails alone
+            self._internal(type(event).__name__, job_id, exc)
+            self._abort(job_id, _reason(f"handling {type(event).__name__}", exc))
+            return
+        self._run(job_id, out)
+
+    def _abort(self, job_id: str, reason: str) -> None:
+        job = self._job(job_id)
+        if job is None or job.phase in J.TERMINAL:
+            return
+        try:
+            out = J.abort(job, self._ctx(job_id), reason)
+        except Exception as exc:  # even failing it failed: mark it failed without effects
+            self._internal("abort", job_id, exc)
+            out = replace(job, phase="failed", error=reason, transaction=None, awaiting="", deadline=None,
+                          recover_deadline=None), []
+        self._run(job_id, out)
 
     def _run(self, job_id: str, out: J.Out) -> None:
         job, effects = out
+        job = J.finished(job)
         old = self._job(job_id)
         (self.previews if job.respond_to == "plan/preview" else self.jobs)[job_id] = job
-        if old is None or job != old:
+        if J.refused(job) or (job.phase in J.TERMINAL and job.respond_to == "plan/preview"):
+            # Answered and done: a refused submit or a preview is not kept (nor its state retained).
+            self.jobs.pop(job_id, None)
+            self.previews.pop(job_id, None)
+            self._dirty.discard(job_id)
+            if old is not None and old.accepted:
+                self._clear_state(job_id)
+        elif old is None or job != old:
             self._dirty.add(job_id)
+            self._unsaved = True
             if old is None or (job.phase, job.plan_version, job.checkpoint_step) != \
                     (old.phase, old.plan_version, old.checkpoint_step):
                 self._flush(force=True, only=job_id)
         for effect in effects:
-            self._do(effect)
-        if job.phase in J.TERMINAL and job.respond_to == "plan/preview":
-            self.previews.pop(job_id, None)
-        self.jobs, more = J.schedule(self.jobs, self._ctx(""))
+            self._effect(job_id, effect)
+        try:
+            self.jobs, more = J.schedule(self.jobs, self._ctx(""))
+        except Exception as exc:
+            self._internal("schedule", None, exc)
+            return
         for effect in more:
+            self._effect(getattr(effect, "job_id", ""), effect)
+
+    def _effect(self, job_id: str, effect: J.Effect) -> None:
+        try:
             self._do(effect)
+        except Exception as exc:  # e.g. a message that cannot be encoded: the job fails alone
+            self._internal(type(effect).__name__, job_id, exc)
+            if job_id:
+                self._abort(job_id, _reason(f"carrying out {type(effect).__name__}", exc))
 
     def _flush(self, force: bool = False, only: str | None = None) -> None:
         now = time.monotonic()
         if force or now - self._published_at > STATE_EVERY_S:
-            for job_id in ([only] if only else list(self._dirty)):
-                job = self.jobs.get(job_id)
-                if job is not None:
-                    self.bus.publish_message(m.JobState(**state_view(job)), job_id=job_id)
-                    self._state_ids.add(job_id)
+            for job_id in ([only] if only else sorted(self._dirty)):
                 self._dirty.discard(job_id)
+                job = self.jobs.get(job_id)
+                if job is None or not job.accepted:  # only accepted jobs have a retained state
+                    continue
+                try:
+                    self.bus.publish_message(state_view(job), job_id=job_id)
+                except Exception as exc:
+                    self._internal("publish JobState", job_id, exc)
+                    self._abort(job_id, _reason("publishing its state", exc))
             self._published_at = now
-            self._clear_pruned()
-            self._publish_ha_state()
-        if force or now - self._saved_at > SAVE_EVERY_S:
-            self.store.save(self.jobs)
+            try:
+                self._publish_ha_state()
+            except Exception as exc:
+                self._internal("publish Home Assistant state", None, exc)
+        if (force or now - self._saved_at > SAVE_EVERY_S) and self._unsaved:
+            self._prune()
+            try:
+                self.store.save(self.jobs)
+            except (OSError, ValueError, TypeError) as exc:  # a full disk must not stop the service
+                self._internal("save", None, exc)
+            else:
+                self._unsaved = False
             self._saved_at = now
+
+    def _prune(self) -> None:
+        self.jobs, dropped = J.prune(self.jobs, time.time(), self.cfg.history_max_jobs,
+                                     self.cfg.history_max_age_days * 86400)
+        for job_id in dropped:
+            log.info("job pruned from the history", job=job_id)
+            self._clear_state(job_id)
+
+    def _clear_state(self, job_id: str) -> None:
+        try:
+            self.bus.publish(self.table.build("job.state", job_id=job_id), b"", retain=True)
+        except Exception as exc:
+            self._internal("clear JobState", job_id, exc)
 
     # --- effects -------------------------------------------------------------------------------
     def _do(self, e: J.Effect) -> None:
         if isinstance(e, J.Respond):
             if self.habridge is not None and e.name == "job/submit" and not e.ok:
                 self.habridge.refused(e.error)  # Home Assistant's "Last error" shows why
-            self.bus.publish_message(m.GatewayResponse(status="ok" if e.ok else "error", data=e.data,
+            self.bus.publish_message(m.GatewayResponse(status="ok" if e.ok else "error", data=_jsonable(e.data),
                                                        error=e.error, transaction=e.transaction), name=e.name)
         elif isinstance(e, J.Inspect):
-            rid = self._request_id(e.job_id, e.node_id)
-            spec = m.JobSpec(**self._job(e.job_id).spec)
-            self.bus.publish_message(m.InspectRequest(request_id=rid, job_id=e.job_id, spec=spec), node_id=e.node_id)
+            job = self._job(e.job_id)
+            assert job is not None, e
+            self.bus.publish_message(m.InspectRequest(request_id=e.request_id, job_id=e.job_id, spec=job.spec),
+                                     node_id=e.node_id)
         elif isinstance(e, J.Profile):
             job = self._job(e.job_id)
-            for node in e.nodes:
-                req = m.ProfileRequest(request_id=self._request_id(e.job_id, node), job_id=e.job_id,
-                                       arch=m.ArchSpec(**job.arch), task=job.spec["task"],
-                                       batch_size=job.spec["batch_size"], seq_len=job.spec["seq_len"],
-                                       weight_decay=job.spec.get("weight_decay", 0.0),
-                                       clip=job.spec.get("max_grad_norm", 1.0) is not None)
+            assert job is not None and job.arch is not None, e
+            for rid, node in e.requests:
+                req = m.ProfileRequest(request_id=rid, job_id=e.job_id, arch=job.arch, task=job.spec.task,
+                                       batch_size=job.spec.batch_size, seq_len=job.spec.seq_len,
+                                       weight_decay=job.spec.weight_decay, clip=job.spec.max_grad_norm is not None)
                 self.bus.publish_message(req, node_id=node)
-        elif isinstance(e, J.MakePlan):
-            self._event(e.job_id, self._plan(e))
         elif isinstance(e, J.Assign):
             self._assign(e)
         elif isinstance(e, J.Control):
@@ -203,46 +298,19 @@ class GatewayService:
                 self.bus.publish_message(_CONTROLS[e.action](job_id=e.job_id, plan_version=e.plan_version),
                                          node_id=node)
 
-    def _request_id(self, job_id: str, node_id: str) -> str:
-        rid = uuid.uuid4().hex[:12]
-        self.requests[rid] = (job_id, node_id)
-        return rid
-
-    def _plan(self, e: J.MakePlan) -> J.Planned:
-        """Run the cost model and planner on the job's profiles with each node's current memory."""
-        job = self._job(e.job_id)
-        loaded = []
-        for node in e.nodes:
-            report = m.ProfileReport(**job.profiles[node])
-            caps = self.reg.get(node) and self.reg[node].capabilities
-            if caps:
-                report = report.model_copy(update={"capabilities": m.Capabilities(**caps)})
-            loaded.append(Loaded(source=f"node {node}", report=report))
-        try:
-            result = plan_reports(loaded, job.spec["strategy"], reserve_mb=job.spec["reserve_mb"],
-                                  bandwidth_Bps=self.cfg.bandwidth_mbps * 1e6 / 8,
-                                  latency_s=self.cfg.latency_ms / 1000)
-        except (InfeasiblePlan, ValueError) as exc:
-            return J.Planned(None, str(exc))
-        if not result.feasible:
-            over = ", ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of {r.memory_cap / 2**20:.0f}"
-                             for r in result.rows if r.over_cap)
-            return J.Planned(None, f"the {result.strategy} plan exceeds memory caps: {over}")
-        return J.Planned(plan_message(result, e.job_id, e.version).model_dump(mode="json"))
-
     def _assign(self, e: J.Assign) -> None:
         job = self.jobs[e.job_id]
         owner = self.reg.get(job.owner)
-        host = (owner.capabilities or {}).get("data_host") if owner else None
+        host = owner.capabilities.data_host if owner and owner.capabilities else None
         lo, hi = self.cfg.rendezvous_port_min, self.cfg.rendezvous_port_max
-        port = lo + (zlib.crc32(e.job_id.encode()) + e.plan["version"]) % (hi - lo + 1)
-        entries = e.plan["entries"]
-        layout = m.Plan.model_validate(e.plan).layout()
+        port = lo + (zlib.crc32(e.job_id.encode()) + e.plan.version) % (hi - lo + 1)
+        entries = e.plan.entries
+        layout = e.plan.layout()
         for x in entries:
             self.bus.publish_message(m.Assignment(
-                job_id=e.job_id, plan_version=e.plan["version"], node_id=x["node_id"], rank=x["rank"],
-                world_size=len(entries), rendezvous_host=host or "127.0.0.1", rendezvous_port=port, layout=layout,
-                spec=m.JobSpec(**job.spec), resume_step=e.resume_step), node_id=x["node_id"])
+                job_id=e.job_id, plan_version=e.plan.version, node_id=x.node_id, rank=x.rank,
+                world_size=len(entries), rendezvous_host=host or "127.0.0.1", rendezvous_port=port,
+                layout=layout, spec=job.spec, resume_step=e.resume_step), node_id=x.node_id)
 
     # --- node topics ---------------------------------------------------------------------------
     @staticmethod
@@ -271,30 +339,29 @@ class GatewayService:
         self._same_node(msg.node_id, params)
         before = R.usable(self.reg)
         known = msg.node_id in self.reg and self.reg[msg.node_id].capabilities is not None
-        self.reg = R.on_capabilities(self.reg, msg.model_dump(mode="json"), time.time())
-        if self.ha is not None and not known:
+        self.reg = R.on_capabilities(self.reg, msg, time.time())
+        if self.ha is not None and not known and msg.node_id in self.reg:
             topic, payload = ha.node_discovery(self.ha, msg)
             self.bus.publish(topic, json.dumps(payload), retain=True)
         self._newly_usable(before)
 
     def _on_profile(self, msg: m.ProfileReport, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
-        if self.requests.pop(msg.request_id, None) is not None:
-            self._event(msg.job_id, J.Profiled(msg.node_id, msg.model_dump(mode="json")))
+        self._event(msg.job_id, J.Profiled(msg.node_id, msg.request_id, msg))
 
     def _on_node_error(self, msg: m.ErrorResponse, params: dict[str, str]) -> None:
-        log.warning("node reported an error", node=params["node_id"], code=msg.code, message=msg.message)
+        log.warning("node reported an error", node=params["node_id"], code=msg.code, message=msg.message[:500])
         if msg.code == "profile_failed":
+            # "<request id>: <reason>"; request ids are "<job id>.<seq>", and the job checks that the
+            # request was this node's own.
             rid, _, text = msg.message.partition(": ")
-            job_node = self.requests.pop(rid, None)
-            if job_node is not None and job_node[1] == params["node_id"]:
-                self._event(job_node[0], J.Profiled(job_node[1], None, text))
+            job_id = rid.rpartition(".")[0]
+            if job_id:
+                self._event(job_id, J.Profiled(params["node_id"], rid, None, text[:500]))
 
     def _on_inspect(self, msg: m.InspectReport, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
-        if self.requests.pop(msg.request_id, None) is not None:
-            self._event(msg.job_id, J.Inspected(msg.node_id, msg.ok, msg.arch and msg.arch.model_dump(mode="json"),
-                                                msg.total_steps, msg.error))
+        self._event(msg.job_id, J.Inspected(msg))
 
     def _on_ack(self, msg: m.AssignmentAck, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
@@ -302,26 +369,34 @@ class GatewayService:
 
     def _on_metrics(self, msg: m.IterationMetrics, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
-        self._event(msg.job_id, J.Metrics(msg.model_dump(mode="json")))
+        self._event(msg.job_id, J.Metrics(msg))
 
     def _on_node_job(self, msg: m.NodeJobStatus, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
-        self._event(msg.job_id, J.Status(msg.model_dump(mode="json")))
+        self._event(msg.job_id, J.Status(msg))
 
     # --- requests ------------------------------------------------------------------------------
     def _new_id(self, name: str) -> str:
         slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:40] or "job"
         return f"{slug}-{uuid.uuid4().hex[:6]}"
 
+    def _room_for_one_more(self) -> None:
+        unfinished = sum(1 for j in list(self.jobs.values()) + list(self.previews.values())
+                         if j.phase not in J.TERMINAL)
+        if unfinished >= self.cfg.max_unfinished_jobs:
+            raise RequestError(f"{unfinished} jobs are unfinished (max_unfinished_jobs = "
+                               f"{self.cfg.max_unfinished_jobs}): try again when one has ended")
+
     def _req_submit(self, req: m.JobSubmitRequest, _p: dict[str, str]) -> Any:
+        self._room_for_one_more()
         job_id = self._new_id(req.spec.name)
-        self._run(job_id, J.new_job(job_id, req.spec.model_dump(mode="json"), req.transaction, self._ctx(job_id)))
+        self._run(job_id, J.new_job(job_id, req.spec, req.transaction, self._ctx(job_id)))
         return DEFER
 
     def _req_preview(self, req: m.PlanPreviewRequest, _p: dict[str, str]) -> Any:
+        self._room_for_one_more()
         job_id = "preview-" + self._new_id(req.spec.name)
-        self._run(job_id, J.new_job(job_id, req.spec.model_dump(mode="json"), req.transaction,
-                                    self._ctx(job_id), respond_to="plan/preview"))
+        self._run(job_id, J.new_job(job_id, req.spec, req.transaction, self._ctx(job_id), respond_to="plan/preview"))
         return DEFER
 
     def _req_status(self, req: m.JobStatusRequest, _p: dict[str, str]) -> Any:
@@ -331,7 +406,7 @@ class GatewayService:
         job = self.jobs.get(req.job_id)
         if job is None:
             raise RequestError(f"unknown job {req.job_id!r}")
-        return {"job": m.JobState(**state_view(job)).model_dump(mode="json")}
+        return {"job": state_view(job).model_dump(mode="json")}
 
     def _req_command(self, req: Any, params: dict[str, str]) -> Any:
         action = type(req).__name__.removeprefix("Job").removesuffix("Request").lower()
@@ -355,8 +430,7 @@ class GatewayService:
             return
         job = self._current()
         online = sum(1 for n in self.reg.values() if n.online)
-        self.habridge.publish_state(m.JobState(**state_view(job)) if job else None,
-                                    job.created_at if job else None, online)
+        self.habridge.publish_state(state_view(job) if job else None, job.created_at if job else None, online)
 
     def _ha_job_command(self, action: str) -> str:
         job = self._current()
@@ -368,7 +442,8 @@ class GatewayService:
     def _ha_start(self, spec: m.JobSpec, name: str) -> str:
         job_id = self._new_id(spec.name)
         log.info("job started from Home Assistant", spec=name, job=job_id)
-        self._run(job_id, J.new_job(job_id, spec.model_dump(mode="json"), None, self._ctx(job_id)))
+        self._room_for_one_more()
+        self._run(job_id, J.new_job(job_id, spec, None, self._ctx(job_id)))
         return job_id
 
     def _remove_node(self, node_id: str) -> None:
@@ -396,18 +471,19 @@ class GatewayService:
         if job_id not in self.jobs and job_id not in self.previews:
             self.bus.publish(self.table.build("job.state", job_id=job_id), b"", retain=True)
 
-    def _clear_pruned(self) -> None:
-        """Jobs dropped from the table since their state was published: clear that state."""
-        for job_id in sorted(self._state_ids - set(self.jobs)):
-            self.bus.publish(self.table.build("job.state", job_id=job_id), b"", retain=True)
-            self._state_ids.discard(job_id)
-
 
 def _nodes_of(job: J.Job) -> set[str]:
-    entries = (job.plan or {}).get("entries") or []
-    return {e.get("node_id") for e in entries if isinstance(e, dict)} | {job.owner}
+    return {e.node_id for e in job.plan.entries} | {job.owner} if job.plan else {job.owner}
 
 
 def _summary(job: J.Job) -> dict[str, Any]:
-    return {"job_id": job.job_id, "name": job.spec["name"], "phase": job.phase, "step": job.step,
-            "total_steps": job.total_steps, "loss": job.loss, "error": job.error, "created_at": job.created_at}
+    return {"job_id": job.job_id, "name": job.spec.name, "phase": job.phase, "accepted": job.accepted,
+            "step": job.step, "total_steps": job.total_steps, "loss": job.loss, "error": job.error,
+            "created_at": job.created_at}
+
+
+def _jsonable(data: Any) -> Any:
+    """A response's data with its models in JSON form."""
+    if data is None:
+        return None
+    return {k: v.model_dump(mode="json") if isinstance(v, m.Message) else v for k, v in dict(data).items()}

@@ -77,15 +77,34 @@ def save_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, specs: dict[st
     return final
 
 
+MAX_STATE_BYTES = 1024 * 1024
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's state.json, checked: ValueError naming the file and the field otherwise."""
+    try:
+        if path.stat().st_size > MAX_STATE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ValueError(f"{path}: not a readable checkpoint state: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: not a readable checkpoint state: expected a JSON object")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT}")
+    for field in ("step", "epoch", "plan_version"):
+        value = meta.get(field)
+        if type(value) is not int or not 0 <= value < 2**31:
+            raise ValueError(f"{path}: field {field}: expected an integer in [0, 2**31), got {str(value)[:40]!r}")
+    return meta
+
+
 def read_meta(ckpt_dir: str | Path) -> dict[str, Any] | None:
     """The checkpoint's state.json (falling back to the previous one if a swap was cut short)."""
     for d in (Path(ckpt_dir), Path(str(ckpt_dir) + ".old")):
         path = d / STATE_FILE
         if path.is_file():
-            meta = json.loads(path.read_text())
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT}")
-            return {**meta, "dir": str(d)}
+            return {**_read_state(path), "dir": str(d)}
     return None
 
 

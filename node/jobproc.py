@@ -57,6 +57,7 @@ class JobProcConfig(BaseModel):
     run: RunConfig  # rank, layout, rendezvous, and the training settings from the JobSpec
     resume_step: int = 0
     checkpoint_dir: str | None = None  # owner only
+    allowed_dirs: list[str] | None = None  # the node's; the base checkpoint's files must lie inside them
     events_fd: int
 
 
@@ -176,8 +177,8 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
         if k > 0:
             load_moments(opt_holder[0], model, specs, src, k)
 
-    owner_source = (CheckpointSource(resume["dir"]) if resume else SafetensorsSource(cfg.model_dir)) \
-        if owner else None
+    owner_source = (CheckpointSource(resume["dir"]) if resume
+                    else SafetensorsSource(cfg.model_dir, job.allowed_dirs)) if owner else None
     load_shard(model, group, owner_source, then=moments)
     opt = opt_holder[0]
     model.train()

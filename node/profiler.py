@@ -127,9 +127,13 @@ def profile(
         key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay)
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.is_file():
-            cached = ProfileReport.model_validate_json(path.read_text())
-            log.info("profile.cache_hit", path=str(path))
-            return cached.model_copy(update=ids)
+            try:
+                cached = ProfileReport.model_validate_json(path.read_text())
+            except (OSError, ValueError) as exc:  # a damaged cache entry is measured again, not fatal
+                log.warning("profile.cache_unreadable", path=str(path), error=str(exc)[:200])
+            else:
+                log.info("profile.cache_hit", path=str(path))
+                return cached.model_copy(update=ids)
 
     H = family.num_units(config)
     small = one_block_config(config)

@@ -9,6 +9,14 @@ iteration metrics; and the retained NodeJobStatus a restarted gateway reconciles
 Assignments are two-phase: the node checks and acknowledges, and starts its rank only on the
 gateway's `start`, once every rank has accepted. A newer plan version of the same job replaces the
 running rank (that is how a recovery re-plans); another job while one runs is refused as busy.
+
+No message can break the service: every message is bounded where it arrives (the protocol's
+models), every turn of the loop is guarded part by part (dispatch, each outgoing message, each of
+the rank process's events, the capabilities refresh), at most `MAX_PENDING_WORK` inspections and
+profiles wait for the worker thread (more are answered "busy"), a repeated request id is done
+once, a job's directory is `state_dir/jobs/<job id>` with the id checked as one plain path
+component, and an owner's paths are confined (`jobcheck.confined_spec`: inside `allowed_dirs`,
+an export that overwrites neither the base model nor the node's job directories).
 """
 
 from __future__ import annotations
@@ -36,6 +44,20 @@ from xronos.protocol.transport import BusBase, MqttBus
 
 log = structlog.get_logger(__name__)
 CAPS_EVERY_S = 60.0  # refresh memory_available and temperature for the planner and HA
+MAX_PENDING_WORK = 4  # inspections and profiles queued or running on the worker thread
+
+
+def job_dir(state_dir: Path, job_id: str) -> Path:
+    """`state_dir/jobs/<job_id>`, refusing an id that is not one plain path component (the protocol's
+    Id pattern already is; this holds even for a caller that skipped it)."""
+    if not job_id or job_id in (".", "..") or "/" in job_id or "\\" in job_id or "\0" in job_id \
+            or Path(job_id).name != job_id:
+        raise ValueError(f"job_id {job_id[:40]!r}: not usable as a directory name")
+    root = (state_dir / "jobs").resolve()
+    path = (root / job_id).resolve()
+    if path.parent != root:
+        raise ValueError(f"job_id {job_id[:40]!r}: resolves outside {root}")
+    return path
 
 
 class NodeService:
@@ -56,6 +78,9 @@ class NodeService:
         self.child: Any = None  # RankProcess
         self.status: m.NodeJobStatus | None = None
         self.last_shares: tuple[float, float] | None = None
+        self._pending: set[str] = set()  # request ids queued or running on the worker thread
+        self._pending_lock = threading.Lock()
+        self.internal_errors = 0  # unexpected exceptions caught by a guard (each logged)
         self.stopping = threading.Event()
         self.state_dir = Path(cfg.state_dir)
         self._caps_at = 0.0
@@ -119,20 +144,35 @@ class NodeService:
             self.shutdown()
 
     def step(self, timeout: float) -> None:
-        """One turn of the control loop (tests drive it directly)."""
+        """One turn of the control loop (tests drive it directly). Each part is guarded: nothing
+        raises out of it."""
         item = self.bus.get(timeout)
         if item is not None:
-            self.dispatcher.dispatch(*item)
+            self.dispatcher.dispatch(*item, retain=getattr(item, "retain", False))  # never raises
         while True:
             try:
                 msg = self.outbox.get_nowait()
             except queue.Empty:
                 break
-            self.bus.publish_message(msg, node_id=self.node_id)
-        self._pump_child()
+            try:
+                self.bus.publish_message(msg, node_id=self.node_id)
+            except Exception as exc:
+                self._internal(f"publish {type(msg).__name__}", exc)
+        try:
+            self._pump_child()
+        except Exception as exc:
+            self._internal("rank process", exc)
         if time.monotonic() - self._caps_at > CAPS_EVERY_S:
-            self._publish_caps()
-            self._publish_ha()
+            try:
+                self._publish_caps()
+                self._publish_ha()
+            except Exception as exc:
+                self._caps_at = time.monotonic()
+                self._internal("publish capabilities", exc)
+
+    def _internal(self, where: str, exc: BaseException) -> None:
+        self.internal_errors += 1
+        log.error("node.internal_error", where=where, error=f"{type(exc).__name__}: {exc}"[:300], exc_info=exc)
 
     def shutdown(self) -> None:
         if self.child is not None:
@@ -152,8 +192,34 @@ class NodeService:
         self._publish_ha()
 
     # --- inspection and profiling (worker thread) ----------------------------------------------
+    def _queue_work(self, request_id: str, fn: Any, req: Any) -> str | None:
+        """Queue `fn(req)` on the worker thread once per request id; why not, if it cannot be."""
+        with self._pending_lock:
+            if request_id in self._pending:
+                return "duplicate"
+            if len(self._pending) >= MAX_PENDING_WORK:
+                return f"busy: {len(self._pending)} inspections or profiles are already waiting"
+            self._pending.add(request_id)
+
+        def run() -> None:
+            try:
+                fn(req)
+            finally:
+                with self._pending_lock:
+                    self._pending.discard(request_id)
+
+        self.work.submit(run)
+        return None
+
     def _on_inspect(self, req: m.InspectRequest, _params: dict[str, str]) -> None:
-        self.work.submit(self._inspect, req)
+        why = self._queue_work(req.request_id, self._inspect, req)
+        if why is not None and why != "duplicate":
+            self.bus.publish_message(m.InspectReport(node_id=self.node_id, request_id=req.request_id,
+                                                     job_id=req.job_id, ok=False, error=why), node_id=self.node_id)
+
+    def _reserved_dirs(self) -> list[Path]:
+        """Directories of this node's own that no export may overwrite."""
+        return [self.state_dir / "jobs", self.state_dir / "profiles"]
 
     def _inspect(self, req: m.InspectRequest) -> None:
         from xronos.node.jobcheck import inspect_job
@@ -162,7 +228,7 @@ class NodeService:
         try:
             if req.spec.owner != self.node_id:
                 raise ValueError(f"spec.owner is {req.spec.owner!r}, not this node")
-            found = inspect_job(req.spec, self.cfg.allowed_dirs)
+            found = inspect_job(req.spec, self.cfg.allowed_dirs, reserved=self._reserved_dirs())
             report = m.InspectReport(**ids, ok=True, arch=m.ArchSpec(**found.pop("arch")), **found)
         except Exception as exc:  # every failure is an answer, never a silent drop
             log.info("inspection refused", job=req.job_id, reason=str(exc))
@@ -170,7 +236,13 @@ class NodeService:
         self.outbox.put(report)
 
     def _on_profile(self, req: m.ProfileRequest, _params: dict[str, str]) -> None:
-        self.work.submit(self._profile, req)
+        why = self._queue_work(req.request_id, self._profile, req)
+        if why is not None and why != "duplicate":
+            self._profile_failed(req, why)
+
+    def _profile_failed(self, req: m.ProfileRequest, why: str) -> None:
+        topic = self.table.build("node.profile_request", node_id=self.node_id)
+        self.outbox.put(m.ErrorResponse(code="profile_failed", message=f"{req.request_id}: {why}"[:2000], topic=topic))
 
     def _profile(self, req: m.ProfileRequest) -> None:
         from xronos.node.capabilities import probe
@@ -189,9 +261,7 @@ class NodeService:
             report = profile_in_child(job)
         except Exception as exc:
             log.warning("profiling failed", job=req.job_id, reason=str(exc))
-            topic = self.table.build("node.profile_request", node_id=self.node_id)
-            self.outbox.put(m.ErrorResponse(code="profile_failed", message=f"{req.request_id}: {exc}"[:2000],
-                                            topic=topic))
+            self._profile_failed(req, str(exc))
             return
         self.outbox.put(report)
 
@@ -233,11 +303,15 @@ class NodeService:
             return f"rank 0 must be the owner {a.spec.owner!r}"
         if a.rank != 0 and a.spec.owner == self.node_id:
             return "the owner must be rank 0"
+        try:
+            job_dir(self.state_dir, a.job_id)
+        except ValueError as exc:
+            return str(exc)
         if a.rank == 0:
             from xronos.node.jobcheck import confined_spec
 
             try:
-                self.spec = confined_spec(a.spec, self.cfg.allowed_dirs)
+                self.spec = confined_spec(a.spec, self.cfg.allowed_dirs, reserved=self._reserved_dirs())
             except ValueError as exc:
                 return str(exc)
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -275,10 +349,11 @@ class NodeService:
         threads = self._threads()
         run = spec_run_config(self.spec, layout=a.layout, rank=a.rank, host=a.rendezvous_host,
                               port=a.rendezvous_port, threads=threads, gloo_timeout_s=self.cfg.gloo_timeout_s)
-        jobdir = self.state_dir / "jobs" / a.job_id
+        jobdir = job_dir(self.state_dir, a.job_id)
         config = {"job_id": a.job_id, "plan_version": a.plan_version, "node_id": self.node_id,
                   "spec": self.spec, "run": run.model_dump(mode="json"), "resume_step": a.resume_step,
-                  "checkpoint_dir": str(jobdir / "checkpoint") if a.rank == 0 else None}
+                  "checkpoint_dir": str(jobdir / "checkpoint") if a.rank == 0 else None,
+                  "allowed_dirs": [str(d) for d in self.cfg.allowed_dirs]}
         ifname = self.cfg.data_interface or ("lo" if a.rendezvous_host.startswith("127.") else None)
         self.child = RankProcess(jobdir / f"v{a.plan_version}", config, child_env(threads, ifname))
 
@@ -301,27 +376,33 @@ class NodeService:
         if child is None or a is None:
             return
         for ev in child.drain():
-            kind = ev.pop("type")
-            if kind == "metrics":
-                self._metrics(a, ev)
-            elif kind == "status":
-                self._set_status(ev["status"])
-            elif kind == "eval":
-                key = "eval_initial" if ev["when"] == "before" else "eval_metric"
-                self._set_status(self.status.status if self.status else "running",
-                                 **{key: ev["metric"], "eval_metric_name": ev["name"]})
-            elif kind == "checkpoint":
-                self._set_status("running", checkpoint_step=ev["step"], step=ev["step"])
-            elif kind == "completed":
-                self._set_status("completed", step=ev["step"], epoch=ev["epoch"], export_dir=ev["export_dir"])
-            elif kind in ("failed", "cancelled"):
-                self._set_status(kind, detail=ev.get("detail"))
+            try:
+                self._child_event(a, ev)
+            except Exception as exc:  # one malformed event is logged, the next ones still count
+                self._internal(f"rank process event {str(ev)[:100]}", exc)
         if child.finished():
             code = child.poll()
             if self.status is None or self.status.status not in ("completed", "failed", "cancelled"):
                 self._set_status("failed", detail=f"rank process exited with code {code}: {child.tail(600)}")
             child.kill(0)
             self.child = None
+
+    def _child_event(self, a: m.Assignment, ev: dict[str, Any]) -> None:
+        kind = ev.pop("type")
+        if kind == "metrics":
+            self._metrics(a, ev)
+        elif kind == "status":
+            self._set_status(ev["status"])
+        elif kind == "eval":
+            key = "eval_initial" if ev["when"] == "before" else "eval_metric"
+            self._set_status(self.status.status if self.status else "running",
+                             **{key: ev["metric"], "eval_metric_name": ev["name"]})
+        elif kind == "checkpoint":
+            self._set_status("running", checkpoint_step=ev["step"], step=ev["step"])
+        elif kind == "completed":
+            self._set_status("completed", step=ev["step"], epoch=ev["epoch"], export_dir=ev["export_dir"])
+        elif kind in ("failed", "cancelled"):
+            self._set_status(kind, detail=(ev.get("detail") or "")[:2000] or None)
 
     def _metrics(self, a: m.Assignment, ev: dict[str, Any]) -> None:
         self.bus.publish_message(m.IterationMetrics(job_id=a.job_id, plan_version=a.plan_version,

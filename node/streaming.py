@@ -11,11 +11,17 @@ Wire format (tensors only, no pickle): request = int64[1] length + uint8 JSON of
 (length -1 = this rank is done); answer = int64[2] (status, dtype code) then, for status OK, the
 tensor; for status MISSING nothing (the rank initialises it as a base checkpoint would); for
 status ERROR an int64 length and the UTF-8 message.
+
+Every length and spec a peer sends is checked before anything is allocated for it: a request is
+at most `MAX_REQUEST_BYTES` of JSON describing segments inside a tensor of at most `MAX_ELEMENTS`
+elements, an error text at most `MAX_TEXT_BYTES`, a shared JSON value at most `MAX_JSON_BYTES`;
+the owner then serves only slices of tensors its own checkpoint holds in exactly that shape.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +36,12 @@ OK, MISSING, ERROR = 0, 1, 2
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
           torch.uint8, torch.bool, torch.int8, torch.int16)
 DONE = -1
+MAX_REQUEST_BYTES = 64 * 1024
+MAX_TEXT_BYTES = 64 * 1024
+MAX_JSON_BYTES = 16 * 1024 * 1024
+MAX_ELEMENTS = 2**40
+MAX_DIMS = 8
+MAX_SEGMENTS = 1024
 
 
 def _send_bytes(group: TPGroup, data: bytes, dst: int) -> None:
@@ -37,9 +49,16 @@ def _send_bytes(group: TPGroup, data: bytes, dst: int) -> None:
     group.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
 
 
-def _recv_bytes(group: TPGroup, src: int, length: int | None = None) -> bytes:
+def _checked_length(length: int, limit: int, what: str, peer: int) -> int:
+    if not 0 <= length <= limit:
+        raise ValueError(f"rank {peer} announced {what} of {length} bytes (allowed 0..{limit}): refused")
+    return length
+
+
+def _recv_bytes(group: TPGroup, src: int, length: int | None = None, limit: int = MAX_TEXT_BYTES) -> bytes:
     if length is None:
         length = int(group.recv(torch.empty(1, dtype=torch.int64), src))
+    _checked_length(length, limit, "a message", src)
     return bytes(group.recv(torch.empty(length, dtype=torch.uint8), src).numpy()) if length else b""
 
 
@@ -50,7 +69,7 @@ def share_json(group: TPGroup, value: Any | None) -> Any:
     data = json.dumps(value).encode() if group.rank == OWNER else b""
     size = group.broadcast(torch.tensor([len(data)], dtype=torch.int64), OWNER)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if group.rank == OWNER \
-        else torch.empty(int(size), dtype=torch.uint8)
+        else torch.empty(_checked_length(int(size), MAX_JSON_BYTES, "a JSON value", OWNER), dtype=torch.uint8)
     group.broadcast(buf, OWNER)
     return value if group.rank == OWNER else json.loads(bytes(buf.numpy()))
 
@@ -60,9 +79,40 @@ def _spec_json(spec: TensorSpec) -> bytes:
                        "full_shape": spec.full_shape}).encode()
 
 
+def _int(x: Any, lo: int, hi: int, what: str) -> int:
+    if type(x) is not int or not lo <= x <= hi:
+        raise ValueError(f"{what}: expected an integer in [{lo}, {hi}], got {str(x)[:40]!r}")
+    return x
+
+
 def _spec_from_json(data: bytes) -> TensorSpec:
-    d = json.loads(data)
-    return TensorSpec(d["hf_name"], d["dim"], tuple(tuple(s) for s in d["segments"]), tuple(d["full_shape"]))
+    """A peer's request, checked field by field (ValueError naming the field otherwise)."""
+    try:
+        d = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"shard request: not JSON: {exc}") from None
+    if not isinstance(d, dict) or set(d) != {"hf_name", "dim", "segments", "full_shape"}:
+        raise ValueError("shard request: expected an object with hf_name, dim, segments, full_shape")
+    name, dim, segs, shape = d["hf_name"], d["dim"], d["segments"], d["full_shape"]
+    if not isinstance(name, str) or not 0 < len(name) <= 1024:
+        raise ValueError("shard request: hf_name must be a string of 1..1024 characters")
+    if not isinstance(shape, list) or not 0 <= len(shape) <= MAX_DIMS:
+        raise ValueError(f"shard request: full_shape must be a list of at most {MAX_DIMS} sizes")
+    full = tuple(_int(x, 0, MAX_ELEMENTS, "shard request: full_shape") for x in shape)
+    if math.prod(full) > MAX_ELEMENTS:
+        raise ValueError(f"shard request: full_shape {list(full)} has more than {MAX_ELEMENTS} elements")
+    if dim is not None:
+        dim = _int(dim, 0, max(len(full) - 1, 0), "shard request: dim")
+    if not isinstance(segs, list) or len(segs) > MAX_SEGMENTS or (dim is None and segs):
+        raise ValueError("shard request: segments must be a short list (empty for a replicated tensor)")
+    segments = []
+    for seg in segs:
+        if not isinstance(seg, list) or len(seg) != 2:
+            raise ValueError("shard request: each segment is [start, stop]")
+        a = _int(seg[0], 0, full[dim], "shard request: segment start")
+        b = _int(seg[1], a, full[dim], "shard request: segment stop")
+        segments.append((a, b))
+    return TensorSpec(name, dim, tuple(segments), full)
 
 
 class StreamingSource:
@@ -81,7 +131,10 @@ class StreamingSource:
         if status == MISSING:
             raise MissingTensorError(f"tensor {spec.hf_name} not found on the owner")
         if status == ERROR:
-            raise ValueError(f"owner could not read {spec.hf_name}: {_recv_bytes(self.group, OWNER).decode()}")
+            text = _recv_bytes(self.group, OWNER).decode(errors="replace")
+            raise ValueError(f"owner could not read {spec.hf_name}: {text}")
+        if status != OK or not 0 <= code < len(DTYPES):
+            raise ValueError(f"owner answered {spec.hf_name} with status {status}, dtype code {code}: refused")
         out = torch.empty(spec.local_shape, dtype=DTYPES[code])
         self.bytes_received += out.numel() * out.element_size()
         return self.group.recv(out, OWNER)
@@ -98,15 +151,21 @@ def serve_shards(group: TPGroup, source: ShardSource) -> int:
             length = int(group.recv(torch.empty(1, dtype=torch.int64), rank))
             if length == DONE:
                 break
-            spec = _spec_from_json(_recv_bytes(group, rank, length))
+            # A bad length desynchronises the stream: refusing it ends the job (the rank is broken).
+            request = _recv_bytes(group, rank, _checked_length(length, MAX_REQUEST_BYTES, "a shard request", rank),
+                                  limit=MAX_REQUEST_BYTES)
             try:
+                spec = _spec_from_json(request)
                 t = source.read(spec).contiguous()
+                if tuple(t.shape) != spec.local_shape or t.dtype not in DTYPES:
+                    raise ValueError(f"{spec.hf_name}: read {list(t.shape)} {t.dtype}, the request implies "
+                                     f"{list(spec.local_shape)}")
             except MissingTensorError:
                 group.send(torch.tensor([MISSING, 0], dtype=torch.int64), rank)
                 continue
             except (ValueError, KeyError, OSError) as exc:
                 group.send(torch.tensor([ERROR, 0], dtype=torch.int64), rank)
-                _send_bytes(group, str(exc).encode(), rank)
+                _send_bytes(group, str(exc).encode()[:MAX_TEXT_BYTES], rank)
                 continue
             group.send(torch.tensor([OK, DTYPES.index(t.dtype)], dtype=torch.int64), rank)
             group.send(t, rank)

@@ -59,21 +59,15 @@ def check_units(units: list[int], nodes: int, H: int) -> None:
         raise ValueError(f"--units {units} sums to {sum(units)}, but the model has {H} attention units")
 
 
-def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Every safetensors file's header parses; returns tensor name -> shape (no data is read)."""
+def checkpoint_shapes(model_dir: str | Path, allowed_dirs: list | None = None) -> dict[str, tuple[int, ...]]:
+    """Every safetensors file's header parses; returns tensor name -> shape (no data is read).
+    With `allowed_dirs`, every checkpoint file (an index's shards included) must lie inside them."""
     from safetensors import safe_open
 
+    from xronos.node.models.loading import checkpoint_files
+
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
-            raise ValueError(f"checkpoint index {index} is unreadable: {exc}") from exc
-    elif (model_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"model dir {model_dir} has no model.safetensors (or sharded index)")
+    files = checkpoint_files(model_dir, allowed_dirs)
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         path = model_dir / f
@@ -87,18 +81,19 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_checkpoint(model_dir: str | Path, config: dict, task: str) -> None:
+def check_checkpoint(model_dir: str | Path, config: dict, task: str, allowed_dirs: list | None = None) -> None:
     """The checkpoint holds every tensor the model needs, in the shape config.json implies
-    (task heads a base checkpoint lacks are created fresh, as transformers does)."""
+    (task heads a base checkpoint lacks are created fresh, as transformers does). With
+    `allowed_dirs` (a job from the network), its files must lie inside them."""
     from xronos.node.models.loading import SafetensorsSource
     from xronos.node.models.registry import family_for
     from xronos.node.tp.group import TPGroup
     from xronos.node.tp.layout import ShardLayout
 
-    shapes = checkpoint_shapes(model_dir)
+    shapes = checkpoint_shapes(model_dir, allowed_dirs)
     family = family_for(config)
     model = family.build(config, task, ShardLayout.single(family.sizes(config)), TPGroup.single())
-    source = SafetensorsSource(model_dir)
+    source = SafetensorsSource(model_dir, allowed_dirs)
     for spec in model.tensor_specs().values():
         key = source.resolve(spec.hf_name)
         if key is None:

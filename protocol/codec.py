@@ -61,6 +61,17 @@ def _field(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc) or "<payload>"
 
 
+def _transaction(value: Any) -> str | None:
+    """The request's transaction, if it can be echoed back in an error answer: a short, valid
+    string (a lone surrogate would make the answer itself unsendable)."""
+    if not isinstance(value, str) or len(value) > 256:
+        return None
+    try:
+        return m.valid_text(value)
+    except ValueError:
+        return None
+
+
 def decode_entry(entry: TopicEntry, topic: str, payload: bytes, *, max_bytes: int = MAX_PAYLOAD) -> Any:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise DecodeError(topic, "bad_encoding", f"payload is {type(payload).__name__}, not bytes", entry=entry)
@@ -80,8 +91,7 @@ def decode_entry(entry: TopicEntry, topic: str, payload: bytes, *, max_bytes: in
     obj = _parse(topic, entry, payload)
     if not isinstance(obj, dict):
         raise DecodeError(topic, "invalid", f"expected an object, got {type(obj).__name__}", entry=entry)
-    txn = obj.get("transaction")
-    txn = txn if isinstance(txn, str) and len(txn) <= 256 else None
+    txn = _transaction(obj.get("transaction"))
     version = obj.get("schema_version", m.SCHEMA_VERSION)
     if type(version) is not int or version != m.SCHEMA_VERSION:
         hint = (" (the sender runs an older Xronos: upgrade it)" if type(version) is int and version < m.SCHEMA_VERSION

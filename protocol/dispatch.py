@@ -3,6 +3,12 @@
 Bad input is logged (topic, client, reason), counted per reason, answered where someone waits for
 an answer (a gateway request gets an error GatewayResponse with its transaction when it can be
 recovered), and never stops the service. A handler that raises is treated the same way.
+
+Retained messages are state, never commands: a message the broker delivers as retained on a topic
+that the table does not retain by design (a request, an assignment, a control...) is ignored,
+counted as `retained_command`, and cleared from the broker (an empty retained publish), so it
+cannot replay on every restart. An empty payload on such a topic (what that clearing echoes) is
+ignored silently; on a retained-by-design topic it means the state was removed and is ignored too.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from pydantic_core import to_jsonable_python
 from . import messages as m
 from .codec import MAX_PAYLOAD, DecodeError, decode
 from .topics import BY_KEY, TopicEntry
-from .transport import is_retained
 
 log = structlog.get_logger(__name__)
 
@@ -58,25 +63,32 @@ class Dispatcher:
         item = self.bus.get(timeout)
         if item is None:
             return False
-        self.dispatch(*item)
+        self.dispatch(*item, retain=getattr(item, "retain", False))
         return True
 
-    def dispatch(self, topic: str, payload: bytes) -> None:
+    def dispatch(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        """Decode, check and hand one message to its handler. Never raises."""
+        try:
+            self._dispatch(topic, payload, retain)
+        except Exception:  # an answer that cannot be sent, a broken bus: logged, never fatal
+            self.errors["internal"] += 1
+            log.exception("dispatch.internal_error", topic=topic[:200], client=self.bus.client_id)
+
+    def _dispatch(self, topic: str, payload: bytes, retain: bool) -> None:
         found = self.table.match(topic)
         entry, params = found if found else (None, {})
-        if len(payload) == 0:
-            # MQTT deletes a retained message with an empty one; it is never a message of ours.
-            self.errors["empty"] += 1
-            log.debug("dispatch.empty_payload", topic=topic, client=self.bus.client_id)
+        if entry is not None and not entry.retained and (retain or not payload):
+            if payload:  # a command left retained: never replayed, and removed from the broker
+                self.errors["retained_command"] += 1
+                log.warning("dispatch.retained_command_ignored", topic=topic, client=self.bus.client_id)
+                self.bus.publish(topic, b"", retain=True)
+                if entry.key in self.on_errors:
+                    self.on_errors[entry.key]("a retained command was ignored and cleared")
+            else:
+                self.errors["empty"] += 1
             return
-        if entry is not None and entry.acts_once and is_retained(payload):
-            # A request or command someone left retained: acting on it would repeat it on every
-            # (re)connect. Ignore it and clear it (where the ACL lets us; otherwise the broker drops it).
-            self.errors["retained_command"] += 1
-            log.warning("dispatch.retained_command_ignored", topic=topic, client=self.bus.client_id)
-            self.bus.publish(topic, b"", retain=True)
-            if entry.key in self.on_errors:
-                self.on_errors[entry.key]("a retained command was ignored and cleared")
+        if entry is not None and entry.retained and not payload:
+            self.errors["empty"] += 1  # retained state removed: nothing to do
             return
         try:
             msg = decode(topic, payload, table=self.table, max_bytes=self.max_bytes)

@@ -1,6 +1,7 @@
 """An in-memory broker and bus with MqttBus's interface, for unit tests of gateway and node logic.
 
-MQTT semantics kept: retained messages (an empty retained payload clears), wildcards + and #,
+MQTT semantics kept: retained messages (an empty retained payload clears; delivered with
+`retain=True` on subscribing, live publishes with `retain=False`), wildcards + and #,
 delivery to the publisher when it is subscribed, last-will on `kill()` (not on `stop()`),
 publishes while disconnected held in the same bounded outgoing queue, subscriptions restored and
 on-connect hooks run on reconnect.
@@ -14,7 +15,7 @@ from paho.mqtt.client import topic_matches_sub
 
 from .codec import MAX_PAYLOAD
 from .topics import TopicTable
-from .transport import BusBase, OutgoingQueue, RetainedPayload, Will
+from .transport import BusBase, OutgoingQueue, Will
 
 
 class FakeBroker:
@@ -103,7 +104,7 @@ class FakeBus(BusBase):
     def _deliver_retained(self, pattern: str) -> None:
         for topic, payload in list(self.broker.retained.items()):
             if topic_matches_sub(pattern, topic):
-                self._enqueue(topic, RetainedPayload(payload))
+                self._enqueue(topic, payload, retain=True)
 
     def publish(self, topic: str, payload: bytes | str, retain: bool = False, qos: int = 1) -> None:
         if "+" in topic or "#" in topic or not topic:

@@ -37,7 +37,12 @@ def _tuple(value: object) -> object:
     return tuple(value) if isinstance(value, list) else value
 
 
-Counts = Annotated[tuple[Annotated[int, Field(ge=0)], ...], BeforeValidator(_tuple)]
+# Bounded where they arrive (a Layout travels in every Assignment): counts fit any dimension of a
+# model this product plans, and a world has at most 256 ranks (protocol.messages.MAX_NODES).
+MAX_COUNT = 2**31 - 1
+MAX_RANKS = 256
+Counts = Annotated[tuple[Annotated[int, Field(ge=0, le=MAX_COUNT)], ...], BeforeValidator(_tuple),
+                   Field(max_length=MAX_RANKS)]
 
 
 class LayoutError(ValueError):
@@ -48,9 +53,9 @@ class Sizes(BaseModel):
     """The model's total per kind (the same in every block)."""
 
     model_config = _FROZEN
-    attn: Annotated[int, Field(gt=0)]
-    mlp: Annotated[int, Field(gt=0)]
-    vocab: Annotated[int, Field(gt=0)]
+    attn: Annotated[int, Field(gt=0, le=MAX_COUNT)]
+    mlp: Annotated[int, Field(gt=0, le=MAX_COUNT)]
+    vocab: Annotated[int, Field(gt=0, le=MAX_COUNT)]
 
     def total(self, kind: str) -> int:
         return getattr(self, _kind(kind))

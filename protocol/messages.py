@@ -4,14 +4,23 @@ Strict mode means no coercion ("3" is not 3, true is not 1); the codec validates
 JSON/msgpack with `strict=True`. The only wire form strict mode would refuse is a tuple arriving
 as a list (neither JSON nor msgpack has tuples), so tuple fields accept a list of the right length.
 Sizes are bytes, times are seconds (float), timestamps are Unix seconds.
+
+Nothing from the network is trusted, so every field is bounded here, where it arrives: integers
+have ranges (none beyond 2**53, so every value survives msgpack, JSON and float arithmetic),
+floats are finite unless a non-finite value means something (a diverged loss), every string has a
+maximum length and must be valid Unicode (a lone UTF-16 surrogate, which JSON can carry but no
+encoder can send on, is refused with the field named), lists and dicts have maximum sizes, and
+identifiers (node, job and request ids) are plain `[A-Za-z0-9_][A-Za-z0-9_.-]*`, safe as a topic
+level and as a file name.
 """
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
 from .layout import Kind, Layout, LayoutError, Sizes
 
@@ -24,17 +33,116 @@ Phase = Literal[
     "queued", "profiling", "planning", "assigning", "running",
     "paused", "recovering", "completed", "failed", "cancelled",
 ]
-NonNegInt = Annotated[int, Field(ge=0)]
-PosInt = Annotated[int, Field(gt=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
-Name = Annotated[str, Field(min_length=1, max_length=256)]
+# --- bounds --------------------------------------------------------------------------------------
+MAX_INT = 2**53  # every integer on the wire: exact in JSON/float, encodable in msgpack
+MAX_NODES = 256  # nodes of one plan, ranks of one job
+MAX_ID = 128
+MAX_TEXT = 4096  # free text: errors, reasons, details
+MAX_PATH = 4096
+MAX_SECONDS = 1e7  # ~115 days: any duration a message reports
+MAX_TIMESTAMP = 1e11  # Unix seconds (year ~5138)
+MAX_BYTES = float(2**60)  # memory sizes as floats
+MAX_EVENTS = 50
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def valid_text(value: Any) -> Any:
+    """Refuse text no encoder can send on: a lone UTF-16 surrogate (JSON's "\\ud800" decodes to
+    one; msgpack and UTF-8 cannot carry it). Runs before the str validation, so the error says why."""
+    if isinstance(value, str):
+        bad = _SURROGATE.search(value)
+        if bad:
+            raise ValueError(f"not valid Unicode: lone surrogate U+{ord(bad.group()):04X} at index {bad.start()}")
+    return value
+
+
+def _valid_id(value: str) -> str:
+    if not _ID.fullmatch(value):
+        shown = value[:40].encode("ascii", "backslashreplace").decode()
+        raise ValueError(f"must be [A-Za-z0-9_][A-Za-z0-9_.-]* (a topic level and a file name), got {shown!r}")
+    return value
+
+
+def _path_text(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("a path may not contain NUL")
+    return value
+
+
+def Text(max_length: int = MAX_TEXT, min_length: int = 0) -> Any:  # noqa: N802 (a type factory)
+    """A bounded, valid-Unicode string type."""
+    return Annotated[str, Field(min_length=min_length, max_length=max_length), BeforeValidator(valid_text)]
+
+
+def Int(ge: int | None = 0, le: int = MAX_INT, *, gt: int | None = None) -> Any:  # noqa: N802
+    """A bounded int (`gt=0` for a positive one: its error says "greater than 0", as before)."""
+    return Annotated[int, Field(ge=None if gt is not None else ge, gt=gt, le=le)]
+
+
+def Float(ge: float | None = None, le: float | None = None, *, gt: float | None = None,
+          lt: float | None = None) -> Any:  # noqa: N802
+    """A finite float with bounds (strict mode still accepts an int within them)."""
+    return Annotated[float, Field(ge=ge, le=le, gt=gt, lt=lt, allow_inf_nan=False)]
+
+
+NonNegInt = Int()
+PosInt = Int(gt=0)
+Count = Int(le=2**31 - 1)  # steps, epochs, versions, context switches
+NonNegFloat = Float(ge=0, le=MAX_BYTES)
+Seconds = Float(ge=0, le=MAX_SECONDS)
+Timestamp = Float(ge=0, le=MAX_TIMESTAMP)
+Bytes = Int(le=2**50)  # memory and sizes in bytes (1 PiB)
+ByteFloat = Float(ge=0, le=MAX_BYTES)
+Rank = Int(le=MAX_NODES - 1)
+WorldSize = Int(gt=0, le=MAX_NODES)
+Ratio = Float(ge=0, le=1)
+# A metric that may legitimately be NaN or infinite (a diverged loss, its perplexity).
+Metric = float
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID), BeforeValidator(valid_text), AfterValidator(_valid_id)]
+Name = Text(256, min_length=1)
+Label = Text(256)  # column names, metric names, short labels
+Host = Text(255)
+PathText = Annotated[str, Field(min_length=1, max_length=MAX_PATH), BeforeValidator(valid_text),
+                     AfterValidator(_path_text)]
+Dim = Int(gt=0, le=2**20)  # a model dimension (hidden, intermediate, heads, layers, positions)
+Text256 = Text(256)
+Text4k = Text(MAX_TEXT)
+Event = Text(1024)
+Temperature = Float(ge=-273.15, le=1000)
+Layers = Int(gt=0, le=1024)
+Threads = Int(gt=0, le=4096)
+Heads = Int(gt=0, le=4096)
+Vocab = Int(gt=0, le=2**23)
+Positions = Int(gt=0, le=2**22)
+Labels = Int(gt=0, le=2**16)
+Cores = Int(gt=0, le=65536)
+BatchSize = Int(gt=0, le=65536)
+SeqLen = Int(gt=0, le=2**20)
+UnitCount = Int(le=2**20)
+Decay = Float(ge=0, le=100)
+LayerName = Text(128, min_length=1)
+Column = Text(256, min_length=1)
+LearningRate = Float(gt=0, le=100)
+Epochs = Int(gt=0, le=10**6)
+Steps = Int(gt=0, le=10**9)
+StepCount = Int(le=10**9)
+Fraction = Float(ge=0, lt=1)
+Megabytes = Int(le=2**30)
+Seed = Int(le=2**32 - 1)
+GradNorm = Float(gt=0, le=1e9)
+HostName = Text(255, min_length=1)
+Eta = Float(ge=0, le=MAX_INT)
+Code = Text(64, min_length=1)
+TopicText = Text(1024)
 
 
 def _list_to_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-Sample = Annotated[tuple[float, float], BeforeValidator(_list_to_tuple)]
+Sample = Annotated[tuple[Ratio, Seconds], BeforeValidator(_list_to_tuple)]
 
 
 class Message(BaseModel):
@@ -52,14 +160,14 @@ class Availability(StrEnum):
 
 class ArchSpec(Message):
     family: Literal["gpt2", "bert", "roberta", "llama"]
-    hidden_size: PosInt
-    num_layers: PosInt
-    num_heads: PosInt
-    num_kv_heads: PosInt
-    intermediate_size: PosInt
-    vocab_size: PosInt
-    max_positions: PosInt
-    num_labels: PosInt | None = None
+    hidden_size: Dim
+    num_layers: Layers
+    num_heads: Heads
+    num_kv_heads: Heads
+    intermediate_size: Dim
+    vocab_size: Vocab
+    max_positions: Positions
+    num_labels: Labels | None = None
     tie_word_embeddings: bool
 
     def sizes(self) -> Sizes:
@@ -69,46 +177,46 @@ class ArchSpec(Message):
 
 
 class Capabilities(Message):
-    node_id: Name
-    hostname: str
-    arch: str
-    cpu_model: str
-    cores: PosInt
-    memory_total: NonNegInt
-    memory_available: NonNegInt
-    torch_version: str | None
-    data_host: str
+    node_id: Id
+    hostname: Host
+    arch: Label
+    cpu_model: Label
+    cores: Cores
+    memory_total: Bytes
+    memory_available: Bytes
+    torch_version: Label | None
+    data_host: Host
     participate: bool = True
-    cpu_temp_c: float | None = None
-    sent_at: float
+    cpu_temp_c: Temperature | None = None
+    sent_at: Timestamp
 
 
 class ProfileRequest(Message):
-    request_id: Name
-    job_id: Name
+    request_id: Id
+    job_id: Id
     arch: ArchSpec
     task: Task
-    batch_size: PosInt
-    seq_len: PosInt
-    threads: PosInt | None = None
+    batch_size: BatchSize
+    seq_len: SeqLen
+    threads: Threads | None = None
     # The job's optimizer settings: decoupled weight decay and the clipping pass each add a pass
     # over every parameter, which the profile must time as the trainer will run it.
-    weight_decay: NonNegFloat = 0.0
+    weight_decay: Decay = 0.0
     clip: bool = True
 
 
 class LayerProfile(Message):
-    name: str
+    name: LayerName
     kind: Literal["emb", "blk", "out"]
     partitioned: bool
     # Which segment kind a partitioned layer's width follows (None for a replicated layer); its
     # time_samples are (share of that kind, seconds).
     segment: Kind | None = None
-    time_s: NonNegFloat
-    time_samples: list[Sample]
-    weight_bytes: NonNegInt
-    activation_bytes: NonNegInt
-    temp_bytes: NonNegInt
+    time_s: Seconds
+    time_samples: Annotated[list[Sample], Field(max_length=64)]
+    weight_bytes: Bytes
+    activation_bytes: Bytes
+    temp_bytes: Bytes
 
     @model_validator(mode="after")
     def _enough_samples(self) -> LayerProfile:
@@ -124,47 +232,47 @@ class LayerProfile(Message):
 
 
 class ProfileReport(Message):
-    node_id: Name
-    request_id: Name
-    job_id: Name
+    node_id: Id
+    request_id: Id
+    job_id: Id
     capabilities: Capabilities
     arch: ArchSpec
     task: Task
-    batch_size: PosInt
-    seq_len: PosInt
-    threads: PosInt | None
+    batch_size: BatchSize
+    seq_len: SeqLen
+    threads: Threads | None
     sizes: Sizes
-    num_blocks: PosInt
-    layers: list[LayerProfile]
-    profile_seconds: NonNegFloat
-    created_at: float
+    num_blocks: Layers
+    layers: Annotated[list[LayerProfile], Field(max_length=64)]
+    profile_seconds: Seconds
+    created_at: Timestamp
 
 
 class JobSpec(Message):
     name: Name
-    owner: Name
-    model_dir: str
-    data_path: str
+    owner: Id
+    model_dir: PathText
+    data_path: PathText
     task: Task
-    text_column: str = "text"
-    text_pair_column: str | None = None
-    label_column: str = "label"
-    batch_size: PosInt
-    seq_len: PosInt
-    lr: Annotated[float, Field(gt=0)]
-    epochs: PosInt | None = None
-    max_steps: PosInt | None = None
-    eval_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    text_column: Column = "text"
+    text_pair_column: Column | None = None
+    label_column: Column = "label"
+    batch_size: BatchSize
+    seq_len: SeqLen
+    lr: LearningRate
+    epochs: Epochs | None = None
+    max_steps: Steps | None = None
+    eval_fraction: Fraction = 0.1
     strategy: Strategy = "greedy"
-    checkpoint_interval: PosInt = 100
-    export_dir: str
-    nodes: list[Name] | None = None
-    reserve_mb: NonNegInt = 512
-    seed: int = 0
-    warmup_steps: NonNegInt = 0
-    weight_decay: NonNegFloat = 0.0
-    max_grad_norm: Annotated[float, Field(gt=0)] | None = 1.0
-    dropout: Annotated[float, Field(ge=0, lt=1)] | None = None
+    checkpoint_interval: Steps = 100
+    export_dir: PathText
+    nodes: Annotated[list[Id], Field(min_length=1, max_length=MAX_NODES)] | None = None
+    reserve_mb: Megabytes = 512
+    seed: Seed = 0
+    warmup_steps: StepCount = 0
+    weight_decay: Decay = 0.0
+    max_grad_norm: GradNorm | None = 1.0
+    dropout: Fraction | None = None
 
     @model_validator(mode="after")
     def _has_length(self) -> JobSpec:
@@ -174,26 +282,27 @@ class JobSpec(Message):
 
 
 class PlanEntry(Message):
-    node_id: Name
-    rank: NonNegInt
+    node_id: Id
+    rank: Rank
     # This node's count of each segment kind (attention units, MLP columns, vocabulary rows).
-    attn: NonNegInt
-    mlp: NonNegInt
-    vocab: NonNegInt
-    predicted_compute_s: NonNegFloat
-    predicted_memory: NonNegFloat
-    memory_cap: NonNegFloat
+    attn: UnitCount
+    mlp: UnitCount
+    vocab: UnitCount
+    predicted_compute_s: Seconds
+    predicted_memory: ByteFloat
+    memory_cap: ByteFloat
 
 
 class Plan(Message):
-    job_id: Name
-    version: NonNegInt
+    job_id: Id
+    version: Count
     strategy: Strategy
     sizes: Sizes
-    entries: list[PlanEntry]
-    predicted_iteration_s: NonNegFloat
-    ideal_iteration_s: NonNegFloat
-    comm_s: NonNegFloat
+    entries: Annotated[list[PlanEntry], Field(min_length=1, max_length=MAX_NODES)]
+    predicted_iteration_s: Seconds
+    # inf when nothing fits: the planner's honest "no bound" for an over-cap uniform plan.
+    ideal_iteration_s: Annotated[float, Field(ge=0)]
+    comm_s: Seconds
 
     @model_validator(mode="after")
     def _covers_model(self) -> Plan:
@@ -213,16 +322,16 @@ class Plan(Message):
 
 
 class Assignment(Message):
-    job_id: Name
-    plan_version: NonNegInt
-    node_id: Name
-    rank: NonNegInt
-    world_size: PosInt
-    rendezvous_host: str
+    job_id: Id
+    plan_version: Count
+    node_id: Id
+    rank: Rank
+    world_size: WorldSize
+    rendezvous_host: HostName
     rendezvous_port: Annotated[int, Field(gt=0, lt=65536)]
     layout: Layout  # every rank's counts per segment kind; this node's ranges follow from `rank`
     spec: JobSpec
-    resume_step: NonNegInt = 0
+    resume_step: Count = 0
 
     @model_validator(mode="after")
     def _consistent(self) -> Assignment:
@@ -234,16 +343,16 @@ class Assignment(Message):
 
 
 class AssignmentAck(Message):
-    job_id: Name
-    plan_version: NonNegInt
-    node_id: Name
+    job_id: Id
+    plan_version: Count
+    node_id: Id
     accepted: bool
-    reason: str | None = None
+    reason: Text4k | None = None
 
 
 class _Control(Message):
-    job_id: Name
-    plan_version: NonNegInt
+    job_id: Id
+    plan_version: Count
 
 
 class JobStart(_Control):
@@ -266,96 +375,99 @@ JobControl = Annotated[Union[JobStart, JobPause, JobResume, JobCancel], Field(di
 
 
 class IterationMetrics(Message):
-    job_id: Name
-    plan_version: NonNegInt
-    node_id: Name
-    rank: NonNegInt
-    step: NonNegInt
-    epoch: NonNegInt
-    loss: float
-    compute_s: NonNegFloat
-    comm_s: NonNegFloat
-    idle_s: NonNegFloat
-    iteration_s: NonNegFloat
+    job_id: Id
+    plan_version: Count
+    node_id: Id
+    rank: Rank
+    step: Count
+    epoch: Count
+    loss: Metric  # NaN/inf: the run diverged, which is worth seeing
+    compute_s: Seconds
+    comm_s: Seconds
+    idle_s: Seconds
+    iteration_s: Seconds
     voluntary_ctx_switches: NonNegInt
     involuntary_ctx_switches: NonNegInt
-    peak_rss: NonNegInt
+    peak_rss: Bytes
     # compute_s split by segment kind (attention, MLP, vocabulary, the rest); they sum to compute_s
-    compute_attn_s: NonNegFloat | None = None
-    compute_mlp_s: NonNegFloat | None = None
-    compute_vocab_s: NonNegFloat | None = None
-    compute_rest_s: NonNegFloat | None = None
+    compute_attn_s: Seconds | None = None
+    compute_mlp_s: Seconds | None = None
+    compute_vocab_s: Seconds | None = None
+    compute_rest_s: Seconds | None = None
+
+
+NodeFloats = Annotated[dict[Id, Seconds], Field(max_length=MAX_NODES)]  # per node: seconds or a ratio
 
 
 class JobState(Message):
-    job_id: Name
-    name: str
+    job_id: Id
+    name: Text256
     phase: Phase
-    step: NonNegInt = 0
-    total_steps: NonNegInt | None = None
-    epoch: NonNegInt = 0
-    loss: float | None = None
-    eval_metric: float | None = None
-    eval_metric_name: str | None = None
-    iteration_s: NonNegFloat | None = None
-    idle_ratio: dict[str, float] = Field(default_factory=dict)
-    predicted_s: dict[str, float] = Field(default_factory=dict)
-    measured_s: dict[str, float] = Field(default_factory=dict)
-    eta_s: NonNegFloat | None = None
+    step: Count = 0
+    total_steps: Count | None = None
+    epoch: Count = 0
+    loss: Metric | None = None
+    eval_metric: Metric | None = None
+    eval_metric_name: Text256 | None = None
+    iteration_s: Seconds | None = None
+    idle_ratio: NodeFloats = Field(default_factory=dict)
+    predicted_s: NodeFloats = Field(default_factory=dict)
+    measured_s: NodeFloats = Field(default_factory=dict)
+    eta_s: Eta | None = None
     plan: Plan | None = None
-    events: list[str] = Field(default_factory=list)
-    updated_at: float
-    error: str | None = None
+    events: Annotated[list[Event], Field(max_length=MAX_EVENTS)] = Field(default_factory=list)
+    updated_at: Timestamp
+    error: Text4k | None = None
 
 
 class InspectRequest(Message):
     """Gateway → owner at submit time: can you run this job (paths, model, dataset)?"""
 
-    request_id: Name
-    job_id: Name
+    request_id: Id
+    job_id: Id
     spec: JobSpec
 
 
 class InspectReport(Message):
-    node_id: Name
-    request_id: Name
-    job_id: Name
+    node_id: Id
+    request_id: Id
+    job_id: Id
     ok: bool
     arch: ArchSpec | None = None
     train_rows: NonNegInt | None = None
     eval_rows: NonNegInt | None = None
-    total_steps: NonNegInt | None = None
-    error: str | None = None
+    total_steps: Count | None = None
+    error: Text4k | None = None
 
 
 class NodeJobStatus(Message):
     """A node's view of its current job (retained): what a restarted gateway reconciles from."""
 
-    node_id: Name
-    job_id: Name
-    plan_version: NonNegInt
-    rank: NonNegInt
+    node_id: Id
+    job_id: Id
+    plan_version: Count
+    rank: Rank
     status: Literal["accepted", "running", "paused", "completed", "failed", "cancelled"]
-    step: NonNegInt = 0
-    epoch: NonNegInt = 0
-    checkpoint_step: NonNegInt | None = None
-    eval_metric: float | None = None
-    eval_metric_name: str | None = None
-    eval_initial: float | None = None
-    export_dir: str | None = None
-    detail: str | None = None
-    sent_at: float
+    step: Count = 0
+    epoch: Count = 0
+    checkpoint_step: Count | None = None
+    eval_metric: Metric | None = None
+    eval_metric_name: Text256 | None = None
+    eval_initial: Metric | None = None
+    export_dir: PathText | None = None
+    detail: Text4k | None = None
+    sent_at: Timestamp
 
 
 class ErrorResponse(Message):
-    code: str
-    message: str
-    topic: str | None = None
+    code: Code
+    message: Text4k
+    topic: TopicText | None = None
 
 
 # --- Gateway requests/responses (Zigbee2MQTT style, JSON) -------------------------------------
 
-Transaction = Annotated[str, Field(max_length=256)] | None
+Transaction = Text256 | None
 
 
 class GatewayRequest(Message):
@@ -367,19 +479,19 @@ class JobSubmitRequest(GatewayRequest):
 
 
 class JobStatusRequest(GatewayRequest):
-    job_id: Name | None = None  # None = every job
+    job_id: Id | None = None  # None = every job
 
 
 class JobPauseRequest(GatewayRequest):
-    job_id: Name
+    job_id: Id
 
 
 class JobResumeRequest(GatewayRequest):
-    job_id: Name
+    job_id: Id
 
 
 class JobCancelRequest(GatewayRequest):
-    job_id: Name
+    job_id: Id
 
 
 class NodesListRequest(GatewayRequest):
@@ -393,7 +505,7 @@ class PlanPreviewRequest(GatewayRequest):
 class GatewayResponse(Message):
     status: Literal["ok", "error"]
     data: dict[str, Any] | list[Any] | None = None
-    error: str | None = None
+    error: Text4k | None = None
     transaction: Transaction = None
 
     @model_validator(mode="after")

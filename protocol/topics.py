@@ -17,6 +17,9 @@ Encoding = Literal["json", "msgpack", "text"]
 DEFAULT_BASE = "xronos"
 DEFAULT_DISCOVERY_PREFIX = "homeassistant"
 _PARAM = re.compile(r"\{(\w+)\}")
+# A node or job id in a topic: the same pattern as the messages' `Id` (safe as a topic level and a
+# file name). A topic whose id level does not match is not in the table: nothing decodes it.
+_ID_LEVEL = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,%d}" % (m.MAX_ID - 1)
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,8 @@ class TopicEntry:
     root: Literal["base", "discovery"] = "base"
     # A tighter payload cap than the bus-wide one (Home Assistant's small commands).
     max_bytes: int | None = None
-    # A command: someone acts on it once. Retained copies are ignored (and cleared), never acted on.
+    # A command (Home Assistant's): someone acts on it once. Like every topic not retained by
+    # design, a retained copy is ignored and cleared by the dispatcher, never acted on.
     command: bool = False
 
     @property
@@ -47,11 +51,6 @@ class TopicEntry:
     @property
     def is_request(self) -> bool:
         return self.key.startswith("gateway.request.")
-
-    @property
-    def acts_once(self) -> bool:
-        """Requests and commands: a retained copy is stale by definition."""
-        return self.is_request or self.command
 
 
 _ADAPTERS: dict[int, TypeAdapter] = {}
@@ -161,7 +160,7 @@ class TopicTable:
             parts.append(re.escape(entry.pattern[pos:mt.start()]))
             name = mt.group(1)
             alts = entry.choices.get(name)
-            body = "|".join(re.escape(a) for a in alts) if alts else r"[^/+#]+"
+            body = "|".join(re.escape(a) for a in alts) if alts else _ID_LEVEL
             parts.append(f"(?P<{name}>{body})")
             pos = mt.end()
         parts.append(re.escape(entry.pattern[pos:]))
@@ -176,6 +175,9 @@ class TopicTable:
             _check_level(name, value, multi=name in entry.choices)
             if name in entry.choices and value not in entry.choices[name]:
                 raise ValueError(f"topic {entry.key}: {name}={value!r} is not one of {entry.choices[name]}")
+            if name not in entry.choices and not re.fullmatch(_ID_LEVEL, value):
+                raise ValueError(f"topic {entry.key}: {name}={value[:40]!r} is not an id "
+                                 "([A-Za-z0-9_][A-Za-z0-9_.-]*, at most 128 characters)")
         return f"{self.root_of(entry)}/{entry.pattern.format(**params)}"
 
     def filter(self, entry: TopicEntry | str, **params: str) -> str:

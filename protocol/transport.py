@@ -67,17 +67,6 @@ class BrokerSettings(BaseModel):
             raise ValueError(f"password_file {str(self.password_file)!r}: cannot read: {exc.strerror}") from None
 
 
-class RetainedPayload(bytes):
-    """An incoming payload the broker delivered from its retained store (`msg.retain`): state,
-    never a fresh command. Everything else that arrives is plain bytes."""
-
-    retained = True
-
-
-def is_retained(payload: bytes) -> bool:
-    return getattr(payload, "retained", False)
-
-
 class OutgoingQueue:
     """Publishes waiting for a connection. A retained publish replaces a waiting one on the same
     topic (only the latest state matters); past the bound the oldest non-retained goes first."""
@@ -104,6 +93,28 @@ class OutgoingQueue:
         return len(self._items)
 
 
+class Incoming(tuple):
+    """One delivered message: unpacks as `(topic, payload)` like a plain pair, and carries
+    `.retain`, whether the broker delivered it as a retained message (state from before this
+    client subscribed) rather than as a live publish. A retained message is state, never a
+    command: the dispatcher ignores (and clears) retained messages on topics not retained by design."""
+
+    retain: bool
+
+    def __new__(cls, topic: str, payload: bytes, retain: bool = False) -> Incoming:
+        self = super().__new__(cls, (topic, payload))
+        self.retain = bool(retain)
+        return self
+
+    @property
+    def topic(self) -> str:
+        return self[0]
+
+    @property
+    def payload(self) -> bytes:
+        return self[1]
+
+
 class BusBase:
     """What MqttBus and FakeBus share: the incoming queue and the typed publish helper."""
 
@@ -114,13 +125,13 @@ class BusBase:
     def _init_common(self, client_id: str, table: TopicTable | None, max_incoming: int) -> None:
         self.client_id = client_id
         self.table = table or TopicTable()
-        self.incoming: queue.Queue[tuple[str, bytes]] = queue.Queue(max_incoming)
+        self.incoming: queue.Queue[Incoming] = queue.Queue(max_incoming)
         self.dropped_incoming = 0
         self.connect_hooks: list[Hook] = []
 
-    def _enqueue(self, topic: str, payload: bytes) -> None:
+    def _enqueue(self, topic: str, payload: bytes, retain: bool = False) -> None:
         try:
-            self.incoming.put_nowait((topic, payload))
+            self.incoming.put_nowait(Incoming(topic, payload, retain))
         except queue.Full:
             self.dropped_incoming += 1
             log.warning("mqtt.incoming_dropped", topic=topic, client=self.client_id,
@@ -133,8 +144,9 @@ class BusBase:
             except Exception:
                 log.exception("mqtt.connect_hook_failed", client=self.client_id)
 
-    def get(self, timeout: float | None = None) -> tuple[str, bytes] | None:
-        """Next incoming (topic, payload), or None after `timeout` seconds."""
+    def get(self, timeout: float | None = None) -> Incoming | None:
+        """Next incoming (topic, payload) pair (an `Incoming`, with `.retain`), or None after
+        `timeout` seconds."""
         try:
             return self.incoming.get(timeout=timeout)
         except queue.Empty:
@@ -203,7 +215,14 @@ class MqttBus(BusBase):
         log.info("mqtt.disconnected", client=self.client_id, reason=str(reason))
 
     def _cb_message(self, _c: Any, _ud: Any, msg: paho.MQTTMessage) -> None:
-        self._enqueue(msg.topic, RetainedPayload(msg.payload) if msg.retain else msg.payload)
+        # The network thread must never raise (paho would end its loop): a topic that is not
+        # UTF-8 (Mosquitto refuses those, others may not) is dropped here.
+        try:
+            topic = msg.topic
+        except UnicodeDecodeError:
+            log.warning("mqtt.bad_topic", client=self.client_id)
+            return
+        self._enqueue(topic, bytes(msg.payload), bool(msg.retain))
 
     # --- public ------------------------------------------------------------------------------
     @property

@@ -33,6 +33,13 @@ def _segment_table(specs: Mapping[str, TensorSpec]) -> torch.Tensor:
                         dtype=torch.int64)
 
 
+def _check_segments(spec: TensorSpec, segs: tuple[tuple[int, int], ...], rank: int) -> None:
+    size = spec.full_shape[spec.dim]
+    if any(not 0 <= a <= b <= size for a, b in segs) or sum(b - a for a, b in segs) > size:
+        raise ValueError(f"gather_full: rank {rank} sent segments {list(segs)[:8]} for {spec.hf_name}, "
+                         f"outside its {size} rows along dim {spec.dim}: refused")
+
+
 @torch.no_grad()
 def gather_full(source: nn.Module | Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec],
                 layout: ShardLayout, group: TPGroup, dst: int = 0) -> dict[str, torch.Tensor]:
@@ -71,6 +78,7 @@ def gather_full(source: nn.Module | Mapping[str, torch.Tensor], specs: Mapping[s
                     continue
                 flat = tables[r][offset:offset + 2 * n_seg].tolist()
                 segs = tuple(zip(flat[0::2], flat[1::2]))
+                _check_segments(spec, segs, r)  # a peer's table sizes what the owner allocates
                 other = TensorSpec(spec.hf_name, spec.dim, segs, spec.full_shape)
                 buf = group.recv(torch.empty(other.local_shape, dtype=t.dtype), r)
                 other.place(full, buf)

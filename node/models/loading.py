@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,6 +17,8 @@ import structlog
 import torch
 import torch.nn as nn
 from safetensors import safe_open
+
+from xronos.protocol.paths import confine_path
 
 from .specs import TensorSpec
 
@@ -35,23 +38,51 @@ class ShardSource(Protocol):
         ...
 
 
+MAX_INDEX_BYTES = 16 * 1024 * 1024
+
+
+def checkpoint_files(model_dir: str | Path, allowed_dirs: Iterable[str | Path] | None = None) -> list[str]:
+    """The safetensors files of a checkpoint: `model.safetensors`, or the shards a
+    `model.safetensors.index.json` names. Shard names must be plain relative names inside the
+    directory; with `allowed_dirs` (paths that came from the network), every file, symlinks
+    resolved, must lie inside them too. ValueError/FileNotFoundError naming the file otherwise."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            if index.stat().st_size > MAX_INDEX_BYTES:
+                raise ValueError(f"larger than {MAX_INDEX_BYTES} bytes")
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError("weight_map must map tensor names to file names")
+        except (ValueError, KeyError, TypeError, OSError, RecursionError) as e:
+            raise ValueError(f"checkpoint index {index} is unreadable: {e}") from e
+        files = sorted(set(weight_map.values()))
+        for fname in files:
+            parts = Path(fname).parts
+            if not fname or Path(fname).is_absolute() or ".." in parts or "\0" in fname:
+                raise ValueError(f"checkpoint index {index}: shard file name {fname[:80]!r} is not a plain "
+                                 "relative name inside the model directory")
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"model dir {model_dir} has no model.safetensors (or sharded index)")
+    if allowed_dirs is not None:
+        allowed = list(allowed_dirs)
+        for fname in files:
+            confine_path(model_dir / fname, allowed, f"checkpoint file {fname!r} of {model_dir}")
+    return files
+
+
 class SafetensorsSource:
     """Slice reads from `model.safetensors` or an index-sharded checkpoint in `model_dir`."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, allowed_dirs: Iterable[str | Path] | None = None) -> None:
         self.model_dir = Path(model_dir)
-        index = self.model_dir / "model.safetensors.index.json"
-        single = self.model_dir / "model.safetensors"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise ValueError(f"unreadable checkpoint index {index}: {e}") from e
-            files = sorted(set(weight_map.values()))
-        elif single.is_file():
-            files = [single.name]
-        else:
-            raise ValueError(f"no model.safetensors or model.safetensors.index.json in {self.model_dir}")
+        try:
+            files = checkpoint_files(self.model_dir, allowed_dirs)
+        except FileNotFoundError:
+            raise ValueError(f"no model.safetensors or model.safetensors.index.json in {self.model_dir}") from None
         self._handles: dict[str, Any] = {}
         self._where: dict[str, str] = {}
         for fname in files:

@@ -207,3 +207,19 @@ def test_tls_with_ca_against_mosquitto(tmp_path, buses):
             assert not plain.connected  # the listener speaks TLS only
         finally:
             tls.stop(flush_timeout=0.5)
+
+
+def test_the_retain_flag_is_carried(mqtt_broker, buses):
+    """Regression (issue 15): the transport dropped msg.retain, so a retained command replayed as a
+    fresh one on every restart."""
+    a = buses(mqtt_broker, "ret-a")
+    assert a.wait_connected(5)
+    a.publish("xronos/test/ret/flag", b"state", retain=True)
+    time.sleep(0.2)
+    b = buses(mqtt_broker, "ret-b")
+    b.subscribe("xronos/test/ret/#")
+    item = _wait_for(b, "xronos/test/ret/flag")
+    assert item.retain is True and item == ("xronos/test/ret/flag", b"state")
+    a.publish("xronos/test/ret/flag", b"live", retain=False)
+    assert _wait_for(b, "xronos/test/ret/flag", payload=b"live").retain is False
+    a.publish("xronos/test/ret/flag", b"", retain=True)  # clear it for the next run

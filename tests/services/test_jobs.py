@@ -1,47 +1,91 @@
-"""The job state machine with plain data: every path from submit to an end, driven by hand."""
+"""The job state machine over typed data: every path from submit to an end, driven by hand. The
+planner is injected (`Ctx.planner`), so these tests need neither the cost model nor MQTT."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 
 from xronos.gateway import jobs as J
 from xronos.gateway.progress import state_view
+from xronos.protocol import messages as m
+from xronos.protocol.layout import Sizes
 
-SPEC = {"name": "t", "owner": "a", "model_dir": "/m", "data_path": "/d.csv", "task": "classify",
-        "batch_size": 4, "seq_len": 16, "lr": 1e-4, "max_steps": 10, "export_dir": "/out", "nodes": None}
-ARCH = {"family": "bert", "hidden_size": 32}
+SPEC = m.JobSpec(name="t", owner="a", model_dir="/m", data_path="/d.csv", task="classify", batch_size=4,
+                 seq_len=16, lr=1e-4, max_steps=10, export_dir="/out")
+ARCH = m.ArchSpec(family="bert", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4,
+                  intermediate_size=64, vocab_size=100, max_positions=64, num_labels=2, tie_word_embeddings=True)
+CAPS = m.Capabilities(node_id="a", hostname="h", arch="x86_64", cpu_model="cpu", cores=2, memory_total=8 << 30,
+                      memory_available=4 << 30, torch_version="2", data_host="127.0.0.1", sent_at=1.0)
+LAYER = m.LayerProfile(name="blk", kind="blk", partitioned=False, time_s=0.1, time_samples=[], weight_bytes=1,
+                       activation_bytes=1, temp_bytes=1)
 TO = J.Timeouts(inspect_s=10, profile_s=20, ack_s=10, stall_s=30, recover_s=100, retry_s=5, regroup_s=2,
                 max_recoveries=3)
 
 
-def ctx(now=0.0, online=("a", "b", "c"), busy=False):
-    return J.Ctx(now=now, online=frozenset(online), timeouts=TO, busy=busy)
+def plan(nodes, version, job_id="j"):
+    n = len(nodes)
+    return m.Plan(job_id=job_id, version=version, strategy="greedy",
+                  sizes=Sizes(attn=n, mlp=32 * n, vocab=32 * n),
+                  entries=[m.PlanEntry(node_id=node, rank=r, attn=1, mlp=32, vocab=32, predicted_compute_s=0.1,
+                                       predicted_memory=1.0, memory_cap=2.0) for r, node in enumerate(nodes)],
+                  predicted_iteration_s=0.1, ideal_iteration_s=0.1, comm_s=0.0)
 
 
-def plan(nodes, version):
-    return {"job_id": "j", "version": version, "strategy": "greedy",
-            "sizes": {"attn": len(nodes), "mlp": 32 * len(nodes), "vocab": 32 * len(nodes)},
-            "entries": [{"node_id": n, "rank": r, "attn": 1, "mlp": 32, "vocab": 32, "predicted_compute_s": 0.1,
-                         "predicted_memory": 1.0, "memory_cap": 2.0} for r, n in enumerate(nodes)],
-            "predicted_iteration_s": 0.1, "ideal_iteration_s": 0.1, "comm_s": 0.0}
+def planner(job, nodes, version, ctx):
+    return plan(nodes, version, job.job_id)
+
+
+def failing(reason):
+    def fail(job, nodes, version, ctx):
+        raise ValueError(reason)
+    return fail
+
+
+def ctx(now=0.0, online=("a", "b", "c"), busy=False, plans=planner):
+    return J.Ctx(now=now, online=frozenset(online), timeouts=TO, busy=busy, planner=plans)
 
 
 def kinds(effects):
     return [type(e).__name__ for e in effects]
 
 
+def inspected(job, ok=True, error=None, node="a"):
+    rid = job.requests[0][0] if job.requests else "nope.1"
+    fields = dict(arch=ARCH, train_rows=40, eval_rows=4, total_steps=10) if ok else {"error": error}
+    return J.Inspected(m.InspectReport(node_id=node, request_id=rid, job_id=job.job_id, ok=ok, **fields))
+
+
+def report(node, rid, job_id="j", **changes):
+    r = m.ProfileReport(node_id=node, request_id=rid, job_id=job_id, capabilities=CAPS.model_copy(
+        update={"node_id": node}), arch=ARCH, task="classify", batch_size=4, seq_len=16, threads=1, sizes=ARCH.sizes(),
+        num_blocks=2, layers=[LAYER], profile_seconds=1.0, created_at=1.0)
+    return r.model_copy(update=changes)
+
+
+def profiled(job, node, ok=True, error="no torch"):
+    rid = dict((n, r) for r, n in job.requests).get(node, "none.1")
+    return J.Profiled(node, rid, report(node, rid, job.job_id) if ok else None, None if ok else error)
+
+
+def profile_all(job, c):
+    out = []
+    for rid, node in job.requests:
+        job, out = J.handle(job, J.Profiled(node, rid, report(node, rid, job.job_id)), c)
+    return job, out
+
+
 def submit_to_running(spec=SPEC, online=("a", "b", "c")):
     job, eff = J.new_job("j", spec, "t1", ctx(online=online))
-    assert eff == [J.Inspect("j", "a")] and job.awaiting == "inspect"
-    job, eff = J.handle(job, J.Inspected("a", True, ARCH, 10), ctx(1))
-    assert job.phase == "profiling" and eff == [J.Profile("j", ("a",) + tuple(n for n in online if n != "a"))]
-    for n in job.waiting:
-        job, eff = J.handle(job, J.Profiled(n, {"node_id": n}), ctx(2))
-    assert job.phase == "planning" and isinstance(eff[0], J.MakePlan) and eff[0].nodes[0] == "a"
-    job, eff = J.handle(job, J.Planned(plan(eff[0].nodes, eff[0].version)), ctx(3))
+    assert eff == [J.Inspect("j", "a", "j.1")] and job.awaiting == "inspect"
+    job, eff = J.handle(job, inspected(job), ctx(1))
+    assert job.phase == "profiling" and kinds(eff) == ["Profile"]
+    assert [n for _, n in eff[0].requests] == ["a"] + [n for n in online if n != "a"]
+    job, eff = profile_all(job, ctx(2))
     assert kinds(eff) == ["Respond", "Assign"] and eff[0].ok and eff[0].transaction == "t1"
+    assert eff[1].plan.entries[0].node_id == "a"  # the owner is rank 0
     assert job.phase == "assigning" and job.accepted
     for n in job.plan_nodes:
         job, eff = J.handle(job, J.Acked(n, job.plan_version, True), ctx(4))
@@ -50,15 +94,15 @@ def submit_to_running(spec=SPEC, online=("a", "b", "c")):
 
 
 def metric(node, rank, step, version=1, **kw):
-    m = {"job_id": "j", "plan_version": version, "node_id": node, "rank": rank, "step": step, "epoch": 0,
-         "loss": 1.0 / step, "compute_s": 0.1 * (rank + 1), "comm_s": 0.01, "idle_s": 0.02,
-         "iteration_s": 0.2}
-    return J.Metrics({**m, **kw})
+    fields = dict(job_id="j", plan_version=version, node_id=node, rank=rank, step=step, epoch=0,
+                  loss=1.0 / step, compute_s=0.1 * (rank + 1), comm_s=0.01, idle_s=0.02, iteration_s=0.2,
+                  voluntary_ctx_switches=1, involuntary_ctx_switches=0, peak_rss=1)
+    return J.Metrics(m.IterationMetrics(**{**fields, **kw}))
 
 
 def status(node, rank, st, version=1, **kw):
-    return J.Status({"node_id": node, "job_id": "j", "plan_version": version, "rank": rank, "status": st,
-                     "step": kw.pop("step", 0), "epoch": 0, **kw})
+    return J.Status(m.NodeJobStatus(node_id=node, job_id="j", plan_version=version, rank=rank, status=st,
+                                    step=kw.pop("step", 0), epoch=0, sent_at=1.0, **kw))
 
 
 def test_happy_path_metrics_and_completion():
@@ -67,10 +111,10 @@ def test_happy_path_metrics_and_completion():
         for r, n in enumerate(job.plan_nodes):
             job, _ = J.handle(job, metric(n, r, step), ctx(5 + step))
     view = state_view(job)
-    assert view["step"] == 3 and view["loss"] == pytest.approx(1 / 3)
-    assert view["measured_s"] == {"a": pytest.approx(0.1), "b": pytest.approx(0.2), "c": pytest.approx(0.3)}
-    assert view["idle_ratio"]["a"] == pytest.approx(0.1) and view["eta_s"] == pytest.approx(7 * 0.2)
-    assert view["predicted_s"] == {"a": 0.1, "b": 0.1, "c": 0.1}
+    assert view.step == 3 and view.loss == pytest.approx(1 / 3)
+    assert view.measured_s == {"a": pytest.approx(0.1), "b": pytest.approx(0.2), "c": pytest.approx(0.3)}
+    assert view.idle_ratio["a"] == pytest.approx(0.1) and view.eta_s == pytest.approx(7 * 0.2)
+    assert view.predicted_s == {"a": 0.1, "b": 0.1, "c": 0.1}
     job, _ = J.handle(job, status("a", 0, "running", checkpoint_step=2), ctx(9))
     job, _ = J.handle(job, status("a", 0, "running", checkpoint_step=4), ctx(9))
     assert job.checkpoint_step == 4 and job.events[-1].endswith("checkpoint at step 4")
@@ -89,23 +133,63 @@ def test_stale_metrics_are_ignored():
     assert job2.step == job3.step == 0
 
 
+def test_a_node_speaks_only_for_its_own_rank():
+    """Regression (issue 15, claims): a helper claiming rank 0 completed the job with its own
+    export_dir; a helper's metric as rank 0 set the job's step and loss."""
+    job = submit_to_running()
+    claims = [status("b", 0, "completed", step=10, export_dir="/evil"),  # b holds rank 1
+              status("c", 0, "running", checkpoint_step=8),
+              status("b", 0, "running", eval_initial=0.1, eval_metric=0.99, eval_metric_name="accuracy"),
+              status("c", 1, "failed", detail="c speaks for b")]
+    for ev in claims:
+        after, eff = J.handle(job, ev, ctx(5))
+        assert after == job and eff == []
+    after, _ = J.handle(job, metric("b", 0, 7), ctx(5))
+    assert after.step == 0 and after.loss is None
+    # The owner at rank 0 may; and a checkpoint beyond the job's end is no resume point.
+    after, _ = J.handle(job, status("a", 0, "running", checkpoint_step=10**6), ctx(5))
+    assert after.checkpoint_step == 0
+    after, _ = J.handle(job, status("a", 0, "completed", step=10**6, export_dir="/out"), ctx(5))
+    assert after.phase == "completed" and after.step == 10
+
+
+def test_answers_count_only_for_the_nodes_own_request():
+    """Regression (issue 15, claims): an answer carrying another node's request id, or a stale one,
+    is ignored; a report that does not answer the request drops the node, not the job."""
+    job, _ = J.new_job("j", SPEC, "t", ctx())
+    wrong = J.Inspected(m.InspectReport(node_id="a", request_id="j.99", job_id="j", ok=False, error="x"))
+    assert J.handle(job, wrong, ctx(1)) == (job, [])
+    job, _ = J.handle(job, inspected(job), ctx(1))
+    rid_a = dict((n, r) for r, n in job.requests)["a"]
+    # b answers with a's request id (its own report, and a failure): neither counts.
+    for ev in (J.Profiled("b", rid_a, report("b", rid_a)), J.Profiled("b", rid_a, None, "b cancels a")):
+        assert J.handle(job, ev, ctx(2)) == (job, [])
+    # c's report for another batch size: c is left out; the plan goes on with a and b.
+    job, _ = J.handle(job, profiled(job, "a"), ctx(2))
+    job, _ = J.handle(job, profiled(job, "b"), ctx(2))
+    rid_c = dict((n, r) for r, n in job.requests)["c"]
+    job, eff = J.handle(job, J.Profiled("c", rid_c, report("c", rid_c, batch_size=8)), ctx(2))
+    assert job.accepted and "c" in job.excluded and [e.node_id for e in eff[1].plan.entries] == ["a", "b"]
+    assert "batch_size does not match" in " ".join(job.events)
+
+
 @pytest.mark.parametrize("online, reason", [(("b", "c"), "owner node 'a' is offline")])
 def test_refused_when_owner_offline(online, reason):
     job, eff = J.new_job("j", SPEC, "t1", ctx(online=online))
-    assert job.phase == "failed" and reason in job.error
+    assert job.phase == "failed" and reason in job.error and J.refused(job)
     assert eff == [J.Respond("job/submit", "t1", False, {"job_id": "j"}, job.error)]
 
 
 def test_refused_when_named_node_offline_or_owner_not_named():
-    job, eff = J.new_job("j", {**SPEC, "nodes": ["a", "x"]}, "t", ctx())
+    job, eff = J.new_job("j", SPEC.model_copy(update={"nodes": ["a", "x"]}), "t", ctx())
     assert job.phase == "failed" and "x offline" in job.error
-    job, eff = J.new_job("j", {**SPEC, "nodes": ["b"]}, "t", ctx())
+    job, eff = J.new_job("j", SPEC.model_copy(update={"nodes": ["b"]}), "t", ctx())
     assert "must be one of" in job.error
 
 
 def test_refused_when_inspection_fails_or_times_out():
     job, _ = J.new_job("j", SPEC, "t", ctx())
-    bad, eff = J.handle(job, J.Inspected("a", False, error="data_path: /d.csv does not exist"), ctx(1))
+    bad, eff = J.handle(job, inspected(job, ok=False, error="data_path: /d.csv does not exist"), ctx(1))
     assert bad.phase == "failed" and "does not exist" in bad.error and not eff[0].ok
     late, eff = J.handle(job, J.Tick(), ctx(11))
     assert late.phase == "failed" and "did not answer" in late.error and not eff[0].ok
@@ -113,26 +197,43 @@ def test_refused_when_inspection_fails_or_times_out():
     assert down.phase == "failed" and "went offline" in down.error
 
 
+def test_a_refusal_reason_is_kept_short():
+    """Regression (issue 15): a refusal echoing a huge reason made the JobState too large to send."""
+    job, _ = J.new_job("j", SPEC, "t", ctx())
+    job, eff = J.handle(job, inspected(job, ok=False, error="x" * 4000), ctx(1))
+    assert len(job.error) <= J.MAX_ERROR_CHARS and len(eff[0].error) <= J.MAX_ERROR_CHARS
+    assert all(len(e) <= J.MAX_EVENT_CHARS for e in job.events)
+    assert len(state_view(replace(job, accepted=True)).model_dump_json()) < 10_000
+
+
 def test_refused_when_plan_cannot_fit():
     job, _ = J.new_job("j", SPEC, "t", ctx())
-    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 10), ctx(1))
-    for n in ("a", "b", "c"):
-        job, eff = J.handle(job, J.Profiled(n, {}), ctx(2))
-    job, eff = J.handle(job, J.Planned(None, "node a needs 3 GB, cap 1 GB"), ctx(3))
+    job, _ = J.handle(job, inspected(job), ctx(1))
+    job, eff = profile_all(job, ctx(2, plans=failing("node a needs 3 GB, cap 1 GB")))
     assert job.phase == "failed" and eff[0].error == "plan cannot fit: node a needs 3 GB, cap 1 GB"
     assert eff[0].transaction == "t" and not job.accepted
 
 
+def test_a_planner_overflow_refuses_instead_of_hanging():
+    """Regression (issue 15): an OverflowError in planning left the submit unanswered in 'planning'."""
+    def overflow(job, nodes, version, ctx):
+        raise OverflowError("int too large to convert to float")
+    job, _ = J.new_job("j", SPEC, "t", ctx())
+    job, _ = J.handle(job, inspected(job), ctx(1))
+    job, eff = profile_all(job, ctx(2, plans=overflow))
+    assert job.phase == "failed" and "int too large" in job.error and kinds(eff) == ["Respond"]
+
+
 def test_unnamed_node_that_cannot_profile_is_left_out():
     job, _ = J.new_job("j", SPEC, "t", ctx())
-    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 10), ctx(1))
-    job, _ = J.handle(job, J.Profiled("a", {}), ctx(2))
-    job, _ = J.handle(job, J.Profiled("b", None, "no torch"), ctx(2))
+    job, _ = J.handle(job, inspected(job), ctx(1))
+    job, _ = J.handle(job, profiled(job, "a"), ctx(2))
+    job, _ = J.handle(job, profiled(job, "b", ok=False), ctx(2))
     job, eff = J.handle(job, J.Tick(), ctx(30))  # c never answers
-    assert eff == [J.MakePlan("j", ("a",), 1)] and set(job.excluded) == {"b", "c"}
-    named, _ = J.new_job("j", {**SPEC, "nodes": ["a", "b"]}, "t", ctx())
-    named, _ = J.handle(named, J.Inspected("a", True, ARCH, 10), ctx(1))
-    named, eff = J.handle(named, J.Profiled("b", None, "no torch"), ctx(2))
+    assert [e.node_id for e in eff[-1].plan.entries] == ["a"] and set(job.excluded) == {"b", "c"}
+    named, _ = J.new_job("j", SPEC.model_copy(update={"nodes": ["a", "b"]}), "t", ctx())
+    named, _ = J.handle(named, inspected(named), ctx(1))
+    named, eff = J.handle(named, profiled(named, "b", ok=False), ctx(2))
     assert named.phase == "failed" and "no torch" in named.error
 
 
@@ -140,11 +241,8 @@ def test_node_loss_recovers_from_checkpoint_on_survivors():
     job = submit_to_running()
     job, _ = J.handle(job, status("a", 0, "running", checkpoint_step=4, step=5), ctx(5))
     job, eff = J.handle(job, J.NodeDown("c"), ctx(6, online=("a", "b")))
-    assert job.phase == "recovering" and job.recoveries == 1
-    assert eff[0] == J.Control("j", 1, ("a", "b", "c"), "cancel")
-    assert eff[1] == J.MakePlan("j", ("a", "b"), 2)  # profiles cached: straight to planning
-    job, eff = J.handle(job, J.Planned(plan(("a", "b"), 2)), ctx(7, online=("a", "b")))
-    assert eff == [J.Assign("j", plan(("a", "b"), 2), 4)] and job.phase == "assigning"
+    assert job.recoveries == 1 and job.phase == "assigning"  # profiles cached: straight to a plan
+    assert eff == [J.Control("j", 1, ("a", "b", "c"), "cancel"), J.Assign("j", plan(("a", "b"), 2), 4)]
     assert job.step == 4
     job, _ = J.handle(job, J.Acked("a", 1, True), ctx(7))  # stale version: ignored
     assert job.waiting == ("a", "b")
@@ -163,28 +261,25 @@ def test_rank_failure_and_waiting_for_memory_or_owner():
     assert eff == [J.Control("j", 1, ("a", "b", "c"), "cancel")]  # then wait for last-wills
     job, eff = J.handle(job, J.Tick(), ctx(6))
     assert eff == []
-    job, eff = J.handle(job, J.Tick(), ctx(7.5))
-    assert eff == [J.MakePlan("j", ("a", "b", "c"), 2)]
-    job, eff = J.handle(job, J.Planned(None, "b needs 9 GB"), ctx(8))
-    assert job.phase == "recovering" and job.awaiting == "retry"
+    job, eff = J.handle(job, J.Tick(), ctx(7.5, plans=failing("b needs 9 GB")))
+    assert job.phase == "recovering" and job.awaiting == "retry" and eff == []
+    assert "b needs 9 GB" in job.events[-1]
     job, eff = J.handle(job, J.NodeDown("a"), ctx(7, online=("b", "c")))
     assert eff == []
     job, eff = J.handle(job, J.Tick(), ctx(14, online=("b", "c")))
     assert job.awaiting == "retry" and "waiting for the owner" in job.events[-1]
-    job, eff = J.handle(job, J.NodeUp("a"), ctx(15))
-    assert eff == [J.MakePlan("j", ("a", "b", "c"), 2)]
+    job, eff = J.handle(job, J.NodeUp("a"), ctx(15, plans=failing("still no memory")))
+    assert eff == [] and job.awaiting == "retry"
     job, eff = J.handle(job, J.Tick(), ctx(200))
     assert job.phase == "failed" and "could not recover" in job.error
 
 
 def test_refused_assignment_excludes_node_until_it_reconnects():
     job, _ = J.new_job("j", SPEC, "t", ctx())
-    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 10), ctx(1))
-    for n in ("a", "b", "c"):
-        job, eff = J.handle(job, J.Profiled(n, {}), ctx(2))
-    job, eff = J.handle(job, J.Planned(plan(("a", "b", "c"), 1)), ctx(3))
+    job, _ = J.handle(job, inspected(job), ctx(1))
+    job, eff = profile_all(job, ctx(2))
     job, eff = J.handle(job, J.Acked("b", 1, False, "busy"), ctx(4))
-    assert job.phase == "recovering" and eff[-1] == J.MakePlan("j", ("a", "c"), 2)
+    assert job.phase == "assigning" and job.recoveries == 1 and eff[-1] == J.Assign("j", plan(("a", "c"), 2), 0)
     job, _ = J.handle(job, J.NodeUp("b"), ctx(5))
     assert "b" not in job.excluded
 
@@ -217,11 +312,11 @@ def test_pause_resume_cancel():
 
 def test_pause_while_recovering_is_applied_on_restart_of_the_plan():
     job = submit_to_running()
-    job, _ = J.handle(job, J.NodeDown("c"), ctx(5, online=("a", "b")))
+    job, _ = J.handle(job, status("b", 1, "failed"), ctx(5))
     job, eff = J.handle(job, J.Command("pause", "p"), ctx(6))
-    assert eff[-1].ok and job.want_paused
-    job, _ = J.handle(job, J.Planned(plan(("a", "b"), 2)), ctx(7))
-    for n in ("a", "b"):
+    assert eff[-1].ok and job.want_paused and job.phase == "recovering"
+    job, _ = J.handle(job, J.Tick(), ctx(8))
+    for n in job.plan_nodes:
         job, eff = J.handle(job, J.Acked(n, 2, True), ctx(8))
     assert job.phase == "paused" and [e.action for e in eff] == ["start", "pause"]
 
@@ -234,36 +329,71 @@ def test_stall_and_ack_timeouts_recover():
 
 def test_schedule_runs_one_job_at_a_time():
     first = submit_to_running()
-    second, _ = J.new_job("k", {**SPEC, "name": "k"}, "t2", ctx(10))
-    second, _ = J.handle(second, J.Inspected("a", True, ARCH, 10), ctx(11))
-    for n in ("a", "b", "c"):
-        second, eff = J.handle(second, J.Profiled(n, {}), ctx(12))
-    second, eff = J.handle(second, J.Planned(plan(("a", "b", "c"), 1)), ctx(13, busy=True))
+    second, _ = J.new_job("k", SPEC.model_copy(update={"name": "k"}), "t2", ctx(10))
+    second, _ = J.handle(second, inspected(second), ctx(11))
+    second, eff = profile_all(second, ctx(13, busy=True))
     assert second.phase == "queued" and second.accepted and kinds(eff) == ["Respond"]
     table = {"j": first, "k": second}
     assert J.schedule(table, ctx(14)) == (table, [])
     table["j"] = replace(first, phase="completed")
     table, eff = J.schedule(table, ctx(15))
-    assert table["k"].phase == "planning" and eff == [J.MakePlan("k", ("a", "b", "c"), 1)]
+    assert table["k"].phase == "assigning" and eff == [J.Assign("k", plan(("a", "b", "c"), 1, "k"), 0)]
 
 
 def test_restart_reissues_what_was_awaited():
     job, _ = J.new_job("j", SPEC, "t", ctx())
     again, eff = J.restart(job, ctx(50))
-    assert eff == [J.Inspect("j", "a")] and again.deadline == 60
+    assert eff == [J.Inspect("j", "a", "j.2")] and again.deadline == 60 and again.requests == (("j.2", "a"),)
     running = submit_to_running()
     again, eff = J.restart(running, ctx(50))
     assert eff == [] and again.phase == "running" and again.deadline == 80
     assigning = replace(running, phase="assigning", awaiting="acks", waiting=("b",))
     again, eff = J.restart(assigning, ctx(50))
     assert eff == [J.Assign("j", running.plan, 0)] and again.waiting == ("a", "b", "c")
+    # A table from before planning moved into the core: a job awaiting "plan" plans now.
+    old, _ = J.new_job("j", SPEC, "t", ctx())
+    old, _ = J.handle(old, inspected(old), ctx(1))
+    old = replace(old, profiles={n: report(n, "x.1") for n in "abc"}, awaiting="plan", waiting=("a", "b", "c"),
+                  phase="planning")
+    again, eff = J.restart(old, ctx(50))
+    assert kinds(eff) == ["Respond", "Assign"] and again.phase == "assigning"
 
 
 def test_plan_preview_answers_and_ends():
     job, _ = J.new_job("p", SPEC, "t9", ctx(), respond_to="plan/preview")
-    job, _ = J.handle(job, J.Inspected("a", True, ARCH, 10), ctx(1))
-    for n in ("a", "b", "c"):
-        job, eff = J.handle(job, J.Profiled(n, {}), ctx(2))
-    job, eff = J.handle(job, J.Planned(plan(("a", "b", "c"), 1)), ctx(3))
+    job, _ = J.handle(job, inspected(job), ctx(1))
+    job, eff = profile_all(job, ctx(2))
     assert job.phase == "completed" and eff == [J.Respond("plan/preview", "t9", True,
-                                                          {"plan": plan(("a", "b", "c"), 1)})]
+                                                          {"plan": plan(("a", "b", "c"), 1, "p")})]
+
+
+def test_abort_fails_one_job_and_answers_a_waiting_request():
+    job, _ = J.new_job("j", SPEC, "t", ctx())
+    out, eff = J.abort(job, ctx(1), "internal error: boom")
+    assert out.phase == "failed" and J.refused(out) and eff[0].error == "internal error: boom"
+    running = submit_to_running()
+    out, eff = J.abort(running, ctx(5), "internal error: boom")
+    assert out.phase == "failed" and not J.refused(out) and eff == [J.Control("j", 1, running.plan_nodes, "cancel")]
+    assert J.abort(out, ctx(6), "again") == (out, [])
+
+
+def test_prune_bounds_the_history():
+    done = {f"d{i}": replace(submit_to_running(), job_id=f"d{i}", phase="completed", updated_at=float(i))
+            for i in range(10)}
+    live = {"live": replace(submit_to_running(), job_id="live", updated_at=0.0)}
+    kept, dropped = J.prune({**done, **live}, now=10.0, keep=3, max_age_s=1e9)
+    assert sorted(kept) == ["d7", "d8", "d9", "live"] and dropped == [f"d{i}" for i in range(7)]
+    kept, dropped = J.prune({**done, **live}, now=10.0, keep=100, max_age_s=5.5)
+    assert sorted(kept) == ["d5", "d6", "d7", "d8", "d9", "live"]
+    fin = J.finished(replace(submit_to_running(), phase="completed"))
+    assert fin.profiles == {} and fin.requests == ()
+
+
+def test_state_view_stays_within_the_message_bounds():
+    """Regression (issue 15): iteration_s = inf made the ETA NaN; huge values overflowed the state."""
+    job = submit_to_running()
+    job = replace(job, total_steps=2**31 - 1, agg={"a": J.Agg(1, 1e7, 1e7, 1e-300)}, last_iteration_s=math.inf)
+    view = state_view(job)
+    assert view.eta_s is None or math.isfinite(view.eta_s)
+    assert view.idle_ratio["a"] <= 1.0
+    m.JobState.model_validate_json(view.model_dump_json())

@@ -1,0 +1,33 @@
+"""The job state machine's planner: a job's profiles and its nodes' latest capabilities in, a Plan
+out. Pure (no I/O, no clock), so it runs inside the core's transition (`Ctx.planner`) instead of a
+round trip through the service. Planning goes only through `profiles.plan_reports` and
+`profiles.plan_message`.
+"""
+
+from __future__ import annotations
+
+from xronos.protocol import messages as m
+
+from .jobtypes import Ctx, Job
+from .profiles import Loaded, plan_message, plan_reports
+
+
+def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan:
+    """Plan `job` on `nodes` (rank order: the owner first) as version `version`; ValueError
+    (InfeasiblePlan included) saying why it cannot."""
+    loaded = []
+    for node in nodes:
+        report = job.profiles.get(node)
+        if report is None:
+            raise ValueError(f"node {node!r} has no profile for this job")
+        caps = ctx.caps.get(node)
+        if caps is not None:  # plan with the node's memory now, not when it profiled
+            report = report.model_copy(update={"capabilities": caps})
+        loaded.append(Loaded(source=f"node {node}", report=report))
+    result = plan_reports(loaded, job.spec.strategy, reserve_mb=job.spec.reserve_mb,
+                          bandwidth_Bps=ctx.net.bandwidth_Bps, latency_s=ctx.net.latency_s)
+    if not result.feasible:
+        over = ", ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of {r.memory_cap / 2**20:.0f}"
+                         for r in result.rows if r.over_cap)
+        raise ValueError(f"the {result.strategy} plan exceeds memory caps: {over}")
+    return plan_message(result, job.job_id, version)
