@@ -180,8 +180,10 @@ def test_retained_job_states_of_pruned_and_unknown_jobs_are_cleared(tmp_path):
     h.gw._flush(force=True)
     assert f"xronos/job/{job_id}/state" in h.broker.retained
     old = h.broker.retained[f"xronos/job/{job_id}/state"]
-    del h.gw.jobs[job_id]  # what pruning the job history does
+    h.gw.cfg = h.gw.cfg.model_copy(update={"history_max_jobs": 0})
+    h.gw._abort(job_id, "ended for the test")  # a finished job: the history prunes it at once
     h.gw._flush(force=True)
+    assert job_id not in h.gw.jobs
     assert f"xronos/job/{job_id}/state" not in h.broker.retained
     # A state left by a job this gateway never had (jobs.json replaced, pruned while down).
     h.client.publish("xronos/job/ghost-1/state", old, retain=True)
