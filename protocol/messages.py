@@ -19,7 +19,7 @@ from .layout import Kind, Layout, LayoutError, Sizes
 SCHEMA_VERSION = 2
 
 Task = Literal["classify", "causal-lm"]
-Strategy = Literal["greedy", "optimal", "uniform"]
+Strategy = Literal["segment", "paper", "uniform"]
 Phase = Literal[
     "queued", "profiling", "planning", "assigning", "running",
     "paused", "recovering", "completed", "failed", "cancelled",
@@ -155,7 +155,7 @@ class JobSpec(Message):
     epochs: PosInt | None = None
     max_steps: PosInt | None = None
     eval_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.1
-    strategy: Strategy = "greedy"
+    strategy: Strategy = "segment"
     checkpoint_interval: PosInt = 100
     export_dir: str
     nodes: list[Name] | None = None

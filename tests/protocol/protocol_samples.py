@@ -15,7 +15,7 @@ SPEC = m.JobSpec(name="sst2-ft", owner="pi5-a", model_dir="/models/gpt2", data_p
                  task="classify", batch_size=8, seq_len=128, lr=5e-5, epochs=1, export_dir="/out",
                  nodes=["pi5-a", "n100"], max_grad_norm=None)
 SIZES = Sizes(attn=12, mlp=3072, vocab=50257)
-PLAN = m.Plan(job_id="j1", version=2, strategy="greedy", sizes=SIZES,
+PLAN = m.Plan(job_id="j1", version=2, strategy="segment", sizes=SIZES,
               entries=[m.PlanEntry(node_id="pi5-a", rank=0, attn=4, mlp=1024, vocab=16000, predicted_compute_s=0.5,
                                    predicted_memory=1.5e9, memory_cap=6e9),
                        m.PlanEntry(node_id="n100", rank=1, attn=8, mlp=2048, vocab=34257, predicted_compute_s=0.48,

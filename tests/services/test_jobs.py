@@ -21,7 +21,7 @@ def ctx(now=0.0, online=("a", "b", "c"), busy=False):
 
 
 def plan(nodes, version):
-    return {"job_id": "j", "version": version, "strategy": "greedy",
+    return {"job_id": "j", "version": version, "strategy": "segment",
             "sizes": {"attn": len(nodes), "mlp": 32 * len(nodes), "vocab": 32 * len(nodes)},
             "entries": [{"node_id": n, "rank": r, "attn": 1, "mlp": 32, "vocab": 32, "predicted_compute_s": 0.1,
                          "predicted_memory": 1.0, "memory_cap": 2.0} for r, n in enumerate(nodes)],
