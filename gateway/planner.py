@@ -69,10 +69,11 @@ Strategy = Literal["segment", "paper", "uniform"]
 STRATEGIES: tuple[str, ...] = ("segment", "paper", "uniform")
 MiB = 1024 * 1024
 # Box evaluations of the branch and bound; beyond it the plan is the incumbent, with its bound.
-DEFAULT_BUDGET = 4000
-# The exact integer test runs when its dynamic programme has at most this many transitions.
-EXACT_DP_BUDGET = 200_000
+DEFAULT_BUDGET = 1000
+# The exact integer test gives up (for the constructive one) beyond this many transitions.
+EXACT_DP_BUDGET = 300_000
 _SUBSETS = ((0, 1), (0, 2), (1, 2), (0, 1, 2))
+IDEAL_BUDGET = 400  # box evaluations of the ideal's search (its bound stays valid when cut short)
 IDEAL_TOL = 1e-3  # relative width below which the ideal's search stops splitting a box
 
 
@@ -256,23 +257,27 @@ class _Kind:
         return vals[W - clo - 1]
 
 
-def _undominated(states: dict[tuple[int, int], int], na: int, nm: int) -> dict[tuple[int, int], int]:
-    """Drop every state another one matches or beats in all of attention, MLP and vocabulary."""
-    best = [[-1] * (nm + 2) for _ in range(na + 2)]
-    for (a, m), v in states.items():
-        best[a][m] = v
-    suf = [[-1] * (nm + 2) for _ in range(na + 2)]  # max over a' >= a, m' >= m
-    for a in range(na, -1, -1):
-        row, up, rb = suf[a], suf[a + 1], best[a]
-        for m in range(nm, -1, -1):
-            x = rb[m]
-            y = up[m] if up[m] > row[m + 1] else row[m + 1]
-            row[m] = x if x > y else y
-    out = {}
-    for (a, m), v in states.items():
-        beat = suf[a + 1][m] if suf[a + 1][m] > suf[a][m + 1] else suf[a][m + 1]
-        if v > beat:
-            out[(a, m)] = v
+def _undominated(states: dict[int, int], nm: int) -> dict[int, int]:
+    """Drop every state (key a*(nm+1)+m, value v) another one matches or beats in all of
+    attention, MLP and vocabulary. Sweep by attention downwards with a suffix-max tree over MLP."""
+    size = nm + 1
+    tree = [-1] * (size + 1)  # Fenwick tree of max over m' >= m (indices reversed)
+    out: dict[int, int] = {}
+    for key in sorted(states, reverse=True):  # attention desc, then MLP desc
+        v = states[key]
+        m = key % size
+        i, best = size - m, -1  # query max over m' >= m among states already seen (a' >= a)
+        while i > 0:
+            if tree[i] > best:
+                best = tree[i]
+            i -= i & -i
+        if v > best:
+            out[key] = v
+            i = size - m
+            while i <= size:
+                if tree[i] < v:
+                    tree[i] = v
+                i += i & -i
     return out
 
 
@@ -299,6 +304,7 @@ class _Problem:
         self.room = [self.caps[d] - self.base[d] - self.t0[d] for d in range(self.n)]
         self._ucache: list[dict[float, list[int]]] = [{}, {}, {}]
         self._chcache: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+        self._icache: dict[tuple, tuple[list[list[int]] | None, bool]] = {}
 
     # -- memory (the same arithmetic as costmodel.predict_memory) --
     def mem(self, d: int, w: Sequence[int]) -> float:
@@ -385,7 +391,15 @@ class _Problem:
     # -- integer feasibility at a target vector --
     def integer(self, tau: Sequence[float], exact_only: bool = False) -> tuple[list[list[int]] | None, bool]:
         """(counts per node per kind covering every kind within tau and the caps, or None; whether
-        the answer is exact). Exact DP when small, else the constructive test."""
+        the answer is exact). Exact DP when small, else the constructive test. Memoised."""
+        key = (tuple(tau), exact_only)
+        got = self._icache.get(key)
+        if got is None:
+            got = self._icache[key] = self._integer(tau, exact_only)
+        w, exact = got
+        return ([list(x) for x in w] if w is not None else None), exact
+
+    def _integer(self, tau: Sequence[float], exact_only: bool) -> tuple[list[list[int]] | None, bool]:
         Us = [self.U(i, tau[i]) for i in range(3)]
         ub = [[Us[i][d] for i in range(3)] for d in range(self.n)]
         if any(min(x) < 0 for x in ub):
@@ -399,9 +413,8 @@ class _Problem:
         need = [max(0, x) for x in need]
         if not bound:
             return None, True
-        cost = self._dp_cost(bound, ub, need)
-        if cost <= EXACT_DP_BUDGET:
-            got = self._dp(bound, ub, need)
+        got, done = self._dp(bound, ub, need, EXACT_DP_BUDGET)
+        if done:
             if got is None:
                 return None, True
             for d, x in zip(bound, got):
@@ -415,12 +428,6 @@ class _Problem:
         for d, x in zip(bound, got):
             w[d] = list(x)
         return self._trim(w), True
-
-    def _dp_cost(self, bound: list[int], ub: list[list[int]], need: list[int]) -> float:
-        """Transitions of `_dp`: every bound node but the last, which is checked directly."""
-        states = (need[0] + 1) * (need[1] + 1)
-        return sum(min(states, 1 + j * states) * (ub[d][0] + 1) * (ub[d][1] + 1)
-                   for j, d in enumerate(bound[:-1])) + states
 
     def _choices(self, d: int, ua: int, um: int) -> list[tuple[int, int, int]]:
         """(attention, MLP, most vocabulary by memory alone) node d can hold, for counts up to
@@ -439,55 +446,97 @@ class _Problem:
             self._chcache[key] = got
         return got
 
-    def _dp(self, bound: list[int], ub: list[list[int]], need: list[int]) -> list[tuple[int, int, int]] | None:
+    def _dp(self, bound: list[int], ub: list[list[int]], need: list[int], limit: float
+            ) -> tuple[list[tuple[int, int, int]] | None, bool]:
         """Exact: over the bound nodes, state (attention placed, MLP placed) capped at the need,
-        value the most vocabulary placed (dominated states dropped); back-pointers rebuild the
-        counts. The last node takes exactly what is missing (holding less only leaves it more
-        room), so it is not enumerated."""
+        value the most vocabulary placed; dominated states and states the nodes left cannot
+        complete are dropped; back-pointers rebuild the counts. The last node takes exactly what
+        is missing (holding less only leaves it more room), so it is not enumerated. Returns
+        (counts or None, True), or (None, False) once it would take more than `limit` transitions."""
         na, nm, nv = need
-        layer: dict[tuple[int, int], int] = {(0, 0): 0}
-        back: list[dict[tuple[int, int], tuple[tuple[int, int], tuple[int, int, int]]]] = []
-        done = None
-        for d in bound[:-1]:
+        size = nm + 1
+        full = na * size + nm
+        # Each node's choices, capped by its time bounds, without dominated ones.
+        per = []
+        for d in bound:
             uv = ub[d][2]
-            choices = [(a, m, min(v, uv)) for a, m, v in self._choices(d, ub[d][0], ub[d][1])]
-            nxt: dict[tuple[int, int], int] = {}
-            bk: dict[tuple[int, int], tuple[tuple[int, int], tuple[int, int, int]]] = {}
+            ch = {}
+            for a, m, v in self._choices(d, ub[d][0], ub[d][1]):
+                a, m, v = min(a, na), min(m, nm), min(v, uv)
+                k = a * size + m
+                if v > ch.get(k, -1):
+                    ch[k] = v
+            per.append([(k // size, k % size, v) for k, v in _undominated(ch, nm).items()])
+        # What the nodes after position j can add at most, per kind (for pruning).
+        rest = [[0, 0, 0] for _ in range(len(bound) + 1)]
+        for j in range(len(bound) - 1, -1, -1):
+            ma = max(c[0] for c in per[j])
+            mm = max(c[1] for c in per[j])
+            mv = max(c[2] for c in per[j])
+            rest[j] = [rest[j + 1][0] + ma, rest[j + 1][1] + mm, rest[j + 1][2] + mv]
+        ops = 0
+        layer: dict[int, int] = {0: 0}
+        back: list[dict[int, tuple[int, tuple[int, int, int]]]] = []
+        done = None
+        for j in range(len(bound) - 1):
+            choices = per[j]
+            ops += len(layer) * len(choices)
+            if ops > limit:
+                return None, False
+            ra, rm, rv = rest[j + 1]
+            nxt: dict[int, int] = {}
+            bk: dict[int, tuple[int, tuple[int, int, int]]] = {}
             get = nxt.get
-            for (sa, sm), sv in layer.items():
-                for a, m, v in choices:
-                    key = (na if sa + a > na else sa + a, nm if sm + m > nm else sm + m)
+            for key, sv in layer.items():
+                sa, sm = divmod(key, size)
+                for c in choices:
+                    a, m, v = c
+                    ta, tm = sa + a, sm + m
+                    if ta > na:
+                        ta = na
+                    elif ta + ra < na:
+                        continue
+                    if tm > nm:
+                        tm = nm
+                    elif tm + rm < nm:
+                        continue
                     val = sv + v
-                    if val > get(key, -1):
-                        nxt[key] = val
-                        bk[key] = ((sa, sm), (a, m, v))
+                    if val + rv < nv:
+                        continue
+                    k = ta * size + tm
+                    if val > get(k, -1):
+                        nxt[k] = val
+                        bk[k] = (key, c)
             back.append(bk)
-            if nxt.get((na, nm), -1) >= nv:  # the remaining nodes can hold nothing
-                done = (na, nm)
+            if not nxt:
+                return None, True
+            if nxt.get(full, -1) >= nv:  # the remaining nodes can hold nothing
+                done = full
                 break
-            layer = _undominated(nxt, na, nm)
+            layer = _undominated(nxt, nm)
         if done is not None:
             key = done
             out: list[tuple[int, int, int]] = [(0, 0, 0)] * (len(bound) - len(back))
         else:
             last = bound[-1]
             found = None
-            for (sa, sm), sv in layer.items():
+            for key, sv in layer.items():
+                sa, sm = divmod(key, size)
                 a, m = na - sa, nm - sm
                 if a > ub[last][0] or m > ub[last][1]:
                     continue
                 v = self._most_of(last, [a, m, 0], 2, ub[last][2])
                 if v >= 0 and sv + v >= nv:
-                    found = ((sa, sm), (a, m, v))
+                    found = (key, (a, m, v))
                     break
             if found is None:
-                return None
+                return None, True
             key, choice = found
             out = [choice]
         for bk in reversed(back):
             key, choice = bk[key]
             out.append(choice)
-        return out[::-1]
+        return out[::-1], True
 
     def _most_of(self, d: int, w: Sequence[int], i: int, top: int) -> int:
         """Most quanta <= top of kind i node d fits next to the other kinds' counts in w (-1: not
@@ -815,7 +864,7 @@ def _walk(pb: _Problem, lo: Sequence[float], top: Sequence[float], steps: int = 
             if pb.integer(lift(1.0))[0] is None:
                 return None
             lo_t, hi_t = 0.0, 1.0
-            for _ in range(40):
+            for _ in range(14):
                 mid = (lo_t + hi_t) / 2
                 lo_t, hi_t = (lo_t, mid) if pb.integer(lift(mid))[0] is not None else (mid, hi_t)
             tau = lift(hi_t)
@@ -885,9 +934,18 @@ def _segment(pb: _Problem, budget: int) -> tuple[list[list[int]], SearchStats, f
         raise _infeasible(pb, "even with every node at its most, the kinds do not fit the memory together")
     search = _Search(prev, nxt, pb.relaxed, pb.integer, budget,
                      corner=lambda tau: pb.integer(tau, exact_only=True), targets=pb.targets)
-    first = _walk(pb, lo, top)
-    if first is not None:
-        search.offer(first[0], first[1])
+    # The first incumbent: the integer test at the top corner (every node at its most, trimmed
+    # from the slowest down); failing that, a greedy walk up from the separable targets.
+    sol, exact = pb.integer(top)
+    if sol is not None:
+        search.offer(pb.targets(sol), sol)
+    elif exact:
+        raise _infeasible(pb, "no integer split of the quanta fits the memory caps even with every "
+                              "node at its most")
+    else:
+        first = _walk(pb, lo, top)
+        if first is not None:
+            search.offer(first[0], first[1])
     search.run(lo, top)
     if search.best is None:
         sol, _ = pb.integer(top)
@@ -917,7 +975,7 @@ def _polish(pb: _Problem, search: _Search, start: Sequence[float], rounds: int =
         return [max(start[k], kinds[k].prev(start[k] + t * (ref[k] - start[k]))) for k in range(3)]
 
     lo_t, hi_t = 0.0, 1.0
-    for _ in range(30):
+    for _ in range(14):
         mid = (lo_t + hi_t) / 2
         sol, _ = pb.integer(at(mid))
         if sol is not None:
@@ -996,6 +1054,12 @@ class _Cont:
                 s = min(s, room / (m + mt))
             self.smax.append(max(0.0, s))
 
+    def vec(self, tau: float) -> list[float]:
+        """Every node's largest share within tau (-1: not even 0 fits)."""
+        kd = self.kd
+        return [-1.0 if tau < f else 0.0 if tau < c else sm if b == 0 else min(sm, (tau - c) / b)
+                for f, c, b, sm in zip(kd.f, kd.c, kd.b, self.smax)]
+
     def s(self, d: int, tau: float) -> float:
         kd = self.kd
         if tau < kd.f[d]:
@@ -1038,25 +1102,29 @@ def ideal_compute(nodes: Sequence[NodeCost], sizes: Sizes, caps: Sequence[float]
     return _ideal(pb, budget)
 
 
-def _ideal(pb: _Problem, budget: int) -> float:
+def _ideal(pb: _Problem, budget: int, ub: float = math.inf) -> float:
+    """The continuous relaxation's bound; `ub` (a known plan's compute) prunes its search."""
     if pb.short:
         return math.inf
     conts = [_Cont(kd, pb, i) for i, kd in enumerate(pb.kinds)]
     lo = [c.solve() for c in conts]
     if not all(math.isfinite(x) for x in lo):
         return math.inf
+    room = pb.room
 
     def relaxed(tau: Sequence[float]) -> tuple[int, ...] | None:
         ss = []
         for i, c in enumerate(conts):
-            v = [c.s(d, tau[i]) for d in range(pb.n)]
+            v = c.vec(tau[i])
             if min(v) < 0 or sum(v) < 1 - 1e-12:
                 return (i,)
-            ss.append([pb.msmin[i] * x for x in v])
-        for S in _SUBSETS:
+            m = pb.msmin[i]
+            ss.append([m * x for x in v])
+        a, b, c = ss
+        for S, xs in (((0, 1), map(float.__add__, a, b)), ((0, 2), map(float.__add__, a, c)),
+                      ((1, 2), map(float.__add__, b, c)), ((0, 1, 2), map(lambda x, y, z: x + y + z, a, b, c))):
             need = sum(pb.msmin[i] for i in S)
-            have = sum(min(pb.room[d], sum(ss[i][d] for i in S)) for d in range(pb.n))
-            if have < need * (1 - 1e-12):
+            if sum(map(min, room, xs)) < need * (1 - 1e-12):
                 return S
         return None
 
@@ -1069,8 +1137,9 @@ def _ideal(pb: _Problem, budget: int) -> float:
     ident = [lambda x: x] * 3
     up = [lambda x: math.nextafter(x, math.inf)] * 3
     search = _Search(ident, up, relaxed, lambda tau: (True, True), budget, tol=IDEAL_TOL)
+    search.ub = ub - pb.const
     search.run(lo, top)
-    return search.lower + pb.const
+    return min(search.lower + pb.const, ub)
 
 
 def _cont_fits(pb: _Problem, conts: list[_Cont], tau: Sequence[float]) -> bool:
@@ -1175,7 +1244,7 @@ def plan(
                                       f"{kd.total} {NOUN[kd.name]}")
         q, stats, lower = _segment(pb, budget)
         layout = Layout.from_quanta([x[0] for x in q], [x[1] for x in q], [x[2] for x in q], sizes, quanta)
-    ideal = _ideal(pb, budget)
+    ideal = _ideal(pb, IDEAL_BUDGET)  # the same for every strategy
     return _result(strategy, pb, layout, comm_s, ideal, lower, stats)
 
 
