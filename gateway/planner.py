@@ -72,6 +72,7 @@ MiB = 1024 * 1024
 DEFAULT_BUDGET = 1000
 # The exact integer test gives up (for the constructive one) beyond this many transitions.
 EXACT_DP_BUDGET = 300_000
+CORNER_DP_BUDGET = 60_000  # the same at a box's upper corner (pruning only: cheaper to give up)
 _SUBSETS = ((0, 1), (0, 2), (1, 2), (0, 1, 2))
 IDEAL_BUDGET = 400  # box evaluations of the ideal's search (its bound stays valid when cut short)
 IDEAL_TOL = 1e-3  # relative width below which the ideal's search stops splitting a box
@@ -234,26 +235,41 @@ class _Kind:
                     best = v
         return best
 
-    def solve(self) -> float:
-        """Exact min-bottleneck of this kind alone (alone caps): the smallest candidate tau with
-        sum_d u_d(tau) >= W. Assumes sum(lim) >= W."""
+    def solve(self, caps: Sequence[int] | None = None) -> float:
+        """Exact min-bottleneck of this kind alone: the smallest candidate tau with
+        sum_d min(u_d(tau), caps_d) >= W (caps: the alone caps by default; sum(caps) >= W)."""
         W, n = self.W, len(self.f)
-        lo = self.floor
-        clo = self.count(lo)
+        u = self.u
+        if caps is None:
+            def cnt(tau: float) -> int:
+                return sum(u(d, tau) for d in range(n))
+
+            def uc(d: int, tau: float) -> int:
+                return u(d, tau)
+            top = self.top()
+        else:  # the W-th smallest quantum time under these counts, floors ignored (for trimming)
+            def cnt(tau: float) -> int:
+                return sum(max(0, min(u(d, tau), c)) for d, c in enumerate(caps))
+
+            def uc(d: int, tau: float) -> int:
+                return max(0, min(u(d, tau), caps[d]))
+            top = max(self.t(d, c) for d, c in enumerate(caps))
+        lo = self.floor if caps is None else min(self.f)
+        clo = cnt(lo)
         if clo >= W:
             return lo
-        hi = self.top()
-        chi = self.count(hi)
+        hi = top
+        chi = cnt(hi)
         while chi - clo > 2 * n:
             mid = lo + (hi - lo) / 2
             if mid <= lo or mid >= hi:
                 break
-            c = self.count(mid)
+            c = cnt(mid)
             if c >= W:
                 hi, chi = mid, c
             else:
                 lo, clo = mid, c
-        vals = sorted(self.t(d, w) for d in range(n) for w in range(self.u(d, lo) + 1, self.u(d, hi) + 1))
+        vals = sorted(self.t(d, w) for d in range(n) for w in range(uc(d, lo) + 1, uc(d, hi) + 1))
         return vals[W - clo - 1]
 
 
@@ -303,7 +319,7 @@ class _Problem:
         self.msmin = [min(kd.ms) for kd in self.kinds]
         self.room = [self.caps[d] - self.base[d] - self.t0[d] for d in range(self.n)]
         self._ucache: list[dict[float, list[int]]] = [{}, {}, {}]
-        self._chcache: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+        self._vtab: dict[int, list[list[int]]] = {}
         self._icache: dict[tuple, tuple[list[list[int]] | None, bool]] = {}
 
     # -- memory (the same arithmetic as costmodel.predict_memory) --
@@ -413,7 +429,7 @@ class _Problem:
         need = [max(0, x) for x in need]
         if not bound:
             return None, True
-        got, done = self._dp(bound, ub, need, EXACT_DP_BUDGET)
+        got, done = self._dp(bound, ub, need, CORNER_DP_BUDGET if exact_only else EXACT_DP_BUDGET)
         if done:
             if got is None:
                 return None, True
@@ -431,20 +447,25 @@ class _Problem:
 
     def _choices(self, d: int, ua: int, um: int) -> list[tuple[int, int, int]]:
         """(attention, MLP, most vocabulary by memory alone) node d can hold, for counts up to
-        (ua, um); cached per node (targets visited by the search share most of them)."""
-        key = (d, ua, um)
-        got = self._chcache.get(key)
-        if got is None:
-            got = []
-            W = self.kinds[2].W
-            for a in range(ua + 1):
-                for m in range(um + 1):
-                    v = self._most_of(d, [a, m, 0], 2, W)
-                    if v < 0:
-                        break  # more MLP only needs more memory
-                    got.append((a, m, v))
-            self._chcache[key] = got
-        return got
+        (ua, um). The per-node table of the most vocabulary is grown on demand and kept (targets
+        visited by the search ask for overlapping corners of it)."""
+        table = self._vtab.setdefault(d, [])
+        W = self.kinds[2].W
+        out = []
+        for a in range(ua + 1):
+            if a == len(table):
+                table.append([])
+            row = table[a]
+            while len(row) <= um and (not row or row[-1] >= 0):
+                row.append(self._most_of(d, [a, len(row), 0], 2, W))
+            for m in range(min(um, len(row) - 1) + 1):
+                v = row[m]
+                if v < 0:
+                    break  # more MLP only needs more memory
+                out.append((a, m, v))
+            if not row or row[0] < 0:
+                break  # more attention only needs more memory
+        return out
 
     def _dp(self, bound: list[int], ub: list[list[int]], need: list[int], limit: float
             ) -> tuple[list[tuple[int, int, int]] | None, bool]:
@@ -670,18 +691,26 @@ class _Problem:
         return max(0.0, self.caps[d] - self.base[d] - part - temp)
 
     def _trim(self, w: list[list[int]]) -> list[list[int]]:
-        """Hand back each kind's surplus, always from the node currently slowest in it (ties:
-        highest rank): the targets stay met and the rest ends up as balanced as this allows."""
+        """Hand back each kind's surplus, always the slowest quantum first (ties: highest rank):
+        keep each node's quanta up to the kind's min-bottleneck under the current counts, then
+        drop the surplus at that level from the highest ranks. The targets stay met and the rest
+        ends up as balanced as this allows."""
         for i, kd in enumerate(self.kinds):
-            surplus = sum(x[i] for x in w) - kd.W
-            heap = [(-kd.t(d, x[i]), -d) for d, x in enumerate(w) if x[i] > 0]
-            heapq.heapify(heap)
-            for _ in range(surplus):
-                _, nd = heapq.heappop(heap)
-                d = -nd
-                w[d][i] -= 1
-                if w[d][i] > 0:
-                    heapq.heappush(heap, (-kd.t(d, w[d][i]), -d))
+            counts = [x[i] for x in w]
+            if sum(counts) == kd.W:
+                continue
+            level = kd.solve(counts)
+            keep = [max(0, min(kd.u(d, level), c)) for d, c in enumerate(counts)]
+            surplus = sum(keep) - kd.W
+            for d in range(self.n - 1, -1, -1):
+                if surplus <= 0:
+                    break
+                while surplus > 0 and keep[d] > 0 and kd.t(d, keep[d]) == level:
+                    keep[d] -= 1
+                    surplus -= 1
+            assert surplus == 0, "trim: the level's ties do not cover the surplus"
+            for d in range(self.n):
+                w[d][i] = keep[d]
         return w
 
 
