@@ -36,19 +36,26 @@ T_d,k(w)).
    kinds  sum_{k in S} m_k <= sum_d min(R_d, sum_{k in S} m_k*share(u_d,k))  (7 subsets, O(N)).
    Feasibility is monotone in tau, so a best-first branch and bound over boxes of target
    vectors (monotonic optimisation) is exact: a box is dropped when its upper corner fails the
-   test or its lower corner's sum cannot beat the incumbent; a box whose lower corner passes is
-   settled by an integer test at that corner; otherwise the widest side is halved. The integer
-   test is an exact dynamic programme over the memory-bound nodes (state: attention and MLP
-   quanta placed, value: most vocabulary quanta) when that is small, and otherwise a
-   constructive one (nodes that fit all they may take keep it; the bound nodes' share comes from
-   the max-flow, rounded down and repaired) that can only miss solutions, never invent them.
-   A greedy walk up from the separable targets gives the first incumbent.
+   relaxed test, or the exact integer test there (when affordable), or when its lower corner's
+   sum cannot beat the incumbent; a box whose lower corner passes is settled by the integer test
+   at that corner (infeasible: the box without that corner is searched on); otherwise its widest
+   side is halved at a candidate. The integer test is an exact dynamic programme over the
+   memory-bound nodes (nodes that fit all they may take keep it) — state: attention and MLP
+   quanta placed, value: most vocabulary quanta; dominated states and states the remaining nodes
+   cannot complete are dropped; the last node is checked, not enumerated — and, when that would
+   pass `EXACT_DP_BUDGET` transitions, a constructive one (kind by kind from the coarsest, each
+   bound node's share from a max-flow of bytes, rounded and repaired) that can only miss
+   solutions, never invent them. The first incumbent is the integer test at the top corner
+   (every node at its most, trimmed); if that fails, a greedy walk up from the separable targets.
+   Once a constructive test fails at a lower corner, the bound is settled there and `_polish`
+   looks for a better plan above it. Trimming a surplus always drops the slowest quanta first.
    **Lower bound**: the smallest lower-corner sum among boxes still open (none: the optimum),
-   the targets whose integer test was only constructive, and the incumbent; it is at least the
-   separable bound. With the exact test and no box left the plan is proven optimal (`optimal`).
-   The search is deterministic (budgeted in box evaluations, not in seconds).
+   the target vectors whose integer test was only constructive, and the incumbent; it is at least
+   the separable bound. With the exact test throughout and no box left the plan is proven optimal
+   (`optimal`). The search is deterministic (budgeted in box evaluations, not in seconds).
 3. *Ideal.* The same search over continuous shares (no integer test: the relaxation is its own
-   solution), to a 1e-6 relative tolerance: its bound is the ideal compute.
+   solution), to `IDEAL_TOL`: the smallest open box's sum is the ideal compute (a lower bound on
+   the continuous optimum, which it meets when no cap binds: then each kind is balanced alone).
 """
 
 from __future__ import annotations
@@ -469,42 +476,96 @@ class _Problem:
 
     def _dp(self, bound: list[int], ub: list[list[int]], need: list[int], limit: float
             ) -> tuple[list[tuple[int, int, int]] | None, bool]:
-        """Exact: over the bound nodes, state (attention placed, MLP placed) capped at the need,
-        value the most vocabulary placed; dominated states and states the nodes left cannot
-        complete are dropped; back-pointers rebuild the counts. The last node takes exactly what
-        is missing (holding less only leaves it more room), so it is not enumerated. Returns
-        (counts or None, True), or (None, False) once it would take more than `limit` transitions."""
+        """Exact: can the bound nodes hold `need` (attention, MLP, vocabulary quanta) within
+        their time bounds `ub` and their memory? Returns (counts per bound node or None, True),
+        or (None, False) once it would take more than `limit` transitions.
+
+        Nodes whose time bounds allow no attention trade only MLP against vocabulary, and nodes
+        allowed no MLP only attention against vocabulary: each such group is a 1-D programme
+        (quanta placed -> most vocabulary). The other nodes run the 2-D programme (state:
+        attention and MLP placed, capped at the need; value: most vocabulary; dominated states
+        and states the remaining nodes cannot complete are dropped). The groups meet at the end
+        through suffix maxima."""
         na, nm, nv = need
         size = nm + 1
-        full = na * size + nm
-        # Each node's choices, capped by its time bounds, without dominated ones.
-        per = []
+        per: dict[int, list[tuple[int, int, int]]] = {}
         for d in bound:
             uv = ub[d][2]
-            ch = {}
+            ch: dict[int, int] = {}
             for a, m, v in self._choices(d, ub[d][0], ub[d][1]):
                 a, m, v = min(a, na), min(m, nm), min(v, uv)
                 k = a * size + m
                 if v > ch.get(k, -1):
                     ch[k] = v
-            per.append([(k // size, k % size, v) for k, v in _undominated(ch, nm).items()])
-        # What the nodes after position j can add at most, per kind (for pruning).
-        rest = [[0, 0, 0] for _ in range(len(bound) + 1)]
-        for j in range(len(bound) - 1, -1, -1):
-            ma = max(c[0] for c in per[j])
-            mm = max(c[1] for c in per[j])
-            mv = max(c[2] for c in per[j])
-            rest[j] = [rest[j + 1][0] + ma, rest[j + 1][1] + mm, rest[j + 1][2] + mv]
-        ops = 0
+            per[d] = [(k // size, k % size, v) for k, v in _undominated(ch, nm).items()]
+        g_m = [d for d in bound if all(c[0] == 0 for c in per[d])]  # MLP vs vocabulary only
+        g_a = [d for d in bound if d not in g_m and all(c[1] == 0 for c in per[d])]
+        g2 = sorted((d for d in bound if d not in g_m and d not in g_a), key=lambda d: len(per[d]))
+        ops = [0]
+
+        def line(group: list[int], axis: int, cap: int) -> tuple[list[int], list[list[tuple[int, int]]]] | None:
+            """1-D programme along `axis` (0 attention, 1 MLP): best[x] = most vocabulary with x
+            placed (capped), plus per-node back-pointers (x before, the node's count)."""
+            best = [-1] * (cap + 1)
+            best[0] = 0
+            backs = []
+            for d in group:
+                choices = [(c[axis], c[2]) for c in per[d]]
+                ops[0] += (cap + 1) * len(choices)
+                if ops[0] > limit:
+                    return None
+                nxt = [-1] * (cap + 1)
+                bk = [(0, 0)] * (cap + 1)
+                for x, sv in enumerate(best):
+                    if sv < 0:
+                        continue
+                    for q, v in choices:
+                        t = x + q if x + q < cap else cap
+                        if sv + v > nxt[t]:
+                            nxt[t] = sv + v
+                            bk[t] = (x, q)
+                best = nxt
+                backs.append(bk)
+            return best, backs
+
+        lm = line(g_m, 1, nm)
+        la = line(g_a, 0, na)
+        if lm is None or la is None:
+            return None, False
+        best_m, back_m = lm
+        best_a, back_a = la
+        # suffix maxima: the most vocabulary the group holds with at least x quanta placed
+        suf_m, suf_a = list(best_m), list(best_a)
+        for x in range(nm - 1, -1, -1):
+            if suf_m[x + 1] > suf_m[x]:
+                suf_m[x] = suf_m[x + 1]
+        for x in range(na - 1, -1, -1):
+            if suf_a[x + 1] > suf_a[x]:
+                suf_a[x] = suf_a[x + 1]
+
+        def rest_ok(sa: int, sm: int, sv: int) -> bool:
+            ra, rm = suf_a[max(0, na - sa)], suf_m[max(0, nm - sm)]
+            return ra >= 0 and rm >= 0 and sv + ra + rm >= nv
+
+        # What the 2-D nodes after position j, plus both groups, can add at most (for pruning).
+        top_a = max(best_a) if best_a else 0
+        reach_a = max(x for x, v in enumerate(best_a) if v >= 0)
+        reach_m = max(x for x, v in enumerate(best_m) if v >= 0)
+        extra = [[reach_a, reach_m, max(v for v in best_a if v >= 0) + max(v for v in best_m if v >= 0)]
+                 for _ in range(len(g2) + 1)]
+        for j in range(len(g2) - 1, -1, -1):
+            c = per[g2[j]]
+            extra[j] = [extra[j + 1][0] + max(x[0] for x in c), extra[j + 1][1] + max(x[1] for x in c),
+                        extra[j + 1][2] + max(x[2] for x in c)]
+        del top_a
         layer: dict[int, int] = {0: 0}
         back: list[dict[int, tuple[int, tuple[int, int, int]]]] = []
-        done = None
-        for j in range(len(bound) - 1):
-            choices = per[j]
-            ops += len(layer) * len(choices)
-            if ops > limit:
+        for j, d in enumerate(g2):
+            choices = per[d]
+            ops[0] += len(layer) * len(choices)
+            if ops[0] > limit:
                 return None, False
-            ra, rm, rv = rest[j + 1]
+            ra, rm, rv = extra[j + 1]
             nxt: dict[int, int] = {}
             bk: dict[int, tuple[int, tuple[int, int, int]]] = {}
             get = nxt.get
@@ -531,33 +592,32 @@ class _Problem:
             back.append(bk)
             if not nxt:
                 return None, True
-            if nxt.get(full, -1) >= nv:  # the remaining nodes can hold nothing
-                done = full
-                break
             layer = _undominated(nxt, nm)
-        if done is not None:
-            key = done
-            out: list[tuple[int, int, int]] = [(0, 0, 0)] * (len(bound) - len(back))
-        else:
-            last = bound[-1]
-            found = None
-            for key, sv in layer.items():
-                sa, sm = divmod(key, size)
-                a, m = na - sa, nm - sm
-                if a > ub[last][0] or m > ub[last][1]:
-                    continue
-                v = self._most_of(last, [a, m, 0], 2, ub[last][2])
-                if v >= 0 and sv + v >= nv:
-                    found = (key, (a, m, v))
-                    break
-            if found is None:
-                return None, True
-            key, choice = found
-            out = [choice]
-        for bk in reversed(back):
+        found = None
+        for key, sv in layer.items():
+            sa, sm = divmod(key, size)
+            if rest_ok(sa, sm, sv):
+                found = key
+                break
+        if found is None:
+            return None, True
+        counts: dict[int, tuple[int, int, int]] = {}
+        key = found
+        for d, bk in zip(reversed(g2), reversed(back)):
             key, choice = bk[key]
-            out.append(choice)
-        return out[::-1], True
+            counts[d] = choice
+        sa, sm = divmod(found, size)
+        v2 = layer[found]
+        # the groups' targets: at least what is missing, the one with the most vocabulary
+        xa = max(range(max(0, na - sa), na + 1), key=lambda x: (best_a[x], -x))
+        xm = max(range(max(0, nm - sm), nm + 1), key=lambda x: (best_m[x], -x))
+        assert v2 + best_a[xa] + best_m[xm] >= nv
+        for group, backs, x, axis in ((g_a, back_a, xa, 0), (g_m, back_m, xm, 1)):
+            for d, bk in zip(reversed(group), reversed(backs)):
+                x, q = bk[x]
+                c = next(c for c in per[d] if c[axis] == q)
+                counts[d] = c
+        return [counts[d] for d in bound], True
 
     def _most_of(self, d: int, w: Sequence[int], i: int, top: int) -> int:
         """Most quanta <= top of kind i node d fits next to the other kinds' counts in w (-1: not
