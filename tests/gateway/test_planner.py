@@ -278,3 +278,23 @@ SZ = Sizes(attn=4, mlp=64, vocab=64)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan(**kwargs)
+
+
+@pytest.mark.parametrize("n, seed", [(3, 1), (5, 2), (16, 0)])
+def test_binding_caps_at_model_scale_are_planned_within_half_a_percent(n, seed):
+    """GPT-2-Medium-sized kinds (16 heads, 128 MLP quanta, 1563 vocabulary quanta), memory about
+    each node's fair share with the fast nodes the tightest (bench/plan_speed's instances)."""
+    from xronos.bench.plan_speed import tight_reports
+    from xronos.gateway.costmodel import node_cost
+    from xronos.gateway.profiles import memory_cap, node_profile
+
+    reports = tight_reports(n, seed)
+    nodes = [node_cost(node_profile(r)) for r in reports]
+    caps = [memory_cap(r) for r in reports]
+    res = plan(nodes, reports[0].sizes, "segment", caps)
+    assert res.search.coupled and res.feasible
+    assert res.search.separable_s <= res.lower_bound_s <= res.search.objective_s
+    assert res.gap <= 0.005
+    assert res.ideal_compute_s <= res.lower_bound_s
+    paper = plan(nodes, reports[0].sizes, "paper", caps)
+    assert paper.bottleneck_s >= res.bottleneck_s
