@@ -212,10 +212,6 @@ class _Kind:
             w -= 1
         return w
 
-    def count(self, tau: float) -> int:
-        u = self.u
-        return sum(u(d, tau) for d in range(len(self.f)))
-
     def top(self) -> float:
         """The largest candidate: every node at its alone cap."""
         return max(self.t(d, l) for d, l in enumerate(self.lim))
@@ -548,7 +544,6 @@ class _Problem:
             return ra >= 0 and rm >= 0 and sv + ra + rm >= nv
 
         # What the 2-D nodes after position j, plus both groups, can add at most (for pruning).
-        top_a = max(best_a) if best_a else 0
         reach_a = max(x for x, v in enumerate(best_a) if v >= 0)
         reach_m = max(x for x, v in enumerate(best_m) if v >= 0)
         extra = [[reach_a, reach_m, max(v for v in best_a if v >= 0) + max(v for v in best_m if v >= 0)]
@@ -557,7 +552,6 @@ class _Problem:
             c = per[g2[j]]
             extra[j] = [extra[j + 1][0] + max(x[0] for x in c), extra[j + 1][1] + max(x[1] for x in c),
                         extra[j + 1][2] + max(x[2] for x in c)]
-        del top_a
         layer: dict[int, int] = {0: 0}
         back: list[dict[int, tuple[int, tuple[int, int, int]]]] = []
         for j, d in enumerate(g2):
@@ -1068,7 +1062,7 @@ def _polish(pb: _Problem, search: _Search, start: Sequence[float], rounds: int =
         mid = (lo_t + hi_t) / 2
         sol, _ = pb.integer(at(mid))
         if sol is not None:
-            search.offer(at(mid), sol)
+            search.offer(pb.targets(sol), sol)
             hi_t = mid
         else:
             lo_t = mid
@@ -1083,14 +1077,12 @@ def _polish(pb: _Problem, search: _Search, start: Sequence[float], rounds: int =
             def ok(v: float, k: int = k) -> bool:
                 return pb.integer(_with(tau, k, v))[0] is not None
 
-            v = tau[k] if ok(low) is False else low
-            if v > low:
-                v = _bisect_up(ok, low, tau[k], kinds[k].prev, kinds[k].next_above)
+            v = low if ok(low) else _bisect_up(ok, low, tau[k], kinds[k].prev, kinds[k].next_above)
             if v < tau[k]:
-                tau[k] = v
-                sol, _ = pb.integer(tau)
+                sol, _ = pb.integer(_with(tau, k, v))
                 if sol is not None:
-                    search.offer(tau, sol)
+                    tau[k] = v
+                    search.offer(pb.targets(sol), sol)
                     moved = True
         if not moved:
             break
