@@ -5,6 +5,8 @@ partitioned tensor to the owner, which writes
   <dir>/model.safetensors + config.json    the weights (a loadable HF directory, like the export)
   <dir>/optimizer.safetensors              "exp_avg.<hf name>", "exp_avg_sq.<hf name>"
   <dir>/state.json                         step, epoch, seed, plan version and layout, ...
+                                           (layout: {"attn": [...], "mlp": [...], "vocab": [...]},
+                                           the protocol Layout it was saved under: `saved_layout`)
 into a fresh directory that then replaces the previous checkpoint by rename. Because everything is
 stored unsharded, a resume may use a different plan: the owner serves each rank its new slices of
 weights *and* optimizer moments through the same spec table (`CheckpointSource` + streaming).
@@ -28,6 +30,7 @@ from xronos.node.models.loading import MissingTensorError, SafetensorsSource, Sh
 from xronos.node.models.specs import TensorSpec
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
+from xronos.protocol.layout import Layout, LayoutError, Sizes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -84,6 +87,30 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, Any] | None:
                 raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {FORMAT}")
             return {**meta, "dir": str(d)}
     return None
+
+
+def saved_layout(meta: dict[str, Any]) -> Layout | None:
+    """The per-segment layout a checkpoint was saved under (None if its state.json has none)."""
+    raw = meta.get("layout")
+    if raw is None:
+        return None
+    try:
+        return Layout.model_validate(raw)
+    except ValueError as exc:
+        raise ValueError(f"{meta.get('dir')}/{STATE_FILE}: layout {raw!r} is not a layout: {exc}") from None
+
+
+def check_saved_layout(meta: dict[str, Any], sizes: Sizes) -> None:
+    """A checkpoint's layout must cover this model's sizes (else it was saved for another model).
+    Resuming under another layout is fine: the checkpoint is stored unsharded."""
+    old = saved_layout(meta)
+    if old is None:
+        return
+    try:
+        old.check(sizes, quanta=None)
+    except LayoutError as exc:
+        raise ValueError(f"checkpoint in {meta.get('dir')} was saved under layout {old.describe()}, which does "
+                         f"not fit this model ({sizes.describe()}): {exc}") from None
 
 
 class CheckpointSource:

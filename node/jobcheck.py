@@ -5,6 +5,7 @@ first. Then the same pre-flight checks `xronos run` does before spawning ranks: 
 a supported family, the sequence fits its positions, the checkpoint holds every tensor in the
 right shape, the tokenizer loads, the data file has the columns and integer labels. The answer
 carries the architecture (for profiling on other nodes), H and the number of steps.
+`assignment_problem` is every node's check of an Assignment's layout before it starts a rank.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from xronos.protocol.messages import JobSpec
+from xronos.protocol.layout import KINDS, NOUN, QUANTA, Layout, LayoutError
+from xronos.protocol.messages import Assignment, JobSpec
 from xronos.protocol.paths import confine_path
 
 
@@ -59,3 +61,51 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path]) -> dict[str, 
     n_train, n_eval = check_data(run, num_labels(config) if spec.task == "classify" else None)
     return {"arch": arch_spec(config, spec.task), "train_rows": n_train, "eval_rows": n_eval,
             "total_steps": total_steps(s, n_train)}
+
+
+def check_layout_cuts(layout: Layout, quanta: dict[str, int] = QUANTA) -> None:
+    """What can be checked of a layout without the model: every cut between ranks falls on the
+    kind's quantum, except at the end of the kind (the counts' sum). LayoutError naming the kind."""
+    for k in KINDS:
+        counts, cut = layout.counts(k), 0
+        total = sum(counts)
+        if total == 0:
+            raise LayoutError(f"{k}: counts {list(counts)} assign no {NOUN[k]} at all")
+        for r, c in enumerate(counts[:-1]):
+            cut += c
+            if cut % quanta[k] and cut != total:
+                raise LayoutError(f"{k}: the cut after rank {r} falls at {cut}, not a multiple of the "
+                                  f"{NOUN[k]} quantum {quanta[k]} (only the last holder of a kind may "
+                                  f"hold a remainder)")
+
+
+def assignment_problem(a: Assignment, spec: dict[str, Any]) -> str | None:
+    """Why a node must refuse Assignment `a`'s layout before starting its rank, or None.
+
+    Every node checks what it can without the model: one count per rank of the world, every kind
+    cut on its quantum. The owner (rank 0), which has the model (`spec` holds its confined
+    paths), also checks that each kind's counts sum to the model's size — so a job whose plan does
+    not fit its model is refused by its owner and never starts. (A model the owner cannot read is
+    not a layout problem: the gateway's inspection refuses it, and a rank reports it.)"""
+    layout = a.layout
+    try:
+        if layout.world_size != a.world_size:
+            raise LayoutError(f"layout has {layout.world_size} ranks but the world has {a.world_size}")
+        check_layout_cuts(layout)
+        sizes = _model_sizes(spec["model_dir"]) if a.rank == 0 else None
+        if sizes is not None:
+            layout.check(sizes, world_size=a.world_size)
+    except LayoutError as exc:
+        return f"layout {layout.to_text()}: {exc}"
+    return None
+
+
+def _model_sizes(model_dir: str):
+    from xronos.node.models.registry import family_for
+    from xronos.node.validate import read_config
+
+    try:
+        config = read_config(model_dir)
+        return family_for(config).sizes(config)
+    except (OSError, ValueError):
+        return None

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
-from xronos.node.checkpoint import CheckpointSource, load_moments, read_meta, save_checkpoint
+from xronos.node.checkpoint import CheckpointSource, check_saved_layout, load_moments, read_meta, save_checkpoint
 from xronos.node.data import BatchSource, batch_order
 from xronos.node.jobcheck import total_steps
 from xronos.node.metrics import Rusage
@@ -108,8 +107,7 @@ class Control:
         broadcast is untimed: it is not part of the training step."""
         while True:
             flag = torch.tensor([self.code if group.rank == 0 else GO], dtype=torch.int64)
-            if group.world_size > 1:
-                dist.broadcast(flag, src=0, group=group.pg)
+            group.broadcast(flag, src=0, timed=False)
             code = int(flag)
             if code == PAUSE:
                 if not self.paused:
@@ -155,6 +153,8 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
         raise ValueError(f"no checkpoint at step {k} in {job.checkpoint_dir} (found {resume and resume['step']})")
     config = share_json(group, read_config(cfg.model_dir) if owner else None)
     family = family_for(config)
+    if resume is not None:  # saved under any layout of this model; resumed under cfg.layout
+        check_saved_layout(resume, family.sizes(config))
     source = None
     header = torch.zeros(4, dtype=torch.long)
     if owner:
@@ -202,6 +202,8 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
         rec = train_step(model, opt, sched, group, cfg, replicated, batches, step, rusage)
         # The epoch from the step, not the batch: after a resume only the owner's order knows it.
         events.emit("metrics", step=step + 1, epoch=step // per_epoch, loss=rec.loss, compute_s=rec.compute_s,
+                    compute_attn_s=rec.compute_attn_s, compute_mlp_s=rec.compute_mlp_s,
+                    compute_vocab_s=rec.compute_vocab_s, compute_rest_s=rec.compute_rest_s,
                     comm_s=rec.comm_s, idle_s=rec.idle_s, iteration_s=rec.iteration_s,
                     voluntary_ctx_switches=rec.voluntary_ctx_switches,
                     involuntary_ctx_switches=rec.involuntary_ctx_switches, peak_rss=rec.peak_rss)

@@ -4,6 +4,11 @@ At a synchronisation point every rank leaves the collective at (about) the same 
 fastest rank's time inside it is the pure communication cost and anything a rank spent beyond that
 was waiting for a straggler: idle = own - min over ranks, comm = min over ranks (summed over the
 iteration's collectives).
+
+Compute is split by segment kind from the rank's timeline (`TPGroup` spans, `segment_compute`):
+the time before a collective or mark tagged attn / mlp / vocab is that kind's compute; everything
+else (the replicated head and final norm, clipping, the optimizer step, rank 0's batch encoding)
+is `rest`. The four always sum to `compute_s`.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ import resource
 import sys
 from dataclasses import asdict, dataclass, fields
 
+from collections.abc import Sequence
+
 import torch
 
-from xronos.protocol.layout import Layout
+from xronos.protocol.layout import KINDS, Layout
 
 # ru_maxrss is KiB on Linux, bytes on macOS.
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024
@@ -29,6 +36,24 @@ def comm_and_idle(per_rank: torch.Tensor, rank: int) -> tuple[float, float]:
     comm = float(fastest.sum())
     idle = float((per_rank[rank] - fastest).sum())
     return comm, idle
+
+
+SEGMENTS = (*KINDS, "rest")  # the per-kind compute fields: compute_<segment>_s
+
+
+def segment_compute(spans: Sequence, start: float, end: float) -> dict[str, float]:
+    """Seconds of compute per segment in [start, end] from a rank's time-ordered spans (`TPGroup`:
+    .tag, .start, .seconds): the gap before each span goes to its tag if that is a segment kind,
+    else to "rest", as does the gap after the last one."""
+    out = dict.fromkeys(SEGMENTS, 0.0)
+    at = start
+    for s in spans:
+        if s.start < start:  # left over from before the iteration
+            continue
+        out[s.tag if s.tag in KINDS else "rest"] += max(s.start - at, 0.0)
+        at = max(at, s.start + s.seconds)
+    out["rest"] += max(end - at, 0.0)
+    return out
 
 
 class Rusage:
@@ -65,6 +90,11 @@ class IterationRecord:
     voluntary_ctx_switches: int
     involuntary_ctx_switches: int
     peak_rss: int
+    # compute_s split by segment kind (they sum to compute_s; see segment_compute)
+    compute_attn_s: float = 0.0
+    compute_mlp_s: float = 0.0
+    compute_vocab_s: float = 0.0
+    compute_rest_s: float = 0.0
 
     def as_row(self) -> list[float]:
         return [float(v) for v in asdict(self).values()]
@@ -91,6 +121,10 @@ class RankSummary:
     voluntary_ctx_switches: int  # totals over all iterations
     involuntary_ctx_switches: int
     peak_rss: int
+    compute_attn_s: float = 0.0  # mean compute per iteration by segment kind (sum = compute_s)
+    compute_mlp_s: float = 0.0
+    compute_vocab_s: float = 0.0
+    compute_rest_s: float = 0.0
 
 
 def summarize(rank: int, layout: Layout, records: list[IterationRecord]) -> RankSummary:
@@ -116,17 +150,20 @@ def summarize(rank: int, layout: Layout, records: list[IterationRecord]) -> Rank
         voluntary_ctx_switches=sum(r.voluntary_ctx_switches for r in records),
         involuntary_ctx_switches=sum(r.involuntary_ctx_switches for r in records),
         peak_rss=max(r.peak_rss for r in records),
+        **{f"compute_{k}_s": mean(f"compute_{k}_s") for k in SEGMENTS},
     )
 
 
 def format_table(summaries: list[RankSummary]) -> str:
-    head = f"{'rank':>4} {'attn':>4} {'mlp':>6} {'vocab':>6} {'iter s':>8} {'compute s':>9} {'comm s':>8} " \
+    head = f"{'rank':>4} {'attn':>4} {'mlp':>6} {'vocab':>6} {'iter s':>8} {'compute s':>9} " \
+        f"{'attn s':>8} {'mlp s':>8} {'vocab s':>8} {'rest s':>8} {'comm s':>8} " \
         f"{'idle s':>8} {'idle %':>6} {'data s':>8} {'ctx vol/inv':>13} {'peak RSS':>10}"
     lines = [head]
     for s in summaries:
         ctx = f"{s.voluntary_ctx_switches}/{s.involuntary_ctx_switches}"
         lines.append(
             f"{s.rank:>4} {s.attn:>4} {s.mlp:>6} {s.vocab:>6} {s.iteration_s:>8.4f} {s.compute_s:>9.4f} "
+            f"{s.compute_attn_s:>8.4f} {s.compute_mlp_s:>8.4f} {s.compute_vocab_s:>8.4f} {s.compute_rest_s:>8.4f} "
             f"{s.comm_s:>8.4f} {s.idle_s:>8.4f} {100 * s.idle_ratio:>6.1f} {s.data_s:>8.4f} "
             f"{ctx:>13} {s.peak_rss / 2**20:>8.1f}Mi"
         )

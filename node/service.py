@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 
 from xronos.node.config import NodeConfig, detect_data_host
+from xronos.node.jobcheck import assignment_problem
 from xronos.protocol import hastate, sdnotify
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import Dispatcher
@@ -247,7 +248,7 @@ class NodeService:
                     return f"rendezvous port {a.rendezvous_port} is not free: {exc.strerror}"
         else:
             self.spec = a.spec.model_dump(mode="json")
-        return None
+        return assignment_problem(a, self.spec)  # the layout: refused before any rank starts
 
     def _on_control(self, c: Any, _params: dict[str, str]) -> None:
         a = self.assignment

@@ -3,7 +3,8 @@
 Rank 0 owns the data: it tokenises each batch and broadcasts the tensors (booked as data time,
 not as TP communication). Every rank then runs its shard of the model; the engine's collectives
 go through the `TPGroup`, whose timings are drained each iteration and compared across ranks
-(one untimed all_gather) to split idle time from communication.
+(one untimed all_gather) to split idle time from communication, and whose tagged timeline splits
+the compute by segment kind (`metrics.segment_compute`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from xronos.node.data import Batch, BatchSource, eval_row_groups
-from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle
+from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, segment_compute
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.common import num_labels
 from xronos.node.models.loading import SafetensorsSource, materialize
@@ -88,9 +88,10 @@ class BatchChannel:
                 torch.empty(shape_lbl, dtype=torch.long),
                 torch.empty(rows, S, dtype=torch.long) if self.token_types else None,
             )
-        for t in (batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids):
-            if t is not None:
-                self.group.broadcast(t, src=0)
+        with self.group.segment("data"):
+            for t in (batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids):
+                if t is not None:
+                    self.group.broadcast(t, src=0)
         return batch
 
     def train(self, n_train: int) -> Iterator[tuple[int, Batch]]:
@@ -138,9 +139,7 @@ def _exchange_timings(own: list[float], group: TPGroup) -> torch.Tensor:
     mine = torch.tensor(own, dtype=torch.float64)
     if group.world_size == 1 or not own:
         return mine.unsqueeze(0)
-    parts = [torch.empty_like(mine) for _ in range(group.world_size)]
-    dist.all_gather(parts, mine, group=group.pg)
-    return torch.stack(parts)
+    return torch.stack(group.all_gather(mine, timed=False))
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
@@ -148,26 +147,34 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
                step: int, rusage: Rusage) -> IterationRecord:
     """One training iteration on this rank and its measurements — the step `xronos run` and a
     job's rank process (`xronos.node.jobproc`) both take, so both train the same model."""
+    group.drain_timings()  # whatever ran since the last step (evaluation, checkpoint) is not this step's
+    group.drain_spans()
     t0 = time.perf_counter()
     epoch, batch = next(batches)
-    data_s = sum(s for _, s in group.drain_timings())
     loss = model(batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids)
     loss.backward()
     if cfg.max_grad_norm is not None:
-        clip_global_grad_norm(model, replicated, cfg.max_grad_norm, group)
+        with group.segment("rest"):
+            clip_global_grad_norm(model, replicated, cfg.max_grad_norm, group)
     lr = opt.param_groups[0]["lr"]
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
     loss_v = float(loss.detach())
-    iteration_s = time.perf_counter() - t0
-    own = [s for _, s in group.drain_timings()]
+    t1 = time.perf_counter()
+    iteration_s = t1 - t0
+    group.drain_timings()
+    spans = group.drain_spans()
+    data_s = sum(s.seconds for s in spans if s.tag == "data")
+    own = [s.seconds for s in spans if s.tag != "data" and s.name != "mark"]
     comm_s, idle_s = comm_and_idle(_exchange_timings(own, group), cfg.rank)
+    per_kind = segment_compute(spans, t0, t1)  # sums to iteration_s - data_s - sum(own)
     vol, invol = rusage.delta()
     return IterationRecord(
         step=step, epoch=epoch, loss=loss_v, lr=lr, iteration_s=iteration_s,
-        compute_s=max(iteration_s - data_s - sum(own), 0.0), comm_s=comm_s, idle_s=idle_s, data_s=data_s,
+        compute_s=sum(per_kind.values()), comm_s=comm_s, idle_s=idle_s, data_s=data_s,
         voluntary_ctx_switches=vol, involuntary_ctx_switches=invol, peak_rss=Rusage.peak_rss(),
+        **{f"compute_{k}_s": v for k, v in per_kind.items()},
     )
 
 

@@ -25,7 +25,7 @@ from xronos.node.trainer import RankResult, run_rank
 
 def join(cfg: RunConfig) -> TPGroup:
     if cfg.world_size == 1:
-        return TPGroup.single()
+        return TPGroup.single(trace=True)  # traced: a lone rank still splits its compute by kind
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{cfg.rendezvous_host}:{cfg.rendezvous_port}",
@@ -50,8 +50,7 @@ def gather_records(records: list[IterationRecord], group: TPGroup) -> list[list[
     mine = torch.tensor([r.as_row() for r in records], dtype=torch.float64)
     if group.world_size == 1:
         return [records]
-    parts = [torch.empty_like(mine) for _ in range(group.world_size)]
-    dist.all_gather(parts, mine, group=group.pg)
+    parts = group.all_gather(mine, timed=False)  # reporting, not training
     return [[IterationRecord.from_row(row) for row in p.tolist()] for p in parts]
 
 

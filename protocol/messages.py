@@ -280,6 +280,11 @@ class IterationMetrics(Message):
     voluntary_ctx_switches: NonNegInt
     involuntary_ctx_switches: NonNegInt
     peak_rss: NonNegInt
+    # compute_s split by segment kind (attention, MLP, vocabulary, the rest); they sum to compute_s
+    compute_attn_s: NonNegFloat | None = None
+    compute_mlp_s: NonNegFloat | None = None
+    compute_vocab_s: NonNegFloat | None = None
+    compute_rest_s: NonNegFloat | None = None
 
 
 class JobState(Message):

@@ -59,12 +59,12 @@ class SelfAttention(nn.Module):
         self.query = ColumnParallelLinear(d.hidden, width)
         self.key = ColumnParallelLinear(d.hidden, width)
         self.value = ColumnParallelLinear(d.hidden, width)
-        self.out = RowParallelLinear(width, d.hidden, group)
+        self.out = RowParallelLinear(width, d.hidden, group, kind="attn")
         self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, S, _ = x.shape  # x [B, S, hidden], replicated
-        x = copy_to_tp(x, self.group)
+        x = copy_to_tp(x, self.group, "attn")
         q, k, v = (lin(x).view(B, S, self.n_local, self.head_dim).transpose(1, 2)
                    for lin in (self.query, self.key, self.value))  # [B, h, S, hd]
         y = attend(q, k, v, mask, self.head_dim ** -0.5, self.attn_dropout, causal=False)  # [B, S, h*hd]
@@ -77,10 +77,10 @@ class MLP(nn.Module):
         c0, c1 = layout.range("mlp")
         self.group, self.act = group, d.act
         self.up = ColumnParallelLinear(d.hidden, c1 - c0)
-        self.down = RowParallelLinear(c1 - c0, d.hidden, group)
+        self.down = RowParallelLinear(c1 - c0, d.hidden, group, kind="mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
-        return self.down(self.act(self.up(copy_to_tp(x, self.group))))
+        return self.down(self.act(self.up(copy_to_tp(x, self.group, "mlp"))))
 
 
 class Layer(nn.Module):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import vocab_parallel_cross_entropy
 from xronos.node.tp.layout import ShardLayout
-from xronos.node.tp.mappings import copy_to_tp
+from xronos.node.tp.mappings import boundary, copy_to_tp
 from xronos.protocol.layout import Sizes
 
 from .specs import TensorSpec
@@ -182,6 +182,8 @@ class TPModel(nn.Module):
         [B, S, vocab_stop - vocab_start] (see `vocab_range`)."""
         attention_mask = self._inputs(input_ids, attention_mask)
         h = self.hidden_states(input_ids, attention_mask, token_type_ids)
+        # The replicated head's time (and the final norm's) is its own segment, "rest".
+        h = boundary(h, self.group, fwd="rest", bwd="rest")
         return self.classify_head(h, input_ids) if self.task == "classify" else self.lm_logits(h)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -226,7 +228,7 @@ def last_token_pool(h: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int 
 
 def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """Vocab-parallel logits: replicated h [B, S, hidden] x local rows [V_local, hidden]."""
-    return F.linear(copy_to_tp(h, group), weight)  # [B, S, V_local]
+    return F.linear(copy_to_tp(h, group, "vocab"), weight)  # [B, S, V_local]
 
 
 def init_std(config: dict[str, Any]) -> float:

@@ -56,7 +56,7 @@ class Attention(nn.Module):
         self.group, self.head_dim, self.n_local = group, d.head_dim, h1 - h0
         self.width = self.n_local * d.head_dim
         self.c_attn = ColumnParallelLinear(d.hidden, 3 * self.width, transposed=True)
-        self.c_proj = RowParallelLinear(self.width, d.hidden, group, transposed=True)
+        self.c_proj = RowParallelLinear(self.width, d.hidden, group, transposed=True, kind="attn")
         self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
         self.resid_dropout = Dropout(d.resid_p, streams)
         self.scale = d.head_dim ** -0.5 if d.scale_weights else 1.0
@@ -65,7 +65,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, S, _ = x.shape  # x [B, S, hidden], replicated
-        q, k, v = self.c_attn(copy_to_tp(x, self.group)).split([self.width] * 3, dim=2)  # [B, S, h*hd]
+        q, k, v = self.c_attn(copy_to_tp(x, self.group, "attn")).split([self.width] * 3, dim=2)  # [B, S, h*hd]
         q, k, v = (t.view(B, S, self.n_local, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, h, S, hd]
         y = attend(q, k, v, mask, self.scale, self.attn_dropout, causal=True)  # [B, S, h*hd]
         return self.resid_dropout(self.c_proj(y))  # [B, S, hidden], summed over ranks
@@ -77,11 +77,11 @@ class MLP(nn.Module):
         c0, c1 = layout.range("mlp")
         self.group, self.act = group, d.act
         self.c_fc = ColumnParallelLinear(d.hidden, c1 - c0, transposed=True)
-        self.c_proj = RowParallelLinear(c1 - c0, d.hidden, group, transposed=True)
+        self.c_proj = RowParallelLinear(c1 - c0, d.hidden, group, transposed=True, kind="mlp")
         self.dropout = Dropout(d.resid_p, streams)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
-        x = self.act(self.c_fc(copy_to_tp(x, self.group)))  # [B, S, inner_local]
+        x = self.act(self.c_fc(copy_to_tp(x, self.group, "mlp")))  # [B, S, inner_local]
         return self.dropout(self.c_proj(x))  # [B, S, hidden]
 
 

@@ -94,14 +94,14 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(d.hidden, self.n_q * d.head_dim, bias=d.attn_bias)
         self.k_proj = ColumnParallelLinear(d.hidden, self.n_kv * d.head_dim, bias=d.attn_bias)
         self.v_proj = ColumnParallelLinear(d.hidden, self.n_kv * d.head_dim, bias=d.attn_bias)
-        self.o_proj = RowParallelLinear(self.n_q * d.head_dim, d.hidden, group, bias=d.attn_bias)
+        self.o_proj = RowParallelLinear(self.n_q * d.head_dim, d.hidden, group, bias=d.attn_bias, kind="attn")
         self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape  # [B, S, hidden], replicated
         hd = self.d.head_dim
-        x = copy_to_tp(x, self.group)
+        x = copy_to_tp(x, self.group, "attn")
         q = self.q_proj(x).view(B, S, self.n_q, hd).transpose(1, 2)  # [B, n_rep*kv, S, hd]
         k = self.k_proj(x).view(B, S, self.n_kv, hd).transpose(1, 2)  # [B, kv, S, hd]
         v = self.v_proj(x).view(B, S, self.n_kv, hd).transpose(1, 2)
@@ -117,10 +117,10 @@ class MLP(nn.Module):
         self.group, self.act = group, d.act
         self.gate_proj = ColumnParallelLinear(d.hidden, c1 - c0, bias=d.mlp_bias)
         self.up_proj = ColumnParallelLinear(d.hidden, c1 - c0, bias=d.mlp_bias)
-        self.down_proj = RowParallelLinear(c1 - c0, d.hidden, group, bias=d.mlp_bias)
+        self.down_proj = RowParallelLinear(c1 - c0, d.hidden, group, bias=d.mlp_bias, kind="mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
-        x = copy_to_tp(x, self.group)
+        x = copy_to_tp(x, self.group, "mlp")
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -4,6 +4,8 @@ A rank with 0 units holds [0, in] / [out, 0] weights: its matmuls produce empty 
 outputs but it still joins every all-reduce, so the collectives line up on all ranks.
 Weights are [out, in] like nn.Linear, or [in, out] with `transposed=True` (GPT-2's Conv1D), so a
 local weight is always a plain slice of the checkpoint tensor.
+Every collective is tagged with its segment kind (`kind=` of RowParallelLinear; "vocab" for the
+vocabulary-parallel embedding and cross-entropy), which books the compute before it (`TPGroup`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 
 from .group import TPGroup
 from .layout import ShardLayout
-from .mappings import reduce_from_tp
+from .mappings import boundary, reduce_from_tp
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool):
@@ -44,17 +46,17 @@ class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local W_local^T) + b, split on input features; bias added once."""
 
     def __init__(self, local_in: int, out_features: int, group: TPGroup, *, bias: bool = True,
-                 transposed: bool = False) -> None:
+                 transposed: bool = False, kind: str | None = None) -> None:
         super().__init__()
         self.local_in, self.out_features, self.transposed = local_in, out_features, transposed
-        self.group = group
+        self.group, self.kind = group, kind
         shape = (local_in, out_features) if transposed else (out_features, local_in)
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., local_in] -> [..., out]
         # An empty inner dimension gives exact zeros, so a 0-unit rank adds nothing.
-        y = reduce_from_tp(_linear(x, self.weight, None, self.transposed), self.group)
+        y = reduce_from_tp(_linear(x, self.weight, None, self.transposed), self.group, self.kind)
         return y if self.bias is None else y + self.bias
 
 
@@ -75,17 +77,19 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B, S, dim]
         inside = (ids >= self.vocab_start) & (ids < self.vocab_stop)
+        # The weight's gradient is the last vocabulary work of the backward pass: mark it.
+        weight = boundary(self.weight, self.group, bwd="vocab")
         if self.vocab_start == 0 and self.vocab_stop == self.vocab_size:  # the whole vocabulary
-            out = F.embedding(ids, self.weight, padding_idx=self.local_padding_idx)
+            out = F.embedding(ids, weight, padding_idx=self.local_padding_idx)
         elif self.weight.shape[0] == 0:
             # Adding the empty weight's sum (0) keeps it in the graph: it gets an (empty) gradient
             # like every other parameter, so optimizers and gather_full see no special case.
-            out = self.weight.new_zeros(*ids.shape, self.dim) + self.weight.sum()
+            out = weight.new_zeros(*ids.shape, self.dim) + weight.sum()
         else:
             local_ids = torch.where(inside, ids - self.vocab_start, 0)
-            out = F.embedding(local_ids, self.weight, padding_idx=self.local_padding_idx)
+            out = F.embedding(local_ids, weight, padding_idx=self.local_padding_idx)
             out = out.masked_fill(~inside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.group)
+        return reduce_from_tp(out, self.group, "vocab")
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -145,7 +149,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
         raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(local_logits.shape)}")
     flat_t = targets.reshape(-1)
     flat_logits = local_logits.reshape(flat_t.shape[0], local_logits.shape[-1])  # V_local may be 0
-    per_token = _VocabParallelCE.apply(flat_logits.float(), flat_t, vocab_start, group, ignore_index)
+    with group.segment("vocab"):
+        per_token = _VocabParallelCE.apply(flat_logits.float(), flat_t, vocab_start, group, ignore_index)
     if reduction == "none":
         return per_token.view(targets.shape)
     if reduction == "sum":

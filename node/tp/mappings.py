@@ -4,6 +4,10 @@
 gradient that flows back is the sum of all ranks' partial gradients (one all-reduce in backward).
 `reduce_from_tp` leaves it: the row shards' partial outputs are summed (one all-reduce in forward);
 the summed output is replicated, so its gradient already is each rank's gradient.
+
+Each takes the segment kind of its region ("attn", "mlp", "vocab"): its all-reduce is tagged with
+it, so the time before it is booked as that kind's compute (`TPGroup`). `boundary` marks where a
+segment ends without a collective, in forward and/or backward.
 """
 
 from __future__ import annotations
@@ -15,32 +19,70 @@ from .group import TPGroup
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: TPGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: TPGroup, kind: str | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.kind = group, kind
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         # A fresh contiguous buffer: autograd may still hold `grad` elsewhere.
         g = grad.clone(memory_format=torch.contiguous_format)
-        return ctx.group.all_reduce(g), None
+        with ctx.group.segment(ctx.kind):
+            ctx.group.all_reduce(g)
+        return g, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: TPGroup) -> torch.Tensor:  # type: ignore[override]
-        return group.all_reduce(x.clone(memory_format=torch.contiguous_format))
+    def forward(ctx, x: torch.Tensor, group: TPGroup, kind: str | None) -> torch.Tensor:  # type: ignore[override]
+        with group.segment(kind):
+            return group.all_reduce(x.clone(memory_format=torch.contiguous_format))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, None
+        return grad, None, None
 
 
-def copy_to_tp(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    """Forward identity, backward all-reduce."""
-    return x if group.world_size == 1 else _CopyToTP.apply(x, group)
+class _Boundary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: TPGroup, fwd: str | None, bwd: str | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.bwd = group, bwd
+        if fwd is not None:
+            group.mark(fwd)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.bwd is not None:
+            ctx.group.mark(ctx.bwd)
+        return grad, None, None, None
 
 
-def reduce_from_tp(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    """Forward all-reduce, backward identity."""
-    return x if group.world_size == 1 else _ReduceFromTP.apply(x, group)
+def copy_to_tp(x: torch.Tensor, group: TPGroup, kind: str | None = None) -> torch.Tensor:
+    """Forward identity, backward all-reduce (tagged `kind`). A traced world of one marks the
+    backward boundary instead."""
+    if group.world_size == 1:
+        return boundary(x, group, bwd=kind) if kind is not None and getattr(group, "trace", False) else x
+    return _CopyToTP.apply(x, group, kind)
+
+
+def reduce_from_tp(x: torch.Tensor, group: TPGroup, kind: str | None = None) -> torch.Tensor:
+    """Forward all-reduce (tagged `kind`), backward identity."""
+    if group.world_size == 1:
+        if kind is not None:
+            with group.segment(kind):
+                group.all_reduce(x)  # no communication: a traced world of one marks the boundary
+        return x
+    return _ReduceFromTP.apply(x, group, kind)
+
+
+def boundary(x: torch.Tensor, group: TPGroup, fwd: str | None = None, bwd: str | None = None) -> torch.Tensor:
+    """Identity that marks the end of segment `fwd` when the forward pass reaches it and the end of
+    segment `bwd` when the backward pass does (no-op unless the group traces)."""
+    if not getattr(group, "trace", False):
+        return x
+    if not (torch.is_grad_enabled() and x.requires_grad):  # no backward will come through here
+        if fwd is not None:
+            group.mark(fwd)
+        return x
+    return _Boundary.apply(x, group, fwd, bwd)

@@ -35,6 +35,10 @@ def _argv(good, tmp_path: Path, **overrides) -> list[str]:
     model, data = good
     argv = runkit.run_argv(model, data, "classify", (4, 8), tmp_path / "out")
     for flag, value in overrides.items():
+        if flag == "layout":  # instead of --units
+            i = argv.index("--units")
+            argv[i:i + 2] = [f"--layout={value}"]
+            continue
         flag = "--" + flag.replace("_", "-")
         i = argv.index(flag)
         argv[i:i + 2] = [f"{flag}={value}"]  # "=" form: argparse would read "-4,16" as an option
@@ -64,6 +68,17 @@ def test_run_is_registered_with_the_documented_flags() -> None:
         ({"data": "/nonexistent/d.csv"}, "data file /nonexistent/d.csv does not exist"),
         ({"model": "/nonexistent/m"}, "model dir /nonexistent/m does not exist"),
         ({"lr": "-1"}, "--lr: Input should be greater than 0"),
+        # --layout (this model: 12 heads, 100 MLP columns, 37 vocabulary rows; quanta 1/32/32)
+        ({"layout": "attn=4,7;mlp=64,36;vocab=32,5"}, "attn: counts [4, 7] sum to 11, but the model has 12 attention units"),
+        ({"layout": "attn=4,8;mlp=64,35;vocab=32,5"}, "mlp: counts [64, 35] sum to 99, but the model has 100 MLP columns"),
+        ({"layout": "attn=4,8;mlp=64,36;vocab=32,6"}, "vocab: counts [32, 6] sum to 38, but the model has 37 vocabulary rows"),
+        ({"layout": "attn=4,8;mlp=50,50;vocab=32,5"}, "mlp: the cut after rank 0 falls at 50, not a multiple of the MLP columns quantum 32"),
+        ({"layout": "attn=4,8;mlp=64,36;vocab=10,27"}, "vocab: the cut after rank 0 falls at 10, not a multiple of the vocabulary rows quantum 32"),
+        ({"layout": "attn=-4,16;mlp=64,36;vocab=32,5"}, "--layout: attn counts must be >= 0, got [-4, 16]"),
+        ({"layout": "attn=4,4,4;mlp=32,32,36;vocab=32,5,0"}, "layout has 3 ranks but the world has 2"),
+        ({"layout": "attn=4,8;mlp=64,36,0;vocab=32,5"}, "every kind needs one count per rank"),
+        ({"layout": "attn=4,8;mlp=64,36"}, "--layout: missing vocab"),
+        ({"layout": "attn=4,8;ffn=64,36;vocab=32,5"}, "expected kind=c1,c2,... with kind in attn, mlp, vocab"),
     ],
 )
 def test_bad_input_is_one_clean_error_line(good, tmp_path, capsys, no_spawn, overrides, message) -> None:

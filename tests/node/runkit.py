@@ -95,13 +95,19 @@ def model_class(task: str):
     return AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
 
 
-def make_model(out: Path, family: str, task: str, num_labels: int = 3, gqa: bool = False, seed: int = 0) -> Path:
-    """A tiny random checkpoint (H = 12 heads, or 6 KV heads for LLaMA GQA) + tokenizer in `out`."""
+def make_model(out: Path, family: str, task: str, num_labels: int = 3, gqa: bool = False, seed: int = 0,
+               vocab_size: int | None = None) -> Path:
+    """A tiny random checkpoint (H = 12 heads, or 6 KV heads for LLaMA GQA; 100 MLP columns) +
+    tokenizer in `out`. The vocabulary is the tokenizer's unless `vocab_size` pads it with rows no
+    token uses (room for vocabulary cuts on the run's 32-row quantum)."""
     import transformers as tf
 
     out.mkdir(parents=True, exist_ok=True)
     make_tokenizer(out, family)
     V = len(WORDS) + {"gpt2": 2, "llama": 3, "bert": 4, "roberta": 4}[family]
+    if vocab_size is not None:
+        assert vocab_size >= V, (vocab_size, V)
+        V = vocab_size
     common = dict(vocab_size=V, num_labels=num_labels)
     if family == "gpt2":
         cfg = tf.GPT2Config(n_positions=64, n_embd=48, n_layer=2, n_head=12, n_inner=100,

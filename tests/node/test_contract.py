@@ -16,6 +16,7 @@ import pytest
 
 import runkit
 from xronos.cli.main import main
+from xronos.protocol.layout import Layout
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,18 @@ def _rows(n: int, num_labels: int, seed: int, pairs: bool = False) -> list[dict]
     return rows
 
 
-# name: (family, task, units, data suffix, extra model kwargs, text pairs)
+
+def L(attn, mlp, vocab) -> Layout:
+    """A per-segment layout, given to `xronos run --layout` (cuts on the run's quanta: 32 MLP
+    columns, 32 vocabulary rows; only the last holder of a kind keeps a remainder)."""
+    return Layout(attn=attn, mlp=mlp, vocab=vocab)
+
+
+# name: (family, task, units (head-tied --units) or a Layout (--layout), data suffix, extra model
+# kwargs, text pairs). Models: 12 heads (LLaMA 8, or 6 KV heads under GQA), 100 MLP columns, the
+# tokenizer's vocabulary (37-39 rows) unless padded by vocab_size. Every mixed case has a rank
+# with 0 heads but MLP columns, a rank with heads but 0 vocabulary rows, and kinds lopsided in
+# opposite directions.
 CASES = {
     "gpt2-lm-N1": ("gpt2", "causal-lm", (12,), ".csv", {}, False),
     "gpt2-cls-N3-1,10,1": ("gpt2", "classify", (1, 10, 1), ".jsonl", {}, False),
@@ -41,6 +53,14 @@ CASES = {
     "roberta-cls-N2-5,7": ("roberta", "classify", (5, 7), ".csv", {}, False),
     "llama-lm-N5-1,2,0,3,2": ("llama", "causal-lm", (1, 2, 0, 3, 2), ".jsonl", {}, False),
     "llama-gqa-cls-N3-0,3,3": ("llama", "classify", (0, 3, 3), ".csv", {"gqa": True}, False),
+    "gpt2-cls-N2-mixed": ("gpt2", "classify", L((0, 12), (96, 4), (37, 0)), ".csv", {}, False),
+    "bert-cls-pairs-N3-mixed": ("bert", "classify", L((9, 0, 3), (0, 64, 36), (0, 32, 7)), ".json", {}, True),
+    "llama-gqa-lm-N3-mixed": ("llama", "causal-lm", L((0, 2, 4), (64, 32, 4), (38, 0, 0)), ".jsonl",
+                              {"gqa": True}, False),
+    "gpt2-lm-N4-mixed": ("gpt2", "causal-lm", L((0, 6, 2, 4), (64, 0, 32, 4), (32, 0, 96, 64)), ".jsonl",
+                         {"vocab_size": 192}, False),
+    "roberta-cls-N5-mixed": ("roberta", "classify", L((2, 0, 4, 0, 6), (0, 32, 0, 64, 4), (64, 32, 0, 32, 32)),
+                             ".csv", {"vocab_size": 160}, False),
 }
 
 
@@ -48,6 +68,7 @@ def _check(exported_dir: Path, reference, initial_dir: Path, task: str) -> None:
     exported = runkit.model_class(task).from_pretrained(str(exported_dir))
     assert type(exported).__name__ == type(reference).__name__
     max_abs, rel = runkit.compare(exported, reference)
+    print(f"{exported_dir}: max abs {max_abs:.1e}, relative {rel:.1e}")
     assert max_abs <= MAX_ABS and rel <= MAX_REL, (max_abs, rel)
     initial = runkit.model_class(task).from_pretrained(str(initial_dir))
     moved_abs, moved_rel = runkit.compare(initial, reference)
@@ -68,11 +89,17 @@ def test_tp_run_equals_single_process_training(name: str, tmp_path: Path) -> Non
     _check(tmp_path / "out", reference, model_dir, task)
 
 
-def test_pretrained_minilm_lopsided_three_ranks(tmp_path: Path) -> None:
+# MiniLM: 12 heads, 1536 MLP columns, 30522 vocabulary rows.
+MINILM_SPLITS = {"N3-1,10,1": (1, 10, 1),
+                 "N4-mixed": L((0, 3, 7, 2), (512, 768, 0, 256), (10240, 0, 4096, 16186))}
+
+
+@pytest.mark.parametrize("split", list(MINILM_SPLITS))
+def test_pretrained_minilm_lopsided(tmp_path: Path, split: str) -> None:
     model_dir = runkit.make_minilm_classifier(tmp_path / "minilm", num_labels=2)
     rows = _rows(40, 2, seed=7)
     data = runkit.write_rows(tmp_path / "data.jsonl", rows)
-    argv = runkit.run_argv(model_dir, data, "classify", (1, 10, 1), tmp_path / "out", steps=STEPS,
+    argv = runkit.run_argv(model_dir, data, "classify", MINILM_SPLITS[split], tmp_path / "out", steps=STEPS,
                            batch_size=BATCH, lr=LR, extra=CONTRACT_FLAGS)
     assert main(argv) == 0
     reference, _ = runkit.reference_train(model_dir, rows, "classify", steps=STEPS, batch_size=BATCH, lr=LR)

@@ -34,7 +34,7 @@ def job_spec(model: Path, data: Path, export: Path, owner: str = "n0", **kw) -> 
             "batch_size": 4, "seq_len": runkit.SEQ_LEN, "lr": 1e-4, "epochs": None, "max_steps": 6,
             "eval_fraction": 0.2, "strategy": "segment", "checkpoint_interval": 3, "export_dir": str(export),
             "nodes": None, "reserve_mb": 0, "seed": 3, "warmup_steps": 0, "weight_decay": 0.0,
-            "max_grad_norm": None, "dropout": 0.0, "schema_version": 1}
+            "max_grad_norm": None, "dropout": 0.0, "schema_version": 2}
     return {**spec, **kw}
 
 

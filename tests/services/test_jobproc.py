@@ -2,19 +2,23 @@
 
 Ranks other than the owner are given paths that do not exist: everything they hold came over Gloo.
 A pause holds every rank at the same iteration boundary; a job cut at its checkpoint and resumed
-under a different plan (other ranks, other split) ends where the uninterrupted one does (equality
-with `xronos run` is checked end to end, in test_e2e); a cancel stops every rank at the same
-boundary and leaves no process behind.
+under a different plan (other ranks, another per-segment layout: heads, MLP columns and vocabulary
+rows each cut differently) ends where the uninterrupted one does (equality with `xronos run` is
+checked end to end, in test_e2e); a cancel stops every rank at the same boundary and leaves no
+process behind.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import pytest
 
 from jobkit import job_spec, make_case, runkit, start_ranks, wait_ranks
+from xronos.node.checkpoint import read_meta, saved_layout
+from xronos.protocol.layout import Layout
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +54,16 @@ class Ranks:
         return all(p.finished() for p in self.procs)
 
 
+# The case's GPT-2: 12 heads, 100 MLP columns, 37 vocabulary rows. Three ranks, then four, each
+# with a rank holding 0 heads but MLP columns and one holding heads but 0 vocabulary rows.
+FIRST = Layout(attn=(0, 7, 5), mlp=(64, 0, 36), vocab=(32, 0, 5))
+RESUMED = Layout(attn=(3, 0, 4, 5), mlp=(0, 32, 64, 4), vocab=(0, 32, 0, 5))
+
+
 def test_pause_then_resume_from_checkpoint_under_another_plan(tmp_path):
     model, data = make_case(tmp_path)
     spec = job_spec(model, data, tmp_path / "export", max_steps=20, checkpoint_interval=10)
-    r = Ranks(start_ranks(tmp_path, spec, [2, 6, 4]))
+    r = Ranks(start_ranks(tmp_path, spec, FIRST))
     r.pump(lambda: len(r.steps(2)) >= 2)
     r.send("pause")
     r.pump(lambda: all(any(e.get("status") == "paused" for e in s) for s in r.seen))
@@ -70,9 +80,15 @@ def test_pause_then_resume_from_checkpoint_under_another_plan(tmp_path):
     assert owner[-1] == {"type": "completed", "step": 20, "epoch": 2, "export_dir": str(tmp_path / "export")}
     assert all(ev[-1]["type"] == "completed" for ev in r.seen)
 
-    # Resume at the step-10 checkpoint on two ranks with another split: same end point.
+    # The owner's consolidated checkpoint records the plan it was saved under.
+    meta = read_meta(tmp_path / "ckpt")
+    assert meta["step"] == 10 and saved_layout(meta) == FIRST
+    assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["layout"] == \
+        {"attn": [0, 7, 5], "mlp": [64, 0, 36], "vocab": [32, 0, 5]}
+
+    # Resume at the step-10 checkpoint on four ranks with another layout per kind: same end point.
     spec2 = job_spec(model, data, tmp_path / "export2", max_steps=20, checkpoint_interval=10)
-    events = wait_ranks(start_ranks(tmp_path, spec2, [9, 3], resume_step=10, version=2))
+    events = wait_ranks(start_ranks(tmp_path, spec2, RESUMED, resume_step=10, version=2))
     assert [e["step"] for e in events[0] if e["type"] == "metrics"] == list(range(11, 21))
     assert [e["when"] for e in events[0] if e["type"] == "eval"] == ["after"]  # no "before" on a resume
     max_abs, rel = runkit.compare(_load(tmp_path / "export2"), _load(tmp_path / "export"))

@@ -28,7 +28,10 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     ckpt = Path(case["ckpt"])
     config = json.loads((ckpt / "config.json").read_text())
     family = family_for(config)
-    layout = ShardLayout.tied(tuple(case["units"]), family.sizes(config), rank)
+    if "layout" in case:  # a mixed layout: its own counts per kind
+        layout = ShardLayout(**{k: tuple(case["layout"][k]) for k in ("attn", "mlp", "vocab")}, rank=rank)
+    else:
+        layout = ShardLayout.tied(tuple(case["units"]), family.sizes(config), rank)
     model = family.build(config, case["task"], layout, group, dropout=case.get("dropout", 0.0))
     source = SafetensorsSource(ckpt)
     materialize(model, source)
@@ -39,8 +42,15 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     model.train()
     if case.get("dropout"):
         model.seed(1234)
+    group.drain_timings()
+    group.drain_spans()
     loss = model(*args)
     loss.backward()
+    # Every collective of forward + backward is tagged with its segment kind (per-kind compute).
+    tags: dict[str, int] = {}
+    for span in group.drain_spans():
+        if span.name != "mark":
+            tags[str(span.tag)] = tags.get(str(span.tag), 0) + 1
     res: dict[str, torch.Tensor] = {"loss": loss.detach().reshape(1)}
     grads = {n: p.grad for n, p in model.named_parameters()}
     res.update((f"grad/{k}", v) for k, v in gather_full(grads, specs, layout, group).items())
@@ -79,7 +89,7 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
             save_hf_dir(out / f"{case['id']}-export", config, case["task"], state, ckpt)
     info = {"loss": loss.item(), "rank0_loss": loss0.item(), "replicated_grad_diff": rep_diff,
             "slice_reads": source.slice_reads, "full_reads": source.full_reads,
-            "collectives": len(group.drain_timings())}
+            "collectives": len(group.drain_timings()), "tags": tags}
     (out / f"{case['id']}.rank{rank}.json").write_text(json.dumps(info))
 
 

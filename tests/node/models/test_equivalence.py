@@ -2,8 +2,10 @@
 
 One 5-process Gloo world covers N = 1..5: in each phase disjoint subgroups run their cases
 concurrently. Layouts are deliberately lopsided and include ranks with 0 units and ranks with all
-but one unit. Also here: replicated dropout agreeing across ranks, and exports that transformers
-loads with no Xronos code.
+but one unit: head-tied ones (`WORLDS`, the paper's unit) and mixed per-segment ones (`MIXED`:
+attention units, MLP columns and vocabulary rows each cut on its own). Also here: replicated
+dropout agreeing across ranks, every collective tagged with its segment kind, and exports that
+transformers loads with no Xronos code.
 """
 
 from __future__ import annotations
@@ -34,18 +36,60 @@ WORLDS: dict[int, list[tuple[str, tuple[int, ...]]]] = {
     5: [("gpt2-lm", (1, 1, 0, 1, 1)), ("bert-cls", (0, 1, 1, 1, 1)), ("roberta-cls", (1, 0, 1, 1, 1)),
         ("llama-gqa-lm", (1, 0, 0, 1, 0)), ("llama-mha-lm", (0, 1, 1, 1, 1)), ("llama-cls", (0, 0, 1, 0, 1))],
 }
+# N -> (kind, (attention units, MLP columns, vocabulary rows) per rank): every kind cut on its own.
+# Sizes (attn, mlp, vocab): gpt2-lm 4/128/97, gpt2-cls 4/70/89, bert-cls and roberta-cls 4/50/101,
+# llama-gqa-lm 2/51/103, llama-mha-lm 4/50/103, llama-cls 2/45/103, minilm 12/1536/30522. Every
+# case has a rank with 0 attention units but MLP columns, a rank with attention units but 0
+# vocabulary rows, and a rank that holds much of one kind and little or none of another (the
+# splits are lopsided in opposite directions per kind). No quantum: the engine takes any cut.
+Mixed = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+MIXED: dict[int, list[tuple[str, Mixed]]] = {
+    2: [("gpt2-lm", ((0, 4), (100, 28), (97, 0))), ("gpt2-cls", ((4, 0), (6, 64), (0, 89))),
+        ("bert-cls", ((0, 4), (45, 5), (101, 0))), ("roberta-cls", ((4, 0), (2, 48), (0, 101))),
+        ("llama-gqa-lm", ((2, 0), (1, 50), (0, 103))), ("llama-mha-lm", ((0, 4), (50, 0), (103, 0))),
+        ("llama-cls", ((0, 2), (40, 5), (103, 0)))],
+    3: [("gpt2-lm", ((3, 0, 1), (5, 90, 33), (0, 17, 80))), ("gpt2-cls", ((0, 1, 3), (50, 20, 0), (89, 0, 0))),
+        ("bert-cls", ((2, 0, 2), (0, 50, 0), (0, 1, 100))), ("roberta-cls", ((0, 4, 0), (20, 0, 30), (60, 0, 41))),
+        ("llama-gqa-lm", ((0, 1, 1), (33, 18, 0), (103, 0, 0))), ("llama-mha-lm", ((0, 1, 3), (45, 5, 0), (53, 50, 0))),
+        ("llama-cls", ((1, 1, 0), (0, 5, 40), (0, 50, 53))),
+        ("minilm", ((0, 10, 2), (1024, 0, 512), (0, 30522, 0)))],
+    4: [("gpt2-lm", ((1, 0, 3, 0), (60, 30, 1, 37), (10, 87, 0, 0))),
+        ("gpt2-cls", ((0, 2, 0, 2), (30, 0, 40, 0), (0, 0, 80, 9))),
+        ("bert-cls", ((1, 1, 0, 2), (10, 0, 35, 5), (50, 51, 0, 0))),
+        ("roberta-cls", ((0, 3, 0, 1), (25, 0, 25, 0), (0, 0, 50, 51))),
+        ("llama-cls", ((1, 0, 1, 0), (0, 30, 0, 15), (0, 0, 60, 43))),
+        ("llama-gqa-lm", ((1, 0, 0, 1), (0, 20, 31, 0), (0, 3, 100, 0))),
+        ("llama-mha-lm", ((2, 0, 1, 1), (0, 40, 5, 5), (0, 0, 3, 100)))],
+    5: [("gpt2-lm", ((0, 1, 0, 2, 1), (40, 0, 50, 8, 30), (0, 0, 90, 7, 0))),
+        ("bert-cls", ((0, 1, 1, 1, 1), (46, 1, 1, 1, 1), (0, 0, 0, 0, 101))),
+        ("roberta-cls", ((1, 0, 2, 0, 1), (0, 25, 0, 25, 0), (0, 50, 0, 51, 0))),
+        ("llama-gqa-lm", ((0, 0, 1, 0, 1), (10, 10, 1, 30, 0), (0, 20, 0, 83, 0))),
+        ("llama-mha-lm", ((1, 1, 1, 1, 0), (0, 0, 0, 10, 40), (0, 0, 0, 0, 103))),
+        ("llama-cls", ((0, 1, 0, 1, 0), (9, 0, 9, 0, 27), (20, 0, 20, 0, 63))),
+        ("minilm", ((3, 0, 6, 0, 3), (0, 1024, 256, 256, 0), (30000, 0, 0, 0, 522)))],
+}
 EXPORTS = {("gpt2-lm", 3), ("gpt2-cls", 2), ("llama-gqa-lm", 2), ("llama-mha-lm", 4), ("bert-cls", 4),
            ("roberta-cls", 5), ("llama-cls", 5), ("minilm", 3)}
+MIXED_EXPORTS = {("gpt2-lm", 4), ("gpt2-cls", 3), ("bert-cls", 5), ("roberta-cls", 2), ("llama-gqa-lm", 5),
+                 ("llama-mha-lm", 2), ("llama-cls", 3), ("minilm", 5)}
 DROPOUT = [("gpt2-lm", (0, 3, 1)), ("bert-cls", (2, 1, 1)), ("llama-cls", (0, 1, 1))]  # run with p = 0.1
+MIXED_DROPOUT = [("llama-gqa-lm", ((0, 1, 1), (33, 18, 0), (103, 0, 0)))]
 # phase -> subgroups (ranks, N); N = 1 runs on a lone rank with TPGroup.single()
 PHASES = [[((0, 1), 2), ((2, 3, 4), 3)], [((0, 1, 2, 3), 4), ((4,), 1)], [((0, 1, 2, 3, 4), 5)]]
 
 
-def case_id(kind: str, units: tuple[int, ...], dropout: bool = False) -> str:
-    return f"{kind}-N{len(units)}-{'.'.join(map(str, units))}" + ("-dropout" if dropout else "")
+def case_id(kind: str, units: tuple[int, ...] | Mixed, dropout: bool = False) -> str:
+    """`gpt2-lm-N3-0.3.1` (head-tied) or `gpt2-lm-N3-a3.0.1-m5.90.33-v0.17.80` (mixed)."""
+    if isinstance(units[0], tuple):
+        split = "-".join(k + ".".join(map(str, c)) for k, c in zip("amv", units))
+        n = len(units[0])
+    else:
+        split, n = ".".join(map(str, units)), len(units)
+    return f"{kind}-N{n}-{split}" + ("-dropout" if dropout else "")
 
 
 ALL_CASES = [case_id(k, u) for n in WORLDS for k, u in WORLDS[n]]
+MIXED_CASES = [case_id(k, lay) for n in MIXED for k, lay in MIXED[n]]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +97,7 @@ def world(tmp_path_factory):
     """Run the whole world once: returns (results dir, kind -> reference, case id -> case)."""
     root = tmp_path_factory.mktemp("equiv")
     refs, batches, ckpts = {}, {}, {}
-    kinds = {k for cases in WORLDS.values() for k, _ in cases}
+    kinds = {k for table in (WORLDS, MIXED) for cases in table.values() for k, _ in cases}
     for kind in sorted(kinds):
         ckpts[kind] = make_checkpoint(kind, root / kind)
         batch = make_batch(kind)
@@ -66,13 +110,21 @@ def world(tmp_path_factory):
                 "task": task_of(kind), "units": list(units), "batch": str(batches[kind]),
                 "export": (kind, len(units)) in EXPORTS and not dropout, "dropout": 0.1 if dropout else 0.0}
 
+    def mixed(kind: str, lay: Mixed, dropout: bool = False) -> dict:
+        n = len(lay[0])
+        return {"id": case_id(kind, lay, dropout), "kind": kind, "ckpt": str(ckpts[kind]),
+                "task": task_of(kind), "units": list(lay[0]), "batch": str(batches[kind]),
+                "layout": dict(zip(("attn", "mlp", "vocab"), map(list, lay))),
+                "export": (kind, n) in MIXED_EXPORTS and not dropout, "dropout": 0.1 if dropout else 0.0}
+
     phases, cases = [], {}
     for phase in PHASES:
         subs = []
         for ranks, n in phase:
-            sub_cases = [case(k, u) for k, u in WORLDS[n]]
+            sub_cases = [case(k, u) for k, u in WORLDS[n]] + [mixed(k, lay) for k, lay in MIXED.get(n, [])]
             if n == 3:
                 sub_cases += [case(k, u, dropout=True) for k, u in DROPOUT]
+                sub_cases += [mixed(k, lay, dropout=True) for k, lay in MIXED_DROPOUT]
             cases.update((c["id"], c) for c in sub_cases)
             subs.append({"ranks": list(ranks), "cases": sub_cases})
         phases.append(subs)
@@ -99,7 +151,7 @@ def rank_infos(out: Path, cid: str, n: int) -> list[dict]:
     return [json.loads((out / f"{cid}.rank{r}.json").read_text()) for r in range(n)]
 
 
-@pytest.mark.parametrize("cid", ALL_CASES)
+@pytest.mark.parametrize("cid", ALL_CASES + MIXED_CASES)
 def test_sharded_matches_transformers(world, cid):
     out, refs, cases = world
     case = cases[cid]
@@ -126,24 +178,30 @@ def test_sharded_matches_transformers(world, cid):
     for info in rank_infos(out, cid, len(case["units"])):
         assert info["loss"] == info["rank0_loss"], info  # every rank computes the same loss
         assert info["replicated_grad_diff"] == 0.0, info  # replicated grads agree bit for bit
+        if len(case["units"]) > 1:  # forward + backward: one all-reduce each way per partitioned layer
+            layers = 6 if case["kind"] == "minilm" else 2
+            lm = 4 if case["task"] == "causal-lm" else 0  # LM-head copy + 3 in the cross-entropy
+            assert info["tags"] == {"attn": 2 * layers, "mlp": 2 * layers, "vocab": 1 + lm}, info["tags"]
 
 
-@pytest.mark.parametrize("kind,units", DROPOUT)
+@pytest.mark.parametrize("kind,units", DROPOUT + MIXED_DROPOUT)
 def test_replicated_dropout_is_identical_on_every_rank(world, kind, units):
     out, refs, _ = world
-    infos = rank_infos(out, case_id(kind, units, dropout=True), len(units))
+    n = len(units[0]) if isinstance(units[0], tuple) else len(units)
+    infos = rank_infos(out, case_id(kind, units, dropout=True), n)
     assert all(i["loss"] == infos[0]["rank0_loss"] for i in infos), infos
     assert all(i["replicated_grad_diff"] == 0.0 for i in infos), infos
     assert abs(infos[0]["loss"] - refs[kind]["loss"].item()) > 1e-4  # dropout was active
 
 
-@pytest.mark.parametrize("kind,n", sorted(EXPORTS))
-def test_export_loads_in_plain_transformers(world, kind, n):
+@pytest.mark.parametrize("kind,n,split", [(k, n, "tied") for k, n in sorted(EXPORTS)]
+                         + [(k, n, "mixed") for k, n in sorted(MIXED_EXPORTS)])
+def test_export_loads_in_plain_transformers(world, kind, n, split):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     out, _, cases = world
     cid = next(c for c, case in cases.items() if case["kind"] == kind and len(case["units"]) == n
-               and case["export"])
+               and case["export"] and ("layout" in case) == (split == "mixed"))
     export = out / f"{cid}-export"
     config = json.loads((export / "config.json").read_text())
     auto = AutoModelForCausalLM if task_of(kind) == "causal-lm" else AutoModelForSequenceClassification
