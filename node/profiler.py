@@ -71,7 +71,7 @@ def widths(sizes: Sizes, quanta: dict[str, int] = QUANTA) -> list[dict[str, int]
         run = {}
         for k in KINDS:
             total = sizes.total(k)
-            if k == "attn":
+            if s == 1 or k == "attn":
                 run[k] = math.ceil(total * s)
             else:
                 q = quanta[k]

@@ -135,6 +135,9 @@ def test_widths_and_regions() -> None:
     # One KV head: attention has one width, the other kinds still three.
     one = prof.widths(Sizes(attn=1, mlp=256, vocab=500))
     assert [w["attn"] for w in one] == [1, 1, 1] and [w["mlp"] for w in one] == [256, 128, 64]
+    # Sizes off the quantum: the whole width first, then multiples of 32 (at least one quantum).
+    odd = prof.widths(Sizes(attn=12, mlp=100, vocab=37))
+    assert [w["mlp"] for w in odd] == [100, 64, 32] and [w["vocab"] for w in odd] == [37, 32, 32]
     # Nothing left to vary: a single run.
     assert prof.widths(Sizes(attn=1, mlp=32, vocab=20)) == [dict(attn=1, mlp=32, vocab=20)]
 
