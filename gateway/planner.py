@@ -79,7 +79,7 @@ MiB = 1024 * 1024
 DEFAULT_BUDGET = 1000
 # The exact integer test gives up (for the constructive one) beyond this many transitions.
 EXACT_DP_BUDGET = 300_000
-CORNER_DP_BUDGET = 60_000  # the same at a box's upper corner (pruning only: cheaper to give up)
+CORNER_DP_BUDGET = 25_000  # the same at a box's upper corner (pruning only: cheaper to give up)
 _SUBSETS = ((0, 1), (0, 2), (1, 2), (0, 1, 2))
 IDEAL_BUDGET = 400  # box evaluations of the ideal's search (its bound stays valid when cut short)
 IDEAL_TOL = 1e-3  # relative width below which the ideal's search stops splitting a box
@@ -408,17 +408,19 @@ class _Problem:
         return have >= need * (1 - 1e-12)
 
     # -- integer feasibility at a target vector --
-    def integer(self, tau: Sequence[float], exact_only: bool = False) -> tuple[list[list[int]] | None, bool]:
+    def integer(self, tau: Sequence[float], exact_only: bool = False, quick: bool = False
+                ) -> tuple[list[list[int]] | None, bool]:
         """(counts per node per kind covering every kind within tau and the caps, or None; whether
         the answer is exact). Exact DP when small, else the constructive test. Memoised."""
-        key = (tuple(tau), exact_only)
+        key = (tuple(tau), exact_only, quick)
         got = self._icache.get(key)
         if got is None:
-            got = self._icache[key] = self._integer(tau, exact_only)
+            got = self._icache[key] = self._integer(tau, exact_only, quick)
         w, exact = got
         return ([list(x) for x in w] if w is not None else None), exact
 
-    def _integer(self, tau: Sequence[float], exact_only: bool) -> tuple[list[list[int]] | None, bool]:
+    def _integer(self, tau: Sequence[float], exact_only: bool, quick: bool
+                 ) -> tuple[list[list[int]] | None, bool]:
         Us = [self.U(i, tau[i]) for i in range(3)]
         ub = [[Us[i][d] for i in range(3)] for d in range(self.n)]
         if any(min(x) < 0 for x in ub):
@@ -432,7 +434,7 @@ class _Problem:
         need = [max(0, x) for x in need]
         if not bound:
             return None, True
-        got, done = self._dp(bound, ub, need, CORNER_DP_BUDGET if exact_only else EXACT_DP_BUDGET)
+        got, done = self._dp(bound, ub, need, CORNER_DP_BUDGET if exact_only or quick else EXACT_DP_BUDGET)
         if done:
             if got is None:
                 return None, True
@@ -1019,7 +1021,7 @@ def _segment(pb: _Problem, budget: int) -> tuple[list[list[int]], SearchStats, f
                      corner=lambda tau: pb.integer(tau, exact_only=True), targets=pb.targets)
     # The first incumbent: the integer test at the top corner (every node at its most, trimmed
     # from the slowest down); failing that, a greedy walk up from the separable targets.
-    sol, exact = pb.integer(top)
+    sol, exact = pb.integer(top, quick=True)
     if sol is not None:
         search.offer(pb.targets(sol), sol)
     elif exact:
