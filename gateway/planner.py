@@ -1033,10 +1033,11 @@ def _segment(pb: _Problem, budget: int) -> tuple[list[list[int]], SearchStats, f
             search.offer(first[0], first[1])
     search.run(lo, top)
     if search.best is None:
-        sol, _ = pb.integer(top)
+        sol, exact = pb.integer(top)
         if sol is None:
-            raise _infeasible(pb, "no integer split of the quanta fits the memory caps (the relaxed "
-                                  "test admits one: caps too tight for the quantum)")
+            raise _infeasible(pb, "no integer split of the quanta fits the memory caps (only a fractional "
+                                  "one would: the caps are too tight for the quantum)" if exact else
+                                  "the search found no integer split of the quanta within its budget")
         search.offer(top, sol)
     if search.stop_at is not None or search.budget_hit:
         start = search.stop_at or lo
