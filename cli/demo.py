@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         owner = NODES[0][0]
         spec = JobSpec(name="minilm-sentiment", owner=owner, model_dir=str(model), data_path=str(data),
                        task="classify", batch_size=8, seq_len=SEQ_LEN, lr=1e-4, max_steps=args.steps,
-                       eval_fraction=0.2, strategy="greedy", checkpoint_interval=max(args.steps // 2, 1),
+                       eval_fraction=0.2, strategy="segment", checkpoint_interval=max(args.steps // 2, 1),
                        export_dir=str(root / "export"), reserve_mb=256, seed=0, warmup_steps=4,
                        max_grad_norm=1.0)
         print("submitting: the owner inspects model and data, every node profiles MiniLM, the gateway plans ...")

@@ -1,7 +1,9 @@
 """`xronos plan PROFILE.json ...`: predicted split of a job over nodes from their profile reports.
 
 Gateway-side and torch-free: it reads the profiler's JSON reports, runs the cost model and the
-planner, and prints per node units, ratio, predicted compute, memory vs cap and idle time.
+planner, and prints per node its count and share of every segment kind (attention units, MLP
+columns, vocabulary rows), predicted compute, memory vs cap and idle time; then the slowest
+node's time per segment, the predicted iteration, the ideal and the proven lower bound.
 """
 
 from __future__ import annotations
@@ -11,19 +13,27 @@ import math
 import sys
 
 from xronos.gateway.costmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, FITS
+from xronos.gateway.costmodel import SEGMENTS
 from xronos.gateway.planner import MiB, STRATEGIES, PlanResult
+from xronos.protocol.layout import KINDS, NOUN
 from xronos.gateway.profiles import DEFAULT_RESERVE_MB, Loaded, load_report, plan_message, plan_reports
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "plan", help="plan units per node from profile reports",
-        description="Predict the best split of a model's partition units over nodes from their "
-                    "profile reports (xronos profile --out FILE.json). Ranks follow the file order.",
+        "plan", help="plan each node's share of every segment kind from profile reports",
+        description="Predict the best split of a model over nodes — attention units, MLP columns and "
+                    "vocabulary rows, each kind on its own — from their profile reports (xronos "
+                    "profile --out FILE.json). Ranks follow the file order.",
     )
     p.add_argument("profiles", nargs="+", metavar="PROFILE.json", help="one report per node")
-    p.add_argument("--strategy", choices=STRATEGIES, default="optimal",
-                   help="optimal (exact, default), greedy (the paper's) or uniform (Megatron-LM)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="segment",
+                   help="segment (default: every kind balanced on its own, exact), paper (the paper's "
+                        "head-tied greedy) or uniform (Megatron-LM's even split)")
+    p.add_argument("--batch-size", type=int, metavar="B",
+                   help="the job's batch size: refuse profiles taken at another")
+    p.add_argument("--seq-len", type=int, metavar="S",
+                   help="the job's sequence length: refuse profiles taken at another")
     p.add_argument("--reserve-mb", type=float, default=DEFAULT_RESERVE_MB,
                    help=f"MiB of available memory left to the node's day job (default {DEFAULT_RESERVE_MB})")
     p.add_argument("--bandwidth-mbps", type=float, default=DEFAULT_BANDWIDTH_BPS * 8 / 1e6,
@@ -52,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan_reports(
         loaded, args.strategy, reserve_mb=args.reserve_mb,
         bandwidth_Bps=args.bandwidth_mbps * 1e6 / 8, latency_s=args.latency_ms / 1e3, fit=args.fit,
+        batch_size=args.batch_size, seq_len=args.seq_len,
     )
     if args.json:
         print(plan_message(result, args.job_id).model_dump_json(indent=2))
@@ -65,18 +76,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(result: PlanResult) -> str:
-    """Human-readable table of a plan."""
+    """Human-readable table of a plan: per node its count and share of every kind."""
+    sz = result.sizes
     width = max(4, *(len(r.node_id) for r in result.rows))
+    cols = {k: max(len(k) + 8, len(f"{sz.total(k)} (1.000)")) for k in KINDS}
+    head = "  ".join(f"{k + ' (share)':>{cols[k]}}" for k in KINDS)
     lines = [
-        f"strategy {result.strategy}, H = {result.units_total} units over {len(result.rows)} nodes",
-        f"{'node':<{width}}  {'units':>5}  {'ratio':>6}  {'compute s':>10}  "
-        f"{'memory / cap MiB':>21}  {'idle s':>8}",
+        f"strategy {result.strategy} over {len(result.rows)} nodes: " + ", ".join(
+            f"{sz.total(k)} {NOUN[k]}" for k in KINDS),
+        f"{'node':<{width}}  {head}  {'compute s':>10}  {'memory / cap MiB':>21}  {'idle s':>8}",
     ]
     for r in result.rows:
+        kinds = "  ".join(f"{f'{r.count(k)} ({r.shares[k]:.3f})':>{cols[k]}}" for k in KINDS)
         mem = f"{r.predicted_memory / MiB:.1f} / {r.memory_cap / MiB:.1f}"
         flag = "  OVER CAP" if r.over_cap else ""
-        lines.append(f"{r.node_id:<{width}}  {r.units:>5}  {r.ratio:>6.3f}  "
-                     f"{r.predicted_compute_s:>10.4f}  {mem:>21}  {r.idle_s:>8.4f}{flag}")
+        lines.append(f"{r.node_id:<{width}}  {kinds}  {r.predicted_compute_s:>10.4f}  {mem:>21}  "
+                     f"{r.idle_s:>8.4f}{flag}")
+    lines.append("slowest node per segment: " + ", ".join(
+        f"{s} {result.segment_s[s]:.4f} s" for s in SEGMENTS if s != "out" or result.segment_s[s] > 0))
     ideal = result.ideal_iteration_s
     if not math.isfinite(ideal):
         bound = "ideal lower bound: none, the model does not fit the caps even fractionally"
@@ -85,5 +102,10 @@ def render(result: PlanResult) -> str:
     else:
         bound = f"ideal lower bound {ideal:.4f} s"
     lines.append(f"predicted iteration {result.predicted_iteration_s:.4f} s = compute "
-                 f"{result.bottleneck_s:.4f} + comm {result.comm_s:.4f}; {bound}")
+                 f"{result.bottleneck_s:.4f} (sum over segments) + comm {result.comm_s:.4f}; {bound}")
+    if result.search is not None:
+        how = "proven optimal" if result.optimal else f"within {100 * result.gap:.2f}% of it"
+        caps = "caps binding, coupled search" if result.search.coupled else "no cap binding"
+        lines.append(f"proven lower bound on compute {result.lower_bound_s:.4f} s: this plan is {how} "
+                     f"({caps})")
     return "\n".join(lines)

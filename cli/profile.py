@@ -25,8 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "profile",
         help="profile this machine on a model's profiling set (embedding, one block, output)",
         description="Run a few fine-tuning iterations of a model's profiling set (embedding layer, one "
-        "transformer block, output layer; random weights, synthetic batch) at full and reduced "
-        "partition widths, and write per-layer time and memory (weights+grads+AdamW state, "
+        "transformer block, output layer; random weights, synthetic batch) at full width and at about "
+        "1/2 and 1/4 of every segment kind (attention units, MLP columns, vocabulary rows), and write "
+        "per-layer time (per share of its kind) and memory (weights+grads+AdamW state, "
         "activations, temporaries) as a ProfileReport JSON for `xronos plan`.",
     )
     src = p.add_mutually_exclusive_group(required=True)
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", required=True, type=_positive, metavar="S")
     p.add_argument("--threads", type=_positive, metavar="T", help="torch threads (default: torch's)")
     p.add_argument("--iters", type=_positive, default=10, metavar="K",
-                   help="measured iterations at full width after warm-up (default 10)")
+                   help="measured iterations per width after warm-up (default 10)")
     p.add_argument("--no-clip", action="store_true",
                    help="the job does not clip gradients (leave out the global-norm pass)")
     p.add_argument("--weight-decay", type=float, default=0.0, metavar="W",

@@ -38,9 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--units", metavar="u1,...,uN",
                    help="the paper's head-tied unit instead: attention units per rank (sum = the "
                    "model's heads, KV heads under GQA), MLP columns and vocabulary rows following them")
-    p.add_argument("--strategy", choices=["greedy", "optimal", "uniform"],
-                   help="instead of --units: profile every rank where it will run, plan with this "
-                   "strategy, and report predicted vs measured compute time per rank")
+    p.add_argument("--strategy", choices=["segment", "paper", "uniform"],
+                   help="instead of --layout/--units: profile every rank where it will run, plan with "
+                   "this strategy (segment: each kind balanced on its own, exact; paper: the paper's "
+                   "head-tied greedy; uniform: Megatron's even split), and report predicted vs "
+                   "measured compute time per rank")
     p.add_argument("--cpu-shares", metavar="s1,...,sN",
                    help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
                    "quota, to emulate heterogeneous boxes on one machine (needs a writable cgroup)")

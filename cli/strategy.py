@@ -3,10 +3,11 @@
 Each rank's profile is taken in its own process (`xronos profile`), with the rank's thread count
 and — under `--cpu-shares` — inside the rank's CPU cgroup (the same `wrap` hook the training
 launch uses), one rank after the other so that profiles do not contend with each other. The
-gateway's planner turns the reports into units per rank. After training, each rank's predicted
-compute time per iteration is set against the mean measured compute time (the trainer's
-`compute_s`, steady-state iterations), with the mean absolute percentage error (MAPE) of the
-affine-in-p cost model and of the paper's linear-in-p model side by side.
+gateway's planner turns the reports into a per-kind layout (attention units, MLP columns,
+vocabulary rows per rank). After training, each rank's predicted compute time per iteration (its
+own, summed over segments, at its shares of the layout) is set against the mean measured compute
+time (the trainer's `compute_s`, steady-state iterations), with the mean absolute percentage error
+(MAPE) of the affine-in-share cost model and of the paper's linear model side by side.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from xronos.gateway.costmodel import node_cost, predict_time
+from xronos.gateway.costmodel import layout_shares, node_cost, predict_time
 from xronos.gateway.planner import PlanResult
 from xronos.gateway.profiles import Loaded, load_report, node_profile, plan_reports
+from xronos.protocol.layout import Layout
 from xronos.protocol.messages import ProfileReport
 
 Wrap = Callable[[int, subprocess.Popen], None]
@@ -63,15 +65,17 @@ def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, thre
     return reports
 
 
-def plan_units(reports: list[ProfileReport], strategy: str, reserve_mb: float) -> PlanResult:
+def plan_units(reports: list[ProfileReport], strategy: str, reserve_mb: float, *,
+               batch_size: int | None = None, seq_len: int | None = None) -> PlanResult:
+    """The planner's result over the ranks' reports (ranks in order)."""
     return plan_reports([Loaded(f"profile of {r.node_id}", r) for r in reports], strategy,  # type: ignore[arg-type]
-                        reserve_mb=reserve_mb)
+                        reserve_mb=reserve_mb, batch_size=batch_size, seq_len=seq_len)
 
 
-def predictions(reports: list[ProfileReport], units: list[int]) -> dict[str, list[float]]:
-    """Predicted compute seconds per rank for `units`, by each time model."""
-    H = reports[0].sizes.attn
-    return {fit: [predict_time(node_cost(node_profile(r), fit), u, H) for r, u in zip(reports, units)]
+def predictions(reports: list[ProfileReport], layout: Layout) -> dict[str, list[float]]:
+    """Predicted compute seconds per rank at its shares of `layout`, by each time model."""
+    return {fit: [predict_time(node_cost(node_profile(r), fit), layout_shares(layout, rank))
+                  for rank, r in enumerate(reports)]
             for fit in ("affine", "linear")}
 
 
@@ -81,24 +85,26 @@ def mape(predicted: list[float], measured: list[float]) -> float:
 
 def judge(result: PlanResult, reports: list[ProfileReport], measured: list[float]) -> dict[str, Any]:
     """Predicted vs measured compute time per rank, and the MAPE of both time models."""
-    units = list(result.units)
-    pred = predictions(reports, units)
-    ranks = [dict(rank=r, units=u, predicted_compute_s=pa, predicted_linear_s=pl, measured_compute_s=m,
+    layout = result.layout
+    pred = predictions(reports, layout)
+    ranks = [dict(rank=r, attn=layout.attn[r], mlp=layout.mlp[r], vocab=layout.vocab[r], units=layout.attn[r],
+                  predicted_compute_s=pa, predicted_linear_s=pl, measured_compute_s=m,
                   error_pct=100.0 * (pa - m) / m)
-             for r, (u, pa, pl, m) in enumerate(zip(units, pred["affine"], pred["linear"], measured))]
-    return dict(strategy=result.strategy, units=units, predicted_iteration_s=result.predicted_iteration_s,
-                comm_s=result.comm_s, ranks=ranks, mape_pct=mape(pred["affine"], measured),
-                mape_linear_pct=mape(pred["linear"], measured),
+             for r, (pa, pl, m) in enumerate(zip(pred["affine"], pred["linear"], measured))]
+    return dict(strategy=result.strategy, layout=layout.model_dump(mode="json"), units=list(layout.attn),
+                predicted_iteration_s=result.predicted_iteration_s, bottleneck_s=result.bottleneck_s,
+                segment_s=dict(result.segment_s), comm_s=result.comm_s, ranks=ranks,
+                mape_pct=mape(pred["affine"], measured), mape_linear_pct=mape(pred["linear"], measured),
                 profile_seconds=[r.profile_seconds for r in reports])
 
 
 def format_judgement(j: dict[str, Any]) -> str:
-    lines = [f"{'rank':>4} {'units':>5} {'predicted s':>11} {'measured s':>10} {'error':>7}"]
+    lines = [f"{'rank':>4} {'attn':>5} {'mlp':>6} {'vocab':>6} {'predicted s':>11} {'measured s':>10} {'error':>7}"]
     for r in j["ranks"]:
-        lines.append(f"{r['rank']:>4} {r['units']:>5} {r['predicted_compute_s']:>11.4f} "
+        lines.append(f"{r['rank']:>4} {r['attn']:>5} {r['mlp']:>6} {r['vocab']:>6} {r['predicted_compute_s']:>11.4f} "
                      f"{r['measured_compute_s']:>10.4f} {r['error_pct']:>+6.1f}%")
-    lines.append(f"compute-time prediction MAPE {j['mape_pct']:.2f}% (affine in p); "
-                 f"{j['mape_linear_pct']:.2f}% with the paper's linear-in-p model")
+    lines.append(f"compute-time prediction MAPE {j['mape_pct']:.2f}% (affine in the share); "
+                 f"{j['mape_linear_pct']:.2f}% with the paper's linear model")
     return "\n".join(lines)
 
 
@@ -133,7 +139,8 @@ def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileRepo
                             args.threads_per_node, args.nodes, wrap=wrap,
                             clip=args.max_grad_norm is not None, weight_decay=args.weight_decay,
                             cache_dir=args.profile_cache)
-    result = plan_units(reports, args.strategy, args.reserve_mb)
+    result = plan_units(reports, args.strategy, args.reserve_mb, batch_size=args.batch_size,
+                        seq_len=args.seq_len)
     print(f"xronos run: {args.strategy} plan {result.layout.describe()}, predicted iteration "
           f"{result.predicted_iteration_s:.4f} s (compute {result.bottleneck_s:.4f} s + comm "
           f"{result.comm_s:.4f} s)", file=sys.stderr, flush=True)

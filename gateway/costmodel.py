@@ -1,40 +1,74 @@
-"""Per-node cost model: predicted time and memory of a TP rank holding `units` of `H` (paper Eq. 6-10).
+"""Per-node cost model, per segment kind: predicted time and memory of a TP rank (paper Eq. 6-10).
 
 Pure Python over plain frozen dataclasses; the protocol adapter lives in `profiles.py`.
 
-Generalisation of the paper, which reduces to Eq. 6-10 exactly when the embedding is partitioned
-and the output layer replicated: every profiled layer carries its own `partitioned` flag (a
-vocabulary-parallel LM head is partitioned too); block layers count `B` times, the others once.
+**Segments.** Megatron-style TP has a barrier at every all-reduce, so an iteration costs the sum,
+over barrier segments, of the slowest rank's time in each (ARCHITECTURE.md, "Tensor parallelism,
+concretely"). The model groups the barriers into one segment per kind and a constant one:
 
-Beyond the paper: a partitioned layer's time is not linear in its width when matrices get small
-(fixed per-call overheads, cache effects), so with `fit="affine"` each partitioned layer's time is
-`alpha + beta*p` fitted to the profile's `time_samples` by least squares with alpha, beta >= 0
-(monotone in p, never negative), and a rank with 0 units pays nothing for that layer.
-`fit="linear"` is the paper's `p * T_l`.
+    attn   per block: the attention (column-parallel QKV, scores, row-parallel output projection,
+           ending at its "reduce" forward / "copy" backward) and HALF of the block's replicated
+           remainder `blk.rest` (the norm and residual add that run between the previous barrier
+           and this one: pre-LN blocks run one norm before each of their two barriers, post-LN
+           blocks one after each); counted B times
+    mlp    per block: the MLP and the other half of the remainder; counted B times
+    vocab  the vocabulary-parallel embedding and, for a causal LM, the vocabulary-parallel head
+           and cross-entropy
+    out    replicated layers outside the blocks (a classification head): the same time at any
+           share, a constant segment (its slowest node adds to every plan alike)
+
+A kind's time on a node is `fixed + (alpha + beta * share if share > 0 else 0)`: `fixed` is the
+replicated time it runs inside that kind's segment (paid even at share 0: a node with no heads
+still runs the norm and waits at the barrier), `alpha`/`beta` the summed fit of the kind's
+partitioned layers (block layers times B).
+
+*The vocabulary's two barriers.* The embedding and a causal LM's head share one split (tied
+weights, one vocabulary layout), but they are two barriers: the embedding's forward "reduce", and
+the head's cross-entropy reductions (forward) and input "copy" (backward). The model counts them
+as ONE segment whose per-node time is their sum, so `max_d (E_d + O_d)` stands for
+`max_d E_d + max_d O_d`: equal whenever the same node is slowest in both (both scale with the
+same share on the same CPU), an under-estimate by at most `min(spread E, spread O)` otherwise.
+*The optimizer step* of each layer (the profiler times it with the layer) counts in that layer's
+kind; strictly every step runs between the clip-norm all-reduce and the next forward's first
+barrier, one segment over all kinds, so this is exact when the nodes' per-kind proportions agree.
+
+**Time fit.** A partitioned layer's time is not linear in its width when matrices get small, so
+with `fit="affine"` each partitioned layer's time is `alpha + beta*s` fitted to the profile's
+`time_samples` (share s of the layer's kind, seconds) by least squares with alpha, beta >= 0
+(monotone in s, never negative), and a node holding none of the kind pays nothing for that layer.
+`fit="linear"` is the paper's `s * T_l`.
+
+**Memory** (Eq. 8-10, per kind): `M = M_repl + sum_k m_k * s_k + max(M_t,repl, max_k mt_k * s_k)`
+with `m_k` the kind's partitioned M_w + M_a at share 1 (block layers times B) and `mt_k` its
+largest partitioned temporary buffer at share 1 — Eq. 10's max over layers, never a sum.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
+
+from xronos.protocol.layout import KINDS, Layout
 
 Fit = Literal["affine", "linear"]
 FITS: tuple[str, ...] = ("affine", "linear")
+SEGMENTS: tuple[str, ...] = (*KINDS, "out")  # barrier segments: one per kind, then the constant one
 
 
 @dataclass(frozen=True)
 class LayerCost:
-    """One profiled layer at full width (p = 1): the raw numbers of paper §IV-A."""
+    """One profiled layer at full width (share 1): the raw numbers of paper §IV-A."""
 
     name: str
     kind: Literal["emb", "blk", "out"]
     partitioned: bool
-    time_s: float  # T_l at p = 1
-    time_samples: tuple[tuple[float, float], ...]  # (p, seconds) measured at several widths
+    time_s: float  # T_l at share 1
+    time_samples: tuple[tuple[float, float], ...]  # (share of the layer's segment kind, seconds)
     weight_bytes: float  # M_w: weights + grads + optimizer state
     activation_bytes: float  # M_a: kept for backward
     temp_bytes: float  # M_t: peak short-lived buffers
+    segment: str | None = None  # the kind a partitioned layer's width follows (emb/out: vocab)
 
 
 @dataclass(frozen=True)
@@ -45,32 +79,46 @@ class NodeProfile:
 
 
 @dataclass(frozen=True)
-class NodeCost:
-    """A node's profile folded into the few coefficients Eq. 6-10 need.
+class KindCost:
+    """One segment kind on one node, as functions of the node's share s in [0, 1] of the kind."""
 
-    time(h)   = t_repl + (t_icpt + t_slope * p   if h > 0 else 0)
-    memory(h) = m_repl + m_slope * p + max(mt_part * p, mt_repl)
-    """
+    fixed_s: float  # replicated time inside this kind's segment (paid at any share, also 0)
+    icpt_s: float  # alpha: paid once the node holds any of the kind (0 with fit="linear")
+    slope_s: float  # beta: seconds per share
+    mem_slope: float  # M_w + M_a of the kind's partitioned layers at share 1
+    temp_slope: float  # largest M_t of the kind's partitioned layers at share 1
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """A node's profile folded into per-kind coefficients (see the module docstring)."""
 
     node_id: str
-    t_repl: float  # replicated layers: T_out + B * sum_repl T_l (linear fit, paper layout)
-    t_icpt: float  # sum of fitted intercepts of partitioned layers (0 with fit="linear")
-    t_slope: float  # T_emb + B * sum_part T_l with fit="linear"
-    m_repl: float  # replicated M_w + M_a
-    m_slope: float  # partitioned M_w + M_a at p = 1
-    mt_repl: float  # largest replicated M_t
-    mt_part: float  # largest partitioned M_t at p = 1
+    attn: KindCost
+    mlp: KindCost
+    vocab: KindCost
+    const_s: float  # replicated layers in their own segment (a classification head)
+    mem_repl: float  # replicated M_w + M_a
+    temp_repl: float  # largest replicated M_t
+
+    def kind(self, kind: str) -> KindCost:
+        if kind not in KINDS:
+            raise ValueError(f"unknown segment kind {kind!r} (kinds: {', '.join(KINDS)})")
+        return getattr(self, kind)
+
+
+Shares = Mapping[str, float]
 
 
 def fit_affine(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (alpha, beta) of t = alpha + beta*p subject to alpha >= 0, beta >= 0.
+    """Least-squares (alpha, beta) of t = alpha + beta*s subject to alpha >= 0, beta >= 0.
 
     With two unknowns the constrained optimum is the unconstrained one if it is admissible,
     otherwise the better of the two boundary fits (through the origin, or flat at the mean).
     """
     ps = [float(p) for p, _ in samples]
     ts = [float(t) for _, t in samples]
-    if len({p for p in ps}) < 2:
+    if len(set(ps)) < 2:
         raise ValueError(f"affine fit needs samples at >= 2 distinct widths, got p={ps}")
     n = len(ps)
     mp, mt = sum(ps) / n, sum(ts) / n
@@ -90,71 +138,129 @@ def fit_affine(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return min((through_origin, flat), key=lambda ab: sse(*ab))
 
 
-def layer_time(layer: LayerCost, p: float, fit: Fit = "affine") -> float:
-    """Predicted time of one layer on a rank with partition ratio p."""
+def layer_fit(layer: LayerCost, fit: Fit = "affine") -> tuple[float, float]:
+    """(alpha, beta) of a partitioned layer: the affine fit, or the paper's (0, T_l)."""
+    if fit == "linear":
+        return 0.0, layer.time_s
+    if layer.time_samples and all(p == 1.0 for p, _ in layer.time_samples):
+        # Only the whole width exists (a kind of one unit, e.g. a single KV head): any fit through
+        # the samples gives the one time that can occur; use the paper's.
+        return 0.0, sum(t for _, t in layer.time_samples) / len(layer.time_samples)
+    return fit_affine(layer.time_samples)
+
+
+def layer_time(layer: LayerCost, s: float, fit: Fit = "affine") -> float:
+    """Predicted time of one layer on a node holding share s of the layer's kind."""
     if not layer.partitioned:
         return layer.time_s
-    if p <= 0:
+    if s <= 0:
         return 0.0
-    if fit == "linear":
-        return p * layer.time_s
-    alpha, beta = fit_affine(layer.time_samples)
-    return alpha + beta * p
+    alpha, beta = layer_fit(layer, fit)
+    return alpha + beta * s
+
+
+def layer_segment(layer: LayerCost) -> str | None:
+    """The kind a partitioned layer follows: its `segment`, vocab for emb/out; None if replicated."""
+    if not layer.partitioned:
+        return None
+    seg = layer.segment or ("vocab" if layer.kind in ("emb", "out") else None)
+    if seg not in KINDS:
+        raise ValueError(f"partitioned layer {layer.name!r} has no segment kind (one of {', '.join(KINDS)})")
+    if (seg == "vocab") != (layer.kind in ("emb", "out")):
+        where = "a block" if layer.kind == "blk" else f"the {layer.kind} layer"
+        raise ValueError(f"partitioned layer {layer.name!r}: segment {seg!r} cannot be in {where} "
+                         f"(vocab is the embedding's and the head's; attn and mlp are the blocks')")
+    return seg
 
 
 def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
-    """Fold a profile into NodeCost (Eq. 6, 7, 9, 10 grouped by what scales with p)."""
+    """Fold a profile into per-kind coefficients (Eq. 6, 7, 9, 10 grouped by kind)."""
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
-    t_repl = t_icpt = t_slope = m_repl = m_slope = mt_repl = mt_part = 0.0
+    acc = {k: [0.0, 0.0, 0.0, 0.0, 0.0] for k in KINDS}  # fixed, icpt, slope, mem, temp
+    const = mem_repl = temp_repl = 0.0
     for layer in profile.layers:
         mult = profile.num_blocks if layer.kind == "blk" else 1
         resident = layer.weight_bytes + layer.activation_bytes
-        if layer.partitioned:
+        try:
+            seg = layer_segment(layer)
+        except ValueError as exc:
+            raise ValueError(f"node {profile.node_id}: {exc}") from None
+        if seg is not None:
             try:
-                alpha, beta = (0.0, layer.time_s) if fit == "linear" else fit_affine(layer.time_samples)
+                alpha, beta = layer_fit(layer, fit)
             except ValueError as exc:
                 raise ValueError(f"node {profile.node_id}, layer {layer.name}: {exc}") from None
-            t_icpt += mult * alpha
-            t_slope += mult * beta
-            m_slope += mult * resident
-            mt_part = max(mt_part, layer.temp_bytes)  # Eq. 10: a max, not a sum
+            a = acc[seg]
+            a[1] += mult * alpha
+            a[2] += mult * beta
+            a[3] += mult * resident
+            a[4] = max(a[4], layer.temp_bytes)  # Eq. 10: a max, not a sum
+            continue
+        mem_repl += mult * resident
+        temp_repl = max(temp_repl, layer.temp_bytes)
+        t = mult * layer.time_s
+        if layer.kind == "blk":  # the block's replicated remainder: half before each barrier
+            acc["attn"][0] += t / 2
+            acc["mlp"][0] += t / 2
+        elif layer.kind == "emb":  # runs before the embedding's reduce
+            acc["vocab"][0] += t
         else:
-            t_repl += mult * layer.time_s
-            m_repl += mult * resident
-            mt_repl = max(mt_repl, layer.temp_bytes)
-    return NodeCost(profile.node_id, t_repl, t_icpt, t_slope, m_repl, m_slope, mt_repl, mt_part)
+            const += t
+    kinds = {k: KindCost(*v) for k, v in acc.items()}
+    return NodeCost(profile.node_id, kinds["attn"], kinds["mlp"], kinds["vocab"], const, mem_repl, temp_repl)
 
 
-def _check_units(units: int, H: int) -> None:
-    if H <= 0:
-        raise ValueError(f"H (units in total) must be >= 1, got {H}")
-    if not 0 <= units <= H:
-        raise ValueError(f"units must be in [0, {H}], got {units}")
+def kind_time(kc: KindCost, s: float) -> float:
+    """Time of one kind's segment on a node holding share s of it."""
+    return kc.fixed_s + (kc.icpt_s + kc.slope_s * s if s > 0 else 0.0)
 
 
-def predict_time(node: NodeCost, units: int, H: int) -> float:
-    """T_d(p) of Eq. 6 with p = units / H (seconds per iteration, compute only)."""
-    _check_units(units, H)
-    return time_at(node, units / H)
+def _check_shares(shares: Shares) -> None:
+    for k in KINDS:
+        s = shares.get(k)
+        if s is None or not (0 <= s <= 1):
+            raise ValueError(f"share of {k} must be in [0, 1], got {s!r}")
 
 
-def predict_memory(node: NodeCost, units: int, H: int) -> float:
-    """M_total(p) of Eq. 8 = M_w (Eq. 9) + M_a (same structure) + M_t (Eq. 10), in bytes."""
-    _check_units(units, H)
-    return memory_at(node, units / H)
+def segment_times(node: NodeCost, shares: Shares) -> dict[str, float]:
+    """Seconds per barrier segment (SEGMENTS order) of a node holding `shares` (kind -> share)."""
+    _check_shares(shares)
+    out = {k: kind_time(node.kind(k), shares[k]) for k in KINDS}
+    out["out"] = node.const_s
+    return out
+
+
+def predict_time(node: NodeCost, shares: Shares) -> float:
+    """T_d: the node's own compute seconds per iteration (the sum over its segments)."""
+    return sum(segment_times(node, shares).values())
+
+
+def predict_memory(node: NodeCost, shares: Shares) -> float:
+    """M_total (Eq. 8) = M_w + M_a (Eq. 9, per kind) + M_t (Eq. 10's max), in bytes."""
+    _check_shares(shares)
+    temp = max([node.temp_repl] + [node.kind(k).temp_slope * shares[k] for k in KINDS])
+    return node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS) + temp
+
+
+def layout_shares(layout: Layout, rank: int) -> dict[str, float]:
+    """Rank's share of each kind in a layout."""
+    return {k: layout.share(k, rank) for k in KINDS}
+
+
+def tied(p: float) -> dict[str, float]:
+    """The paper's partition ratio: the same share p of every kind."""
+    return {k: p for k in KINDS}
 
 
 def time_at(node: NodeCost, p: float) -> float:
-    """T_d at a (possibly fractional) ratio p in [0, 1]."""
-    if p <= 0:
-        return node.t_repl
-    return node.t_repl + node.t_icpt + node.t_slope * p
+    """The paper's T_d(p) (Eq. 6): every kind at share p."""
+    return predict_time(node, tied(p))
 
 
 def memory_at(node: NodeCost, p: float) -> float:
-    """M_total at a (possibly fractional) ratio p in [0, 1]."""
-    return node.m_repl + node.m_slope * p + max(node.mt_part * p, node.mt_repl)
+    """The paper's M_total(p) (Eq. 8): every kind at share p."""
+    return predict_memory(node, tied(p))
 
 
 @dataclass(frozen=True)
@@ -206,6 +312,7 @@ def tp_comm_volume(
     ids need no gradient). Causal LM head (vocab-parallel): one backward all-reduce of its input
     gradient, plus the vocab-parallel cross-entropy's three forward reductions of [batch, seq]
     (max logit, sum of exponentials, target logit). A classification head is replicated: nothing.
+    The volume does not depend on the layout (uneven widths still reduce full-hidden tensors).
     """
     if task not in ("classify", "causal-lm"):
         raise ValueError(f"task must be 'classify' or 'causal-lm', got {task!r}")

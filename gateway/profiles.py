@@ -1,13 +1,15 @@
 """Adapters between protocol messages and the planner core: profile reports in, Plan out.
 
 `load_report` reads one ProfileReport JSON file (as the profiler writes it, `model_dump(mode=
-"json")`); `check_compatible` refuses a set of reports that cannot be planned together;
-`plan_reports` runs the cost model and planner over them. Every refusal names the file and field.
+"json")`); `check_report` refuses a report the planner cannot use (non-finite or negative
+numbers, a segment kind without a partitioned layer, too few widths for the fit);
+`check_compatible` refuses a set of reports that cannot be planned together (or that were taken
+at another batch size, sequence length or task than the job's); `plan_reports` runs the cost
+model and planner over them. Every refusal names the file (or node) and the field.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from xronos.gateway.costmodel import (
     tp_comm_volume,
 )
 from xronos.gateway.planner import MiB, PlanResult, Strategy, plan
+from xronos.protocol.layout import KINDS, NOUN
 from xronos.protocol.messages import SCHEMA_VERSION, Plan, PlanEntry, ProfileReport
 
 DEFAULT_RESERVE_MB = 512
@@ -62,7 +65,13 @@ def parse_report(data: object, source: str) -> ProfileReport:
 
 
 def _check_numbers(r: ProfileReport, source: str) -> None:
-    """What the schema lets through but the planner cannot use: NaN/inf, negative samples."""
+    check_report(r, source)
+
+
+def check_report(r: ProfileReport, source: str) -> None:
+    """What the schema lets through but the planner cannot use: NaN/inf and negative numbers,
+    shares outside (0, 1], a partitioned layer in the wrong place or with too few widths, a
+    segment kind no layer times. ValueError "SOURCE: field F: ..."."""
     if not r.layers:
         raise ValueError(f"{source}: field layers: a profile needs at least one layer")
     for i, lay in enumerate(r.layers):
@@ -76,11 +85,26 @@ def _check_numbers(r: ProfileReport, source: str) -> None:
                 raise ValueError(f"{source}: field layers[{i}].{name}: must be finite and >= 0, got {v!r}")
         for j, (p, _) in enumerate(lay.time_samples):
             if not 0 < p <= 1:
-                raise ValueError(f"{source}: field layers[{i}].time_samples[{j}][0]: ratio p must be "
+                raise ValueError(f"{source}: field layers[{i}].time_samples[{j}][0]: share must be "
                                  f"in (0, 1], got {p!r}")
-        if lay.partitioned and len({p for p, _ in lay.time_samples}) < 2:
+        if not lay.partitioned:
+            continue
+        seg = lay.segment
+        if (seg == "vocab") != (lay.kind in ("emb", "out")):
+            raise ValueError(f"{source}: field layers[{i}].segment: a partitioned {lay.kind} layer "
+                             f"({lay.name!r}) cannot follow {seg!r} (vocab is the embedding's and the "
+                             f"head's; attn and mlp are the blocks')")
+        # A kind of a single quantum has one width only (all samples at share 1).
+        only_whole = r.sizes.quanta(seg) == 1
+        if not only_whole and len({p for p, _ in lay.time_samples}) < 2:
             raise ValueError(f"{source}: field layers[{i}].time_samples: partitioned layer "
-                             f"{lay.name!r} needs samples at >= 2 distinct ratios for the affine fit")
+                             f"{lay.name!r} needs samples at >= 2 distinct shares for the affine fit")
+    timed = {lay.segment for lay in r.layers if lay.partitioned}
+    missing = [k for k in KINDS if k not in timed]
+    if missing:
+        raise ValueError(f"{source}: field layers: no partitioned layer of segment "
+                         f"{', '.join(repr(k) for k in missing)} (a profile times every kind: "
+                         f"{', '.join(NOUN[k] for k in KINDS)})")
 
 
 def load_report(path: str | Path) -> ProfileReport:
@@ -102,18 +126,25 @@ def load_report(path: str | Path) -> ProfileReport:
 _SAME = ("task", "batch_size", "seq_len", "num_blocks", "arch", "sizes")
 
 
-def check_compatible(loaded: Sequence[Loaded]) -> None:
-    """Refuse a set of reports that do not describe one job on distinct nodes."""
+def check_compatible(loaded: Sequence[Loaded], *, batch_size: int | None = None, seq_len: int | None = None,
+                     task: str | None = None) -> None:
+    """Refuse a set of reports that do not describe one job on distinct nodes, or (when given)
+    were taken at another batch size, sequence length or task than the job's."""
     if not loaded:
         raise ValueError("profiles: a plan needs at least one node's profile, got none")
     first = loaded[0]
     seen: dict[str, str] = {}
+    expect = {"batch_size": batch_size, "seq_len": seq_len, "task": task}
     for item in loaded:
         r = item.report
         if r.node_id in seen:
             raise ValueError(f"{item.source}: field node_id: duplicate node id {r.node_id!r} "
                              f"(also in {seen[r.node_id]})")
         seen[r.node_id] = item.source
+        for name, want in expect.items():
+            if want is not None and getattr(r, name) != want:
+                raise ValueError(f"{item.source}: field {name}: node {r.node_id} was profiled at "
+                                 f"{name} {getattr(r, name)!r}, but the job runs {want!r}; profile it again")
         for name in _SAME:
             mine, theirs = getattr(r, name), getattr(first.report, name)
             if name == "arch":  # name the architecture field that differs, not the whole spec
@@ -132,7 +163,7 @@ def node_profile(report: ProfileReport) -> NodeProfile:
             name=lay.name, kind=lay.kind, partitioned=lay.partitioned, time_s=lay.time_s,
             time_samples=tuple((float(p), float(t)) for p, t in lay.time_samples),
             weight_bytes=float(lay.weight_bytes), activation_bytes=float(lay.activation_bytes),
-            temp_bytes=float(lay.temp_bytes),
+            temp_bytes=float(lay.temp_bytes), segment=lay.segment,
         )
         for lay in report.layers
     )
@@ -154,27 +185,36 @@ def plan_reports(
     bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS,
     latency_s: float = DEFAULT_LATENCY_S,
     fit: Fit = "affine",
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    task: str | None = None,
 ) -> PlanResult:
-    """Cost model + communication term + planner over validated reports (ranks in given order)."""
-    check_compatible(loaded)
+    """Cost model + communication term + planner over validated reports (ranks in given order).
+    `batch_size`/`seq_len`/`task`, when given, are the job's: a report taken at others is refused."""
+    for item in loaded:
+        check_report(item.report, item.source)
+    check_compatible(loaded, batch_size=batch_size, seq_len=seq_len, task=task)
     r0 = loaded[0].report
     volume = tp_comm_volume(r0.arch.hidden_size, r0.batch_size, r0.seq_len, r0.num_blocks, r0.task)
     comm = comm_time(volume, len(loaded), bandwidth_Bps, latency_s)
-    nodes = [node_cost(node_profile(item.report), fit) for item in loaded]
+    nodes = []
+    for item in loaded:
+        try:
+            nodes.append(node_cost(node_profile(item.report), fit))
+        except ValueError as exc:
+            raise ValueError(f"{item.source}: field layers: {exc}") from None
     caps = [memory_cap(item.report, reserve_mb) for item in loaded]
-    result = plan(nodes, r0.sizes.attn, strategy, caps, comm)
-    return dataclasses.replace(result, sizes=r0.sizes)
+    return plan(nodes, r0.sizes, strategy, caps, comm)
 
 
 def plan_message(result: PlanResult, job_id: str, version: int = 0) -> Plan:
-    """The protocol's Plan message for a planner result."""
-    layout = result.layout
+    """The protocol's Plan message for a planner result (counts per kind per node)."""
     return Plan(
         job_id=job_id, version=version, strategy=result.strategy, sizes=result.sizes,
         entries=[
-            PlanEntry(node_id=r.node_id, rank=r.rank, attn=layout.attn[r.rank], mlp=layout.mlp[r.rank],
-                      vocab=layout.vocab[r.rank], predicted_compute_s=r.predicted_compute_s,
-                      predicted_memory=r.predicted_memory, memory_cap=r.memory_cap)
+            PlanEntry(node_id=r.node_id, rank=r.rank, attn=r.attn, mlp=r.mlp, vocab=r.vocab,
+                      predicted_compute_s=r.predicted_compute_s, predicted_memory=r.predicted_memory,
+                      memory_cap=r.memory_cap)
             for r in result.rows
         ],
         predicted_iteration_s=result.predicted_iteration_s,

@@ -16,10 +16,15 @@ largest submodules whose parameters are all (at least partly) partitioned — GP
 module pre/post hooks (forward) and full backward pre/post hooks (backward).
 
 Widths: every layer is profiled inside a TP world of two ranks where this process is rank 0 and
-owns h of the H units; the peer's collectives are skipped (`_Alone`). h = H gives T_l at p = 1
-on the same code path a multi-rank run takes (Megatron's copy/reduce clones included); h = H/2 and
-H/4 give the extra (p, seconds) samples the cost model's affine fit needs for partitioned layers.
-Statistic: the median over the measured iterations (robust to a neighbour's burst of work).
+holds its own count of every segment kind; the peer's collectives are skipped (`_Alone`). The
+first run holds everything (share 1 of every kind: T_l at s = 1 on the same code path a
+multi-rank run takes, Megatron's copy/reduce clones included); the next two hold about 1/2 and 1/4
+of each kind — attention by whole units (ceil(H/2), ceil(H/4)), MLP columns and vocabulary rows at
+multiples of their quantum (`protocol.layout.QUANTA`), as a plan would cut them — which gives each
+partitioned layer the (share of its kind, seconds) samples the cost model's affine fit needs.
+Each layer's time depends only on its own kind's width, so one run samples every kind at once:
+three model builds, as when the kinds were tied. Statistic: the median over the measured
+iterations (robust to a neighbour's burst of work).
 
 Memory, measured on one more full-width iteration (see `memprobe` for the instruments and their
 limits): M_w = unique bytes of params + grads + AdamW state after a real step; M_a = unique
@@ -44,17 +49,36 @@ import torch
 from xronos.node.capabilities import fingerprint, probe
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
 from xronos.node.profset import ProfilingSet
+from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
 from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport
 
 log = structlog.get_logger(__name__)
 
-PROFILER_VERSION = 4  # part of the cache key: bump when the method changes
+# Part of the cache key: bump when the method changes. 5: per-kind widths at quantum multiples.
+PROFILER_VERSION = 5
 _LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers")
 
 
-def widths(H: int) -> list[int]:
-    """Units the profiled rank holds: H (p = 1), then about H/2 and H/4 (distinct, >= 1)."""
-    return sorted({H, math.ceil(H / 2), math.ceil(H / 4)}, reverse=True)
+SHARES = (1.0, 0.5, 0.25)  # the widths profiled, as shares of each kind
+
+
+def widths(sizes: Sizes, quanta: dict[str, int] = QUANTA) -> list[dict[str, int]]:
+    """Per run, the profiled rank's count of each kind: everything, then about 1/2 and 1/4 of
+    each (attention in whole units, the others at multiples of their quantum, at least one);
+    runs that would repeat an earlier one are dropped."""
+    runs: list[dict[str, int]] = []
+    for s in SHARES:
+        run = {}
+        for k in KINDS:
+            total = sizes.total(k)
+            if s == 1 or k == "attn":
+                run[k] = math.ceil(total * s)
+            else:
+                q = quanta[k]
+                run[k] = min(total, q * max(1, round(total * s / q)))
+        if run not in runs:
+            runs.append(run)
+    return runs
 
 
 def one_block_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -135,7 +159,8 @@ def profile(
                 log.info("profile.cache_hit", path=str(path))
                 return cached.model_copy(update=ids)
 
-    H = family.num_units(config)
+    sizes = family.sizes(config)
+    H = sizes.attn
     small = one_block_config(config)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -145,14 +170,15 @@ def profile(
         partitioned: dict[str, bool] = {}
         segments: dict[str, str | None] = {}
         mem: dict[str, tuple[int, int, int]] = {}
-        for h in widths(H):
-            full = h == H
-            ps = ProfilingSet(small, task, H, h, batch_size, seq_len, seed, clip, weight_decay)
+        for i, run in enumerate(widths(sizes)):
+            full = i == 0
+            layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
+            ps = ProfilingSet(small, task, layout, batch_size, seq_len, seed, clip, weight_decay)
             try:
                 runs = [ps.iteration() for _ in range(warmup + iters)][warmup:]
                 for key in ps.groups:
                     seg = ps.segment(key)
-                    share = ps.layout.share(seg) if seg else 1.0
+                    share = ps.layout.share(seg, 0) if seg else 1.0
                     samples[key].append((share, statistics.median(r.get(key, 0.0) for r in runs)))
                 if full:
                     partitioned = ps.partitioned
@@ -173,7 +199,7 @@ def profile(
             time_samples=pts if part else pts[:1], weight_bytes=w, activation_bytes=a, temp_bytes=t))
     report = ProfileReport(
         **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
-        sizes=family.sizes(config), num_blocks=arch.num_layers, layers=layers,
+        sizes=sizes, num_blocks=arch.num_layers, layers=layers,
         profile_seconds=time.perf_counter() - t_start, created_at=time.time())
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

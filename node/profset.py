@@ -21,6 +21,7 @@ from xronos.node.models.loading import init_random
 from xronos.node.models.registry import family_for
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
+from xronos.protocol.layout import Layout
 
 
 class _Alone(TPGroup):
@@ -161,11 +162,13 @@ class _Timeline:
 class ProfilingSet:
     """The one-block model at one width, its layer groups, one AdamW per layer, a synthetic batch."""
 
-    def __init__(self, config: dict[str, Any], task: str, H: int, h: int, batch: int, seq: int,
+    def __init__(self, config: dict[str, Any], task: str, layout: Layout, batch: int, seq: int,
                  seed: int, clip: bool, weight_decay: float = 0.0) -> None:
+        """`layout`: a two-rank layout; this process is rank 0 and holds its counts of each kind."""
         family = family_for(config)
-        layout = self.layout = ShardLayout.tied((h, H - h), family.sizes(config), 0)
-        self.model = family.build(config, task, layout, _Alone(2))
+        layout.check(family.sizes(config), world_size=2, quanta=None)
+        self.layout = layout
+        self.model = family.build(config, task, ShardLayout.of(layout, 0), _Alone(2))
         init_random(self.model, seed)
         self.model.train()
         self.clip = clip

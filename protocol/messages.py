@@ -28,7 +28,7 @@ from .layout import Kind, Layout, LayoutError, Sizes
 SCHEMA_VERSION = 2
 
 Task = Literal["classify", "causal-lm"]
-Strategy = Literal["greedy", "optimal", "uniform"]
+Strategy = Literal["segment", "paper", "uniform"]
 Phase = Literal[
     "queued", "profiling", "planning", "assigning", "running",
     "paused", "recovering", "completed", "failed", "cancelled",
@@ -263,7 +263,7 @@ class JobSpec(Message):
     epochs: Epochs | None = None
     max_steps: Steps | None = None
     eval_fraction: Fraction = 0.1
-    strategy: Strategy = "greedy"
+    strategy: Strategy = "segment"
     checkpoint_interval: Steps = 100
     export_dir: PathText
     nodes: Annotated[list[Id], Field(min_length=1, max_length=MAX_NODES)] | None = None

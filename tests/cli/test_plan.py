@@ -30,25 +30,37 @@ def three(tmp_path):
 
 
 def test_table_for_each_strategy(three, capsys):
-    for strategy in ("optimal", "greedy", "uniform"):
+    for strategy in ("segment", "paper", "uniform"):
         assert main(["plan", *three, "--strategy", strategy]) == 0
         out = capsys.readouterr().out
-        assert f"strategy {strategy}, H = 8 units over 3 nodes" in out
+        assert (f"strategy {strategy} over 3 nodes: 8 attention units, 4096 MLP columns, 50000 vocabulary rows"
+                in out)
+        assert "attn (share)" in out and "mlp (share)" in out and "vocab (share)" in out
         for node in ("fast", "mid", "slow"):
             assert node in out
         assert "predicted iteration" in out and "ideal lower bound" in out and "predicted / ideal" in out
+        assert "slowest node per segment: attn" in out
+        assert ("proven lower bound" in out) == (strategy == "segment")
+    assert main(["plan", *three]) == 0  # segment is the default
+    out = capsys.readouterr().out
+    assert "strategy segment" in out and "proven optimal (no cap binding)" in out
     assert main(["plan", *three, "--strategy", "uniform"]) == 0
     rows = [l.split() for l in capsys.readouterr().out.splitlines() if l.split()[0] in ("fast", "mid", "slow")]
+    # Per node: attention units, MLP columns, vocabulary rows (each with its share).
     assert [int(r[1]) for r in rows] == [3, 3, 2]
+    assert [int(r[3]) for r in rows] == [1376, 1376, 1344]  # 128 quanta of 32: 43, 43, 42
+    assert [int(r[5]) for r in rows] == [16672, 16672, 16656]
+    assert rows[0][2] == "(0.375)"
 
 
 def test_json_is_a_plan_message(three, capsys):
     assert main(["plan", *three, "--json", "--job-id", "j1", "--bandwidth-mbps", "100",
                  "--latency-ms", "0.1", "--reserve-mb", "256", "--fit", "linear"]) == 0
     plan = Plan.model_validate_json(capsys.readouterr().out)
-    assert plan.job_id == "j1" and plan.sizes.attn == 8 and plan.strategy == "optimal"
-    units = [e.attn for e in plan.entries]
-    assert sum(units) == 8 and units[0] > units[2]  # the fast node takes more than the slow one
+    assert plan.job_id == "j1" and plan.sizes.attn == 8 and plan.strategy == "segment"
+    for kind in ("attn", "mlp", "vocab"):
+        counts = plan.layout().counts(kind)
+        assert sum(counts) == plan.sizes.total(kind) and counts[0] > counts[2]  # fast takes more
     assert plan.entries[0].memory_cap == 8 * GiB - 256 * 1024**2
     assert plan.ideal_iteration_s <= plan.predicted_iteration_s
     assert plan.comm_s > 0
@@ -60,15 +72,17 @@ def test_uniform_over_cap_is_flagged_with_exit_1(tmp_path, capsys):
     assert main(["plan", small, big, "--strategy", "uniform"]) == 1
     captured = capsys.readouterr()
     assert "OVER CAP" in captured.out and "['small']" in captured.err
-    assert main(["plan", small, big, "--strategy", "optimal"]) == 0  # routes around the small box
+    assert main(["plan", small, big, "--strategy", "segment"]) == 0  # routes around the small box
 
 
 def test_infeasible_names_needs_and_caps(tmp_path, capsys):
     paths = [write(tmp_path, f"pi{i}", memory_available=1 * GiB) for i in range(2)]
-    assert main(["plan", *paths, "--strategy", "greedy"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("xronos plan: error: no plan fits the memory caps")
-    assert "pi0: needs" in err and "cap 512.0 MiB" in err
+    for strategy in ("segment", "paper"):
+        assert main(["plan", *paths, "--strategy", strategy]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("xronos plan: error: no plan fits the memory caps")
+        assert "pi0: cap 512.0 MiB; replicated" in err and "alone fits at most" in err
+        assert "MLP columns" in err and "vocabulary rows" in err
 
 
 @pytest.mark.parametrize("kw, other_kw, needle", [
@@ -83,6 +97,25 @@ def test_bad_input_names_file_and_field(tmp_path, capsys, kw, other_kw, needle):
     paths = [write(tmp_path, "a", **kw), write(tmp_path, "b", **other_kw)]
     assert main(["plan", *paths]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_job_shape_checked(tmp_path, capsys):
+    paths = [write(tmp_path, "a"), write(tmp_path, "b", batch_size=4)]
+    assert main(["plan", paths[0], "--batch-size", "8", "--seq-len", "32"]) == 0
+    capsys.readouterr()
+    assert main(["plan", paths[1], "--batch-size", "8"]) == 2
+    assert "b.json: field batch_size: node b was profiled at batch_size 4, but the job runs 8" in capsys.readouterr().err
+    assert main(["plan", paths[0], "--seq-len", "64"]) == 2
+    assert "a.json: field seq_len" in capsys.readouterr().err
+
+
+def test_missing_segment_names_file_and_field(tmp_path, capsys):
+    path = write(tmp_path, "a")
+    data = json.loads(open(path).read())
+    data["layers"] = [lay for lay in data["layers"] if lay["segment"] != "attn"]
+    open(path, "w").write(json.dumps(data))
+    assert main(["plan", path]) == 2
+    assert "a.json: field layers: no partitioned layer of segment 'attn'" in capsys.readouterr().err
 
 
 def test_nan_time_names_file_and_field(tmp_path, capsys):

@@ -12,18 +12,34 @@ from xronos.cli import strategy
 from xronos.cli.main import main
 
 
-def test_judge_and_mape() -> None:
+@pytest.mark.parametrize("strat", ["segment", "paper", "uniform"])
+def test_judge_and_mape(strat: str) -> None:
     reports = [synthetic_report("fast", slowness=1.0), synthetic_report("slow", slowness=2.0)]
-    result = strategy.plan_units(reports, "optimal", reserve_mb=0)
-    assert result.units[0] > result.units[1]  # the fast node takes more units
-    pred = strategy.predictions(reports, list(result.units))
+    result = strategy.plan_units(reports, strat, reserve_mb=0, batch_size=8, seq_len=32)
+    if strat != "uniform":
+        assert result.units[0] > result.units[1]  # the fast node takes more units
+    pred = strategy.predictions(reports, result.layout)
+    # Both fits, each rank at its own per-kind shares; the affine one is the plan's prediction.
+    assert pred["affine"] == pytest.approx([r.predicted_compute_s for r in result.rows])
+    assert pred["linear"] != pred["affine"]
     measured = [pred["affine"][0] * 1.1, pred["affine"][1] * 0.8]  # 10% and 20% off
     verdict = strategy.judge(result, reports, measured)
     assert verdict["mape_pct"] == pytest.approx((100 / 11 + 25) / 2)
-    assert [r["units"] for r in verdict["ranks"]] == list(result.units)
+    assert verdict["strategy"] == strat
+    for kind in ("attn", "mlp", "vocab"):
+        assert [r[kind] for r in verdict["ranks"]] == list(result.layout.counts(kind))
+        assert verdict["layout"][kind] == list(result.layout.counts(kind))
     assert verdict["ranks"][0]["error_pct"] == pytest.approx(100 * (1 / 1.1 - 1))
-    assert "MAPE" in strategy.format_judgement(verdict)
+    assert verdict["mape_linear_pct"] >= 0 and set(verdict["segment_s"]) == {"attn", "mlp", "vocab", "out"}
+    text = strategy.format_judgement(verdict)
+    assert "MAPE" in text and "attn" in text and "vocab" in text
     assert strategy.mape([1.0, 3.0], [2.0, 2.0]) == pytest.approx(50.0)
+
+
+def test_profiles_of_another_batch_refused() -> None:
+    reports = [synthetic_report("a", batch_size=4)]
+    with pytest.raises(ValueError, match="field batch_size: node a was profiled at batch_size 4, but the job runs 8"):
+        strategy.plan_units(reports, "segment", reserve_mb=0, batch_size=8, seq_len=32)
 
 
 def test_parse_shares() -> None:
@@ -54,10 +70,10 @@ def _args(tiny: tuple[Path, Path], tmp: Path) -> list[str]:
 
 def test_units_and_strategy_exclusive(tiny: tuple[Path, Path], tmp_path: Path,
                                       capsys: pytest.CaptureFixture) -> None:
-    assert main([*_args(tiny, tmp_path), "--units", "2,2", "--strategy", "greedy"]) == 2
+    assert main([*_args(tiny, tmp_path), "--units", "2,2", "--strategy", "paper"]) == 2
     assert "either --layout/--units or --strategy" in capsys.readouterr().err
     assert main([*_args(tiny, tmp_path)]) == 2
-    assert main([*_args(tiny, tmp_path), "--strategy", "greedy", "--cpu-shares", "0.5"]) == 2
+    assert main([*_args(tiny, tmp_path), "--strategy", "segment", "--cpu-shares", "0.5"]) == 2
     assert "1 entries for --nodes 2" in capsys.readouterr().err
 
 
@@ -66,15 +82,16 @@ def test_run_with_strategy_reports_prediction(tiny: tuple[Path, Path], tmp_path:
                                               capsys: pytest.CaptureFixture) -> None:
     metrics = tmp_path / "m.json"
     cache = tmp_path / "cache"
-    rc = main([*_args(tiny, tmp_path), "--strategy", "optimal", "--metrics", str(metrics),
+    rc = main([*_args(tiny, tmp_path), "--strategy", "segment", "--metrics", str(metrics),
                "--profile-cache", str(cache)])
     assert rc == 0
     out = capsys.readouterr().out
     assert "compute-time prediction MAPE" in out
     doc = json.loads(metrics.read_text())
     pred = doc["prediction"]
-    assert pred["strategy"] == "optimal" and sum(pred["units"]) == 4
-    assert list(doc["config"]["layout"]["attn"]) == pred["units"]
+    assert pred["strategy"] == "segment" and sum(pred["units"]) == 4
+    for kind in ("attn", "mlp", "vocab"):
+        assert list(doc["config"]["layout"][kind]) == pred["layout"][kind]
     assert [r["rank"] for r in pred["ranks"]] == [0, 1]
     for r in pred["ranks"]:
         assert r["predicted_compute_s"] > 0 and r["measured_compute_s"] > 0

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from xronos.bench.plan_speed import synthetic_report
-from xronos.gateway.costmodel import comm_time, node_cost, predict_time, tp_comm_volume
+from xronos.gateway.costmodel import comm_time, layout_shares, node_cost, predict_time, tp_comm_volume
 from xronos.gateway.planner import MiB
 from xronos.gateway.profiles import (
     Loaded, check_compatible, load_report, memory_cap, node_profile, plan_message, plan_reports,
@@ -34,8 +34,11 @@ def test_roundtrip_and_conversion(tmp_path):
     assert [l.name for l in prof.layers] == [l.name for l in report.layers]
     attn = prof.layers[1]
     assert attn.partitioned and attn.time_samples == tuple(tuple(s) for s in report.layers[1].time_samples)
+    assert [l.segment for l in prof.layers] == ["vocab", "attn", "mlp", None, None]
     # synthetic partitioned layers cost 0.002 + work * p: the affine fit recovers it exactly.
-    assert node_cost(prof).t_icpt == pytest.approx(0.002 * (1 + 2 * 2))
+    cost = node_cost(prof)
+    assert cost.attn.icpt_s == pytest.approx(2 * 0.002) and cost.mlp.icpt_s == pytest.approx(2 * 0.002)
+    assert cost.vocab.icpt_s == pytest.approx(0.002)
 
 
 def test_memory_cap_is_available_minus_reserve():
@@ -59,6 +62,12 @@ def test_memory_cap_is_available_minus_reserve():
     ({"sizes__attn": 0}, "field sizes.attn"),
     ({"layers": []}, "field layers"),
     ({"capabilities__memory_available": "lots"}, "field capabilities.memory_available"),
+    # A profile that does not time every segment kind, or puts one in the wrong place.
+    ({"layers__2__partitioned": False, "layers__2__segment": None, "layers__2__time_samples": []},
+     "field layers: no partitioned layer of segment 'mlp'"),
+    ({"layers__1__segment": "vocab"}, "field layers[1].segment: a partitioned blk layer ('attn') cannot follow 'vocab'"),
+    ({"layers__0__segment": "mlp"}, "field layers[0].segment"),
+    ({"layers__1__segment": "heads"}, "field layers[1].segment"),
 ])
 def test_bad_report_names_file_and_field(tmp_path, edits, field):
     path = write(tmp_path / "bad.json", **edits)
@@ -99,6 +108,28 @@ def test_incompatible_reports_refused(other, field):
     assert "b.json" in str(err.value) and field in str(err.value)
 
 
+@pytest.mark.parametrize("job, field", [
+    (dict(batch_size=4), "field batch_size: node b was profiled at batch_size 8, but the job runs 4"),
+    (dict(seq_len=64), "field seq_len: node b was profiled at seq_len 32, but the job runs 64"),
+    (dict(task="causal-lm"), "field task"),
+])
+def test_profiles_of_another_shape_than_the_jobs_refused(job, field):
+    with pytest.raises(ValueError) as err:
+        plan_reports([loaded("b")], "segment", **job)
+    assert "b.json" in str(err.value) and field in str(err.value)
+    plan_reports([loaded("b")], "segment", batch_size=8, seq_len=32, task="classify")
+
+
+def test_bad_numbers_refused_in_plan_reports_too():
+    """The gateway hands plan_reports reports that came over MQTT (already schema-checked):
+    the numbers the schema lets through are checked there too, naming the node."""
+    r = synthetic_report("n9", units=8, num_blocks=2)
+    lay = r.layers[1].model_copy(update={"time_samples": [(0.5, 0.1), (0.5, 0.1)]})
+    bad = r.model_copy(update={"layers": [r.layers[0], lay, *r.layers[2:]]})
+    with pytest.raises(ValueError, match=r"node n9: field layers\[1\].time_samples: .* distinct shares"):
+        plan_reports([Loaded("node n9", bad)], "segment")
+
+
 def test_zero_nodes_refused():
     with pytest.raises(ValueError, match="profiles: .* none"):
         check_compatible([])
@@ -106,13 +137,18 @@ def test_zero_nodes_refused():
 
 def test_plan_reports_adds_comm_and_makes_a_plan_message():
     items = [loaded("a", slowness=1.0), loaded("b", slowness=3.0)]
-    res = plan_reports(items, "optimal", bandwidth_Bps=1e8, latency_s=1e-4)
+    res = plan_reports(items, "segment", bandwidth_Bps=1e8, latency_s=1e-4)
     r0 = items[0].report
     vol = tp_comm_volume(r0.arch.hidden_size, r0.batch_size, r0.seq_len, r0.num_blocks, r0.task)
     assert res.comm_s == pytest.approx(comm_time(vol, 2, 1e8, 1e-4)) and res.comm_s > 0
-    assert res.units[0] > res.units[1]  # the faster node takes more
-    assert res.rows[0].predicted_compute_s == predict_time(node_cost(node_profile(r0)), res.units[0], 8)
+    for k in ("attn", "mlp", "vocab"):
+        assert res.counts(k)[0] > res.counts(k)[1]  # the faster node takes more of every kind
+    assert res.rows[0].predicted_compute_s == predict_time(node_cost(node_profile(r0)), layout_shares(res.layout, 0))
     msg = plan_message(res, "job1", 3)
-    assert isinstance(msg, Plan) and msg.version == 3 and [e.attn for e in msg.entries] == list(res.units)
+    assert isinstance(msg, Plan) and msg.version == 3 and msg.strategy == "segment"
+    assert msg.layout() == res.layout
+    assert [e.predicted_compute_s for e in msg.entries] == [r.predicted_compute_s for r in res.rows]
     assert Plan.model_validate_json(msg.model_dump_json()) == msg
-    assert plan_reports(items[:1], "greedy").comm_s == 0.0  # one node: no all-reduce
+    assert plan_reports(items[:1], "paper").comm_s == 0.0  # one node: no all-reduce
+    for strategy in ("paper", "uniform"):
+        assert plan_message(plan_reports(items, strategy), "j").strategy == strategy

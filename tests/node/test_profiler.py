@@ -14,6 +14,7 @@ from xronos.node import profiler as prof
 from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.shapes import shape
 from xronos.node.profset import find_regions
+from xronos.protocol.layout import Sizes
 from xronos.protocol.messages import ProfileReport
 
 B, S = 2, 16
@@ -57,9 +58,15 @@ def test_report_is_valid_and_plausible(reports: dict[str, ProfileReport], task: 
         assert lay.partitioned == expect_part[name], name
         assert lay.time_s > 0, name
         if lay.partitioned:
-            assert [p for p, _ in lay.time_samples] == [1.0, 0.5, 0.25], name
+            # Shares of the layer's own kind: heads 4, 2, 1 of 4; MLP columns 256, 128, 64 of
+            # 256; vocabulary rows 500, 256, 128 of 500 (multiples of the 32-row quantum).
+            expect = {"attn": [1.0, 0.5, 0.25], "mlp": [1.0, 0.5, 0.25], "vocab": [1.0, 256 / 500, 128 / 500]}
+            assert lay.segment == ("vocab" if name in ("emb", "out") else name.split(".")[1]), name
+            assert [p for p, _ in lay.time_samples] == pytest.approx(expect[lay.segment]), name
             assert all(t > 0 for _, t in lay.time_samples)
             assert lay.time_samples[0][1] == lay.time_s
+        else:
+            assert lay.segment is None
         # Weights, grads, exp_avg, exp_avg_sq: at least 4 fp32 copies of every parameter.
         assert lay.weight_bytes >= 16 * _params(name, task), name
         assert lay.activation_bytes > 0, name
@@ -79,8 +86,10 @@ def test_report_round_trips_and_plans(reports: dict[str, ProfileReport], tmp_pat
     again = parse_report(json.loads(path.read_text()), str(path))
     assert again == r
     other = r.model_copy(update={"node_id": "other"})
-    result = plan_reports([Loaded("a", r), Loaded("b", other)], "optimal", reserve_mb=0)
+    result = plan_reports([Loaded("a", r), Loaded("b", other)], "segment", reserve_mb=0, batch_size=B, seq_len=S)
     assert sum(row.units for row in result.rows) == H
+    assert sum(row.mlp for row in result.rows) == I and sum(row.vocab for row in result.rows) == V
+    assert result.optimal
 
 
 def test_cache_hit_does_not_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,10 +128,18 @@ def test_bad_input_is_refused() -> None:
 
 
 def test_widths_and_regions() -> None:
-    assert prof.widths(16) == [16, 8, 4]
-    assert prof.widths(4) == [4, 2, 1]
-    assert prof.widths(2) == [2, 1]
-    assert prof.widths(1) == [1]
+    gpt2m = prof.widths(Sizes(attn=16, mlp=4096, vocab=50257))
+    assert gpt2m == [dict(attn=16, mlp=4096, vocab=50257), dict(attn=8, mlp=2048, vocab=25120),
+                     dict(attn=4, mlp=1024, vocab=12576)]  # MLP and vocabulary at multiples of 32
+    assert [w["attn"] for w in prof.widths(Sizes(attn=2, mlp=256, vocab=500))] == [2, 1, 1]
+    # One KV head: attention has one width, the other kinds still three.
+    one = prof.widths(Sizes(attn=1, mlp=256, vocab=500))
+    assert [w["attn"] for w in one] == [1, 1, 1] and [w["mlp"] for w in one] == [256, 128, 64]
+    # Sizes off the quantum: the whole width first, then multiples of 32 (at least one quantum).
+    odd = prof.widths(Sizes(attn=12, mlp=100, vocab=37))
+    assert [w["mlp"] for w in odd] == [100, 64, 32] and [w["vocab"] for w in odd] == [37, 32, 32]
+    # Nothing left to vary: a single run.
+    assert prof.widths(Sizes(attn=1, mlp=32, vocab=20)) == [dict(attn=1, mlp=32, vocab=20)]
 
     class Blk(nn.Module):
         def __init__(self) -> None:

@@ -16,7 +16,7 @@ SPEC = m.JobSpec(name="sst2-ft", owner="pi5-a", model_dir="/models/gpt2", data_p
                  task="classify", batch_size=8, seq_len=128, lr=5e-5, epochs=1, export_dir="/out",
                  nodes=["pi5-a", "n100"], max_grad_norm=None)
 SIZES = Sizes(attn=12, mlp=3072, vocab=50257)
-PLAN = m.Plan(job_id="j1", version=2, strategy="greedy", sizes=SIZES,
+PLAN = m.Plan(job_id="j1", version=2, strategy="segment", sizes=SIZES,
               entries=[m.PlanEntry(node_id="pi5-a", rank=0, attn=4, mlp=1024, vocab=16000, predicted_compute_s=0.5,
                                    predicted_memory=1.5e9, memory_cap=6e9),
                        m.PlanEntry(node_id="n100", rank=1, attn=8, mlp=2048, vocab=34257, predicted_compute_s=0.48,
@@ -26,6 +26,9 @@ LAYERS = [
     m.LayerProfile(name="emb", kind="emb", partitioned=True, segment="vocab", time_s=0.01,
                    time_samples=[(0.25, 0.003), (1.0, 0.01)], weight_bytes=1000, activation_bytes=200,
                    temp_bytes=50),
+    m.LayerProfile(name="blk.attn", kind="blk", partitioned=True, segment="attn", time_s=0.1,
+                   time_samples=[(0.5, 0.055), (1.0, 0.1)], weight_bytes=5 * 10**5,
+                   activation_bytes=10**5, temp_bytes=10**4),
     m.LayerProfile(name="blk.mlp", kind="blk", partitioned=True, segment="mlp", time_s=0.2,
                    time_samples=[(0.25, 0.06), (0.5, 0.11), (1.0, 0.2)], weight_bytes=10**6,
                    activation_bytes=10**5, temp_bytes=10**4),

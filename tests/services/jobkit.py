@@ -32,7 +32,7 @@ def job_spec(model: Path, data: Path, export: Path, owner: str = "n0", **kw) -> 
     spec = {"name": "t", "owner": owner, "model_dir": str(model), "data_path": str(data),
             "task": "classify", "text_column": "text", "text_pair_column": None, "label_column": "label",
             "batch_size": 4, "seq_len": runkit.SEQ_LEN, "lr": 1e-4, "epochs": None, "max_steps": 6,
-            "eval_fraction": 0.2, "strategy": "greedy", "checkpoint_interval": 3, "export_dir": str(export),
+            "eval_fraction": 0.2, "strategy": "segment", "checkpoint_interval": 3, "export_dir": str(export),
             "nodes": None, "reserve_mb": 0, "seed": 3, "warmup_steps": 0, "weight_decay": 0.0,
             "max_grad_norm": None, "dropout": 0.0, "schema_version": 2}
     return {**spec, **kw}

@@ -26,7 +26,7 @@ export_dir = "/srv/out"
 def test_spec_files_toml_yaml_and_errors(tmp_path):
     (tmp_path / "a.toml").write_text(TOML)
     spec = load_spec(tmp_path / "a.toml")
-    assert spec.owner == "n0" and spec.epochs == 1 and spec.strategy == "greedy"
+    assert spec.owner == "n0" and spec.epochs == 1 and spec.strategy == "segment"
     (tmp_path / "b.yaml").write_text("name: t\nowner: n0\nmodel_dir: /m\ndata_path: /d.csv\ntask: causal-lm\n"
                                      "batch_size: 2\nseq_len: 8\nlr: 0.001\nmax_steps: 5\nexport_dir: /o\n")
     assert load_spec(tmp_path / "b.yaml").max_steps == 5
@@ -54,12 +54,12 @@ def test_cli_without_broker_is_one_clean_line(capsys):
 
 
 def test_displays():
-    plan = {"version": 2, "strategy": "greedy", "sizes": {"attn": 12, "mlp": 3072, "vocab": 50257},
+    plan = {"version": 2, "strategy": "segment", "sizes": {"attn": 12, "mlp": 3072, "vocab": 50257},
             "predicted_iteration_s": 0.5, "ideal_iteration_s": 0.45, "comm_s": 0.05,
             "entries": [{"node_id": "n100", "rank": 0, "attn": 8, "mlp": 2048, "vocab": 33504, "predicted_compute_s": 0.4,
                          "predicted_memory": 2 << 30, "memory_cap": 8 << 30}]}
     text = format_plan(plan)
-    assert "plan v2 (greedy; 12 attention units, 3072 MLP columns, 50257 vocabulary rows)" in text
+    assert "plan v2 (segment; 12 attention units, 3072 MLP columns, 50257 vocabulary rows)" in text
     assert "n100" in text and "2048.0" in text and "33504" in text
     state = {"job_id": "j", "name": "t", "phase": "running", "step": 3, "total_steps": 10, "epoch": 0,
              "loss": 0.5, "eval_metric": None, "iteration_s": 0.5, "eta_s": 3.5, "predicted_s": {"n100": 0.4},

@@ -53,7 +53,7 @@ def test_job_end_to_end_survives_gateway_restart_and_equals_xronos_run(stack, tm
         stack.node(n)
     stack.wait_nodes(3)
     spec = job_spec(model, data, stack.allowed / "export", owner="n0", max_steps=24, checkpoint_interval=8,
-                    strategy="greedy")
+                    strategy="segment")
     spec.pop("schema_version")
     accepted = stack.client.request("job/submit", 300.0, spec=m.JobSpec(**spec))
     job_id, plan = accepted["job_id"], accepted["plan"]

@@ -27,7 +27,7 @@ TO = J.Timeouts(inspect_s=10, profile_s=20, ack_s=10, stall_s=30, recover_s=100,
 
 def plan(nodes, version, job_id="j"):
     n = len(nodes)
-    return m.Plan(job_id=job_id, version=version, strategy="greedy",
+    return m.Plan(job_id=job_id, version=version, strategy="segment",
                   sizes=Sizes(attn=n, mlp=32 * n, vocab=32 * n),
                   entries=[m.PlanEntry(node_id=node, rank=r, attn=1, mlp=32, vocab=32, predicted_compute_s=0.1,
                                        predicted_memory=1.0, memory_cap=2.0) for r, node in enumerate(nodes)],
