@@ -22,6 +22,7 @@ from pydantic import Field
 
 from xronos.bench.rankdata import BaselineRankConfig, batch_source, broadcast_batch
 from xronos.node.metrics import Rusage
+from xronos.node.optim import adamw
 from xronos.node.worker import leave
 
 FIELDS = ("iteration_s", "cpu_s", "data_s", "loss", "voluntary_ctx_switches", "involuntary_ctx_switches",
@@ -59,7 +60,7 @@ def run(cfg: HFTPRankConfig) -> None:
         cfg.model_dir, distributed_config=DistributedConfig(tp_size=cfg.world_size), dtype=torch.float32,
         pad_token_id=int(header[0]))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     batches = source.train_batches() if source is not None else None
     rusage = Rusage()
     rows = []

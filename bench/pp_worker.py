@@ -26,6 +26,7 @@ from pydantic import Field
 from xronos.bench.pp_model import Stage, StageSpan, num_blocks
 from xronos.bench.rankdata import BaselineRankConfig, batch_source, broadcast_batch
 from xronos.node.metrics import Rusage
+from xronos.node.optim import adamw
 
 
 class PPRankConfig(BaselineRankConfig):
@@ -133,7 +134,7 @@ def run(cfg: PPRankConfig) -> None:
     start, stop = cfg.spans[cfg.rank]
     stage = Stage(cfg.model_dir, StageSpan(start, stop, B), pad_id, dropout=cfg.dropout)
     stage.train()
-    opt = torch.optim.AdamW([p for _, p in stage.owned_parameters()], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = adamw([p for _, p in stage.owned_parameters()], lr=cfg.lr, weight_decay=cfg.weight_decay)
     pipe = Pipe(stage, cfg.rank, world, cfg.micro_batches, stage.config.hidden_size)
     batches = source.train_batches() if source is not None else None
     rusage = Rusage()

@@ -39,6 +39,7 @@ from xronos.node.models.registry import family_for
 from xronos.node.runconfig import RunConfig
 from xronos.node.streaming import load_shard, share_json
 from xronos.node.tp.group import TPGroup
+from xronos.node.optim import adamw
 from xronos.node.tp.layout import ShardLayout
 from xronos.protocol.layout import Layout
 from xronos.node.trainer import BatchChannel, evaluate, lr_factor, train_step
@@ -173,7 +174,7 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
     opt_holder: list[torch.optim.AdamW] = []
 
     def moments(src) -> None:
-        opt_holder.append(torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay))
+        opt_holder.append(adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay))
         if k > 0:
             load_moments(opt_holder[0], model, specs, src, k)
 

@@ -19,6 +19,7 @@ from torch.autograd.profiler import record_function
 from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.loading import init_random
 from xronos.node.models.registry import family_for
+from xronos.node.optim import adamw
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.protocol.layout import Layout
@@ -180,7 +181,7 @@ class ProfilingSet:
         self.groups = self._groups(config, task, batch, seq, seed)
         # AdamW's default weight decay (0.01) is not the trainer's (the job's, 0 by default): the
         # decay is a pass over every parameter, 30% of RoBERTa-base's optimizer step here.
-        self.opts = {k: torch.optim.AdamW(ps, lr=2e-5, weight_decay=weight_decay)
+        self.opts = {k: adamw(ps, lr=2e-5, weight_decay=weight_decay)
                      for k, ps in self.groups.items() if ps}
         # A layer is partitioned when it holds partitioned parameters — or, for the LM head, when
         # its compute is vocabulary-parallel even though its weight is tied to the embedding's.

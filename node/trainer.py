@@ -22,6 +22,7 @@ from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.common import num_labels
 from xronos.node.models.loading import SafetensorsSource, materialize
 from xronos.node.models.registry import family_for
+from xronos.node.optim import adamw
 from xronos.node.runconfig import RunConfig
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
@@ -199,7 +200,7 @@ def run_rank(cfg: RunConfig, group: TPGroup, on_iteration: OnIteration | None = 
     model.train()
     specs = model.tensor_specs()
     replicated = {name for name, s in specs.items() if s.dim is None}
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps))
     channel = BatchChannel(cfg, group, source, bool(token_types))
 
