@@ -65,13 +65,16 @@ def summarize_strategy(name: str, entry: dict, shares: list[float], warmup: int)
             node |= {"units": r["units"], "compute_s": statistics.mean(x["compute_s"] for x in s),
                      "comm_s": statistics.mean(x["comm_s"] for x in s),
                      "data_s": statistics.mean(x["data_s"] for x in s),
-                     "idle_ratio": statistics.mean(x["idle_s"] for x in s) / it}
+                     "idle_ratio": statistics.mean(x["idle_s"] for x in s) / it,
+                     "idle_ratio_stdev": statistics.pstdev(x["idle_s"] / x["iteration_s"] for x in s),
+                     "compute_s_stdev": statistics.pstdev(x["compute_s"] for x in s)}
             node |= {k: r[k] for k in KINDS if k in r}
             kinds = _kind_means(s)
             if kinds:
                 node["compute_by_kind_s"] = kinds
         if "recv_wait_s" in s[0]:  # pipeline
-            node |= {"span": r["span"], "idle_ratio": statistics.mean(x["recv_wait_s"] for x in s) / it}
+            node |= {"span": r["span"], "idle_ratio": statistics.mean(x["recv_wait_s"] for x in s) / it,
+                     "idle_ratio_stdev": statistics.pstdev(x["recv_wait_s"] / x["iteration_s"] for x in s)}
         if "cpu_s" in s[0]:
             util = statistics.mean(x["cpu_s"] for x in s) / (shares[r["device"]] * it)
             node["cpu_idle_ratio"] = max(0.0, 1.0 - util)
