@@ -1,12 +1,13 @@
 """One benchmark cell: a scenario x a model shape x several strategies, measured side by side.
 
 `validate` refuses bad input before anything is written or spawned: unknown scenario, model or
-strategy names, shares the machine cannot enforce, a model that cannot fit the emulated memory
-caps, a network rate this machine cannot emulate (not root, no iproute2, no namespaces). `run_cell`
-then writes the checkpoint and data to a scratch directory, profiles each distinct device in its
-cgroup, runs each strategy (each rank behind its emulated link), and returns the result document
-(raw numbers, summaries, environment). Nothing is written to the results directory here (see
-`results.write`).
+strategy names, shares the machine cannot enforce, a memory scale out of range, a network rate this
+machine cannot emulate (not root, no iproute2, no namespaces). `run_cell` then writes the checkpoint
+and data to a scratch directory, profiles each distinct device in its cgroup, plans and runs each
+strategy (each rank behind its emulated link, under its memory cap), and returns the result
+document (raw numbers, plans, summaries, environment). A model that cannot fit the caps at all, or
+a plan over a cap, is a result (`infeasible`), not an error. Nothing is written to the results
+directory here (see `results.write`).
 """
 
 from __future__ import annotations
