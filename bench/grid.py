@@ -94,7 +94,7 @@ def summary_markdown(docs: list[dict], tta: dict | None, seconds: float) -> str:
 
     def scale(d):
         v = d["scenario"].get("mem_scale")
-        return "none" if not any(d["scenario"]["memory_caps"]) else ("–" if v is None else f"{v:.3f}")
+        return "none" if not any(d["scenario"]["memory_caps"]) else ("fixed" if v is None else f"{v:.3f}")
 
     for d in docs:
         x = d["summary"].get("xronos", {})
