@@ -12,8 +12,8 @@ cut; the order with the lowest predicted 1F1B iteration time wins:
 
 Memory of a stage: its layers' weights+grads+AdamW state plus the activations of the micro-batches
 in flight — 1F1B keeps at most min(M, P - s) of them on pipeline stage s — plus the largest of its
-layers' transient memory (`transient_memory`, optional: e.g. one fp32 copy of a layer's parameters,
-which the embedding's dense gradient and the per-tensor AdamW step allocate on top).
+layers' transient memory (`transient_memory`, optional: e.g. fp32 copies of a layer's parameters,
+which loading, the embedding's dense gradient and the per-tensor AdamW step allocate on top).
 """
 
 from __future__ import annotations
