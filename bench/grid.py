@@ -2,12 +2,18 @@
 
     .venv/bin/python -m xronos.bench.grid [--quick] [--out bench/results]
 
-Cells run one after another (each needs the whole machine's CPU). Shapes are the paper's with one
-transformer block kept (`--blocks 1`, full layer width) so that the grid fits in under 40 minutes on
-two idle cores; every table says so. Every rank sits behind an emulated 1 Gbit/s link, the paper's
-LAN (network namespaces + tc, `bench/netem.py`; needs root, like the cgroup quotas). The grid's
-summary (grid.md, grid-iteration.png, grid-predicted.png) collects the per-cell ratios; a cell that
-fails is reported, not fatal.
+Cells run one after another (each needs the whole machine's CPU). Shapes are the paper's at full
+layer width with a realistic depth (`workloads.realistic_blocks`: at least 6 transformer blocks or a
+quarter of the model, whichever is more), so the vocabulary does not dominate and the pipeline has
+blocks to pipeline; every table says how many blocks. Memory caps scale with the fraction of the
+model's parameters kept (`scenarios.py`), so a cell binds memory exactly when the full model would
+on the real devices; a strategy whose plan exceeds a cap is reported infeasible, not timed. The
+heterogeneous cells compare xronos (per-segment planner), xronos-paper (the paper's head-tied
+greedy) and uniform side by side, with the pipeline, and transformers' own TP where it can shard
+(LLaMA, head counts and MLP width divisible by the ranks). Every rank sits behind an emulated
+1 Gbit/s link, the paper's LAN (network namespaces + tc, `bench/netem.py`; needs root, like the
+cgroup quotas). The grid's summary (grid.md, grid-iteration.png, grid-predicted.png) collects the
+per-cell ratios; a cell that fails is reported, not fatal.
 """
 
 from __future__ import annotations
@@ -20,41 +26,63 @@ from pathlib import Path
 
 from xronos.bench.harness import CellSpec
 from xronos.bench.netem import PAPER_RATE_MBIT
+from xronos.bench.workloads import realistic_blocks
 
-TP = ("xronos", "uniform", "pp")  # every cell: CellSpec's default network, the paper's 1 Gbit/s
+TP = ("xronos", "xronos-paper", "uniform", "pp")  # every cell: CellSpec's default network, the paper's 1 Gbit/s
+# Iterations per strategy, the first WARMUP excluded: the first step runs 1.5-2.5x slow (allocation),
+# the second still up to 5-8 % slow (pp, and TP on the larger LLaMA), from the third on steps agree
+# within a few per cent (the sd every table gives: 2-4 % of a step on GPT-2-Medium at 6 blocks, measured
+# under load). 8 measured steps where a step takes ~3 s, 6 on the 4-8 s TinyLlama cell; the grid's time
+# goes mostly into fixed costs (profiling, ~60-110 s a cell; ~30-40 s to start each run).
+ITERS, WARMUP = 10, 2
+
+
+def _cell(scenario: str, model: str, strategies: tuple[str, ...] = TP, **kw) -> CellSpec:
+    kw.setdefault("blocks", realistic_blocks(model))
+    return CellSpec(scenario, model, strategies, iters=kw.pop("iters", ITERS), warmup=kw.pop("warmup", WARMUP), **kw)
+
+
 STANDARD: list[CellSpec] = [
-    CellSpec("set-a", "gpt2-medium", TP, iters=8, blocks=1, seq_len=32),
-    CellSpec("set-b", "gpt2-medium", TP, iters=8, blocks=1, seq_len=32),
-    CellSpec("set-c", "gpt2-medium", TP, iters=8, blocks=1, seq_len=32),
-    CellSpec("set-a", "roberta-base", TP, iters=8, blocks=2, seq_len=64),
-    # The homogeneous control: transformers' own TP runs here (16 heads, 5632 divide 4).
-    # No memory caps here: this cell compares speed, and transformers' loader peaks above 1 GiB.
-    CellSpec("homo", "mobilellama-1.4b", ("xronos", "uniform", "hf-tp"), iters=8, blocks=1, seq_len=32,
-             mem_scale=None),
+    _cell("set-a", "gpt2-medium", seq_len=32),
+    _cell("set-b", "gpt2-medium", seq_len=32),
+    _cell("set-c", "gpt2-medium", seq_len=32),
+    _cell("set-a", "roberta-base", seq_len=64),
+    # Grouped-query attention: 4 attention units (KV-head groups) over Set-B's 4 ranks, and 32 heads,
+    # 4 KV heads and 5632 MLP columns divide 4, so transformers' own TP runs here too.
+    _cell("set-b", "tinyllama-1.1b", (*TP, "hf-tp"), seq_len=32, iters=8),
+    # The homogeneous control: transformers' own TP runs here (16 heads, 5632 divide 4). No memory
+    # caps: this cell compares speed, and transformers' loader peaks above the scaled caps.
+    _cell("homo", "mobilellama-1.4b", ("xronos", "uniform", "hf-tp"), blocks=1, seq_len=32, mem_scale=None,
+          iters=8),
 ]
 QUICK: list[CellSpec] = [STANDARD[0], STANDARD[-1]]
 TTA = dict(scenario="set-a", strategies=("xronos", "uniform", "pp"), steps=40, bandwidth_mbit=PAPER_RATE_MBIT)
+COLUMNS = ("xronos", "xronos-paper", "uniform", "pp", "hf-tp")
 
 
 def summary_markdown(docs: list[dict], tta: dict | None, seconds: float) -> str:
-    from xronos.bench.results import network
+    from xronos.bench.results import memory_note, network
 
     nets = sorted({network(d) for d in docs})
     lines = ["# Benchmark grid", "",
              f"{len(docs)} cells in {seconds / 60:.1f} min. Machine: {docs[0]['environment']['cpu_model']}, "
              f"{docs[0]['environment']['cores']} cores (shared with other work: see each cell's load average). "
-             f"Network: {'; '.join(nets)}.", "",
-             "| cell | xronos s | uniform s | pp s | hf-tp s | xronos/uniform | xronos/pp | xronos/ideal (measured fit) | "
-             "xronos/ideal (profile) | "
-             "uniform/hf-tp | max idle xronos | max idle uniform | MAPE xronos |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Network: {'; '.join(nets)}. Iteration times are the mean over the measured steps ± their sd.", "",
+             "| cell | blocks | mem scale | " + " | ".join(f"{c} s" for c in COLUMNS) + " | xronos/uniform | "
+             "xronos/xronos-paper | xronos/pp | xronos/ideal (measured fit) | xronos/ideal (whole heads) | "
+             "xronos/ideal (profile) | uniform/hf-tp | max idle xronos | max idle xronos-paper | max idle uniform | "
+             "MAPE xronos |",
+             "|" + "---|" * (3 + len(COLUMNS) + 11)]
 
     def it(d, s):
         v = d["summary"].get(s)
         if v:
-            return f"{v['iteration_s']:.3f}"
+            same = f" (= {v['same_layout_as']})" if v.get("same_layout_as") else ""
+            return f"{v['iteration_s']:.3f} ± {v['iteration_s_stdev']:.3f}{same}"
         e = d["strategies"].get(s)
-        return "–" if e is None else ("n/a" if "not_run" in e else "failed")
+        if e is None:
+            return "–"
+        return "n/a" if "not_run" in e else ("infeasible" if "infeasible" in e else "failed")
 
     def ratio(d, k):
         v = d["ratios"].get(k)
@@ -64,12 +92,25 @@ def summary_markdown(docs: list[dict], tta: dict | None, seconds: float) -> str:
         v = d["summary"].get(s)
         return "–" if not v else f"{100 * v['max_idle_ratio']:.1f}%"
 
+    def scale(d):
+        v = d["scenario"].get("mem_scale")
+        return "none" if not any(d["scenario"]["memory_caps"]) else ("fixed" if v is None else f"{v:.3f}")
+
     for d in docs:
         x = d["summary"].get("xronos", {})
-        lines.append(f"| {d['spec']['cell_name']} | {it(d, 'xronos')} | {it(d, 'uniform')} | {it(d, 'pp')} | "
-                     f"{it(d, 'hf-tp')} | {ratio(d, 'xronos/uniform')} | {ratio(d, 'xronos/pp')} | "
-                     f"{ratio(d, 'xronos/ideal (measured fit)')} | {ratio(d, 'xronos/ideal (profile)')} | {ratio(d, 'uniform/hf-tp')} | {idle(d, 'xronos')} | "
-                     f"{idle(d, 'uniform')} | {x.get('mape_pct', float('nan')):.1f}% |")
+        mape = x.get("mape_pct")
+        lines.append(f"| {d['spec']['cell_name']} | {d['model']['blocks']}/{d['model']['paper_blocks']} | {scale(d)} | "
+                     + " | ".join(it(d, c) for c in COLUMNS) + " | "
+                     f"{ratio(d, 'xronos/uniform')} | {ratio(d, 'xronos/xronos-paper')} | {ratio(d, 'xronos/pp')} | "
+                     f"{ratio(d, 'xronos/ideal (measured fit)')} | {ratio(d, 'xronos/ideal (measured fit, whole heads)')} | "
+                     f"{ratio(d, 'xronos/ideal (profile)')} | {ratio(d, 'uniform/hf-tp')} | {idle(d, 'xronos')} | "
+                     f"{idle(d, 'xronos-paper')} | {idle(d, 'uniform')} | "
+                     f"{'–' if mape is None else f'{mape:.1f}%'} |")
+    lines += ["", "Memory caps per cell: " + "; ".join(f"{d['spec']['cell_name']}: {memory_note(d)}" for d in docs)]
+    infeasible = [f"{d['spec']['cell_name']} {s}: {e['infeasible'].splitlines()[0][:200]}"
+                  for d in docs for s, e in d["strategies"].items() if "infeasible" in e]
+    if infeasible:
+        lines += ["", "Infeasible (plan over a memory cap; not timed): " + "; ".join(infeasible)]
     if tta:
         lines += ["", "Time to accuracy (MiniLM, target "
                   f"{tta['tta']['target']:.0%}): " + ", ".join(

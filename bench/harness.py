@@ -1,12 +1,13 @@
 """One benchmark cell: a scenario x a model shape x several strategies, measured side by side.
 
 `validate` refuses bad input before anything is written or spawned: unknown scenario, model or
-strategy names, shares the machine cannot enforce, a model that cannot fit the emulated memory
-caps, a network rate this machine cannot emulate (not root, no iproute2, no namespaces). `run_cell`
-then writes the checkpoint and data to a scratch directory, profiles each distinct device in its
-cgroup, runs each strategy (each rank behind its emulated link), and returns the result document
-(raw numbers, summaries, environment). Nothing is written to the results directory here (see
-`results.write`).
+strategy names, shares the machine cannot enforce, a memory scale out of range, a network rate this
+machine cannot emulate (not root, no iproute2, no namespaces). `run_cell` then writes the checkpoint
+and data to a scratch directory, profiles each distinct device in its cgroup, plans and runs each
+strategy (each rank behind its emulated link, under its memory cap), and returns the result
+document (raw numbers, plans, summaries, environment). A model that cannot fit the caps at all, or
+a plan over a cap, is a result (`infeasible`), not an error. Nothing is written to the results
+directory here (see `results.write`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import structlog
 from xronos.bench import netem
 from xronos.bench import strategies as st
 from xronos.bench.emulator import Confinement, RankLimits, find_controller, usable_cores, validate_limits
-from xronos.bench.scenarios import DEFAULT_MEM_SCALE, PI5_SHARE, Scenario, get_scenario
-from xronos.bench.workloads import PAPER_BLOCKS, get_shape, shape_config, write_checkpoint, write_dataset
+from xronos.bench.scenarios import DEFAULT_MEM_SCALE, KEPT, PI5_SHARE, Scenario, get_scenario
+from xronos.bench.workloads import (
+    PAPER_BLOCKS, get_shape, kept_fraction, kind_parameters, parameter_count, shape_config, write_checkpoint, write_dataset,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +44,9 @@ class CellSpec:
     blocks: int | None = None
     batch_size: int = 8
     micro_batches: int = 8
-    mem_scale: float | None = DEFAULT_MEM_SCALE
+    # Memory caps: "kept" (parameters kept / full model: the cell binds memory when the full model
+    # would on the real devices), a number in (0, 1], or None (no caps). See scenarios.py.
+    mem_scale: float | str | None = DEFAULT_MEM_SCALE
     unit_share: float = PI5_SHARE
     # Every rank's link rate, emulated with network namespaces + tc (bench/netem.py); the paper's
     # LAN is 1 Gbit/s. 0 = plain loopback (no limit).
@@ -66,14 +71,24 @@ def network_suffix(rate_mbit: float) -> str:
 
 
 def _param_count(config: dict) -> int:
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    return parameter_count(config)
 
-    cfg = AutoConfig.for_model(config["model_type"], num_labels=2,
-                               **{k: v for k, v in config.items() if k != "model_type"})
-    with torch.device("meta"):
-        model = AutoModelForSequenceClassification.from_config(cfg)
-    return sum(p.numel() for p in model.parameters())
+
+def mem_scale_of(spec: CellSpec) -> float | None:
+    """The cell's memory scale as a number: "kept" = parameters kept / parameters of the full model
+    (`workloads.kept_fraction`), a number as given, None = no caps."""
+    if spec.mem_scale == KEPT:
+        return kept_fraction(spec.model, spec.blocks)
+    if spec.mem_scale is None:
+        return None
+    v = spec.mem_scale
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 < v <= 1):
+        raise ValueError(f"--mem-scale must be a number in (0, 1], {KEPT!r} or 'none', got {v!r}")
+    return float(v)
+
+
+def cell_caps(spec: CellSpec, sc: Scenario | None = None) -> list[int | None]:
+    return (sc or get_scenario(spec.scenario)).memory_caps(mem_scale_of(spec))
 
 
 def validate(spec: CellSpec) -> tuple[Scenario, dict]:
@@ -99,7 +114,7 @@ def validate(spec: CellSpec) -> tuple[Scenario, dict]:
         raise ValueError(f"unit share must be > 0, got {spec.unit_share}")
     check_bandwidth(spec.bandwidth_mbit)
     # Can this machine enforce the shares and caps? (EmulatorError is a ValueError.)
-    caps = sc.memory_caps(spec.mem_scale)
+    caps = cell_caps(spec, sc)
     lims = [RankLimits(s, c) for s, c in zip(sc.shares(spec.unit_share), caps)]
     cpu = find_controller("cpu")
     if cpu is None:
@@ -109,19 +124,23 @@ def validate(spec: CellSpec) -> tuple[Scenario, dict]:
     validate_limits(lims, usable_cores(), cpu_limit_of(cpu))
     if any(c is not None for c in caps) and find_controller("memory") is None:
         raise ValueError("memory caps asked for (--mem-scale) but no writable cgroup memory controller")
-    # Does the model fit the caps at all? Weights + grads + two AdamW moments, 16 B per fp32
-    # parameter, spread perfectly, plus each rank's runtime: a necessary condition for every strategy.
-    if all(c is not None for c in caps):
-        need = 16 * _param_count(config) + len(caps) * st.RUNTIME_RESERVE
-        if need > sum(caps):
-            raise ValueError(
-                f"{spec.model} with {config.get('n_layer') or config.get('num_hidden_layers')} blocks "
-                f"needs at least {need / 2**30:.2f} GiB (weights, grads, AdamW state, runtime) but the "
-                f"emulated caps of {sc.name} total {sum(caps) / 2**30:.2f} GiB "
-                f"({[round(c / 2**30, 2) for c in caps]}); use fewer --blocks or a larger --mem-scale")
     if spec.bandwidth_mbit:
         netem.check_available()  # builds and removes a one-rank network: refuses naming what failed
     return sc, config
+
+
+def memory_shortfall(spec: CellSpec, sc: Scenario, config: dict, caps: list[int | None]) -> str | None:
+    """Why no strategy can fit the caps, or None. Weights + grads + two AdamW moments, 16 B per fp32
+    parameter, spread perfectly, plus each rank's runtime: a necessary condition for every strategy.
+    A cell that fails it is reported infeasible for every strategy (not an error: it is a result)."""
+    if not all(c is not None for c in caps):
+        return None
+    need = 16 * _param_count(config) + len(caps) * st.RUNTIME_RESERVE
+    if need <= sum(caps):
+        return None
+    return (f"{spec.model} with {config.get('n_layer') or config.get('num_hidden_layers')} blocks needs at "
+            f"least {need / 2**30:.2f} GiB (weights, grads, AdamW state, runtime) but the emulated caps of "
+            f"{sc.name} total {sum(caps) / 2**30:.2f} GiB ({[round(c / 2**30, 2) for c in caps]})")
 
 
 def check_bandwidth(rate_mbit: float) -> None:
@@ -151,38 +170,61 @@ def run_cell(spec: CellSpec, scratch: str | None = None) -> dict:
     cpu = find_controller("cpu")
     env = environment(cpu.version if cpu else None)
     env["network"] = netem.describe(spec.bandwidth_mbit)
+    scale, caps = mem_scale_of(spec), cell_caps(spec, sc)
     doc: dict = {"spec": asdict(spec) | {"cell_name": spec.cell_name}, "environment": env,
                  "scenario": {"name": sc.name, "note": sc.note, "devices": [asdict(d) for d in sc.devices],
-                              "shares": sc.shares(spec.unit_share), "memory_caps": sc.memory_caps(spec.mem_scale),
+                              "shares": sc.shares(spec.unit_share), "memory_caps": caps,
+                              "mem_scale": scale, "mem_scale_basis": _scale_basis(spec),
+                              "runtime_reserve": st.RUNTIME_RESERVE,
                               "ideal_ratio_to_uniform_from_speeds": sc.ideal_ratio_to_uniform()},
                  "model": {"name": spec.model, "blocks": spec.blocks or PAPER_BLOCKS[spec.model],
                            "paper_blocks": PAPER_BLOCKS[spec.model], "config": config,
-                           "parameters": _param_count(config)},
+                           "parameters": _param_count(config),
+                           "full_parameters": _param_count(shape_config(spec.model, None)),
+                           "kind_parameters": kind_parameters(config)},
                  "strategies": {}}
-    with tempfile.TemporaryDirectory(prefix="xronos-bench-", dir=scratch) as tmp:
-        work = Path(tmp)
-        model_dir = write_checkpoint(work / "model", config, seed=spec.seed)
-        rows = spec.batch_size * (spec.iters + 2)
-        data = write_dataset(work / "data.jsonl", rows, spec.seq_len, get_shape(spec.model)["vocab_size"],
-                             seed=spec.seed)
-        ctx = st.Ctx(work, model_dir, data, config, sc.shares(spec.unit_share), sc.memory_caps(spec.mem_scale),
-                     [d.name for d in sc.devices], spec.batch_size, spec.seq_len, spec.micro_batches,
-                     spec.iters, spec.lr, spec.seed, bandwidth_mbit=spec.bandwidth_mbit)
-        doc["strategies"] = run_strategies(spec, sc, config, ctx, doc)
+    short = memory_shortfall(spec, sc, config, caps)
+    if short:  # a result, not an error: nothing can run, and the cell says why
+        log.warning("bench.cell_infeasible", cell=spec.cell_name, reason=short)
+        doc["strategies"] = {s: {"infeasible": short, "wall_s": 0.0} for s in spec.strategies}
+    else:
+        with tempfile.TemporaryDirectory(prefix="xronos-bench-", dir=scratch) as tmp:
+            work = Path(tmp)
+            model_dir = write_checkpoint(work / "model", config, seed=spec.seed)
+            rows = spec.batch_size * (spec.iters + 2)
+            data = write_dataset(work / "data.jsonl", rows, spec.seq_len, get_shape(spec.model)["vocab_size"],
+                                 seed=spec.seed)
+            ctx = st.Ctx(work, model_dir, data, config, sc.shares(spec.unit_share), caps,
+                         [d.name for d in sc.devices], spec.batch_size, spec.seq_len, spec.micro_batches,
+                         spec.iters, spec.lr, spec.seed, bandwidth_mbit=spec.bandwidth_mbit)
+            doc["strategies"] = run_strategies(spec, sc, config, ctx, doc)
     env["loadavg_end"] = os.getloadavg()
     env["finished_at"] = time.time()
     return doc
 
 
+def _scale_basis(spec: CellSpec) -> str:
+    if spec.mem_scale == KEPT:
+        return "parameters kept / parameters of the full model"
+    return "no caps" if spec.mem_scale is None else "given (--mem-scale)"
+
+
 def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc: dict) -> dict:
-    """Profile the devices (into doc), then run every strategy; a failing one is recorded, not fatal."""
+    """Profile the devices (into doc), then run every strategy; a failing one is recorded, not fatal.
+
+    A strategy whose plan exceeds a memory cap is recorded as infeasible with the plan and the
+    numbers (`infeasible`), never timed. A TP strategy whose layout equals one already measured in
+    this cell is not run again: it gets that run's numbers and says so (`same_layout_as`), so two
+    identical plans never show run-to-run noise as a difference."""
     want_tp = any(s in st.TP_STRATEGIES for s in spec.strategies)
     tp_reason = _tp_unavailable(ctx.model_dir) if want_tp else None
+    want_hf_caps = "hf-tp" in spec.strategies and any(c is not None for c in ctx.caps)
     t0 = time.perf_counter()
-    profiles = st.profile_devices(ctx, want_tp and tp_reason is None, "pp" in spec.strategies)
+    profiles = st.profile_devices(ctx, (want_tp or want_hf_caps) and tp_reason is None, "pp" in spec.strategies)
     doc["profiling_s"] = time.perf_counter() - t0
     doc["profiles"] = profiles
     out: dict[str, dict] = {}
+    measured: dict[str, str] = {}  # layout text -> the strategy that measured it
     for strat in spec.strategies:
         log.info("bench.strategy", cell=spec.cell_name, strategy=strat)
         entry: dict = {}
@@ -191,11 +233,26 @@ def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc:
             if strat in st.TP_STRATEGIES:
                 if tp_reason:
                     raise _NotRun(tp_reason)
+                entry["planner_strategy"] = st.planner_strategy(strat)
                 plan = st.tp_plan(ctx, profiles, strat)
                 entry["plan"] = _plan_dict(plan)
-                entry["raw"] = st.run_tp(ctx, plan.layout, strat)
+                why = st.over_cap(plan)
+                if why:
+                    raise st.Infeasible(why)
+                key = plan.layout.to_text()
+                if key in measured:
+                    entry["same_layout_as"] = measured[key]
+                    entry["raw"] = out[measured[key]]["raw"]
+                else:
+                    entry["raw"] = st.run_tp(ctx, plan.layout, strat)
+                    measured[key] = strat
             elif strat == "pp":
-                plan = st.pp_plan(ctx, profiles)
+                from xronos.bench.pp_plan import InfeasiblePipeline
+
+                try:
+                    plan = st.pp_plan(ctx, profiles)
+                except InfeasiblePipeline as exc:
+                    raise st.Infeasible(str(exc)) from None
                 entry["plan"] = _plan_dict(plan)
                 entry["raw"] = st.run_pp(ctx, plan)
             else:
@@ -204,9 +261,17 @@ def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc:
                 reason = supported(config, sc.n)
                 if reason:
                     raise _NotRun(reason)
+                if want_hf_caps and tp_reason is None:
+                    # transformers' even TP holds at least what our even split holds on every rank
+                    why = st.over_cap(st.tp_plan(ctx, profiles, "uniform"))
+                    if why:
+                        raise st.Infeasible(f"the even split does not fit ({why})")
                 entry["raw"] = st.run_hftp(ctx)
         except _NotRun as exc:
             entry["not_run"] = str(exc)
+        except st.Infeasible as exc:
+            log.warning("bench.strategy_infeasible", strategy=strat, reason=str(exc)[-500:])
+            entry["infeasible"] = str(exc)[-3000:]
         except Exception as exc:  # a strategy failing (e.g. OOM-killed) is a result, not a crash
             log.warning("bench.strategy_failed", strategy=strat, error=str(exc)[-500:])
             entry["failed"] = f"{type(exc).__name__}: {exc}"[-3000:]
@@ -231,8 +296,27 @@ def _tp_unavailable(model_dir: Path) -> str | None:
 
 
 def _plan_dict(plan) -> dict:
-    d = asdict(plan)
-    for k, v in list(d.items()):
-        if isinstance(v, float) and not math.isfinite(v):
-            d[k] = None  # JSON has no inf
+    """A planner or pipeline result as plain JSON; a TP plan also gets its layout and each row its
+    per-kind counts (`attn`, `mlp`, `vocab`; `units` = attention units), whatever the planner's
+    row type carries itself."""
+    d = _finite(asdict(plan))
+    layout = getattr(plan, "layout", None)
+    if layout is not None and hasattr(layout, "counts"):
+        d["layout"] = {k: list(layout.counts(k)) for k in ("attn", "mlp", "vocab")}
+        d["layout_text"] = layout.to_text()
+        for row in d.get("rows", []):
+            r = row["rank"]
+            row.update(attn=layout.attn[r], mlp=layout.mlp[r], vocab=layout.vocab[r], units=layout.attn[r])
     return d
+
+
+def _finite(v):
+    if hasattr(v, "model_dump"):  # a pydantic model inside a plan (Sizes, Layout)
+        v = v.model_dump(mode="json")
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no inf
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v

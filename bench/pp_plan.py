@@ -11,7 +11,9 @@ cut; the order with the lowest predicted 1F1B iteration time wins:
     T_iter ~ sum_s t_s + (M - 1) * max_s t_s        (fill/drain plus M-1 bottleneck slots)
 
 Memory of a stage: its layers' weights+grads+AdamW state plus the activations of the micro-batches
-in flight — 1F1B keeps at most min(M, P - s) of them on pipeline stage s.
+in flight — 1F1B keeps at most min(M, P - s) of them on pipeline stage s — plus the largest of its
+layers' transient memory (`transient_memory`, optional: e.g. fp32 copies of a layer's parameters,
+which loading, the embedding's dense gradient and the per-tensor AdamW step allocate on top).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def plan_pipeline(
     boundary_s: Sequence[float],  # [layer] seconds to ship this layer's output forward and its grad back
     caps: Sequence[float],  # [device] bytes
     micro_batches: int,
+    transient_memory: Sequence[float] | None = None,  # [layer] bytes held briefly on top (max per stage)
 ) -> PPPlan:
     N, L = len(layer_times), len(layer_memory)
     if N == 0 or L == 0:
@@ -60,14 +63,18 @@ def plan_pipeline(
         raise ValueError("layer_times, caps, act_memory and boundary_s disagree in length")
     if any(len(t) != L for t in layer_times):
         raise ValueError(f"every device needs a time for each of the {L} layers")
+    transient = list(transient_memory) if transient_memory is not None else [0.0] * L
+    if len(transient) != L:
+        raise ValueError(f"transient_memory needs one value for each of the {L} layers")
     orders = itertools.permutations(range(N)) if N <= 6 else [tuple(range(N))]
     best: PPPlan | None = None
     for order in orders:
-        cand = _plan_in_order(order, layer_times, layer_memory, act_memory, boundary_s, caps, micro_batches)
+        cand = _plan_in_order(order, layer_times, layer_memory, act_memory, boundary_s, caps, micro_batches,
+                              transient)
         if cand is not None and (best is None or cand.predicted_iteration_s < best.predicted_iteration_s - 1e-12):
             best = cand
     if best is None:
-        need = sum(layer_memory) + sum(act_memory)
+        need = sum(layer_memory) + sum(act_memory) + max(transient)
         raise InfeasiblePipeline(
             f"no pipeline cut fits the memory caps: the model needs {need / 2**20:.1f} MiB of weights, "
             f"gradients, optimizer state and one micro-batch of activations; the caps are "
@@ -75,7 +82,8 @@ def plan_pipeline(
     return best
 
 
-def _plan_in_order(order, layer_times, layer_memory, act_memory, boundary_s, caps, M) -> PPPlan | None:
+def _plan_in_order(order, layer_times, layer_memory, act_memory, boundary_s, caps, M,
+                   transient=None) -> PPPlan | None:
     N, L = len(order), len(layer_memory)
     pre_w = [0.0] + list(itertools.accumulate(layer_memory))
     pre_a = [0.0] + list(itertools.accumulate(act_memory))
@@ -85,7 +93,7 @@ def _plan_in_order(order, layer_times, layer_memory, act_memory, boundary_s, cap
         d = order[pos]
         t = sum(layer_times[d][j:l]) + (boundary_s[l - 1] if l < L else 0.0)
         in_flight = min(M, N - pos)  # conservative: P - s <= N - pos
-        mem = pre_w[l] - pre_w[j] + in_flight * (pre_a[l] - pre_a[j])
+        mem = pre_w[l] - pre_w[j] + in_flight * (pre_a[l] - pre_a[j]) + (max(transient[j:l]) if transient else 0.0)
         return t, mem
 
     INF = math.inf

@@ -1,27 +1,50 @@
 """Summaries, ratios and the Markdown table of a benchmark cell; atomic result files.
 
 Iteration time: a step ends when its slowest rank ends, so per step we take the max over ranks of
-the rank's iteration time, and report the mean over the steps after warm-up. Idle ratio per node:
+the rank's iteration time, and report the mean over the steps after warm-up, with the standard
+deviation over those steps (the spread the plots show as error bars). Idle ratio per node:
 - TP (ours): the trainer's idle time (own time in collectives minus the fastest rank's) / iteration;
 - pp: time blocked receiving (bubbles + transfers, which PP cannot tell apart) / iteration;
 - hf-tp: no per-collective timings exist, so 1 - CPU time / (CPU share x wall time), a
   utilisation estimate (also given for pp as a cross-check).
-MAPE: predicted (cost model) vs measured per-node compute time, over nodes holding units.
-Ideal lower bound, two ways: from the planner (profiles: fractional perfect balance) and from this
-cell's measured per-node compute times (see `measured_ideal`), each plus the measured communication.
+MAPE: predicted (cost model) vs measured per-node compute time, over nodes holding any shard.
+Ideal lower bound, two ways: from the planner (profiles: the continuous relaxation under the caps)
+and from this cell's measured per-node compute times (`measured_ideal`), each plus the measured
+communication and data time. A strategy that was not timed says why: not run (the model or world
+does not allow it), infeasible (its plan exceeds a memory cap: shown, never timed) or failed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
 from pathlib import Path
 
+TP_NAMES = ("xronos", "xronos-paper", "uniform", "xronos-optimal")  # the last: results from before issue 11
+XRONOS = ("xronos", "xronos-paper", "xronos-optimal")
+KINDS = ("attn", "mlp", "vocab")
+
 
 def _steady(iters: list[dict], warmup: int) -> list[dict]:
     return iters[warmup:] if len(iters) > warmup else iters
+
+
+def _kind_means(s: list[dict]) -> dict[str, float] | None:
+    """Mean per-kind compute (attn, mlp, vocab, rest) when the trainer reported it (issue 11)."""
+    keys = [f"compute_{k}_s" for k in (*KINDS, "rest")]
+    if not all(x.get(k) is not None for x in s for k in keys):
+        return None
+    return {k: statistics.mean(x[f"compute_{k}_s"] for x in s) for k in (*KINDS, "rest")}
+
+
+def _row_work(row: dict) -> int:
+    """Shards a plan row holds: per-kind counts, or the head-tied units of older results."""
+    if any(k in row for k in KINDS):
+        return sum(row.get(k) or 0 for k in KINDS)
+    return row.get("units", 0)
 
 
 def summarize_strategy(name: str, entry: dict, shares: list[float], warmup: int) -> dict | None:
@@ -42,9 +65,16 @@ def summarize_strategy(name: str, entry: dict, shares: list[float], warmup: int)
             node |= {"units": r["units"], "compute_s": statistics.mean(x["compute_s"] for x in s),
                      "comm_s": statistics.mean(x["comm_s"] for x in s),
                      "data_s": statistics.mean(x["data_s"] for x in s),
-                     "idle_ratio": statistics.mean(x["idle_s"] for x in s) / it}
+                     "idle_ratio": statistics.mean(x["idle_s"] for x in s) / it,
+                     "idle_ratio_stdev": statistics.pstdev(x["idle_s"] / x["iteration_s"] for x in s),
+                     "compute_s_stdev": statistics.pstdev(x["compute_s"] for x in s)}
+            node |= {k: r[k] for k in KINDS if k in r}
+            kinds = _kind_means(s)
+            if kinds:
+                node["compute_by_kind_s"] = kinds
         if "recv_wait_s" in s[0]:  # pipeline
-            node |= {"span": r["span"], "idle_ratio": statistics.mean(x["recv_wait_s"] for x in s) / it}
+            node |= {"span": r["span"], "idle_ratio": statistics.mean(x["recv_wait_s"] for x in s) / it,
+                     "idle_ratio_stdev": statistics.pstdev(x["recv_wait_s"] / x["iteration_s"] for x in s)}
         if "cpu_s" in s[0]:
             util = statistics.mean(x["cpu_s"] for x in s) / (shares[r["device"]] * it)
             node["cpu_idle_ratio"] = max(0.0, 1.0 - util)
@@ -55,10 +85,12 @@ def summarize_strategy(name: str, entry: dict, shares: list[float], warmup: int)
            "max_idle_ratio": max(n["idle_ratio"] for n in nodes),
            "comm_s": max((n.get("comm_s", 0.0) for n in nodes), default=0.0),
            "ctx_switches_per_iter": statistics.mean(n["ctx_switches_per_iter"] for n in nodes)}
+    if entry.get("same_layout_as"):
+        out["same_layout_as"] = entry["same_layout_as"]
     plan = entry.get("plan") or {}
     if "rows" in plan:  # a TP plan: predicted vs measured compute per node
         pairs = [(row["predicted_compute_s"], n["compute_s"]) for row, n in zip(plan["rows"], nodes)
-                 if row["units"] > 0]
+                 if _row_work(row) > 0]
         out["predicted_vs_measured"] = pairs
         out["mape_pct"] = 100 * statistics.mean(abs(p - m) / m for p, m in pairs)
         out["predicted_iteration_s"] = plan["predicted_iteration_s"]
@@ -73,48 +105,162 @@ def summarize(doc: dict) -> dict:
     shares = doc["scenario"]["shares"]
     summ = {k: summarize_strategy(k, v, shares, warmup) for k, v in doc["strategies"].items()}
     doc["summary"] = {k: v for k, v in summ.items() if v is not None}
-    for x in ("xronos", "xronos-optimal"):
-        if x in doc["summary"]:
-            measured = measured_ideal(doc["summary"])
-            if measured is not None:
+    ideal = measured_ideal(doc["summary"], doc.get("model", {}).get("kind_parameters"))
+    if ideal is not None:
+        doc["measured_ideal"] = ideal
+        for x in XRONOS:
+            if x in doc["summary"]:
                 x_sum = doc["summary"][x]
-                x_sum["ideal_measured_s"] = measured + x_sum["comm_s"] + max(n["data_s"] for n in x_sum["nodes"])
+                extra = x_sum["comm_s"] + max(n["data_s"] for n in x_sum["nodes"])
+                x_sum["ideal_measured_s"] = ideal["compute_s"] + extra
+                if ideal.get("compute_whole_heads_s") is not None:
+                    x_sum["ideal_measured_whole_heads_s"] = ideal["compute_whole_heads_s"] + extra
     doc["ratios"] = ratios(doc["summary"])
     return doc
 
 
-def measured_ideal(summary: dict) -> float | None:
-    """Perfect-balance compute time from *measured* per-node compute (not the profile): each
-    node's compute(units) = a + b*units fitted through its points from the TP runs of this cell
-    (two distinct unit counts; otherwise through the origin), then the continuous balance
-    sum_d (T - a_d) / b_d = H solved for T (nodes that would get a negative share dropped)."""
-    runs = [summary[k] for k in ("xronos", "xronos-optimal", "uniform") if k in summary]
-    if not runs or "units" not in runs[0]["nodes"][0]:
+# -- the measured ideal ----------------------------------------------------------------------------
+def measured_ideal(summary: dict, kind_params: dict | None = None) -> dict | None:
+    """The best compute time any layout could reach, from this cell's *measured* per-node compute
+    (not the profile): a lower bound to compare xronos' iteration with (plus its communication).
+
+    Per-kind (when the trainer reports each rank's compute split into attn / mlp / vocab / rest,
+    `compute_<kind>_s`): every synchronisation segment of an iteration belongs to one kind (the
+    compute before a collective is booked to that collective's kind), so an iteration's compute is
+    at least sum over kinds of max over nodes of that kind's compute, plus max over nodes of the rest.
+    Each node's kind-k compute is fitted as a_dk + b_dk x from the cell's TP runs (x = its count of
+    that kind; a_dk is the replicated work around the segment, which every node runs even at x = 0).
+    The rest (head, norms, clipping, the optimizer step) grows with the parameters a node holds, so
+    it is fitted as r_d + c_d P (P = parameters held, from the model's parameters per kind). The
+    bound is then the sum of the continuous balances of each kind and of the rest, each solved on
+    its own (the smallest T with sum_d (T - a_d) / b_d = total, T >= every a_d): minimising each
+    term separately can only go below the joint optimum, so it stays a lower bound. The
+    "whole heads" variant takes attention in whole units (no engine can split a head), the
+    tightest bound an integer layout can reach; the plain one is the continuous relaxation.
+
+    Without per-kind metrics (older results): each node's total compute fitted as a + b w, w = its
+    share of the model's partitioned parameters (= units / H for head-tied layouts), one balance.
+
+    Fits: least squares through a node's distinct counts (at least two). Where a node saw one
+    count only, or the fit is not physical (a < 0 or b <= 0), its slope follows the other nodes'
+    intercept-to-slope ratio (the same kernels at another speed: b = t / (kappa + x), a = kappa b;
+    kappa = 0 if no node gave a fit); a node that never held the kind gets the fastest slope seen.
+    The memory caps are not applied here (a relaxation: still a lower bound, looser only where a
+    cap binds). Returns None when no TP strategy ran."""
+    runs = _distinct_runs(summary)
+    if not runs:
         return None
+    D = len(runs[0]["nodes"])
+    if not all(len(r["nodes"]) == D for r in runs):
+        return None
+    per_kind = all("compute_by_kind_s" in n and all(k in n for k in KINDS) for r in runs for n in r["nodes"])
+    if per_kind:
+        totals = {k: sum(n[k] for n in runs[0]["nodes"]) for k in KINDS}
+        params = _per_unit_params(kind_params, totals)
+        out: dict = {"method": "per-kind", "per_kind_s": {}, "fits": {}}
+        for k in KINDS:
+            pts = [[(n[k], n["compute_by_kind_s"][k]) for n in (r["nodes"][d] for r in runs)] for d in range(D)]
+            fits = _fits(pts)
+            out["fits"][k] = fits
+            out["per_kind_s"][k] = _balance(fits, totals[k])
+            if k == "attn":
+                out["attn_whole_units_s"] = _balance_integer(fits, totals[k])
+        held = [[(sum(params[k] * n[k] for k in KINDS), n["compute_by_kind_s"]["rest"])
+                 for n in (r["nodes"][d] for r in runs)] for d in range(D)]
+        fits = _fits(held)
+        out["fits"]["rest"] = fits
+        out["per_kind_s"]["rest"] = _balance(fits, sum(params[k] * totals[k] for k in KINDS))
+        out["compute_s"] = sum(out["per_kind_s"].values())
+        out["compute_whole_heads_s"] = out["compute_s"] - out["per_kind_s"]["attn"] + out["attn_whole_units_s"]
+        return out
+    # Totals only: a node's share of the partitioned parameters (head-tied: units / H).
     H = sum(n["units"] for n in runs[0]["nodes"])
-    fits = []
-    for d in range(len(runs[0]["nodes"])):
-        pts = {n["units"]: n["compute_s"] for r in runs for n in [r["nodes"][d]] if n["units"] > 0}
-        if not pts:
-            return None
-        if len(pts) >= 2:
-            (u0, t0), (u1, t1) = min(pts.items()), max(pts.items())
-            b = (t1 - t0) / (u1 - u0)
-            a = t0 - b * u0
-            if b <= 0 or a < 0:  # noise: fall back to proportional
-                a, b = 0.0, statistics.mean(t / u for u, t in pts.items())
-        else:
-            (u, t), = pts.items()
-            a, b = 0.0, t / u
-        fits.append((a, b))
-    active = list(range(len(fits)))
-    while active:
-        T = (H + sum(fits[d][0] / fits[d][1] for d in active)) / sum(1 / fits[d][1] for d in active)
-        drop = [d for d in active if fits[d][0] > T]
-        if not drop:
-            return max(T, max(fits[d][0] for d in range(len(fits))))
-        active = [d for d in active if d not in drop]
-    return None
+    tied = not all(all(k in n for k in KINDS) for r in runs for n in r["nodes"])
+    if tied:
+        share = lambda n: n["units"] / H  # noqa: E731
+    else:
+        totals = {k: sum(n[k] for n in runs[0]["nodes"]) for k in KINDS}
+        params = _per_unit_params(kind_params, totals)
+        whole = sum(params[k] * totals[k] for k in KINDS)
+        share = lambda n: sum(params[k] * n[k] for k in KINDS) / whole  # noqa: E731
+    pts = [[(share(n), n["compute_s"]) for n in (r["nodes"][d] for r in runs)] for d in range(D)]
+    fits = _fits(pts)
+    return {"method": "total", "fits": {"total": fits}, "compute_s": _balance(fits, 1.0)}
+
+
+def _distinct_runs(summary: dict) -> list[dict]:
+    """The TP strategies' summaries, one per distinct layout (a reused measurement counts once)."""
+    seen, out = set(), []
+    for k in TP_NAMES:
+        s = summary.get(k)
+        if not s or "compute_s" not in s["nodes"][0]:
+            continue
+        key = tuple((n.get("units"), *(n.get(kk) for kk in KINDS)) for n in s["nodes"])
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def _per_unit_params(kind_params: dict | None, totals: dict[str, int]) -> dict[str, float]:
+    """Parameters per unit of each kind (all blocks); without the model's split, equal shares."""
+    if kind_params and all(kind_params.get(k) for k in KINDS):
+        return {k: kind_params[k] / totals[k] for k in KINDS}
+    return {k: 1.0 / totals[k] for k in KINDS}
+
+
+def _affine(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares a + b x through points at >= 2 distinct x; None if fewer or not physical."""
+    xs = {x for x, _ in points}
+    if len(xs) < 2:
+        return None
+    mx = statistics.mean(x for x, _ in points)
+    my = statistics.mean(t for _, t in points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (t - my) for x, t in points) / sxx
+    a = my - b * mx
+    return (a, b) if b > 0 and a >= 0 else None
+
+
+def _fits(points: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Per node (a, b) of t = a + b x (see `measured_ideal` for the fallbacks)."""
+    direct = [_affine(p) for p in points]
+    ratios = sorted(a / b for a, b in filter(None, direct))
+    kappa = ratios[len(ratios) // 2] if ratios else 0.0  # median intercept-to-slope ratio
+    fits: list[tuple[float, float] | None] = []
+    for p, fit in zip(points, direct):
+        if fit is None:
+            held = [(x, t) for x, t in p if x > 0]
+            if held:
+                x, t = statistics.mean(x for x, _ in held), statistics.mean(t for _, t in held)
+                b = t / (kappa + x)
+                fit = (kappa * b, b)
+            else:  # never held this kind: its time is the replicated work; slope from the others
+                fit = (statistics.mean(t for _, t in p), None)
+        fits.append(fit)
+    slopes = [b for _, b in fits if b]
+    fastest = min(slopes) if slopes else math.inf
+    return [(a, b if b else fastest) for a, b in fits]
+
+
+def _balance(fits: list[tuple[float, float]], total: float) -> float:
+    """Smallest T with sum_d (T - a_d) / b_d >= total and T >= max_d a_d (every node runs its
+    intercept, its replicated work, whatever share it takes)."""
+    floor = max(a for a, _ in fits)
+    inv = sum(1 / b for _, b in fits if math.isfinite(b))
+    if total <= 0 or inv == 0:
+        return floor
+    return max(floor, (total + sum(a / b for a, b in fits if math.isfinite(b))) / inv)
+
+
+def _balance_integer(fits: list[tuple[float, float]], total: int) -> float:
+    """The same in whole units: hand each unit to the node finishing first after taking it (optimal
+    for a min-max of increasing costs)."""
+    held = [0] * len(fits)
+    for _ in range(int(total)):
+        d = min(range(len(fits)), key=lambda i: (fits[i][0] + fits[i][1] * (held[i] + 1), i))
+        held[d] += 1
+    return max(a + b * h for (a, b), h in zip(fits, held))
 
 
 def ratios(s: dict) -> dict:
@@ -122,14 +268,18 @@ def ratios(s: dict) -> dict:
         return s[a]["iteration_s"] / s[b]["iteration_s"] if a in s and b in s else None
 
     out = {}
-    for x in ("xronos", "xronos-optimal"):
+    for x in XRONOS:
         if x not in s:
             continue
         out[f"{x}/uniform"] = r(x, "uniform")
+        if x == "xronos":
+            out["xronos/xronos-paper"] = r(x, "xronos-paper")
         out[f"{x}/pp"] = r(x, "pp")
         out[f"{x}/hf-tp"] = r(x, "hf-tp")
         if s[x].get("ideal_measured_s"):
             out[f"{x}/ideal (measured fit)"] = s[x]["iteration_s"] / s[x]["ideal_measured_s"]
+        if s[x].get("ideal_measured_whole_heads_s"):
+            out[f"{x}/ideal (measured fit, whole heads)"] = s[x]["iteration_s"] / s[x]["ideal_measured_whole_heads_s"]
         if s[x].get("ideal_iteration_s"):
             out[f"{x}/ideal (profile)"] = s[x]["iteration_s"] / s[x]["ideal_iteration_s"]
             if "uniform" in s:  # share of the ideal gain over uniform that was captured
@@ -153,20 +303,50 @@ def network(doc: dict) -> str:
     return doc["environment"].get("network") or describe(doc["spec"].get("bandwidth_mbit"))
 
 
+def memory_note(doc: dict) -> str:
+    """How the cell's memory caps were set (the scale and its basis)."""
+    sc, m = doc["scenario"], doc["model"]
+    if not any(sc["memory_caps"]):
+        return "none (this cell compares speed only)"
+    scale = sc.get("mem_scale")
+    if scale is None:  # results from before issue 11: RAM x a fixed scale
+        return "device RAM x the fixed --mem-scale of that time"
+    reserve = sc.get("runtime_reserve", 0) / 2**30
+    basis = sc.get("mem_scale_basis", "")
+    kept = (f": {m['parameters'] / 1e6:.1f} of {m['full_parameters'] / 1e6:.1f} M"
+            if "full_parameters" in m and basis.startswith("parameters") else "")
+    return (f"{reserve:.2f} GiB runtime + **{scale:.3f}** x (device RAM - {reserve:.2f} GiB), scale = "
+            f"{basis}{kept}; a plan over a cap is shown infeasible, not run")
+
+
+def layout_text(node_list: list[dict]) -> str:
+    if all(k in n for n in node_list for k in KINDS):
+        return "; ".join(f"{k} " + "/".join(str(n[k]) for n in node_list) for k in KINDS)
+    return "units " + "/".join(str(n["units"]) for n in node_list)
+
+
+def _why(entry: dict) -> str:
+    for key, label in (("infeasible", "INFEASIBLE"), ("not_run", "not run"), ("failed", "FAILED")):
+        if key in entry:
+            return f"{label}: {entry[key].splitlines()[0][:200]}"
+    return "?"
+
+
 def markdown(doc: dict) -> str:
     sp, sc, m, env = doc["spec"], doc["scenario"], doc["model"], doc["environment"]
     devs = ", ".join(f"{d['name']} ({d['speed']:g}x → {s:g} core"
-                     + (f", {c / 2**30:.2g} GiB" if c else "") + ")"
+                     + (f", {c / 2**30:.2f} GiB" if c else "") + ")"
                      for d, s, c in zip(sc["devices"], sc["shares"], sc["memory_caps"]))
     lines = [
         f"### {sp['cell_name']}", "",
         f"- Scenario **{sc['name']}**: {devs}",
+        f"- Memory caps: {memory_note(doc)}",
         f"- Network: **{network(doc)}**",
         f"- Model: **{m['name']} shape with {m['blocks']} of {m['paper_blocks']} transformer blocks** "
         f"(full layer width, {m.get('weights', 'random weights')}, {m['parameters'] / 1e6:.1f} M parameters), fp32, batch "
         f"{sp['batch_size']}, sequence length {sp['seq_len']}, AdamW lr {sp['lr']}, classification",
-        f"- {sp['iters']} iterations per strategy, first {sp['warmup']} excluded (warm-up); pp: "
-        f"{sp['micro_batches']} micro-batches, 1F1B",
+        f"- {sp['iters']} iterations per strategy, first {sp['warmup']} excluded (warm-up); ±sd over the "
+        f"measured steps; pp: {sp['micro_batches']} micro-batches, 1F1B",
         f"- Machine: {env['cpu_model']}, {env['cores']} cores, torch {env['torch']}, cgroup v{env['cgroup_version']}, "
         f"load average {env['loadavg_start'][0]:.2f} → {env['loadavg_end'][0]:.2f} (shared machine)", "",
         "| strategy | iteration s | ±sd | max idle | idle per node | comm s | ctx sw/iter | peak RSS MiB per node | layout | MAPE |",
@@ -175,13 +355,20 @@ def markdown(doc: dict) -> str:
     for name, entry in doc["strategies"].items():
         s = doc["summary"].get(name)
         if s is None:
-            why = entry.get("not_run") or entry.get("failed", "?")
-            lines.append(f"| {name} | {'not run' if 'not_run' in entry else 'FAILED'}: {why.splitlines()[0][:160]} |||||||||")
+            layout = ""
+            if (entry.get("plan") or {}).get("layout"):
+                layout = layout_text([{k: entry["plan"]["layout"][k][r] for k in KINDS}
+                                      for r in range(len(entry["plan"]["layout"]["attn"]))])
+            lines.append(f"| {name} | {_why(entry)} |||||||| {layout} | |")
             continue
         idle = " / ".join(_pct(n["idle_ratio"]) for n in s["nodes"])
         rss = " / ".join(f"{n['peak_rss'] / 2**20:.0f}" for n in s["nodes"])
         if "units" in s["nodes"][0]:
-            layout = "units " + "/".join(str(n["units"]) for n in s["nodes"])
+            layout = layout_text(s["nodes"])
+            if entry.get("planner_strategy") and entry["planner_strategy"] != _native(name):
+                layout += f" (planner `{entry['planner_strategy']}`: `{_native(name)}` not available)"
+            if s.get("same_layout_as"):
+                layout += f" (same layout as {s['same_layout_as']}: measured once)"
         elif "span" in s["nodes"][0]:
             layout = "stages " + " ".join(f"d{n['device']}:{n['span'][0]}-{n['span'][1]}" for n in s["nodes"])
             out = entry["raw"].get("idle_devices") or []
@@ -194,9 +381,22 @@ def markdown(doc: dict) -> str:
     if doc["ratios"]:
         lines += ["", "Ratios (iteration time; < 1 means the first is faster): " + ", ".join(
             f"**{k}** {v:.3f}" for k, v in doc["ratios"].items())]
+    ideal = doc.get("measured_ideal")
+    if ideal and ideal.get("method") == "per-kind":
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in ideal["per_kind_s"].items())
+        lines += ["", f"Measured-fit ideal compute (per kind, `measured_ideal`): {parts} s = "
+                  f"{ideal['compute_s']:.3f} s; with whole attention units {ideal['compute_whole_heads_s']:.3f} s"]
+    elif ideal:
+        lines += ["", f"Measured-fit ideal compute (node totals; no per-kind metrics): {ideal['compute_s']:.3f} s"]
     lines += ["", f"Ideal ratio to uniform from the device speeds alone (N·min s / Σs): "
               f"{sc['ideal_ratio_to_uniform_from_speeds']:.3f}"]
     return "\n".join(lines) + "\n"
+
+
+def _native(name: str) -> str:
+    from xronos.bench.strategies import TP_STRATEGIES
+
+    return TP_STRATEGIES.get(name, name)
 
 
 # -- files ---------------------------------------------------------------------------------------

@@ -17,9 +17,16 @@ everywhere and iteration times are comparable across scenarios; Set-C, the large
 5.85 x 0.30 = 1.755 cores, within the 1.8 that leaves this 2-core machine some headroom for Gloo's
 threads and the harness. Every rank runs one compute thread.
 
-Memory: the devices' RAM (8 or 16 GB) times `mem_scale` (default 1/8: a Pi 5 becomes 1 GiB), since
-`--blocks` shrinks the model by roughly the same order; the cap is enforced with the cgroup memory
-controller and a plan that needs more is refused before anything runs.
+Memory: a cell keeps only part of the model (`--blocks`), so the devices' memory is scaled by the
+same fraction, `mem_scale` = parameters kept / parameters of the full model
+(`workloads.kept_fraction`; the default, "kept"). What is scaled is the part of the RAM a model can
+use: each rank's process needs `RUNTIME_RESERVE` (Python, torch, Gloo buffers) whatever the model,
+so the cap is `RUNTIME_RESERVE + mem_scale x (RAM - RUNTIME_RESERVE)`, and the planners, which
+predict the model's memory only, plan against `mem_scale x (RAM - RUNTIME_RESERVE)`. A cell then
+binds memory exactly when the full model would on the real devices (to the accuracy of the model's
+memory being proportional to its parameters, which weights, gradients and AdamW state are). The cap
+is enforced with the cgroup memory controller; a plan that needs more is shown as infeasible and
+not run.
 """
 
 from __future__ import annotations
@@ -27,8 +34,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PI5_SHARE = 0.30  # cores per unit of speed
-DEFAULT_MEM_SCALE = 1 / 8
+KEPT = "kept"  # mem_scale: the fraction of the model's parameters a cell keeps (workloads.kept_fraction)
+DEFAULT_MEM_SCALE = KEPT
 GIB = 1 << 30
+# Bytes a rank process needs before any model tensor: Python, torch, transformers, Gloo buffers.
+# Not scaled with the model; subtracted from each cap before planning (the cost model predicts the
+# model's memory only).
+RUNTIME_RESERVE = 450 << 20
 
 
 @dataclass(frozen=True)
@@ -59,13 +71,14 @@ class Scenario:
         """CPU share (cores) per rank, rank order = device order."""
         return [round(d.speed * unit, 4) for d in self.devices]
 
-    def memory_caps(self, scale: float | None = DEFAULT_MEM_SCALE) -> list[int | None]:
-        """Memory cap (bytes) per rank, or None for all when scale is None (no caps)."""
+    def memory_caps(self, scale: float | None) -> list[int | None]:
+        """Memory cap (bytes) per rank: RUNTIME_RESERVE + scale x (RAM - RUNTIME_RESERVE); None for
+        all when scale is None (no caps). `scale` is a number here (resolve "kept" first)."""
         if scale is None:
             return [None] * self.n
-        if not scale > 0:
-            raise ValueError(f"mem_scale must be > 0, got {scale}")
-        return [int(d.memory_gb * GIB * scale) for d in self.devices]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+            raise ValueError(f"mem_scale must be a number in (0, 1], got {scale!r}")
+        return [int(RUNTIME_RESERVE + scale * (d.memory_gb * GIB - RUNTIME_RESERVE)) for d in self.devices]
 
     def ideal_ratio_to_uniform(self) -> float:
         """N·min(s)/Σs: the best iteration-time ratio perfect balancing can reach vs uniform TP."""

@@ -2,8 +2,11 @@
 
 Every strategy trains the same checkpoint on the same data file (hence the same batches), each
 rank confined to its device's CPU share and memory cap:
-- `xronos` / `xronos-optimal` / `uniform`: our engine through the trainer's `launch_local`, units
-  from the planner (greedy, optimal, Megatron-style even split) over the devices' profiles;
+- `xronos` / `xronos-paper` / `uniform`: our engine through the trainer's `launch_local`, the
+  layout from the planner over the devices' profiles: `segment` (each segment kind split on its
+  own, minimising the sum of per-segment bottlenecks under the memory caps; the default),
+  `paper` (the paper's head-tied greedy: a head with its share of the MLP and vocabulary) and
+  `uniform` (Megatron-style even split);
 - `pp`: the Asteroid-style pipeline (stages from the DP over the devices' layer profiles);
 - `hf-tp`: transformers' own even TP, where the model's sizes divide the rank count.
 With `Ctx.bandwidth_mbit` set, every launch runs its ranks in the network emulator (one namespace
@@ -23,13 +26,14 @@ from pathlib import Path
 import structlog
 
 from xronos.bench.emulator import Confinement, RankLimits
+from xronos.bench.scenarios import RUNTIME_RESERVE
 
 log = structlog.get_logger(__name__)
-TP_STRATEGIES = {"xronos": "greedy", "xronos-optimal": "optimal", "uniform": "uniform"}
+# Bench strategy -> planner strategy. Until the per-segment planner is merged, `PLANNER_FALLBACK`
+# names the head-tied strategy run instead (the plan records which one ran: "planner_strategy").
+TP_STRATEGIES = {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform"}
+PLANNER_FALLBACK = {"segment": "optimal", "paper": "greedy"}
 STRATEGIES = (*TP_STRATEGIES, "pp", "hf-tp")
-# Bytes a rank process needs before any model tensor: Python, torch, transformers, Gloo buffers.
-# Subtracted from each memory cap before planning (the cost model predicts model memory only).
-RUNTIME_RESERVE = 450 << 20
 NOMINAL_BW_BPS = 1e9 / 8  # 1 Gbit/s Ethernet (the paper's LAN) for planning inputs on loopback
 NOMINAL_LATENCY_S = 0.5e-3
 
@@ -84,7 +88,8 @@ def network_record(net) -> dict:
 
 
 def planning_caps(ctx: Ctx) -> list[float]:
-    return [1e15 if c is None else max(0.0, c - RUNTIME_RESERVE) for c in ctx.caps]
+    """Bytes of model memory each rank may use: the cap minus the runtime reserve (pipeline plan)."""
+    return [float(NO_CAP) if c is None else max(0.0, c - RUNTIME_RESERVE) for c in ctx.caps]
 
 
 # -- profiling ------------------------------------------------------------------------------------
@@ -125,22 +130,57 @@ def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int = 3) -> d
 
 
 # -- TP strategies ------------------------------------------------------------------------------
+class Infeasible(ValueError):
+    """No plan of this strategy fits the emulated memory caps (the message names needs and caps)."""
+
+
+def planner_strategy(strategy: str) -> str:
+    """The planner strategy a bench TP strategy runs: its own, or the head-tied fallback while the
+    planner does not know it yet."""
+    from xronos.gateway import planner
+
+    want = TP_STRATEGIES[strategy]
+    return want if want in planner.STRATEGIES else PLANNER_FALLBACK.get(want, want)
+
+
 def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
-    """The planner's PlanResult for this strategy over the devices' Xronos profiles."""
-    from xronos.gateway.costmodel import comm_time, node_cost, tp_comm_volume
-    from xronos.gateway.planner import plan
-    from xronos.gateway.profiles import node_profile
+    """The planner's PlanResult for this strategy over the devices' Xronos profiles: the one place
+    the bench calls the planner (`xronos.gateway.profiles.plan_reports`, what `xronos plan` runs).
+
+    Each rank's report is the profile of its device with the node id made unique and the memory the
+    planner may use set to the emulated cap (`plan_reports` subtracts `RUNTIME_RESERVE`); the
+    communication term assumes the emulated link rate. Raises `Infeasible` when the planner finds
+    no plan within the caps; a plan over a cap (uniform ignores memory) is returned with
+    `feasible=False` (see `over_cap`)."""
+    from xronos.gateway.planner import InfeasiblePlan
+    from xronos.gateway.profiles import Loaded, plan_reports
     from xronos.protocol.messages import ProfileReport
 
-    nodes = []
+    loaded = []
     for d, name in enumerate(ctx.device_names):
         report = ProfileReport.model_validate(profiles[name]["tp"])
-        nodes.append(dataclasses.replace(node_cost(node_profile(report)), node_id=f"r{d} {name}"))
-    r0 = ProfileReport.model_validate(profiles[ctx.device_names[0]]["tp"])
-    volume = tp_comm_volume(r0.arch.hidden_size, ctx.batch_size, ctx.seq_len, r0.num_blocks, "classify")
-    comm = comm_time(volume, len(nodes), planning_bw_bps(ctx), NOMINAL_LATENCY_S)
-    result = plan(nodes, r0.sizes.attn, TP_STRATEGIES[strategy], planning_caps(ctx), comm)
-    return dataclasses.replace(result, sizes=r0.sizes)
+        cap = ctx.caps[d]
+        caps = report.capabilities.model_copy(update={"memory_available": NO_CAP if cap is None else int(cap)})
+        report = report.model_copy(update={"node_id": f"r{d} {name}", "capabilities": caps})
+        loaded.append(Loaded(source=f"profile of rank {d} ({name})", report=report))
+    try:
+        return plan_reports(loaded, planner_strategy(strategy), reserve_mb=RUNTIME_RESERVE / 2**20,
+                            bandwidth_Bps=planning_bw_bps(ctx), latency_s=NOMINAL_LATENCY_S)
+    except InfeasiblePlan as exc:
+        raise Infeasible(str(exc)) from None
+
+
+def over_cap(plan) -> str | None:
+    """Why a plan does not fit (each node over its cap: predicted need and cap), or None."""
+    if getattr(plan, "feasible", True):
+        return None
+    over = [f"{r.node_id} needs {r.predicted_memory / 2**30:.2f} GiB, cap {r.memory_cap / 2**30:.2f} GiB"
+            for r in plan.rows if r.over_cap]
+    return ("plan exceeds the memory caps (model memory, runtime reserve excluded): "
+            + "; ".join(over or ["(no node named)"]))
+
+
+NO_CAP = 1 << 50  # bytes: "no cap" for the planner
 
 
 def run_tp(ctx: Ctx, layout, tag: str) -> dict:
@@ -178,7 +218,14 @@ def pp_plan(ctx: Ctx, profiles: dict[str, dict]):
     rows = max(1, ctx.batch_size // ctx.micro_batches)
     msg = rows * ctx.seq_len * hidden * 4  # one fp32 activation (and its gradient) per boundary
     boundary = [2 * (NOMINAL_LATENCY_S + msg / planning_bw_bps(ctx))] * len(weights)
-    return plan_pipeline(times, weights, acts, boundary, planning_caps(ctx), ctx.micro_batches)
+    # On top of 16 B per parameter: two fp32 copies of a stage's largest layer, held briefly (the
+    # checkpoint tensor while it is copied in, the embedding's dense per-micro-batch gradient before it
+    # is accumulated, the per-tensor AdamW temporaries; freed heap stays resident, node/allocator.py).
+    # Without it a Pi 5 stage holding the TinyLlama embedding and two blocks was planned at 2.31 GiB
+    # of its 2.41 GiB budget and OOM-killed at 2.84 GiB resident; an embedding-only stage peaked at
+    # ~2.9 GiB RSS with 1.0 GiB of weights, gradients and AdamW state.
+    transient = [w / 2 for w in weights]
+    return plan_pipeline(times, weights, acts, boundary, planning_caps(ctx), ctx.micro_batches, transient)
 
 
 def run_pp(ctx: Ctx, plan) -> dict:

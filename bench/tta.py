@@ -165,17 +165,20 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
     from xronos.bench.emulator import RankLimits, cpu_limit_of, find_controller, usable_cores, validate_limits
     from xronos.bench.harness import CellSpec, check_bandwidth, environment, network_suffix, run_strategies
     from xronos.bench.results import summarize
-    from xronos.bench.scenarios import PI5_SHARE, get_scenario
+    from xronos.bench.scenarios import KEPT, PI5_SHARE, get_scenario
 
     sc = get_scenario(scenario)
-    bad = [s for s in strategies if s not in ("xronos", "xronos-optimal", "uniform", "pp")]
+    allowed = (*st.TP_STRATEGIES, "pp")
+    bad = [s for s in strategies if s not in allowed]
     if bad or not strategies:
-        raise ValueError(f"time-to-accuracy runs xronos, xronos-optimal, uniform, pp; not {bad or 'nothing'}")
+        raise ValueError(f"time-to-accuracy runs {', '.join(allowed)}; not {bad or 'nothing'}")
     if not 0 < target <= 1:
         raise ValueError(f"--target must be an accuracy in (0, 1], got {target}")
     if steps < 2 or eval_every < 1:
         raise ValueError(f"--iters must be >= 2 and eval_every >= 1 (got {steps}, {eval_every})")
     unit = unit_share or PI5_SHARE
+    if mem_scale == KEPT:
+        mem_scale = 1.0  # the real MiniLM, whole: the devices' own memory
     shares, caps = sc.shares(unit), sc.memory_caps(mem_scale)
     cpu = find_controller("cpu")
     if cpu is None:
@@ -193,7 +196,9 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
     doc: dict = {"spec": asdict(spec) | {"cell_name": spec.cell_name},
                  "environment": environment(cpu.version) | {"network": netem.describe(bandwidth_mbit)},
                  "scenario": {"name": sc.name, "note": sc.note, "devices": [asdict(d) for d in sc.devices],
-                              "shares": shares, "memory_caps": caps,
+                              "shares": shares, "memory_caps": caps, "mem_scale": mem_scale,
+                              "mem_scale_basis": "the whole model, so the devices' RAM" if mem_scale == 1.0
+                              else "given (--mem-scale)", "runtime_reserve": st.RUNTIME_RESERVE,
                               "ideal_ratio_to_uniform_from_speeds": sc.ideal_ratio_to_uniform()},
                  "model": {"name": "MiniLM-L6 (all-MiniLM-L6-v2, pretrained)", "blocks": 6, "paper_blocks": 6,
                            "config": config, "parameters": 22.7e6, "weights": "pretrained weights"}}

@@ -2,15 +2,24 @@
 synthetic labelled dataset — all written to disk once and read by every strategy alike.
 
 Shapes (paper Table III): RoBERTa-Base (encoder, 12 blocks), GPT-2-Medium (decoder, 24 blocks),
-MobileLLaMA-1.4B (decoder, 24 blocks). `blocks` keeps fewer transformer blocks at the full layer
-shape (hidden size, heads, MLP width, vocabulary) so a run fits this machine; every table states it.
-Dropout is 0 so that every strategy computes the same function (no random streams to align).
+MobileLLaMA-1.4B (decoder, 24 blocks); and TinyLlama-1.1B (decoder, 22 blocks, grouped-query attention:
+32 query heads over 4 KV heads, so 4 attention units), the numbers of its public Hugging Face config
+(TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T). `blocks` keeps fewer transformer blocks at
+the full layer shape (hidden size, heads, MLP width, vocabulary) so a run fits this machine; every
+table states it, and `realistic_blocks` is the grid's depth rule. Dropout is 0 so that every
+strategy computes the same function (no random streams to align).
+
+`kind_parameters` splits a shape's parameters by segment kind (attention units, MLP columns,
+vocabulary rows, replicated), which the memory scale (`kept_fraction`) and the measured ideal's
+optimizer model (`bench/results.py`) use.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
+import re
 from pathlib import Path
 
 SHAPES: dict[str, dict] = {
@@ -26,8 +35,14 @@ SHAPES: dict[str, dict] = {
         model_type="llama", hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
         num_key_value_heads=16, intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
         rms_norm_eps=1e-6, tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=0),
+    "tinyllama-1.1b": dict(
+        model_type="llama", hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_dropout=0.0,
+        pad_token_id=0),
 }
-PAPER_BLOCKS = {"roberta-base": 12, "gpt2-medium": 24, "mobilellama-1.4b": 24}
+PAPER_BLOCKS = {"roberta-base": 12, "gpt2-medium": 24, "mobilellama-1.4b": 24, "tinyllama-1.1b": 22}
+MIN_BLOCKS = 6  # the grid's depth rule: at least this many blocks, or a quarter of the model
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 
 
@@ -51,6 +66,54 @@ def shape_config(name: str, blocks: int | None) -> dict:
             raise ValueError(f"--blocks must be an integer in [1, {full}] for {name}, got {blocks!r}")
         cfg[layers_key(cfg)] = blocks
     return cfg
+
+
+def realistic_blocks(name: str) -> int:
+    """The grid's depth: at least `MIN_BLOCKS` transformer blocks or a quarter of the model,
+    whichever is more (never more than the model has). One block lets the vocabulary dominate and
+    leaves a pipeline nothing to pipeline."""
+    full = get_shape(name)[layers_key(get_shape(name))]
+    return min(full, max(MIN_BLOCKS, math.ceil(full / 4)))
+
+
+# Parameter names (as transformers' sequence-classification models spell them) by the segment kind
+# that shards them; the rest (norms, positions, biases after a row-parallel layer, heads) is replicated.
+_KIND_PATTERNS: dict[str, tuple[str, ...]] = {
+    "vocab": (r"\.word_embeddings\.weight$", r"\.wte\.weight$", r"\.embed_tokens\.weight$"),
+    "attn": (r"\.attention\.self\.", r"\.attention\.output\.dense\.weight$", r"\.attn\.c_attn\.",
+             r"\.attn\.c_proj\.weight$", r"\.self_attn\.[qkvo]_proj\."),
+    "mlp": (r"\.intermediate\.dense\.", r"\.layer\.\d+\.output\.dense\.weight$", r"\.mlp\.c_fc\.",
+            r"\.mlp\.c_proj\.weight$", r"\.mlp\.(gate|up|down)_proj\."),
+}
+
+
+def kind_parameters(config: dict, num_labels: int = 2) -> dict[str, int]:
+    """Parameters of the classification model by segment kind: {"attn", "mlp", "vocab",
+    "replicated"} (they sum to the model's parameter count; counted on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    cfg = AutoConfig.for_model(config["model_type"], num_labels=num_labels,
+                               **{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(cfg)
+    out = dict.fromkeys(("attn", "mlp", "vocab", "replicated"), 0)
+    for name, p in model.named_parameters():
+        kind = next((k for k, pats in _KIND_PATTERNS.items() if any(re.search(x, name) for x in pats)),
+                    "replicated")
+        out[kind] += p.numel()
+    return out
+
+
+def parameter_count(config: dict) -> int:
+    return sum(kind_parameters(config).values())
+
+
+def kept_fraction(name: str, blocks: int | None) -> float:
+    """Parameters of the cell's model (`blocks` kept) / parameters of the full model: the scale of
+    the emulated memory caps, so that a cell binds memory exactly when the full model would on the
+    real devices (`Scenario.memory_caps`)."""
+    return parameter_count(shape_config(name, blocks)) / parameter_count(shape_config(name, None))
 
 
 def write_tokenizer(out_dir: Path, vocab_size: int) -> None:

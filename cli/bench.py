@@ -16,13 +16,16 @@ from pathlib import Path
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
-def _mem_scale(text: str) -> float | None:
+def _mem_scale(text: str) -> float | str | None:
     if text.lower() in ("none", "off"):
         return None
+    if text.lower() == "kept":
+        return "kept"
     try:
         value = _fraction(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--mem-scale must be a number like 0.125 or 1/8, or 'none'; got {text!r}")
+        raise argparse.ArgumentTypeError(f"--mem-scale must be 'kept', a number like 0.125 or 1/8, or 'none'; "
+                                         f"got {text!r}")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"--mem-scale must be > 0, got {text!r}")
     return value
@@ -37,6 +40,7 @@ def _fraction(text: str) -> float:
 
 def register(subparsers) -> None:
     from xronos.bench.scenarios import SCENARIOS
+    from xronos.bench.strategies import STRATEGIES
     from xronos.bench.workloads import SHAPES
 
     p = subparsers.add_parser("bench", help="run one benchmark cell (strategies side by side on emulated devices)",
@@ -44,14 +48,15 @@ def register(subparsers) -> None:
     p.add_argument("--scenario", required=True, help=f"one of {', '.join(SCENARIOS)}")
     p.add_argument("--model", help=f"one of {', '.join(SHAPES)} (not with --tta)")
     p.add_argument("--strategies", default="xronos,uniform,pp,hf-tp",
-                   help="comma list of xronos, xronos-optimal, uniform, pp, hf-tp")
+                   help=f"comma list of {', '.join(STRATEGIES)}")
     p.add_argument("--iters", type=int, default=6, help="iterations per strategy (incl. warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="iterations excluded from the means")
     p.add_argument("--seq-len", type=int, default=32, help="32/64/128 = the paper's CoLA/SST-2/MRPC")
     p.add_argument("--blocks", type=int, default=None, help="keep this many transformer blocks (full width)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--mem-scale", type=_mem_scale, default="1/8",
-                   help="memory cap = device RAM x this (default 1/8: a Pi 5 gets 1 GiB); 'none' = no caps")
+    p.add_argument("--mem-scale", type=_mem_scale, default="kept",
+                   help="memory cap = runtime reserve + this x (device RAM - reserve); default 'kept': the "
+                        "fraction of the model's parameters the cell keeps (bench/scenarios.py); 'none' = no caps")
     p.add_argument("--unit-share", type=float, default=0.30,
                    help="cores per unit of device speed (a Raspberry Pi 5 rank gets this share)")
     p.add_argument("--bandwidth-mbit", type=float, default=1000.0,

@@ -21,7 +21,7 @@ GOOD = ["bench", "--scenario", "set-a", "--model", "gpt2-medium", "--blocks", "1
     ({"--seq-len": "5000"}, "exceeds what gpt2-medium can take"),
     ({"--blocks": "99"}, "--blocks must be an integer in [1, 24]"),
     ({"--unit-share": "1.0"}, "exceeds the 2 cores"),  # 1.5 cores for the MiniPC + 2 Pis = 3.5
-    ({"--model": "mobilellama-1.4b", "--blocks": "24"}, "needs at least"),  # 1.4B params vs 4 GiB of caps
+    ({"--mem-scale": "2"}, "--mem-scale must be a number in (0, 1]"),
     ({"--bandwidth-mbit": "-5"}, "--bandwidth-mbit must be a number >= 0 (0 = loopback)"),
     ({"--bandwidth-mbit": "nan"}, "--bandwidth-mbit must be a number >= 0 (0 = loopback)"),
     ({"--bandwidth-mbit": "0.5"}, "network rate 0.5 Mbit/s is outside 1 .. 100000"),
@@ -36,6 +36,17 @@ def test_bad_input_refused_before_anything_is_written(tmp_path: Path, capsys, ch
     assert main(args + ["--out", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cell_nothing_fits_is_reported_infeasible_without_running(tmp_path: Path, capsys) -> None:
+    # 1.3 B parameters (21 GiB of weights, grads and AdamW state) against 1/8 of Set-A's RAM.
+    args = ["bench", "--scenario", "set-a", "--model", "mobilellama-1.4b", "--blocks", "24", "--iters", "3",
+            "--mem-scale", "1/8", "--bandwidth-mbit", "0", "--no-plots", "--out", str(tmp_path)]
+    assert main(args) == 0  # a result, not an error
+    doc = json.loads((tmp_path / "set-a_mobilellama-1.4b_s32_b24_loopback.json").read_text())
+    assert set(doc["strategies"]) == {"xronos", "uniform", "pp", "hf-tp"}
+    assert all("needs at least" in e["infeasible"] for e in doc["strategies"].values())
+    assert "| xronos | INFEASIBLE: mobilellama-1.4b with 24 blocks needs at least" in capsys.readouterr().out
 
 
 def _doc() -> dict:
@@ -73,10 +84,11 @@ def test_summary_ratios_and_table() -> None:
     assert x["iteration_s"] == pytest.approx(1.8) and u["max_idle_ratio"] == pytest.approx(0.8 / 2.2)
     assert doc["ratios"]["xronos/uniform"] == pytest.approx(1.8 / 2.2)
     assert doc["ratios"]["xronos/ideal (profile)"] == pytest.approx(1.8 / 1.6)  # ideal 1.5 + comm 0.1 + data 0
-    # Measured fits: MiniPC 1.7 s @ 8, 1.3 s @ 6 -> a=0.1, b=0.2; Pis 1.65 @ 4, 2.1 @ 5 -> a=-0.15 < 0,
-    # so proportional b = mean(1.65/4, 2.1/5). Balance: sum (T - a)/b = 16.
-    bm = (1.65 / 4 + 2.1 / 5) / 2
-    T = (16 + 0.1 / 0.2) / (1 / 0.2 + 2 / bm)
+    # Measured fits on the share w = units / 16 (no per-kind metrics here): MiniPC 1.7 s @ 8/16,
+    # 1.3 s @ 6/16 -> a = 0.1, b = 3.2 (kappa = a/b = 1/32); Pis 1.65 @ 4/16, 2.1 @ 5/16 give a < 0,
+    # so b = mean t / (kappa + mean w), a = kappa b. Balance: sum (T - a)/b = 1, T >= every a.
+    bp = 1.875 / (1 / 32 + 4.5 / 16)
+    T = (1 + 0.1 / 3.2 + 2 * (bp / 32) / bp) / (1 / 3.2 + 2 / bp)
     assert doc["summary"]["xronos"]["ideal_measured_s"] == pytest.approx(T + 0.1)
     assert doc["ratios"]["xronos gain captured"] == pytest.approx((2.2 - 1.8) / (2.2 - 1.6))
     assert x["mape_pct"] == pytest.approx(100 * (0.1 / 1.7 + 2 * 0.05 / 1.65) / 3)  # measured 1.7/1.65/1.65

@@ -59,6 +59,18 @@ def test_dp_puts_more_layers_on_the_faster_device_and_respects_memory() -> None:
         plan_pipeline([fast, slow], [1.0] * L, [0.0] * L, [0.0] * L, caps=[3, 3], micro_batches=8)
 
 
+def test_transient_memory_counts_once_per_stage() -> None:
+    L = 4
+    times = [[0.01] * L, [0.01] * L]
+    # Each layer 1 byte resident and 2 transient: a stage of k layers needs k + 2 bytes.
+    plan = plan_pipeline(times, [1.0] * L, [0.0] * L, [0.0] * L, caps=[4, 4], micro_batches=2,
+                         transient_memory=[2.0] * L)
+    assert sorted(s.stop - s.start for s in plan.stages) == [2, 2] and all(s.memory == 4 for s in plan.stages)
+    with pytest.raises(InfeasiblePipeline):
+        plan_pipeline(times, [1.0] * L, [0.0] * L, [0.0] * L, caps=[3, 3], micro_batches=2,
+                      transient_memory=[2.0] * L)
+
+
 def test_dp_matches_exhaustive_search() -> None:
     """Per device order the DP finds the smallest bottleneck; the plan is the best order's."""
     import itertools
