@@ -1,7 +1,7 @@
 """Prediction error of per-node fine-tuning time, over real local runs on emulated heterogeneous boxes.
 
     .venv/bin/python -m xronos.bench.prediction_error [--models gpt2-medium,roberta-base]
-        [--blocks 2] [--scenarios set-a,set-b] [--strategies optimal] [--steps 10]
+        [--blocks 2] [--scenarios set-a,set-b] [--strategies segment] [--steps 10]
         [--malloc tuned|glibc] [--out FILE.json]
 
 Every run is the real `xronos run --strategy S --cpu-shares ...`: each rank is profiled in its own
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="gpt2-medium,roberta-base")
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--scenarios", default="set-a,set-b")
-    ap.add_argument("--strategies", default="optimal")
+    ap.add_argument("--strategies", default="segment")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--malloc", choices=["tuned", "glibc"], default="tuned")
     ap.add_argument("--work", default="/tmp/xronos-prediction-error", help="checkpoints, data, cache")

@@ -29,10 +29,8 @@ from xronos.bench.emulator import Confinement, RankLimits
 from xronos.bench.scenarios import RUNTIME_RESERVE
 
 log = structlog.get_logger(__name__)
-# Bench strategy -> planner strategy. Until the per-segment planner is merged, `PLANNER_FALLBACK`
-# names the head-tied strategy run instead (the plan records which one ran: "planner_strategy").
+# Bench strategy -> planner strategy (`xronos.gateway.planner.STRATEGIES`).
 TP_STRATEGIES = {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform"}
-PLANNER_FALLBACK = {"segment": "optimal", "paper": "greedy"}
 STRATEGIES = (*TP_STRATEGIES, "pp", "hf-tp")
 NOMINAL_BW_BPS = 1e9 / 8  # 1 Gbit/s Ethernet (the paper's LAN) for planning inputs on loopback
 NOMINAL_LATENCY_S = 0.5e-3
@@ -135,12 +133,8 @@ class Infeasible(ValueError):
 
 
 def planner_strategy(strategy: str) -> str:
-    """The planner strategy a bench TP strategy runs: its own, or the head-tied fallback while the
-    planner does not know it yet."""
-    from xronos.gateway import planner
-
-    want = TP_STRATEGIES[strategy]
-    return want if want in planner.STRATEGIES else PLANNER_FALLBACK.get(want, want)
+    """The planner strategy a bench TP strategy runs."""
+    return TP_STRATEGIES[strategy]
 
 
 def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):

@@ -19,6 +19,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     "mobilellama-1.4b": dict(family="llama", hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=16,
                              intermediate_size=5632, vocab_size=32000, max_positions=2048, num_labels=2,
                              tie_word_embeddings=False),
+    # A GQA LLaMA for the heterogeneous grid cell (4 KV-head groups: coarse attention, fine MLP).
+    "tinyllama-1.1b": dict(family="llama", hidden_size=2048, num_layers=22, num_heads=32, num_kv_heads=4,
+                           intermediate_size=5632, vocab_size=32000, max_positions=2048, num_labels=2,
+                           tie_word_embeddings=False),
     # Small shapes for tests and quick local runs.
     "gpt2-small": dict(family="gpt2", hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12,
                        intermediate_size=3072, vocab_size=50257, max_positions=1024, num_labels=2,

@@ -10,16 +10,8 @@ from transformers import AutoConfig
 
 from xronos.bench.workloads import PAPER_BLOCKS, SHAPES, shape_config
 from xronos.node.models.registry import arch_spec
-from xronos.node.models.shapes import SHAPES as BUILT_IN
 from xronos.node.models.shapes import shape
 
-# Bench shapes `node/models/shapes.py` does not name yet (it is not the bench's file): the public
-# Hugging Face config's numbers, in ArchSpec form, until it does.
-PENDING = {
-    "tinyllama-1.1b": dict(family="llama", hidden_size=2048, num_layers=22, num_heads=32, num_kv_heads=4,
-                           intermediate_size=5632, vocab_size=32000, max_positions=2048, num_labels=2,
-                           tie_word_embeddings=False),
-}
 # The position table is the checkpoint's own business (RoBERTa offsets positions by its pad id), and
 # the bench only classifies, where no LM head exists to tie to the embedding.
 _FREE = {"max_positions", "tie_word_embeddings"}
@@ -33,6 +25,6 @@ def test_bench_shape_matches_the_built_in_shape(name: str) -> None:
     written["architectures"] = [{"gpt2": "GPT2", "roberta": "Roberta", "llama": "Llama"}[cfg["model_type"]]
                                 + "ForSequenceClassification"]
     ours = arch_spec(written, "classify")
-    built_in = shape(name, "classify") if name in BUILT_IN else PENDING[name]
+    built_in = shape(name, "classify")
     assert {k: v for k, v in ours.items() if k not in _FREE} == {k: v for k, v in built_in.items() if k not in _FREE}
     assert ours["num_layers"] == PAPER_BLOCKS[name]
