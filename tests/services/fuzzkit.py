@@ -108,6 +108,10 @@ class Fuzzer:
         if key in ("gateway.request.job/submit", "gateway.request.plan/preview"):
             # A job that would use the real node: its profile and training runs would be real work.
             return msg.spec.nodes is None or self.real_node in msg.spec.nodes
+        if key == "node.set" and node_topic:
+            return msg.participate is False  # switching the real node off is Home Assistant's order to give
+        if key == "gateway.set":
+            return True  # pause, resume, cancel, start, select, remove_node: all orders of the house's owner
         if node_topic and key in ("node.availability", "node.capabilities", "node.job", "node.metrics", "node.ack",
                                   "node.profile_report", "node.inspect_report", "node.error"):
             return True  # the real node's own voice: only invalid payloads, or replays of what it said
