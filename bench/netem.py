@@ -37,7 +37,7 @@ from pathlib import Path
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from xronos.bench.emulator import EmulatorError
+from xronos.node.emulator import EmulatorError
 
 log = structlog.get_logger(__name__)
 

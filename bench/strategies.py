@@ -22,7 +22,7 @@ from pathlib import Path
 
 import structlog
 
-from xronos.bench.emulator import Confinement, RankLimits
+from xronos.node.emulator import Confinement, RankLimits
 
 log = structlog.get_logger(__name__)
 TP_STRATEGIES = {"xronos": "greedy", "xronos-optimal": "optimal", "uniform": "uniform"}
