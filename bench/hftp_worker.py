@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Iterator
-from dataclasses import astuple, dataclass
 from typing import Literal
 
 import torch
 from pydantic import Field
 
+from xronos.bench.baseline import Baseline
 from xronos.node.data import Batch
-from xronos.node.metrics import Rusage
 from xronos.node.optim import adamw
 from xronos.node.runconfig import RankConfig
-from xronos.node.runtime import Engine, LocalFiles, MetricsFile, Rank, RankResult, WeightSource, read_settings, run
+from xronos.node.runtime import LocalFiles, MetricsFile, Rank, WeightSource, read_settings, run
 
 FIELDS = ("iteration_s", "cpu_s", "data_s", "loss", "voluntary_ctx_switches", "involuntary_ctx_switches",
           "peak_rss")
@@ -49,23 +46,9 @@ def supported(config: dict, n: int) -> str | None:
     return f"even TP over {n} ranks impossible: {', '.join(bad)} not divisible by {n}" if bad else None
 
 
-@dataclass(frozen=True)
-class HFTPRecord:
-    step: int
-    epoch: int
-    iteration_s: float
-    cpu_s: float
-    data_s: float
-    loss: float
-    voluntary_ctx_switches: int
-    involuntary_ctx_switches: int
-    peak_rss: int
+class HFTP(Baseline):
+    FIELDS = FIELDS
 
-    def as_row(self) -> list[float]:
-        return list(astuple(self)[2:])  # FIELDS
-
-
-class HFTP(Engine):
     def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
         from transformers import AutoModelForSequenceClassification
         from transformers.distributed import DistributedConfig
@@ -79,25 +62,13 @@ class HFTP(Engine):
             pad_token_id=rank.facts.pad_token_id)
         self.model.train()
         self.opt = adamw(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.rusage = Rusage()
 
-    def step(self, rank: Rank, batches: Iterator[tuple[int, Batch]], step: int) -> HFTPRecord:
-        rank.group.drain_timings()  # the batch broadcasts: data_s below is their wall time
-        rank.group.drain_spans()
-        t0, c0 = time.perf_counter(), time.process_time()
-        epoch, b = next(batches)
-        data_s = time.perf_counter() - t0
-        loss = self.model(**b.inputs()).loss
+    def train(self, rank: Rank, batch: Batch, step: int) -> tuple[float, dict[str, float]]:
+        loss = self.model(**batch.inputs()).loss
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        loss_v = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-        vol, inv = self.rusage.delta()
-        return HFTPRecord(step, epoch, time.perf_counter() - t0, time.process_time() - c0, data_s, loss_v, vol, inv,
-                          Rusage.peak_rss())
-
-    def report(self, rank: Rank, per_rank: list[torch.Tensor], result: RankResult) -> dict:
-        return {"ranks": [{"iterations": [dict(zip(FIELDS, r)) for r in p.tolist()]} for p in per_rank]}
+        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss), {}
 
 
 def main(argv: list[str]) -> int:

@@ -300,7 +300,7 @@ def allreduce_bandwidth(n: int, rate_mbit: float | None, *, size_bytes: int = 8 
     a `rate_mbit` link (None or 0: plain loopback, for comparison). Bus bandwidth as nccl-tests
     defines it: a ring all-reduce moves 2(n-1)/n x size over every rank's link each way, so on an
     ideal link it equals the link rate."""
-    from xronos.bench.procs import spawn_ranks
+    from xronos.node.launch import spawn_ranks
 
     with tempfile.TemporaryDirectory(prefix="xronos-netem-") as tmp:
         out = Path(tmp) / "probe.json"

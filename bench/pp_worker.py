@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -26,12 +24,12 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
+from xronos.bench.baseline import Baseline
 from xronos.bench.pp_model import Stage, StageSpan, num_blocks
 from xronos.node.data import Batch
-from xronos.node.metrics import Rusage
 from xronos.node.optim import adamw
 from xronos.node.runconfig import RankConfig
-from xronos.node.runtime import Engine, LocalFiles, MetricsFile, Rank, RankResult, WeightSource, read_settings, run
+from xronos.node.runtime import LocalFiles, MetricsFile, Rank, RankResult, WeightSource, read_settings, run
 from xronos.node.tp.group import TPGroup
 
 
@@ -130,26 +128,10 @@ def _save_grads(stage: Stage, out_dir: str, rank: int) -> None:
     save_file(grads, str(Path(out_dir) / f"grads-rank{rank}.safetensors"))
 
 
-@dataclass(frozen=True)
-class PPRecord:
-    step: int
-    epoch: int
-    iteration_s: float
-    cpu_s: float
-    recv_wait_s: float
-    send_wait_s: float
-    data_s: float
-    loss: float
-    voluntary_ctx_switches: int
-    involuntary_ctx_switches: int
-    peak_rss: int
-
-    def as_row(self) -> list[float]:
-        return list(astuple(self)[2:])  # FIELDS
-
-
-class PP(Engine):
+class PP(Baseline):
     """This rank's pipeline stage (layers spans[rank]) with its own AdamW."""
+
+    FIELDS = FIELDS
 
     def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
         cfg = rank.cfg
@@ -163,32 +145,23 @@ class PP(Engine):
         self.stage.train()
         self.opt = adamw([p for _, p in self.stage.owned_parameters()], lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.pipe = Pipe(self.stage, rank.group, cfg.micro_batches, self.stage.config.hidden_size)
-        self.rusage = Rusage()
 
-    def step(self, rank: Rank, batches: Iterator[tuple[int, Batch]], step: int) -> PPRecord:
+    def train(self, rank: Rank, batch: Batch, step: int) -> tuple[float, dict[str, float]]:
         cfg, pipe = rank.cfg, self.pipe
-        rank.group.drain_timings()  # the batch broadcasts and the stage's receives: timed below
-        rank.group.drain_spans()
-        t0, c0 = time.perf_counter(), time.process_time()
-        epoch, b = next(batches)
-        batch = b.inputs()
-        data_s = time.perf_counter() - t0
-        micro = [dict(zip(batch, parts)) for parts in zip(*(v.tensor_split(cfg.micro_batches) for v in batch.values()))]
+        inputs = batch.inputs()
+        micro = [dict(zip(inputs, parts)) for parts in zip(*(v.tensor_split(cfg.micro_batches) for v in inputs.values()))]
         pipe.recv_wait = pipe.send_wait = 0.0
         loss = pipe.step(micro, cfg.batch_size)
         if cfg.grads_dir is not None and step == 0:
             _save_grads(self.stage, cfg.grads_dir, cfg.rank)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        it = time.perf_counter() - t0
-        vol, inv = self.rusage.delta()
-        return PPRecord(step, epoch, it, time.process_time() - c0, pipe.recv_wait, pipe.send_wait, data_s, loss,
-                        vol, inv, Rusage.peak_rss())
+        return loss, {"recv_wait_s": pipe.recv_wait, "send_wait_s": pipe.send_wait}
 
     def report(self, rank: Rank, per_rank: list[torch.Tensor], result: RankResult) -> dict:
         spans = rank.cfg.spans
         return {"spans": spans, "micro_batches": rank.cfg.micro_batches, "ranks": [
-            {"span": list(spans[r]), "iterations": [dict(zip(FIELDS, row)) for row in p.tolist()]}
+            {"span": list(spans[r]), "iterations": self.iterations(p)}
             for r, p in enumerate(per_rank)]}
 
 

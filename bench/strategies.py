@@ -183,7 +183,7 @@ def pp_plan(ctx: Ctx, profiles: dict[str, dict]):
 
 def run_pp(ctx: Ctx, plan) -> dict:
     from xronos.bench.pp_worker import PPRankConfig
-    from xronos.bench.procs import spawn_ranks
+    from xronos.node.launch import spawn_ranks
 
     if len(plan.stages) < 2:
         raise ValueError("the pipeline plan put the whole model on one device; nothing to pipeline")
@@ -206,7 +206,7 @@ def run_pp(ctx: Ctx, plan) -> dict:
 # -- transformers' TP ---------------------------------------------------------------------------
 def run_hftp(ctx: Ctx) -> dict:
     from xronos.bench.hftp_worker import HFTPRankConfig
-    from xronos.bench.procs import spawn_ranks
+    from xronos.node.launch import spawn_ranks
 
     n = len(ctx.shares)
     metrics = ctx.work / "metrics-hftp.json"
