@@ -133,21 +133,15 @@ def _status() -> dict[str, int]:
 
 def rss_child(cfg_path: str) -> None:
     """One rank of the RSS measurement (run as a subprocess)."""
-    from datetime import timedelta
-
     import torch
-    import torch.distributed as dist
 
     from xronos.node.models import loading, registry  # noqa: F401 - imported before the baseline
     from xronos.node.tp.group import TPGroup
-    from xronos.node.worker import leave
 
     cfg = json.loads(Path(cfg_path).read_text())
     torch.set_num_threads(cfg["threads"])
     rank, units = cfg["rank"], tuple(cfg["units"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
-                            world_size=len(units), timeout=timedelta(seconds=600))
-    group = TPGroup(dist.group.WORLD, rank, len(units))
+    group = TPGroup.join(rank, len(units), "127.0.0.1", cfg["port"], timeout_s=600)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: peaks from here on
     base = _status()
     model = _engine_model(Path(cfg["model_dir"]), "causal-lm", units, rank, group)
@@ -163,7 +157,7 @@ def rss_child(cfg_path: str) -> None:
     Path(cfg["out"]).write_text(json.dumps(dict(rank=rank, units=units, base=base, loaded=loaded,
                                                 stepped=stepped, local_partitioned=local_part,
                                                 local_replicated=local_rep)))
-    leave()
+    group.leave()
 
 
 def rss_measurement(layers: int, threads: int) -> dict:

@@ -24,7 +24,7 @@ import structlog
 
 from xronos.bench import netem
 from xronos.bench import strategies as st
-from xronos.bench.emulator import Confinement, RankLimits, find_controller, usable_cores, validate_limits
+from xronos.node.emulator import Confinement, RankLimits, find_controller, usable_cores, validate_limits
 from xronos.bench.scenarios import DEFAULT_MEM_SCALE, KEPT, PI5_SHARE, Scenario, get_scenario
 from xronos.bench.workloads import (
     PAPER_BLOCKS, get_shape, kept_fraction, kind_parameters, parameter_count, shape_config, write_checkpoint, write_dataset,
@@ -119,7 +119,7 @@ def validate(spec: CellSpec) -> tuple[Scenario, dict]:
     cpu = find_controller("cpu")
     if cpu is None:
         Confinement(lims)  # raises the emulator's own "no writable controller" message
-    from xronos.bench.emulator import cpu_limit_of
+    from xronos.node.emulator import cpu_limit_of
 
     validate_limits(lims, usable_cores(), cpu_limit_of(cpu))
     if any(c is not None for c in caps) and find_controller("memory") is None:

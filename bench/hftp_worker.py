@@ -3,34 +3,36 @@ model's `base_model_tp_plan`, DTensor over a Gloo device mesh), an implementatio
 `python -m xronos.bench.hftp_worker CONFIG.json`.
 
 It shards evenly only: every head count and the MLP width must divide the world size
-(`supported` says why not otherwise). Same batches as every strategy (rank 0 reads, broadcasts),
-same AdamW. transformers gives no per-collective timings, so idle time is not split from compute;
-the harness derives a CPU-utilisation idle estimate from the recorded CPU time instead.
+(`supported` says why not otherwise). A thin caller of the rank runtime (`xronos.node.runtime`):
+same join, same batches (rank 0 reads, broadcasts), same AdamW, same records gathering and
+teardown as every strategy; only the engine is transformers'. transformers gives no per-collective
+timings (its DTensor collectives are its own), so idle time is not split from compute; the harness
+derives a CPU-utilisation idle estimate from the recorded CPU time instead.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
-from pathlib import Path
+from typing import Literal
 
 import torch
-import torch.distributed as dist
 from pydantic import Field
 
-from xronos.bench.rankdata import BaselineRankConfig, batch_source, broadcast_batch
-from xronos.node.metrics import Rusage
+from xronos.bench.baseline import Baseline
+from xronos.node.data import Batch
 from xronos.node.optim import adamw
-from xronos.node.worker import leave
+from xronos.node.runconfig import RankConfig
+from xronos.node.runtime import LocalFiles, MetricsFile, Rank, WeightSource, read_settings, run
 
 FIELDS = ("iteration_s", "cpu_s", "data_s", "loss", "voluntary_ctx_switches", "involuntary_ctx_switches",
           "peak_rss")
 
 
-class HFTPRankConfig(BaselineRankConfig):
+class HFTPRankConfig(RankConfig):
+    task: Literal["classify"] = "classify"
     world_size: int = Field(gt=1)
+    gloo_timeout_s: float = Field(default=1800.0, gt=0)  # torch's default: transformers' collectives wait there
 
 
 def supported(config: dict, n: int) -> str | None:
@@ -44,51 +46,34 @@ def supported(config: dict, n: int) -> str | None:
     return f"even TP over {n} ranks impossible: {', '.join(bad)} not divisible by {n}" if bad else None
 
 
-def run(cfg: HFTPRankConfig) -> None:
-    from transformers import AutoModelForSequenceClassification
-    from transformers.distributed import DistributedConfig
+class HFTP(Baseline):
+    FIELDS = FIELDS
 
-    os.environ.update(RANK=str(cfg.rank), WORLD_SIZE=str(cfg.world_size), LOCAL_RANK=str(cfg.rank),
-                      LOCAL_WORLD_SIZE=str(cfg.world_size))
-    dist.init_process_group("gloo", init_method=f"tcp://{cfg.rendezvous_host}:{cfg.rendezvous_port}",
-                            rank=cfg.rank, world_size=cfg.world_size)
-    source = batch_source(cfg) if cfg.rank == 0 else None
-    header = torch.tensor([source.pad_token_id, int(source.has_token_types)] if source else [0, 0])
-    dist.broadcast(header, src=0)
-    torch.manual_seed(cfg.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        cfg.model_dir, distributed_config=DistributedConfig(tp_size=cfg.world_size), dtype=torch.float32,
-        pad_token_id=int(header[0]))
-    model.train()
-    opt = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    batches = source.train_batches() if source is not None else None
-    rusage = Rusage()
-    rows = []
-    for _ in range(cfg.max_steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        b = broadcast_batch(cfg, batches, bool(header[1]))
-        data_s = time.perf_counter() - t0
-        loss = model(**b).loss
+    def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
+        from transformers import AutoModelForSequenceClassification
+        from transformers.distributed import DistributedConfig
+
+        assert isinstance(weights, LocalFiles), "transformers reads its checkpoint itself"
+        cfg = rank.cfg
+        os.environ.update(RANK=str(cfg.rank), WORLD_SIZE=str(cfg.world_size), LOCAL_RANK=str(cfg.rank),
+                          LOCAL_WORLD_SIZE=str(cfg.world_size))
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            weights.model_dir, distributed_config=DistributedConfig(tp_size=cfg.world_size), dtype=torch.float32,
+            pad_token_id=rank.facts.pad_token_id)
+        self.model.train()
+        self.opt = adamw(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def train(self, rank: Rank, batch: Batch, step: int) -> tuple[float, dict[str, float]]:
+        loss = self.model(**batch.inputs()).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_v = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-        vol, inv = rusage.delta()
-        rows.append([time.perf_counter() - t0, time.process_time() - c0, data_s, loss_v, vol, inv,
-                     Rusage.peak_rss()])
-    mine = torch.tensor(rows, dtype=torch.float64)
-    parts = [torch.empty_like(mine) for _ in range(cfg.world_size)]
-    dist.all_gather(parts, mine)
-    if cfg.rank == 0 and cfg.metrics_path is not None:
-        doc = {"ranks": [{"iterations": [dict(zip(FIELDS, r)) for r in p.tolist()]} for p in parts]}
-        Path(cfg.metrics_path).write_text(json.dumps(doc, indent=1))
-    leave()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss), {}
 
 
 def main(argv: list[str]) -> int:
-    cfg = HFTPRankConfig.model_validate_json(Path(argv[1]).read_text())
-    torch.set_num_threads(cfg.threads)
-    run(cfg)
+    cfg = read_settings(argv, HFTPRankConfig, "xronos.bench.hftp_worker")
+    run(cfg, HFTP(), weights=LocalFiles(cfg.model_dir), sink=MetricsFile())
     return 0
 
 

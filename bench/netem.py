@@ -37,7 +37,7 @@ from pathlib import Path
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from xronos.bench.emulator import EmulatorError
+from xronos.node.emulator import EmulatorError
 
 log = structlog.get_logger(__name__)
 
@@ -272,27 +272,26 @@ class ProbeConfig(BaseModel):
 
 
 def _probe_worker(cfg: ProbeConfig) -> None:
-    from datetime import timedelta
-
     import torch
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://{cfg.rendezvous_host}:{cfg.rendezvous_port}",
-                            rank=cfg.rank, world_size=cfg.world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    from xronos.node.tp.group import TPGroup
+
+    # Measurement: every collective untimed by the group (the probe times them itself).
+    group = TPGroup.join(cfg.rank, cfg.world_size, cfg.rendezvous_host, cfg.rendezvous_port, cfg.timeout_s)
     x = torch.ones(cfg.size_bytes // 4)
-    dist.all_reduce(x)  # warm-up: connections, buffers
+    group.all_reduce(x, timed=False)  # warm-up: connections, buffers
     times = []
     for _ in range(cfg.iters):
-        dist.barrier()
+        group.barrier(timed=False)
         t0 = time.perf_counter()
-        dist.all_reduce(x)
+        group.all_reduce(x, timed=False)
         times.append(time.perf_counter() - t0)
     t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an all-reduce ends when its slowest rank is done
+    group.all_reduce(t, "max", timed=False)  # an all-reduce ends when its slowest rank is done
     assert float(x[0]) == cfg.world_size ** (cfg.iters + 1)
     if cfg.rank == 0:
         Path(cfg.out_path).write_text(json.dumps({"seconds": t.tolist()}))
-    dist.destroy_process_group()
+    group.leave()
 
 
 def allreduce_bandwidth(n: int, rate_mbit: float | None, *, size_bytes: int = 8 << 20, iters: int = 3,
@@ -301,7 +300,7 @@ def allreduce_bandwidth(n: int, rate_mbit: float | None, *, size_bytes: int = 8 
     a `rate_mbit` link (None or 0: plain loopback, for comparison). Bus bandwidth as nccl-tests
     defines it: a ring all-reduce moves 2(n-1)/n x size over every rank's link each way, so on an
     ideal link it equals the link rate."""
-    from xronos.bench.procs import spawn_ranks
+    from xronos.node.launch import spawn_ranks
 
     with tempfile.TemporaryDirectory(prefix="xronos-netem-") as tmp:
         out = Path(tmp) / "probe.json"

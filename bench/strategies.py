@@ -25,7 +25,7 @@ from pathlib import Path
 
 import structlog
 
-from xronos.bench.emulator import Confinement, RankLimits
+from xronos.node.emulator import Confinement, RankLimits
 from xronos.bench.scenarios import RUNTIME_RESERVE
 
 log = structlog.get_logger(__name__)
@@ -224,7 +224,7 @@ def pp_plan(ctx: Ctx, profiles: dict[str, dict]):
 
 def run_pp(ctx: Ctx, plan) -> dict:
     from xronos.bench.pp_worker import PPRankConfig
-    from xronos.bench.procs import spawn_ranks
+    from xronos.node.launch import spawn_ranks
 
     if len(plan.stages) < 2:
         raise ValueError("the pipeline plan put the whole model on one device; nothing to pipeline")
@@ -247,7 +247,7 @@ def run_pp(ctx: Ctx, plan) -> dict:
 # -- transformers' TP ---------------------------------------------------------------------------
 def run_hftp(ctx: Ctx) -> dict:
     from xronos.bench.hftp_worker import HFTPRankConfig
-    from xronos.bench.procs import spawn_ranks
+    from xronos.node.launch import spawn_ranks
 
     n = len(ctx.shares)
     metrics = ctx.work / "metrics-hftp.json"

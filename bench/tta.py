@@ -58,14 +58,11 @@ def reference_curve(model_dir: Path, data: Path, *, steps: int, eval_every: int,
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from xronos.node.data import BatchSource
-    from xronos.node.runconfig import RunConfig
-    from xronos.protocol.layout import Layout
+    from xronos.node.runconfig import DataConfig
 
-    run = RunConfig(model_dir=str(model_dir), data_path=str(data), task="classify",
-                    layout=Layout(attn=(1,), mlp=(1,), vocab=(1,)),  # one rank; only the data is used
-                    batch_size=batch_size, seq_len=seq_len, lr=lr, max_steps=steps, seed=seed,
-                    eval_fraction=eval_fraction)
-    src = BatchSource(run, 2)
+    data_cfg = DataConfig(model_dir=str(model_dir), data_path=str(data), task="classify", batch_size=batch_size,
+                          seq_len=seq_len, seed=seed, eval_fraction=eval_fraction)
+    src = BatchSource(data_cfg, 2)
     torch.manual_seed(seed)
     from xronos.bench.pp_model import DROPOUT_KEYS
 
@@ -162,7 +159,7 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
 
     from xronos.bench import netem
     from xronos.bench import strategies as st
-    from xronos.bench.emulator import RankLimits, cpu_limit_of, find_controller, usable_cores, validate_limits
+    from xronos.node.emulator import RankLimits, cpu_limit_of, find_controller, usable_cores, validate_limits
     from xronos.bench.harness import CellSpec, check_bandwidth, environment, network_suffix, run_strategies
     from xronos.bench.results import summarize
     from xronos.bench.scenarios import KEPT, PI5_SHARE, get_scenario

@@ -73,7 +73,7 @@ def prepare_model(out: Path) -> Path:
 
 def confine(nodes) -> tuple[object | None, str]:
     """cgroup CPU quotas per node where possible; else different thread counts. Says which."""
-    from xronos.bench.emulator import Confinement, EmulatorError, RankLimits
+    from xronos.node.emulator import Confinement, EmulatorError, RankLimits
 
     try:
         conf = Confinement([RankLimits(share) for _, share, _ in nodes]).__enter__()

@@ -3,7 +3,9 @@
 Each subcommand lives in its own module of this package and exposes
 `register(subparsers)`, which adds its parser and sets `func` to a handler taking the parsed
 arguments and returning an exit code. Modules import torch and friends only inside their
-handlers, so `xronos --help` and the gateway-side commands stay light.
+handlers, so `xronos --help` and the gateway-side commands stay light. Other packages add
+commands through the entry point group `xronos.commands` (name = module with `register`): the
+bench's `xronos bench` does, so that the CLI itself never imports the bench.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import logging
 import sys
 
 # Only subcommands that exist are listed here; a later feature adds its module name.
-SUBCOMMANDS: tuple[str, ...] = ("plan", "broker", "run", "profile", "node", "gateway", "job", "nodes", "demo", "bench")
+SUBCOMMANDS: tuple[str, ...] = ("plan", "broker", "run", "profile", "node", "gateway", "job", "nodes", "demo")
+PLUGINS = "xronos.commands"  # entry point group: commands installed by other packages (the bench)
 # Services log JSON lines for the journal (they configure that themselves). The client commands
 # talk to a person: their own output on stdout, and only library warnings, as plain text, on stderr.
 CLIENTS = ("job", "nodes", "demo")
@@ -80,7 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(f"xronos.cli.{name}").register(sub)
+    for name, module in plugins().items():
+        if name not in SUBCOMMANDS:
+            importlib.import_module(module).register(sub)
     return parser
+
+
+def plugins() -> dict[str, str]:
+    """Command name -> module of the commands other packages plug in (`xronos.commands`)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group=PLUGINS)}
 
 
 def main(argv: list[str] | None = None) -> int:

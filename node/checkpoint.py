@@ -52,11 +52,12 @@ def save_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, specs: dict[st
                     config: dict[str, Any], task: str, meta: dict[str, Any]) -> Path | None:
     """Collective: every rank calls it; the owner (rank 0) writes. Returns the directory on rank 0."""
     weights = gather_full(model, specs, layout, group, dst=0)
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # what the optimizer steps
+    trained = {n: specs[n] for n in params}
     moments: dict[str, torch.Tensor] = {}
     for m in MOMENTS:
         local = {n: opt.state[p][m] for n, p in params.items()}
-        moments.update({f"{m}.{k}": v for k, v in gather_full(local, specs, layout, group, dst=0).items()})
+        moments.update({f"{m}.{k}": v for k, v in gather_full(local, trained, layout, group, dst=0).items()})
     if layout.rank != 0:
         return None
     final = Path(ckpt_dir)
@@ -155,8 +156,10 @@ class CheckpointSource:
 @torch.no_grad()
 def load_moments(opt: torch.optim.Optimizer, model: torch.nn.Module, specs: dict[str, TensorSpec],
                  source: ShardSource, step: int) -> None:
-    """Give every local parameter its slice of the saved AdamW moments and the step count."""
+    """Give every trained local parameter its slice of the saved AdamW moments and the step count."""
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         spec = specs[name]
         state: dict[str, torch.Tensor] = {"step": torch.tensor(float(step))}
         for m in MOMENTS:

@@ -1,6 +1,6 @@
 """The node service's handle on its training child process (`xronos.node.jobproc`).
 
-The child gets its config as a JSON file, its controls as JSON lines on stdin, and writes events
+The child gets its config (a `JobRankConfig`) as a JSON file, its controls as JSON lines on stdin, and writes events
 as JSON lines on an inherited pipe, which a reader thread turns into a queue the control loop
 drains without blocking. stdout/stderr go to a log file next to the config, whose tail explains a
 failure. `kill()` ends the child's whole process group, so a cancel leaves nothing behind and
@@ -23,6 +23,7 @@ from typing import Any
 import structlog
 
 from xronos.node.launch import rank_env
+from xronos.node.runconfig import JobRankConfig
 
 log = structlog.get_logger(__name__)
 
@@ -38,12 +39,12 @@ def child_env(threads: int, gloo_ifname: str | None) -> dict[str, str]:
 
 
 class RankProcess:
-    def __init__(self, workdir: Path, config: dict[str, Any], env: dict[str, str]) -> None:
-        """Start the child. `config` is a JobProcConfig without `events_fd` (set here)."""
+    def __init__(self, workdir: Path, config: JobRankConfig, env: dict[str, str]) -> None:
+        """Start the child with `config` (its `events_fd` is set here)."""
         workdir.mkdir(parents=True, exist_ok=True)
         read_fd, write_fd = os.pipe()
         cfg_path = workdir / "rank.json"
-        cfg_path.write_text(json.dumps({**config, "events_fd": write_fd}, indent=1))
+        cfg_path.write_text(config.model_copy(update={"events_fd": write_fd}).model_dump_json(indent=1))
         self.log_path = workdir / "rank.log"
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         with open(self.log_path, "ab") as logf:
@@ -54,8 +55,8 @@ class RankProcess:
         os.close(write_fd)
         self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
         self._reader.start()
-        log.info("rank process started", pid=self.proc.pid, job=config["job_id"],
-                 version=config["plan_version"], rank=config["run"]["rank"])
+        log.info("rank process started", pid=self.proc.pid, job=config.job_id,
+                 version=config.plan_version, rank=config.run.rank)
 
     def _read(self, fd: int) -> None:
         with os.fdopen(fd, "r") as stream:

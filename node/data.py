@@ -1,6 +1,7 @@
-"""Training data on the owner rank: read the file, order the batches, tokenise on demand.
+"""Training data: the owner rank reads the file, orders the batches, tokenises on demand, and
+every rank receives each batch as tensors.
 
-Only rank 0 ever builds a `BatchSource`; the other ranks receive each batch as tensors. Batches
+Only rank 0 ever builds a `BatchSource`; a `BatchChannel` brings each batch to every rank. Batches
 are consecutive rows (no shuffle) or a seeded shuffle with a new permutation per epoch, always of
 exactly `batch_size` rows (the last incomplete batch of an epoch is dropped). The evaluation set is
 the held-out tail of the file.
@@ -8,13 +9,15 @@ the held-out tail of the file.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from xronos.node.runconfig import RunConfig
+from xronos.node.runconfig import DataConfig
+from xronos.node.tp.group import TPGroup
 
 IGNORE_INDEX = -100
 _BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json"}
@@ -108,11 +111,18 @@ class Batch:
     labels: torch.Tensor  # classify [B] long; causal-lm [B, S] long, -100 on padding
     token_type_ids: torch.Tensor | None = None  # [B, S] long, when the tokenizer produces them
 
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """As transformers' keyword arguments (token_type_ids only when the tokenizer makes them)."""
+        out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels}
+        if self.token_type_ids is not None:
+            out["token_type_ids"] = self.token_type_ids
+        return out
+
 
 class BatchSource:
     """Rows of the data file, tokenised batch by batch (rank 0 only)."""
 
-    def __init__(self, cfg: RunConfig, num_labels: int | None):
+    def __init__(self, cfg: DataConfig, num_labels: int | None):
         self.cfg = cfg
         cols = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
         if cfg.task == "classify":
@@ -157,8 +167,10 @@ class BatchSource:
         """Whether this tokenizer feeds segment ids to the model (as transformers would)."""
         return "token_type_ids" in self.tokenizer.model_input_names
 
-    def train_batches(self) -> Iterator[tuple[int, Batch]]:
-        for epoch, rows in batch_order(self.n_train, self.cfg.batch_size, self.cfg.shuffle, self.cfg.seed):
+    def train_batches(self, start: int = 0) -> Iterator[tuple[int, Batch]]:
+        """(epoch, batch) from batch number `start` on (a resumed run tokenises none before it)."""
+        order = batch_order(self.n_train, self.cfg.batch_size, self.cfg.shuffle, self.cfg.seed)
+        for epoch, rows in itertools.islice(order, start, None):
             yield epoch, self.encode(rows)
 
     def eval_batches(self) -> Iterator[Batch]:
@@ -178,3 +190,43 @@ def as_texts(values: list, path: str | Path, column: str) -> list[str]:
         if not isinstance(v, str):
             raise ValueError(f"data file {path}: column {column!r} row {row} is not text: {v!r}")
     return values
+
+
+class BatchChannel:
+    """Batches from rank 0 (its `source`) to every rank. Every rank knows the shapes (from the
+    settings and the shared facts), so only the tensors travel; the broadcasts are tagged `data`
+    (booked as data time, not as TP communication)."""
+
+    def __init__(self, cfg: DataConfig, group: TPGroup, source: BatchSource | None, token_types: bool):
+        self.cfg, self.group, self.source, self.token_types = cfg, group, source, token_types
+
+    def _recv(self, rows: int, batch: Batch | None) -> Batch:
+        S = self.cfg.seq_len
+        if batch is None:
+            shape_lbl = (rows,) if self.cfg.task == "classify" else (rows, S)
+            batch = Batch(
+                torch.empty(rows, S, dtype=torch.long),
+                torch.empty(rows, S, dtype=torch.long),
+                torch.empty(shape_lbl, dtype=torch.long),
+                torch.empty(rows, S, dtype=torch.long) if self.token_types else None,
+            )
+        with self.group.segment("data"):
+            for t in (batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids):
+                if t is not None:
+                    self.group.broadcast(t, src=0)
+        return batch
+
+    def train(self, n_train: int, start: int = 0) -> Iterator[tuple[int, Batch]]:
+        """(epoch, batch) of every step from step `start` on."""
+        if self.source is not None:
+            for epoch, b in self.source.train_batches(start):
+                yield epoch, self._recv(self.cfg.batch_size, b)
+        else:
+            per_epoch = n_train // self.cfg.batch_size
+            for step in itertools.count(start):
+                yield step // per_epoch, self._recv(self.cfg.batch_size, None)
+
+    def eval(self, n_train: int, n_eval: int) -> Iterator[Batch]:
+        src = self.source.eval_batches() if self.source is not None else None
+        for rows in eval_row_groups(n_train, n_eval, self.cfg.batch_size):
+            yield self._recv(len(rows), next(src) if src is not None else None)

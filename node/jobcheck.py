@@ -19,30 +19,21 @@ from xronos.protocol.messages import Assignment, JobSpec
 from xronos.protocol.paths import confine_path
 
 
-def total_steps(spec: dict[str, Any], n_train: int) -> int:
-    """Steps of the job: max_steps, or epochs of full batches, whichever ends first."""
-    per_epoch = n_train // spec["batch_size"]
-    limits = [s for s in (spec.get("max_steps"), spec["epochs"] * per_epoch if spec.get("epochs") else None)
-              if s is not None]
-    return min(limits)
-
-
 def _overlap(a: Path, b: Path) -> bool:
     return a == b or a.is_relative_to(b) or b.is_relative_to(a)
 
 
 def confined_spec(spec: JobSpec, allowed_dirs: Iterable[str | Path],
-                  reserved: Iterable[str | Path] = ()) -> dict[str, Any]:
-    """The spec (JSON form) with model_dir, data_path and export_dir resolved inside allowed_dirs.
+                  reserved: Iterable[str | Path] = ()) -> JobSpec:
+    """The spec with model_dir, data_path and export_dir resolved inside allowed_dirs.
 
     The export is written where the spec says, so it may not overwrite what it reads or what the
     node keeps: export_dir may neither be nor contain nor lie inside the base model directory, the
     data file, or any of `reserved` (the node's job directories, which hold every job's checkpoint).
     """
     allowed = list(allowed_dirs)
-    out = spec.model_dump(mode="json")
-    for field in ("model_dir", "data_path", "export_dir"):
-        out[field] = str(confine_path(out[field], allowed, f"spec.{field}"))
+    out = {field: str(confine_path(getattr(spec, field), allowed, f"spec.{field}"))
+           for field in ("model_dir", "data_path", "export_dir")}
     export = Path(out["export_dir"])
     for field in ("model_dir", "data_path"):
         if _overlap(export, Path(out[field])):
@@ -53,7 +44,7 @@ def confined_spec(spec: JobSpec, allowed_dirs: Iterable[str | Path],
         if _overlap(export, root):
             raise ValueError(f"spec.export_dir {spec.export_dir!r} (resolves to {export}) overlaps {root}, "
                              "where this node keeps its jobs' checkpoints and profiles: export somewhere else")
-    return out
+    return spec.model_copy(update=out)
 
 
 def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
@@ -61,28 +52,27 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     """InspectReport fields (without ids) for a job this node would own; ValueError/FileNotFoundError
     naming the problem otherwise."""
     from xronos.node.data import load_tokenizer
-    from xronos.node.jobproc import spec_run_config
     from xronos.node.models.common import num_labels
     from xronos.node.models.registry import arch_spec, family_for
+    from xronos.node.runconfig import DataConfig, total_steps
     from xronos.node.validate import check_checkpoint, check_data, read_config
-    from xronos.protocol.layout import Layout
 
     allowed = list(allowed_dirs)
     s = confined_spec(spec, allowed, reserved)
-    if not Path(s["data_path"]).is_file():
+    if not Path(s.data_path).is_file():
         raise FileNotFoundError(f"spec.data_path {spec.data_path!r}: no such file on the owner")
-    config = read_config(s["model_dir"])
+    config = read_config(s.model_dir)
     family = family_for(config)
     if spec.seq_len > family.max_positions(config):
         raise ValueError(f"spec.seq_len {spec.seq_len} exceeds the model's maximum of "
                          f"{family.max_positions(config)} positions")
     family.hf_class(spec.task)
-    check_checkpoint(s["model_dir"], config, spec.task, allowed_dirs=allowed)
-    load_tokenizer(s["model_dir"])
-    run = spec_run_config(s, layout=Layout.single(family.sizes(config)), rank=0, host="127.0.0.1", port=1, threads=1, gloo_timeout_s=1.0)
-    n_train, n_eval = check_data(run, num_labels(config) if spec.task == "classify" else None)
+    check_checkpoint(s.model_dir, config, spec.task, allowed_dirs=allowed)
+    load_tokenizer(s.model_dir)
+    data = DataConfig(**s.model_dump(include=set(DataConfig.model_fields)))
+    n_train, n_eval = check_data(data, num_labels(config) if spec.task == "classify" else None)
     return {"arch": arch_spec(config, spec.task), "train_rows": n_train, "eval_rows": n_eval,
-            "total_steps": total_steps(s, n_train)}
+            "total_steps": total_steps(s.max_steps, s.epochs, n_train, s.batch_size)}
 
 
 def check_layout_cuts(layout: Layout, quanta: dict[str, int] = QUANTA) -> None:
@@ -101,7 +91,7 @@ def check_layout_cuts(layout: Layout, quanta: dict[str, int] = QUANTA) -> None:
                                   f"hold a remainder)")
 
 
-def assignment_problem(a: Assignment, spec: dict[str, Any]) -> str | None:
+def assignment_problem(a: Assignment, spec: JobSpec) -> str | None:
     """Why a node must refuse Assignment `a`'s layout before starting its rank, or None.
 
     Every node checks what it can without the model: one count per rank of the world, every kind
@@ -114,7 +104,7 @@ def assignment_problem(a: Assignment, spec: dict[str, Any]) -> str | None:
         if layout.world_size != a.world_size:
             raise LayoutError(f"layout has {layout.world_size} ranks but the world has {a.world_size}")
         check_layout_cuts(layout)
-        sizes = _model_sizes(spec["model_dir"]) if a.rank == 0 else None
+        sizes = _model_sizes(spec.model_dir) if a.rank == 0 else None
         if sizes is not None:
             layout.check(sizes, world_size=a.world_size)
     except LayoutError as exc:

@@ -1,10 +1,12 @@
-"""Spawn one worker process per rank on this machine, joined over Gloo on loopback (or wherever
-a `Placement` puts each rank, e.g. the bench's emulated LAN).
+"""Spawn one process per rank on this machine, joined over Gloo on loopback (or wherever a
+`Placement` puts each rank, e.g. the bench's emulated LAN): `spawn_ranks` for any rank entry
+module (`xronos run`'s worker, the baselines', the bench's probes), `launch_local` for
+`xronos run`.
 
 Any rank that dies takes the run down: the launcher kills the others at once and raises
 `RankFailed` naming the rank and the last lines it wrote to stderr. (Without the launcher, the
-ranks' own Gloo timeout does the same, only later.) Rank 0's stderr — the progress bar — is
-echoed live; every rank's stdout is inherited.
+ranks' own Gloo timeout does the same, only later.) For `xronos run`, rank 0's stderr — the
+progress bar — is echoed live and every rank's stdout is inherited.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
+
+from pydantic import BaseModel
 
 from xronos.node import allocator
 from xronos.node.runconfig import RunConfig
@@ -104,24 +108,38 @@ def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0
     """Run `config` on n local ranks; returns when all exit 0, raises RankFailed otherwise."""
     if n != config.world_size:
         raise ValueError(f"launch of {n} ranks for a layout of {config.world_size} ranks ({config.layout.describe()})")
+    spawn_ranks("xronos.node.worker", [config] * n, wrap, threads=config.threads, placement=placement,
+                echo_rank0=echo_rank0, quiet=False, timeout_s=None)
+
+
+def spawn_ranks(module: str, configs: Sequence[BaseModel], wrap: Wrap | None = None, *, threads: int = 1,
+                placement: Placement | None = None, echo_rank0: bool = False, quiet: bool = True,
+                timeout_s: float | None = 3600.0, extra_env: dict[str, str] | None = None) -> None:
+    """Run `python -m module rankN.json` for every config (rank = list index; each config has
+    `rank`, `rendezvous_host` and `rendezvous_port` fields, set here) and wait for all. `quiet`:
+    the ranks' stdout goes nowhere (else it is inherited); `timeout_s` (None: no limit):
+    TimeoutError after it."""
+    update: dict[str, object] = {}
     if placement is None:
-        port = free_port(config.rendezvous_host)
+        port = free_port(configs[0].rendezvous_host)  # type: ignore[attr-defined]
     else:
-        config = config.model_copy(update={"rendezvous_host": placement.rendezvous_host})
-        port = config.rendezvous_port
-    env = rank_env(config.threads)
+        # A fresh namespace has every port free: the configs' own port is as good as any.
+        port = configs[0].rendezvous_port  # type: ignore[attr-defined]
+        update["rendezvous_host"] = placement.rendezvous_host
+    env = {**rank_env(threads), **(extra_env or {})}
     procs: list[subprocess.Popen] = []
     pumps: list[_StderrPump] = []
-    with tempfile.TemporaryDirectory(prefix="xronos-run-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="xronos-ranks-") as tmp:
         try:
-            for rank in range(n):
+            for rank, cfg in enumerate(configs):
                 path = Path(tmp) / f"rank{rank}.json"
-                config.for_rank(rank, port).write(path)
+                mine = type(cfg).model_validate({**cfg.model_dump(), **update, "rank": rank, "rendezvous_port": port})
+                path.write_text(mine.model_dump_json(indent=1))
                 proc = subprocess.Popen(
-                    [*(placement.argv_prefix(rank) if placement else []),
-                     sys.executable, "-m", "xronos.node.worker", str(path)],
+                    [*(placement.argv_prefix(rank) if placement else []), sys.executable, "-m", module, str(path)],
                     env={**env, **placement.env(rank)} if placement else env,
                     stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL if quiet else None,
                     stderr=subprocess.PIPE,
                 )
                 procs.append(proc)
@@ -130,7 +148,8 @@ def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0
                 pumps.append(pump)
                 if wrap is not None:
                     wrap(rank, proc)
-            _supervise(procs, pumps)
+            _supervise(procs, pumps, None if timeout_s is None else time.monotonic() + timeout_s,
+                       f"{module}: ranks still running after {timeout_s} s")
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -141,7 +160,7 @@ def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0
                 pump.join(timeout=5)
 
 
-def _supervise(procs: list[subprocess.Popen], pumps: list[_StderrPump]) -> None:
+def _supervise(procs: list[subprocess.Popen], pumps: list[_StderrPump], deadline: float | None, late: str) -> None:
     while True:
         codes = [p.poll() for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
@@ -155,4 +174,6 @@ def _supervise(procs: list[subprocess.Popen], pumps: list[_StderrPump]) -> None:
             raise RankFailed(rank, codes[rank], pumps[rank].tail())
         if all(c == 0 for c in codes):
             return
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(late)
         time.sleep(0.1)

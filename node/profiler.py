@@ -16,7 +16,7 @@ largest submodules whose parameters are all (at least partly) partitioned — GP
 module pre/post hooks (forward) and full backward pre/post hooks (backward).
 
 Widths: every layer is profiled inside a TP world of two ranks where this process is rank 0 and
-holds its own count of every segment kind; the peer's collectives are skipped (`_Alone`). The
+holds its own count of every segment kind; the peer's collectives are skipped (`TPGroup.alone`). The
 first run holds everything (share 1 of every kind: T_l at s = 1 on the same code path a
 multi-rank run takes, Megatron's copy/reduce clones included); the next two hold about 1/2 and 1/4
 of each kind — attention by whole units (ceil(H/2), ceil(H/4)), MLP columns and vocabulary rows at

@@ -1,8 +1,10 @@
 """The profiling set: the engine's one-block model at one width, split into layers by hooks.
 
-See `xronos.node.profiler` for the method; this module holds the machinery: a TP group that
-profiles rank 0 of a world alone, the block's partitioned regions, the hook timeline, and the
-set that runs one fine-tuning iteration (or one measured-memory iteration) at a time.
+See `xronos.node.profiler` for the method; this module holds the machinery: rank 0 of a TP world
+profiled alone (`TPGroup.alone`: the peers' collectives are skipped, so the time is this rank's
+compute only, what the cost model predicts; communication is a separate term), the block's
+partitioned regions, the hook timeline, and the set that runs one fine-tuning iteration (or one
+measured-memory iteration) at a time.
 """
 
 from __future__ import annotations
@@ -23,29 +25,6 @@ from xronos.node.optim import adamw
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.protocol.layout import Layout
-
-
-class _Alone(TPGroup):
-    """Rank 0 of a TP world profiled alone: the peers' collectives are skipped, so the time is
-    this rank's compute only (what the cost model predicts; communication is a separate term)."""
-
-    def __init__(self, world_size: int) -> None:  # no process group, on purpose
-        self.pg, self.rank, self.world_size, self.timings = None, 0, world_size, []
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return t
-
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        return t
-
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        pass
-
-    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        return t
-
-    def barrier(self) -> None:
-        pass
 
 
 def find_regions(block: nn.Module, partitioned: set[int]) -> dict[str, nn.Module]:
@@ -169,7 +148,7 @@ class ProfilingSet:
         family = family_for(config)
         layout.check(family.sizes(config), world_size=2, quanta=None)
         self.layout = layout
-        self.model = family.build(config, task, ShardLayout.of(layout, 0), _Alone(2))
+        self.model = family.build(config, task, ShardLayout.of(layout, 0), TPGroup.alone(2))
         init_random(self.model, seed)
         self.model.train()
         self.clip = clip

@@ -74,7 +74,7 @@ class NodeService:
         self.work = ThreadPoolExecutor(1, thread_name_prefix="node-work")
         self.outbox: queue.Queue[Any] = queue.Queue()  # messages the worker thread wants published
         self.assignment: m.Assignment | None = None
-        self.spec: dict[str, Any] | None = None  # the assignment's spec, owner paths confined
+        self.spec: m.JobSpec | None = None  # the assignment's spec, owner paths confined
         self.child: Any = None  # RankProcess
         self.status: m.NodeJobStatus | None = None
         self.last_shares: tuple[float, float] | None = None
@@ -320,7 +320,7 @@ class NodeService:
                 except OSError as exc:
                     return f"rendezvous port {a.rendezvous_port} is not free: {exc.strerror}"
         else:
-            self.spec = a.spec.model_dump(mode="json")
+            self.spec = a.spec
         return assignment_problem(a, self.spec)  # the layout: refused before any rank starts
 
     def _on_control(self, c: Any, _params: dict[str, str]) -> None:
@@ -343,17 +343,17 @@ class NodeService:
 
     def _start_child(self, a: m.Assignment) -> None:
         from xronos.node.child import RankProcess, child_env
-        from xronos.node.jobproc import spec_run_config
+        from xronos.node.runconfig import JobRankConfig, RunConfig
 
         assert self.spec is not None
         threads = self._threads()
-        run = spec_run_config(self.spec, layout=a.layout, rank=a.rank, host=a.rendezvous_host,
-                              port=a.rendezvous_port, threads=threads, gloo_timeout_s=self.cfg.gloo_timeout_s)
+        run = RunConfig.for_job(self.spec, layout=a.layout, rank=a.rank, host=a.rendezvous_host,
+                                port=a.rendezvous_port, threads=threads, gloo_timeout_s=self.cfg.gloo_timeout_s)
         jobdir = job_dir(self.state_dir, a.job_id)
-        config = {"job_id": a.job_id, "plan_version": a.plan_version, "node_id": self.node_id,
-                  "spec": self.spec, "run": run.model_dump(mode="json"), "resume_step": a.resume_step,
-                  "checkpoint_dir": str(jobdir / "checkpoint") if a.rank == 0 else None,
-                  "allowed_dirs": [str(d) for d in self.cfg.allowed_dirs]}
+        config = JobRankConfig(job_id=a.job_id, plan_version=a.plan_version, node_id=self.node_id, run=run,
+                               checkpoint_interval=self.spec.checkpoint_interval, resume_step=a.resume_step,
+                               checkpoint_dir=str(jobdir / "checkpoint") if a.rank == 0 else None,
+                               allowed_dirs=[str(d) for d in self.cfg.allowed_dirs])
         ifname = self.cfg.data_interface or ("lo" if a.rendezvous_host.startswith("127.") else None)
         self.child = RankProcess(jobdir / f"v{a.plan_version}", config, child_env(threads, ifname))
 

@@ -1,49 +1,34 @@
-"""The per-rank training loop: same batches, same seeds, same optimizer on every rank.
+"""Our engine on a rank (`TPEngine`, driven by `xronos.node.runtime`): same batches, same seeds,
+same optimizer on every rank.
 
 Rank 0 owns the data: it tokenises each batch and broadcasts the tensors (booked as data time,
 not as TP communication). Every rank then runs its shard of the model; the engine's collectives
 go through the `TPGroup`, whose timings are drained each iteration and compared across ranks
 (one untimed all_gather) to split idle time from communication, and whose tagged timeline splits
-the compute by segment kind (`metrics.segment_compute`).
+the compute by segment kind (`metrics.segment_compute`). `xronos run` and a job's ranks train
+with this engine, so a job and a local run of the same spec and plan export the same model.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
 
 import torch
 
-from xronos.node.data import Batch, BatchSource, eval_row_groups
-from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, segment_compute
+from xronos.node.checkpoint import load_moments, save_checkpoint
+from xronos.node.data import Batch, BatchChannel
+from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
 from xronos.node.models.export import gather_full, save_hf_dir
-from xronos.node.models.common import num_labels
-from xronos.node.models.loading import SafetensorsSource, materialize
 from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
 from xronos.node.runconfig import RunConfig
+from xronos.node.runtime import Engine, EvalResult, Rank, RankResult, WeightSource
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
-from xronos.node.validate import read_config
-
-OnIteration = Callable[[IterationRecord], None]
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    loss: float
-    accuracy: float | None  # classify
-    perplexity: float | None  # causal-lm
-    rows: int
-
-
-@dataclass(frozen=True)
-class RankResult:
-    records: list[IterationRecord]
-    eval_before: EvalResult | None
-    eval_after: EvalResult | None
 
 
 def lr_factor(step: int, warmup_steps: int) -> float:
@@ -72,48 +57,10 @@ def clip_global_grad_norm(model: torch.nn.Module, replicated: set[str], max_norm
     return total
 
 
-class BatchChannel:
-    """Batches from rank 0 to all ranks. Every rank knows the shapes (from the header), so only
-    the tensors travel."""
-
-    def __init__(self, cfg: RunConfig, group: TPGroup, source: BatchSource | None, token_types: bool):
-        self.cfg, self.group, self.source, self.token_types = cfg, group, source, token_types
-
-    def _recv(self, rows: int, batch: Batch | None) -> Batch:
-        S = self.cfg.seq_len
-        if batch is None:
-            shape_lbl = (rows,) if self.cfg.task == "classify" else (rows, S)
-            batch = Batch(
-                torch.empty(rows, S, dtype=torch.long),
-                torch.empty(rows, S, dtype=torch.long),
-                torch.empty(shape_lbl, dtype=torch.long),
-                torch.empty(rows, S, dtype=torch.long) if self.token_types else None,
-            )
-        with self.group.segment("data"):
-            for t in (batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids):
-                if t is not None:
-                    self.group.broadcast(t, src=0)
-        return batch
-
-    def train(self, n_train: int) -> Iterator[tuple[int, Batch]]:
-        if self.source is not None:
-            for epoch, b in self.source.train_batches():
-                yield epoch, self._recv(self.cfg.batch_size, b)
-        else:
-            per_epoch = n_train // self.cfg.batch_size
-            step = 0
-            while True:
-                yield step // per_epoch, self._recv(self.cfg.batch_size, None)
-                step += 1
-
-    def eval(self, n_train: int, n_eval: int) -> Iterator[Batch]:
-        src = self.source.eval_batches() if self.source is not None else None
-        for rows in eval_row_groups(n_train, n_eval, self.cfg.batch_size):
-            yield self._recv(len(rows), next(src) if src is not None else None)
-
 
 @torch.no_grad()
 def evaluate(model, cfg: RunConfig, channel: BatchChannel, n_train: int, n_eval: int) -> EvalResult | None:
+    """Loss and accuracy (classify) or perplexity (causal LM) over the held-out tail."""
     if n_eval == 0:
         return None
     model.eval()
@@ -146,8 +93,7 @@ def _exchange_timings(own: list[float], group: TPGroup) -> torch.Tensor:
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
                group: TPGroup, cfg: RunConfig, replicated: set[str], batches: Iterator[tuple[int, Batch]],
                step: int, rusage: Rusage) -> IterationRecord:
-    """One training iteration on this rank and its measurements — the step `xronos run` and a
-    job's rank process (`xronos.node.jobproc`) both take, so both train the same model."""
+    """One training iteration on this rank and its measurements (the engine's step)."""
     group.drain_timings()  # whatever ran since the last step (evaluation, checkpoint) is not this step's
     group.drain_spans()
     t0 = time.perf_counter()
@@ -179,62 +125,74 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
     )
 
 
-def run_rank(cfg: RunConfig, group: TPGroup, on_iteration: OnIteration | None = None) -> RankResult:
-    """Train on this rank; rank 0 also writes the export. Returns this rank's measurements."""
-    config = read_config(cfg.model_dir)
-    family = family_for(config)
-    source = None
-    header = torch.zeros(4, dtype=torch.long)  # n_train, n_eval, pad token id, token types?
-    if cfg.rank == 0:
-        source = BatchSource(cfg, num_labels(config) if cfg.task == "classify" else None)
-        header = torch.tensor([source.n_train, source.n_eval, source.pad_token_id, source.has_token_types])
-    group.broadcast(header, src=0)
-    n_train, n_eval, pad_id, token_types = (int(v) for v in header)
-    # GPT-2/LLaMA classification pick the last non-pad token: the pad id must be the tokenizer's.
-    config["pad_token_id"] = pad_id
-
-    torch.manual_seed(cfg.seed)  # anything random outside the dropout streams agrees across ranks
-    layout = ShardLayout.of(cfg.layout, cfg.rank)
-    model = family.build(config, cfg.task, layout, group, dropout=cfg.dropout)
-    materialize(model, SafetensorsSource(cfg.model_dir))
-    model.train()
-    specs = model.tensor_specs()
-    replicated = {name for name, s in specs.items() if s.dim is None}
-    opt = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps))
-    channel = BatchChannel(cfg, group, source, bool(token_types))
-
-    eval_before = evaluate(model, cfg, channel, n_train, n_eval)
-    group.drain_timings()
-    model.seed(cfg.seed)  # dropout streams start from the same point on every rank
-
-    records: list[IterationRecord] = []
-    rusage = Rusage()
-    bar = _progress(cfg)
-    batches = channel.train(n_train)
-    for step in range(cfg.max_steps):
-        rec = train_step(model, opt, sched, group, cfg, replicated, batches, step, rusage)
-        records.append(rec)
-        if on_iteration is not None:
-            on_iteration(rec)
-        if bar is not None:
-            bar.set_postfix(loss=f"{rec.loss:.4f}", epoch=rec.epoch, refresh=False)
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-
-    eval_after = evaluate(model, cfg, channel, n_train, n_eval)
-    if cfg.export_dir is not None:
-        state = gather_full(model, specs, layout, group, dst=0)
-        if cfg.rank == 0:
-            save_hf_dir(cfg.export_dir, config, cfg.task, state, cfg.model_dir)
-    group.drain_timings()
-    return RankResult(records, eval_before, eval_after)
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps (those that require a gradient): every one today."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
-def _progress(cfg: RunConfig):
-    if cfg.rank != 0 or not cfg.progress:
-        return None
-    from tqdm import tqdm
+class TPEngine(Engine):
+    """The family's tensor-parallel model at this rank's layout, AdamW with linear warm-up (from
+    the resumed step on), optional global-norm clipping; evaluation on the held-out tail;
+    consolidated checkpoints and the export as a Hugging Face directory, written by the owner."""
 
-    return tqdm(total=cfg.max_steps, desc="xronos run", unit="step", mininterval=1.0, dynamic_ncols=True)
+    def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
+        cfg, group = rank.cfg, rank.group
+        config = rank.facts.config
+        self.layout = ShardLayout.of(cfg.layout, cfg.rank)
+        self.model = family_for(config).build(config, cfg.task, self.layout, group, dropout=cfg.dropout)
+        self.specs = self.model.tensor_specs()
+
+        def optimizer(source) -> None:  # the parameters exist now (materialized from meta)
+            self.opt = adamw(trainable(self.model), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            if start > 0:
+                load_moments(self.opt, self.model, self.specs, source, start)
+
+        weights.load(self.model, group, then=optimizer)
+        self.model.train()
+        self.replicated = {name for name, s in self.specs.items() if s.dim is None}
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s + start, cfg.warmup_steps))
+
+    def evaluate(self, rank: Rank) -> EvalResult | None:
+        return evaluate(self.model, rank.cfg, rank.data, rank.facts.n_train, rank.facts.n_eval)
+
+    def begin(self, rank: Rank, start: int) -> None:
+        rank.group.drain_timings()
+        self.model.seed(rank.cfg.seed + start)  # dropout streams start from the same point on every rank
+        self.rusage = Rusage()
+
+    def step(self, rank: Rank, batches: Iterator[tuple[int, Batch]], step: int) -> IterationRecord:
+        return train_step(self.model, self.opt, self.sched, rank.group, rank.cfg, self.replicated, batches, step,
+                          self.rusage)
+
+    def checkpoint(self, rank: Rank, ckpt_dir: str | None, meta: dict[str, Any]) -> None:
+        meta = {**meta, "layout": rank.cfg.layout.model_dump(mode="json")}
+        save_checkpoint(ckpt_dir or "", self.model, self.specs, self.layout, rank.group, self.opt,
+                        rank.facts.config, rank.cfg.task, meta)
+        rank.group.drain_timings()
+
+    def export(self, rank: Rank) -> None:
+        cfg = rank.cfg
+        if cfg.export_dir is None:
+            return
+        state = gather_full(self.model, self.specs, self.layout, rank.group, dst=0)
+        if rank.owner:
+            save_hf_dir(cfg.export_dir, rank.facts.config, cfg.task, state, cfg.model_dir)
+        rank.group.drain_timings()
+
+    def report(self, rank: Rank, per_rank: list[torch.Tensor], result: RankResult) -> dict:
+        """Rank 0 of `xronos run`: the per-rank table and evaluations on stdout, the metrics document."""
+        cfg = rank.cfg
+        records = [[IterationRecord.from_row(row) for row in p.tolist()] for p in per_rank]
+        summaries = [summarize(r, cfg.layout, recs) for r, recs in enumerate(records)]
+        print(format_table(summaries), flush=True)
+        for name, ev in (("before", result.eval_before), ("after", result.eval_after)):
+            if ev is not None:
+                metric = f"accuracy {ev.accuracy:.4f}" if ev.accuracy is not None else f"perplexity {ev.perplexity:.3f}"
+                print(f"eval {name} training: loss {ev.loss:.4f}, {metric} ({ev.rows} rows)", flush=True)
+        return {
+            "config": cfg.model_dump(exclude={"rank", "rendezvous_host", "rendezvous_port"}),
+            "eval_before": asdict(result.eval_before) if result.eval_before else None,
+            "eval_after": asdict(result.eval_after) if result.eval_after else None,
+            "ranks": [{"summary": asdict(s), "iterations": [asdict(r) for r in recs]}
+                      for s, recs in zip(summaries, records)],
+        }

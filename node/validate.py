@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xronos.node.data import as_int_labels, as_texts, load_columns, load_tokenizer, split_sizes
-from xronos.node.runconfig import RunConfig
+from xronos.node.runconfig import DataConfig, RunConfig
 from xronos.protocol.layout import Sizes
 
 
@@ -104,7 +104,7 @@ def check_checkpoint(model_dir: str | Path, config: dict, task: str, allowed_dir
                              f"config.json implies {list(spec.full_shape)}")
 
 
-def check_data(cfg: RunConfig, num_labels: int | None) -> tuple[int, int]:
+def check_data(cfg: DataConfig, num_labels: int | None) -> tuple[int, int]:
     cols = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
     if cfg.task == "classify":
         cols.append(cfg.label_column)

@@ -16,13 +16,12 @@ import torch
 import torch.nn as nn
 
 from xronos.node.tp.group import TPGroup
-from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.mappings import copy_to_tp
 
-from .common import (Dropout, DropoutStreams, Family, TPModel, attend, attention_mask_bool, cfg_get,
+from .common import (Dropout, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
                      cfg_require, gelu_fn, init_std, num_labels)
-from .specs import TensorSpec, replicated, split
 
 
 class EncoderDims:
@@ -53,13 +52,13 @@ class EncoderDims:
 class SelfAttention(nn.Module):
     def __init__(self, d: EncoderDims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams) -> None:
         super().__init__()
-        h0, h1 = layout.range("attn")
-        self.group, self.n_local, self.head_dim = group, h1 - h0, d.head_dim
-        width = self.n_local * d.head_dim
-        self.query = ColumnParallelLinear(d.hidden, width)
-        self.key = ColumnParallelLinear(d.hidden, width)
-        self.value = ColumnParallelLinear(d.hidden, width)
-        self.out = RowParallelLinear(width, d.hidden, group, kind="attn")
+        heads = layout.range("attn")
+        self.group, self.n_local, self.head_dim = group, heads[1] - heads[0], d.head_dim
+        cols = Split.of(heads, d.n_head, unit=d.head_dim)
+        self.query = ColumnParallelLinear(d.hidden, cols)
+        self.key = ColumnParallelLinear(d.hidden, cols)
+        self.value = ColumnParallelLinear(d.hidden, cols)
+        self.out = RowParallelLinear(cols, d.hidden, group, kind="attn")
         self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -74,10 +73,10 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, d: EncoderDims, layout: ShardLayout, group: TPGroup) -> None:
         super().__init__()
-        c0, c1 = layout.range("mlp")
+        cols = Split.of(layout.range("mlp"), d.inter)
         self.group, self.act = group, d.act
-        self.up = ColumnParallelLinear(d.hidden, c1 - c0)
-        self.down = RowParallelLinear(c1 - c0, d.hidden, group, kind="mlp")
+        self.up = ColumnParallelLinear(d.hidden, cols)
+        self.down = RowParallelLinear(cols, d.hidden, group, kind="mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
         return self.down(self.act(self.up(copy_to_tp(x, self.group, "mlp"))))
@@ -97,11 +96,17 @@ class Layer(nn.Module):
         return self.mlp_ln(x + self.drop(self.mlp(x)))
 
 
-# local name (inside layers.{i}.) -> HF name (inside encoder.layer.{i}.)
+# Local module names -> HF names: inside layers.{i}. -> inside encoder.layer.{i}., and the rest
+# ("<prefix>" = bert. or roberta.).
 _LAYER_NAMES = {"attn.query": "attention.self.query", "attn.key": "attention.self.key",
                 "attn.value": "attention.self.value", "attn.out": "attention.output.dense",
                 "attn_ln": "attention.output.LayerNorm", "mlp.up": "intermediate.dense",
                 "mlp.down": "output.dense", "mlp_ln": "output.LayerNorm"}
+_TOP_NAMES = {"word_embeddings": "<prefix>embeddings.word_embeddings",
+              "position_embeddings": "<prefix>embeddings.position_embeddings",
+              "token_type_embeddings": "<prefix>embeddings.token_type_embeddings",
+              "emb_ln": "<prefix>embeddings.LayerNorm", "pooler": "<prefix>pooler.dense",
+              "classifier": "classifier", "head_dense": "classifier.dense", "head_out": "classifier.out_proj"}
 
 
 class Encoder(TPModel):
@@ -119,47 +124,22 @@ class Encoder(TPModel):
         self.emb_drop = Dropout(d.hidden_p, self.streams)
         self.layers = nn.ModuleList(Layer(d, layout, group, self.streams) for _ in range(d.n_layer))
         self.head_drop = Dropout(d.cls_p, self.streams)
-        if self.roberta:
-            self.head_dense = nn.Linear(d.hidden, d.hidden)
-            self.head_out = nn.Linear(d.hidden, self.num_labels)
-        else:
-            self.pooler = nn.Linear(d.hidden, d.hidden)
-            self.classifier = nn.Linear(d.hidden, self.num_labels)
-        self._specs = self._spec_table()
-
-    def _spec_table(self) -> dict[str, TensorSpec]:
-        d, lay, P = self.d, self.layout, self.prefix
-        E, I, V = d.hidden, d.inter, d.vocab
-        h0, h1 = (u * d.head_dim for u in lay.range("attn"))
-        c0, c1 = lay.range("mlp")
-        emb = P + "embeddings."
-        specs = {"word_embeddings.weight": split(emb + "word_embeddings.weight", (V, E), 0, lay.range("vocab")),
-                 "position_embeddings.weight": replicated(emb + "position_embeddings.weight", (d.n_pos, E)),
-                 "token_type_embeddings.weight": replicated(emb + "token_type_embeddings.weight", (d.n_types, E)),
-                 "emb_ln.weight": replicated(emb + "LayerNorm.weight", (E,)),
-                 "emb_ln.bias": replicated(emb + "LayerNorm.bias", (E,))}
-        for i in range(d.n_layer):
-            hf = {k: f"{P}encoder.layer.{i}.{v}" for k, v in _LAYER_NAMES.items()}
-            loc = f"layers.{i}."
-            for lin in ("attn.query", "attn.key", "attn.value"):
-                specs[loc + lin + ".weight"] = split(hf[lin] + ".weight", (E, E), 0, (h0, h1))
-                specs[loc + lin + ".bias"] = split(hf[lin] + ".bias", (E,), 0, (h0, h1))
-            specs[loc + "attn.out.weight"] = split(hf["attn.out"] + ".weight", (E, E), 1, (h0, h1))
-            specs[loc + "mlp.up.weight"] = split(hf["mlp.up"] + ".weight", (I, E), 0, (c0, c1))
-            specs[loc + "mlp.up.bias"] = split(hf["mlp.up"] + ".bias", (I,), 0, (c0, c1))
-            specs[loc + "mlp.down.weight"] = split(hf["mlp.down"] + ".weight", (E, I), 1, (c0, c1))
-            for rep in ("attn.out.bias", "mlp.down.bias", "attn_ln.weight", "attn_ln.bias",
-                        "mlp_ln.weight", "mlp_ln.bias"):
-                mod, _, w = rep.rpartition(".")
-                specs[loc + rep] = replicated(f"{hf[mod]}.{w}", (E,))
         # Task heads: created fresh (like transformers) when a base checkpoint lacks them.
-        L, std = self.num_labels, init_std(self.config)
-        heads = ({"head_dense": ("classifier.dense", E), "head_out": ("classifier.out_proj", L)} if self.roberta
-                 else {"pooler": (P + "pooler.dense", E), "classifier": ("classifier", L)})
-        for loc, (hf_name, out) in heads.items():
-            specs[loc + ".weight"] = TensorSpec(hf_name + ".weight", None, (), (out, E), "normal", std)
-            specs[loc + ".bias"] = TensorSpec(hf_name + ".bias", None, (), (out,), "zeros")
-        return specs
+        std = init_std(config)
+        if self.roberta:
+            self.head_dense = Head(d.hidden, d.hidden, std=std)
+            self.head_out = Head(d.hidden, self.num_labels, std=std)
+        else:
+            self.pooler = Head(d.hidden, d.hidden, std=std)
+            self.classifier = Head(d.hidden, self.num_labels, std=std)
+
+    def hf_name(self, local: str) -> str:
+        if local.startswith("layers."):
+            _, i, rest = local.split(".", 2)
+            module, _, param = rest.rpartition(".")
+            return f"{self.prefix}encoder.layer.{i}.{_LAYER_NAMES[module]}.{param}"
+        module, _, param = local.rpartition(".")
+        return f"{_TOP_NAMES[module].replace('<prefix>', self.prefix)}.{param}"
 
     def _position_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         S = input_ids.shape[1]

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from xronos.node.tp.group import TPGroup
-from xronos.node.tp.layers import vocab_parallel_cross_entropy
+from xronos.node.tp.layers import Sharded, vocab_parallel_cross_entropy
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.mappings import boundary, copy_to_tp
 from xronos.protocol.layout import Sizes
@@ -125,8 +125,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return y.transpose(1, 2).reshape(B, S, h * d)
 
 
+class Head(nn.Linear):
+    """A task head a base checkpoint may lack: then created as transformers does (weight
+    N(0, std), bias 0). Replicated."""
+
+    def __init__(self, in_features: int, out_features: int, *, std: float, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.std = std
+
+
+def param_spec(hf_name: str, module: nn.Module, name: str, local_shape: tuple[int, ...]) -> TensorSpec:
+    """The spec of parameter `name` of `module`, from what the module says of it: its partition
+    (`Sharded.shards`) or none (replicated), and a fresh initialisation for a `Head`."""
+    dim, segments, full = None, (), list(local_shape)
+    if isinstance(module, Sharded) and name in module.shards:
+        dim, split = module.shards[name]
+        assert local_shape[dim] == split.width, (hf_name, local_shape, split)
+        segments, full[dim] = split.segments, split.full
+    if isinstance(module, Head):
+        return TensorSpec(hf_name, dim, segments, tuple(full), "normal" if name == "weight" else "zeros",
+                          module.std if name == "weight" else 0.02)
+    return TensorSpec(hf_name, dim, segments, tuple(full))
+
+
 class TPModel(nn.Module):
-    """A model family's tensor-parallel module. Subclasses set up layers and `_specs` and implement
+    """A model family's tensor-parallel module. Subclasses set up layers (parallel layers are told
+    their `Split` of each kind, task heads are `Head`s), name them (`hf_name`) and implement
     `hidden_states` (replicated [B, S, hidden]) and the task heads."""
 
     hf_classes: dict[str, str] = {}
@@ -142,7 +166,6 @@ class TPModel(nn.Module):
                              f"(rank {layout.rank} of {layout.world_size})")
         self.config, self.task, self.layout, self.group = dict(config), task, layout, group
         self.streams = DropoutStreams(layout.rank)
-        self._specs: dict[str, TensorSpec] = {}
         if task == "classify":
             self.num_labels = num_labels(config)
             if self.num_labels < 2 or config.get("problem_type") not in (None, "single_label_classification"):
@@ -153,18 +176,23 @@ class TPModel(nn.Module):
     def hf_class(self) -> str:
         return self.hf_classes[self.task]
 
+    def hf_name(self, local: str) -> str:
+        """The checkpoint's name of a local parameter (identity where module names mirror HF's)."""
+        return local
+
     def tensor_specs(self) -> dict[str, TensorSpec]:
-        return dict(self._specs)
+        """local parameter name -> TensorSpec, derived from the modules that hold the tensors (the
+        one source of truth of every shard's place and width), in parameter order."""
+        specs: dict[str, TensorSpec] = {}
+        for prefix, module in self.named_modules():
+            for name, p in module.named_parameters(recurse=False):
+                local = f"{prefix}.{name}" if prefix else name
+                specs[local] = param_spec(self.hf_name(local), module, name, tuple(p.shape))
+        return specs
 
     def seed(self, seed: int) -> None:
         """Reset the dropout streams (call with the same seed on every rank)."""
         self.streams.seed(seed)
-
-    def _check_specs(self) -> None:
-        names = {n for n, _ in self.named_parameters()}
-        assert names == set(self._specs), (names ^ set(self._specs))
-        for n, p in self.named_parameters():
-            assert tuple(p.shape) == self._specs[n].local_shape, (n, p.shape, self._specs[n])
 
     def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         if input_ids.dim() != 2:
@@ -296,5 +324,4 @@ class Family:
         layout.check(self.sizes(config))
         with torch.device("meta"), _no_meta_init():
             model = self.model_cls(config, task, layout, group, dropout=dropout)
-        model._check_specs()
         return model

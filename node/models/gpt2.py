@@ -16,13 +16,12 @@ import torch
 import torch.nn as nn
 
 from xronos.node.tp.group import TPGroup
-from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.mappings import copy_to_tp
 
-from .common import (Dropout, DropoutStreams, Family, TPModel, attend, attention_mask_bool, cfg_get,
+from .common import (Dropout, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
                      cfg_require, gelu_fn, init_std, last_token_pool, lm_head_logits, num_labels)
-from .specs import TensorSpec, replicated, split
 
 
 class GPT2Dims:
@@ -52,11 +51,14 @@ class Attention(nn.Module):
     def __init__(self, d: GPT2Dims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams,
                  layer_idx: int) -> None:
         super().__init__()
-        h0, h1 = layout.range("attn")
-        self.group, self.head_dim, self.n_local = group, d.head_dim, h1 - h0
+        heads = layout.range("attn")
+        self.group, self.head_dim, self.n_local = group, d.head_dim, heads[1] - heads[0]
         self.width = self.n_local * d.head_dim
-        self.c_attn = ColumnParallelLinear(d.hidden, 3 * self.width, transposed=True)
-        self.c_proj = RowParallelLinear(self.width, d.hidden, group, transposed=True, kind="attn")
+        # c_attn [hidden, 3 hidden]: this rank's heads' columns of q, of k and of v.
+        self.c_attn = ColumnParallelLinear(d.hidden, Split.of(heads, d.n_head, unit=d.head_dim, parts=3),
+                                           transposed=True)
+        self.c_proj = RowParallelLinear(Split.of(heads, d.n_head, unit=d.head_dim), d.hidden, group,
+                                        transposed=True, kind="attn")
         self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
         self.resid_dropout = Dropout(d.resid_p, streams)
         self.scale = d.head_dim ** -0.5 if d.scale_weights else 1.0
@@ -74,10 +76,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, d: GPT2Dims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams) -> None:
         super().__init__()
-        c0, c1 = layout.range("mlp")
+        cols = Split.of(layout.range("mlp"), d.n_inner)
         self.group, self.act = group, d.act
-        self.c_fc = ColumnParallelLinear(d.hidden, c1 - c0, transposed=True)
-        self.c_proj = RowParallelLinear(c1 - c0, d.hidden, group, transposed=True, kind="mlp")
+        self.c_fc = ColumnParallelLinear(d.hidden, cols, transposed=True)
+        self.c_proj = RowParallelLinear(cols, d.hidden, group, transposed=True, kind="mlp")
         self.dropout = Dropout(d.resid_p, streams)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
@@ -113,41 +115,10 @@ class GPT2(TPModel):
             h=nn.ModuleList(Block(d, layout, group, self.streams, i) for i in range(d.n_layer)),
             ln_f=nn.LayerNorm(d.hidden, eps=d.eps),
         ))
-        if task == "classify":
-            self.score = nn.Linear(d.hidden, self.num_labels, bias=False)
+        if task == "classify":  # a fresh head when the checkpoint is a base/LM model, as in HF
+            self.score = Head(d.hidden, self.num_labels, bias=False, std=init_std(config))
         elif not d.tied:
-            v0, v1 = layout.range("vocab")
-            self.lm_head = nn.Linear(d.hidden, v1 - v0, bias=False)
-        self._specs = self._spec_table()
-
-    def _spec_table(self) -> dict[str, TensorSpec]:
-        d, lay = self.d, self.layout
-        E, I, V = d.hidden, d.n_inner, d.vocab
-        h0, h1 = (u * d.head_dim for u in lay.range("attn"))
-        c0, c1 = lay.range("mlp")
-        specs = {"transformer.wte.weight": split("transformer.wte.weight", (V, E), 0, lay.range("vocab")),
-                 "transformer.wpe.weight": replicated("transformer.wpe.weight", (d.n_pos, E))}
-        for i in range(d.n_layer):
-            p = f"transformer.h.{i}."
-            qkv = ((h0, h1), (E + h0, E + h1), (2 * E + h0, 2 * E + h1))
-            layer = [split(p + "attn.c_attn.weight", (E, 3 * E), 1, *qkv),
-                     split(p + "attn.c_attn.bias", (3 * E,), 0, *qkv),
-                     split(p + "attn.c_proj.weight", (E, E), 0, (h0, h1)),
-                     replicated(p + "attn.c_proj.bias", (E,)),
-                     split(p + "mlp.c_fc.weight", (E, I), 1, (c0, c1)),
-                     split(p + "mlp.c_fc.bias", (I,), 0, (c0, c1)),
-                     split(p + "mlp.c_proj.weight", (I, E), 0, (c0, c1)),
-                     replicated(p + "mlp.c_proj.bias", (E,))]
-            layer += [replicated(p + f"{ln}.{w}", (E,)) for ln in ("ln_1", "ln_2") for w in ("weight", "bias")]
-            specs.update((s.hf_name, s) for s in layer)
-        for w in ("weight", "bias"):
-            specs[f"transformer.ln_f.{w}"] = replicated(f"transformer.ln_f.{w}", (E,))
-        if self.task == "classify":  # a fresh head when the checkpoint is a base/LM model, as in HF
-            specs["score.weight"] = TensorSpec("score.weight", None, (), (self.num_labels, E), "normal",
-                                               init_std(self.config))
-        elif not d.tied:
-            specs["lm_head.weight"] = split("lm_head.weight", (V, E), 0, lay.range("vocab"))
-        return specs
+            self.lm_head = ColumnParallelLinear(d.hidden, Split.of(layout.range("vocab"), d.vocab), bias=False)
 
     @property
     def vocab_range(self) -> tuple[int, int]:

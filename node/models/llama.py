@@ -16,13 +16,12 @@ import torch
 import torch.nn as nn
 
 from xronos.node.tp.group import TPGroup
-from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.mappings import copy_to_tp
 
-from .common import (Dropout, DropoutStreams, Family, TPModel, attend, attention_mask_bool, cfg_get,
+from .common import (Dropout, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
                      cfg_require, gelu_fn, init_std, last_token_pool, lm_head_logits, num_labels)
-from .specs import TensorSpec, replicated, split
 
 
 def rope_theta(c: dict[str, Any]) -> float:
@@ -88,13 +87,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, d: LlamaDims, layout: ShardLayout, group: TPGroup, streams: DropoutStreams) -> None:
         super().__init__()
-        g0, g1 = layout.range("attn")
-        self.group, self.d, self.n_kv = group, d, g1 - g0
+        units = layout.range("attn")  # KV heads, each with its n_rep query heads
+        self.group, self.d, self.n_kv = group, d, units[1] - units[0]
         self.n_q = self.n_kv * d.n_rep
-        self.q_proj = ColumnParallelLinear(d.hidden, self.n_q * d.head_dim, bias=d.attn_bias)
-        self.k_proj = ColumnParallelLinear(d.hidden, self.n_kv * d.head_dim, bias=d.attn_bias)
-        self.v_proj = ColumnParallelLinear(d.hidden, self.n_kv * d.head_dim, bias=d.attn_bias)
-        self.o_proj = RowParallelLinear(self.n_q * d.head_dim, d.hidden, group, bias=d.attn_bias, kind="attn")
+        q = Split.of(units, d.n_kv, unit=d.n_rep * d.head_dim)  # rows of q_proj [heads * hd, hidden]
+        kv = Split.of(units, d.n_kv, unit=d.head_dim)  # rows of k_proj, v_proj [kv_heads * hd, hidden]
+        self.q_proj = ColumnParallelLinear(d.hidden, q, bias=d.attn_bias)
+        self.k_proj = ColumnParallelLinear(d.hidden, kv, bias=d.attn_bias)
+        self.v_proj = ColumnParallelLinear(d.hidden, kv, bias=d.attn_bias)
+        self.o_proj = RowParallelLinear(q, d.hidden, group, bias=d.attn_bias, kind="attn")
         self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
@@ -113,11 +114,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, d: LlamaDims, layout: ShardLayout, group: TPGroup) -> None:
         super().__init__()
-        c0, c1 = layout.range("mlp")
+        cols = Split.of(layout.range("mlp"), d.inter)
         self.group, self.act = group, d.act
-        self.gate_proj = ColumnParallelLinear(d.hidden, c1 - c0, bias=d.mlp_bias)
-        self.up_proj = ColumnParallelLinear(d.hidden, c1 - c0, bias=d.mlp_bias)
-        self.down_proj = RowParallelLinear(c1 - c0, d.hidden, group, bias=d.mlp_bias, kind="mlp")
+        self.gate_proj = ColumnParallelLinear(d.hidden, cols, bias=d.mlp_bias)
+        self.up_proj = ColumnParallelLinear(d.hidden, cols, bias=d.mlp_bias)
+        self.down_proj = RowParallelLinear(cols, d.hidden, group, bias=d.mlp_bias, kind="mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
         x = copy_to_tp(x, self.group, "mlp")
@@ -151,48 +152,9 @@ class Llama(TPModel):
             norm=RMSNorm(d.hidden, d.eps),
         ))
         if task == "classify":
-            self.score = nn.Linear(d.hidden, self.num_labels, bias=False)
+            self.score = Head(d.hidden, self.num_labels, bias=False, std=init_std(config))
         elif not d.tied:
-            v0, v1 = layout.range("vocab")
-            self.lm_head = nn.Linear(d.hidden, v1 - v0, bias=False)
-        self._specs = self._spec_table()
-
-    def _spec_table(self) -> dict[str, TensorSpec]:
-        d, lay = self.d, self.layout
-        E, I, V, hd = d.hidden, d.inter, d.vocab, d.head_dim
-        g0, g1 = lay.range("attn")
-        q = (g0 * d.n_rep * hd, g1 * d.n_rep * hd)
-        kv = (g0 * hd, g1 * hd)
-        c = lay.range("mlp")
-        Q, KV = d.n_head * hd, d.n_kv * hd
-        specs = {"model.embed_tokens.weight": split("model.embed_tokens.weight", (V, E), 0, lay.range("vocab")),
-                 "model.norm.weight": replicated("model.norm.weight", (E,))}
-        for i in range(d.n_layer):
-            p = f"model.layers.{i}."
-            layer = [split(p + "self_attn.q_proj.weight", (Q, E), 0, q),
-                     split(p + "self_attn.k_proj.weight", (KV, E), 0, kv),
-                     split(p + "self_attn.v_proj.weight", (KV, E), 0, kv),
-                     split(p + "self_attn.o_proj.weight", (E, Q), 1, q),
-                     split(p + "mlp.gate_proj.weight", (I, E), 0, c),
-                     split(p + "mlp.up_proj.weight", (I, E), 0, c),
-                     split(p + "mlp.down_proj.weight", (E, I), 1, c),
-                     replicated(p + "input_layernorm.weight", (E,)),
-                     replicated(p + "post_attention_layernorm.weight", (E,))]
-            if d.attn_bias:
-                layer += [split(p + "self_attn.q_proj.bias", (Q,), 0, q),
-                          split(p + "self_attn.k_proj.bias", (KV,), 0, kv),
-                          split(p + "self_attn.v_proj.bias", (KV,), 0, kv),
-                          replicated(p + "self_attn.o_proj.bias", (E,))]
-            if d.mlp_bias:
-                layer += [split(p + "mlp.gate_proj.bias", (I,), 0, c), split(p + "mlp.up_proj.bias", (I,), 0, c),
-                          replicated(p + "mlp.down_proj.bias", (E,))]
-            specs.update((s.hf_name, s) for s in layer)
-        if self.task == "classify":
-            specs["score.weight"] = TensorSpec("score.weight", None, (), (self.num_labels, E), "normal",
-                                               init_std(self.config))
-        elif not d.tied:
-            specs["lm_head.weight"] = split("lm_head.weight", (V, E), 0, lay.range("vocab"))
-        return specs
+            self.lm_head = ColumnParallelLinear(d.hidden, Split.of(layout.range("vocab"), d.vocab), bias=False)
 
     @property
     def vocab_range(self) -> tuple[int, int]:

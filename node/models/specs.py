@@ -1,7 +1,8 @@
 """The spec table: how each local parameter maps onto a Hugging Face checkpoint tensor.
 
 One table per model drives loading (slice reads), streaming from the owner, consolidation and
-export. A partitioned local tensor is the concatenation along `dim` of `segments` of the HF tensor
+export. It is derived from the model's modules (`TPModel.tensor_specs`): the parallel layers know
+their `Split` of each partitioned dimension, task heads their fresh initialisation. A partitioned local tensor is the concatenation along `dim` of `segments` of the HF tensor
 (several segments for fused tensors such as GPT-2's c_attn, whose local part is q|k|v columns).
 """
 
@@ -55,11 +56,3 @@ class TensorSpec:
         for a, b in self.segments:
             full[self.index(a, b)] = local.narrow(self.dim, offset, b - a)
             offset += b - a
-
-
-def replicated(hf_name: str, shape: tuple[int, ...], init: str | None = None) -> TensorSpec:
-    return TensorSpec(hf_name, None, (), tuple(shape), init)
-
-
-def split(hf_name: str, shape: tuple[int, ...], dim: int, *segments: tuple[int, int]) -> TensorSpec:
-    return TensorSpec(hf_name, dim, tuple(segments), tuple(shape))

@@ -10,7 +10,11 @@ layers say which segment kind they belong to (`with group.segment("mlp"): ...`),
 segment k. `mark(tag)` adds a zero-length span where a segment ends without a collective (the
 embedding's backward, the replicated head), and a world of one that traces records its would-be
 collectives as marks, so even N = 1 splits its compute by kind. Collectives that are measurement
-or control (the timing exchange, the pause flag, gathering records) pass `timed=False`.
+or control (the timing exchange, the pause flag, gathering records, the teardown) pass `timed=False`.
+
+A rank's group is made and ended here too: `TPGroup.join(...)` sets up Gloo (or a traced world of
+one), `leave()` tears it down together with the peers. `TPGroup.alone(n, rank)` is one rank of a
+world of n run by itself (the profiler, build-only tests): every collective is skipped.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
@@ -39,20 +44,22 @@ class TPGroup:
     """A torch.distributed ProcessGroup (or None for a world of one) plus per-collective timings."""
 
     def __init__(self, pg: dist.ProcessGroup | None, rank: int, world_size: int, *,
-                 trace: bool | None = None) -> None:
+                 trace: bool | None = None, alone: bool = False) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"invalid rank {rank} for world size {world_size}")
-        if pg is None and world_size != 1:
+        if pg is None and world_size != 1 and not alone:
             raise ValueError(f"a world of {world_size} ranks needs a process group")
         self.pg = pg
         self.rank = rank
         self.world_size = world_size
+        self.alone = alone  # the peers' collectives are skipped: this rank runs by itself
         self.timings: list[tuple[str, float]] = []
         self.spans: list[Span] = []
         # Marks (and a world of one's would-be collectives) are recorded only when tracing: on by
         # default where collectives are timed anyway, off for TPGroup.single() (profiler, PP).
-        self.trace = world_size > 1 if trace is None else trace
+        self.trace = (world_size > 1 and not alone) if trace is None else trace
         self._tag: str | None = None
+        self._joined = False  # this group set up the default process group (join) and ends it (leave)
 
     @classmethod
     def single(cls, *, trace: bool = False) -> TPGroup:
@@ -60,24 +67,51 @@ class TPGroup:
         return cls(None, 0, 1, trace=trace)
 
     @classmethod
+    def alone(cls, world_size: int, rank: int = 0) -> TPGroup:
+        """Rank `rank` of a world of `world_size` run by itself: the peers' collectives are skipped,
+        so its time is its own compute only (the profiler), and nothing is recorded."""
+        return cls(None, rank, world_size, trace=False, alone=True)
+
+    @classmethod
     def from_default(cls) -> TPGroup:
         """The default group set up by `dist.init_process_group`."""
         return cls(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+
+    @classmethod
+    def join(cls, rank: int, world_size: int, host: str, port: int, timeout_s: float) -> TPGroup:
+        """This process's rank of a Gloo world meeting at tcp://host:port (collectives give up after
+        `timeout_s`); a world of one needs no Gloo and traces its would-be collectives, so a lone
+        rank still splits its compute by kind. End it with `leave()`."""
+        if world_size == 1:
+            return cls.single(trace=True)
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        group = cls(dist.group.WORLD, rank, world_size)
+        group._joined = True
+        return group
+
+    def leave(self) -> None:
+        """Tear the Gloo group down together (untimed barrier, then destroy). A rank that destroys
+        its group while a peer's pair still has traffic in flight can abort that peer (SIGABRT,
+        "terminate called without an active exception"), which the launcher then reports as a
+        failed run. Only a group that `join` made ends the process group."""
+        if self._joined and dist.is_initialized():
+            self.barrier(timed=False)
+            dist.destroy_process_group()
+            self._joined = False
 
     def drain_timings(self) -> list[tuple[str, float]]:
         out, self.timings = self.timings, []
         return out
 
     def drain_spans(self) -> list[Span]:
-        out, self.spans = getattr(self, "spans", []), []
+        out, self.spans = self.spans, []
         return out
 
-    # Subclasses that skip __init__ (the profiler's lone rank, load-only test groups) still work:
-    # the tag and trace state are read with defaults.
     @contextmanager
     def segment(self, tag: str | None) -> Iterator[None]:
         """Tag the collectives issued inside with a segment kind."""
-        saved = getattr(self, "_tag", None)
+        saved = self._tag
         self._tag = tag
         try:
             yield
@@ -86,7 +120,7 @@ class TPGroup:
 
     def mark(self, tag: str) -> None:
         """A segment ends here without a collective (zero-length span; only when tracing)."""
-        if getattr(self, "trace", False):
+        if self.trace:
             self.spans.append(Span("mark", tag, time.perf_counter(), 0.0))
 
     @contextmanager
@@ -95,13 +129,13 @@ class TPGroup:
         yield
         dt = time.perf_counter() - t0
         self.timings.append((name, dt))
-        self.spans.append(Span(name, getattr(self, "_tag", None), t0, dt))
+        self.spans.append(Span(name, self._tag, t0, dt))
 
     @contextmanager
     def _call(self, name: str, timed: bool) -> Iterator[bool]:
         """Yields whether to communicate; times it (or, in a traced world of one, marks it)."""
-        if self.world_size == 1:
-            if timed and getattr(self, "trace", False) and getattr(self, "_tag", None) is not None:
+        if self.world_size == 1 or self.alone:
+            if timed and self.trace and self._tag is not None:
                 self.spans.append(Span("mark", self._tag, time.perf_counter(), 0.0))
             yield False
         elif timed:
@@ -127,21 +161,31 @@ class TPGroup:
         return t
 
     def all_gather(self, t: torch.Tensor, *, timed: bool = True) -> list[torch.Tensor]:
-        """Every rank's `t` (same shape and dtype everywhere), in rank order."""
-        if self.world_size == 1:
-            return [t]
+        """Every rank's `t` (same shape and dtype everywhere), in rank order (alone: `t` for all)."""
+        if self.world_size == 1 or self.alone:
+            return [t] * self.world_size
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         with self._call("all_gather", timed):
             dist.all_gather(parts, t.contiguous(), group=self.pg)
         return parts
 
+    def _p2p(self, t: torch.Tensor) -> bool:
+        return self.world_size > 1 and not self.alone and t.numel() > 0
+
     def send(self, t: torch.Tensor, dst: int) -> None:
-        if self.world_size > 1 and t.numel() > 0:
+        if self._p2p(t):
             with self._timed("send"):
                 dist.send(t.contiguous(), dst=self._global(dst), group=self.pg)
 
+    def isend(self, t: torch.Tensor, dst: int) -> dist.Work | None:
+        """A send that returns at once (`wait()` the result before reusing `t`); untimed: its
+        wall time says nothing (the pipeline baseline times the wait itself)."""
+        if self._p2p(t):
+            return dist.isend(t.contiguous(), dst=self._global(dst), group=self.pg)
+        return None
+
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        if self.world_size > 1 and t.numel() > 0:
+        if self._p2p(t):
             with self._timed("recv"):
                 dist.recv(t, src=self._global(src), group=self.pg)
         return t

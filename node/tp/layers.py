@@ -4,11 +4,20 @@ A rank with 0 units holds [0, in] / [out, 0] weights: its matmuls produce empty 
 outputs but it still joins every all-reduce, so the collectives line up on all ranks.
 Weights are [out, in] like nn.Linear, or [in, out] with `transposed=True` (GPT-2's Conv1D), so a
 local weight is always a plain slice of the checkpoint tensor.
+
+Each layer is told *where* its part lies (a `Split`: segments of the full dimension), not how wide
+it is: the local width follows from the split, and the layer records it as partition metadata on
+itself (`Sharded.shards`: parameter name -> (dim, Split)), as Megatron-LM marks its parameters with
+`partition_dim`. The model families derive their tensor specs from that metadata
+(`TPModel.tensor_specs`), so a shard's width is stated once, where the tensor is made. (The
+metadata lives on the module, not the parameter: `to_empty` replaces meta parameters.)
 Every collective is tagged with its segment kind (`kind=` of RowParallelLinear; "vocab" for the
 vocabulary-parallel embedding and cross-entropy), which books the compute before it (`TPGroup`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -19,40 +28,75 @@ from .layout import ShardLayout
 from .mappings import boundary, reduce_from_tp
 
 
+@dataclass(frozen=True)
+class Split:
+    """A rank's part of one partitioned dimension: the segments [start, stop) it holds of a
+    dimension of `full` elements (several for a fused tensor, e.g. GPT-2's q|k|v). Its local size,
+    `width`, is their total; empty segments count (every rank has as many)."""
+
+    segments: tuple[tuple[int, int], ...]
+    full: int
+
+    def __post_init__(self) -> None:
+        assert all(0 <= a <= b <= self.full for a, b in self.segments), (self.segments, self.full)
+
+    @property
+    def width(self) -> int:
+        return sum(b - a for a, b in self.segments)
+
+    @classmethod
+    def of(cls, units: tuple[int, int], total: int, *, unit: int = 1, parts: int = 1) -> Split:
+        """Units [a, b) of `total`, each `unit` elements wide, in each of `parts` consecutive
+        blocks of total x unit elements (parts=3: a fused q|k|v projection)."""
+        a, b = units
+        block = total * unit
+        return cls(tuple((p * block + a * unit, p * block + b * unit) for p in range(parts)), parts * block)
+
+
+class Sharded(nn.Module):
+    """A module some of whose parameters are partitioned: `shards[name] = (dim, Split)`; the
+    others are replicated."""
+
+    shards: dict[str, tuple[int, Split]]
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool):
     return F.linear(x, weight.t() if transposed else weight, bias)
 
 
-class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T + b_local, split on output features.
+class ColumnParallelLinear(Sharded):
+    """y_local = x W_local^T + b_local, split on output features (`out`: this rank's part of them).
 
     The input must already be inside the TP region (`copy_to_tp`), entered once for all column
     layers reading the same activation so backward needs a single all-reduce.
     """
 
-    def __init__(self, in_features: int, local_out: int, *, bias: bool = True,
+    def __init__(self, in_features: int, out: Split, *, bias: bool = True,
                  transposed: bool = False) -> None:
         super().__init__()
-        self.in_features, self.local_out, self.transposed = in_features, local_out, transposed
-        shape = (in_features, local_out) if transposed else (local_out, in_features)
+        self.in_features, self.local_out, self.transposed = in_features, out.width, transposed
+        shape = (in_features, out.width) if transposed else (out.width, in_features)
         self.weight = nn.Parameter(torch.empty(shape))
-        self.bias = nn.Parameter(torch.empty(local_out)) if bias else None
+        self.bias = nn.Parameter(torch.empty(out.width)) if bias else None
+        self.shards = {"weight": (1 if transposed else 0, out), **({"bias": (0, out)} if bias else {})}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., local_out]
         return _linear(x, self.weight, self.bias, self.transposed)
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local W_local^T) + b, split on input features; bias added once."""
+class RowParallelLinear(Sharded):
+    """y = all_reduce(x_local W_local^T) + b, split on input features (`inp`: this rank's part of
+    them); the bias is replicated and added once."""
 
-    def __init__(self, local_in: int, out_features: int, group: TPGroup, *, bias: bool = True,
+    def __init__(self, inp: Split, out_features: int, group: TPGroup, *, bias: bool = True,
                  transposed: bool = False, kind: str | None = None) -> None:
         super().__init__()
-        self.local_in, self.out_features, self.transposed = local_in, out_features, transposed
+        self.local_in, self.out_features, self.transposed = inp.width, out_features, transposed
         self.group, self.kind = group, kind
-        shape = (local_in, out_features) if transposed else (out_features, local_in)
+        shape = (inp.width, out_features) if transposed else (out_features, inp.width)
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.shards = {"weight": (0 if transposed else 1, inp)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., local_in] -> [..., out]
         # An empty inner dimension gives exact zeros, so a 0-unit rank adds nothing.
@@ -60,7 +104,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Sharded):
     """Rows [start, stop) = layout.range("vocab") of the embedding; lookups summed over ranks."""
 
     def __init__(self, vocab_size: int, dim: int, layout: ShardLayout, group: TPGroup, *,
@@ -73,7 +117,9 @@ class VocabParallelEmbedding(nn.Module):
         # The padding row gets no gradient from lookups, as in nn.Embedding(padding_idx=...).
         owns_pad = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_stop
         self.local_padding_idx = padding_idx - self.vocab_start if owns_pad else None
-        self.weight = nn.Parameter(torch.empty(self.vocab_stop - self.vocab_start, dim))
+        rows = Split.of((self.vocab_start, self.vocab_stop), vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows.width, dim))
+        self.shards = {"weight": (0, rows)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B, S, dim]
         inside = (ids >= self.vocab_start) & (ids < self.vocab_stop)

@@ -62,7 +62,7 @@ def copy_to_tp(x: torch.Tensor, group: TPGroup, kind: str | None = None) -> torc
     """Forward identity, backward all-reduce (tagged `kind`). A traced world of one marks the
     backward boundary instead."""
     if group.world_size == 1:
-        return boundary(x, group, bwd=kind) if kind is not None and getattr(group, "trace", False) else x
+        return boundary(x, group, bwd=kind) if kind is not None and group.trace else x
     return _CopyToTP.apply(x, group, kind)
 
 
@@ -79,7 +79,7 @@ def reduce_from_tp(x: torch.Tensor, group: TPGroup, kind: str | None = None) -> 
 def boundary(x: torch.Tensor, group: TPGroup, fwd: str | None = None, bwd: str | None = None) -> torch.Tensor:
     """Identity that marks the end of segment `fwd` when the forward pass reaches it and the end of
     segment `bwd` when the backward pass does (no-op unless the group traces)."""
-    if not getattr(group, "trace", False):
+    if not group.trace:
         return x
     if not (torch.is_grad_enabled() and x.requires_grad):  # no backward will come through here
         if fwd is not None:

@@ -102,7 +102,7 @@ def test_run_with_strategy_reports_prediction(tiny: tuple[Path, Path], tmp_path:
 
 
 def test_confinement_prioritizes_groups() -> None:
-    from xronos.bench.emulator import EmulatorError
+    from xronos.node.emulator import EmulatorError
 
     try:
         ctx = strategy.confinement("0.2,0.1", 2)

@@ -3,6 +3,7 @@ rank processes of a job started directly, without MQTT."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -12,10 +13,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
 import runkit  # noqa: E402  (tests/node/runkit.py: tiny real checkpoints, reference training)
 
 from xronos.node.child import RankProcess, child_env  # noqa: E402
-from xronos.node.jobproc import spec_run_config  # noqa: E402
 from xronos.node.launch import free_port  # noqa: E402
+from xronos.node.runconfig import JobRankConfig, RunConfig  # noqa: E402
 from xronos.node.validate import model_sizes  # noqa: E402
 from xronos.protocol.layout import Layout  # noqa: E402
+from xronos.protocol.messages import JobSpec  # noqa: E402
 
 __all__ = ["runkit", "make_case", "job_spec", "start_ranks", "wait_ranks"]
 
@@ -47,11 +49,12 @@ def start_ranks(tmp: Path, spec: dict, units, *, resume_step: int = 0,
     for rank in range(layout.world_size):
         # Only the owner has model and data: the other ranks get paths that do not exist.
         own = spec if rank == 0 else {**spec, "model_dir": "/nonexistent/model", "data_path": "/nonexistent/d.csv"}
-        run = spec_run_config(own, layout=layout, rank=rank, host="127.0.0.1", port=port, threads=1,
-                              gloo_timeout_s=60.0)
-        cfg = {"job_id": "j", "plan_version": version, "node_id": f"n{rank}", "run": run.model_dump(),
-               "spec": own, "resume_step": resume_step,
-               "checkpoint_dir": str(ckpt or tmp / "ckpt") if rank == 0 else None}
+        job = JobSpec.model_validate_json(json.dumps(own))
+        run = RunConfig.for_job(job, layout=layout, rank=rank, host="127.0.0.1", port=port, threads=1,
+                                gloo_timeout_s=60.0)
+        cfg = JobRankConfig(job_id="j", plan_version=version, node_id=f"n{rank}", run=run,
+                            checkpoint_interval=job.checkpoint_interval, resume_step=resume_step,
+                            checkpoint_dir=str(ckpt or tmp / "ckpt") if rank == 0 else None)
         procs.append(RankProcess(tmp / f"v{version}-rank{rank}", cfg, child_env(1, "lo")))
     return procs
 

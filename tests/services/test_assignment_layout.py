@@ -56,16 +56,15 @@ BAD = [  # layout, what the reason names
 @pytest.mark.parametrize("layout,reason", BAD)
 def test_the_owner_refuses_a_layout_that_does_not_fit_its_model(case, layout, reason) -> None:
     _, spec = case
-    got = assignment_problem(_assignment(spec, layout), spec.model_dump(mode="json"))
+    got = assignment_problem(_assignment(spec, layout), spec)
     assert got is not None and reason in got and layout.to_text() in got, got
 
 
 def test_a_fitting_layout_passes_and_other_nodes_check_what_they_can(case) -> None:
     _, spec = case
-    s = spec.model_dump(mode="json")
-    assert assignment_problem(_assignment(spec, GOOD), s) is None
+    assert assignment_problem(_assignment(spec, GOOD), spec) is None
     # A node other than the owner has no model: it checks the quantum, not the sums.
-    far = {**s, "model_dir": "/nonexistent/model"}
+    far = spec.model_copy(update={"model_dir": "/nonexistent/model"})
     assert assignment_problem(_assignment(spec, BAD[0][0], rank=1), far) is None
     assert "quantum 32" in assignment_problem(_assignment(spec, BAD[3][0], rank=1), far)
     with pytest.raises(LayoutError, match="vocab: counts \\[0, 0\\] assign no vocabulary rows"):

@@ -19,19 +19,12 @@ from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 
 
-class LoadOnlyGroup(TPGroup):
-    """A rank's group for tests that only build and load (they never communicate)."""
-
-    def __init__(self, rank: int, world_size: int) -> None:  # noqa: D107
-        self.pg, self.rank, self.world_size, self.timings = None, rank, world_size, []
-
-
 def single(config: dict) -> ShardLayout:
     return ShardLayout.single(family_for(config).sizes(config))
 
 
 def build(config: dict, task: str, units: tuple[int, ...], rank: int, **kw):
-    group = TPGroup.single() if len(units) == 1 else LoadOnlyGroup(rank, len(units))
+    group = TPGroup.single() if len(units) == 1 else TPGroup.alone(len(units), rank)  # build and load only
     family = family_for(config)
     return family.build(config, task, ShardLayout.tied(units, family.sizes(config), rank), group, **kw)
 

@@ -12,7 +12,7 @@ from tp_world import worker_setup
 
 from xronos.node.models.export import gather_full
 from xronos.node.models.specs import TensorSpec
-from xronos.node.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from xronos.node.tp.layers import (ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding,
                                    vocab_parallel_cross_entropy)
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.mappings import copy_to_tp
@@ -70,8 +70,8 @@ def check_mlp(lay: Cut, group, transposed: bool) -> None:
     (y_ref * r).sum().backward()
 
     c0, c1 = lay.slice_of(I)
-    col = ColumnParallelLinear(E, c1 - c0, transposed=transposed)
-    row = RowParallelLinear(c1 - c0, E, group, transposed=transposed)
+    col = ColumnParallelLinear(E, Split.of((c0, c1), I), transposed=transposed)
+    row = RowParallelLinear(Split.of((c0, c1), I), E, group, transposed=transposed)
     with torch.no_grad():
         col.weight.copy_(W1[c0:c1].t() if transposed else W1[c0:c1])
         col.bias.copy_(b1[c0:c1])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tp_world import run_world
 
 from xronos.node.tp.group import TPGroup
-from xronos.node.tp.layers import RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from xronos.node.tp.layers import RowParallelLinear, Split, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.mappings import copy_to_tp, reduce_from_tp
 
@@ -42,7 +42,7 @@ def test_world_of_one_is_plain_torch():
 
 def test_zero_width_layers_give_exact_zeros_and_empty_gradients():
     g = TPGroup.single()
-    row = RowParallelLinear(0, 5, g)
+    row = RowParallelLinear(Split.of((0, 0), 4), 5, g)
     with torch.no_grad():
         row.bias.fill_(0.5)
     x = torch.randn(2, 3, 0, requires_grad=True)

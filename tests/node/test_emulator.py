@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from xronos.bench.emulator import (
+from xronos.node.emulator import (
     Confinement, EmulatorError, RankLimits, find_controller, leftover_groups, validate_limits,
 )
 
@@ -133,14 +133,14 @@ def test_v2_hierarchy_detected(tmp_path: Path) -> None:
     own.write_text("0::/svc\n")
     ctl = find_controller("cpu", mounts_file=mounts, proc_cgroup=own)
     assert ctl is not None and ctl.version == 2 and ctl.base == root / "svc"
-    from xronos.bench.emulator import cpu_limit_of
+    from xronos.node.emulator import cpu_limit_of
     assert cpu_limit_of(ctl) == 0.5
     (root / "svc" / "cgroup.controllers").write_text("pids\n")
     assert find_controller("cpu", mounts_file=mounts, proc_cgroup=own) is None
 
 
 def test_period_is_the_shortest_with_a_one_millisecond_quota() -> None:
-    from xronos.bench.emulator import DEFAULT_PERIOD_US, MIN_QUOTA_US, period_for
+    from xronos.node.emulator import DEFAULT_PERIOD_US, MIN_QUOTA_US, period_for
 
     for share in (0.01, 0.05, 0.3, 0.405, 0.45, 1.0, 1.5):
         period = period_for(share)

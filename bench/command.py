@@ -1,5 +1,8 @@
 """`xronos bench`: one benchmark cell — every strategy on the same emulated devices and model.
 
+A command the bench plugs into the CLI (entry point group `xronos.commands` in pyproject.toml):
+the CLI never imports the bench, and an installation without it simply has no `xronos bench`.
+
     xronos bench --scenario set-a --model gpt2-medium --strategies xronos,uniform,pp --iters 6 \\
         --seq-len 32 --blocks 2
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "bench" / "results"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
 def _mem_scale(text: str) -> float | str | None:

@@ -1,0 +1,58 @@
+"""What the baselines' engines share (transformers' TP, the pipeline): the runtime's batches and
+one row of measurements per step — wall time, CPU time, the batch's wall time, loss, context
+switches, peak RSS, and whatever the engine adds — named by the engine's `FIELDS`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from xronos.node.data import Batch
+from xronos.node.metrics import Rusage
+from xronos.node.runtime import Engine, Rank, RankResult
+
+
+@dataclass(frozen=True)
+class Row:
+    """One step's record: its values in the engine's FIELDS order."""
+
+    step: int
+    epoch: int
+    loss: float
+    values: tuple[float, ...]
+
+    def as_row(self) -> list[float]:
+        return list(self.values)
+
+
+class Baseline(Engine):
+    FIELDS: tuple[str, ...] = ()
+
+    def begin(self, rank: Rank, start: int) -> None:
+        self.rusage = Rusage()
+
+    def train(self, rank: Rank, batch: Batch, step: int) -> tuple[float, dict[str, float]]:
+        """Forward, backward and optimizer step on `batch`: the loss and the engine's own fields."""
+        raise NotImplementedError
+
+    def step(self, rank: Rank, batches: Iterator[tuple[int, Batch]], step: int) -> Row:
+        rank.group.drain_timings()  # the engine times what it needs itself (e.g. the batch's wall time)
+        rank.group.drain_spans()
+        t0, c0 = time.perf_counter(), time.process_time()
+        epoch, batch = next(batches)
+        data_s = time.perf_counter() - t0
+        loss, extra = self.train(rank, batch, step)
+        vol, inv = self.rusage.delta()
+        values = dict(iteration_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0, data_s=data_s, loss=loss,
+                      voluntary_ctx_switches=vol, involuntary_ctx_switches=inv, peak_rss=Rusage.peak_rss(), **extra)
+        return Row(step, epoch, loss, tuple(values[f] for f in self.FIELDS))
+
+    def iterations(self, p: torch.Tensor) -> list[dict[str, Any]]:
+        return [dict(zip(self.FIELDS, row)) for row in p.tolist()]
+
+    def report(self, rank: Rank, per_rank: list[torch.Tensor], result: RankResult) -> dict:
+        return {"ranks": [{"iterations": self.iterations(p)} for p in per_rank]}

@@ -1,0 +1,121 @@
+"""Who may import whom (ARCHITECTURE.md, "The house"), read from the source itself: every import
+statement of every module, those inside functions included (a lazy import is still a dependency).
+
+- the planes import only downwards: protocol nothing of ours; gateway and node only protocol; cli
+  every plane but never the bench; the bench everything;
+- no import cycle between modules of protocol, gateway, node or cli (so none between cli, bench
+  and node either, by the first rule).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("protocol", "gateway", "node", "cli", "bench")
+MAY_IMPORT = {
+    "protocol": set(),
+    "gateway": {"protocol"},
+    "node": {"protocol"},
+    "cli": {"protocol", "gateway", "node"},
+    "bench": {"protocol", "gateway", "node", "cli"},
+}
+ACYCLIC = ("protocol", "gateway", "node", "cli")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for top in PACKAGES:
+        for f in sorted((ROOT / top).rglob("*.py")):
+            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods["xronos." + ".".join(parts)] = f
+    return mods
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (a name imported from a package counts as its
+    submodule when there is one)."""
+    mods = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    name = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    name = node.module or ""
+                names = [name] + [f"{name}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for n in names:
+                while n and n not in mods:
+                    n = n.rpartition(".")[0]
+                if n and n != mod:
+                    edges[mod].add(n)
+    return edges
+
+
+def _plane(mod: str) -> str:
+    return mod.split(".")[1]
+
+
+def test_the_planes_import_only_what_the_house_allows() -> None:
+    graph = _graph()
+    assert "xronos.node.runtime" in graph and "xronos.cli.main" in graph
+    bad = sorted(f"{a} imports {b}" for a, bs in graph.items() for b in bs
+                 if _plane(b) != _plane(a) and _plane(b) not in MAY_IMPORT[_plane(a)])
+    assert bad == [], "\n".join(bad)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.mark.parametrize("plane", ACYCLIC)
+def test_no_import_cycle_inside_a_plane(plane: str) -> None:
+    graph = {m: {b for b in bs if _plane(b) == plane} for m, bs in _graph().items() if _plane(m) == plane}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
