@@ -3,7 +3,8 @@
 Paths arrive over MQTT, so they are untrusted: each is confined to the node's allowed directories
 first. Then the same pre-flight checks `xronos run` does before spawning ranks: config.json names
 a supported family, the sequence fits its positions, the checkpoint holds every tensor in the
-right shape, the tokenizer loads, the data file has the columns and integer labels. The answer
+right shape, the tokenizer loads, the data file has the columns and valid labels (their classes
+from the data when the checkpoint has no classification head) or valid instruction rows. The answer
 carries the architecture (for profiling on other nodes), H and the number of steps.
 `assignment_problem` is every node's check of an Assignment's layout before it starts a rank.
 """
@@ -62,9 +63,8 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     naming the problem otherwise."""
     from xronos.node.data import load_tokenizer
     from xronos.node.jobproc import spec_run_config
-    from xronos.node.models.common import num_labels
     from xronos.node.models.registry import arch_spec, family_for
-    from xronos.node.validate import check_checkpoint, check_data, read_config
+    from xronos.node.validate import check_checkpoint, check_dataset, read_config
     from xronos.protocol.layout import Layout
 
     allowed = list(allowed_dirs)
@@ -80,7 +80,10 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     check_checkpoint(s["model_dir"], config, spec.task, allowed_dirs=allowed)
     load_tokenizer(s["model_dir"])
     run = spec_run_config(s, layout=Layout.single(family.sizes(config)), rank=0, host="127.0.0.1", port=1, threads=1, gloo_timeout_s=1.0)
-    n_train, n_eval = check_data(run, num_labels(config) if spec.task == "classify" else None)
+    source = check_dataset(run, config, allowed)
+    n_train, n_eval = source.n_train, source.n_eval
+    if source.label_space is not None:  # the head the job trains: its classes may come from the data
+        config.update(source.label_space.config_fields())
     return {"arch": arch_spec(config, spec.task), "train_rows": n_train, "eval_rows": n_eval,
             "total_steps": total_steps(s, n_train)}
 

@@ -29,10 +29,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from xronos.node.checkpoint import CheckpointSource, check_saved_layout, load_moments, read_meta, save_checkpoint
-from xronos.node.data import BatchSource, batch_order
+from xronos.node.data import BatchSource, batch_order, owner_source, share_facts
 from xronos.node.jobcheck import total_steps
 from xronos.node.metrics import Rusage
-from xronos.node.models.common import num_labels
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.loading import SafetensorsSource
 from xronos.node.models.registry import family_for
@@ -72,9 +71,17 @@ def spec_run_config(spec: dict[str, Any], *, layout: Layout, rank: int, host: st
         seed=spec["seed"], shuffle=True, dropout=spec["dropout"], weight_decay=spec["weight_decay"],
         max_grad_norm=spec["max_grad_norm"], warmup_steps=spec["warmup_steps"],
         text_column=spec["text_column"], text_pair_column=spec["text_pair_column"],
-        label_column=spec["label_column"], threads=threads, eval_fraction=spec["eval_fraction"],
+        label_column=spec["label_column"], **_data_fields(spec), threads=threads,
+        eval_fraction=spec["eval_fraction"],
         export_dir=spec["export_dir"], gloo_timeout_s=gloo_timeout_s, progress=False, rank=rank,
         rendezvous_host=host, rendezvous_port=port)
+
+
+def _data_fields(spec: dict[str, Any]) -> dict[str, Any]:
+    """The JobSpec's data format and its columns (defaults where a spec predates them)."""
+    defaults = {"data_format": "text", "messages_column": "messages", "prompt_column": "prompt",
+                "completion_column": "completion"}
+    return {k: spec.get(k, v) for k, v in defaults.items()}
 
 
 class Events:
@@ -157,14 +164,10 @@ def train(job: JobProcConfig, group: TPGroup, events: Events, control: Control) 
     family = family_for(config)
     if resume is not None:  # saved under any layout of this model; resumed under cfg.layout
         check_saved_layout(resume, family.sizes(config))
-    source = None
-    header = torch.zeros(4, dtype=torch.long)
-    if owner:
-        source = BatchSource(cfg, num_labels(config) if cfg.task == "classify" else None)
-        header = torch.tensor([source.n_train, source.n_eval, source.pad_token_id, source.has_token_types])
-    group.broadcast(header, src=0)
-    n_train, n_eval, pad_id, token_types = (int(v) for v in header)
-    config["pad_token_id"] = pad_id
+    source = owner_source(cfg, config, job.allowed_dirs) if owner else None
+    facts = share_facts(group, source, cfg.task)  # row counts, pad id, segment ids, the classes
+    n_train, n_eval, token_types = facts.n_train, facts.n_eval, facts.token_types
+    config.update(facts.config_fields())
     steps = total_steps(job.spec, n_train)
 
     torch.manual_seed(cfg.seed)

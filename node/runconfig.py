@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from xronos.protocol.layout import Layout
 
 Task = Literal["classify", "causal-lm"]
+# How rows become training text (xronos.node.data): a text column (and pair) as today; a
+# `messages` column rendered with the tokenizer's chat template; or prompt/completion columns.
+# The last two are causal-LM formats whose loss covers the answer tokens only.
+DataFormat = Literal["text", "chat", "prompt-completion"]
 
 
 class RunConfig(BaseModel):
@@ -36,6 +40,10 @@ class RunConfig(BaseModel):
     text_column: str = "text"
     text_pair_column: str | None = None
     label_column: str = "label"
+    data_format: DataFormat = "text"
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
     threads: int = Field(default=1, gt=0)
     eval_fraction: float = Field(default=0.0, ge=0, lt=1)
     metrics_path: str | None = None
@@ -51,6 +59,9 @@ class RunConfig(BaseModel):
     def _check(self) -> RunConfig:
         if self.rank >= self.layout.world_size:
             raise ValueError(f"rank {self.rank} outside a world of {self.layout.world_size} ranks")
+        if self.data_format != "text" and self.task != "causal-lm":
+            raise ValueError(f"data_format {self.data_format!r} is a causal-lm format (the loss covers the "
+                             f"answer tokens), not one for task {self.task!r}")
         return self
 
     @property

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from xronos.node.data import Batch, BatchSource, eval_row_groups
+from xronos.node.data import Batch, BatchSource, eval_row_groups, owner_source, share_facts
 from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, segment_compute
 from xronos.node.models.export import gather_full, save_hf_dir
-from xronos.node.models.common import num_labels
 from xronos.node.models.loading import SafetensorsSource, materialize
 from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
@@ -183,15 +182,12 @@ def run_rank(cfg: RunConfig, group: TPGroup, on_iteration: OnIteration | None = 
     """Train on this rank; rank 0 also writes the export. Returns this rank's measurements."""
     config = read_config(cfg.model_dir)
     family = family_for(config)
-    source = None
-    header = torch.zeros(4, dtype=torch.long)  # n_train, n_eval, pad token id, token types?
-    if cfg.rank == 0:
-        source = BatchSource(cfg, num_labels(config) if cfg.task == "classify" else None)
-        header = torch.tensor([source.n_train, source.n_eval, source.pad_token_id, source.has_token_types])
-    group.broadcast(header, src=0)
-    n_train, n_eval, pad_id, token_types = (int(v) for v in header)
+    source = owner_source(cfg, config) if cfg.rank == 0 else None
+    facts = share_facts(group, source, cfg.task)  # row counts, pad id, segment ids, the classes
+    n_train, n_eval, token_types = facts.n_train, facts.n_eval, facts.token_types
     # GPT-2/LLaMA classification pick the last non-pad token: the pad id must be the tokenizer's.
-    config["pad_token_id"] = pad_id
+    # The head gets the owner's classes (num_labels, id2label, label2id), and so does the export.
+    config.update(facts.config_fields())
 
     torch.manual_seed(cfg.seed)  # anything random outside the dropout streams agrees across ranks
     layout = ShardLayout.of(cfg.layout, cfg.rank)

@@ -38,8 +38,11 @@ def test_missing_column_and_bad_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.csv"):
         load_columns(tmp_path / "nope.csv", ["text"])
     (tmp_path / "d.parquet").write_text("x")
-    with pytest.raises(ValueError, match="unsupported extension"):
+    with pytest.raises(ValueError, match=r"d.parquet could not be read as parquet"):
         load_columns(tmp_path / "d.parquet", ["text"])
+    (tmp_path / "d.tsv").write_text("x")
+    with pytest.raises(ValueError, match=r"unsupported extension '.tsv' \(csv, json, jsonl, parquet\)"):
+        load_columns(tmp_path / "d.tsv", ["text"])
 
 
 def test_labels_must_be_integers_in_range() -> None:
