@@ -272,7 +272,7 @@ def decide_labels(values: list, n_train: int, config: dict[str, Any], head: bool
     elif named is not None:  # names, and config.json names its labels: keep its ids
         unknown = sorted(set(train) - set(named))
         if unknown:
-            raise ValueError(f"data file {path}: column {column!r} has label(s) {[_short(u) for u in unknown[:5]]} "
+            raise ValueError(f"data file {path}: column {column!r} has label(s) {[u[:60] for u in unknown[:5]]} "
                              f"that config.json's id2label does not name (it names {list(named[:10])})")
         space = LabelSpace(named, by_name=True)
     else:  # names: ids in sorted order
@@ -409,16 +409,19 @@ def render_prompt_completion(tokenizer: Any, prompt: str, completion: str, where
 
 
 def answer_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor, offsets: torch.Tensor,
-                  answers: list[tuple[tuple[int, int], ...]]) -> torch.Tensor:
-    """[B, S] labels: the id where a token overlaps an answer span (and is not padding), -100
-    elsewhere. offsets [B, S, 2] are the tokens' character spans (special tokens the tokenizer adds
-    have empty spans, so they are never answers)."""
+                  special: torch.Tensor, answers: list[tuple[tuple[int, int], ...]]) -> torch.Tensor:
+    """[B, S] labels: the id where a token belongs to an answer span, -100 elsewhere. offsets
+    [B, S, 2] are the tokens' character spans; a token belongs to a span it overlaps, or, when
+    its own span is empty (a byte-level BPE trims a lone space token to nothing), that it starts
+    in. `special` [B, S] marks what the tokenizer adds around the text (BOS, ...): never an
+    answer, nor is padding."""
     start, end = offsets[..., 0], offsets[..., 1]
+    empty = end == start
     hit = torch.zeros_like(input_ids, dtype=torch.bool)
     for b, spans in enumerate(answers):
         for a, e in spans:
-            hit[b] |= (start[b] < e) & (end[b] > a)
-    hit &= (end > start) & attention_mask.bool()
+            hit[b] |= ((start[b] < e) & (end[b] > a)) | (empty[b] & (start[b] >= a) & (start[b] < e))
+    hit &= attention_mask.bool() & ~special.bool()
     return input_ids.masked_fill(~hit, IGNORE_INDEX)
 
 
@@ -553,12 +556,14 @@ class BatchSource:
             max_length=self.cfg.seq_len,
             padding="max_length",
             return_offsets_mapping=True,
+            return_special_tokens_mask=True,
             # A chat template writes the special tokens itself (as apply_chat_template(tokenize=True)).
             add_special_tokens=self.cfg.data_format != "chat",
             return_tensors="pt",
         )
         ids, mask = enc["input_ids"].long(), enc["attention_mask"].long()
-        labels = answer_labels(ids, mask, enc["offset_mapping"], [self.rows.answers[i] for i in rows])
+        labels = answer_labels(ids, mask, enc["offset_mapping"], enc["special_tokens_mask"],
+                               [self.rows.answers[i] for i in rows])
         learned = (labels[:, 1:] != IGNORE_INDEX).any(dim=1)  # the first token is never a target
         if not bool(learned.all()):
             row = rows[int((~learned).nonzero()[0])]
