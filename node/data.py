@@ -488,6 +488,9 @@ def read_rows(cfg: RunConfig, config: dict[str, Any], head: bool, tokenizer: Any
             rendered.append(render_chat(tokenizer, as_messages(v, where), where))
     else:
         prompts = as_texts(table[cfg.prompt_column], path, cfg.prompt_column)
+        empty = next((row for row, c in enumerate(table[cfg.completion_column]) if c is None), None)
+        if empty is not None:  # an empty CSV cell reads as None
+            raise ValueError(f"data file {path}: row {empty} has an empty completion: there is no answer to learn")
         completions = as_texts(table[cfg.completion_column], path, cfg.completion_column)
         rendered = [render_prompt_completion(tokenizer, p, c, f"data file {path}: row {row}")
                     for row, (p, c) in enumerate(zip(prompts, completions))]
