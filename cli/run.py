@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "columns, vocabulary rows); export a standard Hugging Face directory.",
     )
     p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
-    p.add_argument("--data", required=True, metavar="FILE", help="CSV, JSON or JSONL file")
+    p.add_argument("--data", required=True, metavar="FILE", help="CSV, JSON, JSONL or Parquet file")
     p.add_argument("--task", required=True, choices=["classify", "causal-lm"])
     p.add_argument("--nodes", required=True, type=int, metavar="N", help="number of ranks")
     p.add_argument("--layout", metavar="attn=a1,..;mlp=m1,..;vocab=v1,..",
@@ -61,7 +61,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-steps", type=int, default=0, metavar="W", help="linear LR warmup steps")
     p.add_argument("--text-column", default="text", metavar="C")
     p.add_argument("--text-pair-column", metavar="C2")
-    p.add_argument("--label-column", default="label", metavar="L")
+    p.add_argument("--label-column", default="label", metavar="L",
+                   help="classify: integer ids, or names (ids in sorted order, stored as id2label in the "
+                   "export; their count is the number of labels when the checkpoint has no head)")
+    p.add_argument("--data-format", choices=["text", "chat", "prompt-completion"], default="text",
+                   help="causal-lm instruction data: 'chat' renders a messages column (lists of {role, "
+                   "content}) with the tokenizer's chat template, 'prompt-completion' joins two text "
+                   "columns; the loss covers the answers only (default: text)")
+    p.add_argument("--messages-column", default="messages", metavar="C", help="with --data-format chat")
+    p.add_argument("--prompt-column", default="prompt", metavar="C", help="with --data-format prompt-completion")
+    p.add_argument("--completion-column", default="completion", metavar="C",
+                   help="with --data-format prompt-completion")
     p.add_argument("--threads-per-node", type=int, default=1, metavar="T")
     p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
                    help="hold out this tail fraction of the rows for evaluation before/after training")
@@ -101,6 +111,8 @@ def config_from_args(args: argparse.Namespace, layout):
 
     from xronos.node.runconfig import RunConfig
 
+    if args.data_format != "text" and args.task != "causal-lm":
+        raise ValueError(f"--data-format {args.data_format} is for --task causal-lm (its loss covers the answers)")
     export = Path(args.export).resolve()
     if export == Path(args.model).resolve():
         raise ValueError(f"--export {args.export} would overwrite the input model directory")
@@ -113,6 +125,8 @@ def config_from_args(args: argparse.Namespace, layout):
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         warmup_steps=args.warmup_steps, text_column=args.text_column,
         text_pair_column=args.text_pair_column, label_column=args.label_column,
+        data_format=args.data_format, messages_column=args.messages_column,
+        prompt_column=args.prompt_column, completion_column=args.completion_column,
         threads=args.threads_per_node, eval_fraction=args.eval_fraction,
         metrics_path=str(Path(args.metrics).resolve()) if args.metrics else None,
         export_dir=str(export), gloo_timeout_s=args.gloo_timeout, progress=True,
@@ -166,7 +180,9 @@ def _launch(args: argparse.Namespace, layout, wrap, planned=None) -> int:
     print(
         f"xronos run: {pre.family} model ({pre.sizes.describe()}) on {args.nodes} ranks, "
         f"layout {layout.describe()}; {pre.train_rows} training rows"
-        + (f", {pre.eval_rows} eval rows" if pre.eval_rows else ""),
+        + (f", {pre.eval_rows} eval rows" if pre.eval_rows else "")
+        + (f"; {pre.num_labels} labels" + (f" {list(pre.labels.names)[:8]}" if pre.labels.by_name else "")
+           if pre.labels is not None else ""),
         file=sys.stderr, flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="xronos-run-metrics-") as tmp:

@@ -3,7 +3,8 @@
 Paths arrive over MQTT, so they are untrusted: each is confined to the node's allowed directories
 first. Then the same pre-flight checks `xronos run` does before spawning ranks: config.json names
 a supported family, the sequence fits its positions, the checkpoint holds every tensor in the
-right shape, the tokenizer loads, the data file has the columns and integer labels. The answer
+right shape, the tokenizer loads, the data file has the columns and valid labels (their classes
+from the data when the checkpoint has no classification head) or valid instruction rows. The answer
 carries the architecture (for profiling on other nodes), H and the number of steps.
 `assignment_problem` is every node's check of an Assignment's layout before it starts a rank.
 """
@@ -52,10 +53,9 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     """InspectReport fields (without ids) for a job this node would own; ValueError/FileNotFoundError
     naming the problem otherwise."""
     from xronos.node.data import load_tokenizer
-    from xronos.node.models.common import num_labels
     from xronos.node.models.registry import arch_spec, family_for
     from xronos.node.runconfig import DataConfig, total_steps
-    from xronos.node.validate import check_checkpoint, check_data, read_config
+    from xronos.node.validate import check_checkpoint, check_dataset, read_config
 
     allowed = list(allowed_dirs)
     s = confined_spec(spec, allowed, reserved)
@@ -70,7 +70,9 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     check_checkpoint(s.model_dir, config, spec.task, allowed_dirs=allowed)
     load_tokenizer(s.model_dir)
     data = DataConfig(**s.model_dump(include=set(DataConfig.model_fields)))
-    n_train, n_eval = check_data(data, num_labels(config) if spec.task == "classify" else None)
+    source = check_dataset(data, config, allowed)
+    n_train, n_eval = source.n_train, source.n_eval
+    config.update(source.config_fields())  # the head the job trains: its classes may come from the data
     return {"arch": arch_spec(config, spec.task), "train_rows": n_train, "eval_rows": n_eval,
             "total_steps": total_steps(s.max_steps, s.epochs, n_train, s.batch_size)}
 

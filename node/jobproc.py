@@ -169,7 +169,7 @@ def main(argv: list[str]) -> int:
                               {"job_id": job.job_id, "plan_version": job.plan_version})
     try:
         run(job.run, TPEngine(), weights=weights(job), control=JobControl(events), sink=sink,
-            checkpoints=checkpoints, start=job.resume_step)
+            checkpoints=checkpoints, start=job.resume_step, allowed_dirs=job.allowed_dirs)
     except Exception as exc:  # reported to the node service, which tells the gateway
         traceback.print_exc()
         if not sink.ended:  # a failure leaving the group after the end changes nothing reported

@@ -14,8 +14,8 @@ Three layers, each a frozen pydantic model (JSON on disk, one file per rank):
   adds (ids, checkpoints, resume, the node's allowed directories, the events pipe).
 
 Everything is identical across ranks except `rank`. What only the owner can know (the data's
-size, the tokenizer's pad id, config.json for ranks without model files) is not a setting: the
-runtime shares it at start (`xronos.node.runtime.Facts`).
+size, the tokenizer's pad id, the classes it decided from the data, config.json for ranks without
+model files) is not a setting: the runtime shares it at start (`xronos.node.runtime.Facts`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xronos.protocol.layout import Layout
-from xronos.protocol.messages import JobSpec
+from xronos.protocol.messages import DataFormat, JobSpec
 
 Task = Literal["classify", "causal-lm"]
 
@@ -40,8 +40,8 @@ def total_steps(max_steps: int | None, epochs: int | None, n_train: int, batch_s
 
 
 class DataConfig(BaseModel):
-    """What the owner (rank 0) reads — checkpoint directory (tokenizer, config.json), data file and
-    its columns — and how it batches the rows."""
+    """What the owner (rank 0) reads — checkpoint directory (tokenizer, config.json), data file, its
+    format and columns — and how it batches the rows."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -51,11 +51,25 @@ class DataConfig(BaseModel):
     text_column: str = "text"
     text_pair_column: str | None = None
     label_column: str = "label"
+    # How rows become training text (xronos.node.data): the text column (and pair); a messages
+    # column rendered with the tokenizer's chat template ("chat"); or prompt/completion columns
+    # ("prompt-completion"). The last two are causal-LM formats whose loss covers the answers only.
+    data_format: DataFormat = "text"
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
     batch_size: int = Field(gt=0)
     seq_len: int = Field(gt=0)
     seed: int = 0
     shuffle: bool = True
     eval_fraction: float = Field(default=0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _format_fits_task(self) -> DataConfig:
+        if self.data_format != "text" and self.task != "causal-lm":
+            raise ValueError(f"data_format {self.data_format!r} is a causal-lm format (the loss covers the "
+                             f"answer tokens), not one for task {self.task!r}")
+        return self
 
 
 class RankConfig(DataConfig):

@@ -3,7 +3,8 @@ this lifecycle, in this order:
 
     join      `TPGroup.join`: Gloo over tcp://host:port (a world of one: no Gloo, traced)
     facts     the owner (rank 0) reads config.json and the data file and shares, once and typed,
-              what only it knows (`Facts`: config.json, rows, the tokenizer's pad id, token types)
+              what only it knows (`Facts`: config.json, rows, the tokenizer's pad id, token types,
+              the classes of a classification run)
     build     `torch.manual_seed(seed)` on every rank, then the engine builds its model and
               optimizer from a weight source: `LocalFiles` (every rank reads its own slices of the
               checkpoint) or `FromOwner` (the owner reads — the base checkpoint, or on resume its
@@ -42,10 +43,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from xronos.node.data import Batch, BatchChannel, BatchSource
-from xronos.node.models.common import num_labels
+from xronos.node.data import Batch, BatchChannel, BatchSource, LabelSpace, owner_batches
 from xronos.node.models.loading import SafetensorsSource, ShardSource, materialize
 from xronos.node.runconfig import RankConfig
 from xronos.node.streaming import load_shard, share_json
@@ -60,23 +60,44 @@ class Facts(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    config: dict[str, Any]  # config.json, pad_token_id set to the tokenizer's
+    # config.json as every rank builds its model: pad_token_id set to the tokenizer's and, for
+    # classify, num_labels/id2label/label2id set to the owner's classes (`BatchSource.config_fields`);
+    # checkpoints and the export carry it.
+    config: dict[str, Any]
     n_train: int = Field(ge=0, le=MAX_ROWS)
     n_eval: int = Field(ge=0, le=MAX_ROWS)
     pad_token_id: int  # GPT-2/LLaMA classification pick the last non-pad token: it must be the tokenizer's
     token_types: bool  # whether the tokenizer feeds segment ids (every rank then allocates them)
+    # classify: the classes the owner decided from the data and the checkpoint (names — the
+    # checkpoint's, or the data's in sorted order — and whether the data's labels are names)
+    labels: LabelSpace | None
+
+    @model_validator(mode="after")
+    def _config_agrees(self) -> Facts:
+        """The config every rank builds from says what the typed fields say."""
+        want = {"pad_token_id": self.pad_token_id, **(self.labels.config_fields() if self.labels else {})}
+        wrong = sorted(k for k, v in want.items() if self.config.get(k) != v)
+        if wrong:
+            raise ValueError(f"config.json fields {wrong} disagree with the owner's data facts")
+        return self
 
 
-def share_facts(cfg: RankConfig, group: TPGroup) -> tuple[Facts, BatchSource | None]:
-    """The owner reads config.json and the data (its BatchSource is returned); every rank gets the
-    facts, checked field by field where they arrive."""
+def share_facts(cfg: RankConfig, group: TPGroup, allowed_dirs: list[str] | None = None,
+                ) -> tuple[Facts, BatchSource | None]:
+    """The owner reads config.json and the data (its BatchSource is returned: `owner_batches`, which
+    decides a classification run's classes; with `allowed_dirs`, a job's, the checkpoint's files
+    must lie inside them); every rank gets the facts, checked field by field where they arrive."""
     if group.rank != 0:
-        return Facts.model_validate(share_json(group, None)), None
+        facts = Facts.model_validate(share_json(group, None))
+        if (facts.labels is None) != (cfg.task != "classify"):
+            raise ValueError(f"the owner's data facts {'lack' if facts.labels is None else 'have'} classes, "
+                             f"but the task is {cfg.task!r}")
+        return facts, None
     config = read_config(cfg.model_dir)
-    source = BatchSource(cfg, num_labels(config) if cfg.task == "classify" else None)
-    config["pad_token_id"] = source.pad_token_id
-    facts = Facts(config=config, n_train=source.n_train, n_eval=source.n_eval,
-                  pad_token_id=source.pad_token_id, token_types=source.has_token_types)
+    source = owner_batches(cfg, config, allowed_dirs)
+    config.update(source.config_fields())
+    facts = Facts(config=config, n_train=source.n_train, n_eval=source.n_eval, pad_token_id=source.pad_token_id,
+                  token_types=source.has_token_types, labels=source.label_space)
     share_json(group, facts.model_dump(mode="json"))
     return facts, source
 
@@ -289,15 +310,18 @@ class Checkpoints:
 
 # -- the lifecycle --------------------------------------------------------------------------------
 def run(cfg: RankConfig, engine: Engine, *, weights: WeightSource, control: Control | None = None,
-        sink: Sink | None = None, checkpoints: Checkpoints | None = None, start: int = 0) -> RankResult:
+        sink: Sink | None = None, checkpoints: Checkpoints | None = None, start: int = 0,
+        allowed_dirs: list[str] | None = None) -> RankResult:
     """One rank, joined to its world, from `start` (> 0: resumed; the weight source then serves the
-    checkpoint of that step) to its export and report. A failure anywhere raises: the process exits
-    non-zero, and its peers' next collective fails or times out after `gloo_timeout_s`."""
+    checkpoint of that step) to its export and report. `allowed_dirs` (a job's: its paths came
+    from the network) confine the checkpoint files the owner reads for the facts. A failure
+    anywhere raises: the process exits non-zero, and its peers' next collective fails or times out
+    after `gloo_timeout_s`."""
     control = control or NoControl()
     sink = sink or Sink()
     torch.set_num_threads(cfg.threads)
     group = TPGroup.join(cfg.rank, cfg.world_size, cfg.rendezvous_host, cfg.rendezvous_port, cfg.gloo_timeout_s)
-    facts, source = share_facts(cfg, group)
+    facts, source = share_facts(cfg, group, allowed_dirs)
     rank = Rank(cfg, group, facts, BatchChannel(cfg, group, source, facts.token_types),
                 cfg.total_steps(facts.n_train), engine)
     torch.manual_seed(cfg.seed)  # anything random outside the dropout streams agrees across ranks

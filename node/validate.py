@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from xronos.node.data import as_int_labels, as_texts, load_columns, load_tokenizer, split_sizes
+from xronos.node.data import BatchSource, LabelSpace, load_tokenizer, owner_batches
 from xronos.node.runconfig import DataConfig, RunConfig
 from xronos.protocol.layout import Sizes
 
@@ -22,6 +22,7 @@ class Preflight:
     num_labels: int | None
     train_rows: int
     eval_rows: int
+    labels: LabelSpace | None = None  # classify: the classes the run trains (names, and whether the data names them)
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -104,28 +105,24 @@ def check_checkpoint(model_dir: str | Path, config: dict, task: str, allowed_dir
                              f"config.json implies {list(spec.full_shape)}")
 
 
-def check_data(cfg: DataConfig, num_labels: int | None) -> tuple[int, int]:
-    cols = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
-    if cfg.task == "classify":
-        cols.append(cfg.label_column)
-    table = load_columns(cfg.data_path, cols)
-    for c in cols[: 2 if cfg.text_pair_column else 1]:
-        as_texts(table[c], cfg.data_path, c)
-    if cfg.task == "classify":
-        assert num_labels is not None
-        as_int_labels(table[cfg.label_column], cfg.data_path, cfg.label_column, num_labels)
-    rows = len(table[cols[0]])
-    n_train, n_eval = split_sizes(rows, cfg.eval_fraction)
+def check_dataset(cfg: DataConfig, config: dict, allowed_dirs: list | None = None) -> BatchSource:
+    """The data of a run on the checkpoint in cfg.model_dir (config.json `config`), read as its
+    owner will read it (`owner_batches`, the runtime's own): columns, texts, the classes (from the
+    data when the checkpoint has no classification head), instruction rows rendered and tokenised
+    (each keeps an answer token), enough training rows for a batch. Returns the checked source
+    (row counts, `label_space`, `config_fields`)."""
+    source = owner_batches(cfg, config, allowed_dirs)
+    source.check_all_rows()
+    n_train, n_eval = source.n_train, source.n_eval
     if n_train < cfg.batch_size:
         raise ValueError(
             f"--batch-size {cfg.batch_size} is larger than the {n_train} training rows of {cfg.data_path}"
             + (f" ({n_eval} rows held out for evaluation)" if n_eval else "")
         )
-    return n_train, n_eval
+    return source
 
 
 def preflight(cfg: RunConfig, nodes: int) -> Preflight:
-    from xronos.node.models.common import num_labels as labels_of
     from xronos.node.models.registry import family_for
 
     config = read_config(cfg.model_dir)
@@ -135,9 +132,10 @@ def preflight(cfg: RunConfig, nodes: int) -> Preflight:
     max_pos = family.max_positions(config)
     if cfg.seq_len > max_pos:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of {max_pos} positions")
-    num_labels = labels_of(config) if cfg.task == "classify" else None
     family.hf_class(cfg.task)
     check_checkpoint(cfg.model_dir, config, cfg.task)
     load_tokenizer(cfg.model_dir)
-    n_train, n_eval = check_data(cfg, num_labels)
-    return Preflight(family.name, sizes, num_labels, n_train, n_eval)
+    source = check_dataset(cfg, config)
+    labels = source.label_space
+    return Preflight(family.name, sizes, labels.num_labels if labels else None, source.n_train, source.n_eval,
+                     labels)

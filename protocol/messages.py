@@ -29,6 +29,7 @@ SCHEMA_VERSION = 2
 
 Task = Literal["classify", "causal-lm"]
 Strategy = Literal["segment", "paper", "uniform"]
+DataFormat = Literal["text", "chat", "prompt-completion"]
 Phase = Literal[
     "queued", "profiling", "planning", "assigning", "running",
     "paused", "recovering", "completed", "failed", "cancelled",
@@ -257,6 +258,13 @@ class JobSpec(Message):
     text_column: Column = "text"
     text_pair_column: Column | None = None
     label_column: Column = "label"
+    # How rows become training text: a text column (and pair), or for causal-lm a messages column
+    # rendered with the tokenizer's chat template ("chat") or prompt/completion columns, the loss
+    # on the answer tokens only (xronos.node.data).
+    data_format: DataFormat = "text"
+    messages_column: Column = "messages"
+    prompt_column: Column = "prompt"
+    completion_column: Column = "completion"
     batch_size: BatchSize
     seq_len: SeqLen
     lr: LearningRate
@@ -278,6 +286,8 @@ class JobSpec(Message):
     def _has_length(self) -> JobSpec:
         if self.epochs is None and self.max_steps is None:
             raise ValueError("epochs/max_steps: at least one must be set")
+        if self.data_format != "text" and self.task != "causal-lm":
+            raise ValueError(f"data_format: {self.data_format!r} is a causal-lm format, not one for task {self.task!r}")
         return self
 
 

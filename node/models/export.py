@@ -103,7 +103,7 @@ def save_hf_dir(out_dir: str | Path, config: dict[str, Any], task: str,
         n = num_labels(cfg)
         if len(cfg.get("id2label") or {}) != n:
             cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(n)}
-            cfg["label2id"] = {f"LABEL_{i}": i for i in range(n)}
+        cfg["label2id"] = {name: int(i) for i, name in cfg["id2label"].items()}  # always id2label's inverse
         cfg.pop("num_labels", None)
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) == 1:

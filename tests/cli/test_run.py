@@ -50,7 +50,8 @@ def test_run_is_registered_with_the_documented_flags() -> None:
     for flag in ("--model", "--data", "--task", "--nodes", "--layout", "--units", "--batch-size", "--seq-len", "--lr",
                  "--max-steps", "--seed", "--no-shuffle", "--dropout", "--weight-decay", "--max-grad-norm",
                  "--warmup-steps", "--text-column", "--text-pair-column", "--label-column",
-                 "--threads-per-node", "--eval-fraction", "--metrics", "--gloo-timeout", "--export"):
+                 "--threads-per-node", "--eval-fraction", "--metrics", "--gloo-timeout", "--export",
+                 "--data-format", "--messages-column", "--prompt-column", "--completion-column"):
         assert flag in help_text
 
 
@@ -92,6 +93,37 @@ def test_labels_out_of_range_for_the_head(good, tmp_path, capsys, no_spawn) -> N
     data = runkit.write_rows(tmp_path / "d.jsonl", [{"text": t, "label": i % 3} for i, t in enumerate(runkit.texts(8))])
     assert main(_argv(good, tmp_path, data=str(data))) == 2
     assert "row 2 has label 2 outside [0, 2)" in capsys.readouterr().err
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("xronos run: error: "), err
+    return err[0]
+
+
+def test_data_format_and_label_refusals(good, tmp_path, capsys, no_spawn) -> None:
+    model, data = good
+    argv = _argv(good, tmp_path)
+    assert main(argv + ["--data-format", "chat"]) == 2
+    assert "--data-format chat is for --task causal-lm" in _one_error(capsys)
+    # A label of the held-out rows that no training row has.
+    rows = [{"text": t, "label": ["cat", "dog"][i % 2]} for i, t in enumerate(runkit.texts(11))]
+    unseen = runkit.write_rows(tmp_path / "u.csv", rows + [{"text": "a bird", "label": "bird"}])
+    assert main(_argv(good, tmp_path, data=str(unseen)) + ["--eval-fraction", "0.25"]) == 2
+    assert "row 11 (held out for evaluation) has label 'bird', which no training row has" in _one_error(capsys)
+    # Chat data for a tokenizer without a chat template (the test models have none unless asked).
+    chats = runkit.write_rows(tmp_path / "c.jsonl", [
+        {"messages": [{"role": "user", "content": "cat"}, {"role": "assistant", "content": "dog"}]}] * 8)
+    lm = runkit.make_model(tmp_path / "lm", "gpt2", "causal-lm")
+    capsys.readouterr()  # the model's writing progress
+    argv = runkit.run_argv(lm, chats, "causal-lm", (4, 8), tmp_path / "out") + ["--data-format", "chat"]
+    assert main(argv) == 2
+    assert "the tokenizer has no chat template, which data format 'chat' needs" in _one_error(capsys)
+    empty = runkit.write_rows(tmp_path / "p.jsonl", [{"prompt": "cat", "completion": " dog"}] * 7
+                              + [{"prompt": "cat", "completion": " "}])
+    argv = runkit.run_argv(lm, empty, "causal-lm", (4, 8), tmp_path / "out") + ["--data-format", "prompt-completion"]
+    assert main(argv) == 2
+    assert "row 7 has an empty completion" in _one_error(capsys)
 
 
 def test_export_must_not_overwrite_the_input(good, tmp_path, capsys, no_spawn) -> None:

@@ -36,6 +36,11 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
+    elif path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), str(path))
     elif path.suffix == ".jsonl":
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     else:
@@ -43,8 +48,16 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def make_tokenizer(out: Path, style: str) -> None:
-    """A real WordLevel tokenizer over WORDS, special tokens in the family's fashion."""
+# A ChatML template (as Qwen's), written with the tokenizer when a model is made with chat=True.
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+ROLE_WORDS = ["system", "user", "assistant"]
+
+
+def make_tokenizer(out: Path, style: str, chat: bool = False) -> int:
+    """A real WordLevel tokenizer over WORDS, special tokens in the family's fashion; `chat` adds
+    ChatML's tokens, the role names and CHAT_TEMPLATE. Returns the vocabulary size."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -54,10 +67,13 @@ def make_tokenizer(out: Path, style: str) -> None:
         "bert": ["[PAD]", "[UNK]", "[CLS]", "[SEP]"],
         "roberta": ["<s>", "<pad>", "</s>", "<unk>"],  # pad id 1, as RoBERTa's position ids assume
     }[style]
-    vocab = {t: i for i, t in enumerate(specials + WORDS)}
+    vocab = {t: i for i, t in enumerate(specials + WORDS + (CHAT_TOKENS + ROLE_WORDS if chat else []))}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]" if style == "bert" else "<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     kw: dict = {"model_input_names": ["input_ids", "attention_mask"]}
+    if chat:
+        tk.add_special_tokens(CHAT_TOKENS)
+        kw["chat_template"] = CHAT_TEMPLATE
     if style == "gpt2":
         kw.update(unk_token="<unk>", eos_token="<|endoftext|>", bos_token="<|endoftext|>")
     elif style == "llama":
@@ -77,6 +93,7 @@ def make_tokenizer(out: Path, style: str) -> None:
         kw.update(unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                   cls_token="<s>", sep_token="</s>")
     PreTrainedTokenizerFast(tokenizer_object=tk, **kw).save_pretrained(str(out))
+    return len(vocab)
 
 
 @dataclass(frozen=True)
@@ -96,15 +113,15 @@ def model_class(task: str):
 
 
 def make_model(out: Path, family: str, task: str, num_labels: int = 3, gqa: bool = False, seed: int = 0,
-               vocab_size: int | None = None) -> Path:
+               vocab_size: int | None = None, chat: bool = False) -> Path:
     """A tiny random checkpoint (H = 12 heads, or 6 KV heads for LLaMA GQA; 100 MLP columns) +
     tokenizer in `out`. The vocabulary is the tokenizer's unless `vocab_size` pads it with rows no
-    token uses (room for vocabulary cuts on the run's 32-row quantum)."""
+    token uses (room for vocabulary cuts on the run's 32-row quantum). `chat`: the tokenizer has
+    a ChatML chat template (and its tokens)."""
     import transformers as tf
 
     out.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(out, family)
-    V = len(WORDS) + {"gpt2": 2, "llama": 3, "bert": 4, "roberta": 4}[family]
+    V = make_tokenizer(out, family, chat=chat)
     if vocab_size is not None:
         assert vocab_size >= V, (vocab_size, V)
         V = vocab_size

@@ -154,3 +154,53 @@ def test_data_problems(good, tmp_path: Path) -> None:
     d = runkit.write_rows(tmp_path / "d6.jsonl", [{"text": "a b"}] * 4)
     lm = _copy(model, tmp_path)
     assert preflight(_cfg(lm, d, task="causal-lm"), 2).num_labels is None
+
+
+@pytest.fixture(scope="module")
+def headless(tmp_path_factory) -> Path:
+    """A GPT-2 LM checkpoint: no classification head, so the data says how many labels there are."""
+    return runkit.make_model(tmp_path_factory.mktemp("headless") / "gpt2", "gpt2", "causal-lm", num_labels=2)
+
+
+def test_string_labels_and_num_labels_from_the_data(good, headless, tmp_path: Path) -> None:
+    names = ["sky", "sea", "tree", "stone", "river"]
+    rows = [{"text": t, "label": names[i % 5]} for i, t in enumerate(runkit.texts(12))]
+    data = runkit.write_rows(tmp_path / "d.parquet", rows)
+    pre = preflight(_cfg(headless, data, eval_fraction=1 / 6), 2)
+    assert pre.num_labels == 5 and pre.labels.names == ("river", "sea", "sky", "stone", "tree")
+    assert (pre.train_rows, pre.eval_rows) == (10, 2)
+    ints = runkit.write_rows(tmp_path / "i.csv", [{"text": t, "label": i % 7} for i, t in enumerate(runkit.texts(8))])
+    assert preflight(_cfg(headless, ints), 2).num_labels == 7  # no head: the training rows' largest id + 1
+    # With a head (the good model has 3 outputs) the names must fit it; integer labels stay as they were.
+    with pytest.raises(ValueError, match=r"5 distinct labels in its training rows, but the checkpoint's "
+                                         r"classification head has 3 outputs"):
+        preflight(_cfg(good[0], data), 2)
+    with pytest.raises(ValueError, match=r"row 3 has label 3 outside \[0, 3\)"):
+        preflight(_cfg(good[0], ints), 2)
+
+
+def test_a_label_only_in_the_eval_rows_is_refused(headless, tmp_path: Path) -> None:
+    rows = [{"text": t, "label": ["sea", "sky"][i % 2]} for i, t in enumerate(runkit.texts(9))]
+    rows.append({"text": "a tree", "label": "tree"})
+    data = runkit.write_rows(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ValueError, match=r"row 9 \(held out for evaluation\) has label 'tree', which no training "
+                                         r"row has \(the labels: \['sea', 'sky'\]\)"):
+        preflight(_cfg(headless, data, eval_fraction=0.2), 2)
+
+
+def test_instruction_data_is_checked_before_any_process(headless, tmp_path: Path) -> None:
+    chat = [{"messages": [{"role": "user", "content": "cat"}, {"role": "assistant", "content": "dog"}]}] * 4
+    data = runkit.write_rows(tmp_path / "c.jsonl", chat)
+    with pytest.raises(ValueError, match=r"the tokenizer has no chat template, which data format 'chat' needs"):
+        preflight(_cfg(headless, data, task="causal-lm", data_format="chat"), 2)
+    chat_model = runkit.make_model(tmp_path / "chat", "gpt2", "causal-lm", chat=True)
+    assert preflight(_cfg(chat_model, data, task="causal-lm", data_format="chat"), 2).train_rows == 4
+    long = chat + [{"messages": [{"role": "user", "content": " ".join(["sea"] * 30)},
+                                 {"role": "assistant", "content": "dog"}]}]
+    with pytest.raises(ValueError, match=r"row 4 has no answer token within the first 16 tokens"):
+        preflight(_cfg(chat_model, runkit.write_rows(tmp_path / "l.jsonl", long), task="causal-lm",
+                       data_format="chat"), 2)
+    pc = [{"prompt": "cat", "completion": " dog"}] * 3 + [{"prompt": "cat", "completion": ""}]
+    with pytest.raises(ValueError, match=r"row 3 has an empty completion"):
+        preflight(_cfg(headless, runkit.write_rows(tmp_path / "p.csv", pc), task="causal-lm",
+                       data_format="prompt-completion"), 2)

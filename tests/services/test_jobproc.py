@@ -117,3 +117,59 @@ def test_resume_without_checkpoint_fails_cleanly(tmp_path):
     events = wait_ranks(start_ranks(tmp_path, spec, [6, 6], resume_step=3), timeout=120)
     assert events[0][-1]["type"] == "failed" and "no checkpoint at step 3" in events[0][-1]["detail"]
     assert events[1][-1]["type"] == "failed"  # the peer learns from Gloo, not by hanging
+
+
+def _run_argv(spec, layout, out, extra=()):
+    return runkit.run_argv(spec["model_dir"], spec["data_path"], spec["task"], layout, out,
+                           steps=spec["max_steps"], lr=spec["lr"], seed=spec["seed"],
+                           extra=("--eval-fraction", str(spec["eval_fraction"]), "--dropout", "0", *extra))
+
+
+def test_string_labels_reach_every_rank_and_survive_a_resume(tmp_path):
+    """A headless checkpoint and labels named in the data: the owner decides the classes and
+    shares them (the other ranks have no files); the export names them, equals `xronos run`, and
+    a resume under another plan re-derives the same classes from the data."""
+    from xronos.cli.main import main as xronos
+
+    model = runkit.make_model(tmp_path / "model", "gpt2", "causal-lm", num_labels=2)  # no score head
+    names = ["sea", "bird", "tree", "fish"]
+    data = runkit.write_rows(tmp_path / "d.jsonl", [{"text": t, "label": names[i % 4]}
+                                                     for i, t in enumerate(runkit.texts(40))])
+    spec = job_spec(model, data, tmp_path / "export", max_steps=6, checkpoint_interval=3)
+    events = wait_ranks(start_ranks(tmp_path, spec, FIRST))
+    assert [ev[-1]["type"] for ev in events] == ["completed"] * 3, events
+    first = _load(tmp_path / "export")
+    assert first.config.id2label == dict(enumerate(sorted(names))) and first.config.num_labels == 4
+    assert xronos(_run_argv(spec, FIRST, tmp_path / "ref")) == 0
+    max_abs, rel = runkit.compare(first, _load(tmp_path / "ref"))
+    assert max_abs <= 5e-4 and rel <= 1e-5
+
+    resumed = {**spec, "export_dir": str(tmp_path / "export2")}
+    events = wait_ranks(start_ranks(tmp_path, resumed, RESUMED, resume_step=3, version=2))
+    assert [ev[-1]["type"] for ev in events] == ["completed"] * 4, events
+    second = _load(tmp_path / "export2")
+    assert second.config.id2label == first.config.id2label
+    max_abs, rel = runkit.compare(second, first)
+    assert max_abs <= 5e-4 and rel <= 1e-5
+
+
+def test_a_chat_job_trains_like_xronos_run(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from xronos.cli.main import main as xronos
+
+    model = runkit.make_model(tmp_path / "model", "llama", "causal-lm", chat=True)
+    short = [" ".join(t.split()[:4]) for t in runkit.texts(80, 1)]  # every answer starts within seq-len
+    rows = [{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": a}]}
+            for t, a in zip(short[:40], short[40:])]
+    data = runkit.write_rows(tmp_path / "d.jsonl", rows)
+    spec = job_spec(model, data, tmp_path / "export", task="causal-lm", data_format="chat", max_steps=6,
+                    checkpoint_interval=100)
+    layout = Layout(attn=(0, 5, 3), mlp=(64, 0, 36), vocab=(32, 0, 11))
+    events = wait_ranks(start_ranks(tmp_path, spec, layout))
+    assert [ev[-1]["type"] for ev in events] == ["completed"] * 3, events
+    assert xronos(_run_argv(spec, layout, tmp_path / "ref", ("--data-format", "chat"))) == 0
+    job, ref = (AutoModelForCausalLM.from_pretrained(str(tmp_path / d)) for d in ("export", "ref"))
+    max_abs, rel = runkit.compare(job, ref)
+    assert max_abs <= 5e-4 and rel <= 1e-5
+    assert (tmp_path / "export" / "chat_template.jinja").is_file()
