@@ -6,6 +6,7 @@ crosses a process boundary by pickle.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -56,10 +57,7 @@ def run_world(script: Path, world: int, job: dict[str, Any], workdir: Path, time
 
 def worker_setup(argv: list[str]):
     """In a worker: (job dict, rank, TPGroup). World of one uses TPGroup.single() (no Gloo)."""
-    from datetime import timedelta
-
     import torch
-    import torch.distributed as dist
 
     from xronos.node.tp.group import TPGroup
 
@@ -68,6 +66,13 @@ def worker_setup(argv: list[str]):
     rank = int(argv[2])
     if job["world"] == 1:
         return job, rank, TPGroup.single()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank,
-                            world_size=job["world"], timeout=timedelta(seconds=90))
-    return job, rank, TPGroup.from_default()
+    group = TPGroup.join(rank, job["world"], "127.0.0.1", job["port"], timeout_s=90)
+    # Leave together at a normal exit, as every real rank does (`TPGroup.leave`): a rank that exits
+    # with its pairs still open can abort a peer whose last collective is in flight ("terminate
+    # called without an active exception"), which failed these tests now and then under load. A
+    # rank that failed exits at once instead: its peers may never reach the barrier.
+    failed = []
+    hook = sys.excepthook
+    sys.excepthook = lambda *exc: (failed.append(True), hook(*exc))
+    atexit.register(lambda: None if failed else group.leave())
+    return job, rank, group
