@@ -70,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from xronos.gateway.costmodel import node_cost, time_at
     from xronos.gateway.profiles import node_profile
-    from xronos.node.models.shapes import shape
-    from xronos.node.profiler import config_for, profile
+    from xronos.node.models.shapes import shape_config
+    from xronos.node.profiler import profile
 
     torch.set_num_threads(args.threads)
-    config = config_for(arch=shape(args.arch, args.task))
+    config = shape_config(args.arch, args.task)
     t0 = time.perf_counter()
     report = profile(config, args.task, args.batch_size, args.seq_len, threads=args.threads)
     profile_s = time.perf_counter() - t0

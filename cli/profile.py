@@ -55,7 +55,7 @@ def handle(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--out {args.out}: directory does not exist")
 
     from xronos.node import allocator
-    from xronos.node.models.shapes import shape
+    from xronos.node.models.shapes import shape_config
     from xronos.node.profiler import config_for, profile
 
     allocator.tune()  # measure under the training ranks' malloc setting (see node/allocator.py)
@@ -63,7 +63,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.model is not None:
         config = config_for(model_dir=args.model)
     else:
-        config = config_for(arch=shape(args.arch, args.task))
+        config = shape_config(args.arch, args.task)
     report = profile(config, args.task, args.batch_size, args.seq_len, threads=args.threads,
                      iters=args.iters, clip=not args.no_clip, weight_decay=args.weight_decay,
                      node_id=args.node_id,

@@ -23,17 +23,19 @@ from xronos.node.models.loading import init_random
 from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
 from xronos.node.tp.group import TPGroup
+from xronos.node.tp.layers import InRegion
 from xronos.node.tp.layout import ShardLayout
 from xronos.protocol.layout import Layout
 
 
 def find_regions(block: nn.Module, partitioned: set[int]) -> dict[str, nn.Module]:
     """The largest submodules of `block` whose every parameter-owning module owns a partitioned
-    parameter (attention, MLP); what is left over is the replicated remainder."""
+    parameter or works on the region's partitioned activations (`InRegion`: Qwen3's q/k norms) —
+    attention, MLP; what is left over is the replicated remainder."""
     out: dict[str, nn.Module] = {}
 
     def owners(m: nn.Module) -> list[bool]:
-        return [any(id(p) in partitioned for p in s.parameters(recurse=False))
+        return [isinstance(s, InRegion) or any(id(p) in partitioned for p in s.parameters(recurse=False))
                 for s in m.modules() if next(s.parameters(recurse=False), None) is not None]
 
     def visit(name: str, m: nn.Module) -> None:

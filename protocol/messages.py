@@ -160,7 +160,7 @@ class Availability(StrEnum):
 
 
 class ArchSpec(Message):
-    family: Literal["gpt2", "bert", "roberta", "llama"]
+    family: Literal["gpt2", "bert", "roberta", "llama", "qwen2", "qwen3"]
     hidden_size: Dim
     num_layers: Layers
     num_heads: Heads

@@ -7,9 +7,10 @@ from typing import Any
 from .common import Family, TPModel
 from .bert import BertFamily, RobertaFamily
 from .gpt2 import GPT2Family
-from .llama import LlamaFamily
+from .llama import LlamaFamily, Qwen2Family, Qwen3Family
 
-FAMILIES: tuple[Family, ...] = (GPT2Family(), BertFamily(), RobertaFamily(), LlamaFamily())
+FAMILIES: tuple[Family, ...] = (GPT2Family(), BertFamily(), RobertaFamily(), LlamaFamily(), Qwen2Family(),
+                                Qwen3Family())
 
 
 def family_for(config: dict[str, Any]) -> Family:

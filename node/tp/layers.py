@@ -60,6 +60,13 @@ class Sharded(nn.Module):
     shards: dict[str, tuple[int, Split]]
 
 
+class InRegion(nn.Module):
+    """A module whose parameters are replicated but used inside a partitioned region, on this
+    rank's part of it only (Qwen3's per-head q/k norms): each rank's gradient of them is a partial
+    sum, which its user all-reduces in backward (`copy_to_tp_with`). The profiler counts
+    such a module with its region (`profset.find_regions`), as its compute scales with the share."""
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool):
     return F.linear(x, weight.t() if transposed else weight, bias)
 

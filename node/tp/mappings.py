@@ -4,6 +4,8 @@
 gradient that flows back is the sum of all ranks' partial gradients (one all-reduce in backward).
 `reduce_from_tp` leaves it: the row shards' partial outputs are summed (one all-reduce in forward);
 the summed output is replicated, so its gradient already is each rank's gradient.
+`copy_to_tp_with` enters it with a replicated parameter that only this rank's part of the region
+uses (so its gradient is partial too): both gradients share the one all-reduce.
 
 Each takes the segment kind of its region ("attn", "mlp", "vocab"): its all-reduce is tagged with
 it, so the time before it is booked as that kind's compute (`TPGroup`). `boundary` marks where a
@@ -30,6 +32,26 @@ class _CopyToTP(torch.autograd.Function):
         with ctx.group.segment(ctx.kind):
             ctx.group.all_reduce(g)
         return g, None, None
+
+
+class _CopyToTPWith(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, group: TPGroup, kind: str | None):  # type: ignore[override]
+        ctx.group, ctx.kind = group, kind
+        ctx.shapes = (x.shape, w.shape)
+        return x.view_as(x), w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, gx: torch.Tensor | None, gw: torch.Tensor | None):  # type: ignore[override]
+        (xs, ws), ref = ctx.shapes, gx if gx is not None else gw
+        gx = ref.new_zeros(xs) if gx is None else gx
+        gw = ref.new_zeros(ws) if gw is None else gw
+        # One fresh buffer [x.numel() + w.numel()], one all-reduce for both gradients.
+        flat = torch.cat((gx.reshape(-1), gw.reshape(-1)))
+        with ctx.group.segment(ctx.kind):
+            ctx.group.all_reduce(flat)
+        n = gx.numel()
+        return flat[:n].view(xs), flat[n:].view(ws), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -64,6 +86,18 @@ def copy_to_tp(x: torch.Tensor, group: TPGroup, kind: str | None = None) -> torc
     if group.world_size == 1:
         return boundary(x, group, bwd=kind) if kind is not None and group.trace else x
     return _CopyToTP.apply(x, group, kind)
+
+
+def copy_to_tp_with(x: torch.Tensor, w: torch.Tensor, group: TPGroup,
+                    kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`copy_to_tp(x)` that also carries `w`, a replicated tensor used inside the region on this
+    rank's part only (Qwen3's q/k norm weights, applied to the rank's own heads): its gradient is
+    each rank's partial sum, all-reduced in the same all-reduce as x's — no extra collective."""
+    if group.world_size == 1:
+        return copy_to_tp(x, group, kind), w
+    if x.dtype != w.dtype:
+        raise ValueError(f"copy_to_tp_with: x is {x.dtype} but w is {w.dtype} (one buffer holds both gradients)")
+    return _CopyToTPWith.apply(x, w, group, kind)
 
 
 def reduce_from_tp(x: torch.Tensor, group: TPGroup, kind: str | None = None) -> torch.Tensor:

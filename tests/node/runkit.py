@@ -55,6 +55,30 @@ CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 ROLE_WORDS = ["system", "user", "assistant"]
 
 
+def make_qwen_tokenizer(out: Path) -> int:
+    """A real Qwen2Tokenizer (byte-level BPE, `<|endoftext|>` as pad and EOS) whose merges spell
+    every word of WORDS, with and without the leading space ("Ġ"). transformers 5 loads a Qwen2
+    checkpoint's tokenizer as Qwen2Tokenizer whatever tokenizer_config.json says, so the Qwen
+    models' tokenizer must be one. Returns its vocabulary size."""
+    from transformers import Qwen2Tokenizer
+
+    vocab: dict[str, int] = {"<|endoftext|>": 0}
+    merges: list[tuple[str, str]] = []
+    for form in [w for word in WORDS for w in (word, "Ġ" + word)]:
+        for ch in form:
+            vocab.setdefault(ch, len(vocab))
+        left = form[0]
+        for ch in form[1:]:
+            if (left, ch) not in merges:
+                merges.append((left, ch))
+            left += ch
+            vocab.setdefault(left, len(vocab))
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|endoftext|>",
+                         pad_token="<|endoftext|>")
+    tok.save_pretrained(str(out))
+    return len(tok)
+
+
 def make_tokenizer(out: Path, style: str, chat: bool = False) -> int:
     """A real WordLevel tokenizer over WORDS, special tokens in the family's fashion; `chat` adds
     ChatML's tokens, the role names and CHAT_TEMPLATE. Returns the vocabulary size."""
@@ -113,15 +137,23 @@ def model_class(task: str):
 
 
 def make_model(out: Path, family: str, task: str, num_labels: int = 3, gqa: bool = False, seed: int = 0,
-               vocab_size: int | None = None, chat: bool = False) -> Path:
-    """A tiny random checkpoint (H = 12 heads, or 6 KV heads for LLaMA GQA; 100 MLP columns) +
-    tokenizer in `out`. The vocabulary is the tokenizer's unless `vocab_size` pads it with rows no
-    token uses (room for vocabulary cuts on the run's 32-row quantum). `chat`: the tokenizer has
-    a ChatML chat template (and its tokens)."""
+               vocab_size: int | None = None, chat: bool = False, rope: dict | None = None) -> Path:
+    """A tiny random checkpoint (H = 12 heads, or 6 KV heads for LLaMA GQA and the Qwens; 100 MLP
+    columns) + tokenizer in `out`. The vocabulary is the tokenizer's unless `vocab_size` pads it
+    with rows no token uses (room for vocabulary cuts on the run's 32-row quantum). `chat`: the
+    tokenizer has a ChatML chat template (and its tokens). `rope`: LLaMA's rope_parameters (a
+    scaled RoPE type). Qwen2 (q/k/v biases) and Qwen3 (q/k norms, head_dim 8 != hidden/heads) tie
+    their embeddings, as the small published ones do; they get a Qwen2Tokenizer
+    (`make_qwen_tokenizer`, no chat template)."""
     import transformers as tf
 
     out.mkdir(parents=True, exist_ok=True)
-    V = make_tokenizer(out, family, chat=chat)
+    if family in ("qwen2", "qwen3"):
+        if chat:
+            raise ValueError("the test kit's Qwen tokenizer has no chat template")
+        V = make_qwen_tokenizer(out)
+    else:
+        V = make_tokenizer(out, family, chat=chat)
     if vocab_size is not None:
         assert vocab_size >= V, (vocab_size, V)
         V = vocab_size
@@ -134,7 +166,13 @@ def make_model(out: Path, family: str, task: str, num_labels: int = 3, gqa: bool
         cfg = tf.LlamaConfig(hidden_size=48, intermediate_size=100, num_hidden_layers=2,
                              num_attention_heads=12 if gqa else 8, num_key_value_heads=6 if gqa else 8,
                              max_position_embeddings=64, tie_word_embeddings=False,
-                             bos_token_id=1, eos_token_id=2, pad_token_id=2, **common)
+                             bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                             **({"rope_parameters": dict(rope)} if rope else {}), **common)
+    elif family in ("qwen2", "qwen3"):
+        qwen = dict(hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=12,
+                    num_key_value_heads=6, max_position_embeddings=64, tie_word_embeddings=True,
+                    bos_token_id=0, eos_token_id=0, pad_token_id=0, **common)
+        cfg = tf.Qwen2Config(**qwen) if family == "qwen2" else tf.Qwen3Config(**qwen, head_dim=8)
     elif family == "bert":
         cfg = tf.BertConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=12,
                             intermediate_size=100, max_position_embeddings=64, pad_token_id=0,

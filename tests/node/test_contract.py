@@ -35,6 +35,10 @@ def _rows(n: int, num_labels: int, seed: int, pairs: bool = False) -> list[dict]
 
 
 
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8)  # Llama-3.2-1B's numbers, its context cut to 8
+
+
 def L(attn, mlp, vocab) -> Layout:
     """A per-segment layout, given to `xronos run --layout` (cuts on the run's quanta: 32 MLP
     columns, 32 vocabulary rows; only the last holder of a kind keeps a remainder)."""
@@ -61,6 +65,17 @@ CASES = {
                          {"vocab_size": 192}, False),
     "roberta-cls-N5-mixed": ("roberta", "classify", L((2, 0, 4, 0, 6), (0, 32, 0, 64, 4), (64, 32, 0, 32, 32)),
                              ".csv", {"vocab_size": 160}, False),
+    # The LLaMA-style variants (6 KV heads, 100 MLP columns): Llama 3.x and linear RoPE scaling
+    # (38 vocabulary rows), Qwen2 (q/k/v biases, tied) and Qwen3 (q/k norms, head_dim 8, tied) with
+    # their byte-level BPE tokenizer (229 rows).
+    "llama3-lm-N3-mixed": ("llama", "causal-lm", L((0, 2, 4), (64, 32, 4), (38, 0, 0)), ".jsonl",
+                           {"gqa": True, "rope": LLAMA3_ROPE}, False),
+    "llama-linear-cls-N2-mixed": ("llama", "classify", L((0, 8), (96, 4), (38, 0)), ".csv",
+                                  {"rope": dict(rope_type="linear", factor=2.0, rope_theta=10000.0)}, False),
+    "qwen2-lm-N2-mixed": ("qwen2", "causal-lm", L((0, 6), (96, 4), (229, 0)), ".jsonl", {}, False),
+    "qwen2-cls-N3-0,2,4": ("qwen2", "classify", (0, 2, 4), ".csv", {}, False),
+    "qwen3-lm-N3-mixed": ("qwen3", "causal-lm", L((4, 0, 2), (0, 64, 36), (0, 32, 197)), ".jsonl", {}, False),
+    "qwen3-cls-N2-mixed": ("qwen3", "classify", L((6, 0), (32, 68), (0, 229)), ".json", {}, False),
 }
 
 

@@ -24,7 +24,39 @@ def _configs():
                attention_probs_dropout_prob=0.0, num_labels=3)
     llama = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=103,
                  max_position_embeddings=64, rms_norm_eps=1e-6)
+    # The LLaMA-style variants beyond LLaMA's default RoPE: Llama 3.x RoPE (head_dim 16: wavelengths
+    # on each side of both llama3 bounds and between them), linear and dynamic NTK scaling
+    # (dynamic with max_position_embeddings 8 < the batches' 12 tokens: the rescaled branch),
+    # Qwen2 (q/k/v biases, tied, GQA), Qwen3 (per-head q/k norms, head_dim 12 != hidden/heads).
+    llama3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                  high_freq_factor=4.0, original_max_position_embeddings=32)
+    qwen = dict(llama, use_sliding_window=False)
+    variants = {
+        "llama3-lm": (T.LlamaForCausalLM, T.LlamaConfig(**llama, num_key_value_heads=2, intermediate_size=40,
+                                                        head_dim=16, rope_parameters=llama3,
+                                                        tie_word_embeddings=True)),
+        "llama-linear-cls": (T.LlamaForSequenceClassification,
+                             T.LlamaConfig(**llama, num_key_value_heads=4, intermediate_size=45, num_labels=3,
+                                           pad_token_id=0, rope_parameters=dict(rope_type="linear", factor=2.0,
+                                                                                rope_theta=10000.0))),
+        "llama-dynamic-lm": (T.LlamaForCausalLM,
+                             T.LlamaConfig(**dict(llama, max_position_embeddings=8), num_key_value_heads=2,
+                                           intermediate_size=51, tie_word_embeddings=False,
+                                           rope_parameters=dict(rope_type="dynamic", factor=2.0,
+                                                                rope_theta=10000.0))),
+        "qwen2-lm": (T.Qwen2ForCausalLM, T.Qwen2Config(**qwen, num_key_value_heads=2, intermediate_size=51,
+                                                       tie_word_embeddings=True)),
+        "qwen2-cls": (T.Qwen2ForSequenceClassification,
+                      T.Qwen2Config(**qwen, num_key_value_heads=2, intermediate_size=45, num_labels=3,
+                                    pad_token_id=0)),
+        "qwen3-lm": (T.Qwen3ForCausalLM, T.Qwen3Config(**qwen, num_key_value_heads=2, intermediate_size=50,
+                                                       head_dim=12, tie_word_embeddings=True)),
+        "qwen3-cls": (T.Qwen3ForSequenceClassification,
+                      T.Qwen3Config(**qwen, num_key_value_heads=4, intermediate_size=45, head_dim=12,
+                                    attention_bias=True, num_labels=3, pad_token_id=0)),
+    }
     return {
+        **variants,
         "gpt2-lm": (T.GPT2LMHeadModel, T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97,
                                                     n_positions=40, bos_token_id=96, eos_token_id=96, **no_drop)),
         "gpt2-cls": (T.GPT2ForSequenceClassification,
@@ -110,7 +142,7 @@ def make_batch(kind: str, B: int = 3, S: int = 12, seed: int = 0) -> dict[str, t
     ids = torch.randint(low, config.vocab_size, (B, S), generator=g)
     mask = torch.ones(B, S, dtype=torch.long)
     mask[0, S - 4:] = 0  # right padding
-    if kind == "llama-cls":
+    if kind in ("llama-cls", "llama-linear-cls", "qwen2-cls", "qwen3-cls"):
         mask[1, :3] = 0  # and left padding, pooled at the rightmost non-pad token
     ids = ids.masked_fill(mask == 0, pad)
     batch = {"input_ids": ids, "attention_mask": mask}

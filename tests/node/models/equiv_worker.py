@@ -18,10 +18,24 @@ from xronos.node.models.export import gather_full, save_hf_dir  # noqa: E402
 from xronos.node.models.loading import SafetensorsSource, materialize  # noqa: E402
 from xronos.node.models.registry import family_for  # noqa: E402
 from xronos.node.models.specs import TensorSpec  # noqa: E402
+from xronos.node.streaming import load_shard  # noqa: E402
 from xronos.node.tp.group import TPGroup  # noqa: E402
 from xronos.node.tp.layout import ShardLayout  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 0.01
+
+
+def full_logits(model, batch: dict, config: dict, layout: ShardLayout, group) -> torch.Tensor | None:
+    """The model's eval logits, the vocabulary slices of a causal LM gathered: full on rank 0."""
+    model.eval()
+    with torch.no_grad():
+        logits = model.logits(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
+    if model.task == "causal-lm":
+        B, S, _ = logits.shape
+        V = config["vocab_size"]
+        logit_spec = {"logits": TensorSpec("logits", 2, (model.vocab_range,), (B, S, V))}
+        logits = gather_full({"logits": logits}, logit_spec, layout, group).get("logits")
+    return logits
 
 
 def run_case(case: dict, rank: int, group, out: Path) -> None:
@@ -33,8 +47,12 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     else:
         layout = ShardLayout.tied(tuple(case["units"]), family.sizes(config), rank)
     model = family.build(config, case["task"], layout, group, dropout=case.get("dropout", 0.0))
-    source = SafetensorsSource(ckpt)
-    materialize(model, source)
+    if case.get("stream") and group.world_size > 1:  # the owner streams the others their slices
+        source = SafetensorsSource(ckpt) if rank == 0 else None
+        load_shard(model, group, source)
+    else:
+        source = SafetensorsSource(ckpt)
+        materialize(model, source)
     specs = model.tensor_specs()
     batch = load_file(case["batch"])
     args = (batch["input_ids"], batch["attention_mask"], batch["labels"], batch.get("token_type_ids"))
@@ -65,20 +83,17 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     loss0 = loss.detach().reshape(1).clone()
     group.broadcast(loss0, 0)
 
-    model.eval()
-    with torch.no_grad():
-        logits = model.logits(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
-    if case["task"] == "causal-lm":
-        B, S, _ = logits.shape
-        V = config["vocab_size"]
-        logit_spec = {"logits": TensorSpec("logits", 2, (model.vocab_range,), (B, S, V))}
-        logits = gather_full({"logits": logits}, logit_spec, layout, group).get("logits")
+    logits = full_logits(model, batch, config, layout, group)
     if logits is not None:
         res["logits"] = logits
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     opt.step()
     res.update((f"param/{k}", v) for k, v in gather_full(model, specs, layout, group).items())
+    if case.get("export"):  # what the exported model must reproduce when transformers loads it
+        logits = full_logits(model, batch, config, layout, group)
+        if logits is not None:
+            res["logits_after"] = logits
     exp_avg = {n: opt.state[p]["exp_avg"] for n, p in model.named_parameters()}
     res.update((f"exp_avg/{k}", v) for k, v in gather_full(exp_avg, specs, layout, group).items())
 
@@ -88,7 +103,7 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
             state = {k.removeprefix("param/"): v for k, v in res.items() if k.startswith("param/")}
             save_hf_dir(out / f"{case['id']}-export", config, case["task"], state, ckpt)
     info = {"loss": loss.item(), "rank0_loss": loss0.item(), "replicated_grad_diff": rep_diff,
-            "slice_reads": source.slice_reads, "full_reads": source.full_reads,
+            "slice_reads": source.slice_reads if source else 0, "full_reads": source.full_reads if source else 0,
             "collectives": len(group.drain_timings()), "tags": tags}
     (out / f"{case['id']}.rank{rank}.json").write_text(json.dumps(info))
 

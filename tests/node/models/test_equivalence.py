@@ -3,9 +3,11 @@
 One 5-process Gloo world covers N = 1..5: in each phase disjoint subgroups run their cases
 concurrently. Layouts are deliberately lopsided and include ranks with 0 units and ranks with all
 but one unit: head-tied ones (`WORLDS`, the paper's unit) and mixed per-segment ones (`MIXED`:
-attention units, MLP columns and vocabulary rows each cut on its own). Also here: replicated
-dropout agreeing across ranks, every collective tagged with its segment kind, and exports that
-transformers loads with no Xronos code.
+attention units, MLP columns and vocabulary rows each cut on its own). Families: GPT-2, BERT,
+RoBERTa, LLaMA (default, llama3, linear and dynamic RoPE), Qwen2, Qwen3. Also here: replicated
+dropout agreeing across ranks, every collective tagged with its segment kind, slices streamed from
+the owner (`STREAMED`), and exports that transformers loads with no Xronos code and that compute
+the trained model's logits.
 """
 
 from __future__ import annotations
@@ -35,6 +37,20 @@ WORLDS: dict[int, list[tuple[str, tuple[int, ...]]]] = {
         ("roberta-cls", (0, 0, 3, 1)), ("llama-gqa-lm", (0, 1, 0, 1)), ("llama-mha-lm", (0, 1, 1, 2))],
     5: [("gpt2-lm", (1, 1, 0, 1, 1)), ("bert-cls", (0, 1, 1, 1, 1)), ("roberta-cls", (1, 0, 1, 1, 1)),
         ("llama-gqa-lm", (1, 0, 0, 1, 0)), ("llama-mha-lm", (0, 1, 1, 1, 1)), ("llama-cls", (0, 0, 1, 0, 1))],
+}
+# The LLaMA-style variants (sizes attn/mlp/vocab: llama3-lm 2/40/103, llama-linear-cls 4/45/103,
+# llama-dynamic-lm 2/51/103, qwen2-lm 2/51/103, qwen2-cls 2/45/103, qwen3-lm 2/50/103, qwen3-cls
+# 4/45/103), head-tied and mixed (the same rules for the mixed ones), added to the same world.
+VARIANT_WORLDS: dict[int, list[tuple[str, tuple[int, ...]]]] = {
+    1: [("llama3-lm", (2,)), ("llama-linear-cls", (4,)), ("llama-dynamic-lm", (2,)), ("qwen2-lm", (2,)),
+        ("qwen2-cls", (2,)), ("qwen3-lm", (2,)), ("qwen3-cls", (4,))],
+    2: [("llama3-lm", (0, 2)), ("llama-linear-cls", (3, 1)), ("llama-dynamic-lm", (1, 1)), ("qwen2-lm", (2, 0)),
+        ("qwen2-cls", (1, 1)), ("qwen3-lm", (0, 2)), ("qwen3-cls", (1, 3))],
+    3: [("llama3-lm", (1, 0, 1)), ("llama-linear-cls", (0, 3, 1)), ("llama-dynamic-lm", (0, 1, 1)),
+        ("qwen2-lm", (1, 1, 0)), ("qwen2-cls", (0, 1, 1)), ("qwen3-lm", (1, 0, 1)), ("qwen3-cls", (2, 0, 2))],
+    4: [("llama3-lm", (0, 1, 1, 0)), ("qwen2-lm", (0, 1, 0, 1)), ("qwen3-lm", (1, 0, 0, 1)),
+        ("qwen3-cls", (1, 1, 1, 1))],
+    5: [("llama-dynamic-lm", (1, 0, 0, 0, 1)), ("qwen2-cls", (1, 0, 0, 1, 0)), ("qwen3-lm", (0, 1, 0, 0, 1))],
 }
 # N -> (kind, (attention units, MLP columns, vocabulary rows) per rank): every kind cut on its own.
 # Sizes (attn, mlp, vocab): gpt2-lm 4/128/97, gpt2-cls 4/70/89, bert-cls and roberta-cls 4/50/101,
@@ -68,12 +84,32 @@ MIXED: dict[int, list[tuple[str, Mixed]]] = {
         ("llama-cls", ((0, 1, 0, 1, 0), (9, 0, 9, 0, 27), (20, 0, 20, 0, 63))),
         ("minilm", ((3, 0, 6, 0, 3), (0, 1024, 256, 256, 0), (30000, 0, 0, 0, 522)))],
 }
+VARIANT_MIXED: dict[int, list[tuple[str, Mixed]]] = {
+    2: [("llama3-lm", ((2, 0), (0, 40), (0, 103))), ("qwen2-lm", ((2, 0), (1, 50), (0, 103))),
+        ("qwen3-lm", ((0, 2), (50, 0), (103, 0))), ("qwen3-cls", ((0, 4), (40, 5), (103, 0)))],
+    3: [("llama-linear-cls", ((1, 0, 3), (5, 40, 0), (0, 103, 0))),
+        ("llama-dynamic-lm", ((0, 1, 1), (33, 18, 0), (3, 0, 100))),
+        ("qwen2-lm", ((1, 0, 1), (0, 51, 0), (0, 50, 53))), ("qwen2-cls", ((0, 1, 1), (33, 12, 0), (103, 0, 0))),
+        ("qwen3-lm", ((1, 1, 0), (0, 5, 45), (0, 50, 53))), ("qwen3-cls", ((0, 1, 3), (45, 0, 0), (53, 50, 0)))],
+    4: [("qwen3-lm", ((1, 0, 1, 0), (0, 20, 0, 30), (0, 3, 100, 0)))],
+    5: [("qwen2-lm", ((0, 0, 1, 0, 1), (10, 10, 1, 30, 0), (0, 20, 0, 83, 0))),
+        ("qwen3-cls", ((1, 1, 0, 1, 1), (0, 0, 5, 0, 40), (0, 0, 0, 0, 103)))],
+}
+for _table, _extra in ((WORLDS, VARIANT_WORLDS), (MIXED, VARIANT_MIXED)):
+    for _n, _cases in _extra.items():
+        _table.setdefault(_n, []).extend(_cases)
 EXPORTS = {("gpt2-lm", 3), ("gpt2-cls", 2), ("llama-gqa-lm", 2), ("llama-mha-lm", 4), ("bert-cls", 4),
-           ("roberta-cls", 5), ("llama-cls", 5), ("minilm", 3)}
+           ("roberta-cls", 5), ("llama-cls", 5), ("minilm", 3), ("llama3-lm", 2), ("llama-linear-cls", 3),
+           ("llama-dynamic-lm", 5), ("qwen2-lm", 3), ("qwen2-cls", 2), ("qwen3-lm", 4), ("qwen3-cls", 3)}
 MIXED_EXPORTS = {("gpt2-lm", 4), ("gpt2-cls", 3), ("bert-cls", 5), ("roberta-cls", 2), ("llama-gqa-lm", 5),
-                 ("llama-mha-lm", 2), ("llama-cls", 3), ("minilm", 5)}
-DROPOUT = [("gpt2-lm", (0, 3, 1)), ("bert-cls", (2, 1, 1)), ("llama-cls", (0, 1, 1))]  # run with p = 0.1
+                 ("llama-mha-lm", 2), ("llama-cls", 3), ("minilm", 5), ("llama3-lm", 2), ("qwen2-lm", 5),
+                 ("qwen3-lm", 3), ("qwen3-cls", 2)}
+DROPOUT = [("gpt2-lm", (0, 3, 1)), ("bert-cls", (2, 1, 1)), ("llama-cls", (0, 1, 1)),
+           ("qwen3-lm", (0, 1, 1))]  # run with p = 0.1
 MIXED_DROPOUT = [("llama-gqa-lm", ((0, 1, 1), (33, 18, 0), (103, 0, 0)))]
+# Cases whose non-owner ranks get their slices streamed from rank 0 (xronos.node.streaming), as a
+# job's ranks do, instead of reading the checkpoint themselves.
+STREAMED = {("llama3-lm", 2), ("qwen2-cls", 3), ("qwen3-lm", 3), ("qwen3-cls", 5)}
 # phase -> subgroups (ranks, N); N = 1 runs on a lone rank with TPGroup.single()
 PHASES = [[((0, 1), 2), ((2, 3, 4), 3)], [((0, 1, 2, 3), 4), ((4,), 1)], [((0, 1, 2, 3, 4), 5)]]
 
@@ -108,14 +144,16 @@ def world(tmp_path_factory):
     def case(kind: str, units: tuple[int, ...], dropout: bool = False) -> dict:
         return {"id": case_id(kind, units, dropout), "kind": kind, "ckpt": str(ckpts[kind]),
                 "task": task_of(kind), "units": list(units), "batch": str(batches[kind]),
-                "export": (kind, len(units)) in EXPORTS and not dropout, "dropout": 0.1 if dropout else 0.0}
+                "export": (kind, len(units)) in EXPORTS and not dropout, "dropout": 0.1 if dropout else 0.0,
+                "stream": (kind, len(units)) in STREAMED}
 
     def mixed(kind: str, lay: Mixed, dropout: bool = False) -> dict:
         n = len(lay[0])
         return {"id": case_id(kind, lay, dropout), "kind": kind, "ckpt": str(ckpts[kind]),
                 "task": task_of(kind), "units": list(lay[0]), "batch": str(batches[kind]),
                 "layout": dict(zip(("attn", "mlp", "vocab"), map(list, lay))),
-                "export": (kind, n) in MIXED_EXPORTS and not dropout, "dropout": 0.1 if dropout else 0.0}
+                "export": (kind, n) in MIXED_EXPORTS and not dropout, "dropout": 0.1 if dropout else 0.0,
+                "stream": (kind, n) in STREAMED}
 
     phases, cases = [], {}
     for phase in PHASES:
@@ -181,6 +219,7 @@ def test_sharded_matches_transformers(world, cid):
         if len(case["units"]) > 1:  # forward + backward: one all-reduce each way per partitioned layer
             layers = 6 if case["kind"] == "minilm" else 2
             lm = 4 if case["task"] == "causal-lm" else 0  # LM-head copy + 3 in the cross-entropy
+            # (Qwen3's q/k norm gradients share the attention input's all-reduce: no extra one.)
             assert info["tags"] == {"attn": 2 * layers, "mlp": 2 * layers, "vocab": 1 + lm}, info["tags"]
 
 
@@ -210,6 +249,14 @@ def test_export_loads_in_plain_transformers(world, kind, n, split):
     res = load_file(str(out / f"{cid}.safetensors"))
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), res[f"param/{name}"]), name
+    # ... and it computes what the trained sharded model computes.
+    batch = load_file(cases[cid]["batch"])
+    model.eval()
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    err = max_rel_err(logits, res["logits_after"])
+    print(cid, f"export logits {err:.1e}")
+    assert err < 1e-5, err
     with safe_open(str(export / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     tied = config.get("tie_word_embeddings", task_of(kind) == "causal-lm" and kind.startswith("gpt2"))

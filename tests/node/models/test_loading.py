@@ -153,9 +153,12 @@ def test_registry_refuses_what_it_cannot_build():
                                   intermediate_size=40, vocab_size=50, max_positions=16, num_labels=None,
                                   tie_word_embeddings=True))
     assert family_for(llama).num_units(llama) == 2
-    scaled = dict(llama, rope_scaling={"rope_type": "linear", "factor": 2.0})
-    with pytest.raises(ValueError, match="linear"):
+    scaled = dict(llama, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="RoPE type 'yarn' is not supported \\(supported: default, dynamic, "
+                                         "linear, llama3\\)"):
         family_for(scaled).build(scaled, "causal-lm", single(scaled), TPGroup.single())
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM.*Qwen3ForSequenceClassification"):
+        family_for({"architectures": ["Qwen2MoeForCausalLM"]})
     model = init_random(family_for(llama).build(llama, "causal-lm", single(llama), TPGroup.single()), 0)
     ids = torch.zeros(1, 17, dtype=torch.long)
     with pytest.raises(ValueError, match="sequence length 17"):
@@ -171,11 +174,15 @@ ARCHS = [
          vocab_size=60, max_positions=24, tie_word_embeddings=False),
     dict(family="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=40,
          vocab_size=60, max_positions=24, tie_word_embeddings=False),
+    dict(family="qwen2", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=40,
+         vocab_size=60, max_positions=24, tie_word_embeddings=True),
+    dict(family="qwen3", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=40,
+         vocab_size=60, max_positions=24, tie_word_embeddings=True),
 ]
 
 
 @pytest.mark.parametrize("arch,task", [(a, t) for a in ARCHS for t in ("classify", "causal-lm")
-                                       if t == "classify" or a["family"] in ("gpt2", "llama")],
+                                       if t == "classify" or a["family"] in ("gpt2", "llama", "qwen2", "qwen3")],
                          ids=lambda x: x["family"] if isinstance(x, dict) else x)
 def test_random_model_from_arch_exports_a_directory_transformers_loads(arch, task, tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
