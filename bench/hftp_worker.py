@@ -23,7 +23,7 @@ from xronos.bench.baseline import Baseline
 from xronos.node.data import Batch
 from xronos.node.optim import adamw
 from xronos.node.runconfig import RankConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, Rank, WeightSource, read_settings, run
+from xronos.node.runtime import LocalFiles, MetricsFile, Rank, WeightSource, exit_process, read_settings, run
 
 FIELDS = ("iteration_s", "cpu_s", "data_s", "loss", "voluntary_ctx_switches", "involuntary_ctx_switches",
           "peak_rss")
@@ -78,4 +78,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_process(main(sys.argv))

@@ -29,7 +29,9 @@ from xronos.bench.pp_model import Stage, StageSpan, num_blocks
 from xronos.node.data import Batch
 from xronos.node.optim import adamw
 from xronos.node.runconfig import RankConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, Rank, RankResult, WeightSource, read_settings, run
+from xronos.node.runtime import (
+    LocalFiles, MetricsFile, Rank, RankResult, WeightSource, exit_process, read_settings, run,
+)
 from xronos.node.tp.group import TPGroup
 
 
@@ -172,4 +174,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_process(main(sys.argv))

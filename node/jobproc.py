@@ -33,7 +33,7 @@ from xronos.node.checkpoint import CheckpointSource, check_saved_layout, read_me
 from xronos.node.models.loading import SafetensorsSource, ShardSource
 from xronos.node.models.registry import family_for
 from xronos.node.runconfig import JobRankConfig
-from xronos.node.runtime import Checkpoints, EvalResult, FromOwner, Rank, RankResult, Sink, Word, run
+from xronos.node.runtime import Checkpoints, EvalResult, FromOwner, Rank, RankResult, Sink, Word, exit_process, run
 from xronos.node.tp.group import TPGroup
 from xronos.node.trainer import TPEngine
 
@@ -179,4 +179,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_process(main(sys.argv))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from xronos.node.runconfig import RunConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, read_settings, run
+from xronos.node.runtime import LocalFiles, MetricsFile, exit_process, read_settings, run
 from xronos.node.trainer import TPEngine
 
 
@@ -21,4 +21,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_process(main(sys.argv))

@@ -67,12 +67,20 @@ def worker_setup(argv: list[str]):
     if job["world"] == 1:
         return job, rank, TPGroup.single()
     group = TPGroup.join(rank, job["world"], "127.0.0.1", job["port"], timeout_s=90)
-    # Leave together at a normal exit, as every real rank does (`TPGroup.leave`): a rank that exits
-    # with its pairs still open can abort a peer whose last collective is in flight ("terminate
-    # called without an active exception"), which failed these tests now and then under load. A
-    # rank that failed exits at once instead: its peers may never reach the barrier.
+    # End as every real rank does (`TPGroup.leave`, then `runtime.exit_process`): a process torn
+    # down by the interpreter with Gloo's threads alive aborts now and then ("terminate called
+    # without an active exception"), which failed these tests under load. A rank that failed
+    # exits as usual instead (non-zero): its peers may never reach the barrier.
     failed = []
     hook = sys.excepthook
     sys.excepthook = lambda *exc: (failed.append(True), hook(*exc))
-    atexit.register(lambda: None if failed else group.leave())
+
+    def end() -> None:
+        if not failed:
+            from xronos.node.runtime import exit_process
+
+            group.leave()
+            exit_process(0)
+
+    atexit.register(end)
     return job, rank, group
