@@ -128,8 +128,18 @@ def test_reconnect_restores_subscriptions_and_runs_hooks(fresh_mqtt_broker, buse
     assert sub.wait_connected(8)
     pub = buses(fresh_mqtt_broker, "pub")
     assert pub.wait_connected(5)
-    pub.publish_message(SAMPLES["node.metrics"], node_id="after-restart")
-    topic, payload = _wait_for(sub, "xronos/node/after-restart/metrics")
+    # The re-subscription goes out with the reconnect, but nothing says when the broker has it
+    # (a publish that overtakes the SUBSCRIBE is not delivered, by MQTT's rules): publish until
+    # one arrives. A bus that did not re-subscribe receives none of them.
+    item, deadline = None, time.monotonic() + 10
+    while item is None and time.monotonic() < deadline:
+        pub.publish_message(SAMPLES["node.metrics"], node_id="after-restart")
+        try:
+            item = _wait_for(sub, "xronos/node/after-restart/metrics", timeout=0.5)
+        except AssertionError:
+            pass
+    assert item is not None, "no message on the re-subscribed topic within 10 s"
+    topic, payload = item
     assert decode(topic, payload) == SAMPLES["node.metrics"]
     assert len(hook_runs) == 2  # first connect and the reconnect
 
