@@ -8,7 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from xronos.gateway import planner as P
+from xronos.gateway import planmodel as PM
 from xronos.gateway.costmodel import KindCost, NodeCost, memory_at, predict_memory, time_at
 from xronos.gateway.planner import MiB, InfeasiblePlan, ideal_compute, plan
 from xronos.protocol.layout import KINDS, Layout, Sizes
@@ -33,7 +33,7 @@ def compositions(W, N):
 
 def brute_force(nodes, sizes, caps, quanta=Q):
     """Min over every per-kind split (in quanta) of sum_seg max_d T, under every node's cap."""
-    pb = P._Problem(nodes, sizes, caps, quanta)
+    pb = PM.Problem(nodes, sizes, caps, quanta)
     N = len(nodes)
     splits = [list(compositions(kd.W, N)) for kd in pb.kinds]
     best = math.inf
@@ -90,7 +90,7 @@ def test_segment_equals_exhaustive_search_on_random_instances():
 def test_constructive_test_never_invents_a_plan(monkeypatch):
     """Without the exact dynamic programme the search is still sound: every plan fits, no plan
     beats the optimum, and the lower bound stays below it."""
-    monkeypatch.setattr(P, "EXACT_DP_BUDGET", -1)
+    monkeypatch.setattr(PM, "EXACT_DP_BUDGET", -1)
     rng = random.Random(99)
     exact = planned = 0
     for _ in range(150):
