@@ -46,7 +46,8 @@ from typing import Any, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from xronos.node.data import Batch, BatchChannel, BatchSource, LabelSpace, owner_batches
+from xronos.node.data import Batch, BatchChannel, BatchSource, owner_batches
+from xronos.node.labels import LabelSpace
 from xronos.node.models.loading import SafetensorsSource, ShardSource, materialize
 from xronos.node.runconfig import RankConfig
 from xronos.node.streaming import load_shard, share_json
