@@ -47,6 +47,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xronos.node.data import Batch, BatchChannel, BatchSource, owner_batches
+from xronos.node import memwatch
 from xronos.node.labels import LabelSpace
 from xronos.node.models.loading import SafetensorsSource, ShardSource, materialize
 from xronos.node.runconfig import RankConfig
@@ -323,6 +324,7 @@ def run(cfg: RankConfig, engine: Engine, *, weights: WeightSource, control: Cont
     sink = sink or Sink()
     torch.set_num_threads(cfg.threads)
     group = TPGroup.join(cfg.rank, cfg.world_size, cfg.rendezvous_host, cfg.rendezvous_port, cfg.gloo_timeout_s)
+    memwatch.phase("join")
     facts, source = share_facts(cfg, group, allowed_dirs)
     rank = Rank(cfg, group, facts, BatchChannel(cfg, group, source, facts.token_types),
                 cfg.total_steps(facts.n_train), engine)
@@ -334,6 +336,7 @@ def run(cfg: RankConfig, engine: Engine, *, weights: WeightSource, control: Cont
         group.barrier(timed=False)  # nobody reports completion before the export exists
         sink.finish(rank, result)
     group.leave()
+    memwatch.watch().write(cfg.rank)
     return result
 
 

@@ -21,6 +21,7 @@ import torch
 
 from xronos.node.checkpoint import load_moments, save_checkpoint
 from xronos.node.data import Batch, BatchChannel
+from xronos.node import memwatch
 from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.registry import family_for
@@ -99,12 +100,16 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
     t0 = time.perf_counter()
     epoch, batch = next(batches)
     loss = model(batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids)
+    memwatch.phase("forward")
     loss.backward()
+    memwatch.phase("backward")
     if cfg.max_grad_norm is not None:
         with group.segment("rest"):
             clip_global_grad_norm(model, replicated, cfg.max_grad_norm, group)
+        memwatch.phase("clip")
     lr = opt.param_groups[0]["lr"]
     opt.step()
+    memwatch.phase("step")
     sched.step()
     opt.zero_grad(set_to_none=True)
     loss_v = float(loss.detach())
@@ -120,7 +125,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
     return IterationRecord(
         step=step, epoch=epoch, loss=loss_v, lr=lr, iteration_s=iteration_s,
         compute_s=sum(per_kind.values()), comm_s=comm_s, idle_s=idle_s, data_s=data_s,
-        voluntary_ctx_switches=vol, involuntary_ctx_switches=invol, peak_rss=Rusage.peak_rss(),
+        voluntary_ctx_switches=vol, involuntary_ctx_switches=invol, peak_rss=memwatch.watch().peak(),
         **{f"compute_{k}_s": v for k, v in per_kind.items()},
     )
 
@@ -148,12 +153,15 @@ class TPEngine(Engine):
                 load_moments(self.opt, self.model, self.specs, source, start)
 
         weights.load(self.model, group, then=optimizer)
+        memwatch.phase("build")
         self.model.train()
         self.replicated = {name for name, s in self.specs.items() if s.dim is None}
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s + start, cfg.warmup_steps))
 
     def evaluate(self, rank: Rank) -> EvalResult | None:
-        return evaluate(self.model, rank.cfg, rank.data, rank.facts.n_train, rank.facts.n_eval)
+        result = evaluate(self.model, rank.cfg, rank.data, rank.facts.n_train, rank.facts.n_eval)
+        memwatch.phase("eval")
+        return result
 
     def begin(self, rank: Rank, start: int) -> None:
         rank.group.drain_timings()
@@ -168,6 +176,7 @@ class TPEngine(Engine):
         meta = {**meta, "layout": rank.cfg.layout.model_dump(mode="json")}
         save_checkpoint(ckpt_dir or "", self.model, self.specs, self.layout, rank.group, self.opt,
                         rank.facts.config, rank.cfg.task, meta)
+        memwatch.phase("checkpoint")
         rank.group.drain_timings()
 
     def export(self, rank: Rank) -> None:
@@ -177,6 +186,8 @@ class TPEngine(Engine):
         state = gather_full(self.model, self.specs, self.layout, rank.group, dst=0)
         if rank.owner:
             save_hf_dir(cfg.export_dir, rank.facts.config, cfg.task, state, cfg.model_dir)
+        del state
+        memwatch.phase("export")
         rank.group.drain_timings()
 
     def report(self, rank: Rank, per_rank: list[torch.Tensor], result: RankResult) -> dict:

@@ -1,0 +1,131 @@
+"""A training rank's peak resident set, per phase, measured on real `xronos run` ranks, against the
+profile's prediction.
+
+    python -m xronos.bench.mem_peak --model gpt2-medium --blocks 2 --layout 'attn=12,4;mlp=3072,1024;vocab=37696,12561'
+    python -m xronos.bench.mem_peak --model-dir DIR --task classify --nodes 2   # a real checkpoint, even split
+
+Writes a random-weight checkpoint of a bench shape (`bench/workloads.py`) or takes a real one,
+profiles it once (`xronos profile`, the training ranks' allocator setting), runs `xronos run` with
+`XRONOS_MEM_PHASES` set (each rank resets its high-water mark after every phase and writes its
+phases' peaks: `xronos.node.memwatch`), and prints per rank the peak of every phase (join, build,
+eval, forward, backward, clip, step, export), the overall peak, the prediction
+(`costmodel.predict_peak`) and their difference. `--json FILE` keeps every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+PHASES = ("join", "build", "eval", "forward", "backward", "clip", "step", "export")  # checkpoint: jobs only
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> None:
+    proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nodes: int, *, batch: int, seq: int,
+            steps: int, work: Path, profile_json: Path | None = None) -> dict:
+    from xronos.gateway.costmodel import layout_shares, node_cost, predict_memory
+    from xronos.gateway.profiles import load_report, node_profile
+    from xronos.node.launch import rank_env
+    from xronos.node.memwatch import ENV
+    from xronos.protocol.layout import Layout
+
+    env = rank_env(1)
+    if profile_json is None:
+        profile_json = work / "profile.json"
+        t0 = time.perf_counter()
+        _run([sys.executable, "-m", "xronos.cli", "profile", "--model", str(model_dir), "--task", task,
+              "--batch-size", str(batch), "--seq-len", str(seq), "--threads", "1", "--iters", "2",
+              "--out", str(profile_json)], env)
+        print(f"profiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    report = load_report(profile_json)
+    phases_dir = work / "phases"
+    phases_dir.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "xronos.cli", "run", "--model", str(model_dir), "--data", str(data),
+           "--task", task, "--nodes", str(nodes), "--batch-size", str(batch), "--seq-len", str(seq),
+           "--lr", "1e-4", "--max-steps", str(steps), "--seed", "0", "--max-grad-norm", "1.0",
+           "--export", str(work / "export"), "--metrics", str(work / "metrics.json")]
+    if layout_text:
+        cmd += ["--layout", layout_text]
+    else:
+        cmd += ["--strategy", "uniform", "--profile-cache", str(work / "pcache")]
+    t0 = time.perf_counter()
+    _run(cmd, env | {ENV: str(phases_dir)})
+    wall = time.perf_counter() - t0
+    metrics = json.loads((work / "metrics.json").read_text())
+    layout = Layout.model_validate(metrics["config"]["layout"])
+    node = node_cost(node_profile(report))
+    rows = []
+    for r in range(nodes):
+        doc = json.loads((phases_dir / f"rank{r}.json").read_text())
+        train = max(v for k, v in doc["phases"].items() if k in ("forward", "backward", "clip", "step"))
+        rows.append(dict(rank=r, layout={k: layout.counts(k)[r] for k in ("attn", "mlp", "vocab")},
+                         phases=doc["phases"], peak=doc["peak"], peak_phase=doc["peak_phase"],
+                         train_peak=train, baseline_rss=doc["baseline_rss"],
+                         predicted=predict_memory(node, layout_shares(layout, r)), anon_after=doc["anon_after"]))
+    return dict(model_dir=str(model_dir), task=task, batch=batch, seq=seq, steps=steps, nodes=nodes,
+                layout=layout.to_text(), wall_s=wall, loadavg=os.getloadavg(), rows=rows,
+                profile=json.loads(profile_json.read_text()))
+
+
+def table(res: dict) -> str:
+    head = f"{'rank':>4} " + " ".join(f"{p[:6]:>7}" for p in PHASES) + f" {'peak':>7} {'pred':>7} {'err %':>6}"
+    lines = [f"{res['model_dir']} ({res['task']}), layout {res['layout']}, batch {res['batch']} x {res['seq']}; "
+             "MiB, each phase's own peak", head]
+    for row in res["rows"]:
+        ph = " ".join(f"{row['phases'].get(p, 0) / MiB:>7.0f}" for p in PHASES)
+        err = 100 * (row["predicted"] - row["peak"]) / row["peak"]
+        lines.append(f"{row['rank']:>4} {ph} {row['peak'] / MiB:>7.0f} {row['predicted'] / MiB:>7.0f} {err:>+6.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from xronos.bench.workloads import get_shape, shape_config, write_checkpoint, write_dataset
+
+    ap = argparse.ArgumentParser(prog="python -m xronos.bench.mem_peak", description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a bench shape (bench/workloads.py)")
+    src.add_argument("--model-dir", help="a real Hugging Face checkpoint directory")
+    ap.add_argument("--data", help="with --model-dir: the data file (JSONL with text/label)")
+    ap.add_argument("--task", default="classify", choices=["classify", "causal-lm"])
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--layout", help="xronos run --layout text (default: the uniform split)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--profile", help="reuse this profile JSON instead of profiling")
+    ap.add_argument("--json", help="write every number here")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="xronos-mempeak-") as tmp:
+        work = Path(tmp)
+        if args.model:
+            config = shape_config(args.model, args.blocks)
+            model_dir = write_checkpoint(work / "model", config)
+            data = write_dataset(work / "data.jsonl", args.batch_size * (args.steps + 2), args.seq_len,
+                                 get_shape(args.model)["vocab_size"])
+        else:
+            model_dir, data = Path(args.model_dir), Path(args.data)
+        res = measure(model_dir, data, args.task, args.layout, args.nodes, batch=args.batch_size,
+                      seq=args.seq_len, steps=args.steps, work=work,
+                      profile_json=Path(args.profile) if args.profile else None)
+    res["model"] = args.model or args.model_dir
+    print(table(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
