@@ -73,7 +73,8 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
         rows.append(dict(rank=r, layout={k: layout.counts(k)[r] for k in ("attn", "mlp", "vocab")},
                          phases=doc["phases"], peak=doc["peak"], peak_phase=doc["peak_phase"],
                          train_peak=train, baseline_rss=doc["baseline_rss"],
-                         predicted=predict_memory(node, layout_shares(layout, r)), anon_after=doc["anon_after"]))
+                         predicted=predict_memory(node, layout_shares(layout, r)), anon_after=doc["anon_after"],
+                         events=doc["events"]))
     return dict(model_dir=str(model_dir), task=task, batch=batch, seq=seq, steps=steps, nodes=nodes,
                 layout=layout.to_text(), wall_s=wall, loadavg=os.getloadavg(), rows=rows,
                 profile=json.loads(profile_json.read_text()))
@@ -87,6 +88,9 @@ def table(res: dict) -> str:
         ph = " ".join(f"{row['phases'].get(p, 0) / MiB:>7.0f}" for p in PHASES)
         err = 100 * (row["predicted"] - row["peak"]) / row["peak"]
         lines.append(f"{row['rank']:>4} {ph} {row['peak'] / MiB:>7.0f} {row['predicted'] / MiB:>7.0f} {err:>+6.1f}")
+    for row in res["rows"]:
+        lines.append(f"rank {row['rank']} in order: " + ", ".join(
+            f"{n} {p / MiB:.0f}" for n, p, _ in row["events"][:12]))
     return "\n".join(lines)
 
 

@@ -49,6 +49,7 @@ class Watch:
         self.phases: dict[str, int] = {}  # phase -> highest VmHWM read at its end
         self.anon: dict[str, int] = {}  # phase -> RssAnon at its end (what is left, not a peak)
         self.first: str | None = None  # the first phase whose end showed the overall peak
+        self.events: list[tuple[str, int, int]] = []  # (phase, peak, RssAnon at its end), first ones
         self._peak = 0
         self.baseline = status()["VmRSS"]
         if self.resetting:
@@ -60,6 +61,8 @@ class Watch:
         hwm = st["VmHWM"]
         self.phases[name] = max(self.phases.get(name, 0), hwm)
         self.anon[name] = st["RssAnon"]
+        if len(self.events) < 64:
+            self.events.append((name, hwm, st["RssAnon"]))
         if hwm > self._peak:
             self._peak, self.first = hwm, name
         if self.resetting:
@@ -82,7 +85,8 @@ class Watch:
         if self.out_dir is None:
             return
         doc = {"rank": rank, "baseline_rss": self.baseline, "peak": self.peak(), "peak_phase": self.first,
-               "phases": self.phases, "anon_after": self.anon, **(extra or {})}
+               "phases": self.phases, "anon_after": self.anon,
+               "events": self.events, **(extra or {})}
         Path(self.out_dir, f"rank{rank}.json").write_text(json.dumps(doc, indent=1))
 
 

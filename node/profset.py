@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from xronos.node.gradnorm import squared_norm
 from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.loading import init_random
 from xronos.node.models.registry import family_for
@@ -223,7 +224,7 @@ class ProfilingSet:
         if self.clip and grads:
             sq = torch.zeros(1, dtype=torch.float64)
             for g in grads:
-                sq.add_(g.detach().double().pow(2).sum())
+                sq.add_(squared_norm(g))  # as the trainer's clipping pass
             for g in grads:
                 g.mul_(0.5)
         opt.step()

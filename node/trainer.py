@@ -22,6 +22,7 @@ import torch
 from xronos.node.checkpoint import load_moments, save_checkpoint
 from xronos.node.data import Batch, BatchChannel
 from xronos.node import memwatch
+from xronos.node.gradnorm import squared_norm
 from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.registry import family_for
@@ -47,7 +48,7 @@ def clip_global_grad_norm(model: torch.nn.Module, replicated: set[str], max_norm
         if p.grad is None:
             continue
         grads.append(p.grad)
-        sq = p.grad.detach().double().pow(2).sum()
+        sq = squared_norm(p.grad)  # chunked: no float64 copy of the whole gradient
         (rep if name in replicated else part).add_(sq)
     group.all_reduce(part)
     total = float((part + rep).sqrt())
