@@ -27,6 +27,7 @@ from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_t
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
+from xronos.node.optstate import allocate_state
 from xronos.node.runconfig import RunConfig
 from xronos.node.runtime import Engine, EvalResult, Rank, RankResult, WeightSource
 from xronos.node.tp.group import TPGroup
@@ -152,6 +153,7 @@ class TPEngine(Engine):
             self.opt = adamw(trainable(self.model), lr=cfg.lr, weight_decay=cfg.weight_decay)
             if start > 0:
                 load_moments(self.opt, self.model, self.specs, source, start)
+            allocate_state(self.opt)  # below the per-iteration working set (node/optstate.py)
 
         weights.load(self.model, group, then=optimizer)
         memwatch.phase("build")
