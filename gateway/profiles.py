@@ -76,7 +76,8 @@ def check_report(r: ProfileReport, source: str) -> None:
         raise ValueError(f"{source}: field layers: a profile needs at least one layer")
     for i, lay in enumerate(r.layers):
         values = {"time_s": lay.time_s, "weight_bytes": lay.weight_bytes,
-                  "activation_bytes": lay.activation_bytes, "temp_bytes": lay.temp_bytes}
+                  "activation_bytes": lay.activation_bytes, "temp_bytes": lay.temp_bytes,
+                  "load_bytes": lay.load_bytes}
         for j, (p, t) in enumerate(lay.time_samples):
             values[f"time_samples[{j}][0]"] = p
             values[f"time_samples[{j}][1]"] = t
@@ -163,11 +164,12 @@ def node_profile(report: ProfileReport) -> NodeProfile:
             name=lay.name, kind=lay.kind, partitioned=lay.partitioned, time_s=lay.time_s,
             time_samples=tuple((float(p), float(t)) for p, t in lay.time_samples),
             weight_bytes=float(lay.weight_bytes), activation_bytes=float(lay.activation_bytes),
-            temp_bytes=float(lay.temp_bytes), segment=lay.segment,
+            temp_bytes=float(lay.temp_bytes), segment=lay.segment, load_bytes=float(lay.load_bytes),
         )
         for lay in report.layers
     )
-    return NodeProfile(node_id=report.node_id, num_blocks=report.num_blocks, layers=layers)
+    return NodeProfile(node_id=report.node_id, num_blocks=report.num_blocks, layers=layers,
+                       runtime_bytes=float(report.runtime_bytes))
 
 
 def memory_cap(report: ProfileReport, reserve_mb: float = DEFAULT_RESERVE_MB) -> float:

@@ -248,6 +248,11 @@ class ProfilingSet:
             secs[key] = secs.get(key, 0.0) + time.perf_counter() - t0
         return secs
 
+    def largest_tensor(self, key: str) -> int:
+        """Bytes of the largest single parameter of layer `key` at this width (the buffer loading
+        reads it into before copying it in)."""
+        return max((p.numel() * p.element_size() for p in self.groups[key]), default=0)
+
     def memory(self) -> dict[str, tuple[int, int, int]]:
         """(M_w, M_a, M_t) per layer key, measured on one iteration."""
         tl = self.timeline

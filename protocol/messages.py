@@ -218,6 +218,9 @@ class LayerProfile(Message):
     weight_bytes: Bytes
     activation_bytes: Bytes
     temp_bytes: Bytes
+    # The layer's largest single parameter at the profiled width (share 1), bytes: loading reads a
+    # parameter's slice, then copies it in, and the freed buffer stays in the rank's heap.
+    load_bytes: Bytes = 0
 
     @model_validator(mode="after")
     def _enough_samples(self) -> LayerProfile:
@@ -245,6 +248,10 @@ class ProfileReport(Message):
     sizes: Sizes
     num_blocks: Layers
     layers: Annotated[list[LayerProfile], Field(max_length=64)]
+    # The profiling process's resident set once warm (every library initialised by real training
+    # iterations) and emptied of every model (freed pages handed back): what a training rank's
+    # process holds besides its model; 0 = not measured (a report from before profiler version 6).
+    runtime_bytes: Bytes = 0
     profile_seconds: Seconds
     created_at: Timestamp
 

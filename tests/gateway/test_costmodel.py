@@ -33,10 +33,10 @@ SH = {"attn": 0.25, "mlp": 0.5, "vocab": 0.75}
 def test_segments_by_hand():
     node = node_cost(PROFILE, fit="affine")
     # The block remainder (2 x 0.05) splits between the attention and the MLP segment.
-    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80))
+    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80, 0))  # no load_bytes
     assert node.mlp.fixed_s == pytest.approx(0.05) and node.mlp.icpt_s == pytest.approx(0.1)
     assert node.mlp.slope_s == pytest.approx(1.0) and node.mlp.mem_slope == 2 * 460
-    assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50))  # exactly linear: intercept 0
+    assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50, 0))  # exactly linear: intercept 0
     assert (node.const_s, node.mem_repl, node.temp_repl) == (0.2, 2 * 12 + 66, 70)
     seg = segment_times(node, SH)
     assert seg["attn"] == pytest.approx(0.05 + 0.05 + 0.6 * 0.25)
@@ -165,3 +165,19 @@ def test_gateway_modules_do_not_import_torch():
             "xronos.gateway.profiles; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_peak_adds_the_runtime_and_loadings_largest_buffer():
+    """peak = runtime + Eq. 8 + max(replicated largest tensor, max_k largest_k * s_k)."""
+    from dataclasses import replace
+
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000), fit="affine")
+    assert (node.mem_runtime, node.load_repl) == (1000, 120)
+    assert (node.vocab.load_slope, node.attn.load_slope, node.mlp.load_slope) == (400, 100, 300)
+    base = predict_memory(node_cost(PROFILE), SH)
+    # vocab at 0.75 holds the largest buffer (300 B), above the replicated 120 and the MLP's 150
+    assert predict_memory(node, SH) == pytest.approx(base + 1000 + 300)
+    # at share 0 of every kind only the replicated buffer remains
+    zero = {k: 0.0 for k in SH}
+    assert predict_memory(node, zero) == pytest.approx(predict_memory(node_cost(PROFILE), zero) + 1000 + 120)
