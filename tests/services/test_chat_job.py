@@ -1,11 +1,16 @@
 """A chat fine-tune as a user runs one: a Qwen2-shaped random checkpoint whose tokenizer has a
 ChatML template, a `messages` dataset, a job submitted with data_format "chat" over a real broker
-to a real gateway and three node services. The job completes; the export equals `xronos run` on
-the job's own per-kind layout, and plain transformers loads it and generates from a prompt that
-the exported tokenizer's chat template renders."""
+to a real gateway and three node services. The job completes and Home Assistant's gateway state
+says it was a chat job; the export equals `xronos run` on the job's own per-kind layout, and plain
+transformers loads it and generates from a prompt that the exported tokenizer's chat template
+renders."""
 
 from __future__ import annotations
 
+import json
+import queue
+
+import paho.mqtt.client as mqtt
 import pytest
 
 from jobkit import job_spec, runkit
@@ -33,6 +38,24 @@ def _conversations(n: int) -> list[dict]:
             for q, a in zip(short[:n], short[n:])]
 
 
+def _ha_gateway_state(stack: Stack, until, timeout: float = 20.0) -> dict:
+    """The gateway's Home Assistant state as Home Assistant gets it: the retained JSON on
+    `{base}/gateway/state`, then each change, until `until(state)`."""
+    inbox: queue.Queue[bytes] = queue.Queue()
+    ha = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{stack.base}-ha")
+    ha.on_message = lambda c, u, msg: inbox.put(msg.payload)
+    ha.connect(stack.host, stack.port)
+    ha.loop_start()
+    try:
+        ha.subscribe(f"{stack.base}/gateway/state", qos=1)
+        while not until(state := json.loads(inbox.get(timeout=timeout))):
+            pass
+        return state
+    finally:
+        ha.loop_stop()
+        ha.disconnect()
+
+
 def test_a_chat_job_over_mqtt_exports_a_model_transformers_generates_with(stack, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -50,6 +73,8 @@ def test_a_chat_job_over_mqtt_exports_a_model_transformers_generates_with(stack,
     final = stack.client.follow(accepted["job_id"], lambda s: None, timeout=300)
     assert final.phase == "completed", (final, stack.logs())
     assert final.step == 6 and final.loss is not None
+    shown = _ha_gateway_state(stack, lambda st: st["phase"] == "completed")
+    assert (shown["job_id"], shown["task"], shown["data_format"]) == (accepted["job_id"], "causal-lm", "chat")
 
     # The planner's per-kind layout: every node holds a part, and the kinds are not split alike
     # (6 attention units, 100 MLP columns and the vocabulary rows, each on its own quantum).
