@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 MiB = 1 << 20
-PHASES = ("join", "build", "eval", "forward", "backward", "clip", "step", "export")  # checkpoint: jobs only
+PHASES = ("join", "facts", "load", "build", "eval", "forward", "backward", "clip", "step", "export")  # checkpoint: jobs only
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> None:
@@ -65,15 +65,17 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
     wall = time.perf_counter() - t0
     metrics = json.loads((work / "metrics.json").read_text())
     layout = Layout.model_validate(metrics["config"]["layout"])
+    from dataclasses import replace
+
     node = node_cost(node_profile(report))
     rows = []
     for r in range(nodes):
         doc = json.loads((phases_dir / f"rank{r}.json").read_text())
-        train = max(v for k, v in doc["phases"].items() if k in ("forward", "backward", "clip", "step"))
+        train = max(v for k, v in doc["phases"].items() if k not in ("export", "checkpoint"))
         rows.append(dict(rank=r, layout={k: layout.counts(k)[r] for k in ("attn", "mlp", "vocab")},
                          phases=doc["phases"], peak=doc["peak"], peak_phase=doc["peak_phase"],
                          train_peak=train, baseline_rss=doc["baseline_rss"],
-                         predicted=predict_memory(node, layout_shares(layout, r)), anon_after=doc["anon_after"],
+                         predicted=predict_memory(replace(node, owner=r == 0), layout_shares(layout, r)), anon_after=doc["anon_after"],
                          events=doc["events"]))
     return dict(model_dir=str(model_dir), task=task, batch=batch, seq=seq, steps=steps, nodes=nodes,
                 layout=layout.to_text(), wall_s=wall, loadavg=os.getloadavg(), rows=rows,

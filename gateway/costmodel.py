@@ -54,6 +54,9 @@ under the training ranks' allocator setting (freed blocks stay in the heap) that
 resident. Measured on real `xronos run` ranks (`python -m xronos.bench.mem_peak`), this is within
 a few percent of VmHWM; the optimizer state is allocated at build (`node/optstate.py`) and the
 clipping pass is chunked (`node/gradnorm.py`), without which neither term would hold.
+Rank 0, the owner (`NodeCost.owner`, set by the planner for the first node), also holds the data
+stack (`owner_bytes`, measured by the profile) and gathers the export at the end
+(`owner_peak`): its peak is the higher of the two.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class NodeProfile:
     num_blocks: int  # B
     layers: tuple[LayerCost, ...]
     runtime_bytes: float = 0.0  # the rank process without its model (0: not measured)
+    owner_bytes: float = 0.0  # what the owner (rank 0) loads besides: the data stack
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,10 @@ class NodeCost:
     temp_repl: float  # largest replicated M_t
     mem_runtime: float = 0.0  # the process without its model (profile's runtime_bytes)
     load_repl: float = 0.0  # largest single replicated parameter
+    owner_bytes: float = 0.0  # the owner's data stack (profile's owner_bytes)
+    weights_full: float = 0.0  # the whole model's weights (M_w / 4 summed at share 1): the export
+    largest_full: float = 0.0  # the whole model's largest tensor (assembled once more at the export)
+    owner: bool = False  # this node is rank 0: it reads the data and gathers the export
 
     def kind(self, kind: str) -> KindCost:
         if kind not in KINDS:
@@ -196,10 +204,12 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
     acc = {k: [0.0, 0.0, 0.0, 0.0, 0.0, 0.0] for k in KINDS}  # fixed, icpt, slope, mem, temp, load
-    const = mem_repl = temp_repl = load_repl = 0.0
+    const = mem_repl = temp_repl = load_repl = weights_full = largest_full = 0.0
     for layer in profile.layers:
         mult = profile.num_blocks if layer.kind == "blk" else 1
         resident = layer.weight_bytes + layer.activation_bytes
+        weights_full += mult * layer.weight_bytes / 4  # M_w = weights + grads + two AdamW moments
+        largest_full = max(largest_full, layer.load_bytes)
         try:
             seg = layer_segment(layer)
         except ValueError as exc:
@@ -229,7 +239,7 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
             const += t
     kinds = {k: KindCost(*v) for k, v in acc.items()}
     return NodeCost(profile.node_id, kinds["attn"], kinds["mlp"], kinds["vocab"], const, mem_repl, temp_repl,
-                    profile.runtime_bytes, load_repl)
+                    profile.runtime_bytes, load_repl, profile.owner_bytes, weights_full, largest_full)
 
 
 def kind_time(kc: KindCost, s: float) -> float:
@@ -264,7 +274,21 @@ def predict_memory(node: NodeCost, shares: Shares) -> float:
     _check_shares(shares)
     temp = max([node.temp_repl] + [node.kind(k).temp_slope * shares[k] for k in KINDS])
     load = max([node.load_repl] + [node.kind(k).load_slope * shares[k] for k in KINDS])
-    return node.mem_runtime + node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS) + temp + load
+    model = node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS)
+    train = node.mem_runtime + model + temp + load
+    return owner_peak(node, model, train) if node.owner else train
+
+
+def owner_peak(node: NodeCost, model: float, train: float) -> float:
+    """Rank 0's peak: its data stack on top of training, or the export, whichever is higher. The
+    export gathers the whole model's weights while the rank's own gradients are freed (their
+    bytes, a quarter of M_w, approximated by a quarter of M_w + M_a), and assembles the largest
+    tensor from its parts once more. A profile that did not measure the process (runtime_bytes 0,
+    from before profiler version 6) predicts Eq. 8 for the owner too."""
+    if node.mem_runtime <= 0:
+        return train
+    export = node.mem_runtime + model * 0.75 + node.weights_full + node.largest_full
+    return node.owner_bytes + max(train, export)
 
 
 def layout_shares(layout: Layout, rank: int) -> dict[str, float]:

@@ -11,7 +11,7 @@ import itertools
 import math
 from typing import Sequence
 
-from xronos.gateway.costmodel import NodeCost, predict_memory
+from xronos.gateway.costmodel import NodeCost, owner_peak, predict_memory
 from xronos.protocol.layout import KINDS, NOUN, Sizes
 
 
@@ -195,7 +195,11 @@ class Problem:
         part = ma * sa + mm * sm + mv * sv
         temp = max(t0, xa * sa, xm * sm, xv * sv)
         l0, la, lm, lv = self.load[d]
-        return base + part + temp + max(l0, la * sa, lm * sm, lv * sv)
+        train = base + part + temp + max(l0, la * sa, lm * sm, lv * sv)
+        nd = self.nodes[d]
+        if not nd.owner:
+            return train
+        return owner_peak(nd, nd.mem_repl + part, train)
 
     def fits(self, d: int, w: Sequence[int]) -> bool:
         return self.mem(d, w) <= self._row[d][8]

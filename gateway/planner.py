@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Sequence
 
 from xronos.gateway.costmodel import (
@@ -229,6 +229,8 @@ def plan(
     """Plan every kind's counts over the nodes (in rank order). Raises InfeasiblePlan for
     segment/paper when no plan fits the caps."""
     _check(nodes, sizes, strategy, caps, comm_s)
+    # Rank 0 is the owner: it reads the data and gathers the export (costmodel.owner_peak).
+    nodes = [replace(nodes[0], owner=True), *nodes[1:]]
     pb = Problem(nodes, sizes, caps, quanta)
     stats, lower = None, None
     if strategy == "uniform":

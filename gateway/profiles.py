@@ -169,7 +169,7 @@ def node_profile(report: ProfileReport) -> NodeProfile:
         for lay in report.layers
     )
     return NodeProfile(node_id=report.node_id, num_blocks=report.num_blocks, layers=layers,
-                       runtime_bytes=float(report.runtime_bytes))
+                       runtime_bytes=float(report.runtime_bytes), owner_bytes=float(report.owner_bytes))
 
 
 def memory_cap(report: ProfileReport, reserve_mb: float = DEFAULT_RESERVE_MB) -> float:

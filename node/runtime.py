@@ -328,6 +328,7 @@ def run(cfg: RankConfig, engine: Engine, *, weights: WeightSource, control: Cont
     facts, source = share_facts(cfg, group, allowed_dirs)
     rank = Rank(cfg, group, facts, BatchChannel(cfg, group, source, facts.token_types),
                 cfg.total_steps(facts.n_train), engine)
+    memwatch.phase("facts")
     torch.manual_seed(cfg.seed)  # anything random outside the dropout streams agrees across ranks
     engine.build(rank, weights, start)
     result = _loop(rank, control, sink, checkpoints, start)

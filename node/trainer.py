@@ -150,6 +150,7 @@ class TPEngine(Engine):
         self.specs = self.model.tensor_specs()
 
         def optimizer(source) -> None:  # the parameters exist now (materialized from meta)
+            memwatch.phase("load")
             self.opt = adamw(trainable(self.model), lr=cfg.lr, weight_decay=cfg.weight_decay)
             if start > 0:
                 load_moments(self.opt, self.model, self.specs, source, start)

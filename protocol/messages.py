@@ -252,6 +252,9 @@ class ProfileReport(Message):
     # iterations) and emptied of every model (freed pages handed back): what a training rank's
     # process holds besides its model; 0 = not measured (a report from before profiler version 6).
     runtime_bytes: Bytes = 0
+    # What rank 0 (the owner: it reads the data) loads besides: the resident set the data stack's
+    # import adds; 0 = not measured.
+    owner_bytes: Bytes = 0
     profile_seconds: Seconds
     created_at: Timestamp
 
