@@ -181,3 +181,44 @@ def test_peak_adds_the_runtime_and_loadings_largest_buffer():
     # at share 0 of every kind only the replicated buffer remains
     zero = {k: 0.0 for k in SH}
     assert predict_memory(node, zero) == pytest.approx(predict_memory(node_cost(PROFILE), zero) + 1000 + 120)
+
+
+def test_owner_peak_is_the_higher_of_training_with_its_data_stack_and_the_export():
+    from dataclasses import replace
+
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, owner_bytes=50), fit="affine")
+    # whole weights: M_w / 4 summed at share 1 (blocks twice); largest tensor: 400
+    assert node.weights_full == pytest.approx((100 + 2 * 200 + 2 * 400 + 2 * 8 + 60) / 4)
+    assert node.largest_full == 400
+    owner = replace(node, owner=True)
+    for sh in (SH, {k: 0.0 for k in SH}, {k: 1.0 for k in SH}):
+        train = predict_memory(node, sh)
+        model = node.mem_repl + sum(node.kind(k).mem_slope * sh[k] for k in SH)
+        export = 1000 + 0.75 * model + node.weights_full + 400
+        assert predict_memory(owner, sh) == pytest.approx(50 + max(train, export))
+    # a profile that did not measure the process keeps Eq. 8 for the owner as well
+    old = replace(node_cost(PROFILE), owner=True)
+    assert predict_memory(old, SH) == predict_memory(node_cost(PROFILE), SH)
+
+
+def test_planner_holds_the_owner_to_its_cap():
+    """Rank 0's plan row carries the owner's peak, and a cap between the two predictions moves
+    work off the owner rather than exceed it."""
+    from dataclasses import replace
+
+    from xronos.gateway.planner import plan
+    from xronos.protocol.layout import Sizes
+
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    node = node_cost(NodeProfile("n", 2, layers, runtime_bytes=1000, owner_bytes=50))
+    nodes = [replace(node, node_id=f"n{i}") for i in range(2)]
+    sizes = Sizes(attn=4, mlp=128, vocab=256)
+    free = plan(nodes, sizes, "segment", [1e9, 1e9], 0.0)
+    even_owner = free.rows[0].predicted_memory
+    assert even_owner > free.rows[1].predicted_memory  # the owner holds more at the same shares
+    cap = even_owner - 1
+    tight = plan(nodes, sizes, "segment", [cap, 1e9], 0.0)
+    assert tight.rows[0].predicted_memory <= cap
+    assert tight.rows[0].predicted_memory == pytest.approx(
+        predict_memory(replace(nodes[0], owner=True), tight.rows[0].shares))
