@@ -154,7 +154,13 @@ def report_run(result: PlanResult, reports: list[ProfileReport], metrics_path: s
     measured = [r["summary"]["compute_s"] for r in doc["ranks"]]
     verdict = judge(result, reports, measured)
     print(format_judgement(verdict), flush=True)
+    from xronos.cli.memreport import format_memory, judge_memory
+
+    memory = judge_memory(list(result.rows), doc)
+    if memory is not None:
+        print(format_memory(memory), flush=True)
     if keep:
         doc["prediction"] = verdict
+        doc["prediction_memory"] = memory
         path.write_text(json.dumps(doc, indent=1))
     return verdict

@@ -282,9 +282,13 @@ class MetricsFile(Sink):
     def finish(self, rank: Rank, result: RankResult) -> None:
         self._close()
         per_rank = gather_rows(result.records, rank.group)
+        # Each rank's peak resident set over its whole life (the export included), untimed.
+        peaks = rank.group.all_gather(torch.tensor([float(memwatch.watch().peak())], dtype=torch.float64), timed=False)
         if not rank.owner:
             return
         doc = rank.engine.report(rank, per_rank, result)
+        if doc is not None:
+            doc["memory"] = {"peak_rss_bytes": [int(p.item()) for p in peaks]}
         if doc is not None and rank.cfg.metrics_path is not None:
             import json
 
