@@ -76,6 +76,12 @@ def test_report_is_valid_and_plausible(reports: dict[str, ProfileReport], task: 
     assert layers["blk.attn"].activation_bytes >= 4 * 3 * B * S * E  # q, k, v
     # Temporaries: AdamW's update buffer of the biggest weight and the norm pass exist.
     assert layers["emb"].temp_bytes >= 4 * V * E
+    # Peak-memory terms: each layer's largest tensor at full width (loading's buffer), the warm
+    # process without a model (Python + torch alone are > 100 MiB), the owner's data stack.
+    assert layers["emb"].load_bytes == 4 * V * E  # the word embedding, larger than the positions
+    assert layers["blk.mlp"].load_bytes == 4 * E * I and layers["blk.attn"].load_bytes == 4 * E * 3 * E
+    assert 100 << 20 < r.runtime_bytes < 4 << 30
+    assert r.owner_bytes >= 0
     assert r.profile_seconds > 0
 
 
