@@ -158,7 +158,12 @@ def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
         report = report.model_copy(update={"node_id": f"r{d} {name}", "capabilities": caps})
         loaded.append(Loaded(source=f"profile of rank {d} ({name})", report=report))
     try:
-        return plan_reports(loaded, planner_strategy(strategy), reserve_mb=RUNTIME_RESERVE / 2**20,
+        # A profile that measured the process (runtime_bytes, profiler version 6) predicts the whole
+        # resident set: the planner then plans against the cgroup's cap itself, the one the kernel
+        # enforces; an older one predicts the model alone, planned against the cap minus the reserve.
+        measured = all(item.report.runtime_bytes > 0 for item in loaded)
+        reserve_mb = 0.0 if measured else RUNTIME_RESERVE / 2**20
+        return plan_reports(loaded, planner_strategy(strategy), reserve_mb=reserve_mb,
                             bandwidth_Bps=planning_bw_bps(ctx), latency_s=NOMINAL_LATENCY_S)
     except InfeasiblePlan as exc:
         raise Infeasible(str(exc)) from None
@@ -170,7 +175,8 @@ def over_cap(plan) -> str | None:
         return None
     over = [f"{r.node_id} needs {r.predicted_memory / 2**30:.2f} GiB, cap {r.memory_cap / 2**30:.2f} GiB"
             for r in plan.rows if r.over_cap]
-    return ("plan exceeds the memory caps (model memory, runtime reserve excluded): "
+    return ("plan exceeds the memory caps (predicted peak resident set vs the cgroup cap; model memory "
+            "vs the cap minus the runtime reserve for a profile without runtime_bytes): "
             + "; ".join(over or ["(no node named)"]))
 
 
