@@ -126,6 +126,7 @@ class NodeCost:
     weights_full: float = 0.0  # the whole model's weights (M_w / 4 summed at share 1): the export
     largest_full: float = 0.0  # the whole model's largest tensor (assembled once more at the export)
     owner: bool = False  # this node is rank 0: it reads the data and gathers the export
+    checkpoints: bool = False  # the run writes consolidated checkpoints (a job's), gathered on the owner
 
     def kind(self, kind: str) -> KindCost:
         if kind not in KINDS:
@@ -283,11 +284,15 @@ def owner_peak(node: NodeCost, model: float, train: float) -> float:
     """Rank 0's peak: its data stack on top of training, or the export, whichever is higher. The
     export gathers the whole model's weights while the rank's own gradients are freed (their
     bytes, a quarter of M_w, approximated by a quarter of M_w + M_a), and assembles the largest
-    tensor from its parts once more. A profile that did not measure the process (runtime_bytes 0,
+    tensor from its parts once more. A job's consolidated checkpoint (`checkpoints`) gathers the
+    weights and both AdamW moments: three times the weights (from `node/checkpoint.py`; not
+    measured yet). A profile that did not measure the process (runtime_bytes 0,
     from before profiler version 6) predicts Eq. 8 for the owner too."""
     if node.mem_runtime <= 0:
         return train
     export = node.mem_runtime + model * 0.75 + node.weights_full + node.largest_full
+    if node.checkpoints:  # weights and both AdamW moments of the whole model, gathered at once
+        export += 2 * node.weights_full
     return node.owner_bytes + max(train, export)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -190,9 +190,11 @@ def plan_reports(
     batch_size: int | None = None,
     seq_len: int | None = None,
     task: str | None = None,
+    checkpoints: bool = False,
 ) -> PlanResult:
     """Cost model + communication term + planner over validated reports (ranks in given order).
-    `batch_size`/`seq_len`/`task`, when given, are the job's: a report taken at others is refused."""
+    `batch_size`/`seq_len`/`task`, when given, are the job's: a report taken at others is refused.
+    `checkpoints`: the run writes consolidated checkpoints (a job), which the owner's memory holds."""
     for item in loaded:
         check_report(item.report, item.source)
     check_compatible(loaded, batch_size=batch_size, seq_len=seq_len, task=task)
@@ -205,6 +207,8 @@ def plan_reports(
             nodes.append(node_cost(node_profile(item.report), fit))
         except ValueError as exc:
             raise ValueError(f"{item.source}: field layers: {exc}") from None
+    if checkpoints:
+        nodes = [replace(nd, checkpoints=True) for nd in nodes]
     caps = [memory_cap(item.report, reserve_mb) for item in loaded]
     return plan(nodes, r0.sizes, strategy, caps, comm)
 

@@ -222,3 +222,15 @@ def test_planner_holds_the_owner_to_its_cap():
     assert tight.rows[0].predicted_memory <= cap
     assert tight.rows[0].predicted_memory == pytest.approx(
         predict_memory(replace(nodes[0], owner=True), tight.rows[0].shares))
+
+
+def test_a_jobs_checkpoints_add_both_moments_to_the_owners_export():
+    from dataclasses import replace
+
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    owner = replace(node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, owner_bytes=50)), owner=True)
+    ckpt = replace(owner, checkpoints=True)
+    zero = {k: 0.0 for k in SH}
+    # at share 0 the export dominates: the checkpoint adds two more copies of the whole weights
+    assert predict_memory(ckpt, zero) == pytest.approx(predict_memory(owner, zero) + 2 * owner.weights_full)
+    assert predict_memory(replace(ckpt, owner=False), zero) == predict_memory(replace(owner, owner=False), zero)
