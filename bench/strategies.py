@@ -197,12 +197,17 @@ def run_tp(ctx: Ctx, layout, tag: str) -> dict:
     with Confinement(limits(ctx, list(range(n))), top_weight=True) as conf, network(ctx, n) as net:
         launch_local(cfg, n, wrap=conf.wrap, echo_rank0=False, placement=net)
         quotas, link = conf.quotas(), network_record(net)
+        # What the kernel enforced and counted per rank (cap, peak charge, OOM kills), beside the
+        # rank's own whole-life peak resident set: the memory half of the prediction check.
+        kernel = [conf.memory_stats(r) if ctx.caps[r] is not None else None for r in range(n)]
     doc = json.loads(metrics.read_text())
+    peaks = (doc.get("memory") or {}).get("peak_rss_bytes") or [None] * n
     # "units" is the rank's attention units (the planning unit of the head-tied strategies).
     return {"ranks": [{"device": d, "units": layout.attn[d], "attn": layout.attn[d], "mlp": layout.mlp[d],
                        "vocab": layout.vocab[d], "iterations": r["iterations"]}
                       for d, r in zip(range(n), doc["ranks"])], "quotas": quotas,
-            "network": link, "eval_before": doc.get("eval_before"), "eval_after": doc.get("eval_after")}
+            "network": link, "eval_before": doc.get("eval_before"), "eval_after": doc.get("eval_after"),
+            "memory": [{"peak_rss_bytes": p, "kernel": k} for p, k in zip(peaks, kernel)]}
 
 
 # -- pipeline -----------------------------------------------------------------------------------
