@@ -417,6 +417,7 @@ class IterationMetrics(Message):
 
 
 NodeFloats = Annotated[dict[Id, Seconds], Field(max_length=MAX_NODES)]  # per node: seconds or a ratio
+NodeBytes = Annotated[dict[Id, Bytes], Field(max_length=MAX_NODES)]  # per node: bytes
 
 
 class JobState(Message):
@@ -433,6 +434,10 @@ class JobState(Message):
     idle_ratio: NodeFloats = Field(default_factory=dict)
     predicted_s: NodeFloats = Field(default_factory=dict)
     measured_s: NodeFloats = Field(default_factory=dict)
+    # Peak memory per node: the plan's prediction (the rank's peak resident set) and the highest
+    # peak_rss its IterationMetrics reported under the current plan version.
+    predicted_peak_bytes: NodeBytes = Field(default_factory=dict)
+    peak_rss_bytes: NodeBytes = Field(default_factory=dict)
     eta_s: Eta | None = None
     plan: Plan | None = None
     events: Annotated[list[Event], Field(max_length=MAX_EVENTS)] = Field(default_factory=list)
