@@ -163,7 +163,7 @@ def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
         # enforces; an older one predicts the model alone, planned against the cap minus the reserve.
         measured = all(item.report.runtime_bytes > 0 for item in loaded)
         reserve_mb = 0.0 if measured else RUNTIME_RESERVE / 2**20
-        return plan_reports(loaded, planner_strategy(strategy), reserve_mb=reserve_mb,
+        return plan_reports(loaded, planner_strategy(strategy), reserve_mb=reserve_mb, exports=False,  # run_tp exports nothing
                             bandwidth_Bps=planning_bw_bps(ctx), latency_s=NOMINAL_LATENCY_S)
     except InfeasiblePlan as exc:
         raise Infeasible(str(exc)) from None

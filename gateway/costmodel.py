@@ -127,6 +127,7 @@ class NodeCost:
     largest_full: float = 0.0  # the whole model's largest tensor (assembled once more at the export)
     owner: bool = False  # this node is rank 0: it reads the data and gathers the export
     checkpoints: bool = False  # the run writes consolidated checkpoints (a job's), gathered on the owner
+    exports: bool = True  # the run ends with an export gathered on the owner (the bench's runs do not)
 
     def kind(self, kind: str) -> KindCost:
         if kind not in KINDS:
@@ -290,6 +291,8 @@ def owner_peak(node: NodeCost, model: float, train: float) -> float:
     from before profiler version 6) predicts Eq. 8 for the owner too."""
     if node.mem_runtime <= 0:
         return train
+    if not (node.exports or node.checkpoints):
+        return node.owner_bytes + train
     export = node.mem_runtime + model * 0.75 + node.weights_full + node.largest_full
     if node.checkpoints:  # weights and both AdamW moments of the whole model, gathered at once
         export += 2 * node.weights_full

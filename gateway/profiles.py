@@ -191,10 +191,12 @@ def plan_reports(
     seq_len: int | None = None,
     task: str | None = None,
     checkpoints: bool = False,
+    exports: bool = True,
 ) -> PlanResult:
     """Cost model + communication term + planner over validated reports (ranks in given order).
     `batch_size`/`seq_len`/`task`, when given, are the job's: a report taken at others is refused.
-    `checkpoints`: the run writes consolidated checkpoints (a job), which the owner's memory holds."""
+    `checkpoints`: the run writes consolidated checkpoints (a job), which the owner's memory holds;
+    `exports`: it ends with an export (every run and job; not the bench's timed runs)."""
     for item in loaded:
         check_report(item.report, item.source)
     check_compatible(loaded, batch_size=batch_size, seq_len=seq_len, task=task)
@@ -207,8 +209,7 @@ def plan_reports(
             nodes.append(node_cost(node_profile(item.report), fit))
         except ValueError as exc:
             raise ValueError(f"{item.source}: field layers: {exc}") from None
-    if checkpoints:
-        nodes = [replace(nd, checkpoints=True) for nd in nodes]
+    nodes = [replace(nd, checkpoints=checkpoints, exports=exports) for nd in nodes]
     caps = [memory_cap(item.report, reserve_mb) for item in loaded]
     return plan(nodes, r0.sizes, strategy, caps, comm)
 

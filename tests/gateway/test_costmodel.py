@@ -234,3 +234,13 @@ def test_a_jobs_checkpoints_add_both_moments_to_the_owners_export():
     # at share 0 the export dominates: the checkpoint adds two more copies of the whole weights
     assert predict_memory(ckpt, zero) == pytest.approx(predict_memory(owner, zero) + 2 * owner.weights_full)
     assert predict_memory(replace(ckpt, owner=False), zero) == predict_memory(replace(owner, owner=False), zero)
+
+
+def test_a_run_without_export_leaves_the_owner_its_data_stack_only():
+    from dataclasses import replace
+
+    owner = replace(node_cost(NodeProfile("n0", 2, PROFILE.layers, runtime_bytes=1000, owner_bytes=50)), owner=True)
+    plain = replace(owner, owner=False)
+    for sh in (SH, {k: 0.0 for k in SH}):
+        assert predict_memory(replace(owner, exports=False), sh) == pytest.approx(predict_memory(plain, sh) + 50)
+        assert predict_memory(owner, sh) >= predict_memory(replace(owner, exports=False), sh)
