@@ -459,7 +459,7 @@ def memory_lines(doc: dict) -> list[str]:
                         f"{mib(k.get('limit'))} | {mib(k.get('peak'))} | {k.get('oom_kills', '–')} |")
     if not rows:
         return []
-    return ["", "Peak memory per node (predicted: the plan's; measured: the rank's resident high-water mark, "
-            "export included; cgroup: the cap the kernel enforced and its peak charge, page cache included):", "",
+    return ["", "Peak memory per node (predicted: the plan's; measured: the rank's resident high-water mark over the whole run, "
+            "which exports nothing here; cgroup: the cap the kernel enforced and its peak charge, page cache included):", "",
             "| strategy | rank | predicted MiB | measured MiB | error | cgroup cap MiB | cgroup peak MiB | OOM kills |",
             "|---|---|---|---|---|---|---|---|", *rows]
