@@ -116,6 +116,7 @@ class Encoder(TPModel):
     # LoRA targets, peft's names: dense is the attention output, intermediate and output dense
     # layers of every block (never the pooler or RoBERTa's head, which are not block layers).
     lora_targets = ("query", "key", "value", "dense")
+    lora_default_targets = ("query", "value")  # peft's default for bert / roberta
     prefix = "bert."
 
     def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup, *,

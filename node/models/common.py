@@ -161,6 +161,7 @@ class TPModel(nn.Module):
 
     hf_classes: dict[str, str] = {}
     lora_targets: tuple[str, ...] = ()  # module names LoRA may target (peft's), none = unsupported
+    lora_default_targets: tuple[str, ...] = ()  # the targets when a run names none (peft's defaults)
 
     def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup) -> None:
         super().__init__()
@@ -302,6 +303,13 @@ class Family:
     @property
     def lora_targets(self) -> tuple[str, ...]:
         return self.model_cls.lora_targets
+
+    def lora_settings(self, r: int | None, alpha: float, dropout: float, targets: list[str] | None):
+        """The LoraSettings of a run's options on this family (None: full fine-tuning)."""
+        from xronos.node.tp.lora import lora_settings
+
+        return lora_settings(self.name, self.model_cls.lora_targets, self.model_cls.lora_default_targets,
+                             r, alpha, dropout, targets)
 
     def num_units(self, config: dict[str, Any]) -> int:
         """Attention units per layer (attention heads; KV heads for GQA)."""

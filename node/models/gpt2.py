@@ -107,6 +107,7 @@ class GPT2(TPModel):
     hf_classes = {"causal-lm": "GPT2LMHeadModel", "classify": "GPT2ForSequenceClassification"}
     # LoRA targets, peft's names: c_proj is both the attention output and the MLP down projection.
     lora_targets = ("c_attn", "c_proj", "c_fc")
+    lora_default_targets = ("c_attn",)  # peft's default for gpt2
 
     def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup, *,
                  dropout: float | None = None) -> None:

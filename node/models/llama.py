@@ -306,6 +306,7 @@ class Llama(TPModel):
     variant = LLAMA
     hf_classes = LLAMA.hf_classes
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # peft's names
+    lora_default_targets = ("q_proj", "v_proj")  # peft's default for llama / qwen2 / qwen3
 
     def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup, *,
                  dropout: float | None = None) -> None:

@@ -71,6 +71,20 @@ class LoraSettings:
         return self.alpha / self.r
 
 
+def lora_settings(family_name: str, family_targets: tuple[str, ...], default_targets: tuple[str, ...],
+                  r: int | None, alpha: float, dropout: float, targets: list[str] | tuple[str, ...] | None
+                  ) -> LoraSettings | None:
+    """A run's LoRA settings from its options (None when lora_r is None: full fine-tuning); the
+    targets default to the family's (peft's defaults). ValueError naming what is wrong."""
+    if r is None:
+        return None
+    if not family_targets:
+        raise ValueError(f"LoRA is not supported for model family {family_name!r}")
+    settings = LoraSettings(r, float(alpha), float(dropout), tuple(targets) if targets else default_targets)
+    check_targets(family_name, family_targets, settings)
+    return settings
+
+
 def module_name(model: nn.Module, local_prefix: str) -> str:
     """The HF (and peft) module name of a local module: the model's name of its weight, minus `.weight`."""
     return model.hf_name(f"{local_prefix}.weight").removesuffix(".weight")
