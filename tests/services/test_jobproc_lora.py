@@ -1,7 +1,7 @@
 """A LoRA job's data plane, without MQTT: rank processes as the node service starts them.
 
 The consolidated checkpoint holds the adapters (and the trained head) with their AdamW moments,
-unsharded, and no moments for the frozen base; a job cut at its checkpoint and resumed under
+unsharded, and neither the frozen base nor moments for it; a job cut at its checkpoint and resumed under
 another per-segment layout ends where the uninterrupted one does; the export is a PEFT adapter
 directory that peft loads onto the base, plus the merged model transformers loads by itself, both
 computing the same logits.
@@ -50,6 +50,7 @@ def test_lora_job_checkpoint_resume_under_another_layout_and_exports(tmp_path: P
     adapters = {k for k in weights if ".lora_" in k}
     assert len(adapters) == 2 * 4 * 2  # A and B of c_attn, attn.c_proj, c_fc, mlp.c_proj in 2 layers
     trained = adapters | {"score.weight"}
+    assert weights == trained  # the frozen base is not saved again: a resume reads it from the base
     assert moments == {f"{m}.{k}" for m in ("exp_avg", "exp_avg_sq") for k in trained}  # no base moments
 
     spec2 = job_spec(model, data, tmp_path / "export2", max_steps=20, checkpoint_interval=10, lr=1e-3, **LORA)
