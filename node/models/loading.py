@@ -166,7 +166,9 @@ def materialize(model: nn.Module, source: ShardSource) -> nn.Module:
         except MissingTensorError:
             if spec.init is None:
                 raise
-            log.warning("initialising tensor absent from checkpoint", tensor=spec.hf_name, init=spec.init)
+            # A fresh LoRA adapter is the normal start of a LoRA run, not news.
+            (log.debug if ".lora_" in spec.hf_name else log.warning)(
+                "initialising tensor absent from checkpoint", tensor=spec.hf_name, init=spec.init)
             if spec.dim is None:
                 _fill(param, spec.init, spec.std, _generator("missing", spec.hf_name))
             else:  # a partitioned fresh tensor (a LoRA A of a row layer): this rank's slice of one full draw
