@@ -121,11 +121,24 @@ def check_targets(family_name: str, family_targets: tuple[str, ...], settings: L
                          f"(it has: {', '.join(family_targets)})")
 
 
+class AdapterDropout(nn.Module):
+    """Dropout on an adapter's input, from the model's streams (`models.common.DropoutStreams`):
+    the shared one for a replicated input, the rank's own for a partitioned one."""
+
+    def __init__(self, p: float, streams, *, partitioned: bool) -> None:
+        super().__init__()
+        self.p, self.streams, self.partitioned = p, streams, partitioned
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        gen = self.streams.local if self.partitioned else self.streams.replicated
+        return x * torch.empty_like(x).bernoulli_(1.0 - self.p, generator=gen).div_(1.0 - self.p)
+
+
 def add_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
     """Attach adapters to the target layers of a (meta-device) TPModel and freeze everything else
     except a classification head. Returns the adapted modules' HF names (peft's target list)."""
-    from xronos.node.models.common import Dropout  # the models import this module
-
     family_targets = tuple(getattr(model, "lora_targets", ()))
     check_targets(type(model).__name__, family_targets, settings)
     chosen = {n: m for n, m in adaptable(model).items() if n.rsplit(".", 1)[-1] in settings.targets}
@@ -151,7 +164,7 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
             layer.shards = {**layer.shards, "lora_A": (1, split)}
         layer.lora_scale = settings.scale
         layer.lora_shared = column and model.group.world_size > 1
-        layer.lora_dropout = Dropout(settings.dropout, model.streams, partitioned=not column)
+        layer.lora_dropout = AdapterDropout(settings.dropout, model.streams, partitioned=not column)
     if getattr(model, "task", None) == "classify":
         for name, p in model.named_parameters():
             if model.hf_name(name).split(".", 1)[0] in TRAINED_HEADS:
