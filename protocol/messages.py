@@ -207,6 +207,10 @@ class ProfileRequest(Message):
     # over every parameter, which the profile must time as the trainer will run it.
     weight_decay: Decay = 0.0
     clip: bool = True
+    # A LoRA job (JobSpec.lora_*): the profile trains adapters on a frozen base, as the job will.
+    lora_r: LoraRank | None = None
+    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
+    lora_dropout: Fraction = 0.0
 
 
 class LayerProfile(Message):
