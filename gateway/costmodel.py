@@ -86,6 +86,7 @@ class LayerCost:
     temp_bytes: float  # M_t: peak short-lived buffers
     segment: str | None = None  # the kind a partitioned layer's width follows (emb/out: vocab)
     load_bytes: float = 0.0  # the layer's largest single parameter at share 1 (loading's buffer)
+    param_bytes: float = 0.0  # its parameters at share 1, weights only (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class NodeCost:
     owner_bytes: float = 0.0  # the owner's data stack (profile's owner_bytes)
     weights_full: float = 0.0  # the whole model's weights (M_w / 4 summed at share 1): the export
     largest_full: float = 0.0  # the whole model's largest tensor (assembled once more at the export)
+    trained_full: float = 0.0  # the whole model's trained parameters (a checkpoint gathers them + moments)
+    grad_fraction: float = 0.25  # share of M_w + M_a that is gradients (freed before an export)
     owner: bool = False  # this node is rank 0: it reads the data and gathers the export
     checkpoints: bool = False  # the run writes consolidated checkpoints (a job's), gathered on the owner
     exports: bool = True  # the run ends with an export gathered on the owner (the bench's runs do not)
@@ -207,10 +210,18 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
     acc = {k: [0.0, 0.0, 0.0, 0.0, 0.0, 0.0] for k in KINDS}  # fixed, icpt, slope, mem, temp, load
     const = mem_repl = temp_repl = load_repl = weights_full = largest_full = 0.0
+    measured = all(layer.param_bytes > 0 for layer in profile.layers)
+    trained_full = resident_all = 0.0
     for layer in profile.layers:
         mult = profile.num_blocks if layer.kind == "blk" else 1
         resident = layer.weight_bytes + layer.activation_bytes
-        weights_full += mult * layer.weight_bytes / 4  # M_w = weights + grads + two AdamW moments
+        resident_all += mult * resident
+        if measured:  # M_w = weights + (for trained parameters) gradients and two AdamW moments
+            weights_full += mult * layer.param_bytes
+            trained_full += mult * max(0.0, layer.weight_bytes - layer.param_bytes) / 3
+        else:  # a profile without param_bytes: everything trained, M_w = 4 x weights
+            weights_full += mult * layer.weight_bytes / 4
+            trained_full += mult * layer.weight_bytes / 4
         largest_full = max(largest_full, layer.load_bytes)
         try:
             seg = layer_segment(layer)
@@ -241,7 +252,8 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
             const += t
     kinds = {k: KindCost(*v) for k, v in acc.items()}
     return NodeCost(profile.node_id, kinds["attn"], kinds["mlp"], kinds["vocab"], const, mem_repl, temp_repl,
-                    profile.runtime_bytes, load_repl, profile.owner_bytes, weights_full, largest_full)
+                    profile.runtime_bytes, load_repl, profile.owner_bytes, weights_full, largest_full,
+                    trained_full, trained_full / resident_all if resident_all > 0 else 0.25)
 
 
 def kind_time(kc: KindCost, s: float) -> float:
@@ -284,18 +296,18 @@ def predict_memory(node: NodeCost, shares: Shares) -> float:
 def owner_peak(node: NodeCost, model: float, train: float) -> float:
     """Rank 0's peak: its data stack on top of training, or the export, whichever is higher. The
     export gathers the whole model's weights while the rank's own gradients are freed (their
-    bytes, a quarter of M_w, approximated by a quarter of M_w + M_a), and assembles the largest
-    tensor from its parts once more. A job's consolidated checkpoint (`checkpoints`) gathers the
-    weights and both AdamW moments: three times the weights (from `node/checkpoint.py`; not
-    measured yet). A profile that did not measure the process (runtime_bytes 0,
+    share of M_w + M_a: `grad_fraction`), and assembles the largest tensor from its parts once
+    more. A job's consolidated checkpoint (`checkpoints`) gathers the trained tensors and both
+    their AdamW moments: three times the trained bytes, the whole weights in full fine-tuning,
+    the adapters and head under LoRA (from `node/checkpoint.py`; not measured yet). A profile that did not measure the process (runtime_bytes 0,
     from before profiler version 6) predicts Eq. 8 for the owner too."""
     if node.mem_runtime <= 0:
         return train
     if not (node.exports or node.checkpoints):
         return node.owner_bytes + train
-    export = node.mem_runtime + model * 0.75 + node.weights_full + node.largest_full
-    if node.checkpoints:  # weights and both AdamW moments of the whole model, gathered at once
-        export += 2 * node.weights_full
+    gathered = max(node.weights_full if node.exports else 0.0,
+                   3 * node.trained_full if node.checkpoints else 0.0)  # trained tensors + both moments
+    export = node.mem_runtime + model * (1 - node.grad_fraction) + gathered + node.largest_full
     return node.owner_bytes + max(train, export)
 
 

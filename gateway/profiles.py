@@ -77,7 +77,7 @@ def check_report(r: ProfileReport, source: str) -> None:
     for i, lay in enumerate(r.layers):
         values = {"time_s": lay.time_s, "weight_bytes": lay.weight_bytes,
                   "activation_bytes": lay.activation_bytes, "temp_bytes": lay.temp_bytes,
-                  "load_bytes": lay.load_bytes}
+                  "load_bytes": lay.load_bytes, "param_bytes": lay.param_bytes}
         for j, (p, t) in enumerate(lay.time_samples):
             values[f"time_samples[{j}][0]"] = p
             values[f"time_samples[{j}][1]"] = t
@@ -165,6 +165,7 @@ def node_profile(report: ProfileReport) -> NodeProfile:
             time_samples=tuple((float(p), float(t)) for p, t in lay.time_samples),
             weight_bytes=float(lay.weight_bytes), activation_bytes=float(lay.activation_bytes),
             temp_bytes=float(lay.temp_bytes), segment=lay.segment, load_bytes=float(lay.load_bytes),
+            param_bytes=float(lay.param_bytes),
         )
         for lay in report.layers
     )

@@ -210,6 +210,7 @@ def profile(
         segments: dict[str, str | None] = {}
         mem: dict[str, tuple[int, int, int]] = {}
         largest: dict[str, int] = {}
+        params: dict[str, int] = {}
         for i, run in enumerate(widths(sizes)):
             full = i == 0
             layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
@@ -225,6 +226,7 @@ def profile(
                     segments = {k: ps.segment(k) for k in ps.groups}
                     mem = ps.memory()
                     largest = {k: ps.largest_tensor(k) for k in ps.groups}
+                    params = {k: ps.param_bytes(k) for k in ps.groups}
             finally:
                 ps.close()
             del ps
@@ -240,7 +242,7 @@ def profile(
         layers.append(LayerProfile(
             name=key, kind=kind, partitioned=part, segment=segments[key], time_s=pts[0][1],
             time_samples=pts if part else pts[:1], weight_bytes=w, activation_bytes=a, temp_bytes=t,
-            load_bytes=largest.get(key, 0)))
+            load_bytes=largest.get(key, 0), param_bytes=params.get(key, 0)))
     report = ProfileReport(
         **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
         sizes=sizes, num_blocks=arch.num_layers, layers=layers, runtime_bytes=runtime,

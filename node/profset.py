@@ -257,6 +257,10 @@ class ProfilingSet:
             secs[key] = secs.get(key, 0.0) + time.perf_counter() - t0
         return secs
 
+    def param_bytes(self, key: str) -> int:
+        """Bytes of layer `key`'s parameters at this width (weights only, frozen ones included)."""
+        return sum(p.numel() * p.element_size() for p in self.groups[key])
+
     def largest_tensor(self, key: str) -> int:
         """Bytes of the largest single parameter of layer `key` at this width (the buffer loading
         reads it into before copying it in)."""

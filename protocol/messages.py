@@ -228,6 +228,9 @@ class LayerProfile(Message):
     # The layer's largest single parameter at the profiled width (share 1), bytes: loading reads a
     # parameter's slice, then copies it in, and the freed buffer stays in the rank's heap.
     load_bytes: Bytes = 0
+    # The layer's parameters at the profiled width, weights only (frozen ones too): with M_w it
+    # tells the trained bytes apart (a LoRA job's frozen base has no gradient or moments).
+    param_bytes: Bytes = 0
 
     @model_validator(mode="after")
     def _enough_samples(self) -> LayerProfile:

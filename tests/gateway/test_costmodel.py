@@ -195,7 +195,7 @@ def test_owner_peak_is_the_higher_of_training_with_its_data_stack_and_the_export
     for sh in (SH, {k: 0.0 for k in SH}, {k: 1.0 for k in SH}):
         train = predict_memory(node, sh)
         model = node.mem_repl + sum(node.kind(k).mem_slope * sh[k] for k in SH)
-        export = 1000 + 0.75 * model + node.weights_full + 400
+        export = 1000 + (1 - node.grad_fraction) * model + node.weights_full + 400
         assert predict_memory(owner, sh) == pytest.approx(50 + max(train, export))
     # a profile that did not measure the process keeps Eq. 8 for the owner as well
     old = replace(node_cost(PROFILE), owner=True)
@@ -244,3 +244,26 @@ def test_a_run_without_export_leaves_the_owner_its_data_stack_only():
     for sh in (SH, {k: 0.0 for k in SH}):
         assert predict_memory(replace(owner, exports=False), sh) == pytest.approx(predict_memory(plain, sh) + 50)
         assert predict_memory(owner, sh) >= predict_memory(replace(owner, exports=False), sh)
+
+
+def test_frozen_layers_count_in_the_export_but_not_in_the_checkpoint():
+    """With param_bytes, a frozen layer (M_w = its weights: a LoRA job's base) adds to the export's
+    whole weights but not to the trained bytes a checkpoint gathers with their moments."""
+    from dataclasses import replace
+
+    frozen = {"emb", "attn", "mlp"}  # their M_w is weights alone; ln and head are trained (4 x)
+    layers = tuple(replace(lay, load_bytes=10,
+                           param_bytes=lay.weight_bytes if lay.name in frozen else lay.weight_bytes / 4)
+                   for lay in PROFILE.layers)
+    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000))
+    assert node.weights_full == pytest.approx(100 + 2 * 200 + 2 * 400 + 2 * 8 / 4 + 60 / 4)
+    assert node.trained_full == pytest.approx(2 * 8 / 4 + 60 / 4)
+    resident = 110 + 2 * 240 + 2 * 460 + 2 * 12 + 66
+    assert node.grad_fraction == pytest.approx(node.trained_full / resident)
+    owner = replace(node, owner=True)
+    zero = {k: 0.0 for k in SH}
+    base = 1000 + (1 - node.grad_fraction) * node.mem_repl + 10
+    train = predict_memory(node, zero)
+    assert predict_memory(owner, zero) == pytest.approx(max(train, base + node.weights_full))
+    ckpt_only = replace(owner, exports=False, checkpoints=True)
+    assert predict_memory(ckpt_only, zero) == pytest.approx(max(train, base + 3 * node.trained_full))

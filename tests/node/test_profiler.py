@@ -81,6 +81,8 @@ def test_report_is_valid_and_plausible(reports: dict[str, ProfileReport], task: 
     assert layers["emb"].load_bytes == 4 * V * E  # the word embedding, larger than the positions
     assert layers["blk.mlp"].load_bytes == 4 * E * I and layers["blk.attn"].load_bytes == 4 * E * 3 * E
     assert 100 << 20 < r.runtime_bytes < 4 << 30
+    for name, lay in layers.items():  # weights only; M_w adds grads and two moments (all trained)
+        assert lay.param_bytes == 4 * _params(name, task) and lay.weight_bytes >= 4 * lay.param_bytes, name
     assert r.owner_bytes >= 0
     assert r.profile_seconds > 0
 
