@@ -82,7 +82,8 @@ def run_capped(cmd: list[str], caps: list[int], phases_dir: Path) -> list[dict]:
 
 
 def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nodes: int, *, batch: int, seq: int,
-            steps: int, work: Path, profile_json: Path | None = None, memcap: list[int] | None = None) -> dict:
+            steps: int, work: Path, profile_json: Path | None = None, memcap: list[int] | None = None,
+            lora_r: int | None = None) -> dict:
     from xronos.gateway.costmodel import layout_shares, node_cost, predict_memory
     from xronos.gateway.profiles import load_report, node_profile
     from xronos.node.launch import rank_env
@@ -95,7 +96,7 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
         t0 = time.perf_counter()
         _run([sys.executable, "-m", "xronos.cli", "profile", "--model", str(model_dir), "--task", task,
               "--batch-size", str(batch), "--seq-len", str(seq), "--threads", "1", "--iters", "2",
-              "--out", str(profile_json)], env)
+              "--out", str(profile_json)] + (["--lora-r", str(lora_r)] if lora_r else []), env)
         print(f"profiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     report = load_report(profile_json)
     plan = None
@@ -109,6 +110,7 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
            "--task", task, "--nodes", str(nodes), "--batch-size", str(batch), "--seq-len", str(seq),
            "--lr", "1e-4", "--max-steps", str(steps), "--seed", "0", "--max-grad-norm", "1.0",
            "--export", str(work / "export"), "--metrics", str(work / "metrics.json")]
+    cmd += ["--lora-r", str(lora_r)] if lora_r else []
     if layout_text:
         cmd += ["--layout", layout_text]
     else:
@@ -188,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--profile", help="reuse this profile JSON instead of profiling")
     ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--lora-r", type=int, help="LoRA adapters of this rank on a frozen base (profile and run)")
     ap.add_argument("--memcap", help="MiB per rank: plan for these caps and train under them (cgroups)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="xronos-mempeak-") as tmp:
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(model_dir, data, args.task, args.layout, args.nodes, batch=args.batch_size,
                       seq=args.seq_len, steps=args.steps, work=work,
                       profile_json=Path(args.profile) if args.profile else None,
-                      memcap=[int(float(x) * MiB) for x in args.memcap.split(",")] if args.memcap else None)
+                      memcap=[int(float(x) * MiB) for x in args.memcap.split(",")] if args.memcap else None,
+                      lora_r=args.lora_r)
     res["model"] = args.model or args.model_dir
     print(table(res))
     if args.json:
