@@ -56,8 +56,10 @@ class _Timeline:
     """Splits one iteration into layers with hooks; accumulates seconds per layer key and knows
     which layer is running (for attributing saved activations)."""
 
-    def __init__(self, block: nn.Module, regions: dict[str, nn.Module]) -> None:
+    def __init__(self, block: nn.Module, regions: dict[str, nn.Module],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.regions = regions
+        self.clock = clock  # seconds, leaving out the group's pauses at skipped collectives
         self.seconds: dict[str, float] = defaultdict(float)
         self.inputs: dict[str, set[tuple[int, int]]] = {}
         self.annotate = False
@@ -94,10 +96,10 @@ class _Timeline:
         if self.annotate:
             self._rf = record_function(f"xr::{self.phase}::{top}")
             self._rf.__enter__()
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock()
 
     def _close(self) -> None:
-        self.seconds[self.top] += time.perf_counter() - self._t0
+        self.seconds[self.top] += self.clock() - self._t0
         if self._rf is not None:
             self._rf.__exit__(None, None, None)
             self._rf = None
@@ -111,13 +113,13 @@ class _Timeline:
             if self.annotate:
                 rf = record_function(f"xr::{self.phase}::blk.{name}")
                 rf.__enter__()
-            self._sub[name] = (time.perf_counter(), rf)
+            self._sub[name] = (self.clock(), rf)
         return hook
 
     def _leave(self, name: str) -> Callable:
         def hook(_m: nn.Module, *_: object) -> None:
             t0, rf = self._sub.pop(name)
-            self.seconds[f"blk.{name}"] += time.perf_counter() - t0
+            self.seconds[f"blk.{name}"] += self.clock() - t0
             if rf is not None:
                 rf.__exit__(None, None, None)
             assert self._stack.pop() == name, "region hooks out of order"
@@ -145,12 +147,14 @@ class ProfilingSet:
     """The one-block model at one width, its layer groups, one AdamW per layer, a synthetic batch."""
 
     def __init__(self, config: dict[str, Any], task: str, layout: Layout, batch: int, seq: int,
-                 seed: int, clip: bool, weight_decay: float = 0.0) -> None:
-        """`layout`: a two-rank layout; this process is rank 0 and holds its counts of each kind."""
+                 seed: int, clip: bool, weight_decay: float = 0.0, pause_s: float = 0.0) -> None:
+        """`layout`: a two-rank layout; this process is rank 0 and holds its counts of each kind.
+        `pause_s`: a sleep where training waits in a collective (`xronos.node.profiler`)."""
         family = family_for(config)
         layout.check(family.sizes(config), world_size=2, quanta=None)
         self.layout = layout
-        self.model = family.build(config, task, ShardLayout.of(layout, 0), TPGroup.alone(2))
+        self.group = TPGroup.alone(2, pause_s=pause_s)
+        self.model = family.build(config, task, ShardLayout.of(layout, 0), self.group)
         init_random(self.model, seed)
         self.model.train()
         self.clip = clip
@@ -158,7 +162,7 @@ class ProfilingSet:
         part = {id(p) for n, p in self.model.named_parameters() if specs[n].dim is not None}
         self.block = _only_block(self.model)
         self.regions = find_regions(self.block, part)
-        self.timeline = _Timeline(self.block, self.regions)
+        self.timeline = _Timeline(self.block, self.regions, self.clock)
         self.groups = self._groups(config, task, batch, seq, seed)
         # AdamW's default weight decay (0.01) is not the trainer's (the job's, 0 by default): the
         # decay is a pass over every parameter, 30% of RoBERTa-base's optimizer step here.
@@ -168,6 +172,10 @@ class ProfilingSet:
         # its compute is vocabulary-parallel even though its weight is tied to the embedding's.
         self.partitioned = {k: any(id(p) in part for p in ps) or (k == "out" and task == "causal-lm")
                             for k, ps in self.groups.items()}
+
+    def clock(self) -> float:
+        """perf_counter without the pauses at skipped collectives."""
+        return time.perf_counter() - self.group.paused_s
 
     def segment(self, key: str) -> str | None:
         """The segment kind whose width a partitioned layer follows (None: replicated)."""
@@ -241,10 +249,11 @@ class ProfilingSet:
         loss.backward()
         tl.stop()
         secs = tl.take()
+        self.group.pause()  # the trainer's optimizer step follows the clipping all-reduce
         for key in self.opts:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             self._step(key)
-            secs[key] = secs.get(key, 0.0) + time.perf_counter() - t0
+            secs[key] = secs.get(key, 0.0) + self.clock() - t0
         return secs
 
     def memory(self) -> dict[str, tuple[int, int, int]]:

@@ -207,3 +207,37 @@ def test_profile_in_child_process(tmp_path: Path) -> None:
     assert len(list((tmp_path / "cache").glob("profile-*.json"))) == 1
     with pytest.raises(RuntimeError, match="max_positions"):
         profile_in_child(job.model_copy(update={"seq_len": P + 1}))
+
+
+def test_pause_at_skipped_collectives_is_left_out_of_layer_times() -> None:
+    """The profiled rank sleeps where training waits in a collective (so that a CFS quota refills
+    as it does for a training rank), and that sleep is not booked to any layer."""
+    from xronos.node.profset import ProfilingSet
+    from xronos.node.tp.group import TPGroup
+    from xronos.protocol.layout import Layout
+
+    g = TPGroup.alone(2, pause_s=0.01)
+    g.all_reduce(torch.ones(3))
+    g.all_reduce(torch.ones(3), timed=False)  # measurement/control collectives do not pause
+    assert 0.01 <= g.paused_s < 0.05
+    with pytest.raises(ValueError, match="pause_s"):
+        TPGroup.alone(2, pause_s=-1.0)
+
+    torch.set_num_threads(1)
+    config = prof.one_block_config(prof.config_for(arch=shape("tiny-gpt2", "classify")))
+    layout = Layout(attn=(H, 0), mlp=(I, 0), vocab=(V, 0))
+    plain = ProfilingSet(config, "classify", layout, B, S, 0, True)
+    paused = ProfilingSet(config, "classify", layout, B, S, 0, True, pause_s=0.02)
+    try:
+        for ps in (plain, paused):
+            ps.iteration()
+        a = min(sum(plain.iteration().values()) for _ in range(3))
+        b = min(sum(paused.iteration().values()) for _ in range(3))
+        # Every emb/attn/mlp reduce, both backward copies and the step pause 20 ms: >= 100 ms per
+        # iteration, none of it in the layers' times.
+        assert paused.group.paused_s >= 4 * 5 * 0.02
+        assert b < a + 0.05, (a, b)
+    finally:
+        plain.close()
+        paused.close()
+    assert prof.collective_pause_s() > 0
