@@ -26,6 +26,17 @@ Each layer's time depends only on its own kind's width, so one run samples every
 three model builds, as when the kinds were tied. Statistic: the median over the measured
 iterations (robust to a neighbour's burst of work).
 
+Waits: where a training rank would block in a collective (every skipped timed collective, and
+before the optimizer step, which follows the clipping all-reduce) the profiled rank sleeps
+(`collective_pause_s`: one CFS period under a CPU quota, 1 ms without) and the sleep is left out
+of every layer's time. Under a quota a rank that waited starts with its whole quota at full core
+speed; profiled back to back, the small MiniLM's segments (a few ms each) were predicted 13-80%
+slower than they ran.
+
+Communication: `commprobe` times all-reduces of the job's activation on this node's CPU (two Gloo
+ranks in this process over loopback, under its quota and threads); the planner's `comm_time`
+takes the longer of the link's time and the slowest node's CPU time per all-reduce.
+
 Memory, measured on one more full-width iteration (see `memprobe` for the instruments and their
 limits): M_w = unique bytes of params + grads + AdamW state after a real step; M_a = unique
 storages packed for backward by saved-tensor hooks, parameters excluded; M_t = peak allocator
@@ -47,6 +58,7 @@ import structlog
 import torch
 
 from xronos.node.capabilities import fingerprint, probe
+from xronos.node.commprobe import probe_collectives
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
 from xronos.node.profset import ProfilingSet
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
@@ -55,7 +67,8 @@ from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, Profi
 log = structlog.get_logger(__name__)
 
 # Part of the cache key: bump when the method changes. 5: per-kind widths at quantum multiples.
-# 6: a pause at every skipped collective (and before the optimizer step), as training waits there.
+# 6: a pause at every skipped collective (and before the optimizer step), as training waits there;
+#    the node's CPU cost of an all-reduce (`commprobe`).
 PROFILER_VERSION = 6
 # The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
 # in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).
@@ -204,6 +217,7 @@ def profile(
             finally:
                 ps.close()
             del ps
+        collectives = probe_collectives(batch_size, seq_len, arch.hidden_size)
     finally:
         torch.set_num_threads(before)
     layers = []
@@ -217,7 +231,7 @@ def profile(
     report = ProfileReport(
         **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
         sizes=sizes, num_blocks=arch.num_layers, layers=layers,
-        profile_seconds=time.perf_counter() - t_start, created_at=time.time())
+        profile_seconds=time.perf_counter() - t_start, created_at=time.time(), collectives=collectives)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

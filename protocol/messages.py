@@ -232,6 +232,24 @@ class LayerProfile(Message):
         return self
 
 
+class CollectiveProfile(Message):
+    """What one all-reduce costs this node's CPU (`xronos.node.commprobe`): two Gloo ranks in the
+    profiling process over loopback, under the node's own CPU quota and threads, each all-reducing
+    `nbytes` (the job's [batch, seq, hidden] activation) and `small_bytes`; medians of `repeats`."""
+
+    nbytes: Bytes
+    seconds: Seconds
+    small_bytes: Bytes
+    small_seconds: Seconds
+    repeats: Int(gt=0, le=10_000)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> CollectiveProfile:
+        if not self.small_bytes < self.nbytes:
+            raise ValueError(f"small_bytes: must be below nbytes ({self.nbytes}), got {self.small_bytes}")
+        return self
+
+
 class ProfileReport(Message):
     node_id: Id
     request_id: Id
@@ -247,6 +265,9 @@ class ProfileReport(Message):
     layers: Annotated[list[LayerProfile], Field(max_length=64)]
     profile_seconds: Seconds
     created_at: Timestamp
+    # The node's CPU cost of the job's all-reduces (None: a profile from before it was measured;
+    # the planner then counts the link alone).
+    collectives: CollectiveProfile | None = None
 
 
 class JobSpec(Message):

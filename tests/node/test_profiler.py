@@ -241,3 +241,11 @@ def test_pause_at_skipped_collectives_is_left_out_of_layer_times() -> None:
         plain.close()
         paused.close()
     assert prof.collective_pause_s() > 0
+
+
+def test_report_carries_the_collective_probe(reports: dict[str, ProfileReport]) -> None:
+    """Two real Gloo ranks in the profiling process all-reduced the job's [B, S, E] activation."""
+    for r in reports.values():
+        c = r.collectives
+        assert c is not None and c.nbytes == 4 * B * S * E and c.small_bytes == 4
+        assert 0 < c.small_seconds < 1 and 0 < c.seconds < 1 and c.repeats >= 1
