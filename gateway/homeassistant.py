@@ -23,7 +23,7 @@ from typing import Any, get_args
 import structlog
 
 from xronos.protocol import hastate
-from xronos.protocol.messages import Capabilities, JobState, Phase
+from xronos.protocol.messages import Capabilities, JobSpec, JobState, Phase
 from xronos.protocol.topics import TopicTable
 
 log = structlog.get_logger(__name__)
@@ -126,6 +126,10 @@ def gateway_discovery(ctx: HAContext, specs: Iterable[str] = ()) -> tuple[str, d
         "finish_time": _sensor(f"{dev}_finish_time", "Finish time", state, "finish_at", avail,
                                device_class="timestamp", icon="mdi:flag-checkered"),
         "error": _sensor(f"{dev}_error", "Last error", state, "error", avail, icon="mdi:alert-circle-outline"),
+        # How the job trains (hastate.job_setup): what it learns and how its rows become text.
+        "task": _sensor(f"{dev}_task", "Task", state, "task", avail, icon="mdi:school-outline"),
+        "data_format": _sensor(f"{dev}_data_format", "Data format", state, "data_format", avail,
+                               icon="mdi:message-text-outline"),
     }
     icons = {"pause": "mdi:pause", "resume": "mdi:play", "cancel": "mdi:stop", "start": "mdi:rocket-launch"}
     actions = BUTTONS + (("start",) if specs else ())
@@ -257,9 +261,10 @@ def finish_time(now: float, eta_s: float | None) -> str | None:
 
 def gateway_state(job: JobState | None, *, nodes_online: int, now: float,
                   last_command: str | None = None, error: str | None = None,
-                  selected_spec: str | None = None) -> hastate.GatewayHAState:
+                  selected_spec: str | None = None, spec: JobSpec | None = None) -> hastate.GatewayHAState:
     """The gateway's HA state for the current (or last) job; None = no job yet ("idle").
-    `error`: a refusal newer than the job; else the job's own error is shown."""
+    `error`: a refusal newer than the job; else the job's own error is shown. `spec`: the job's
+    spec (JobState does not carry it), for the sensors that say how the job trains."""
     if job is None:
         return hastate.GatewayHAState(nodes_online=nodes_online, last_command=_text(last_command),
                                       error=_text(error), selected_spec=selected_spec, updated_at=now)
@@ -279,6 +284,7 @@ def gateway_state(job: JobState | None, *, nodes_online: int, now: float,
         idle_ratio_pct=min(100.0, max(0.0, 100.0 * sum(idle) / len(idle))) if idle else None,
         nodes_online=nodes_online, last_command=_text(last_command), updated_at=now,
         steps=steps, finish_at=finish, error=_text(error or job.error), selected_spec=selected_spec,
+        **hastate.job_setup(spec),
     )
 
 
@@ -365,13 +371,13 @@ class HABridge:
         self.refusal = (time.time(), reason or "refused")
 
     def publish_state(self, job: JobState | None, job_created_at: float | None, nodes_online: int,
-                      force: bool = False) -> bool:
-        """Publish gateway/state if it changed (or force); True if published."""
+                      force: bool = False, spec: JobSpec | None = None) -> bool:
+        """Publish gateway/state if it changed (or force); True if published. `spec`: the job's."""
         error = None
         if self.refusal and (job_created_at is None or self.refusal[0] >= job_created_at):
             error = self.refusal[1]
         st = gateway_state(job, nodes_online=nodes_online, now=time.time(), last_command=self.last_command,
-                           error=error, selected_spec=self.selected)
+                           error=error, selected_spec=self.selected, spec=spec)
         if not force and hastate.same_state(st, self._published):
             return False
         self.bus.publish_message(st)

@@ -430,7 +430,8 @@ class GatewayService:
             return
         job = self._current()
         online = sum(1 for n in self.reg.values() if n.online)
-        self.habridge.publish_state(state_view(job) if job else None, job.created_at if job else None, online)
+        self.habridge.publish_state(state_view(job) if job else None, job.created_at if job else None, online,
+                                    spec=job.spec if job else None)
 
     def _ha_job_command(self, action: str) -> str:
         job = self._current()

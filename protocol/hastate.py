@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .messages import Phase
+from .messages import DataFormat, Phase, Task
 
 GATEWAY_STATE = "gateway/state"  # GatewayHAState, retained, gateway → HA
 GATEWAY_SET = "gateway/set"  # GatewayCommand, HA → gateway
@@ -78,6 +78,9 @@ class GatewayHAState(_HAModel):
     nodes_online: Annotated[int, Field(ge=0)] = 0
     error: Text | None = None  # why the current job failed, or why the last submit was refused
     selected_spec: SpecName | None = None  # the job spec the Start button starts
+    # How the job trains, from its JobSpec (see job_setup): the Task and Data format sensors.
+    task: Task | None = None  # classify | causal-lm
+    data_format: DataFormat | None = None  # text | chat | prompt-completion
     last_command: Text | None = None  # e.g. "pause: ok" or "resume: error: no paused job"
     updated_at: Finite
 
@@ -164,6 +167,16 @@ def node_share(assignment: Any) -> dict[str, Any]:
     lay, r = assignment.layout, assignment.rank
     return dict(attn=lay.attn[r], attn_total=sum(lay.attn), attn_pct=_pct(lay.share("attn", r)),
                 mlp_pct=_pct(lay.share("mlp", r)), vocab_pct=_pct(lay.share("vocab", r)))
+
+
+def job_setup(spec: Any) -> dict[str, Any]:
+    """GatewayHAState's fields that say how the job trains, from its JobSpec (all None without
+    one): the one place that reads the job spec for Home Assistant. A spec option shown in Home
+    Assistant is a key here, a field of GatewayHAState and a sensor in
+    `homeassistant.gateway_discovery` reading that field."""
+    if spec is None:
+        return dict(task=None, data_format=None)
+    return dict(task=spec.task, data_format=spec.data_format)
 
 
 def same_state(a: BaseModel | None, b: BaseModel | None) -> bool:

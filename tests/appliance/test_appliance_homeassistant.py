@@ -14,7 +14,7 @@ import pytest
 
 from xronos.gateway import homeassistant as ha
 from xronos.protocol import hastate
-from xronos.protocol.messages import Capabilities, JobState
+from xronos.protocol.messages import Capabilities, JobSpec, JobState
 from xronos.protocol.transport import BrokerSettings, MqttBus
 
 CTX = ha.HAContext(base_topic="xronos", gateway_id="gw1", discovery_prefix="homeassistant")
@@ -36,9 +36,15 @@ def job(**kw) -> JobState:
     return JobState(**{**base, **kw})
 
 
+def spec(**kw) -> JobSpec:
+    base = dict(name="sst2", owner="pi5", model_dir="/m", data_path="/d.jsonl", task="causal-lm",
+                data_format="chat", batch_size=4, seq_len=64, lr=1e-4, max_steps=120, export_dir="/out")
+    return JobSpec(**{**base, **kw})
+
+
 def states() -> dict[str, list[dict]]:
     """Sample payloads for every state topic: a full one and an all-unknown one."""
-    gw_full = ha.gateway_state(job(), nodes_online=2, now=11.0, last_command="pause: ok")
+    gw_full = ha.gateway_state(job(), nodes_online=2, now=11.0, last_command="pause: ok", spec=spec())
     gw_idle = ha.gateway_state(None, nodes_online=0, now=11.0)
     node_full = hastate.NodeHAState(participate=True, job_id="j1", attn=5, attn_total=12,
                                     attn_pct=41.7, mlp_pct=40.0, vocab_pct=38.5, compute_pct=80.0, idle_pct=15.0,
@@ -109,7 +115,7 @@ def test_entities_present():
     assert set(gw["cmps"]) == {"job_phase", "job_name", "progress", "loss", "eval_metric",
                                "iteration_time", "eta", "slowest_node", "idle_ratio",
                                "nodes_online", "last_command", "pause", "resume", "cancel",
-                               "steps", "finish_time", "error", "start", "job_spec"}
+                               "steps", "finish_time", "error", "task", "data_format", "start", "job_spec"}
     assert gw["cmps"]["finish_time"]["device_class"] == "timestamp"
     (_, bare), *_ = all_configs(specs=())  # no job specs: no select (HA refuses an empty one), no Start
     assert "job_spec" not in bare["cmps"] and "start" not in bare["cmps"]
@@ -135,6 +141,30 @@ def test_gateway_state_from_job():
     assert long.error.startswith("xxx") and len(long.error) == 255  # HA's state length limit
     refused = ha.gateway_state(job(), nodes_online=2, now=0.0, error="owner node 'a' is offline")
     assert refused.error == "owner node 'a' is offline"
+
+
+def test_gateway_state_says_how_the_job_trains():
+    """Task and Data format come from the job's spec (JobState does not carry them), and are
+    unknown (null, rendered "None") without one."""
+    (_, gw), *_ = all_configs()
+    for key, field in (("task", "task"), ("data_format", "data_format")):
+        c = gw["cmps"][key]
+        assert c["p"] == "sensor" and c["value_template"] == f"{{{{ value_json.{field} }}}}", c
+        assert c["state_topic"] == CTX.topic(hastate.GATEWAY_STATE)
+    cases = [(spec(), "causal-lm", "chat"), (spec(data_format="prompt-completion"), "causal-lm", "prompt-completion"),
+             (spec(task="classify", data_format="text"), "classify", "text")]
+    for sp, task, fmt in cases:
+        value_json = json.loads(ha.gateway_state(job(), nodes_online=1, now=0.0, spec=sp).model_dump_json())
+        assert (value_json["task"], value_json["data_format"]) == (task, fmt)
+        assert render(gw["cmps"]["task"]["value_template"], value_json) == task
+        assert render(gw["cmps"]["data_format"]["value_template"], value_json) == fmt
+    for unknown in (ha.gateway_state(None, nodes_online=0, now=0.0), ha.gateway_state(job(), nodes_online=1, now=0.0)):
+        value_json = json.loads(unknown.model_dump_json())
+        assert value_json["task"] is None and value_json["data_format"] is None  # present, null
+        assert render(gw["cmps"]["data_format"]["value_template"], value_json) == "None"
+    # A new format in a spec would be a state Home Assistant cannot be sent: refused here first.
+    with pytest.raises(ValueError, match="data_format"):
+        hastate.GatewayHAState(data_format="alpaca", updated_at=0.0)
 
 
 def test_commands_parse_and_refuse():

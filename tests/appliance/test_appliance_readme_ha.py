@@ -12,6 +12,7 @@ import yaml
 from xronos.gateway import homeassistant as ha
 from xronos.protocol import hastate
 from xronos.protocol.codec import decode
+from xronos.protocol.messages import Capabilities
 from xronos.protocol.specfile import load_spec
 from xronos.protocol.topics import TopicTable
 
@@ -66,3 +67,22 @@ def test_the_example_job_spec_goes_into_job_dir(tmp_path):
     (tmp_path / "reviews.toml").write_bytes((REPO / "examples/job.toml").read_bytes())
     assert ha.list_specs(tmp_path) == ("reviews",) and load_spec(tmp_path / "reviews.toml").name
     assert json.loads(json.dumps(ha.gateway_discovery(ha.HAContext(), ha.list_specs(tmp_path))[1]))
+
+
+def test_every_entity_is_listed_and_the_state_example_has_real_fields():
+    """Each entity the discovery creates is named in the section (under its device's paragraph),
+    and the gateway/state example shows fields GatewayHAState has."""
+    node = Capabilities(node_id="pi5", hostname="pi5", arch="aarch64", cpu_model="Cortex-A76", cores=4,
+                        memory_total=8 << 30, memory_available=6 << 30, torch_version="2.13.0",
+                        data_host="10.0.0.5", cpu_temp_c=50.0, sent_at=1.0)
+    gateway_part = SECTION.split("**Xronos gateway** device", 1)[1].split("**Xronos node", 1)[0]
+    node_part = SECTION.split("**Xronos node", 1)[1].split("\n\n", 1)[0]
+    gateway_part, node_part = (" ".join(p.split()) for p in (gateway_part, node_part))  # line breaks
+    for part, (_, cfg) in ((gateway_part, ha.gateway_discovery(ha.HAContext(), ("reviews",))),
+                           (node_part, ha.node_discovery(ha.HAContext(), node))):
+        names = [c["name"] for c in cfg["cmps"].values()]
+        missing = [n for n in names if not re.search(rf"\b{re.escape(n)}\b", part)]
+        assert not missing, missing
+    example = re.search(r"\| `xronos/gateway/state` \| `(\{.*?\})` \|", SECTION).group(1)
+    fields, known = set(re.findall(r'"([a-z_]+)":', example)), set(hastate.GatewayHAState.model_fields)
+    assert fields and fields <= known, fields - known

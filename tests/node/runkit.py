@@ -55,16 +55,20 @@ CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 ROLE_WORDS = ["system", "user", "assistant"]
 
 
-def make_qwen_tokenizer(out: Path) -> int:
+def make_qwen_tokenizer(out: Path, chat: bool = False) -> int:
     """A real Qwen2Tokenizer (byte-level BPE, `<|endoftext|>` as pad and EOS) whose merges spell
     every word of WORDS, with and without the leading space ("Ġ"). transformers 5 loads a Qwen2
     checkpoint's tokenizer as Qwen2Tokenizer whatever tokenizer_config.json says, so the Qwen
-    models' tokenizer must be one. Returns its vocabulary size."""
+    models' tokenizer must be one. `chat`: as the published Qwen instruct tokenizers, ChatML's
+    special tokens and CHAT_TEMPLATE, merges for the role names and the newline's byte ("Ċ").
+    Returns its vocabulary size."""
+    from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     vocab: dict[str, int] = {"<|endoftext|>": 0}
     merges: list[tuple[str, str]] = []
-    for form in [w for word in WORDS for w in (word, "Ġ" + word)]:
+    words = WORDS + (ROLE_WORDS if chat else [])
+    for form in [w for word in words for w in (word, "Ġ" + word)] + (["Ċ"] if chat else []):
         for ch in form:
             vocab.setdefault(ch, len(vocab))
         left = form[0]
@@ -75,6 +79,9 @@ def make_qwen_tokenizer(out: Path) -> int:
             vocab.setdefault(left, len(vocab))
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|endoftext|>",
                          pad_token="<|endoftext|>")
+    if chat:
+        tok.add_tokens([AddedToken(t, special=True) for t in CHAT_TOKENS], special_tokens=True)
+        tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out))
     return len(tok)
 
@@ -144,14 +151,12 @@ def make_model(out: Path, family: str, task: str, num_labels: int = 3, gqa: bool
     tokenizer has a ChatML chat template (and its tokens). `rope`: LLaMA's rope_parameters (a
     scaled RoPE type). Qwen2 (q/k/v biases) and Qwen3 (q/k norms, head_dim 8 != hidden/heads) tie
     their embeddings, as the small published ones do; they get a Qwen2Tokenizer
-    (`make_qwen_tokenizer`, no chat template)."""
+    (`make_qwen_tokenizer`; ChatML with `chat`)."""
     import transformers as tf
 
     out.mkdir(parents=True, exist_ok=True)
     if family in ("qwen2", "qwen3"):
-        if chat:
-            raise ValueError("the test kit's Qwen tokenizer has no chat template")
-        V = make_qwen_tokenizer(out)
+        V = make_qwen_tokenizer(out, chat=chat)
     else:
         V = make_tokenizer(out, family, chat=chat)
     if vocab_size is not None:

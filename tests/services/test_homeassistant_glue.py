@@ -100,6 +100,31 @@ def test_refusal_reason_is_a_sensor(tmp_path):
     assert len(state["error"]) <= 255
 
 
+def test_the_current_and_last_job_say_how_they_train(tmp_path):
+    """Task and Data format come from the spec of the job the gateway shows: the one just
+    started, and still the last one once it is over."""
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "chat.toml").write_text(SPEC_TOML + 'data_format = "chat"\n')
+    h = HAHarness(tmp_path)
+    announce(h)
+    assert (h.state()["task"], h.state()["data_format"]) == (None, None)  # no job yet
+    cmps = h.discovery()["cmps"]
+    assert [cmps[k]["value_template"] for k in ("task", "data_format")] == [
+        "{{ value_json.task }}", "{{ value_json.data_format }}"]
+    state = h.ha({"action": "start", "spec": "chat"})
+    assert state["last_command"].startswith("start: submitted chat as")
+    assert (state["task"], state["data_format"]) == ("causal-lm", "chat")
+    state = h.ha({"action": "cancel"})
+    assert state["phase"] == "cancelled", state
+    assert (state["task"], state["data_format"]) == ("causal-lm", "chat")
+    # A restarted gateway shows the last job's from its stored spec.
+    h.gw.bus.stop()
+    h2 = HAHarness(tmp_path, h.broker)
+    h2.pump()
+    h2.gw._flush(force=True)
+    assert (h2.state()["task"], h2.state()["data_format"]) == ("causal-lm", "chat")
+
+
 def test_gateway_state_is_published_on_change_only(tmp_path):
     h = HAHarness(tmp_path)
     announce(h)
