@@ -104,8 +104,16 @@ def collective_pause_s() -> float:
     whole quota for the period and runs it at full core speed. Measured on the real MiniLM at
     shares 0.9/0.5/0.3 that burst made the ranks' compute 13-80% faster than a profile taken back
     to back said. One period is the longest a wait can matter: the quota refills every period."""
+    import os
+
     from xronos.node.capabilities import cgroup_cpu_period_s
 
+    forced = os.environ.get("XRONOS_PROFILE_PAUSE_S")  # for measuring the pause's effect (0: none)
+    if forced is not None:
+        value = float(forced)
+        if not 0 <= value < 1:
+            raise ValueError(f"XRONOS_PROFILE_PAUSE_S must be in [0, 1) s, got {forced!r}")
+        return value
     period = cgroup_cpu_period_s()
     return DEFAULT_PAUSE_S if period is None else period
 
@@ -132,9 +140,9 @@ def _check_positive_int(name: str, value: object) -> int:
 
 
 def cache_key(fp: str, arch: ArchSpec, task: str, batch: int, seq: int, iters: int, clip: bool,
-              weight_decay: float = 0.0) -> str:
+              weight_decay: float = 0.0, pause_s: float = 0.0) -> str:
     doc = json.dumps([PROFILER_VERSION, fp, arch.model_dump(mode="json"), task, batch, seq, iters, clip,
-                      weight_decay],
+                      weight_decay, pause_s],
                      sort_keys=True)
     return hashlib.sha256(doc.encode()).hexdigest()[:24]
 
@@ -176,8 +184,10 @@ def profile(
     threads = threads or torch.get_num_threads()
     ids = dict(node_id=node_id, request_id=request_id, job_id=job_id, capabilities=caps)
     path = None
+    pause = collective_pause_s()
     if cache_dir is not None:
-        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay)
+        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay,
+                        pause)
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.is_file():
             try:
@@ -193,7 +203,6 @@ def profile(
     small = one_block_config(config)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    pause = collective_pause_s()
     t_start = time.perf_counter()
     try:
         samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
