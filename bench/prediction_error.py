@@ -56,7 +56,7 @@ def workload(root: Path, model: str, blocks: int, rows: int, seq: int) -> tuple[
 
 
 def run_one(mdir: Path, data: Path, shares: list[float], strategy: str, steps: int, work: Path,
-            cache: Path, env: dict[str, str], seq: int = SEQ) -> dict:
+            cache: Path, env: dict[str, str], seq: int = SEQ, link: tuple[float, float] | None = None) -> dict:
     metrics = work / "metrics.json"
     cmd = [sys.executable, "-m", "xronos.cli", "run", "--model", str(mdir), "--data", str(data),
            "--task", "classify", "--nodes", str(len(shares)), "--strategy", strategy,
@@ -64,6 +64,8 @@ def run_one(mdir: Path, data: Path, shares: list[float], strategy: str, steps: i
            "--seq-len", str(seq), "--lr", "2e-5", "--max-steps", str(steps), "--seed", "0",
            "--max-grad-norm", "1.0", "--metrics", str(metrics), "--profile-cache", str(cache),
            "--export", str(work / "export")]
+    if link is not None:
+        cmd += ["--bandwidth-mbps", f"{link[0]:g}", "--latency-ms", f"{link[1]:g}"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -84,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategies", default="segment")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seq-len", type=int, default=SEQ)
+    ap.add_argument("--link", default="100000,0", metavar="MBIT,MS",
+                    help="the link the planner assumes (default 100000,0: the ranks share loopback, "
+                    "so the communication prediction is the ranks' measured CPU cost of all-reduces)")
     ap.add_argument("--shares", metavar="S1,S2,...", help="CPU shares instead of the scenarios' "
                     "(e.g. the demo's 0.9,0.5,0.3); the run is named 'custom'")
     ap.add_argument("--malloc", choices=["tuned", "glibc"], default="tuned")
@@ -108,20 +113,27 @@ def main(argv: list[str] | None = None) -> int:
                 work = root / f"run-{model}-{name}-{strategy}-{args.malloc}"
                 work.mkdir(exist_ok=True)
                 load = os.getloadavg()[0]
-                pred = run_one(mdir, data, shares, strategy, args.steps, work, cache, env, args.seq_len)
+                pred = run_one(mdir, data, shares, strategy, args.steps, work, cache, env, args.seq_len,
+                               tuple(float(x) for x in args.link.split(",")))
                 runs.append(dict(model=model, blocks=args.blocks, scenario=name, shares=shares,
                                  load_before=load, load_after=os.getloadavg()[0], **pred))
                 print(f"{model:>14} b{args.blocks} {name:<6} {strategy:<8} units {pred['units']}  "
                       f"MAPE {pred['mape_pct']:5.2f}% (linear {pred['mape_linear_pct']:5.2f}%)  "
                       + "  ".join(f"r{r['rank']}: {r['predicted_compute_s']:.3f}/{r['measured_compute_s']:.3f}s"
-                                  for r in pred["ranks"]), flush=True)
+                                  for r in pred["ranks"])
+                      + f"  comm {pred['comm_s']:.3f}s pred vs "
+                      + "/".join(f"{r.get('measured_comm_s', float('nan')):.3f}" for r in pred["ranks"]), flush=True)
     pairs = [(r["predicted_compute_s"], r["predicted_linear_s"], r["measured_compute_s"])
              for run in runs for r in run["ranks"]]
+    comm = [(r["predicted_comm_s"], r["measured_comm_s"]) for run in runs for r in run["ranks"]
+            if r.get("measured_comm_s", 0) > 0]
     total = dict(points=len(pairs), mape_affine_pct=mape([p[0] for p in pairs], [p[2] for p in pairs]),
-                 mape_linear_pct=mape([p[1] for p in pairs], [p[2] for p in pairs]))
+                 mape_linear_pct=mape([p[1] for p in pairs], [p[2] for p in pairs]),
+                 comm_mape_pct=mape([c[0] for c in comm], [c[1] for c in comm]) if comm else None)
     print(f"per-node compute-time prediction over {total['points']} (run, rank) points: "
           f"MAPE {total['mape_affine_pct']:.2f}% affine in p, {total['mape_linear_pct']:.2f}% linear in p "
-          f"(paper: 15.32%); malloc {args.malloc}")
+          f"(paper: 15.32%); malloc {args.malloc}"
+          + (f"; communication MAPE {total['comm_mape_pct']:.2f}%" if total["comm_mape_pct"] is not None else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(dict(args=vars(args), total=total, runs=runs), indent=1))
     return 0

@@ -13,6 +13,7 @@ time (the trainer's `compute_s`, steady-state iterations), with the mean absolut
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -66,10 +67,16 @@ def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, thre
 
 
 def plan_units(reports: list[ProfileReport], strategy: str, reserve_mb: float, *,
-               batch_size: int | None = None, seq_len: int | None = None) -> PlanResult:
+               batch_size: int | None = None, seq_len: int | None = None,
+               bandwidth_mbps: float = 1000.0, latency_ms: float = 0.5) -> PlanResult:
     """The planner's result over the ranks' reports (ranks in order)."""
+    if not (bandwidth_mbps > 0 and math.isfinite(bandwidth_mbps)):
+        raise ValueError(f"--bandwidth-mbps must be finite and > 0, got {bandwidth_mbps}")
+    if not (latency_ms >= 0 and math.isfinite(latency_ms)):
+        raise ValueError(f"--latency-ms must be finite and >= 0, got {latency_ms}")
     return plan_reports([Loaded(f"profile of {r.node_id}", r) for r in reports], strategy,  # type: ignore[arg-type]
-                        reserve_mb=reserve_mb, batch_size=batch_size, seq_len=seq_len)
+                        reserve_mb=reserve_mb, batch_size=batch_size, seq_len=seq_len,
+                        bandwidth_Bps=bandwidth_mbps * 1e6 / 8, latency_s=latency_ms / 1e3)
 
 
 def predictions(reports: list[ProfileReport], layout: Layout) -> dict[str, list[float]]:
@@ -178,7 +185,8 @@ def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileRepo
                             clip=args.max_grad_norm is not None, weight_decay=args.weight_decay,
                             cache_dir=args.profile_cache)
     result = plan_units(reports, args.strategy, args.reserve_mb, batch_size=args.batch_size,
-                        seq_len=args.seq_len)
+                        seq_len=args.seq_len, bandwidth_mbps=getattr(args, "bandwidth_mbps", 1000.0),
+                        latency_ms=getattr(args, "latency_ms", 0.5))
     print(f"xronos run: {args.strategy} plan {result.layout.describe()}, predicted iteration "
           f"{result.predicted_iteration_s:.4f} s (compute {result.bottleneck_s:.4f} s + comm "
           f"{result.comm_s:.4f} s)", file=sys.stderr, flush=True)
