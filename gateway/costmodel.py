@@ -331,10 +331,10 @@ DEFAULT_LATENCY_S = 0.5e-3
 @dataclass(frozen=True)
 class NodeComm:
     """One node's CPU cost of an all-reduce, from its profile's loopback probe
-    (`xronos.node.commprobe`): `fixed_s` per call, `per_byte_s` per byte the node sends and
-    receives. The probe ran two ranks on the node's CPU, each sending and receiving the probed
-    tensor's bytes once, so one rank of a ring of N, which sends and receives 2(N-1)/N of the
-    tensor, pays half of that per byte: `fixed + per_byte * (N-1)/N * bytes`."""
+    (`xronos.node.commprobe`, two local ranks): `fixed_s` per ring step pair, `per_byte_s` per byte
+    of the tensor as one rank of a two-rank ring pays it. Gloo's all-reduce is a ring: reduce-scatter
+    then all-gather, 2(N-1) steps, each rank sending and receiving 2(N-1)/N of the tensor. So one
+    rank of a ring of N pays `fixed * (N-1) + per_byte * 2(N-1)/N * bytes`."""
 
     fixed_s: float
     per_byte_s: float
@@ -342,19 +342,28 @@ class NodeComm:
     def allreduce_s(self, nbytes: float, n_nodes: int) -> float:
         if n_nodes <= 1:
             return 0.0
-        return self.fixed_s + self.per_byte_s * (n_nodes - 1) / n_nodes * nbytes
+        return self.fixed_s * (n_nodes - 1) + self.per_byte_s * 2 * (n_nodes - 1) / n_nodes * nbytes
 
 
-def node_comm(nbytes: float, seconds: float, small_bytes: float, small_seconds: float) -> NodeComm:
-    """The probe's two points (a few bytes, the activation) as a fixed cost and a cost per byte."""
+def node_comm(nbytes: float, seconds: float, small_bytes: float, small_seconds: float,
+              parallel: int = 1) -> NodeComm:
+    """The probe's two points (a few bytes, the activation) as a fixed cost and a cost per byte.
+    `parallel`: how many of the probe's two ranks ran at once (1 when the node has one core or a
+    quota of at most one, 2 otherwise): serialised, the probe's time paid for both ranks' bytes, so
+    one rank's share of it is half."""
     for name, v in (("nbytes", nbytes), ("seconds", seconds), ("small_bytes", small_bytes),
                     ("small_seconds", small_seconds)):
         if not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"collectives.{name} must be finite and >= 0, got {v!r}")
     if not small_bytes < nbytes:
         raise ValueError(f"collectives.small_bytes ({small_bytes}) must be below nbytes ({nbytes})")
+    if parallel not in (1, 2):
+        raise ValueError(f"parallel must be 1 or 2, got {parallel!r}")
     slope = max(0.0, seconds - small_seconds) / (nbytes - small_bytes)
-    return NodeComm(fixed_s=max(0.0, small_seconds - slope * small_bytes), per_byte_s=slope)
+    fixed = max(0.0, small_seconds - slope * small_bytes)
+    # A two-rank ring moves the whole tensor per rank (2(N-1)/N = 1): per byte of tensor, one rank
+    # pays `slope` if the two ran side by side, half of it if they took turns on one core.
+    return NodeComm(fixed_s=fixed, per_byte_s=slope * parallel / 2)
 
 
 def comm_time(

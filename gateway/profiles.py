@@ -194,7 +194,8 @@ def collective_cost(report: ProfileReport) -> NodeComm | None:
     c = report.collectives
     if c is None:
         return None
-    return node_comm(c.nbytes, c.seconds, c.small_bytes, c.small_seconds)
+    parallel = 2 if report.capabilities.cores >= 2 else 1  # cores: capped by the CPU quota, rounded up
+    return node_comm(c.nbytes, c.seconds, c.small_bytes, c.small_seconds, parallel)
 
 
 def memory_cap(report: ProfileReport, reserve_mb: float = DEFAULT_RESERVE_MB) -> float:

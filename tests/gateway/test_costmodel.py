@@ -171,11 +171,15 @@ def test_node_comm_from_the_probe_and_comm_time_takes_the_slower_of_link_and_cpu
     from xronos.gateway.costmodel import CommVolume, NodeComm, comm_time, comm_per_node, node_comm
 
     c = node_comm(nbytes=1004, seconds=0.011, small_bytes=4, small_seconds=0.001)
-    assert c.per_byte_s == pytest.approx(1e-5) and c.fixed_s == pytest.approx(0.001 - 4e-5)
-    # One rank of a ring of N pays (N-1)/N of the probe's per-byte cost (the probe ran two ranks).
+    # The probe's two ranks took turns on one core: one rank pays half of its per-byte time...
+    assert c.per_byte_s == pytest.approx(0.5e-5) and c.fixed_s == pytest.approx(0.001 - 4e-5)
+    assert node_comm(1004, 0.011, 4, 0.001, parallel=2).per_byte_s == pytest.approx(1e-5)  # ...or all, side by side
+    # One rank of a ring of N: 2(N-1) steps, 2(N-1)/N of the tensor sent and received.
     assert c.allreduce_s(1000, 2) == pytest.approx(c.fixed_s + 0.005)
-    assert c.allreduce_s(1000, 4) == pytest.approx(c.fixed_s + 0.0075)
+    assert c.allreduce_s(1000, 4) == pytest.approx(3 * c.fixed_s + 0.0075)
     assert c.allreduce_s(1000, 1) == 0.0
+    with pytest.raises(ValueError, match="parallel"):
+        node_comm(1004, 0.011, 4, 0.001, parallel=3)
     vol = CommVolume(count=10, nbytes=10_000.0)
     link = comm_time(vol, 2, 1e9, 1e-6)
     assert comm_time(vol, 2, 1e9, 1e-6, [c]) == pytest.approx(10 * c.allreduce_s(1000, 2))
