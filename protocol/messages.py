@@ -237,7 +237,7 @@ class LayerProfile(Message):
 class CollectiveProfile(Message):
     """What one all-reduce costs this node's CPU (`xronos.node.commprobe`): two Gloo ranks in the
     profiling process over loopback, under the node's own CPU quota and threads, each all-reducing
-    `nbytes` (the job's [batch, seq, hidden] activation) and `small_bytes`; medians of `repeats`."""
+    `nbytes` (the job's [batch, seq, hidden] activation) and `small_bytes`; means of `repeats`."""
 
     nbytes: Bytes
     seconds: Seconds
