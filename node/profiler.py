@@ -8,9 +8,12 @@ split into layers by module hooks on the block:
 
     forward : [emb ....][blk: attn | rest | mlp | rest][out + loss]
     backward: [out ....][blk: ...                     ][emb ......]
-    step    : one AdamW per layer's parameters, timed separately (norm pass + step + zero_grad)
+    step    : the clipping norm pass per layer's gradients, timed per layer; then ONE AdamW step
+              over every parameter (as the trainer), its time shared out by parameter count
 
-so T_l = forward + backward + optimizer share of layer l. Inside the block, "regions" are the
+so T_l = forward + backward + clipping + optimizer share of layer l. (One optimizer per layer
+paid the step call's fixed cost once per layer, and the cost model B times per block layer,
+where training pays it once.) Inside the block, "regions" are the
 largest submodules whose parameters are all (at least partly) partitioned — GPT-2's `attn` and
 `mlp` — and `blk.rest` (layer norms, residual adds) is replicated. Block-internal times come from
 module pre/post hooks (forward) and full backward pre/post hooks (backward).
@@ -68,7 +71,8 @@ log = structlog.get_logger(__name__)
 
 # Part of the cache key: bump when the method changes. 5: per-kind widths at quantum multiples.
 # 6: a pause at every skipped collective (and before the optimizer step), as training waits there;
-#    the node's CPU cost of an all-reduce (`commprobe`).
+#    one AdamW step over every parameter, shared out by parameter count; the node's CPU cost of an
+#    all-reduce (`commprobe`).
 PROFILER_VERSION = 6
 # The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
 # in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).

@@ -168,6 +168,12 @@ class ProfilingSet:
         # decay is a pass over every parameter, 30% of RoBERTa-base's optimizer step here.
         self.opts = {k: adamw(ps, lr=2e-5, weight_decay=weight_decay)
                      for k, ps in self.groups.items() if ps}
+        # Timing steps ONE AdamW over every parameter, as the trainer does: a step call has a fixed
+        # cost that one optimizer per layer would pay per layer (and the cost model B times per
+        # block layer). The step's time is shared out by parameter count (AdamW is elementwise).
+        # The per-layer optimizers above are for memory(): each layer's own state and temporaries.
+        self.opt_all = adamw([p for ps in self.groups.values() for p in ps], lr=2e-5, weight_decay=weight_decay)
+        self.numel = {k: sum(p.numel() for p in ps) for k, ps in self.groups.items()}
         # A layer is partitioned when it holds partitioned parameters — or, for the LM head, when
         # its compute is vocabulary-parallel even though its weight is tied to the embedding's.
         self.partitioned = {k: any(id(p) in part for p in ps) or (k == "out" and task == "causal-lm")
@@ -224,9 +230,8 @@ class ProfilingSet:
                 groups["emb" if first_use.get(id(p)) == "emb" else "out"].append(p)
         return groups
 
-    def _step(self, key: str, measure: Callable[[], None] | None = None) -> None:
-        """The trainer's per-step work on this layer's parameters: norm pass, clip, AdamW, zero."""
-        opt = self.opts[key]
+    def _clip(self, key: str) -> None:
+        """The trainer's global-norm clipping work on this layer's gradients: norm pass, scale."""
         grads = [p.grad for p in self.groups[key] if p.grad is not None]
         if self.clip and grads:
             sq = torch.zeros(1, dtype=torch.float64)
@@ -234,6 +239,11 @@ class ProfilingSet:
                 sq.add_(g.detach().double().pow(2).sum())
             for g in grads:
                 g.mul_(0.5)
+
+    def _step(self, key: str, measure: Callable[[], None] | None = None) -> None:
+        """The trainer's per-step work on this layer's parameters alone: clip, AdamW, zero."""
+        opt = self.opts[key]
+        self._clip(key)
         opt.step()
         if measure is not None:
             measure()
@@ -249,15 +259,23 @@ class ProfilingSet:
         loss.backward()
         tl.stop()
         secs = tl.take()
-        self.group.pause()  # the trainer's optimizer step follows the clipping all-reduce
         for key in self.opts:
             t0 = self.clock()
-            self._step(key)
+            self._clip(key)
             secs[key] = secs.get(key, 0.0) + self.clock() - t0
+        self.group.pause()  # the trainer's optimizer step follows the clipping all-reduce
+        t0 = self.clock()
+        self.opt_all.step()
+        self.opt_all.zero_grad(set_to_none=True)
+        step_s = self.clock() - t0
+        total = sum(self.numel.values()) or 1
+        for key, n in self.numel.items():
+            secs[key] = secs.get(key, 0.0) + step_s * n / total
         return secs
 
     def memory(self) -> dict[str, tuple[int, int, int]]:
         """(M_w, M_a, M_t) per layer key, measured on one iteration."""
+        self.opt_all.state.clear()  # the timing optimizer's moments: not a layer's, and not kept
         tl = self.timeline
         exclude = {storage_key(p) for p in self.model.parameters()}
         meter = SavedTensorMeter(exclude, current=tl.current, inputs=tl.inputs)
