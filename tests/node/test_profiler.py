@@ -249,3 +249,24 @@ def test_report_carries_the_collective_probe(reports: dict[str, ProfileReport]) 
         c = r.collectives
         assert c is not None and c.nbytes == 4 * B * S * E and c.small_bytes == 4
         assert 0 < c.small_seconds < 1 and 0 < c.seconds < 1 and c.repeats >= 1
+
+
+def test_one_optimizer_step_over_every_parameter_shared_by_count() -> None:
+    """Timing steps one AdamW over all parameters, as the trainer does, and books each layer its
+    parameter-count share: every parameter once, shares summing to the model."""
+    from xronos.node.profset import ProfilingSet
+    from xronos.protocol.layout import Layout
+
+    torch.set_num_threads(1)
+    config = prof.one_block_config(prof.config_for(arch=shape("tiny-gpt2", "classify")))
+    ps = ProfilingSet(config, "classify", Layout(attn=(H, 0), mlp=(I, 0), vocab=(V, 0)), B, S, 0, True)
+    try:
+        params = [p for g in ps.opt_all.param_groups for p in g["params"]]
+        assert len({id(p) for p in params}) == len(params) == len(list(ps.model.parameters()))
+        assert sum(ps.numel.values()) == sum(p.numel() for p in ps.model.parameters())
+        assert ps.numel["blk.mlp"] == _params("blk.mlp", "classify")
+        secs = ps.iteration()
+        assert set(secs) >= set(ps.groups) and all(v > 0 for v in secs.values())
+        assert all(p.grad is None for p in params)  # zero_grad(set_to_none) as the trainer
+    finally:
+        ps.close()
