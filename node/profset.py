@@ -250,8 +250,10 @@ class ProfilingSet:
         opt.zero_grad(set_to_none=True)
 
     def iteration(self) -> dict[str, float]:
-        """One fine-tuning iteration; seconds per layer key (forward + backward + optimizer)."""
+        """One fine-tuning iteration; seconds per layer key (forward + backward + optimizer).
+        `self.last` is its (wall, CPU) seconds, pauses left out (see `hook_overhead_s`)."""
         tl = self.timeline
+        w0, c0 = self.clock(), time.process_time()
         tl.start("fwd", "emb")
         loss = self.model(self.ids, self.mask, self.labels)
         tl.phase = "bwd"
@@ -271,7 +273,21 @@ class ProfilingSet:
         total = sum(self.numel.values()) or 1
         for key, n in self.numel.items():
             secs[key] = secs.get(key, 0.0) + step_s * n / total
+        self.last = (self.clock() - w0, time.process_time() - c0)
         return secs
+
+    def plain_iteration(self) -> tuple[float, float]:
+        """The same iteration with the timeline's hooks removed: (wall, CPU) seconds."""
+        self.timeline.remove()
+        w0, c0 = self.clock(), time.process_time()
+        loss = self.model(self.ids, self.mask, self.labels)
+        loss.backward()
+        for key in self.opts:
+            self._clip(key)
+        self.group.pause()
+        self.opt_all.step()
+        self.opt_all.zero_grad(set_to_none=True)
+        return self.clock() - w0, time.process_time() - c0
 
     def memory(self) -> dict[str, tuple[int, int, int]]:
         """(M_w, M_a, M_t) per layer key, measured on one iteration."""

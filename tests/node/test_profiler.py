@@ -270,3 +270,15 @@ def test_one_optimizer_step_over_every_parameter_shared_by_count() -> None:
         assert all(p.grad is None for p in params)  # zero_grad(set_to_none) as the trainer
     finally:
         ps.close()
+
+
+def test_hook_overhead_comes_out_of_the_block_layers_only() -> None:
+    med = {"emb": 0.010, "blk.attn": 0.006, "blk.mlp": 0.012, "blk.rest": 0.002, "out": 0.001}
+    # Hooked iterations: 0.030 s CPU, 0.060 s wall (a half-core quota); without hooks 0.029 s CPU.
+    out = prof.without_hook_overhead(med, [(0.060, 0.030)] * 3, [(0.058, 0.029)] * 3)
+    over = 0.001 * 2  # 1 ms of CPU at 2 wall seconds per CPU second
+    assert out["emb"] == med["emb"] and out["out"] == med["out"]
+    assert sum(out[k] for k in med if k.startswith("blk")) == pytest.approx(0.020 - over)
+    assert out["blk.mlp"] / out["blk.attn"] == pytest.approx(2.0)  # shared in proportion
+    assert prof.without_hook_overhead(med, [(0.06, 0.029)], [(0.06, 0.030)]) == med  # no measurable cost
+    assert prof.without_hook_overhead(med, [(1.0, 1.0)], [(0.0, 0.0)])["blk.mlp"] == pytest.approx(0.006)  # bounded
