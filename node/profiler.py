@@ -64,6 +64,7 @@ from xronos.node.capabilities import fingerprint, probe
 from xronos.node.commprobe import probe_collectives
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
 from xronos.node.profset import ProfilingSet
+from xronos.node.tp.lora import LoraSettings
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
 from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport
 
@@ -169,10 +170,12 @@ def _check_positive_int(name: str, value: object) -> int:
 
 
 def cache_key(fp: str, arch: ArchSpec, task: str, batch: int, seq: int, iters: int, clip: bool,
-              weight_decay: float = 0.0, pause_s: float = 0.0) -> str:
-    doc = json.dumps([PROFILER_VERSION, fp, arch.model_dump(mode="json"), task, batch, seq, iters, clip,
-                      weight_decay, pause_s],
-                     sort_keys=True)
+              weight_decay: float = 0.0, lora: LoraSettings | None = None, pause_s: float = 0.0) -> str:
+    fields: list[Any] = [PROFILER_VERSION, fp, arch.model_dump(mode="json"), task, batch, seq, iters, clip,
+                         weight_decay, pause_s]
+    if lora is not None:  # a LoRA job's profile is its own
+        fields.append(["lora", lora.r, sorted(lora.targets), lora.dropout])
+    doc = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(doc.encode()).hexdigest()[:24]
 
 
@@ -187,6 +190,9 @@ def profile(
     warmup: int = 2,
     clip: bool = True,
     weight_decay: float = 0.0,
+    lora_r: int | None = None,
+    lora_targets: list[str] | None = None,
+    lora_dropout: float = 0.0,
     node_id: str = "local",
     request_id: str = "local",
     job_id: str = "local",
@@ -198,6 +204,8 @@ def profile(
 
     With `cache_dir`, a report measured earlier for the same hardware fingerprint, shape, task,
     batch and sequence length is returned (with this request's ids and fresh capabilities).
+    With `lora_r`, the profiling set trains LoRA adapters (`lora_targets`, None: the family's
+    default) on a frozen base, as the job will; its cache entry is its own.
     """
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("iters", iters)):
         _check_positive_int(name, v)
@@ -206,6 +214,8 @@ def profile(
     if threads is not None:
         _check_positive_int("threads", threads)
     family = family_for(config)
+    # alpha scales the adapters' output and costs nothing: the profile does not depend on it.
+    lora = family.lora_settings(lora_r, 16.0, lora_dropout, lora_targets)
     arch = ArchSpec(**arch_spec(config, task))
     if seq_len > arch.max_positions:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_positions {arch.max_positions}")
@@ -215,7 +225,7 @@ def profile(
     path = None
     pause = collective_pause_s()
     if cache_dir is not None:
-        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay,
+        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay, lora,
                         pause)
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.is_file():
@@ -241,7 +251,7 @@ def profile(
         for i, run in enumerate(widths(sizes)):
             full = i == 0
             layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
-            ps = ProfilingSet(small, task, layout, batch_size, seq_len, seed, clip, weight_decay, pause)
+            ps = ProfilingSet(small, task, layout, batch_size, seq_len, seed, clip, weight_decay, lora, pause)
             try:
                 runs, hooked = [], []
                 for _ in range(warmup + iters):

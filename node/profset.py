@@ -25,6 +25,7 @@ from xronos.node.optim import adamw
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import InRegion
 from xronos.node.tp.layout import ShardLayout
+from xronos.node.tp.lora import LoraSettings, add_lora
 from xronos.protocol.layout import Layout
 
 
@@ -147,14 +148,22 @@ class ProfilingSet:
     """The one-block model at one width, its layer groups, one AdamW per layer, a synthetic batch."""
 
     def __init__(self, config: dict[str, Any], task: str, layout: Layout, batch: int, seq: int,
-                 seed: int, clip: bool, weight_decay: float = 0.0, pause_s: float = 0.0) -> None:
+                 seed: int, clip: bool, weight_decay: float = 0.0, lora: LoraSettings | None = None,
+                 pause_s: float = 0.0) -> None:
         """`layout`: a two-rank layout; this process is rank 0 and holds its counts of each kind.
+        `lora`: the job's adapters on a frozen base, so the measured backward has no weight-gradient
+        GEMMs for frozen weights and the optimizer state is the adapters' only.
         `pause_s`: a sleep where training waits in a collective (`xronos.node.profiler`)."""
         family = family_for(config)
         layout.check(family.sizes(config), world_size=2, quanta=None)
         self.layout = layout
         self.group = TPGroup.alone(2, pause_s=pause_s)
         self.model = family.build(config, task, ShardLayout.of(layout, 0), self.group)
+        if lora is not None:
+            add_lora(self.model, lora)
+            # The frozen embedding gives the first block an input without gradient; the profiled
+            # block stands for the others, whose input has one (their input gradient is computed).
+            _only_block(self.model).register_forward_pre_hook(_input_needs_grad)
         init_random(self.model, seed)
         self.model.train()
         self.clip = clip
@@ -166,14 +175,16 @@ class ProfilingSet:
         self.groups = self._groups(config, task, batch, seq, seed)
         # AdamW's default weight decay (0.01) is not the trainer's (the job's, 0 by default): the
         # decay is a pass over every parameter, 30% of RoBERTa-base's optimizer step here.
-        self.opts = {k: adamw(ps, lr=2e-5, weight_decay=weight_decay)
-                     for k, ps in self.groups.items() if ps}
-        # Timing steps ONE AdamW over every parameter, as the trainer does: a step call has a fixed
-        # cost that one optimizer per layer would pay per layer (and the cost model B times per
-        # block layer). The step's time is shared out by parameter count (AdamW is elementwise).
-        # The per-layer optimizers above are for memory(): each layer's own state and temporaries.
-        self.opt_all = adamw([p for ps in self.groups.values() for p in ps], lr=2e-5, weight_decay=weight_decay)
-        self.numel = {k: sum(p.numel() for p in ps) for k, ps in self.groups.items()}
+        # Only trained parameters get an optimizer (all of them, or with LoRA the adapters).
+        self.opts = {k: adamw([p for p in ps if p.requires_grad], lr=2e-5, weight_decay=weight_decay)
+                     for k, ps in self.groups.items() if any(p.requires_grad for p in ps)}
+        # Timing steps ONE AdamW over every trained parameter, as the trainer does: a step call has
+        # a fixed cost that one optimizer per layer would pay per layer (and the cost model B times
+        # per block layer). The step's time is shared out by trained parameter count (AdamW is
+        # elementwise). The per-layer optimizers above are for memory(): each layer's own state.
+        trained = [p for ps in self.groups.values() for p in ps if p.requires_grad]
+        self.opt_all = adamw(trained, lr=2e-5, weight_decay=weight_decay)
+        self.numel = {k: sum(p.numel() for p in ps if p.requires_grad) for k, ps in self.groups.items()}
         # A layer is partitioned when it holds partitioned parameters — or, for the LM head, when
         # its compute is vocabulary-parallel even though its weight is tied to the embedding's.
         self.partitioned = {k: any(id(p) in part for p in ps) or (k == "out" and task == "causal-lm")
@@ -313,6 +324,8 @@ class ProfilingSet:
         finally:
             tl.annotate = False
             tl.take()
+        for key, ps in self.groups.items():  # a layer with nothing to train: its weights alone
+            weights.setdefault(key, state_bytes(ps, None))
         out = {}
         subs = [f"blk.{r}" for r in self.regions]
         for key in self.groups:
@@ -327,6 +340,13 @@ class ProfilingSet:
 
     def close(self) -> None:
         self.timeline.remove()
+
+
+def _input_needs_grad(_m: nn.Module, args: tuple) -> tuple | None:
+    x = args[0]
+    if torch.is_grad_enabled() and not x.requires_grad:
+        return (x.detach().requires_grad_(), *args[1:])
+    return None
 
 
 def _only_block(model: nn.Module) -> nn.Module:

@@ -122,6 +122,20 @@ class RunConfig(RankConfig):
     warmup_steps: int = Field(default=0, ge=0)
     export_dir: str | None = None
     progress: bool = True
+    # LoRA (lora_r None: full fine-tuning): adapters of rank lora_r on lora_targets (peft's module
+    # names; None: the family's default), scale lora_alpha / lora_r, the base frozen. The export is
+    # then a PEFT adapter directory, and with export_merged also the merged model in <export>/merged.
+    lora_r: int | None = Field(default=None, gt=0)
+    lora_alpha: float = Field(default=16.0, gt=0)
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
+    lora_targets: list[str] | None = None
+    export_merged: bool = False
+
+    @model_validator(mode="after")
+    def _lora_options(self) -> RunConfig:
+        if self.lora_r is None and (self.lora_targets or self.export_merged):
+            raise ValueError("lora_targets / export_merged need lora_r (LoRA)")
+        return self
 
     @property
     def world_size(self) -> int:

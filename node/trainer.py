@@ -22,6 +22,7 @@ import torch
 from xronos.node.checkpoint import load_moments, save_checkpoint
 from xronos.node.data import Batch, BatchChannel
 from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
+from xronos.node.models.adapters import save_lora_exports
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
@@ -29,6 +30,7 @@ from xronos.node.runconfig import RunConfig
 from xronos.node.runtime import Engine, EvalResult, Rank, RankResult, WeightSource
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
+from xronos.node.tp.lora import add_lora
 
 
 def lr_factor(step: int, warmup_steps: int) -> float:
@@ -126,7 +128,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters the optimizer steps (those that require a gradient): every one today."""
+    """The parameters the optimizer steps (those that require a gradient): every one, or with
+    LoRA the adapters (and a classification head); the frozen base gets no AdamW state."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -139,7 +142,11 @@ class TPEngine(Engine):
         cfg, group = rank.cfg, rank.group
         config = rank.facts.config
         self.layout = ShardLayout.of(cfg.layout, cfg.rank)
-        self.model = family_for(config).build(config, cfg.task, self.layout, group, dropout=cfg.dropout)
+        family = family_for(config)
+        self.model = family.build(config, cfg.task, self.layout, group, dropout=cfg.dropout)
+        self.lora = family.lora_settings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        if self.lora is not None:  # adapters on the target layers, the rest frozen (on the meta device)
+            self.lora_modules = add_lora(self.model, self.lora)
         self.specs = self.model.tensor_specs()
 
         def optimizer(source) -> None:  # the parameters exist now (materialized from meta)
@@ -175,7 +182,10 @@ class TPEngine(Engine):
         if cfg.export_dir is None:
             return
         state = gather_full(self.model, self.specs, self.layout, rank.group, dst=0)
-        if rank.owner:
+        if rank.owner and self.lora is not None:  # a PEFT adapter directory (+ the merged model)
+            save_lora_exports(cfg.export_dir, rank.facts.config, cfg.task, state, self.lora, self.lora_modules,
+                              cfg.model_dir, merged=cfg.export_merged)
+        elif rank.owner:
             save_hf_dir(cfg.export_dir, rank.facts.config, cfg.task, state, cfg.model_dir)
         rank.group.drain_timings()
 

@@ -139,6 +139,9 @@ Eta = Float(ge=0, le=MAX_INT)
 Percent = Float(ge=0, le=MAX_PERCENT)
 Code = Text(64, min_length=1)
 TopicText = Text(1024)
+LoraRank = Int(gt=0, le=65536)
+LoraAlpha = Float(gt=0, le=1e6)
+LoraTarget = Text(64, min_length=1)
 
 
 def _list_to_tuple(value: Any) -> Any:
@@ -206,6 +209,10 @@ class ProfileRequest(Message):
     # over every parameter, which the profile must time as the trainer will run it.
     weight_decay: Decay = 0.0
     clip: bool = True
+    # A LoRA job (JobSpec.lora_*): the profile trains adapters on a frozen base, as the job will.
+    lora_r: LoraRank | None = None
+    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
+    lora_dropout: Fraction = 0.0
 
 
 class LayerProfile(Message):
@@ -304,11 +311,22 @@ class JobSpec(Message):
     weight_decay: Decay = 0.0
     max_grad_norm: GradNorm | None = 1.0
     dropout: Fraction | None = None
+    # LoRA (lora_r None: full fine-tuning): adapters of rank lora_r on lora_targets (peft's module
+    # names, e.g. q_proj; None: the family's default), scale lora_alpha / lora_r, dropout on their
+    # input; the base frozen. The export is a PEFT adapter directory (adapter_config.json,
+    # adapter_model.safetensors), and with export_merged also the merged model in <export_dir>/merged.
+    lora_r: LoraRank | None = None
+    lora_alpha: LoraAlpha = 16.0
+    lora_dropout: Fraction = 0.0
+    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
+    export_merged: bool = False
 
     @model_validator(mode="after")
     def _has_length(self) -> JobSpec:
         if self.epochs is None and self.max_steps is None:
             raise ValueError("epochs/max_steps: at least one must be set")
+        if self.lora_r is None and (self.lora_targets or self.export_merged):
+            raise ValueError("lora_targets/export_merged: need lora_r (LoRA)")
         if self.data_format != "text" and self.task != "causal-lm":
             raise ValueError(f"data_format: {self.data_format!r} is a causal-lm format, not one for task {self.task!r}")
         return self

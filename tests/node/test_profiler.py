@@ -282,3 +282,27 @@ def test_hook_overhead_comes_out_of_the_block_layers_only() -> None:
     assert out["blk.mlp"] / out["blk.attn"] == pytest.approx(2.0)  # shared in proportion
     assert prof.without_hook_overhead(med, [(0.06, 0.029)], [(0.06, 0.030)]) == med  # no measurable cost
     assert prof.without_hook_overhead(med, [(1.0, 1.0)], [(0.0, 0.0)])["blk.mlp"] == pytest.approx(0.006)  # bounded
+
+
+def test_lora_profile_is_its_own_and_counts_a_frozen_base(reports: dict[str, ProfileReport], tmp_path: Path) -> None:
+    """A LoRA job's profiling set trains the adapters on a frozen base: the frozen layers' weight
+    memory is their weights alone (no gradient, no AdamW moments), the adapters and the trained
+    head keep all four; and its cache entry is not full fine-tuning's."""
+    r = 4
+    config = prof.config_for(arch=TINY)
+    lora = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path,
+                        lora_r=r, lora_targets=["c_attn", "c_proj", "c_fc"])
+    full = {layer.name: layer for layer in reports["classify"].layers}
+    got = {layer.name: layer for layer in lora.layers}
+    adapters = {"blk.attn": (r * E + 3 * E * r) + (r * E + E * r), "blk.mlp": (r * E + I * r) + (r * I + E * r)}
+    for name in ("emb", "blk.rest"):  # frozen: fp32 weights only
+        assert got[name].weight_bytes == 4 * _params(name, "classify") == full[name].weight_bytes // 4
+    for name, n in adapters.items():  # frozen base + adapters with gradient and two moments
+        assert got[name].weight_bytes == 4 * _params(name, "classify") + 16 * n, name
+    # ln_f frozen, the classification head (score [2, E]) trained
+    assert got["out"].weight_bytes == 4 * 2 * E + 16 * 2 * E and full["out"].weight_bytes == 16 * 4 * E
+    assert len(list(tmp_path.glob("profile-*.json"))) == 1
+    prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("profile-*.json"))) == 2  # full fine-tuning: another entry
+    with pytest.raises(ValueError, match=r"\['q_proj'\] not in model family 'gpt2'"):
+        prof.profile(config, "classify", B, S, threads=1, iters=2, lora_r=r, lora_targets=["q_proj"])
