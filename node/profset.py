@@ -145,7 +145,8 @@ class _Timeline:
 
 
 class ProfilingSet:
-    """The one-block model at one width, its layer groups, one AdamW per layer, a synthetic batch."""
+    """The one-block model at one width, its layer groups, one AdamW over every trained parameter
+    (timing) and one per layer (memory), a synthetic batch."""
 
     def __init__(self, config: dict[str, Any], task: str, layout: Layout, batch: int, seq: int,
                  seed: int, clip: bool, weight_decay: float = 0.0, lora: LoraSettings | None = None,
