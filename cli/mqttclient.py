@@ -191,11 +191,17 @@ def format_state(s: dict[str, Any]) -> str:
         lines.append(f"  iteration {s['iteration_s']:.3f} s{eta}")
     nodes = sorted(set(s.get("predicted_s", {})) | set(s.get("measured_s", {})))
     if nodes:
-        lines.append(f"  {'node':<16} {'predicted s':>11} {'measured s':>10} {'idle %':>6}")
+        pc, mc = s.get("predicted_comm_s", {}), s.get("measured_comm_s", {})
+        lines.append(f"  {'node':<16} {'compute pred s':>14} {'measured s':>10} {'comm pred s':>11} "
+                     f"{'measured s':>10} {'idle %':>6}")
         for n in nodes:
             pred, meas, idle = s["predicted_s"].get(n), s["measured_s"].get(n), s["idle_ratio"].get(n)
-            lines.append(f"  {n:<16} {_num(pred, '.4f'):>11} {_num(meas, '.4f'):>10} "
-                         f"{_num(None if idle is None else 100 * idle, '.1f'):>6}")
+            lines.append(f"  {n:<16} {_num(pred, '.4f'):>14} {_num(meas, '.4f'):>10} {_num(pc.get(n), '.4f'):>11} "
+                         f"{_num(mc.get(n), '.4f'):>10} {_num(None if idle is None else 100 * idle, '.1f'):>6}")
+        errs = [f"{name} {s[key]:.1f}%" for name, key in (("compute", "compute_mape_pct"), ("comm", "comm_mape_pct"))
+                if s.get(key) is not None]
+        if errs:
+            lines.append("  prediction MAPE: " + ", ".join(errs))
     lines += format_peak_memory(s)
     if s.get("error"):
         lines.append(f"  error: {s['error']}")

@@ -50,6 +50,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reserve-mb", type=float, default=512.0, metavar="M",
                    help="with --strategy: memory each rank keeps free for its day job (default 512)")
     p.add_argument("--profile-cache", metavar="DIR", help="with --strategy: reuse/store rank profiles here")
+    p.add_argument("--bandwidth-mbps", type=float, default=1000.0, metavar="MBIT",
+                   help="with --strategy: the link the planner assumes (default 1000; the local ranks "
+                   "talk over loopback, so a large value leaves each rank's measured CPU cost of an "
+                   "all-reduce as the communication term)")
+    p.add_argument("--latency-ms", type=float, default=0.5, metavar="MS",
+                   help="with --strategy: per-all-reduce link latency the planner assumes (default 0.5)")
     p.add_argument("--batch-size", required=True, type=int, metavar="B")
     p.add_argument("--seq-len", required=True, type=int, metavar="S")
     p.add_argument("--lr", required=True, type=float)

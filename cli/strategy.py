@@ -13,6 +13,7 @@ time (the trainer's `compute_s`, steady-state iterations), with the mean absolut
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -21,9 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from xronos.gateway.costmodel import layout_shares, node_cost, predict_time
+from xronos.gateway.costmodel import comm_per_node, layout_shares, node_cost, predict_time, tp_comm_volume
 from xronos.gateway.planner import PlanResult
-from xronos.gateway.profiles import Loaded, load_report, node_profile, plan_reports
+from xronos.gateway.profiles import Loaded, collective_cost, load_report, node_profile, plan_reports
 from xronos.protocol.layout import Layout
 from xronos.protocol.messages import ProfileReport
 
@@ -70,10 +71,16 @@ def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, thre
 
 
 def plan_units(reports: list[ProfileReport], strategy: str, reserve_mb: float, *,
-               batch_size: int | None = None, seq_len: int | None = None) -> PlanResult:
+               batch_size: int | None = None, seq_len: int | None = None,
+               bandwidth_mbps: float = 1000.0, latency_ms: float = 0.5) -> PlanResult:
     """The planner's result over the ranks' reports (ranks in order)."""
+    if not (bandwidth_mbps > 0 and math.isfinite(bandwidth_mbps)):
+        raise ValueError(f"--bandwidth-mbps must be finite and > 0, got {bandwidth_mbps}")
+    if not (latency_ms >= 0 and math.isfinite(latency_ms)):
+        raise ValueError(f"--latency-ms must be finite and >= 0, got {latency_ms}")
     return plan_reports([Loaded(f"profile of {r.node_id}", r) for r in reports], strategy,  # type: ignore[arg-type]
-                        reserve_mb=reserve_mb, batch_size=batch_size, seq_len=seq_len)
+                        reserve_mb=reserve_mb, batch_size=batch_size, seq_len=seq_len,
+                        bandwidth_Bps=bandwidth_mbps * 1e6 / 8, latency_s=latency_ms / 1e3)
 
 
 def predictions(reports: list[ProfileReport], layout: Layout) -> dict[str, list[float]]:
@@ -87,28 +94,66 @@ def mape(predicted: list[float], measured: list[float]) -> float:
     return 100.0 * sum(abs(p - m) / m for p, m in zip(predicted, measured)) / len(measured)
 
 
-def judge(result: PlanResult, reports: list[ProfileReport], measured: list[float]) -> dict[str, Any]:
-    """Predicted vs measured compute time per rank, and the MAPE of both time models."""
+def comm_cpu(reports: list[ProfileReport]) -> list[float | None]:
+    """Each rank's own CPU seconds per iteration in the all-reduces, from its profile's probe."""
+    r0 = reports[0]
+    volume = tp_comm_volume(r0.arch.hidden_size, r0.batch_size, r0.seq_len, r0.num_blocks, r0.task)
+    return comm_per_node(volume, len(reports), [collective_cost(r) for r in reports])
+
+
+def _mape_or_none(predicted: list[float], measured: list[float]) -> float | None:
+    pairs = [(p, m) for p, m in zip(predicted, measured) if m > 0]
+    return mape([p for p, _ in pairs], [m for _, m in pairs]) if pairs else None
+
+
+def judge(result: PlanResult, reports: list[ProfileReport], measured: list[float],
+          measured_comm: list[float] | None = None) -> dict[str, Any]:
+    """Predicted vs measured per rank and the MAPE of each quantity: compute (both time models) and
+    communication (the plan's all-reduce time, the same for every rank since a collective ends for
+    all at once, vs the rank's measured `comm_s`). `quantities` holds one entry per quantity (room
+    for more, e.g. peak memory): its per-rank predicted/measured field names and its MAPE."""
     layout = result.layout
     pred = predictions(reports, layout)
+    cpu = comm_cpu(reports)
+    comm = measured_comm if measured_comm is not None else [float("nan")] * len(measured)
     ranks = [dict(rank=r, attn=layout.attn[r], mlp=layout.mlp[r], vocab=layout.vocab[r], units=layout.attn[r],
                   predicted_compute_s=pa, predicted_linear_s=pl, measured_compute_s=m,
-                  error_pct=100.0 * (pa - m) / m)
-             for r, (pa, pl, m) in enumerate(zip(pred["affine"], pred["linear"], measured))]
+                  error_pct=100.0 * (pa - m) / m,
+                  predicted_comm_s=result.comm_s, measured_comm_s=mc, comm_cpu_s=cpu[r],
+                  comm_error_pct=100.0 * (result.comm_s - mc) / mc if mc > 0 else None)
+             for r, (pa, pl, m, mc) in enumerate(zip(pred["affine"], pred["linear"], measured, comm))]
+    comm_mape = (_mape_or_none([result.comm_s] * len(comm), comm) if measured_comm is not None else None)
+    quantities = {
+        "compute": dict(predicted="predicted_compute_s", measured="measured_compute_s",
+                        mape_pct=mape(pred["affine"], measured), mape_linear_pct=mape(pred["linear"], measured)),
+        "comm": dict(predicted="predicted_comm_s", measured="measured_comm_s", mape_pct=comm_mape),
+    }
     return dict(strategy=result.strategy, layout=layout.model_dump(mode="json"), units=list(layout.attn),
                 predicted_iteration_s=result.predicted_iteration_s, bottleneck_s=result.bottleneck_s,
                 segment_s=dict(result.segment_s), comm_s=result.comm_s, ranks=ranks,
                 mape_pct=mape(pred["affine"], measured), mape_linear_pct=mape(pred["linear"], measured),
+                comm_mape_pct=comm_mape, quantities=quantities,
                 profile_seconds=[r.profile_seconds for r in reports])
 
 
+def _pct(v: float | None) -> str:
+    return "–" if v is None or v != v else f"{v:+.1f}%"
+
+
 def format_judgement(j: dict[str, Any]) -> str:
-    lines = [f"{'rank':>4} {'attn':>5} {'mlp':>6} {'vocab':>6} {'predicted s':>11} {'measured s':>10} {'error':>7}"]
+    lines = [f"{'rank':>4} {'attn':>5} {'mlp':>6} {'vocab':>6} {'compute pred s':>14} {'meas s':>8} {'error':>7} "
+             f"{'comm pred s':>11} {'meas s':>8} {'error':>7} {'own comm CPU s':>14}"]
     for r in j["ranks"]:
-        lines.append(f"{r['rank']:>4} {r['attn']:>5} {r['mlp']:>6} {r['vocab']:>6} {r['predicted_compute_s']:>11.4f} "
-                     f"{r['measured_compute_s']:>10.4f} {r['error_pct']:>+6.1f}%")
+        mc = r.get("measured_comm_s", float("nan"))
+        cpu = r.get("comm_cpu_s")
+        lines.append(f"{r['rank']:>4} {r['attn']:>5} {r['mlp']:>6} {r['vocab']:>6} {r['predicted_compute_s']:>14.4f} "
+                     f"{r['measured_compute_s']:>8.4f} {r['error_pct']:>+6.1f}% "
+                     f"{r.get('predicted_comm_s', j['comm_s']):>11.4f} {mc:>8.4f} {_pct(r.get('comm_error_pct')):>7} "
+                     f"{'–' if cpu is None else f'{cpu:.4f}':>14}")
     lines.append(f"compute-time prediction MAPE {j['mape_pct']:.2f}% (affine in the share); "
                  f"{j['mape_linear_pct']:.2f}% with the paper's linear model")
+    if j.get("comm_mape_pct") is not None:
+        lines.append(f"communication-time prediction MAPE {j['comm_mape_pct']:.2f}%")
     return "\n".join(lines)
 
 
@@ -146,7 +191,8 @@ def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileRepo
                             lora_targets=getattr(args, "lora_targets", None),
                             lora_dropout=getattr(args, "lora_dropout", 0.0))
     result = plan_units(reports, args.strategy, args.reserve_mb, batch_size=args.batch_size,
-                        seq_len=args.seq_len)
+                        seq_len=args.seq_len, bandwidth_mbps=getattr(args, "bandwidth_mbps", 1000.0),
+                        latency_ms=getattr(args, "latency_ms", 0.5))
     print(f"xronos run: {args.strategy} plan {result.layout.describe()}, predicted iteration "
           f"{result.predicted_iteration_s:.4f} s (compute {result.bottleneck_s:.4f} s + comm "
           f"{result.comm_s:.4f} s)", file=sys.stderr, flush=True)
@@ -158,7 +204,8 @@ def report_run(result: PlanResult, reports: list[ProfileReport], metrics_path: s
     path = Path(metrics_path)
     doc = json.loads(path.read_text())
     measured = [r["summary"]["compute_s"] for r in doc["ranks"]]
-    verdict = judge(result, reports, measured)
+    comm = [r["summary"]["comm_s"] for r in doc["ranks"]]
+    verdict = judge(result, reports, measured, comm)
     print(format_judgement(verdict), flush=True)
     from xronos.cli.memreport import format_memory, judge_memory
 

@@ -50,6 +50,7 @@ class Agg(NamedTuple):
     compute_s: float
     idle_s: float
     iteration_s: float
+    comm_s: float = 0.0
 
 
 @with_config(ConfigDict(extra="forbid", ser_json_inf_nan="constants"))

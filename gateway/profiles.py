@@ -19,8 +19,8 @@ from typing import Sequence
 from pydantic import ValidationError
 
 from xronos.gateway.costmodel import (
-    DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, Fit, LayerCost, NodeProfile, comm_time, node_cost,
-    tp_comm_volume,
+    DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, Fit, LayerCost, NodeComm, NodeProfile, comm_time, node_comm,
+    node_cost, tp_comm_volume,
 )
 from xronos.gateway.planner import MiB, PlanResult, Strategy, plan
 from xronos.protocol.layout import KINDS, NOUN
@@ -106,6 +106,25 @@ def check_report(r: ProfileReport, source: str) -> None:
         raise ValueError(f"{source}: field layers: no partitioned layer of segment "
                          f"{', '.join(repr(k) for k in missing)} (a profile times every kind: "
                          f"{', '.join(NOUN[k] for k in KINDS)})")
+    names = [lay.name for lay in r.layers]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{source}: field layers: layer {dup[0]!r} appears {names.count(dup[0])} times")
+    absent = [k for k in ("emb", "blk", "out") if not any(lay.kind == k for lay in r.layers)]
+    if absent:
+        raise ValueError(f"{source}: field layers: no {' or '.join(repr(k) for k in absent)} layer (a profile "
+                         f"times the embedding, the block and the output layer)")
+    c = r.collectives
+    if c is not None:
+        for name in ("seconds", "small_seconds"):
+            v = getattr(c, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{source}: field collectives.{name}: must be finite and >= 0, got {v!r}")
+        want = 4 * r.batch_size * r.seq_len * r.arch.hidden_size
+        if c.nbytes != want:
+            raise ValueError(f"{source}: field collectives.nbytes: node {r.node_id} probed all-reduces of "
+                             f"{c.nbytes} bytes, but the activation of batch {r.batch_size} x seq "
+                             f"{r.seq_len} x hidden {r.arch.hidden_size} (fp32) is {want} bytes")
 
 
 def load_report(path: str | Path) -> ProfileReport:
@@ -173,6 +192,15 @@ def node_profile(report: ProfileReport) -> NodeProfile:
                        runtime_bytes=float(report.runtime_bytes), owner_bytes=float(report.owner_bytes))
 
 
+def collective_cost(report: ProfileReport) -> NodeComm | None:
+    """The node's measured CPU cost of an all-reduce (None: the report has no probe)."""
+    c = report.collectives
+    if c is None:
+        return None
+    parallel = 2 if report.capabilities.cores >= 2 else 1  # cores: capped by the CPU quota, rounded up
+    return node_comm(c.nbytes, c.seconds, c.small_bytes, c.small_seconds, parallel)
+
+
 def memory_cap(report: ProfileReport, reserve_mb: float = DEFAULT_RESERVE_MB) -> float:
     """Bytes the job may use on this node: available memory minus the day job's reserve."""
     if not (reserve_mb >= 0 and math.isfinite(reserve_mb)):
@@ -203,7 +231,8 @@ def plan_reports(
     check_compatible(loaded, batch_size=batch_size, seq_len=seq_len, task=task)
     r0 = loaded[0].report
     volume = tp_comm_volume(r0.arch.hidden_size, r0.batch_size, r0.seq_len, r0.num_blocks, r0.task)
-    comm = comm_time(volume, len(loaded), bandwidth_Bps, latency_s)
+    cpu = [c for c in (collective_cost(item.report) for item in loaded) if c is not None]
+    comm = comm_time(volume, len(loaded), bandwidth_Bps, latency_s, cpu)
     nodes = []
     for item in loaded:
         try:

@@ -29,9 +29,9 @@ def apply_metrics(job: Job, x: m.IterationMetrics, now: float, stall_s: float) -
     if x.peak_rss > job.peak_rss.get(x.node_id, 0):
         changes["peak_rss"] = {**job.peak_rss, x.node_id: x.peak_rss}
     if x.step > job.resume_step + 1:
-        n, compute, idle, iteration = job.agg.get(x.node_id, Agg(0, 0.0, 0.0, 0.0))
+        n, compute, idle, iteration, comm = job.agg.get(x.node_id, Agg(0, 0.0, 0.0, 0.0, 0.0))
         changes["agg"] = {**job.agg, x.node_id: Agg(n + 1, compute + x.compute_s, idle + x.idle_s,
-                                                    iteration + x.iteration_s)}
+                                                    iteration + x.iteration_s, comm + x.comm_s)}
     if x.rank == 0:
         step = min(x.step, job.total_steps) if job.total_steps else x.step
         changes.update(step=step, epoch=x.epoch, loss=x.loss, last_iteration_s=x.iteration_s)
@@ -49,6 +49,14 @@ def _bounded(x: float | None, hi: float) -> float | None:
     return x if x is not None and math.isfinite(x) and 0 <= x <= hi else None
 
 
+def _mape(predicted: dict[str, float], measured: dict[str, float]) -> float | None:
+    """Mean absolute percentage error over the nodes with both numbers (None: none has)."""
+    pairs = [(predicted[n], v) for n, v in measured.items() if n in predicted and v > 0]
+    if not pairs:
+        return None
+    return _bounded(100.0 * sum(abs(p - v) / v for p, v in pairs) / len(pairs), m.MAX_PERCENT)
+
+
 def state_view(job: Job) -> m.JobState:
     """The JobState message for this job."""
     iteration_s = _bounded(_mean_iteration_s(job), m.MAX_SECONDS)
@@ -56,6 +64,10 @@ def state_view(job: Job) -> m.JobState:
     eta = _bounded(remaining * iteration_s, m.MAX_INT) \
         if iteration_s is not None and job.phase == "running" else None
     predicted = {e.node_id: e.predicted_compute_s for e in job.plan.entries} if job.plan else {}
+    measured = {n: min(a.compute_s / a.n, m.MAX_SECONDS) for n, a in job.agg.items() if a.n}
+    # Communication: a collective ends for every rank at once, so the plan's term is every node's.
+    predicted_comm = {e.node_id: job.plan.comm_s for e in job.plan.entries} if job.plan else {}
+    measured_comm = {n: min(a.comm_s / a.n, m.MAX_SECONDS) for n, a in job.agg.items() if a.n}
     return m.JobState(
         job_id=job.job_id, name=job.spec.name, phase=job.phase, step=job.step,
         total_steps=job.total_steps or None, epoch=job.epoch, loss=job.loss,
@@ -63,7 +75,11 @@ def state_view(job: Job) -> m.JobState:
         idle_ratio={n: min(max(a.idle_s / a.iteration_s, 0.0), 1.0) for n, a in job.agg.items()
                     if a.iteration_s > 0},
         predicted_s=predicted,
-        measured_s={n: min(a.compute_s / a.n, m.MAX_SECONDS) for n, a in job.agg.items() if a.n},
+        measured_s=measured,
+        predicted_comm_s=predicted_comm,
+        measured_comm_s=measured_comm,
+        compute_mape_pct=_mape(predicted, measured),
+        comm_mape_pct=_mape(predicted_comm, measured_comm),
         predicted_peak_bytes={e.node_id: min(int(e.predicted_memory), 2**50) for e in job.plan.entries}
         if job.plan else {},
         peak_rss_bytes=dict(job.peak_rss),

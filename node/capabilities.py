@@ -88,6 +88,22 @@ def cgroup_cpu_limit(proc: Path = Path("/proc"), cgroot: Path = Path("/sys/fs/cg
     return None
 
 
+def cgroup_cpu_period_s(proc: Path = Path("/proc"), cgroot: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CFS period (seconds) of this process's CPU quota, or None when there is no quota."""
+    paths = _own_cgroup_paths(proc)
+    for d in _candidates(cgroot, ["", "unified"], paths.get("", "/")):
+        try:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        return None if quota == "max" else int(period) / 1e6
+    for d in _candidates(cgroot, ["cpu", "cpu,cpuacct"], paths.get("cpu", "/")):
+        quota, period = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
+        if quota is not None and period:
+            return None if quota < 0 else period / 1e6
+    return None
+
+
 def cgroup_memory_limit(proc: Path = Path("/proc"), cgroot: Path = Path("/sys/fs/cgroup")) -> int | None:
     """Memory limit in bytes, or None when unlimited."""
     paths = _own_cgroup_paths(proc)

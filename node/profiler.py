@@ -8,9 +8,12 @@ split into layers by module hooks on the block:
 
     forward : [emb ....][blk: attn | rest | mlp | rest][out + loss]
     backward: [out ....][blk: ...                     ][emb ......]
-    step    : one AdamW per layer's parameters, timed separately (norm pass + step + zero_grad)
+    step    : the clipping norm pass per layer's gradients, timed per layer; then ONE AdamW step
+              over every parameter (as the trainer), its time shared out by parameter count
 
-so T_l = forward + backward + optimizer share of layer l. Inside the block, "regions" are the
+so T_l = forward + backward + clipping + optimizer share of layer l. (One optimizer per layer
+paid the step call's fixed cost once per layer, and the cost model B times per block layer,
+where training pays it once.) Inside the block, "regions" are the
 largest submodules whose parameters are all (at least partly) partitioned — GPT-2's `attn` and
 `mlp` — and `blk.rest` (layer norms, residual adds) is replicated. Block-internal times come from
 module pre/post hooks (forward) and full backward pre/post hooks (backward).
@@ -25,6 +28,17 @@ partitioned layer the (share of its kind, seconds) samples the cost model's affi
 Each layer's time depends only on its own kind's width, so one run samples every kind at once:
 three model builds, as when the kinds were tied. Statistic: the median over the measured
 iterations (robust to a neighbour's burst of work).
+
+Waits: where a training rank would block in a collective (every skipped timed collective, and
+before the optimizer step, which follows the clipping all-reduce) the profiled rank sleeps
+(`collective_pause_s`: one CFS period under a CPU quota, 1 ms without) and the sleep is left out
+of every layer's time. Under a quota a rank that waited starts with its whole quota at full core
+speed; profiled back to back, the small MiniLM's segments (a few ms each) were predicted 13-80%
+slower than they ran.
+
+Communication: `commprobe` times all-reduces of the job's activation on this node's CPU (two Gloo
+ranks in this process over loopback, under its quota and threads); the planner's `comm_time`
+takes the longer of the link's time and the slowest node's CPU time per all-reduce.
 
 Memory, measured on one more full-width iteration (see `memprobe` for the instruments and their
 limits): M_w = unique bytes of params + grads + AdamW state after a real step; M_a = unique
@@ -50,6 +64,7 @@ import torch
 
 from xronos.node import allocator, memwatch
 from xronos.node.capabilities import fingerprint, probe
+from xronos.node.commprobe import probe_collectives
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
 from xronos.node.profset import ProfilingSet
 from xronos.node.tp.lora import LoraSettings
@@ -59,9 +74,15 @@ from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, Profi
 log = structlog.get_logger(__name__)
 
 # Part of the cache key: bump when the method changes. 5: per-kind widths at quantum multiples.
-# 6: chunked clipping pass, AdamW state at build, the runtime's resident set and each layer's
-# largest tensor (peak-memory prediction).
+# 6: a pause at every skipped collective (and before the optimizer step), as training waits there;
+#    one AdamW step over every parameter, shared out by parameter count; the hooks' own CPU cost
+#    taken out of the block's layers; the node's CPU cost of an all-reduce (`commprobe`); the
+#    chunked clipping pass, AdamW state at build, the runtime's resident set and each layer's
+#    largest tensor (peak-memory prediction).
 PROFILER_VERSION = 6
+# The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
+# in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).
+DEFAULT_PAUSE_S = 0.001
 _LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers")
 
 
@@ -111,6 +132,51 @@ def owner_rss() -> int:
     return max(0, memwatch.status()["VmRSS"] - before)
 
 
+def collective_pause_s() -> float:
+    """How long the profiled rank waits at each skipped collective. A training rank blocks in every
+    collective; under a CFS quota (the emulator, a container's CPU limit) it comes back with its
+    whole quota for the period and runs it at full core speed. Measured on the real MiniLM at
+    shares 0.9/0.5/0.3 that burst made the ranks' compute 13-80% faster than a profile taken back
+    to back said. One period is the longest a wait can matter: the quota refills every period."""
+    import os
+
+    from xronos.node.capabilities import cgroup_cpu_period_s
+
+    forced = os.environ.get("XRONOS_PROFILE_PAUSE_S")  # for measuring the pause's effect (0: none)
+    if forced is not None:
+        value = float(forced)
+        if not 0 <= value < 1:
+            raise ValueError(f"XRONOS_PROFILE_PAUSE_S must be in [0, 1) s, got {forced!r}")
+        return value
+    period = cgroup_cpu_period_s()
+    return DEFAULT_PAUSE_S if period is None else period
+
+
+def without_hook_overhead(med: dict[str, float], hooked: list[tuple[float, float]],
+                          plain: list[tuple[float, float]]) -> dict[str, float]:
+    """Layer medians with the hooks' own cost taken out of the block's layers. The module hooks
+    that split the iteration cost CPU (full backward hooks wrap the block's and its regions'
+    inputs and outputs): about 1 ms per iteration on the MiniLM block at 1/6 width, +11% of its
+    forward and backward, a cost the block's layers would be charged B times. It is measured as
+    the CPU time of the hooked iterations minus that of the same iterations without hooks (CPU
+    time: a shared machine's wall clock is noisier than the difference), turned into wall seconds
+    at the hooked iterations' wall-per-CPU ratio, and taken from the block's layers in proportion
+    to their times. (wall, CPU) pairs; nothing changes when the hooks cost nothing measurable."""
+    if not hooked or not plain:
+        return med
+    cpu_h = statistics.median(c for _, c in hooked)
+    cpu_p = statistics.median(c for _, c in plain)
+    wall_h = statistics.median(w for w, _ in hooked)
+    over = (cpu_h - cpu_p) * (wall_h / cpu_h if cpu_h > 0 else 1.0)
+    blk = {k: v for k, v in med.items() if k.startswith("blk.")}
+    total = sum(blk.values())
+    if over <= 0 or total <= 0:
+        return med
+    over = min(over, 0.5 * total)  # a bound against a noisy measurement, never the whole block
+    log.debug("profile.hook_overhead", seconds=round(over, 6), block_s=round(total, 6))
+    return {k: (v - over * v / total if k in blk else v) for k, v in med.items()}
+
+
 def one_block_config(config: dict[str, Any]) -> dict[str, Any]:
     """The same model with one transformer block (the profiling set), pad id defined."""
     c = dict(config)
@@ -133,10 +199,10 @@ def _check_positive_int(name: str, value: object) -> int:
 
 
 def cache_key(fp: str, arch: ArchSpec, task: str, batch: int, seq: int, iters: int, clip: bool,
-              weight_decay: float = 0.0, lora: LoraSettings | None = None) -> str:
+              weight_decay: float = 0.0, lora: LoraSettings | None = None, pause_s: float = 0.0) -> str:
     fields: list[Any] = [PROFILER_VERSION, fp, arch.model_dump(mode="json"), task, batch, seq, iters, clip,
-                         weight_decay]
-    if lora is not None:  # a LoRA job's profile is its own (full fine-tuning keys are unchanged)
+                         weight_decay, pause_s]
+    if lora is not None:  # a LoRA job's profile is its own
         fields.append(["lora", lora.r, sorted(lora.targets), lora.dropout])
     doc = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(doc.encode()).hexdigest()[:24]
@@ -186,8 +252,10 @@ def profile(
     threads = threads or torch.get_num_threads()
     ids = dict(node_id=node_id, request_id=request_id, job_id=job_id, capabilities=caps)
     path = None
+    pause = collective_pause_s()
     if cache_dir is not None:
-        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay, lora)
+        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay, lora,
+                        pause)
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.is_file():
             try:
@@ -214,23 +282,30 @@ def profile(
         for i, run in enumerate(widths(sizes)):
             full = i == 0
             layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
-            ps = ProfilingSet(small, task, layout, batch_size, seq_len, seed, clip, weight_decay, lora)
+            ps = ProfilingSet(small, task, layout, batch_size, seq_len, seed, clip, weight_decay, lora, pause)
             try:
-                runs = [ps.iteration() for _ in range(warmup + iters)][warmup:]
-                for key in ps.groups:
-                    seg = ps.segment(key)
-                    share = ps.layout.share(seg, 0) if seg else 1.0
-                    samples[key].append((share, statistics.median(r.get(key, 0.0) for r in runs)))
+                runs, hooked = [], []
+                for _ in range(warmup + iters):
+                    runs.append(ps.iteration())
+                    hooked.append(ps.last)
                 if full:
                     partitioned = ps.partitioned
                     segments = {k: ps.segment(k) for k in ps.groups}
                     mem = ps.memory()
                     largest = {k: ps.largest_tensor(k) for k in ps.groups}
                     params = {k: ps.param_bytes(k) for k in ps.groups}
+                plain = [ps.plain_iteration() for _ in range(warmup + max(3, iters // 2))][warmup:]
+                med = {key: statistics.median(r.get(key, 0.0) for r in runs[warmup:]) for key in ps.groups}
+                med = without_hook_overhead(med, hooked[warmup:], plain)
+                for key in ps.groups:
+                    seg = ps.segment(key)
+                    share = ps.layout.share(seg, 0) if seg else 1.0
+                    samples[key].append((share, med[key]))
             finally:
                 ps.close()
             del ps
-        runtime = runtime_rss()
+        collectives = probe_collectives(batch_size, seq_len, arch.hidden_size)
+        runtime = runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
         owner = owner_rss()
     finally:
         torch.set_num_threads(before)
@@ -246,7 +321,7 @@ def profile(
     report = ProfileReport(
         **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
         sizes=sizes, num_blocks=arch.num_layers, layers=layers, runtime_bytes=runtime,
-        owner_bytes=owner,
+        owner_bytes=owner, collectives=collectives,
         profile_seconds=time.perf_counter() - t_start, created_at=time.time())
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -58,8 +58,10 @@ class _Timeline:
     """Splits one iteration into layers with hooks; accumulates seconds per layer key and knows
     which layer is running (for attributing saved activations)."""
 
-    def __init__(self, block: nn.Module, regions: dict[str, nn.Module]) -> None:
+    def __init__(self, block: nn.Module, regions: dict[str, nn.Module],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.regions = regions
+        self.clock = clock  # seconds, leaving out the group's pauses at skipped collectives
         self.seconds: dict[str, float] = defaultdict(float)
         self.inputs: dict[str, set[tuple[int, int]]] = {}
         self.annotate = False
@@ -96,10 +98,10 @@ class _Timeline:
         if self.annotate:
             self._rf = record_function(f"xr::{self.phase}::{top}")
             self._rf.__enter__()
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock()
 
     def _close(self) -> None:
-        self.seconds[self.top] += time.perf_counter() - self._t0
+        self.seconds[self.top] += self.clock() - self._t0
         if self._rf is not None:
             self._rf.__exit__(None, None, None)
             self._rf = None
@@ -113,13 +115,13 @@ class _Timeline:
             if self.annotate:
                 rf = record_function(f"xr::{self.phase}::blk.{name}")
                 rf.__enter__()
-            self._sub[name] = (time.perf_counter(), rf)
+            self._sub[name] = (self.clock(), rf)
         return hook
 
     def _leave(self, name: str) -> Callable:
         def hook(_m: nn.Module, *_: object) -> None:
             t0, rf = self._sub.pop(name)
-            self.seconds[f"blk.{name}"] += time.perf_counter() - t0
+            self.seconds[f"blk.{name}"] += self.clock() - t0
             if rf is not None:
                 rf.__exit__(None, None, None)
             assert self._stack.pop() == name, "region hooks out of order"
@@ -144,17 +146,21 @@ class _Timeline:
 
 
 class ProfilingSet:
-    """The one-block model at one width, its layer groups, one AdamW per layer, a synthetic batch."""
+    """The one-block model at one width, its layer groups, one AdamW over every trained parameter
+    (timing) and one per layer (memory), a synthetic batch."""
 
     def __init__(self, config: dict[str, Any], task: str, layout: Layout, batch: int, seq: int,
-                 seed: int, clip: bool, weight_decay: float = 0.0, lora: LoraSettings | None = None) -> None:
+                 seed: int, clip: bool, weight_decay: float = 0.0, lora: LoraSettings | None = None,
+                 pause_s: float = 0.0) -> None:
         """`layout`: a two-rank layout; this process is rank 0 and holds its counts of each kind.
         `lora`: the job's adapters on a frozen base, so the measured backward has no weight-gradient
-        GEMMs for frozen weights and the optimizer state is the adapters' only."""
+        GEMMs for frozen weights and the optimizer state is the adapters' only.
+        `pause_s`: a sleep where training waits in a collective (`xronos.node.profiler`)."""
         family = family_for(config)
         layout.check(family.sizes(config), world_size=2, quanta=None)
         self.layout = layout
-        self.model = family.build(config, task, ShardLayout.of(layout, 0), TPGroup.alone(2))
+        self.group = TPGroup.alone(2, pause_s=pause_s)
+        self.model = family.build(config, task, ShardLayout.of(layout, 0), self.group)
         if lora is not None:
             add_lora(self.model, lora)
             # The frozen embedding gives the first block an input without gradient; the profiled
@@ -167,17 +173,28 @@ class ProfilingSet:
         part = {id(p) for n, p in self.model.named_parameters() if specs[n].dim is not None}
         self.block = _only_block(self.model)
         self.regions = find_regions(self.block, part)
-        self.timeline = _Timeline(self.block, self.regions)
+        self.timeline = _Timeline(self.block, self.regions, self.clock)
         self.groups = self._groups(config, task, batch, seq, seed)
         # AdamW's default weight decay (0.01) is not the trainer's (the job's, 0 by default): the
         # decay is a pass over every parameter, 30% of RoBERTa-base's optimizer step here.
         # Only trained parameters get an optimizer (all of them, or with LoRA the adapters).
         self.opts = {k: adamw([p for p in ps if p.requires_grad], lr=2e-5, weight_decay=weight_decay)
                      for k, ps in self.groups.items() if any(p.requires_grad for p in ps)}
+        # Timing steps ONE AdamW over every trained parameter, as the trainer does: a step call has
+        # a fixed cost that one optimizer per layer would pay per layer (and the cost model B times
+        # per block layer). The step's time is shared out by trained parameter count (AdamW is
+        # elementwise). The per-layer optimizers above are for memory(): each layer's own state.
+        trained = [p for ps in self.groups.values() for p in ps if p.requires_grad]
+        self.opt_all = adamw(trained, lr=2e-5, weight_decay=weight_decay)
+        self.numel = {k: sum(p.numel() for p in ps if p.requires_grad) for k, ps in self.groups.items()}
         # A layer is partitioned when it holds partitioned parameters — or, for the LM head, when
         # its compute is vocabulary-parallel even though its weight is tied to the embedding's.
         self.partitioned = {k: any(id(p) in part for p in ps) or (k == "out" and task == "causal-lm")
                             for k, ps in self.groups.items()}
+
+    def clock(self) -> float:
+        """perf_counter without the pauses at skipped collectives."""
+        return time.perf_counter() - self.group.paused_s
 
     def segment(self, key: str) -> str | None:
         """The segment kind whose width a partitioned layer follows (None: replicated)."""
@@ -226,9 +243,8 @@ class ProfilingSet:
                 groups["emb" if first_use.get(id(p)) == "emb" else "out"].append(p)
         return groups
 
-    def _step(self, key: str, measure: Callable[[], None] | None = None) -> None:
-        """The trainer's per-step work on this layer's parameters: norm pass, clip, AdamW, zero."""
-        opt = self.opts[key]
+    def _clip(self, key: str) -> None:
+        """The trainer's global-norm clipping work on this layer's gradients: norm pass, scale."""
         grads = [p.grad for p in self.groups[key] if p.grad is not None]
         if self.clip and grads:
             sq = torch.zeros(1, dtype=torch.float64)
@@ -236,14 +252,21 @@ class ProfilingSet:
                 sq.add_(squared_norm(g))  # as the trainer's clipping pass
             for g in grads:
                 g.mul_(0.5)
+
+    def _step(self, key: str, measure: Callable[[], None] | None = None) -> None:
+        """The trainer's per-step work on this layer's parameters alone: clip, AdamW, zero."""
+        opt = self.opts[key]
+        self._clip(key)
         opt.step()
         if measure is not None:
             measure()
         opt.zero_grad(set_to_none=True)
 
     def iteration(self) -> dict[str, float]:
-        """One fine-tuning iteration; seconds per layer key (forward + backward + optimizer)."""
+        """One fine-tuning iteration; seconds per layer key (forward + backward + optimizer).
+        `self.last` is its (wall, CPU) seconds, pauses left out (see `hook_overhead_s`)."""
         tl = self.timeline
+        w0, c0 = self.clock(), time.process_time()
         tl.start("fwd", "emb")
         loss = self.model(self.ids, self.mask, self.labels)
         tl.phase = "bwd"
@@ -252,9 +275,18 @@ class ProfilingSet:
         tl.stop()
         secs = tl.take()
         for key in self.opts:
-            t0 = time.perf_counter()
-            self._step(key)
-            secs[key] = secs.get(key, 0.0) + time.perf_counter() - t0
+            t0 = self.clock()
+            self._clip(key)
+            secs[key] = secs.get(key, 0.0) + self.clock() - t0
+        self.group.pause()  # the trainer's optimizer step follows the clipping all-reduce
+        t0 = self.clock()
+        self.opt_all.step()
+        self.opt_all.zero_grad(set_to_none=True)
+        step_s = self.clock() - t0
+        total = sum(self.numel.values()) or 1
+        for key, n in self.numel.items():
+            secs[key] = secs.get(key, 0.0) + step_s * n / total
+        self.last = (self.clock() - w0, time.process_time() - c0)
         return secs
 
     def param_bytes(self, key: str) -> int:
@@ -266,8 +298,22 @@ class ProfilingSet:
         reads it into before copying it in)."""
         return max((p.numel() * p.element_size() for p in self.groups[key]), default=0)
 
+    def plain_iteration(self) -> tuple[float, float]:
+        """The same iteration with the timeline's hooks removed: (wall, CPU) seconds."""
+        self.timeline.remove()
+        w0, c0 = self.clock(), time.process_time()
+        loss = self.model(self.ids, self.mask, self.labels)
+        loss.backward()
+        for key in self.opts:
+            self._clip(key)
+        self.group.pause()
+        self.opt_all.step()
+        self.opt_all.zero_grad(set_to_none=True)
+        return self.clock() - w0, time.process_time() - c0
+
     def memory(self) -> dict[str, tuple[int, int, int]]:
         """(M_w, M_a, M_t) per layer key, measured on one iteration."""
+        self.opt_all.state.clear()  # the timing optimizer's moments: not a layer's, and not kept
         tl = self.timeline
         exclude = {storage_key(p) for p in self.model.parameters()}
         meter = SavedTensorMeter(exclude, current=tl.current, inputs=tl.inputs)

@@ -41,6 +41,7 @@ MAX_ID = 128
 MAX_TEXT = 4096  # free text: errors, reasons, details
 MAX_PATH = 4096
 MAX_SECONDS = 1e7  # ~115 days: any duration a message reports
+MAX_PERCENT = 1e6  # a prediction error in percent (10,000x off is still a number, not noise)
 MAX_TIMESTAMP = 1e11  # Unix seconds (year ~5138)
 MAX_BYTES = float(2**60)  # memory sizes as floats
 MAX_EVENTS = 50
@@ -135,6 +136,7 @@ Seed = Int(le=2**32 - 1)
 GradNorm = Float(gt=0, le=1e9)
 HostName = Text(255, min_length=1)
 Eta = Float(ge=0, le=MAX_INT)
+Percent = Float(ge=0, le=MAX_PERCENT)
 Code = Text(64, min_length=1)
 TopicText = Text(1024)
 LoraRank = Int(gt=0, le=65536)
@@ -245,6 +247,24 @@ class LayerProfile(Message):
         return self
 
 
+class CollectiveProfile(Message):
+    """What one all-reduce costs this node's CPU (`xronos.node.commprobe`): two Gloo ranks in the
+    profiling process over loopback, under the node's own CPU quota and threads, each all-reducing
+    `nbytes` (the job's [batch, seq, hidden] activation) and `small_bytes`; means of `repeats`."""
+
+    nbytes: Bytes
+    seconds: Seconds
+    small_bytes: Bytes
+    small_seconds: Seconds
+    repeats: Int(gt=0, le=10_000)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> CollectiveProfile:
+        if not self.small_bytes < self.nbytes:
+            raise ValueError(f"small_bytes: must be below nbytes ({self.nbytes}), got {self.small_bytes}")
+        return self
+
+
 class ProfileReport(Message):
     node_id: Id
     request_id: Id
@@ -267,6 +287,9 @@ class ProfileReport(Message):
     owner_bytes: Bytes = 0
     profile_seconds: Seconds
     created_at: Timestamp
+    # The node's CPU cost of the job's all-reduces (None: a profile from before it was measured;
+    # the planner then counts the link alone).
+    collectives: CollectiveProfile | None = None
 
 
 class JobSpec(Message):
@@ -453,12 +476,17 @@ class JobState(Message):
     eval_metric_name: Text256 | None = None
     iteration_s: Seconds | None = None
     idle_ratio: NodeFloats = Field(default_factory=dict)
-    predicted_s: NodeFloats = Field(default_factory=dict)
+    predicted_s: NodeFloats = Field(default_factory=dict)  # compute seconds per iteration, per node
     measured_s: NodeFloats = Field(default_factory=dict)
     # Peak memory per node: the plan's prediction (the rank's peak resident set) and the highest
     # peak_rss its IterationMetrics reported under the current plan version.
     predicted_peak_bytes: NodeBytes = Field(default_factory=dict)
     peak_rss_bytes: NodeBytes = Field(default_factory=dict)
+    # Communication per node: the plan's all-reduce time vs the node's measured comm_s.
+    predicted_comm_s: NodeFloats = Field(default_factory=dict)
+    measured_comm_s: NodeFloats = Field(default_factory=dict)
+    compute_mape_pct: Percent | None = None  # over the nodes with both numbers
+    comm_mape_pct: Percent | None = None
     eta_s: Eta | None = None
     plan: Plan | None = None
     events: Annotated[list[Event], Field(max_length=MAX_EVENTS)] = Field(default_factory=list)

@@ -44,7 +44,7 @@ class TPGroup:
     """A torch.distributed ProcessGroup (or None for a world of one) plus per-collective timings."""
 
     def __init__(self, pg: dist.ProcessGroup | None, rank: int, world_size: int, *,
-                 trace: bool | None = None, alone: bool = False) -> None:
+                 trace: bool | None = None, alone: bool = False, pause_s: float = 0.0) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"invalid rank {rank} for world size {world_size}")
         if pg is None and world_size != 1 and not alone:
@@ -53,6 +53,12 @@ class TPGroup:
         self.rank = rank
         self.world_size = world_size
         self.alone = alone  # the peers' collectives are skipped: this rank runs by itself
+        # Alone: sleep this long at every skipped timed collective, as a training rank waits in it
+        # (under a CFS quota the next segment then starts with a full quota: the profiler must see
+        # that too); `paused_s` sums the sleeps so that the profiler's clock can leave them out.
+        if not (pause_s >= 0 and pause_s < 1):
+            raise ValueError(f"pause_s must be in [0, 1) s, got {pause_s!r}")
+        self.pause_s, self.paused_s = pause_s, 0.0
         self.timings: list[tuple[str, float]] = []
         self.spans: list[Span] = []
         # Marks (and a world of one's would-be collectives) are recorded only when tracing: on by
@@ -67,10 +73,19 @@ class TPGroup:
         return cls(None, 0, 1, trace=trace)
 
     @classmethod
-    def alone(cls, world_size: int, rank: int = 0) -> TPGroup:
+    def alone(cls, world_size: int, rank: int = 0, pause_s: float = 0.0) -> TPGroup:
         """Rank `rank` of a world of `world_size` run by itself: the peers' collectives are skipped,
-        so its time is its own compute only (the profiler), and nothing is recorded."""
-        return cls(None, rank, world_size, trace=False, alone=True)
+        so its time is its own compute only (the profiler), and nothing is recorded; with
+        `pause_s`, each skipped collective is a sleep of that long instead (see `pause`)."""
+        return cls(None, rank, world_size, trace=False, alone=True, pause_s=pause_s)
+
+    def pause(self) -> None:
+        """Alone: wait `pause_s` where a training rank would wait in a collective (summed in
+        `paused_s`)."""
+        if self.alone and self.pause_s > 0:
+            t0 = time.perf_counter()
+            time.sleep(self.pause_s)
+            self.paused_s += time.perf_counter() - t0
 
     @classmethod
     def from_default(cls) -> TPGroup:
@@ -135,6 +150,8 @@ class TPGroup:
     def _call(self, name: str, timed: bool) -> Iterator[bool]:
         """Yields whether to communicate; times it (or, in a traced world of one, marks it)."""
         if self.world_size == 1 or self.alone:
+            if timed:
+                self.pause()
             if timed and self.trace and self._tag is not None:
                 self.spans.append(Span("mark", self._tag, time.perf_counter(), 0.0))
             yield False

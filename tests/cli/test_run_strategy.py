@@ -34,6 +34,16 @@ def test_judge_and_mape(strat: str) -> None:
     text = strategy.format_judgement(verdict)
     assert "MAPE" in text and "attn" in text and "vocab" in text
     assert strategy.mape([1.0, 3.0], [2.0, 2.0]) == pytest.approx(50.0)
+    # Communication: the plan's all-reduce time against each rank's measured comm_s.
+    c = result.comm_s
+    both = strategy.judge(result, reports, measured, [c / 2, c * 2])
+    assert [r["predicted_comm_s"] for r in both["ranks"]] == [c, c]
+    assert both["ranks"][0]["comm_error_pct"] == pytest.approx(100.0)
+    assert both["comm_mape_pct"] == pytest.approx((100 + 50) / 2)
+    assert both["quantities"]["comm"]["mape_pct"] == both["comm_mape_pct"]
+    assert both["quantities"]["compute"]["mape_pct"] == both["mape_pct"]
+    assert "communication-time prediction MAPE 75.00%" in strategy.format_judgement(both)
+    assert verdict["comm_mape_pct"] is None  # nothing measured, nothing claimed
 
 
 def test_profiles_of_another_batch_refused() -> None:
@@ -96,6 +106,7 @@ def test_run_with_strategy_reports_prediction(tiny: tuple[Path, Path], tmp_path:
     for r in pred["ranks"]:
         assert r["predicted_compute_s"] > 0 and r["measured_compute_s"] > 0
     assert pred["mape_pct"] >= 0 and pred["mape_linear_pct"] >= 0
+    assert pred["comm_mape_pct"] >= 0 and all(r["measured_comm_s"] > 0 and r["comm_cpu_s"] > 0 for r in pred["ranks"])
     # Peak memory: the planner's prediction (rank 0 the owner) against each rank's whole-life peak.
     assert "peak-memory prediction MAPE" in out
     peaks = doc["memory"]["peak_rss_bytes"]

@@ -267,3 +267,30 @@ def test_frozen_layers_count_in_the_export_but_not_in_the_checkpoint():
     assert predict_memory(owner, zero) == pytest.approx(max(train, base + node.weights_full))
     ckpt_only = replace(owner, exports=False, checkpoints=True)
     assert predict_memory(ckpt_only, zero) == pytest.approx(max(train, base + 3 * node.trained_full))
+
+
+def test_node_comm_from_the_probe_and_comm_time_takes_the_slower_of_link_and_cpu():
+    from xronos.gateway.costmodel import CommVolume, NodeComm, comm_time, comm_per_node, node_comm
+
+    c = node_comm(nbytes=1004, seconds=0.011, small_bytes=4, small_seconds=0.001)
+    # The probe's two ranks took turns on one core: one rank pays half of its per-byte time...
+    assert c.per_byte_s == pytest.approx(0.5e-5) and c.fixed_s == pytest.approx(0.001 - 4e-5)
+    assert node_comm(1004, 0.011, 4, 0.001, parallel=2).per_byte_s == pytest.approx(1e-5)  # ...or all, side by side
+    # One rank of a ring of N: 2(N-1) steps, 2(N-1)/N of the tensor sent and received.
+    assert c.allreduce_s(1000, 2) == pytest.approx(c.fixed_s + 0.005)
+    assert c.allreduce_s(1000, 4) == pytest.approx(3 * c.fixed_s + 0.0075)
+    assert c.allreduce_s(1000, 1) == 0.0
+    with pytest.raises(ValueError, match="parallel"):
+        node_comm(1004, 0.011, 4, 0.001, parallel=3)
+    vol = CommVolume(count=10, nbytes=10_000.0)
+    link = comm_time(vol, 2, 1e9, 1e-6)
+    assert comm_time(vol, 2, 1e9, 1e-6, [c]) == pytest.approx(10 * c.allreduce_s(1000, 2))
+    assert comm_time(vol, 2, 1e9, 1e-6, [c]) > link
+    assert comm_time(vol, 2, 1e3, 1e-6, [c]) == pytest.approx(comm_time(vol, 2, 1e3, 1e-6))  # link-bound
+    assert comm_time(vol, 1, 1e9, 1e-6, [c]) == 0.0
+    fast = NodeComm(fixed_s=0.0, per_byte_s=0.0)
+    assert comm_per_node(vol, 2, [c, fast, None]) == [pytest.approx(10 * c.allreduce_s(1000, 2)), 0.0, None]
+    with pytest.raises(ValueError, match="collectives.seconds"):
+        node_comm(1004, float("nan"), 4, 0.001)
+    with pytest.raises(ValueError, match="small_bytes"):
+        node_comm(4, 0.01, 4, 0.001)

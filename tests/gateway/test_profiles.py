@@ -152,3 +152,49 @@ def test_plan_reports_adds_comm_and_makes_a_plan_message():
     assert plan_reports(items[:1], "paper").comm_s == 0.0  # one node: no all-reduce
     for strategy in ("paper", "uniform"):
         assert plan_message(plan_reports(items, strategy), "j").strategy == strategy
+
+
+def _with_collectives(r, seconds=0.004, small=0.001, nbytes=None):
+    from xronos.protocol.messages import CollectiveProfile
+
+    act = 4 * r.batch_size * r.seq_len * r.arch.hidden_size
+    return r.model_copy(update={"collectives": CollectiveProfile(
+        nbytes=act if nbytes is None else nbytes, seconds=seconds, small_bytes=4, small_seconds=small, repeats=5)})
+
+
+@pytest.mark.parametrize("edits, field", [
+    ({"collectives__seconds": math.nan}, "field collectives.seconds"),
+    ({"collectives__small_seconds": -1.0}, "field collectives.small_seconds"),
+    ({"collectives__nbytes": 4 * 8 * 64 * 1024}, "field collectives.nbytes: node n0 probed all-reduces of "
+                                                   "2097152 bytes, but the activation of batch 8 x seq 32"),
+    ({"collectives__small_bytes": 10**9}, "field collectives: Value error, small_bytes: must be below nbytes"),
+    # Missing layers: no embedding, no output layer, a layer twice.
+    ({"layers__0__kind": "blk", "layers__0__segment": "attn"}, "field layers"),
+    ({"layers__4__kind": "blk"}, "field layers: no 'out' layer"),
+    ({"layers__3__name": "mlp"}, "field layers: layer 'mlp' appears 2 times"),
+])
+def test_bad_collectives_and_missing_layers_name_file_and_field(tmp_path, edits, field):
+    report = _with_collectives(synthetic_report("n0", units=8, num_blocks=2))
+    path = write(tmp_path / "bad.json", report, **edits)
+    with pytest.raises(ValueError) as err:
+        load_report(path)
+    assert str(path) in str(err.value) and field in str(err.value)
+
+
+def test_measured_collectives_enter_the_plans_communication():
+    """A node whose CPU needs longer for an all-reduce than the link sets the plan's comm term;
+    where the link is slower, the link does (and a report without the probe counts the link)."""
+    from xronos.gateway.costmodel import node_comm
+
+    a, b = loaded("a"), loaded("b")
+    slow = Loaded("b.json", _with_collectives(b.report, seconds=0.050, small=0.010))
+    fast = Loaded("a.json", _with_collectives(a.report, seconds=0.0002, small=0.0001))
+    r0 = a.report
+    vol = tp_comm_volume(r0.arch.hidden_size, r0.batch_size, r0.seq_len, r0.num_blocks, r0.task)
+    link = comm_time(vol, 2, 1e9, 1e-5)
+    res = plan_reports([fast, slow], "segment", bandwidth_Bps=1e9, latency_s=1e-5)
+    c = node_comm(slow.report.collectives.nbytes, 0.050, 4, 0.010, parallel=2)  # synthetic: 4 cores
+    per_call = vol.nbytes / vol.count
+    assert res.comm_s == pytest.approx(vol.count * (c.fixed_s + c.per_byte_s * per_call)) and res.comm_s > link
+    assert plan_reports([fast, b], "segment", bandwidth_Bps=1e9, latency_s=1e-5).comm_s == pytest.approx(link)
+    assert plan_reports([a, b], "segment", bandwidth_Bps=1e9, latency_s=1e-5).comm_s == pytest.approx(link)

@@ -217,6 +217,81 @@ def test_profile_in_child_process(tmp_path: Path) -> None:
         profile_in_child(job.model_copy(update={"seq_len": P + 1}))
 
 
+def test_pause_at_skipped_collectives_is_left_out_of_layer_times() -> None:
+    """The profiled rank sleeps where training waits in a collective (so that a CFS quota refills
+    as it does for a training rank), and that sleep is not booked to any layer."""
+    from xronos.node.profset import ProfilingSet
+    from xronos.node.tp.group import TPGroup
+    from xronos.protocol.layout import Layout
+
+    g = TPGroup.alone(2, pause_s=0.01)
+    g.all_reduce(torch.ones(3))
+    g.all_reduce(torch.ones(3), timed=False)  # measurement/control collectives do not pause
+    assert 0.01 <= g.paused_s < 0.05
+    with pytest.raises(ValueError, match="pause_s"):
+        TPGroup.alone(2, pause_s=-1.0)
+
+    torch.set_num_threads(1)
+    config = prof.one_block_config(prof.config_for(arch=shape("tiny-gpt2", "classify")))
+    layout = Layout(attn=(H, 0), mlp=(I, 0), vocab=(V, 0))
+    plain = ProfilingSet(config, "classify", layout, B, S, 0, True)
+    paused = ProfilingSet(config, "classify", layout, B, S, 0, True, pause_s=0.02)
+    try:
+        for ps in (plain, paused):
+            ps.iteration()
+        a = min(sum(plain.iteration().values()) for _ in range(3))
+        b = min(sum(paused.iteration().values()) for _ in range(3))
+        # Every emb/attn/mlp reduce, both backward copies and the step pause 20 ms: >= 100 ms per
+        # iteration, none of it in the layers' times.
+        assert paused.group.paused_s >= 4 * 5 * 0.02
+        assert b < a + 0.05, (a, b)
+    finally:
+        plain.close()
+        paused.close()
+    assert prof.collective_pause_s() > 0
+
+
+def test_report_carries_the_collective_probe(reports: dict[str, ProfileReport]) -> None:
+    """Two real Gloo ranks in the profiling process all-reduced the job's [B, S, E] activation."""
+    for r in reports.values():
+        c = r.collectives
+        assert c is not None and c.nbytes == 4 * B * S * E and c.small_bytes == 4
+        assert 0 < c.small_seconds < 1 and 0 < c.seconds < 1 and c.repeats >= 1
+
+
+def test_one_optimizer_step_over_every_parameter_shared_by_count() -> None:
+    """Timing steps one AdamW over all parameters, as the trainer does, and books each layer its
+    parameter-count share: every parameter once, shares summing to the model."""
+    from xronos.node.profset import ProfilingSet
+    from xronos.protocol.layout import Layout
+
+    torch.set_num_threads(1)
+    config = prof.one_block_config(prof.config_for(arch=shape("tiny-gpt2", "classify")))
+    ps = ProfilingSet(config, "classify", Layout(attn=(H, 0), mlp=(I, 0), vocab=(V, 0)), B, S, 0, True)
+    try:
+        params = [p for g in ps.opt_all.param_groups for p in g["params"]]
+        assert len({id(p) for p in params}) == len(params) == len(list(ps.model.parameters()))
+        assert sum(ps.numel.values()) == sum(p.numel() for p in ps.model.parameters())
+        assert ps.numel["blk.mlp"] == _params("blk.mlp", "classify")
+        secs = ps.iteration()
+        assert set(secs) >= set(ps.groups) and all(v > 0 for v in secs.values())
+        assert all(p.grad is None for p in params)  # zero_grad(set_to_none) as the trainer
+    finally:
+        ps.close()
+
+
+def test_hook_overhead_comes_out_of_the_block_layers_only() -> None:
+    med = {"emb": 0.010, "blk.attn": 0.006, "blk.mlp": 0.012, "blk.rest": 0.002, "out": 0.001}
+    # Hooked iterations: 0.030 s CPU, 0.060 s wall (a half-core quota); without hooks 0.029 s CPU.
+    out = prof.without_hook_overhead(med, [(0.060, 0.030)] * 3, [(0.058, 0.029)] * 3)
+    over = 0.001 * 2  # 1 ms of CPU at 2 wall seconds per CPU second
+    assert out["emb"] == med["emb"] and out["out"] == med["out"]
+    assert sum(out[k] for k in med if k.startswith("blk")) == pytest.approx(0.020 - over)
+    assert out["blk.mlp"] / out["blk.attn"] == pytest.approx(2.0)  # shared in proportion
+    assert prof.without_hook_overhead(med, [(0.06, 0.029)], [(0.06, 0.030)]) == med  # no measurable cost
+    assert prof.without_hook_overhead(med, [(1.0, 1.0)], [(0.0, 0.0)])["blk.mlp"] == pytest.approx(0.006)  # bounded
+
+
 def test_lora_profile_is_its_own_and_counts_a_frozen_base(reports: dict[str, ProfileReport], tmp_path: Path) -> None:
     """A LoRA job's profiling set trains the adapters on a frozen base: the frozen layers' weight
     memory is their weights alone (no gradient, no AdamW moments), the adapters and the trained

@@ -63,8 +63,11 @@ def test_displays():
     assert "n100" in text and "2048.0" in text and "33504" in text
     state = {"job_id": "j", "name": "t", "phase": "running", "step": 3, "total_steps": 10, "epoch": 0,
              "loss": 0.5, "eval_metric": None, "iteration_s": 0.5, "eta_s": 3.5, "predicted_s": {"n100": 0.4},
-             "measured_s": {"n100": 0.42}, "idle_ratio": {"n100": 0.03}, "events": ["x"], "error": None}
+             "measured_s": {"n100": 0.42}, "idle_ratio": {"n100": 0.03}, "events": ["x"], "error": None,
+             "predicted_comm_s": {"n100": 0.05}, "measured_comm_s": {"n100": 0.04}, "compute_mape_pct": 5.0,
+             "comm_mape_pct": 25.0}
     text = format_state(state)
+    assert "0.0500" in text and "0.0400" in text and "prediction MAPE: compute 5.0%, comm 25.0%" in text
     assert "step 3/10" in text and "ETA 4 s" in text and "3.0" in text
 
 

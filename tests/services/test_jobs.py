@@ -115,6 +115,11 @@ def test_happy_path_metrics_and_completion():
     assert view.measured_s == {"a": pytest.approx(0.1), "b": pytest.approx(0.2), "c": pytest.approx(0.3)}
     assert view.idle_ratio["a"] == pytest.approx(0.1) and view.eta_s == pytest.approx(7 * 0.2)
     assert view.predicted_s == {"a": 0.1, "b": 0.1, "c": 0.1}
+    # Predicted vs measured compute and communication per node, and their MAPE.
+    assert view.compute_mape_pct == pytest.approx(100 * (0 + 0.1 / 0.2 + 0.2 / 0.3) / 3)
+    assert view.measured_comm_s == {n: pytest.approx(0.01) for n in "abc"}
+    assert view.predicted_comm_s == {n: job.plan.comm_s for n in "abc"}
+    assert view.comm_mape_pct == pytest.approx(100 * abs(job.plan.comm_s - 0.01) / 0.01)
     job, _ = J.handle(job, status("a", 0, "running", checkpoint_step=2), ctx(9))
     job, _ = J.handle(job, status("a", 0, "running", checkpoint_step=4), ctx(9))
     assert job.checkpoint_step == 4 and job.events[-1].endswith("checkpoint at step 4")

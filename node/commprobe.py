@@ -1,0 +1,98 @@
+"""What an all-reduce costs this node's own CPU: measured in the profile, used by the planner.
+
+A rank that waits in a Gloo collective still pays for it on its own CPU: Gloo's threads copy and
+reduce the buffers, and the kernel does the TCP work of every byte sent and received. On a slow
+box (or under a CFS quota) that is not free, and no compute profile sees it. The probe runs two
+Gloo ranks *inside the profiling process* (two threads, one `ProcessGroupGloo` each, over
+loopback), so both share this node's CPU quota and threads, and times all-reduces of the job's
+activation `[batch, seq, hidden]` (fp32) and of a few bytes. Over loopback the link is not the
+limit: the time is what the CPU needs for two ranks' sending and receiving, which is what one rank
+of a ring pays for its own share of both directions (`gateway.costmodel.node_comm`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from xronos.protocol.messages import CollectiveProfile
+
+SMALL_ELEMENTS = 1  # the latency probe: one fp32 (4 bytes)
+_TIMEOUT = timedelta(seconds=120)
+
+
+def _groups() -> list[dist.ProcessGroup]:
+    """Two Gloo ranks of one world in this process (each constructor blocks until both join)."""
+    store = dist.HashStore()
+    pgs: list[dist.ProcessGroup | None] = [None, None]
+    errors: list[BaseException] = []
+
+    def make(rank: int) -> None:
+        try:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
+            opts._timeout = _TIMEOUT
+            pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, opts)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(_TIMEOUT.total_seconds())
+    if errors or any(p is None for p in pgs):
+        raise RuntimeError(f"cannot set up the loopback Gloo pair for the collective probe: {errors[:1]}")
+    return pgs  # type: ignore[return-value]
+
+
+def _time(pgs: list[dist.ProcessGroup], elements: int, repeats: int, warmup: int) -> float:
+    """Mean seconds of one all-reduce of `elements` fp32, the slower of the two ranks. The mean,
+    not the median: under a CFS quota a call either fits in the period's quota or waits for the
+    next one, and the median of that two-valued distribution flips between them (4 B: 0.1 vs 8.7
+    ms at share 0.3); a training rank pays the mean."""
+    times: list[list[float]] = [[], []]
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        x = torch.ones(elements)
+        try:
+            for _ in range(warmup + repeats):
+                t0 = time.perf_counter()
+                pgs[rank].allreduce([x]).wait()
+                times[rank].append(time.perf_counter() - t0)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"the collective probe failed: {errors[0]}")
+    return max(statistics.fmean(ts[warmup:]) for ts in times)
+
+
+def probe_collectives(batch_size: int, seq_len: int, hidden_size: int, *, repeats: int = 30,
+                      warmup: int = 3) -> CollectiveProfile:
+    """All-reduce cost on this node's CPU at the job's activation size and at 4 bytes."""
+    elements = batch_size * seq_len * hidden_size
+    if elements <= SMALL_ELEMENTS:
+        raise ValueError(f"activation of {elements} elements is too small to probe")
+    pgs = _groups()
+    try:
+        small = _time(pgs, SMALL_ELEMENTS, repeats, warmup)
+        big = _time(pgs, elements, repeats, warmup)
+    finally:
+        for pg in pgs:
+            shutdown = getattr(pg, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+    return CollectiveProfile(nbytes=4 * elements, seconds=big, small_bytes=4 * SMALL_ELEMENTS,
+                             small_seconds=small, repeats=repeats)
