@@ -43,6 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "this strategy (segment: each kind balanced on its own, exact; paper: the paper's "
                    "head-tied greedy; uniform: Megatron's even split), and report predicted vs "
                    "measured compute time per rank")
+    p.add_argument("--reshard-at", action="append", default=[], metavar="STEP:attn=..;mlp=..;vocab=..",
+                   help="re-shard live at the boundary before step STEP to this layout (the --layout form, "
+                   "same number of ranks): weights and AdamW state move between the running ranks, no "
+                   "restart; repeatable, steps increasing. For testing the move; its time is in --metrics")
     p.add_argument("--cpu-shares", metavar="s1,...,sN",
                    help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
                    "quota, to emulate heterogeneous boxes on one machine (needs a writable cgroup)")
@@ -106,6 +110,26 @@ def resolve_layout(args: argparse.Namespace):
     return Layout.tied(units, sizes)
 
 
+def parse_reshard_at(texts: list[str]) -> list[dict]:
+    """`--reshard-at STEP:LAYOUT` values as RunConfig.reshard_at entries."""
+    from xronos.protocol.layout import Layout
+
+    out = []
+    for text in texts:
+        step, sep, layout = text.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            n = int(step)
+        except ValueError:
+            raise ValueError(f"--reshard-at: expected STEP:attn=..;mlp=..;vocab=.., got {text!r}") from None
+        try:
+            out.append({"step": n, "layout": Layout.parse(layout)})
+        except ValueError as exc:
+            raise ValueError(f"--reshard-at {n}: {str(exc).removeprefix('--layout: ')}") from None
+    return out
+
+
 def config_from_args(args: argparse.Namespace, layout):
     from pydantic import ValidationError
 
@@ -130,6 +154,7 @@ def config_from_args(args: argparse.Namespace, layout):
         threads=args.threads_per_node, eval_fraction=args.eval_fraction,
         metrics_path=str(Path(args.metrics).resolve()) if args.metrics else None,
         export_dir=str(export), gloo_timeout_s=args.gloo_timeout, progress=True,
+        reshard_at=parse_reshard_at(args.reshard_at),
     )
     try:
         return RunConfig(**fields)

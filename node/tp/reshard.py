@@ -136,6 +136,15 @@ def specs_per_rank(family: Any, config: dict[str, Any], task: str, layout: Layou
     return out
 
 
+def moved_bytes(plan: TransferPlan, model: nn.Module, opt: torch.optim.Optimizer | None) -> int:
+    """Bytes the plan sends over the network, all ranks together: weights and per-element
+    optimizer state of the pieces that change rank (the same figure on every rank)."""
+    params = dict(model.named_parameters())
+    moments = _moment_names(opt, params) if opt is not None else {}
+    return sum(plan.piece_elements(p) * len(_kinds(p.name, moments)) * params[p.name].element_size()
+               for (src, dst), pieces in plan.moves.items() if src != dst for p in pieces)
+
+
 def _moment_names(opt: torch.optim.Optimizer, params: Mapping[str, nn.Parameter]) -> dict[str, list[str]]:
     """Per parameter, the optimizer state entries shaped like it (AdamW's moments), sorted."""
     out = {}
