@@ -47,6 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="re-shard live at the boundary before step STEP to this layout (the --layout form, "
                    "same number of ranks): weights and AdamW state move between the running ranks, no "
                    "restart; repeatable, steps increasing. For testing the move; its time is in --metrics")
+    p.add_argument("--rebalance", action="store_true",
+                   help="re-plan live: rank 0 refits every rank's speed per segment kind from the measured "
+                   "compute and moves the run to a better layout (as --reshard-at does) when the predicted "
+                   "gain is worth the move. Off by default: a local run keeps the layout it was given")
     p.add_argument("--cpu-shares", metavar="s1,...,sN",
                    help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
                    "quota, to emulate heterogeneous boxes on one machine (needs a writable cgroup)")
@@ -154,7 +158,7 @@ def config_from_args(args: argparse.Namespace, layout):
         threads=args.threads_per_node, eval_fraction=args.eval_fraction,
         metrics_path=str(Path(args.metrics).resolve()) if args.metrics else None,
         export_dir=str(export), gloo_timeout_s=args.gloo_timeout, progress=True,
-        reshard_at=parse_reshard_at(args.reshard_at),
+        reshard_at=parse_reshard_at(args.reshard_at), rebalance=args.rebalance,
     )
     try:
         return RunConfig(**fields)
@@ -214,7 +218,8 @@ def _launch(args: argparse.Namespace, layout, wrap, planned=None) -> int:
         if planned is not None and cfg.metrics_path is None:  # the prediction check needs metrics
             cfg = cfg.model_copy(update={"metrics_path": str(Path(tmp) / "metrics.json")})
         try:
-            launch_local(cfg, args.nodes, wrap=wrap)
+            launch_local(cfg, args.nodes, wrap=wrap,
+                         module="xronos.cli.liverank" if cfg.rebalance else "xronos.node.worker")
         except RankFailed as exc:
             print(f"xronos run: error: {exc}", file=sys.stderr)
             return 1

@@ -16,7 +16,7 @@ planner (`planner.plan(..., "segment")`) over the refitted costs, under the memo
 current and the planned layout are compared in the same refitted model (the sum over kinds of
 the slowest node's time: what the barriers cost). Switch only when
   - the predicted gain (current - planned) / current exceeds `threshold` plus `noise_margin`
-    relative standard errors of the measured factors (noisy boxes need a larger gain),
+    relative standard errors of the current prediction (`noise`: noisy boxes need a larger gain),
   - the move pays for itself: bytes that change hands (`moved_units` x `unit_bytes`, weights and
     AdamW moments) / the measured bandwidth + the measured fixed cost of a move, is repaid by the
     gain within `payback` iterations,
@@ -209,18 +209,22 @@ class Rebalancer:
                    for k in KINDS}
         return [{k: f[k] if f[k] is not None else sl * typical[k] for k in KINDS} for f, sl in zip(factors, slow)]
 
-    def noise(self) -> float:
-        """The measurement's relative standard error: the largest, over nodes and kinds, of the
-        median factor's (1.25 x the spread / sqrt(n), the spread from the median absolute deviation)."""
-        worst = 0.0
-        for node in self.samples:
-            for q in node.values():
-                if len(q) >= 3:
-                    med = statistics.median(q)
-                    mad = statistics.median(abs(x - med) for x in q)
-                    if med > 0:
-                        worst = max(worst, 1.25 * 1.4826 * mad / math.sqrt(len(q)) / med)
-        return worst
+    def noise(self, nodes: Sequence[NodeCost]) -> float:
+        """Relative standard error of the current layout's predicted barrier time: per kind, the
+        slowest node's median factor's (1.25 x the spread / sqrt(n), the spread from the median
+        absolute deviation), weighted by the kind's part of the barrier time."""
+        total = err = 0.0
+        for k in KINDS:
+            times = [kind_time(n.kind(k), self.layout.share(k, d)) for d, n in enumerate(nodes)]
+            d = max(range(len(times)), key=times.__getitem__)
+            total += times[d]
+            q = self.samples[d][k]
+            if len(q) >= 3:
+                med = statistics.median(q)
+                mad = statistics.median(abs(x - med) for x in q)
+                if med > 0:
+                    err += times[d] * 1.25 * 1.4826 * mad / math.sqrt(len(q)) / med
+        return err / total if total > 0 else 0.0
 
     def refitted(self) -> list[NodeCost] | None:
         est = self._estimate()
@@ -263,7 +267,7 @@ class Rebalancer:
         planned = barrier_time(nodes, new)
         gain = (current - planned) / current if current > 0 else 0.0
         move_s = self.move_seconds(new)
-        need = cfg.threshold + cfg.noise_margin * self.noise()  # noise raises the bar
+        need = cfg.threshold + cfg.noise_margin * self.noise(nodes)  # noise raises the bar
         if new == self.layout or gain <= need:
             self._streak = 0
             self.last_reason = (f"kept: predicted gain {100 * gain:.1f}% <= {100 * need:.1f}% (threshold "

@@ -7,14 +7,17 @@ the wall time of all that is the re-shard's cost, booked on the next iteration's
 (`reshard_s`) and in the engine's list of moves (`Move`), which the metrics document reports.
 
 `ScheduledReshards` is the control of `xronos run --reshard-at`: the same settings on every rank,
-so no communication is needed to agree on the word.
+so no communication is needed to agree on the word. `LiveRebalance` is the control of `xronos run
+--rebalance`: rank 0 runs a re-balancing policy on every rank's measured per-kind compute.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from xronos.node.runconfig import ReshardAt
 from xronos.node.runtime import Rank, Reshard, Word
@@ -88,3 +91,83 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     group.drain_timings()
     group.drain_spans()
     return Move(step, word.reason, old.to_text(), new.to_text(), time.perf_counter() - t0, sent)
+
+
+def unit_bytes(family: Any, config: dict[str, Any], task: str, dropout: float | None = None,
+               moments: int = 2) -> dict[str, float]:
+    """Per kind, the bytes one unit moves in a re-shard: the partitioned tensors that follow the
+    kind (found from a two-rank probe layout where rank 1 holds all of that kind and nothing
+    else), their elements per unit, times the weight and its `moments` (AdamW: 2)."""
+    sizes = family.sizes(config)
+    out = {}
+    for k in ("attn", "mlp", "vocab"):
+        counts = {j: (0, sizes.total(j)) if j == k else (sizes.total(j), 0) for j in ("attn", "mlp", "vocab")}
+        specs = specs_per_rank(family, config, task, Layout(**counts), dropout)[1]
+        elements = sum(math.prod(s.local_shape) for s in specs.values() if s.dim is not None)
+        out[k] = elements * 4 * (1 + moments) / sizes.total(k)  # fp32 weights and moments
+    return out
+
+
+class Policy(Protocol):
+    """What `LiveRebalance` asks of a re-balancing policy (`xronos.gateway.rebalance.Rebalancer`)."""
+
+    last_reason: str
+    replans: list
+
+    def observe(self, per_rank: list[dict[str, float]]) -> None: ...
+    def observe_move(self, moved_bytes: float, seconds: float) -> None: ...
+    def decide(self, step: int) -> Any: ...
+
+
+class LiveRebalance:
+    """`xronos run --rebalance`: rank 0 (the owner) hosts the policy, which `make_policy(engine,
+    world_size)` makes on the first boundary (the composition, `xronos.cli.liverank`, passes the
+    gateway's `Rebalancer`: this plane does not import the gateway).
+    At every boundary after the first step each rank gives its last iteration's per-kind compute
+    (one untimed all_gather of three numbers), rank 0 feeds the policy and asks it, and broadcasts
+    the answer (one untimed broadcast: a flag and the new counts); a re-plan is a `Reshard` word.
+    The finished moves' cost refits the policy's bandwidth. The re-plans and the policy's last
+    reason go into the metrics document (`engine.report_extra["rebalance"]`)."""
+
+    def __init__(self, engine: Any, make_policy: Callable[[Any, int], Policy]) -> None:
+        self.engine, self.make_policy = engine, make_policy
+        self.policy: Policy | None = None
+        self.moves_seen = 0
+
+    def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
+        import torch
+
+        eng = self.engine
+        rec = getattr(eng, "last", None)
+        if rec is None or group.world_size == 1:  # nothing measured yet; one rank has nothing to balance
+            return Word.GO
+        mine = torch.tensor([rec.compute_attn_s, rec.compute_mlp_s, rec.compute_vocab_s], dtype=torch.float64)
+        rows = group.all_gather(mine, timed=False)
+        n = group.world_size
+        answer = torch.zeros(1 + 3 * n, dtype=torch.int64)
+        reason = "rebalance"
+        if group.rank == 0:
+            if self.policy is None:
+                self.policy = self.make_policy(eng, group.world_size)
+            for m in eng.moves[self.moves_seen:]:
+                self.policy.observe_move(m.moved_bytes, m.seconds)
+            self.moves_seen = len(eng.moves)
+            self.policy.observe([dict(zip(("attn", "mlp", "vocab"), r.tolist())) for r in rows])
+            replan = self.policy.decide(step)
+            if replan is not None:
+                lay = replan.new
+                answer[0] = 1
+                answer[1:] = torch.tensor([*lay.attn, *lay.mlp, *lay.vocab], dtype=torch.int64)
+                reason = f"rebalance: {replan.reason}"
+            eng.report_extra["rebalance"] = {
+                "last_reason": self.policy.last_reason,
+                "replans": [{"step": r.step, "old": r.old.to_text(), "new": r.new.to_text(),
+                             "predicted_old_s": r.predicted_old_s, "predicted_new_s": r.predicted_new_s,
+                             "gain": r.gain, "move_s": r.move_s, "reason": r.reason} for r in self.policy.replans],
+            }
+        group.broadcast(answer, 0, timed=False)
+        if not int(answer[0]):
+            return Word.GO
+        counts = answer[1:].tolist()
+        layout = Layout(attn=tuple(counts[:n]), mlp=tuple(counts[n:2 * n]), vocab=tuple(counts[2 * n:]))
+        return Reshard(layout, reason)

@@ -133,9 +133,12 @@ class RunConfig(RankConfig):
     export_dir: str | None = None
     progress: bool = True
     reshard_at: tuple[ReshardAt, ...] = ()  # in increasing step order, each of this world's size
+    rebalance: bool = False  # rank 0 re-plans live from measured speeds (`relayout.LiveRebalance`)
 
     @model_validator(mode="after")
     def _reshards(self) -> RunConfig:
+        if self.rebalance and self.reshard_at:
+            raise ValueError("give reshard_at (forced moves) or rebalance (planned moves), not both")
         steps = [r.step for r in self.reshard_at]
         if steps != sorted(set(steps)):
             raise ValueError(f"reshard_at: steps {steps} must be distinct and increasing")

@@ -142,6 +142,8 @@ class TPEngine(Engine):
         self.family = family_for(config)
         self.model = self.family.build(config, cfg.task, self.layout, group, dropout=cfg.dropout)
         self.moves: list = []  # live re-shards (relayout.Move), in order
+        self.last: IterationRecord | None = None  # the latest step's record (what a re-balancer measures)
+        self.report_extra: dict[str, Any] = {}  # sections others add to the metrics document (re-plans)
         self._reshard_s = 0.0  # booked on the next iteration's record
         self.specs = self.model.tensor_specs()
 
@@ -168,6 +170,7 @@ class TPEngine(Engine):
                          self.rusage)
         if self._reshard_s:
             rec, self._reshard_s = replace(rec, reshard_s=self._reshard_s), 0.0
+        self.last = rec
         return rec
 
     def reshard(self, rank: Rank, word: Reshard, step: int) -> None:
@@ -205,6 +208,9 @@ class TPEngine(Engine):
             if ev is not None:
                 metric = f"accuracy {ev.accuracy:.4f}" if ev.accuracy is not None else f"perplexity {ev.perplexity:.3f}"
                 print(f"eval {name} training: loss {ev.loss:.4f}, {metric} ({ev.rows} rows)", flush=True)
+        for m in self.moves:
+            print(f"re-sharded before step {m.step} ({m.reason}): {m.old} -> {m.new}, {m.moved_bytes} bytes, "
+                  f"{m.seconds:.3f} s", flush=True)
         return {
             "config": cfg.model_dump(exclude={"rank", "rendezvous_host", "rendezvous_port"}),
             "eval_before": asdict(result.eval_before) if result.eval_before else None,
@@ -215,4 +221,5 @@ class TPEngine(Engine):
                          for m in self.moves],
             "ranks": [{"summary": asdict(s), "iterations": [asdict(r) for r in recs]}
                       for s, recs in zip(summaries, records)],
+            **self.report_extra,
         }

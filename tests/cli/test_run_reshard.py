@@ -58,3 +58,11 @@ def test_bad_schedules_are_refused(good, tmp_path, capsys, no_spawn, values, mes
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("xronos run: error: ")
     assert message in err[0], err[0]
+
+
+def test_rebalance_and_forced_moves_are_not_mixed(good, tmp_path, capsys, no_spawn) -> None:
+    model, data = good
+    argv = runkit.run_argv(model, data, "classify", (4, 8), tmp_path / "out") + ["--rebalance",
+                                                                                  f"--reshard-at=7:{GOOD}"]
+    assert main(argv) == 2
+    assert "give reshard_at (forced moves) or rebalance (planned moves), not both" in capsys.readouterr().err
