@@ -57,3 +57,30 @@ def test_reshard_at_7_and_14_keeps_the_contract(name: str, tmp_path: Path) -> No
         its = rank["iterations"]
         assert [i["step"] for i in its if i["reshard_s"] > 0] == [7, 14]
         assert rank["summary"]["attn"] == at14.attn[r]  # the summary states the final layout
+
+
+def test_reshard_with_shuffle_clipping_warmup_decay_and_eval(tmp_path: Path) -> None:
+    """What else a move must carry: the LR schedule mid-warm-up, the global-norm clip (its
+    replicated set), weight decay, the shuffled data order and the evaluation after training."""
+    model_dir = runkit.make_model(tmp_path / "model", "gpt2", "causal-lm")
+    rows = _rows(40, 3, seed=3)
+    data = runkit.write_rows(tmp_path / "data.csv", rows)
+    metrics = tmp_path / "metrics.json"
+    opts = dict(weight_decay=0.01, max_grad_norm=0.05, warmup_steps=9)
+    extra = ("--dropout", "0", "--weight-decay", "0.01", "--max-grad-norm", "0.05", "--warmup-steps", "9",
+             "--eval-fraction", "0.2", "--metrics", str(metrics),
+             "--reshard-at", "3:attn=12,0;mlp=0,100;vocab=0,37", "--reshard-at", "11:attn=1,11;mlp=96,4;vocab=32,5")
+    argv = runkit.run_argv(model_dir, data, "causal-lm", (4, 8), tmp_path / "out", steps=STEPS,
+                           batch_size=BATCH, lr=1e-3, seed=11, extra=extra)
+    assert main(argv) == 0
+    reference, tok = runkit.reference_train(model_dir, rows, "causal-lm", steps=STEPS, batch_size=BATCH,
+                                            lr=1e-3, seed=11, shuffle=True, n_train=32, **opts)
+    exported = runkit.model_class("causal-lm").from_pretrained(str(tmp_path / "out"))
+    max_abs, rel = runkit.compare(exported, reference)
+    assert max_abs <= 5e-4 and rel <= 1e-5, (max_abs, rel)
+    doc = json.loads(metrics.read_text())
+    ref_loss, _ = runkit.reference_eval(reference, tok, rows, "causal-lm", 32, BATCH)
+    assert doc["eval_after"]["loss"] == pytest.approx(ref_loss, abs=1e-4)
+    assert [i["lr"] for i in doc["ranks"][0]["iterations"][:10]] == pytest.approx(
+        [1e-3 * min(1, (s + 1) / 9) for s in range(10)])
+    assert [m["step"] for m in doc["reshards"]] == [3, 11]
