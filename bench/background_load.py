@@ -104,21 +104,27 @@ def summarize(doc: dict, change_at: int) -> dict:
     return {
         "before_s": before, "after_s": after, "ideal_after_s": ideal, "after_over_ideal": after / ideal,
         "iterations_to_recover": recovered, "replans": replans, "last_reason": (doc.get("rebalance") or {}).get("last_reason"),
+        # the policy's own cost per boundary (gather, decide, broadcast) over the iteration time
+        "boundary_over_iteration": (doc["rebalance"]["boundary_s_mean"] / before) if doc.get("rebalance") else None,
         "reshards": [{"step": m["step"], "seconds": m["seconds"], "moved_bytes": m["moved_bytes"],
                       "over_iteration": m["seconds"] / before, "new": m["new"]} for m in moves],
         "iteration_s": it,
     }
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f} %"
+
+
 def table(results: dict) -> str:
     lines = ["| variant | plan | before s | after s | after / ideal | iterations to <= 1.10x ideal | re-shards "
-             "(s, x an iteration) |", "|---|---|---|---|---|---|---|"]
+             "(s, x an iteration) | policy per boundary |", "|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         variant, mode = key.split("/")
         rec = "never" if r["iterations_to_recover"] is None else str(r["iterations_to_recover"])
         moves = ", ".join(f"{m['seconds']:.2f} s ({m['over_iteration']:.1f}x) at {m['step']}" for m in r["reshards"]) or "-"
         lines.append(f"| {variant} | {mode} | {r['before_s']:.3f} | {r['after_s']:.3f} | {r['after_over_ideal']:.2f} "
-                     f"| {rec} | {moves} |")
+                     f"| {rec} | {moves} | {_pct(r.get('boundary_over_iteration'))} |")
     return "\n".join(lines)
 
 

@@ -127,14 +127,28 @@ class LiveRebalance:
     (one untimed all_gather of three numbers), rank 0 feeds the policy and asks it, and broadcasts
     the answer (one untimed broadcast: a flag and the new counts); a re-plan is a `Reshard` word.
     The finished moves' cost refits the policy's bandwidth. The re-plans and the policy's last
-    reason go into the metrics document (`engine.report_extra["rebalance"]`)."""
+    reason go into the metrics document (`engine.report_extra["rebalance"]`), with the mean time
+    rank 0 spends on this at a boundary (`boundary_s_mean`: gather, policy, broadcast; the cost of
+    re-balancing when nothing moves; making the policy once is `setup_s`)."""
 
     def __init__(self, engine: Any, make_policy: Callable[[Any, int], Policy]) -> None:
         self.engine, self.make_policy = engine, make_policy
         self.policy: Policy | None = None
         self.moves_seen = 0
+        self.spent_s, self.boundaries = 0.0, 0  # rank 0's time in the policy's boundary work
+        self.setup_s = 0.0  # making the policy (once, on the first measured boundary)
 
     def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
+        t0 = time.perf_counter()
+        word = self._at_boundary(group, step)
+        self.spent_s += time.perf_counter() - t0
+        self.boundaries += 1
+        if "rebalance" in self.engine.report_extra:
+            self.engine.report_extra["rebalance"].update(
+                boundary_s_mean=(self.spent_s - self.setup_s) / self.boundaries, setup_s=self.setup_s)
+        return word
+
+    def _at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
         import torch
 
         eng = self.engine
@@ -148,7 +162,9 @@ class LiveRebalance:
         reason = "rebalance"
         if group.rank == 0:
             if self.policy is None:
+                t0 = time.perf_counter()
                 self.policy = self.make_policy(eng, group.world_size)
+                self.setup_s = time.perf_counter() - t0
             for m in eng.moves[self.moves_seen:]:
                 self.policy.observe_move(m.moved_bytes, m.seconds)
             self.moves_seen = len(eng.moves)

@@ -20,7 +20,7 @@ def _doc(times, replan_at=None):
     doc = {"ranks": [{"iterations": its}, {"iterations": [{"iteration_s": t * 0.9} for t in times]}],
            "reshards": []}
     if replan_at is not None:
-        doc["rebalance"] = {"replans": [{"step": replan_at}], "last_reason": "x"}
+        doc["rebalance"] = {"replans": [{"step": replan_at}], "last_reason": "x", "boundary_s_mean": 0.001}
         doc["reshards"] = [{"step": replan_at, "seconds": 0.5, "moved_bytes": 10, "new": "attn=1"}]
     return doc
 
@@ -34,4 +34,5 @@ def test_summary_reads_before_after_recovery_and_moves():
     assert live["after_s"] == 1.2 and live["iterations_to_recover"] == 3
     assert live["reshards"][0]["over_iteration"] == 0.5
     text = table({"quota/static": static, "quota/live": live})
-    assert "| quota | live | 1.000 | 1.200 | 1.00 | 3 | 0.50 s (0.5x) at 13 |" in text
+    assert "| quota | live | 1.000 | 1.200 | 1.00 | 3 | 0.50 s (0.5x) at 13 | 0.10 % |" in text
+    assert "| quota | static | 1.000 | 1.500 | 1.25 | never | - | - |" in text

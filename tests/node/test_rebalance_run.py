@@ -49,6 +49,7 @@ def test_rebalance_moves_a_lopsided_run_and_keeps_the_contract(tmp_path: Path, c
     assert replans, doc["rebalance"]["last_reason"]
     first = replans[0]
     assert first["old"] == start.to_text() and first["gain"] > 0.05 and "faster" in first["reason"]
+    assert doc["rebalance"]["boundary_s_mean"] > 0
     moves = doc["reshards"]
     assert [(m["step"], m["new"]) for m in moves] == [(r["step"], r["new"]) for r in replans]
     assert all(m["reason"].startswith("rebalance: ") for m in moves)
