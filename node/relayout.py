@@ -123,9 +123,12 @@ class LiveRebalance:
     """`xronos run --rebalance`: rank 0 (the owner) hosts the policy, which `make_policy(engine,
     world_size)` makes on the first boundary (the composition, `xronos.cli.liverank`, passes the
     gateway's `Rebalancer`: this plane does not import the gateway).
-    At every boundary after the first step each rank gives its last iteration's per-kind compute
-    (one untimed all_gather of three numbers), rank 0 feeds the policy and asks it, and broadcasts
-    the answer (one untimed broadcast: a flag and the new counts); a re-plan is a `Reshard` word.
+    At every boundary after the first step one untimed all_gather carries each rank's last
+    iteration's per-kind compute and, in rank 0's row, the decision rank 0 took at the previous
+    boundary (a flag and the new counts), which every rank then applies: a `Reshard` word. Rank 0
+    then feeds the policy and asks it about the next boundary (`decide(step + 1)`): a re-plan lands
+    one iteration after the measurements that called for it, for one collective per boundary.
+    A re-plan decided at the last boundary is never applied (`applied: false` in the report).
     The finished moves' cost refits the policy's bandwidth. The re-plans and the policy's last
     reason go into the metrics document (`engine.report_extra["rebalance"]`), with the mean time
     rank 0 spends on this at a boundary (`boundary_s_mean`: gather, policy, broadcast; the cost of
@@ -134,6 +137,7 @@ class LiveRebalance:
     def __init__(self, engine: Any, make_policy: Callable[[Any, int], Policy]) -> None:
         self.engine, self.make_policy = engine, make_policy
         self.policy: Policy | None = None
+        self.pending: Any = None  # rank 0: the re-plan decided at the last boundary, applied at this one
         self.moves_seen = 0
         self.spent_s, self.boundaries = 0.0, 0  # rank 0's time in the policy's boundary work
         self.setup_s = 0.0  # making the policy (once, on the first measured boundary)
@@ -155,35 +159,48 @@ class LiveRebalance:
         rec = getattr(eng, "last", None)
         if rec is None or group.world_size == 1:  # nothing measured yet; one rank has nothing to balance
             return Word.GO
-        mine = torch.tensor([rec.compute_attn_s, rec.compute_mlp_s, rec.compute_vocab_s], dtype=torch.float64)
-        rows = group.all_gather(mine, timed=False)
         n = group.world_size
-        answer = torch.zeros(1 + 3 * n, dtype=torch.int64)
-        reason = "rebalance"
+        # One collective per boundary: every rank's last per-kind compute, and in rank 0's row the
+        # decision it took at the previous boundary (a flag and the counts), applied now by all.
+        row = torch.zeros(3 + 1 + 3 * n, dtype=torch.float64)
+        row[:3] = torch.tensor([rec.compute_attn_s, rec.compute_mlp_s, rec.compute_vocab_s], dtype=torch.float64)
+        if group.rank == 0 and self.pending is not None:
+            lay = self.pending.new
+            row[3] = 1
+            row[4:] = torch.tensor([*lay.attn, *lay.mlp, *lay.vocab], dtype=torch.float64)
+        rows = group.all_gather(row, timed=False)
+        decided = rows[0][3:]
         if group.rank == 0:
-            if self.policy is None:
-                t0 = time.perf_counter()
-                self.policy = self.make_policy(eng, group.world_size)
-                self.setup_s = time.perf_counter() - t0
-            for m in eng.moves[self.moves_seen:]:
-                self.policy.observe_move(m.moved_bytes, m.seconds)
-            self.moves_seen = len(eng.moves)
-            self.policy.observe([dict(zip(("attn", "mlp", "vocab"), r.tolist())) for r in rows])
-            replan = self.policy.decide(step)
-            if replan is not None:
-                lay = replan.new
-                answer[0] = 1
-                answer[1:] = torch.tensor([*lay.attn, *lay.mlp, *lay.vocab], dtype=torch.int64)
-                reason = f"rebalance: {replan.reason}"
-            eng.report_extra["rebalance"] = {
-                "last_reason": self.policy.last_reason,
-                "replans": [{"step": r.step, "old": r.old.to_text(), "new": r.new.to_text(),
-                             "predicted_old_s": r.predicted_old_s, "predicted_new_s": r.predicted_new_s,
-                             "gain": r.gain, "move_s": r.move_s, "reason": r.reason} for r in self.policy.replans],
-            }
-        group.broadcast(answer, 0, timed=False)
-        if not int(answer[0]):
+            reason = f"rebalance: {self.pending.reason}" if self.pending is not None else ""
+            self.pending = None
+            self._decide([r[:3] for r in rows], step)
+        else:
+            reason = "rebalance"
+        if not int(decided[0]):
             return Word.GO
-        counts = answer[1:].tolist()
+        counts = [int(c) for c in decided[1:].tolist()]
         layout = Layout(attn=tuple(counts[:n]), mlp=tuple(counts[n:2 * n]), vocab=tuple(counts[2 * n:]))
         return Reshard(layout, reason)
+
+    def _decide(self, rows: list, step: int) -> None:
+        """Rank 0: feed the policy this boundary's measurements and ask it about the next boundary
+        (its decision travels with the next gather; the policy skips its first measurements under
+        a new layout, which covers the step still run under the old one)."""
+        eng = self.engine
+        if self.policy is None:
+            t0 = time.perf_counter()
+            self.policy = self.make_policy(eng, len(rows))
+            self.setup_s = time.perf_counter() - t0
+        for m in eng.moves[self.moves_seen:]:
+            self.policy.observe_move(m.moved_bytes, m.seconds)
+        self.moves_seen = len(eng.moves)
+        self.policy.observe([dict(zip(("attn", "mlp", "vocab"), r.tolist())) for r in rows])
+        self.pending = self.policy.decide(step + 1)
+        moved = {m.step for m in eng.moves}
+        eng.report_extra["rebalance"] = {
+            "last_reason": self.policy.last_reason,
+            "replans": [{"step": r.step, "old": r.old.to_text(), "new": r.new.to_text(),
+                         "predicted_old_s": r.predicted_old_s, "predicted_new_s": r.predicted_new_s,
+                         "gain": r.gain, "move_s": r.move_s, "reason": r.reason,
+                         "applied": r.step in moved} for r in self.policy.replans],
+        }

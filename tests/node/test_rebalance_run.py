@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 import runkit
-from test_contract import BATCH, CONTRACT_FLAGS, LR, STEPS, L, _check, _rows
+from test_contract import CONTRACT_FLAGS, LR, STEPS, L, _check, _rows
 from xronos.cli.main import main
 
 pytestmark = pytest.mark.slow
+BIG_BATCH = 16
 
 
 def make_wider_gpt2(out: Path) -> Path:
@@ -38,10 +39,12 @@ def test_rebalance_moves_a_lopsided_run_and_keeps_the_contract(tmp_path: Path, c
     data = runkit.write_rows(tmp_path / "data.jsonl", rows)
     metrics = tmp_path / "metrics.json"
     start = L((12, 0), (768, 0), (64, 0))  # rank 1 idles at every barrier
-    argv = runkit.run_argv(model_dir, data, "causal-lm", start, tmp_path / "out", steps=STEPS, batch_size=BATCH,
+    # Batches of 16: enough compute per iteration that the move (priced at 1 Gbit/s until one is
+    # measured) is repaid within the policy's 10 iterations.
+    argv = runkit.run_argv(model_dir, data, "causal-lm", start, tmp_path / "out", steps=STEPS, batch_size=BIG_BATCH,
                            lr=LR, extra=CONTRACT_FLAGS + ("--rebalance", "--metrics", str(metrics)))
     assert main(argv) == 0
-    reference, _ = runkit.reference_train(model_dir, rows, "causal-lm", steps=STEPS, batch_size=BATCH, lr=LR)
+    reference, _ = runkit.reference_train(model_dir, rows, "causal-lm", steps=STEPS, batch_size=BIG_BATCH, lr=LR)
     _check(tmp_path / "out", reference, model_dir, "causal-lm")
 
     doc = json.loads(metrics.read_text())
@@ -51,7 +54,7 @@ def test_rebalance_moves_a_lopsided_run_and_keeps_the_contract(tmp_path: Path, c
     assert first["old"] == start.to_text() and first["gain"] > 0.05 and "faster" in first["reason"]
     assert doc["rebalance"]["boundary_s_mean"] > 0
     moves = doc["reshards"]
-    assert [(m["step"], m["new"]) for m in moves] == [(r["step"], r["new"]) for r in replans]
+    assert [(m["step"], m["new"]) for m in moves] == [(r["step"], r["new"]) for r in replans if r["applied"]]
     assert all(m["reason"].startswith("rebalance: ") for m in moves)
     assert doc["ranks"][1]["summary"]["mlp"] > 0  # rank 1 took a share of the work
     assert "re-sharded before step" in capfd.readouterr().out
