@@ -378,6 +378,7 @@ def markdown(doc: dict) -> str:
         mape = f"{s['mape_pct']:.1f}%" if "mape_pct" in s else "–"
         lines.append(f"| {name} | {s['iteration_s']:.3f} | {s['iteration_s_stdev']:.3f} | {_pct(s['max_idle_ratio'])} | "
                      f"{idle} | {s['comm_s']:.3f} | {s['ctx_switches_per_iter']:.0f} | {rss} | {layout} | {mape} |")
+    lines += memory_lines(doc)
     if doc["ratios"]:
         lines += ["", "Ratios (iteration time; < 1 means the first is faster): " + ", ".join(
             f"**{k}** {v:.3f}" for k, v in doc["ratios"].items())]
@@ -438,3 +439,27 @@ def write(doc: dict, out_dir: Path, plots: bool = True) -> list[Path]:
         atomic_write(path, data)
         written.append(path)
     return written
+
+
+def memory_lines(doc: dict) -> list[str]:
+    """Per TP strategy that ran: each node's predicted peak (the plan's), measured whole-life peak
+    resident set, the cgroup's cap, its peak charge and OOM kills (strategies.run_tp's `memory`)."""
+    rows = []
+    for name, entry in doc["strategies"].items():
+        mem = (entry.get("raw") or {}).get("memory")
+        plan_rows = (entry.get("plan") or {}).get("rows")
+        if not mem or not plan_rows or entry.get("same_layout_as"):
+            continue
+        for r, (m, pr) in enumerate(zip(mem, plan_rows)):
+            k = m.get("kernel") or {}
+            peak = m.get("peak_rss_bytes")
+            err = f"{100 * (pr['predicted_memory'] - peak) / peak:+.1f}%" if peak else "–"
+            mib = (lambda v: f"{v / 2**20:.0f}" if v else "–")
+            rows.append(f"| {name} | {r} | {mib(pr['predicted_memory'])} | {mib(peak)} | {err} | "
+                        f"{mib(k.get('limit'))} | {mib(k.get('peak'))} | {k.get('oom_kills', '–')} |")
+    if not rows:
+        return []
+    return ["", "Peak memory per node (predicted: the plan's; measured: the rank's resident high-water mark over the whole run, "
+            "which exports nothing here; cgroup: the cap the kernel enforced and its peak charge, page cache included):", "",
+            "| strategy | rank | predicted MiB | measured MiB | error | cgroup cap MiB | cgroup peak MiB | OOM kills |",
+            "|---|---|---|---|---|---|---|---|", *rows]

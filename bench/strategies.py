@@ -158,7 +158,12 @@ def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
         report = report.model_copy(update={"node_id": f"r{d} {name}", "capabilities": caps})
         loaded.append(Loaded(source=f"profile of rank {d} ({name})", report=report))
     try:
-        return plan_reports(loaded, planner_strategy(strategy), reserve_mb=RUNTIME_RESERVE / 2**20,
+        # A profile that measured the process (runtime_bytes, profiler version 6) predicts the whole
+        # resident set: the planner then plans against the cgroup's cap itself, the one the kernel
+        # enforces; an older one predicts the model alone, planned against the cap minus the reserve.
+        measured = all(item.report.runtime_bytes > 0 for item in loaded)
+        reserve_mb = 0.0 if measured else RUNTIME_RESERVE / 2**20
+        return plan_reports(loaded, planner_strategy(strategy), reserve_mb=reserve_mb, exports=False,  # run_tp exports nothing
                             bandwidth_Bps=planning_bw_bps(ctx), latency_s=NOMINAL_LATENCY_S)
     except InfeasiblePlan as exc:
         raise Infeasible(str(exc)) from None
@@ -170,7 +175,8 @@ def over_cap(plan) -> str | None:
         return None
     over = [f"{r.node_id} needs {r.predicted_memory / 2**30:.2f} GiB, cap {r.memory_cap / 2**30:.2f} GiB"
             for r in plan.rows if r.over_cap]
-    return ("plan exceeds the memory caps (model memory, runtime reserve excluded): "
+    return ("plan exceeds the memory caps (predicted peak resident set vs the cgroup cap; model memory "
+            "vs the cap minus the runtime reserve for a profile without runtime_bytes): "
             + "; ".join(over or ["(no node named)"]))
 
 
@@ -191,12 +197,17 @@ def run_tp(ctx: Ctx, layout, tag: str) -> dict:
     with Confinement(limits(ctx, list(range(n))), top_weight=True) as conf, network(ctx, n) as net:
         launch_local(cfg, n, wrap=conf.wrap, echo_rank0=False, placement=net)
         quotas, link = conf.quotas(), network_record(net)
+        # What the kernel enforced and counted per rank (cap, peak charge, OOM kills), beside the
+        # rank's own whole-life peak resident set: the memory half of the prediction check.
+        kernel = [conf.memory_stats(r) if ctx.caps[r] is not None else None for r in range(n)]
     doc = json.loads(metrics.read_text())
+    peaks = (doc.get("memory") or {}).get("peak_rss_bytes") or [None] * n
     # "units" is the rank's attention units (the planning unit of the head-tied strategies).
     return {"ranks": [{"device": d, "units": layout.attn[d], "attn": layout.attn[d], "mlp": layout.mlp[d],
                        "vocab": layout.vocab[d], "iterations": r["iterations"]}
                       for d, r in zip(range(n), doc["ranks"])], "quotas": quotas,
-            "network": link, "eval_before": doc.get("eval_before"), "eval_after": doc.get("eval_after")}
+            "network": link, "eval_before": doc.get("eval_before"), "eval_after": doc.get("eval_after"),
+            "memory": [{"peak_rss_bytes": p, "kernel": k} for p, k in zip(peaks, kernel)]}
 
 
 # -- pipeline -----------------------------------------------------------------------------------

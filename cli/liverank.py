@@ -23,7 +23,8 @@ def make_policy(engine: Any, world_size: int) -> Rebalancer:
     model = engine.model
     return Rebalancer(engine.family.sizes(model.config), engine.layout.layout(),
                       unit_costs([f"rank{r}" for r in range(world_size)]), [NO_CAP] * world_size,
-                      unit_bytes(engine.family, model.config, model.task))
+                      unit_bytes(engine.family, model.config, model.task,
+                                 moments=0 if getattr(engine, "lora", None) is not None else 2))
 
 
 def main(argv: list[str]) -> int:

@@ -196,10 +196,25 @@ def format_state(s: dict[str, Any]) -> str:
             pred, meas, idle = s["predicted_s"].get(n), s["measured_s"].get(n), s["idle_ratio"].get(n)
             lines.append(f"  {n:<16} {_num(pred, '.4f'):>11} {_num(meas, '.4f'):>10} "
                          f"{_num(None if idle is None else 100 * idle, '.1f'):>6}")
+    lines += format_peak_memory(s)
     if s.get("error"):
         lines.append(f"  error: {s['error']}")
     lines += [f"  | {e}" for e in s.get("events", [])[-8:]]
     return "\n".join(lines)
+
+
+def format_peak_memory(s: dict[str, Any]) -> list[str]:
+    """Per node: the plan's predicted peak resident set vs the highest measured (MiB)."""
+    pred, meas = s.get("predicted_peak_bytes") or {}, s.get("peak_rss_bytes") or {}
+    nodes = sorted(set(pred) | set(meas))
+    if not nodes:
+        return []
+    out = [f"  {'node':<16} {'predicted peak MiB':>18} {'measured peak MiB':>17}"]
+    for n in nodes:
+        p, q = pred.get(n), meas.get(n)
+        out.append(f"  {n:<16} {_num(None if p is None else p / 2**20, '.0f'):>18} "
+                   f"{_num(None if q is None else q / 2**20, '.0f'):>17}")
+    return out
 
 
 def _num(x: float | None, fmt: str) -> str:

@@ -43,6 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the job does not clip gradients (leave out the global-norm pass)")
     p.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
                    help="the job's AdamW weight decay (default 0, as `xronos run`)")
+    p.add_argument("--lora-r", type=_positive, metavar="R",
+                   help="profile LoRA training: adapters of rank R on a frozen base (as `xronos run --lora-r`)")
+    p.add_argument("--lora-targets", metavar="M1,M2,..", help="with --lora-r: the adapted modules (peft's names)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="with --lora-r: adapter dropout")
     p.add_argument("--node-id", default="local", help="node id written into the report")
     p.add_argument("--cache-dir", metavar="DIR", help="reuse/store profiles of this hardware here")
     p.add_argument("--out", required=True, metavar="FILE.json")
@@ -66,6 +70,8 @@ def handle(args: argparse.Namespace) -> int:
         config = shape_config(args.arch, args.task)
     report = profile(config, args.task, args.batch_size, args.seq_len, threads=args.threads,
                      iters=args.iters, clip=not args.no_clip, weight_decay=args.weight_decay,
+                     lora_r=args.lora_r, lora_dropout=args.lora_dropout,
+                     lora_targets=[t.strip() for t in args.lora_targets.split(",")] if args.lora_targets else None,
                      node_id=args.node_id,
                      cache_dir=args.cache_dir)
     tmp = out.with_name(out.name + ".tmp")

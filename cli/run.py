@@ -15,7 +15,8 @@ from pathlib import Path
 _FLAGS = {
     "model_dir": "--model", "data_path": "--data", "threads": "--threads-per-node",
     "metrics_path": "--metrics", "export_dir": "--export", "gloo_timeout_s": "--gloo-timeout",
-    "shuffle": "--no-shuffle",
+    "shuffle": "--no-shuffle", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
+    "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets", "export_merged": "--export-merged",
 }
 
 
@@ -86,7 +87,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics", metavar="FILE.json", help="write per-iteration metrics of every rank here")
     p.add_argument("--gloo-timeout", type=float, default=300.0, metavar="S",
                    help="seconds a rank waits in a collective before giving up (default 300)")
-    p.add_argument("--export", required=True, metavar="OUT", help="output Hugging Face directory")
+    p.add_argument("--export", required=True, metavar="OUT",
+                   help="output Hugging Face directory (with --lora-r: a PEFT adapter directory)")
+    p.add_argument("--lora-r", type=int, metavar="R",
+                   help="train LoRA adapters of rank R on a frozen base instead of every weight")
+    p.add_argument("--lora-alpha", type=float, default=16.0, metavar="A", help="LoRA scale A / R (default 16)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="dropout on the adapters' input")
+    p.add_argument("--lora-targets", metavar="M1,M2,..",
+                   help="modules to adapt, peft's names (e.g. q_proj,v_proj; c_attn; query,value); "
+                   "default: the family's (peft's defaults)")
+    p.add_argument("--export-merged", action="store_true",
+                   help="with --lora-r: also export the merged model (W + scale B A) to OUT/merged")
     p.set_defaults(func=handle)
 
 
@@ -159,6 +170,9 @@ def config_from_args(args: argparse.Namespace, layout):
         metrics_path=str(Path(args.metrics).resolve()) if args.metrics else None,
         export_dir=str(export), gloo_timeout_s=args.gloo_timeout, progress=True,
         reshard_at=parse_reshard_at(args.reshard_at), rebalance=args.rebalance,
+        lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        lora_targets=[t.strip() for t in args.lora_targets.split(",")] if args.lora_targets else None,
+        export_merged=args.export_merged,
     )
     try:
         return RunConfig(**fields)

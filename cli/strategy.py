@@ -32,7 +32,8 @@ Wrap = Callable[[int, subprocess.Popen], None]
 
 def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, threads: int, n: int, *,
                   wrap: Wrap | None = None, clip: bool = True, weight_decay: float = 0.0, iters: int = 10,
-                  cache_dir: str | None = None) -> list[ProfileReport]:
+                  cache_dir: str | None = None, lora_r: int | None = None, lora_targets: str | None = None,
+                  lora_dropout: float = 0.0) -> list[ProfileReport]:
     """One ProfileReport per rank (node id `rank{r}`), each measured in its own process."""
     from xronos.node.launch import rank_env
 
@@ -47,6 +48,9 @@ def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, thre
             cmd += ["--cache-dir", cache_dir] if cache_dir else []
             cmd += [] if clip else ["--no-clip"]
             cmd += ["--weight-decay", repr(weight_decay)]
+            if lora_r is not None:  # the job's adapters on a frozen base: its own profile
+                cmd += ["--lora-r", str(lora_r), "--lora-dropout", repr(lora_dropout)]
+                cmd += ["--lora-targets", lora_targets] if lora_targets else []
             print(f"xronos run: profiling rank {rank} ...", file=sys.stderr, flush=True)
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, text=True)
@@ -138,7 +142,9 @@ def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileRepo
     reports = profile_ranks(str(Path(args.model).resolve()), args.task, args.batch_size, args.seq_len,
                             args.threads_per_node, args.nodes, wrap=wrap,
                             clip=args.max_grad_norm is not None, weight_decay=args.weight_decay,
-                            cache_dir=args.profile_cache)
+                            cache_dir=args.profile_cache, lora_r=getattr(args, "lora_r", None),
+                            lora_targets=getattr(args, "lora_targets", None),
+                            lora_dropout=getattr(args, "lora_dropout", 0.0))
     result = plan_units(reports, args.strategy, args.reserve_mb, batch_size=args.batch_size,
                         seq_len=args.seq_len)
     print(f"xronos run: {args.strategy} plan {result.layout.describe()}, predicted iteration "
@@ -154,7 +160,13 @@ def report_run(result: PlanResult, reports: list[ProfileReport], metrics_path: s
     measured = [r["summary"]["compute_s"] for r in doc["ranks"]]
     verdict = judge(result, reports, measured)
     print(format_judgement(verdict), flush=True)
+    from xronos.cli.memreport import format_memory, judge_memory
+
+    memory = judge_memory(list(result.rows), doc)
+    if memory is not None:
+        print(format_memory(memory), flush=True)
     if keep:
         doc["prediction"] = verdict
+        doc["prediction_memory"] = memory
         path.write_text(json.dumps(doc, indent=1))
     return verdict

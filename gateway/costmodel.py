@@ -41,6 +41,22 @@ with `fit="affine"` each partitioned layer's time is `alpha + beta*s` fitted to 
 **Memory** (Eq. 8-10, per kind): `M = M_repl + sum_k m_k * s_k + max(M_t,repl, max_k mt_k * s_k)`
 with `m_k` the kind's partitioned M_w + M_a at share 1 (block layers times B) and `mt_k` its
 largest partitioned temporary buffer at share 1 — Eq. 10's max over layers, never a sum.
+
+**Peak memory.** What the kernel counts (and a cgroup caps) is the rank's resident set, which
+holds more than Eq. 8's tensors; `predict_memory` predicts that peak:
+
+    peak = R + M + max(L_repl, max_k l_k * s_k)
+
+`R` = the profile's `runtime_bytes`, the process without any model once warm (Python, torch,
+its kernels and thread pools; measured, not assumed); `l_k` = the kind's largest single
+parameter at share 1 — loading reads each parameter's slice into a buffer and copies it in, and
+under the training ranks' allocator setting (freed blocks stay in the heap) that buffer stays
+resident. Measured on real `xronos run` ranks (`python -m xronos.bench.mem_peak`), this is within
+a few percent of VmHWM; the optimizer state is allocated at build (`node/optstate.py`) and the
+clipping pass is chunked (`node/gradnorm.py`), without which neither term would hold.
+Rank 0, the owner (`NodeCost.owner`, set by the planner for the first node), also holds the data
+stack (`owner_bytes`, measured by the profile) and gathers the export at the end
+(`owner_peak`): its peak is the higher of the two.
 """
 
 from __future__ import annotations
@@ -69,6 +85,8 @@ class LayerCost:
     activation_bytes: float  # M_a: kept for backward
     temp_bytes: float  # M_t: peak short-lived buffers
     segment: str | None = None  # the kind a partitioned layer's width follows (emb/out: vocab)
+    load_bytes: float = 0.0  # the layer's largest single parameter at share 1 (loading's buffer)
+    param_bytes: float = 0.0  # its parameters at share 1, weights only (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,8 @@ class NodeProfile:
     node_id: str
     num_blocks: int  # B
     layers: tuple[LayerCost, ...]
+    runtime_bytes: float = 0.0  # the rank process without its model (0: not measured)
+    owner_bytes: float = 0.0  # what the owner (rank 0) loads besides: the data stack
 
 
 @dataclass(frozen=True)
@@ -87,6 +107,7 @@ class KindCost:
     slope_s: float  # beta: seconds per share
     mem_slope: float  # M_w + M_a of the kind's partitioned layers at share 1
     temp_slope: float  # largest M_t of the kind's partitioned layers at share 1
+    load_slope: float = 0.0  # largest single partitioned parameter of the kind at share 1
 
 
 @dataclass(frozen=True)
@@ -100,6 +121,16 @@ class NodeCost:
     const_s: float  # replicated layers in their own segment (a classification head)
     mem_repl: float  # replicated M_w + M_a
     temp_repl: float  # largest replicated M_t
+    mem_runtime: float = 0.0  # the process without its model (profile's runtime_bytes)
+    load_repl: float = 0.0  # largest single replicated parameter
+    owner_bytes: float = 0.0  # the owner's data stack (profile's owner_bytes)
+    weights_full: float = 0.0  # the whole model's weights (M_w / 4 summed at share 1): the export
+    largest_full: float = 0.0  # the whole model's largest tensor (assembled once more at the export)
+    trained_full: float = 0.0  # the whole model's trained parameters (a checkpoint gathers them + moments)
+    grad_fraction: float = 0.25  # share of M_w + M_a that is gradients (freed before an export)
+    owner: bool = False  # this node is rank 0: it reads the data and gathers the export
+    checkpoints: bool = False  # the run writes consolidated checkpoints (a job's), gathered on the owner
+    exports: bool = True  # the run ends with an export gathered on the owner (the bench's runs do not)
 
     def kind(self, kind: str) -> KindCost:
         if kind not in KINDS:
@@ -177,11 +208,21 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
     """Fold a profile into per-kind coefficients (Eq. 6, 7, 9, 10 grouped by kind)."""
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
-    acc = {k: [0.0, 0.0, 0.0, 0.0, 0.0] for k in KINDS}  # fixed, icpt, slope, mem, temp
-    const = mem_repl = temp_repl = 0.0
+    acc = {k: [0.0, 0.0, 0.0, 0.0, 0.0, 0.0] for k in KINDS}  # fixed, icpt, slope, mem, temp, load
+    const = mem_repl = temp_repl = load_repl = weights_full = largest_full = 0.0
+    measured = all(layer.param_bytes > 0 for layer in profile.layers)
+    trained_full = resident_all = 0.0
     for layer in profile.layers:
         mult = profile.num_blocks if layer.kind == "blk" else 1
         resident = layer.weight_bytes + layer.activation_bytes
+        resident_all += mult * resident
+        if measured:  # M_w = weights + (for trained parameters) gradients and two AdamW moments
+            weights_full += mult * layer.param_bytes
+            trained_full += mult * max(0.0, layer.weight_bytes - layer.param_bytes) / 3
+        else:  # a profile without param_bytes: everything trained, M_w = 4 x weights
+            weights_full += mult * layer.weight_bytes / 4
+            trained_full += mult * layer.weight_bytes / 4
+        largest_full = max(largest_full, layer.load_bytes)
         try:
             seg = layer_segment(layer)
         except ValueError as exc:
@@ -196,9 +237,11 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
             a[2] += mult * beta
             a[3] += mult * resident
             a[4] = max(a[4], layer.temp_bytes)  # Eq. 10: a max, not a sum
+            a[5] = max(a[5], layer.load_bytes)
             continue
         mem_repl += mult * resident
         temp_repl = max(temp_repl, layer.temp_bytes)
+        load_repl = max(load_repl, layer.load_bytes)
         t = mult * layer.time_s
         if layer.kind == "blk":  # the block's replicated remainder: half before each barrier
             acc["attn"][0] += t / 2
@@ -208,7 +251,9 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
         else:
             const += t
     kinds = {k: KindCost(*v) for k, v in acc.items()}
-    return NodeCost(profile.node_id, kinds["attn"], kinds["mlp"], kinds["vocab"], const, mem_repl, temp_repl)
+    return NodeCost(profile.node_id, kinds["attn"], kinds["mlp"], kinds["vocab"], const, mem_repl, temp_repl,
+                    profile.runtime_bytes, load_repl, profile.owner_bytes, weights_full, largest_full,
+                    trained_full, trained_full / resident_all if resident_all > 0 else 0.25)
 
 
 def kind_time(kc: KindCost, s: float) -> float:
@@ -237,10 +282,33 @@ def predict_time(node: NodeCost, shares: Shares) -> float:
 
 
 def predict_memory(node: NodeCost, shares: Shares) -> float:
-    """M_total (Eq. 8) = M_w + M_a (Eq. 9, per kind) + M_t (Eq. 10's max), in bytes."""
+    """The rank's peak resident set, in bytes: M_total (Eq. 8) = M_w + M_a (Eq. 9, per kind) +
+    M_t (Eq. 10's max), plus the process without its model and loading's largest buffer (see
+    the module docstring, "Peak memory")."""
     _check_shares(shares)
     temp = max([node.temp_repl] + [node.kind(k).temp_slope * shares[k] for k in KINDS])
-    return node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS) + temp
+    load = max([node.load_repl] + [node.kind(k).load_slope * shares[k] for k in KINDS])
+    model = node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS)
+    train = node.mem_runtime + model + temp + load
+    return owner_peak(node, model, train) if node.owner else train
+
+
+def owner_peak(node: NodeCost, model: float, train: float) -> float:
+    """Rank 0's peak: its data stack on top of training, or the export, whichever is higher. The
+    export gathers the whole model's weights while the rank's own gradients are freed (their
+    share of M_w + M_a: `grad_fraction`), and assembles the largest tensor from its parts once
+    more. A job's consolidated checkpoint (`checkpoints`) gathers the trained tensors and both
+    their AdamW moments: three times the trained bytes, the whole weights in full fine-tuning,
+    the adapters and head under LoRA (from `node/checkpoint.py`; not measured yet). A profile that did not measure the process (runtime_bytes 0,
+    from before profiler version 6) predicts Eq. 8 for the owner too."""
+    if node.mem_runtime <= 0:
+        return train
+    if not (node.exports or node.checkpoints):
+        return node.owner_bytes + train
+    gathered = max(node.weights_full if node.exports else 0.0,
+                   3 * node.trained_full if node.checkpoints else 0.0)  # trained tensors + both moments
+    export = node.mem_runtime + model * (1 - node.grad_fraction) + gathered + node.largest_full
+    return node.owner_bytes + max(train, export)
 
 
 def layout_shares(layout: Layout, rank: int) -> dict[str, float]:

@@ -172,7 +172,7 @@ def _assign(job: Job, ctx: Ctx, plan: m.Plan) -> Out:
     job = _note(job, ctx.now, f"plan v{plan.version} ({plan.strategy}): {units}; "
                 f"resume from step {job.checkpoint_step}",
                 phase="assigning", plan=plan, plan_version=plan.version, awaiting="acks",
-                waiting=nodes, deadline=ctx.now + ctx.timeouts.ack_s, agg={},
+                waiting=nodes, deadline=ctx.now + ctx.timeouts.ack_s, agg={}, peak_rss={},
                 resume_step=job.checkpoint_step, step=job.checkpoint_step)
     return job, [Assign(job.job_id, plan, job.checkpoint_step)]
 

@@ -87,6 +87,7 @@ class Job:
     eval_metric_name: str | None = None
     eval_initial: float | None = None
     agg: dict[str, Agg] = field(default_factory=dict)
+    peak_rss: dict[str, int] = field(default_factory=dict)  # per node, the current plan version's highest
     last_iteration_s: float | None = None
     export_dir: str | None = None
     events: tuple[str, ...] = ()

@@ -11,7 +11,7 @@ import itertools
 import math
 from typing import Sequence
 
-from xronos.gateway.costmodel import NodeCost, predict_memory
+from xronos.gateway.costmodel import NodeCost, owner_peak, predict_memory
 from xronos.protocol.layout import KINDS, NOUN, Sizes
 
 
@@ -165,7 +165,9 @@ class Problem:
         self.nodes, self.sizes, self.caps, self.quanta = list(nodes), sizes, list(caps), quanta
         self.n = len(nodes)
         self.kinds = [KindModel(k, sizes, nodes, quanta) for k in KINDS]
-        self.base = [nd.mem_repl for nd in nodes]
+        self.base = [nd.mem_runtime + nd.mem_repl for nd in nodes]
+        # loading's largest buffer: replicated, then per kind at share 1 (a max, like M_t)
+        self.load = [(nd.load_repl, *(nd.kind(k).load_slope for k in KINDS)) for nd in nodes]
         self.t0 = [nd.temp_repl for nd in nodes]
         self.const = max(nd.const_s for nd in nodes)
         ka, km, kv = self.kinds
@@ -192,7 +194,12 @@ class Problem:
         sa, sm, sv = min(a * qa, ta) / ta, min(m * qm, tm) / tm, min(v * qv, tv) / tv
         part = ma * sa + mm * sm + mv * sv
         temp = max(t0, xa * sa, xm * sm, xv * sv)
-        return base + part + temp
+        l0, la, lm, lv = self.load[d]
+        train = base + part + temp + max(l0, la * sa, lm * sm, lv * sv)
+        nd = self.nodes[d]
+        if not nd.owner:
+            return train
+        return owner_peak(nd, nd.mem_repl + part, train)
 
     def fits(self, d: int, w: Sequence[int]) -> bool:
         return self.mem(d, w) <= self._row[d][8]
@@ -492,7 +499,7 @@ class Problem:
                 sj = kj.share(w[j])
                 rest += kj.ms[d] * sj
                 temp = max(temp, kj.mt[d] * sj)
-        room = self.caps[d] - self.base[d] - rest
+        room = self.caps[d] - self.base[d] - rest - max(self.load[d])  # a guess, checked below
         ms, mt = kd.ms[d], kd.mt[d]
         smax = 1.0
         if ms > 0:

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Sequence
 
 from xronos.gateway.costmodel import (
@@ -199,10 +199,11 @@ def _check(nodes: Sequence[NodeCost], sizes: Sizes, strategy: str, caps: Sequenc
     if not (comm_s >= 0 and math.isfinite(comm_s)):
         raise ValueError(f"comm_s must be finite and >= 0, got {comm_s}")
     for n in nodes:
-        values = {"const_s": n.const_s, "mem_repl": n.mem_repl, "temp_repl": n.temp_repl}
+        values = {"const_s": n.const_s, "mem_repl": n.mem_repl, "temp_repl": n.temp_repl,
+                  "mem_runtime": n.mem_runtime, "load_repl": n.load_repl}
         for k in KINDS:
             kc = n.kind(k)
-            for f in ("fixed_s", "icpt_s", "slope_s", "mem_slope", "temp_slope"):
+            for f in ("fixed_s", "icpt_s", "slope_s", "mem_slope", "temp_slope", "load_slope"):
                 values[f"{k}.{f}"] = getattr(kc, f)
         for f, v in values.items():
             if not (v >= 0 and math.isfinite(v)):  # monotone costs are what make the search exact
@@ -228,6 +229,8 @@ def plan(
     """Plan every kind's counts over the nodes (in rank order). Raises InfeasiblePlan for
     segment/paper when no plan fits the caps."""
     _check(nodes, sizes, strategy, caps, comm_s)
+    # Rank 0 is the owner: it reads the data and gathers the export (costmodel.owner_peak).
+    nodes = [replace(nodes[0], owner=True), *nodes[1:]]
     pb = Problem(nodes, sizes, caps, quanta)
     stats, lower = None, None
     if strategy == "uniform":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -76,7 +76,8 @@ def check_report(r: ProfileReport, source: str) -> None:
         raise ValueError(f"{source}: field layers: a profile needs at least one layer")
     for i, lay in enumerate(r.layers):
         values = {"time_s": lay.time_s, "weight_bytes": lay.weight_bytes,
-                  "activation_bytes": lay.activation_bytes, "temp_bytes": lay.temp_bytes}
+                  "activation_bytes": lay.activation_bytes, "temp_bytes": lay.temp_bytes,
+                  "load_bytes": lay.load_bytes, "param_bytes": lay.param_bytes}
         for j, (p, t) in enumerate(lay.time_samples):
             values[f"time_samples[{j}][0]"] = p
             values[f"time_samples[{j}][1]"] = t
@@ -163,11 +164,13 @@ def node_profile(report: ProfileReport) -> NodeProfile:
             name=lay.name, kind=lay.kind, partitioned=lay.partitioned, time_s=lay.time_s,
             time_samples=tuple((float(p), float(t)) for p, t in lay.time_samples),
             weight_bytes=float(lay.weight_bytes), activation_bytes=float(lay.activation_bytes),
-            temp_bytes=float(lay.temp_bytes), segment=lay.segment,
+            temp_bytes=float(lay.temp_bytes), segment=lay.segment, load_bytes=float(lay.load_bytes),
+            param_bytes=float(lay.param_bytes),
         )
         for lay in report.layers
     )
-    return NodeProfile(node_id=report.node_id, num_blocks=report.num_blocks, layers=layers)
+    return NodeProfile(node_id=report.node_id, num_blocks=report.num_blocks, layers=layers,
+                       runtime_bytes=float(report.runtime_bytes), owner_bytes=float(report.owner_bytes))
 
 
 def memory_cap(report: ProfileReport, reserve_mb: float = DEFAULT_RESERVE_MB) -> float:
@@ -188,9 +191,13 @@ def plan_reports(
     batch_size: int | None = None,
     seq_len: int | None = None,
     task: str | None = None,
+    checkpoints: bool = False,
+    exports: bool = True,
 ) -> PlanResult:
     """Cost model + communication term + planner over validated reports (ranks in given order).
-    `batch_size`/`seq_len`/`task`, when given, are the job's: a report taken at others is refused."""
+    `batch_size`/`seq_len`/`task`, when given, are the job's: a report taken at others is refused.
+    `checkpoints`: the run writes consolidated checkpoints (a job), which the owner's memory holds;
+    `exports`: it ends with an export (every run and job; not the bench's timed runs)."""
     for item in loaded:
         check_report(item.report, item.source)
     check_compatible(loaded, batch_size=batch_size, seq_len=seq_len, task=task)
@@ -203,6 +210,7 @@ def plan_reports(
             nodes.append(node_cost(node_profile(item.report), fit))
         except ValueError as exc:
             raise ValueError(f"{item.source}: field layers: {exc}") from None
+    nodes = [replace(nd, checkpoints=checkpoints, exports=exports) for nd in nodes]
     caps = [memory_cap(item.report, reserve_mb) for item in loaded]
     return plan(nodes, r0.sizes, strategy, caps, comm)
 

@@ -26,6 +26,8 @@ def apply_metrics(job: Job, x: m.IterationMetrics, now: float, stall_s: float) -
             or job.phase not in ("running", "paused"):
         return job
     changes: dict[str, Any] = {"deadline": now + stall_s, "updated_at": now}
+    if x.peak_rss > job.peak_rss.get(x.node_id, 0):
+        changes["peak_rss"] = {**job.peak_rss, x.node_id: x.peak_rss}
     if x.step > job.resume_step + 1:
         n, compute, idle, iteration = job.agg.get(x.node_id, Agg(0, 0.0, 0.0, 0.0))
         changes["agg"] = {**job.agg, x.node_id: Agg(n + 1, compute + x.compute_s, idle + x.idle_s,
@@ -62,5 +64,8 @@ def state_view(job: Job) -> m.JobState:
                     if a.iteration_s > 0},
         predicted_s=predicted,
         measured_s={n: min(a.compute_s / a.n, m.MAX_SECONDS) for n, a in job.agg.items() if a.n},
+        predicted_peak_bytes={e.node_id: min(int(e.predicted_memory), 2**50) for e in job.plan.entries}
+        if job.plan else {},
+        peak_rss_bytes=dict(job.peak_rss),
         eta_s=eta, plan=job.plan, events=list(job.events), updated_at=job.updated_at, error=job.error,
     )

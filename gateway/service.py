@@ -289,7 +289,9 @@ class GatewayService:
             for rid, node in e.requests:
                 req = m.ProfileRequest(request_id=rid, job_id=e.job_id, arch=job.arch, task=job.spec.task,
                                        batch_size=job.spec.batch_size, seq_len=job.spec.seq_len,
-                                       weight_decay=job.spec.weight_decay, clip=job.spec.max_grad_norm is not None)
+                                       weight_decay=job.spec.weight_decay, clip=job.spec.max_grad_norm is not None,
+                                       lora_r=job.spec.lora_r, lora_targets=job.spec.lora_targets,
+                                       lora_dropout=job.spec.lora_dropout)
                 self.bus.publish_message(req, node_id=node)
         elif isinstance(e, J.Assign):
             self._assign(e)

@@ -38,3 +38,14 @@ def tune() -> bool:
     except OSError:
         return False  # not glibc: nothing to tune
     return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _MALLOPT_MAX))
+
+
+def trim() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc `malloc_trim(0)`): once, after a phase
+    whose transients the process never needs again (loading the weights), so that they do not
+    stay resident for the rest of its life; True when it released anything."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.malloc_trim(0))

@@ -11,6 +11,10 @@ into a fresh directory that then replaces the previous checkpoint by rename. Bec
 stored unsharded, a resume may use a different plan: the owner serves each rank its new slices of
 weights *and* optimizer moments through the same spec table (`CheckpointSource` + streaming).
 The data order needs no state of its own: batches are a pure function of (seed, step).
+
+A LoRA run's checkpoint holds only what it trains — the adapters (and a classification head) and
+their moments — in model.safetensors: its frozen base never changes, so a resume reads the base
+from the base checkpoint (`CheckpointSource(..., base_dir=...)`) and writes cost megabytes, not the model.
 """
 
 from __future__ import annotations
@@ -51,9 +55,10 @@ def save_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, specs: dict[st
                     layout: ShardLayout, group: TPGroup, opt: torch.optim.Optimizer,
                     config: dict[str, Any], task: str, meta: dict[str, Any]) -> Path | None:
     """Collective: every rank calls it; the owner (rank 0) writes. Returns the directory on rank 0."""
-    weights = gather_full(model, specs, layout, group, dst=0)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # what the optimizer steps
     trained = {n: specs[n] for n in params}
+    lora = getattr(model, "lora", None) is not None  # the frozen base is not saved again
+    weights = gather_full(model, trained if lora else specs, layout, group, dst=0)
     moments: dict[str, torch.Tensor] = {}
     for m in MOMENTS:
         local = {n: opt.state[p][m] for n, p in params.items()}
@@ -134,16 +139,21 @@ def check_saved_layout(meta: dict[str, Any], sizes: Sizes) -> None:
 
 
 class CheckpointSource:
-    """Owner-side source over a checkpoint: weights by HF name, moments as "<moment>.<HF name>"."""
+    """Owner-side source over a checkpoint: weights by HF name, moments as "<moment>.<HF name>".
+    With `base_dir`, a weight the checkpoint lacks (a LoRA run's frozen base) is read from there."""
 
-    def __init__(self, ckpt_dir: str | Path) -> None:
+    def __init__(self, ckpt_dir: str | Path, base_dir: str | Path | None = None,
+                 allowed_dirs: list[str] | None = None) -> None:
         self.dir = Path(ckpt_dir)
         self.weights = SafetensorsSource(self.dir)
+        self.base = SafetensorsSource(base_dir, allowed_dirs) if base_dir is not None else None
         self._opt = safe_open(str(self.dir / OPTIMIZER_FILE), framework="pt")
         self._opt_keys = set(self._opt.keys())
 
     def read(self, spec: TensorSpec) -> torch.Tensor:
         if spec.hf_name.split(".", 1)[0] not in MOMENTS:
+            if self.base is not None and self.weights.resolve(spec.hf_name) is None:
+                return self.base.read(spec)
             return self.weights.read(spec)
         if spec.hf_name not in self._opt_keys:
             raise MissingTensorError(f"optimizer state {spec.hf_name} not in {self.dir}")

@@ -307,6 +307,28 @@ class Confinement:
         return {k: int(v) for k, v in zip(fields[::2], fields[1::2])
                 if k in ("nr_periods", "nr_throttled", "throttled_time", "throttled_usec")}
 
+    def memory_stats(self, rank: int) -> dict[str, int]:
+        """What the kernel enforced and saw in rank's memory group: `limit` (the cap as the kernel
+        holds it), `peak` (the group's highest charge: resident pages plus page cache, so at least
+        the rank's peak resident set while the cache is not reclaimed; v1 max_usage_in_bytes, v2
+        memory.peak where the kernel has it, else absent), `oom_kills` (processes the kernel killed
+        for the cap)."""
+        if self.memory is None or self.limits[rank].memory_bytes is None:
+            raise EmulatorError(f"rank {rank} has no memory cap")
+        group = self._dir_for(rank, self.memory)
+        out: dict[str, int] = {}
+        if self.memory.version == 1:
+            out["limit"] = int((group / "memory.limit_in_bytes").read_text())
+            out["peak"] = int((group / "memory.max_usage_in_bytes").read_text())
+            events = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
+        else:
+            out["limit"] = int((group / "memory.max").read_text())
+            if (group / "memory.peak").exists():
+                out["peak"] = int((group / "memory.peak").read_text())
+            events = dict(line.split() for line in (group / "memory.events").read_text().splitlines())
+        out["oom_kills"] = int(events.get("oom_kill", 0))
+        return out
+
     # -- cleanup -----------------------------------------------------------------------------
     def close(self) -> None:
         """Move survivors back to our own group, then remove every group we made (leaves first)."""

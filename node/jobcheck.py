@@ -55,7 +55,7 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     from xronos.node.data import load_tokenizer
     from xronos.node.models.registry import arch_spec, family_for
     from xronos.node.runconfig import DataConfig, total_steps
-    from xronos.node.validate import check_checkpoint, check_dataset, read_config
+    from xronos.node.validate import check_checkpoint, check_dataset, check_lora, read_config
 
     allowed = list(allowed_dirs)
     s = confined_spec(spec, allowed, reserved)
@@ -68,6 +68,7 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
                          f"{family.max_positions(config)} positions")
     family.hf_class(spec.task)
     check_checkpoint(s.model_dir, config, spec.task, allowed_dirs=allowed)
+    check_lora(config, spec.task, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
     load_tokenizer(s.model_dir)
     data = DataConfig(**s.model_dump(include=set(DataConfig.model_fields)))
     source = check_dataset(data, config, allowed)

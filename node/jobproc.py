@@ -143,7 +143,8 @@ def weights(job: JobRankConfig) -> FromOwner:
         if meta is None or meta["step"] != k:
             raise ValueError(f"no checkpoint at step {k} in {job.checkpoint_dir} (found {meta and meta['step']})")
         check_saved_layout(meta, family_for(model.config).sizes(model.config))
-        return CheckpointSource(meta["dir"])
+        # A LoRA checkpoint holds the trained tensors only: the frozen base comes from the base checkpoint.
+        return CheckpointSource(meta["dir"], base_dir=job.run.model_dir, allowed_dirs=job.allowed_dirs)
 
     return FromOwner(open_source)
 

@@ -37,6 +37,9 @@ class ProfileJob(BaseModel):
     iters: int = 10
     clip: bool = True
     weight_decay: float = 0.0
+    lora_r: int | None = None
+    lora_targets: list[str] | None = None
+    lora_dropout: float = 0.0
     node_id: str
     request_id: str
     job_id: str
@@ -85,7 +88,8 @@ def main(argv: list[str]) -> int:
 
     job = ProfileJob.model_validate_json(Path(argv[1]).read_text())
     report = profile(job.config, job.task, job.batch_size, job.seq_len, threads=job.threads, iters=job.iters,
-                     clip=job.clip, weight_decay=job.weight_decay, node_id=job.node_id, request_id=job.request_id, job_id=job.job_id,
+                     clip=job.clip, weight_decay=job.weight_decay, lora_r=job.lora_r, lora_targets=job.lora_targets,
+                     lora_dropout=job.lora_dropout, node_id=job.node_id, request_id=job.request_id, job_id=job.job_id,
                      capabilities=job.capabilities, cache_dir=job.cache_dir)
     out = Path(argv[2])
     tmp = out.with_name(out.name + ".tmp")

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from xronos.node.gradnorm import squared_norm
 from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.loading import init_random
 from xronos.node.models.registry import family_for
@@ -25,6 +26,7 @@ from xronos.node.optim import adamw
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import InRegion
 from xronos.node.tp.layout import ShardLayout
+from xronos.node.tp.lora import LoraSettings, add_lora
 from xronos.protocol.layout import Layout
 
 
@@ -145,12 +147,19 @@ class ProfilingSet:
     """The one-block model at one width, its layer groups, one AdamW per layer, a synthetic batch."""
 
     def __init__(self, config: dict[str, Any], task: str, layout: Layout, batch: int, seq: int,
-                 seed: int, clip: bool, weight_decay: float = 0.0) -> None:
-        """`layout`: a two-rank layout; this process is rank 0 and holds its counts of each kind."""
+                 seed: int, clip: bool, weight_decay: float = 0.0, lora: LoraSettings | None = None) -> None:
+        """`layout`: a two-rank layout; this process is rank 0 and holds its counts of each kind.
+        `lora`: the job's adapters on a frozen base, so the measured backward has no weight-gradient
+        GEMMs for frozen weights and the optimizer state is the adapters' only."""
         family = family_for(config)
         layout.check(family.sizes(config), world_size=2, quanta=None)
         self.layout = layout
         self.model = family.build(config, task, ShardLayout.of(layout, 0), TPGroup.alone(2))
+        if lora is not None:
+            add_lora(self.model, lora)
+            # The frozen embedding gives the first block an input without gradient; the profiled
+            # block stands for the others, whose input has one (their input gradient is computed).
+            _only_block(self.model).register_forward_pre_hook(_input_needs_grad)
         init_random(self.model, seed)
         self.model.train()
         self.clip = clip
@@ -162,8 +171,9 @@ class ProfilingSet:
         self.groups = self._groups(config, task, batch, seq, seed)
         # AdamW's default weight decay (0.01) is not the trainer's (the job's, 0 by default): the
         # decay is a pass over every parameter, 30% of RoBERTa-base's optimizer step here.
-        self.opts = {k: adamw(ps, lr=2e-5, weight_decay=weight_decay)
-                     for k, ps in self.groups.items() if ps}
+        # Only trained parameters get an optimizer (all of them, or with LoRA the adapters).
+        self.opts = {k: adamw([p for p in ps if p.requires_grad], lr=2e-5, weight_decay=weight_decay)
+                     for k, ps in self.groups.items() if any(p.requires_grad for p in ps)}
         # A layer is partitioned when it holds partitioned parameters — or, for the LM head, when
         # its compute is vocabulary-parallel even though its weight is tied to the embedding's.
         self.partitioned = {k: any(id(p) in part for p in ps) or (k == "out" and task == "causal-lm")
@@ -223,7 +233,7 @@ class ProfilingSet:
         if self.clip and grads:
             sq = torch.zeros(1, dtype=torch.float64)
             for g in grads:
-                sq.add_(g.detach().double().pow(2).sum())
+                sq.add_(squared_norm(g))  # as the trainer's clipping pass
             for g in grads:
                 g.mul_(0.5)
         opt.step()
@@ -246,6 +256,15 @@ class ProfilingSet:
             self._step(key)
             secs[key] = secs.get(key, 0.0) + time.perf_counter() - t0
         return secs
+
+    def param_bytes(self, key: str) -> int:
+        """Bytes of layer `key`'s parameters at this width (weights only, frozen ones included)."""
+        return sum(p.numel() * p.element_size() for p in self.groups[key])
+
+    def largest_tensor(self, key: str) -> int:
+        """Bytes of the largest single parameter of layer `key` at this width (the buffer loading
+        reads it into before copying it in)."""
+        return max((p.numel() * p.element_size() for p in self.groups[key]), default=0)
 
     def memory(self) -> dict[str, tuple[int, int, int]]:
         """(M_w, M_a, M_t) per layer key, measured on one iteration."""
@@ -270,6 +289,8 @@ class ProfilingSet:
         finally:
             tl.annotate = False
             tl.take()
+        for key, ps in self.groups.items():  # a layer with nothing to train: its weights alone
+            weights.setdefault(key, state_bytes(ps, None))
         out = {}
         subs = [f"blk.{r}" for r in self.regions]
         for key in self.groups:
@@ -284,6 +305,13 @@ class ProfilingSet:
 
     def close(self) -> None:
         self.timeline.remove()
+
+
+def _input_needs_grad(_m: nn.Module, args: tuple) -> tuple | None:
+    x = args[0]
+    if torch.is_grad_enabled() and not x.requires_grad:
+        return (x.detach().requires_grad_(), *args[1:])
+    return None
 
 
 def _only_block(model: nn.Module) -> nn.Module:

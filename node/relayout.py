@@ -56,15 +56,16 @@ class ScheduledReshards:
 class SpecCache:
     """Every rank's spec table per layout (a few meta-device builds per new layout)."""
 
-    def __init__(self, family: Any, config: dict[str, Any], task: str, dropout: float | None) -> None:
-        self.family, self.config, self.task, self.dropout = family, config, task, dropout
+    def __init__(self, family: Any, config: dict[str, Any], task: str, dropout: float | None,
+                 lora: Any = None) -> None:
+        self.family, self.config, self.task, self.dropout, self.lora = family, config, task, dropout, lora
         self.cache: dict[Layout, list] = {}
 
     def __call__(self, layout: Layout) -> list:
         if layout not in self.cache:
             if len(self.cache) >= 4:
                 self.cache.pop(next(iter(self.cache)))
-            self.cache[layout] = specs_per_rank(self.family, self.config, self.task, layout, self.dropout)
+            self.cache[layout] = specs_per_rank(self.family, self.config, self.task, layout, self.dropout, self.lora)
         return self.cache[layout]
 
 
@@ -81,9 +82,17 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     plan = transfer_plan(engine.spec_cache(old), engine.spec_cache(new))
     shard = ShardLayout.of(new, group.rank)
     sent = moved_bytes(plan, engine.model, engine.opt)
-    engine.model = reshard(engine.model, engine.opt, plan,
-                           lambda: engine.family.build(rank.facts.config, cfg.task, shard, group, dropout=cfg.dropout),
-                           group)
+    lora = getattr(engine, "lora", None)
+
+    def build_new() -> Any:  # the engine's build at the new layout (adapters included), on the meta device
+        from xronos.node.tp.lora import add_lora
+
+        model = engine.family.build(rank.facts.config, cfg.task, shard, group, dropout=cfg.dropout)
+        if lora is not None:
+            engine.lora_modules = add_lora(model, lora)
+        return model
+
+    engine.model = reshard(engine.model, engine.opt, plan, build_new, group)
     engine.layout = shard
     engine.specs = engine.model.tensor_specs()
     engine.replicated = {name for name, s in engine.specs.items() if s.dim is None}
@@ -95,6 +104,8 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
 
 def unit_bytes(family: Any, config: dict[str, Any], task: str, dropout: float | None = None,
                moments: int = 2) -> dict[str, float]:
+    # Under LoRA the partitioned base is frozen (no moments): pass moments=0; the adapters' own
+    # slices are small next to the base's and are left out.
     """Per kind, the bytes one unit moves in a re-shard: the partitioned tensors that follow the
     kind (found from a two-rank probe layout where rank 1 holds all of that kind and nothing
     else), their elements per unit, times the weight and its `moments` (AdamW: 2)."""

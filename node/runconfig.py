@@ -135,6 +135,15 @@ class RunConfig(RankConfig):
     reshard_at: tuple[ReshardAt, ...] = ()  # in increasing step order, each of this world's size
     rebalance: bool = False  # rank 0 re-plans live from measured speeds (`relayout.LiveRebalance`)
 
+    # LoRA (lora_r None: full fine-tuning): adapters of rank lora_r on lora_targets (peft's module
+    # names; None: the family's default), scale lora_alpha / lora_r, the base frozen. The export is
+    # then a PEFT adapter directory, and with export_merged also the merged model in <export>/merged.
+    lora_r: int | None = Field(default=None, gt=0)
+    lora_alpha: float = Field(default=16.0, gt=0)
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
+    lora_targets: list[str] | None = None
+    export_merged: bool = False
+
     @model_validator(mode="after")
     def _reshards(self) -> RunConfig:
         if self.rebalance and self.reshard_at:
@@ -149,6 +158,12 @@ class RunConfig(RankConfig):
             if self.max_steps is not None and r.step >= self.max_steps:
                 raise ValueError(f"reshard_at step {r.step}: the run has only {self.max_steps} steps (0.."
                                  f"{self.max_steps - 1})")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_options(self) -> RunConfig:
+        if self.lora_r is None and (self.lora_targets or self.export_merged):
+            raise ValueError("lora_targets / export_merged need lora_r (LoRA)")
         return self
 
     @property

@@ -48,6 +48,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xronos.node.data import Batch, BatchChannel, BatchSource, owner_batches
+from xronos.node import memwatch
 from xronos.node.labels import LabelSpace
 from xronos.node.models.loading import SafetensorsSource, ShardSource, materialize
 from xronos.node.runconfig import RankConfig
@@ -297,9 +298,13 @@ class MetricsFile(Sink):
     def finish(self, rank: Rank, result: RankResult) -> None:
         self._close()
         per_rank = gather_rows(result.records, rank.group)
+        # Each rank's peak resident set over its whole life (the export included), untimed.
+        peaks = rank.group.all_gather(torch.tensor([float(memwatch.watch().peak())], dtype=torch.float64), timed=False)
         if not rank.owner:
             return
         doc = rank.engine.report(rank, per_rank, result)
+        if doc is not None:
+            doc["memory"] = {"peak_rss_bytes": [int(p.item()) for p in peaks]}
         if doc is not None and rank.cfg.metrics_path is not None:
             import json
 
@@ -339,9 +344,11 @@ def run(cfg: RankConfig, engine: Engine, *, weights: WeightSource, control: Cont
     sink = sink or Sink()
     torch.set_num_threads(cfg.threads)
     group = TPGroup.join(cfg.rank, cfg.world_size, cfg.rendezvous_host, cfg.rendezvous_port, cfg.gloo_timeout_s)
+    memwatch.phase("join")
     facts, source = share_facts(cfg, group, allowed_dirs)
     rank = Rank(cfg, group, facts, BatchChannel(cfg, group, source, facts.token_types),
                 cfg.total_steps(facts.n_train), engine)
+    memwatch.phase("facts")
     torch.manual_seed(cfg.seed)  # anything random outside the dropout streams agrees across ranks
     engine.build(rank, weights, start)
     result = _loop(rank, control, sink, checkpoints, start)
@@ -350,6 +357,7 @@ def run(cfg: RankConfig, engine: Engine, *, weights: WeightSource, control: Cont
         group.barrier(timed=False)  # nobody reports completion before the export exists
         sink.finish(rank, result)
     group.leave()
+    memwatch.watch().write(cfg.rank)
     return result
 
 

@@ -254,7 +254,8 @@ class NodeService:
             # service does not keep a full-width block's memory afterwards (node/profilechild.py).
             job = ProfileJob(config=config_for(arch=req.arch), task=req.task, batch_size=req.batch_size,
                              seq_len=req.seq_len, threads=req.threads or self._threads(),
-                             weight_decay=req.weight_decay, clip=req.clip, node_id=self.node_id,
+                             weight_decay=req.weight_decay, clip=req.clip, lora_r=req.lora_r,
+                             lora_targets=req.lora_targets, lora_dropout=req.lora_dropout, node_id=self.node_id,
                              request_id=req.request_id, job_id=req.job_id,
                              capabilities=probe(self.node_id, self.data_host, self.participate),
                              cache_dir=str(self.state_dir / "profiles"))

@@ -19,16 +19,21 @@ from typing import Any
 
 import torch
 
+from xronos.node import memwatch
 from xronos.node.checkpoint import load_moments, save_checkpoint
 from xronos.node.data import Batch, BatchChannel
+from xronos.node.gradnorm import squared_norm
 from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
+from xronos.node.models.adapters import save_lora_exports
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
+from xronos.node.optstate import allocate_state
 from xronos.node.runconfig import RunConfig
 from xronos.node.runtime import Engine, EvalResult, Rank, RankResult, Reshard, WeightSource
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
+from xronos.node.tp.lora import add_lora
 
 
 def lr_factor(step: int, warmup_steps: int) -> float:
@@ -46,7 +51,7 @@ def clip_global_grad_norm(model: torch.nn.Module, replicated: set[str], max_norm
         if p.grad is None:
             continue
         grads.append(p.grad)
-        sq = p.grad.detach().double().pow(2).sum()
+        sq = squared_norm(p.grad)  # chunked: no float64 copy of the whole gradient
         (rep if name in replicated else part).add_(sq)
     group.all_reduce(part)
     total = float((part + rep).sqrt())
@@ -99,12 +104,16 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
     t0 = time.perf_counter()
     epoch, batch = next(batches)
     loss = model(batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids)
+    memwatch.phase("forward")
     loss.backward()
+    memwatch.phase("backward")
     if cfg.max_grad_norm is not None:
         with group.segment("rest"):
             clip_global_grad_norm(model, replicated, cfg.max_grad_norm, group)
+        memwatch.phase("clip")
     lr = opt.param_groups[0]["lr"]
     opt.step()
+    memwatch.phase("step")
     sched.step()
     opt.zero_grad(set_to_none=True)
     loss_v = float(loss.detach())
@@ -120,13 +129,14 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
     return IterationRecord(
         step=step, epoch=epoch, loss=loss_v, lr=lr, iteration_s=iteration_s,
         compute_s=sum(per_kind.values()), comm_s=comm_s, idle_s=idle_s, data_s=data_s,
-        voluntary_ctx_switches=vol, involuntary_ctx_switches=invol, peak_rss=Rusage.peak_rss(),
+        voluntary_ctx_switches=vol, involuntary_ctx_switches=invol, peak_rss=memwatch.watch().peak(),
         **{f"compute_{k}_s": v for k, v in per_kind.items()},
     )
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters the optimizer steps (those that require a gradient): every one today."""
+    """The parameters the optimizer steps (those that require a gradient): every one, or with
+    LoRA the adapters (and a classification head); the frozen base gets no AdamW state."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -141,6 +151,9 @@ class TPEngine(Engine):
         self.layout = ShardLayout.of(cfg.layout, cfg.rank)
         self.family = family_for(config)
         self.model = self.family.build(config, cfg.task, self.layout, group, dropout=cfg.dropout)
+        self.lora = self.family.lora_settings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        if self.lora is not None:  # adapters on the target layers, the rest frozen (on the meta device)
+            self.lora_modules = add_lora(self.model, self.lora)
         self.moves: list = []  # live re-shards (relayout.Move), in order
         self.last: IterationRecord | None = None  # the latest step's record (what a re-balancer measures)
         self.report_extra: dict[str, Any] = {}  # sections others add to the metrics document (re-plans)
@@ -148,17 +161,22 @@ class TPEngine(Engine):
         self.specs = self.model.tensor_specs()
 
         def optimizer(source) -> None:  # the parameters exist now (materialized from meta)
+            memwatch.phase("load")
             self.opt = adamw(trainable(self.model), lr=cfg.lr, weight_decay=cfg.weight_decay)
             if start > 0:
                 load_moments(self.opt, self.model, self.specs, source, start)
+            allocate_state(self.opt)  # below the per-iteration working set (node/optstate.py)
 
         weights.load(self.model, group, then=optimizer)
+        memwatch.phase("build")
         self.model.train()
         self.replicated = {name for name, s in self.specs.items() if s.dim is None}
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s + start, cfg.warmup_steps))
 
     def evaluate(self, rank: Rank) -> EvalResult | None:
-        return evaluate(self.model, rank.cfg, rank.data, rank.facts.n_train, rank.facts.n_eval)
+        result = evaluate(self.model, rank.cfg, rank.data, rank.facts.n_train, rank.facts.n_eval)
+        memwatch.phase("eval")
+        return result
 
     def begin(self, rank: Rank, start: int) -> None:
         rank.group.drain_timings()
@@ -178,7 +196,7 @@ class TPEngine(Engine):
         from xronos.node.relayout import SpecCache, move
 
         if not hasattr(self, "spec_cache"):
-            self.spec_cache = SpecCache(self.family, rank.facts.config, rank.cfg.task, rank.cfg.dropout)
+            self.spec_cache = SpecCache(self.family, rank.facts.config, rank.cfg.task, rank.cfg.dropout, self.lora)
         m = move(self, rank, word, step)
         self.moves.append(m)
         self._reshard_s += m.seconds
@@ -187,6 +205,7 @@ class TPEngine(Engine):
         meta = {**meta, "layout": self.layout.layout().model_dump(mode="json")}  # the current one
         save_checkpoint(ckpt_dir or "", self.model, self.specs, self.layout, rank.group, self.opt,
                         rank.facts.config, rank.cfg.task, meta)
+        memwatch.phase("checkpoint")
         rank.group.drain_timings()
 
     def export(self, rank: Rank) -> None:
@@ -194,8 +213,13 @@ class TPEngine(Engine):
         if cfg.export_dir is None:
             return
         state = gather_full(self.model, self.specs, self.layout, rank.group, dst=0)
-        if rank.owner:
+        if rank.owner and self.lora is not None:  # a PEFT adapter directory (+ the merged model)
+            save_lora_exports(cfg.export_dir, rank.facts.config, cfg.task, state, self.lora, self.lora_modules,
+                              cfg.model_dir, merged=cfg.export_merged)
+        elif rank.owner:
             save_hf_dir(cfg.export_dir, rank.facts.config, cfg.task, state, cfg.model_dir)
+        del state
+        memwatch.phase("export")
         rank.group.drain_timings()
 
     def report(self, rank: Rank, per_rank: list[torch.Tensor], result: RankResult) -> dict:

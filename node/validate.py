@@ -106,6 +106,23 @@ def check_checkpoint(model_dir: str | Path, config: dict, task: str, allowed_dir
                              f"config.json implies {list(spec.full_shape)}")
 
 
+def check_lora(config: dict, task: str, r: int | None, alpha: float, dropout: float,
+               targets: list[str] | None):
+    """A LoRA run's options on this model, before any process starts: the family supports LoRA,
+    the targets are module names it has (the error names those it has), r fits every adapted
+    layer (r <= min(in, out features)). Returns the LoraSettings (None: full fine-tuning)."""
+    from xronos.node.models.registry import family_for
+    from xronos.node.tp.group import TPGroup
+    from xronos.node.tp.layout import ShardLayout
+    from xronos.node.tp.lora import add_lora
+
+    family = family_for(config)
+    settings = family.lora_settings(r, alpha, dropout, targets)
+    if settings is not None:  # on the meta device: shapes only, no storage
+        add_lora(family.build(config, task, ShardLayout.single(family.sizes(config)), TPGroup.single()), settings)
+    return settings
+
+
 def check_dataset(cfg: DataConfig, config: dict, allowed_dirs: list | None = None) -> BatchSource:
     """The data of a run on the checkpoint in cfg.model_dir (config.json `config`), read as its
     owner will read it (`owner_batches`, the runtime's own): columns, texts, the classes (from the
@@ -140,6 +157,7 @@ def preflight(cfg: RunConfig, nodes: int) -> Preflight:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of {max_pos} positions")
     family.hf_class(cfg.task)
     check_checkpoint(cfg.model_dir, config, cfg.task)
+    check_lora(config, cfg.task, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
     load_tokenizer(cfg.model_dir)
     source = check_dataset(cfg, config)
     labels = source.label_space

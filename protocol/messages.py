@@ -137,6 +137,9 @@ HostName = Text(255, min_length=1)
 Eta = Float(ge=0, le=MAX_INT)
 Code = Text(64, min_length=1)
 TopicText = Text(1024)
+LoraRank = Int(gt=0, le=65536)
+LoraAlpha = Float(gt=0, le=1e6)
+LoraTarget = Text(64, min_length=1)
 
 
 def _list_to_tuple(value: Any) -> Any:
@@ -204,6 +207,10 @@ class ProfileRequest(Message):
     # over every parameter, which the profile must time as the trainer will run it.
     weight_decay: Decay = 0.0
     clip: bool = True
+    # A LoRA job (JobSpec.lora_*): the profile trains adapters on a frozen base, as the job will.
+    lora_r: LoraRank | None = None
+    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
+    lora_dropout: Fraction = 0.0
 
 
 class LayerProfile(Message):
@@ -218,6 +225,12 @@ class LayerProfile(Message):
     weight_bytes: Bytes
     activation_bytes: Bytes
     temp_bytes: Bytes
+    # The layer's largest single parameter at the profiled width (share 1), bytes: loading reads a
+    # parameter's slice, then copies it in, and the freed buffer stays in the rank's heap.
+    load_bytes: Bytes = 0
+    # The layer's parameters at the profiled width, weights only (frozen ones too): with M_w it
+    # tells the trained bytes apart (a LoRA job's frozen base has no gradient or moments).
+    param_bytes: Bytes = 0
 
     @model_validator(mode="after")
     def _enough_samples(self) -> LayerProfile:
@@ -245,6 +258,13 @@ class ProfileReport(Message):
     sizes: Sizes
     num_blocks: Layers
     layers: Annotated[list[LayerProfile], Field(max_length=64)]
+    # The profiling process's resident set once warm (every library initialised by real training
+    # iterations) and emptied of every model (freed pages handed back): what a training rank's
+    # process holds besides its model; 0 = not measured (a report from before profiler version 6).
+    runtime_bytes: Bytes = 0
+    # What rank 0 (the owner: it reads the data) loads besides: the resident set the data stack's
+    # import adds; 0 = not measured.
+    owner_bytes: Bytes = 0
     profile_seconds: Seconds
     created_at: Timestamp
 
@@ -281,11 +301,22 @@ class JobSpec(Message):
     weight_decay: Decay = 0.0
     max_grad_norm: GradNorm | None = 1.0
     dropout: Fraction | None = None
+    # LoRA (lora_r None: full fine-tuning): adapters of rank lora_r on lora_targets (peft's module
+    # names, e.g. q_proj; None: the family's default), scale lora_alpha / lora_r, dropout on their
+    # input; the base frozen. The export is a PEFT adapter directory (adapter_config.json,
+    # adapter_model.safetensors), and with export_merged also the merged model in <export_dir>/merged.
+    lora_r: LoraRank | None = None
+    lora_alpha: LoraAlpha = 16.0
+    lora_dropout: Fraction = 0.0
+    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
+    export_merged: bool = False
 
     @model_validator(mode="after")
     def _has_length(self) -> JobSpec:
         if self.epochs is None and self.max_steps is None:
             raise ValueError("epochs/max_steps: at least one must be set")
+        if self.lora_r is None and (self.lora_targets or self.export_merged):
+            raise ValueError("lora_targets/export_merged: need lora_r (LoRA)")
         if self.data_format != "text" and self.task != "causal-lm":
             raise ValueError(f"data_format: {self.data_format!r} is a causal-lm format, not one for task {self.task!r}")
         return self
@@ -407,6 +438,7 @@ class IterationMetrics(Message):
 
 
 NodeFloats = Annotated[dict[Id, Seconds], Field(max_length=MAX_NODES)]  # per node: seconds or a ratio
+NodeBytes = Annotated[dict[Id, Bytes], Field(max_length=MAX_NODES)]  # per node: bytes
 
 
 class JobState(Message):
@@ -423,6 +455,10 @@ class JobState(Message):
     idle_ratio: NodeFloats = Field(default_factory=dict)
     predicted_s: NodeFloats = Field(default_factory=dict)
     measured_s: NodeFloats = Field(default_factory=dict)
+    # Peak memory per node: the plan's prediction (the rank's peak resident set) and the highest
+    # peak_rss its IterationMetrics reported under the current plan version.
+    predicted_peak_bytes: NodeBytes = Field(default_factory=dict)
+    peak_rss_bytes: NodeBytes = Field(default_factory=dict)
     eta_s: Eta | None = None
     plan: Plan | None = None
     events: Annotated[list[Event], Field(max_length=MAX_EVENTS)] = Field(default_factory=list)

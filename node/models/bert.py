@@ -18,7 +18,7 @@ import torch.nn as nn
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from xronos.node.tp.layout import ShardLayout
-from xronos.node.tp.mappings import copy_to_tp
+from xronos.node.tp.lora import enter_region
 
 from .common import (Dropout, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
                      cfg_require, gelu_fn, init_std, num_labels)
@@ -63,9 +63,10 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, S, _ = x.shape  # x [B, S, hidden], replicated
-        x = copy_to_tp(x, self.group, "attn")
-        q, k, v = (lin(x).view(B, S, self.n_local, self.head_dim).transpose(1, 2)
-                   for lin in (self.query, self.key, self.value))  # [B, h, S, hd]
+        lins = (self.query, self.key, self.value)
+        x, _, adapters = enter_region(x, self.group, "attn", lins)  # adapters: their LoRA A's, if adapted
+        q, k, v = (lin(x, a).view(B, S, self.n_local, self.head_dim).transpose(1, 2)
+                   for lin, a in zip(lins, adapters))  # [B, h, S, hd]
         y = attend(q, k, v, mask, self.head_dim ** -0.5, self.attn_dropout, causal=False)  # [B, S, h*hd]
         return self.out(y)  # [B, S, hidden]
 
@@ -79,7 +80,8 @@ class MLP(nn.Module):
         self.down = RowParallelLinear(cols, d.hidden, group, kind="mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
-        return self.down(self.act(self.up(copy_to_tp(x, self.group, "mlp"))))
+        x, _, (a,) = enter_region(x, self.group, "mlp", (self.up,))
+        return self.down(self.act(self.up(x, a)))
 
 
 class Layer(nn.Module):
@@ -111,6 +113,10 @@ _TOP_NAMES = {"word_embeddings": "<prefix>embeddings.word_embeddings",
 
 class Encoder(TPModel):
     roberta = False
+    # LoRA targets, peft's names: dense is the attention output, intermediate and output dense
+    # layers of every block (never the pooler or RoBERTa's head, which are not block layers).
+    lora_targets = ("query", "key", "value", "dense")
+    lora_default_targets = ("query", "value")  # peft's default for bert / roberta
     prefix = "bert."
 
     def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup, *,

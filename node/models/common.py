@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import Sharded, vocab_parallel_cross_entropy
 from xronos.node.tp.layout import ShardLayout
+from xronos.node.tp.lora import LORA_PARAMS
 from xronos.node.tp.mappings import boundary, copy_to_tp
 from xronos.protocol.layout import Sizes
 
@@ -142,6 +143,11 @@ def param_spec(hf_name: str, module: nn.Module, name: str, local_shape: tuple[in
         dim, split = module.shards[name]
         assert local_shape[dim] == split.width, (hf_name, local_shape, split)
         segments, full[dim] = split.segments, split.full
+    if name in LORA_PARAMS:  # peft's tensor names; A as peft initialises it (kaiming-uniform, a=sqrt(5)), B zeros
+        hf = hf_name + ".weight"
+        if name == "lora_A":
+            return TensorSpec(hf, dim, segments, tuple(full), "uniform", full[1] ** -0.5)
+        return TensorSpec(hf, dim, segments, tuple(full), "zeros", 0.0)
     if isinstance(module, Head):
         return TensorSpec(hf_name, dim, segments, tuple(full), "normal" if name == "weight" else "zeros",
                           module.std if name == "weight" else 0.02)
@@ -154,6 +160,8 @@ class TPModel(nn.Module):
     `hidden_states` (replicated [B, S, hidden]) and the task heads."""
 
     hf_classes: dict[str, str] = {}
+    lora_targets: tuple[str, ...] = ()  # module names LoRA may target (peft's), none = unsupported
+    lora_default_targets: tuple[str, ...] = ()  # the targets when a run names none (peft's defaults)
 
     def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup) -> None:
         super().__init__()
@@ -290,6 +298,18 @@ class Family:
     name: str = ""
     architectures: tuple[str, ...] = ()
     model_cls: type[TPModel] = TPModel
+    fan_in_fan_out = False  # weights stored [in, out] (GPT-2's Conv1D): peft's LoRA flag of that name
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        return self.model_cls.lora_targets
+
+    def lora_settings(self, r: int | None, alpha: float, dropout: float, targets: list[str] | None):
+        """The LoraSettings of a run's options on this family (None: full fine-tuning)."""
+        from xronos.node.tp.lora import lora_settings
+
+        return lora_settings(self.name, self.model_cls.lora_targets, self.model_cls.lora_default_targets,
+                             r, alpha, dropout, targets)
 
     def num_units(self, config: dict[str, Any]) -> int:
         """Attention units per layer (attention heads; KV heads for GQA)."""

@@ -18,7 +18,7 @@ import torch.nn as nn
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from xronos.node.tp.layout import ShardLayout
-from xronos.node.tp.mappings import copy_to_tp
+from xronos.node.tp.lora import enter_region
 
 from .common import (Dropout, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
                      cfg_require, gelu_fn, init_std, last_token_pool, lm_head_logits, num_labels)
@@ -67,7 +67,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, S, _ = x.shape  # x [B, S, hidden], replicated
-        q, k, v = self.c_attn(copy_to_tp(x, self.group, "attn")).split([self.width] * 3, dim=2)  # [B, S, h*hd]
+        x, _, (a,) = enter_region(x, self.group, "attn", (self.c_attn,))  # a: c_attn's LoRA A, if adapted
+        q, k, v = self.c_attn(x, a).split([self.width] * 3, dim=2)  # [B, S, h*hd]
         q, k, v = (t.view(B, S, self.n_local, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, h, S, hd]
         y = attend(q, k, v, mask, self.scale, self.attn_dropout, causal=True)  # [B, S, h*hd]
         return self.resid_dropout(self.c_proj(y))  # [B, S, hidden], summed over ranks
@@ -83,7 +84,8 @@ class MLP(nn.Module):
         self.dropout = Dropout(d.resid_p, streams)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
-        x = self.act(self.c_fc(copy_to_tp(x, self.group, "mlp")))  # [B, S, inner_local]
+        x, _, (a,) = enter_region(x, self.group, "mlp", (self.c_fc,))
+        x = self.act(self.c_fc(x, a))  # [B, S, inner_local]
         return self.dropout(self.c_proj(x))  # [B, S, hidden]
 
 
@@ -103,6 +105,9 @@ class Block(nn.Module):
 
 class GPT2(TPModel):
     hf_classes = {"causal-lm": "GPT2LMHeadModel", "classify": "GPT2ForSequenceClassification"}
+    # LoRA targets, peft's names: c_proj is both the attention output and the MLP down projection.
+    lora_targets = ("c_attn", "c_proj", "c_fc")
+    lora_default_targets = ("c_attn",)  # peft's default for gpt2
 
     def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup, *,
                  dropout: float | None = None) -> None:
@@ -154,6 +159,7 @@ class GPT2Family(Family):
     name = "gpt2"
     architectures = ("GPT2LMHeadModel", "GPT2Model", "GPT2ForSequenceClassification", "GPT2DoubleHeadsModel")
     model_cls = GPT2
+    fan_in_fan_out = True
 
     def num_units(self, config: dict[str, Any]) -> int:
         return int(cfg_require(config, "n_head", "num_attention_heads"))

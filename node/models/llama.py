@@ -34,7 +34,7 @@ from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import (ColumnParallelLinear, InRegion, RowParallelLinear, Split,
                                    VocabParallelEmbedding)
 from xronos.node.tp.layout import ShardLayout
-from xronos.node.tp.mappings import copy_to_tp, copy_to_tp_with
+from xronos.node.tp.lora import enter_region
 
 from .common import (Dropout, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
                      cfg_require, gelu_fn, init_std, last_token_pool, lm_head_logits, num_labels)
@@ -259,15 +259,13 @@ class Attention(nn.Module):
                 sin: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape  # [B, S, hidden], replicated
         hd = self.d.head_dim
-        if self.d.qk_norm:
-            # The q/k norm weights [2 hd] enter with x: their partial gradients (this rank's heads)
-            # are summed over ranks in x's backward all-reduce.
-            x, w = copy_to_tp_with(x, torch.cat((self.q_norm.weight, self.k_norm.weight)), self.group, "attn")
-        else:
-            x = copy_to_tp(x, self.group, "attn")
-        q = self.q_proj(x).view(B, S, self.n_q, hd)  # [B, S, n_rep*kv, hd]
-        k = self.k_proj(x).view(B, S, self.n_kv, hd)  # [B, S, kv, hd]
-        v = self.v_proj(x).view(B, S, self.n_kv, hd).transpose(1, 2)  # [B, kv, S, hd]
+        # The q/k norm weights [2 hd] (Qwen3) and the LoRA A's of adapted q/k/v enter with x: their
+        # partial gradients (this rank's heads) are summed over ranks in x's backward all-reduce.
+        norms = torch.cat((self.q_norm.weight, self.k_norm.weight)) if self.d.qk_norm else None
+        x, w, (aq, ak, av) = enter_region(x, self.group, "attn", (self.q_proj, self.k_proj, self.v_proj), norms)
+        q = self.q_proj(x, aq).view(B, S, self.n_q, hd)  # [B, S, n_rep*kv, hd]
+        k = self.k_proj(x, ak).view(B, S, self.n_kv, hd)  # [B, S, kv, hd]
+        v = self.v_proj(x, av).view(B, S, self.n_kv, hd).transpose(1, 2)  # [B, kv, S, hd]
         if self.d.qk_norm:  # Qwen3: RMSNorm over head_dim of each head, before RoPE
             q, k = rms_norm(q, w[:hd], self.d.eps), rms_norm(k, w[hd:], self.d.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, S, hd]
@@ -286,8 +284,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cols, d.hidden, group, bias=d.mlp_bias, kind="mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
-        x = copy_to_tp(x, self.group, "mlp")
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        x, _, (ag, au) = enter_region(x, self.group, "mlp", (self.gate_proj, self.up_proj))
+        return self.down_proj(self.act(self.gate_proj(x, ag)) * self.up_proj(x, au))
 
 
 class DecoderLayer(nn.Module):
@@ -307,6 +305,8 @@ class DecoderLayer(nn.Module):
 class Llama(TPModel):
     variant = LLAMA
     hf_classes = LLAMA.hf_classes
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # peft's names
+    lora_default_targets = ("q_proj", "v_proj")  # peft's default for llama / qwen2 / qwen3
 
     def __init__(self, config: dict[str, Any], task: str, layout: ShardLayout, group: TPGroup, *,
                  dropout: float | None = None) -> None:

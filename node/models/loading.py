@@ -144,6 +144,8 @@ def _fill(t: torch.Tensor, kind: str, std: float, gen: torch.Generator) -> None:
         t.zero_()
     elif kind == "ones":
         t.fill_(1.0)
+    elif kind == "uniform":  # U(-std, std): a LoRA A's kaiming-uniform bound
+        t.copy_(torch.empty(t.shape, dtype=t.dtype).uniform_(-std, std, generator=gen))
     else:
         raise ValueError(f"unknown init kind {kind!r}")
 
@@ -164,8 +166,15 @@ def materialize(model: nn.Module, source: ShardSource) -> nn.Module:
         except MissingTensorError:
             if spec.init is None:
                 raise
-            log.warning("initialising tensor absent from checkpoint", tensor=spec.hf_name, init=spec.init)
-            _fill(param, spec.init, spec.std, _generator("missing", spec.hf_name))
+            # A fresh LoRA adapter is the normal start of a LoRA run, not news.
+            (log.debug if ".lora_" in spec.hf_name else log.warning)(
+                "initialising tensor absent from checkpoint", tensor=spec.hf_name, init=spec.init)
+            if spec.dim is None:
+                _fill(param, spec.init, spec.std, _generator("missing", spec.hf_name))
+            else:  # a partitioned fresh tensor (a LoRA A of a row layer): this rank's slice of one full draw
+                full = torch.empty(spec.full_shape, dtype=param.dtype)
+                _fill(full, spec.init, spec.std, _generator("missing", spec.hf_name))
+                param.copy_(spec.take(full))
             continue
         if tuple(t.shape) != tuple(param.shape):
             raise ValueError(f"{spec.hf_name}: read shape {list(t.shape)}, local parameter {list(param.shape)}")

@@ -13,6 +13,10 @@ itself (`Sharded.shards`: parameter name -> (dim, Split)), as Megatron-LM marks 
 metadata lives on the module, not the parameter: `to_empty` replaces meta parameters.)
 Every collective is tagged with its segment kind (`kind=` of RowParallelLinear; "vocab" for the
 vocabulary-parallel embedding and cross-entropy), which books the compute before it (`TPGroup`).
+
+A column or row layer may carry a LoRA adapter (`xronos.node.tp.lora.add_lora` sets `lora_A`
+[r, in], `lora_B` [out, r], `lora_scale` and `lora_dropout` on it); its forward then adds
+scale * B A dropout(x), sharded like the layer (see lora.py for the layout and the collectives).
 """
 
 from __future__ import annotations
@@ -75,8 +79,12 @@ class ColumnParallelLinear(Sharded):
     """y_local = x W_local^T + b_local, split on output features (`out`: this rank's part of them).
 
     The input must already be inside the TP region (`copy_to_tp`), entered once for all column
-    layers reading the same activation so backward needs a single all-reduce.
+    layers reading the same activation so backward needs a single all-reduce. With a LoRA adapter
+    (A replicated, B split like W), A enters the region with x (`lora.enter_region`) and is passed
+    in as `lora_a`, so its partial gradient is summed in x's all-reduce.
     """
+
+    lora_scale: float | None = None  # set by lora.add_lora
 
     def __init__(self, in_features: int, out: Split, *, bias: bool = True,
                  transposed: bool = False) -> None:
@@ -87,13 +95,24 @@ class ColumnParallelLinear(Sharded):
         self.bias = nn.Parameter(torch.empty(out.width)) if bias else None
         self.shards = {"weight": (1 if transposed else 0, out), **({"bias": (0, out)} if bias else {})}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., local_out]
-        return _linear(x, self.weight, self.bias, self.transposed)
+    def forward(self, x: torch.Tensor, lora_a: torch.Tensor | None = None) -> torch.Tensor:  # [..., in] -> [..., local_out]
+        y = _linear(x, self.weight, self.bias, self.transposed)
+        if self.lora_scale is None:
+            return y
+        # Outside a world of one, A must come through the region entry (else its gradient is partial).
+        assert lora_a is not None or not self.lora_shared, "LoRA A must enter the region with x (enter_region)"
+        a = self.lora_A if lora_a is None else lora_a
+        u = F.linear(self.lora_dropout(x), a)  # [..., r], the same on every rank
+        return y + F.linear(u, self.lora_B) * self.lora_scale  # [..., local_out]
 
 
 class RowParallelLinear(Sharded):
     """y = all_reduce(x_local W_local^T) + b, split on input features (`inp`: this rank's part of
-    them); the bias is replicated and added once."""
+    them); the bias is replicated and added once. With a LoRA adapter (A split like W on the input,
+    B replicated), the r-wide partial product x_local A_local^T rides in the same all-reduce
+    (concatenated to the layer's output), and B is applied after it."""
+
+    lora_scale: float | None = None  # set by lora.add_lora
 
     def __init__(self, inp: Split, out_features: int, group: TPGroup, *, bias: bool = True,
                  transposed: bool = False, kind: str | None = None) -> None:
@@ -107,8 +126,17 @@ class RowParallelLinear(Sharded):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., local_in] -> [..., out]
         # An empty inner dimension gives exact zeros, so a 0-unit rank adds nothing.
-        y = reduce_from_tp(_linear(x, self.weight, None, self.transposed), self.group, self.kind)
-        return y if self.bias is None else y + self.bias
+        part = _linear(x, self.weight, None, self.transposed)  # [..., out], this rank's partial sum
+        if self.lora_scale is None:
+            y = reduce_from_tp(part, self.group, self.kind)
+            return y if self.bias is None else y + self.bias
+        u = F.linear(self.lora_dropout(x), self.lora_A)  # [..., r], partial
+        r = u.shape[-1]
+        # One all-reduce of [..., out + r]; B after it, so dB needs no collective (u is full there).
+        y, u = reduce_from_tp(torch.cat((part, u), dim=-1), self.group, self.kind).split([self.out_features, r], -1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y + F.linear(u, self.lora_B) * self.lora_scale  # [..., out]
 
 
 class VocabParallelEmbedding(Sharded):

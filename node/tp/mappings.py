@@ -51,7 +51,9 @@ class _CopyToTPWith(torch.autograd.Function):
         with ctx.group.segment(ctx.kind):
             ctx.group.all_reduce(flat)
         n = gx.numel()
-        return flat[:n].view(xs), flat[n:].view(ws), None, None
+        # w's gradient is copied out: a view would keep the whole buffer (x's gradient, [B, S, hidden])
+        # alive as long as w.grad, i.e. until the optimizer step, for every region of every layer.
+        return flat[:n].view(xs), flat[n:].view(ws).clone(), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):

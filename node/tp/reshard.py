@@ -126,12 +126,17 @@ def transfer_plan(old: Sequence[Specs], new: Sequence[Specs]) -> TransferPlan:
 
 
 def specs_per_rank(family: Any, config: dict[str, Any], task: str, layout: Layout,
-                   dropout: float | None = None) -> list[dict[str, TensorSpec]]:
-    """Every rank's spec table under `layout`, from meta-device builds (no storage, no peers)."""
+                   dropout: float | None = None, lora: Any = None) -> list[dict[str, TensorSpec]]:
+    """Every rank's spec table under `layout`, from meta-device builds (no storage, no peers);
+    with `lora` (LoraSettings) the adapters are added as the engine adds them."""
+    from xronos.node.tp.lora import add_lora
+
     out = []
     for r in range(layout.world_size):
         model = family.build(config, task, ShardLayout.of(layout, r), TPGroup.alone(layout.world_size, r),
                              dropout=dropout)
+        if lora is not None:
+            add_lora(model, lora)
         out.append(model.tensor_specs())
     return out
 

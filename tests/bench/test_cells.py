@@ -192,3 +192,20 @@ def test_tp_plan_uses_the_emulated_caps() -> None:
     with pytest.raises(st.Infeasible):
         st.tp_plan(tiny, profiles, "xronos")
     assert "plan exceeds the memory caps" in st.over_cap(st.tp_plan(tiny, profiles, "uniform"))
+
+
+def test_tp_plan_with_a_measured_runtime_plans_against_the_cgroup_cap_itself() -> None:
+    """A profile that measured the process predicts the whole resident set, so the planner's cap
+    is the one the kernel enforces (no runtime reserve taken off), and the predicted peak holds
+    the runtime."""
+    from xronos.bench.plan_speed import synthetic_report
+
+    base = synthetic_report("dev", units=16, num_blocks=2)
+    report = base.model_copy(update={"runtime_bytes": 300 << 20}).model_dump(mode="json")
+    profiles = {"MiniPC": {"tp": report}, "Pi": {"tp": report}}
+    ctx = st.Ctx(Path("."), Path("."), Path("."), {}, [0.45, 0.3], [8 * GIB, 8 * GIB], ["MiniPC", "Pi"],
+                 8, 32, 8, 3, 2e-5, 0, bandwidth_mbit=1000.0)
+    plan = st.tp_plan(ctx, profiles, "xronos")
+    assert all(r.memory_cap == pytest.approx(8 * GIB) for r in plan.rows)
+    old = st.tp_plan(ctx, {k: {"tp": base.model_dump(mode="json")} for k in profiles}, "xronos")
+    assert all(r.predicted_memory > o.predicted_memory + (299 << 20) for r, o in zip(plan.rows, old.rows))

@@ -96,6 +96,15 @@ def test_run_with_strategy_reports_prediction(tiny: tuple[Path, Path], tmp_path:
     for r in pred["ranks"]:
         assert r["predicted_compute_s"] > 0 and r["measured_compute_s"] > 0
     assert pred["mape_pct"] >= 0 and pred["mape_linear_pct"] >= 0
+    # Peak memory: the planner's prediction (rank 0 the owner) against each rank's whole-life peak.
+    assert "peak-memory prediction MAPE" in out
+    peaks = doc["memory"]["peak_rss_bytes"]
+    mem = doc["prediction_memory"]
+    assert len(peaks) == 2 and all(p > 100 << 20 for p in peaks)
+    assert [r["peak_rss_bytes"] for r in mem["ranks"]] == peaks
+    for r in mem["ranks"]:
+        assert r["predicted_peak_bytes"] > 100 << 20 and 0 < r["train_peak_rss_bytes"] <= r["peak_rss_bytes"]
+    assert mem["mape_pct"] >= 0
     # Both ranks share this machine unconfined: one hardware fingerprint, one cached profile.
     assert len(list(cache.glob("profile-*.json"))) == 1
     assert (tmp_path / "out" / "model.safetensors").is_file()

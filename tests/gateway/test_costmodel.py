@@ -33,10 +33,10 @@ SH = {"attn": 0.25, "mlp": 0.5, "vocab": 0.75}
 def test_segments_by_hand():
     node = node_cost(PROFILE, fit="affine")
     # The block remainder (2 x 0.05) splits between the attention and the MLP segment.
-    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80))
+    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80, 0))  # no load_bytes
     assert node.mlp.fixed_s == pytest.approx(0.05) and node.mlp.icpt_s == pytest.approx(0.1)
     assert node.mlp.slope_s == pytest.approx(1.0) and node.mlp.mem_slope == 2 * 460
-    assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50))  # exactly linear: intercept 0
+    assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50, 0))  # exactly linear: intercept 0
     assert (node.const_s, node.mem_repl, node.temp_repl) == (0.2, 2 * 12 + 66, 70)
     seg = segment_times(node, SH)
     assert seg["attn"] == pytest.approx(0.05 + 0.05 + 0.6 * 0.25)
@@ -165,3 +165,105 @@ def test_gateway_modules_do_not_import_torch():
             "xronos.gateway.profiles; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_peak_adds_the_runtime_and_loadings_largest_buffer():
+    """peak = runtime + Eq. 8 + max(replicated largest tensor, max_k largest_k * s_k)."""
+    from dataclasses import replace
+
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000), fit="affine")
+    assert (node.mem_runtime, node.load_repl) == (1000, 120)
+    assert (node.vocab.load_slope, node.attn.load_slope, node.mlp.load_slope) == (400, 100, 300)
+    base = predict_memory(node_cost(PROFILE), SH)
+    # vocab at 0.75 holds the largest buffer (300 B), above the replicated 120 and the MLP's 150
+    assert predict_memory(node, SH) == pytest.approx(base + 1000 + 300)
+    # at share 0 of every kind only the replicated buffer remains
+    zero = {k: 0.0 for k in SH}
+    assert predict_memory(node, zero) == pytest.approx(predict_memory(node_cost(PROFILE), zero) + 1000 + 120)
+
+
+def test_owner_peak_is_the_higher_of_training_with_its_data_stack_and_the_export():
+    from dataclasses import replace
+
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, owner_bytes=50), fit="affine")
+    # whole weights: M_w / 4 summed at share 1 (blocks twice); largest tensor: 400
+    assert node.weights_full == pytest.approx((100 + 2 * 200 + 2 * 400 + 2 * 8 + 60) / 4)
+    assert node.largest_full == 400
+    owner = replace(node, owner=True)
+    for sh in (SH, {k: 0.0 for k in SH}, {k: 1.0 for k in SH}):
+        train = predict_memory(node, sh)
+        model = node.mem_repl + sum(node.kind(k).mem_slope * sh[k] for k in SH)
+        export = 1000 + (1 - node.grad_fraction) * model + node.weights_full + 400
+        assert predict_memory(owner, sh) == pytest.approx(50 + max(train, export))
+    # a profile that did not measure the process keeps Eq. 8 for the owner as well
+    old = replace(node_cost(PROFILE), owner=True)
+    assert predict_memory(old, SH) == predict_memory(node_cost(PROFILE), SH)
+
+
+def test_planner_holds_the_owner_to_its_cap():
+    """Rank 0's plan row carries the owner's peak, and a cap between the two predictions moves
+    work off the owner rather than exceed it."""
+    from dataclasses import replace
+
+    from xronos.gateway.planner import plan
+    from xronos.protocol.layout import Sizes
+
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    node = node_cost(NodeProfile("n", 2, layers, runtime_bytes=1000, owner_bytes=50))
+    nodes = [replace(node, node_id=f"n{i}") for i in range(2)]
+    sizes = Sizes(attn=4, mlp=128, vocab=256)
+    free = plan(nodes, sizes, "segment", [1e9, 1e9], 0.0)
+    even_owner = free.rows[0].predicted_memory
+    assert even_owner > free.rows[1].predicted_memory  # the owner holds more at the same shares
+    cap = even_owner - 1
+    tight = plan(nodes, sizes, "segment", [cap, 1e9], 0.0)
+    assert tight.rows[0].predicted_memory <= cap
+    assert tight.rows[0].predicted_memory == pytest.approx(
+        predict_memory(replace(nodes[0], owner=True), tight.rows[0].shares))
+
+
+def test_a_jobs_checkpoints_add_both_moments_to_the_owners_export():
+    from dataclasses import replace
+
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    owner = replace(node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, owner_bytes=50)), owner=True)
+    ckpt = replace(owner, checkpoints=True)
+    zero = {k: 0.0 for k in SH}
+    # at share 0 the export dominates: the checkpoint adds two more copies of the whole weights
+    assert predict_memory(ckpt, zero) == pytest.approx(predict_memory(owner, zero) + 2 * owner.weights_full)
+    assert predict_memory(replace(ckpt, owner=False), zero) == predict_memory(replace(owner, owner=False), zero)
+
+
+def test_a_run_without_export_leaves_the_owner_its_data_stack_only():
+    from dataclasses import replace
+
+    owner = replace(node_cost(NodeProfile("n0", 2, PROFILE.layers, runtime_bytes=1000, owner_bytes=50)), owner=True)
+    plain = replace(owner, owner=False)
+    for sh in (SH, {k: 0.0 for k in SH}):
+        assert predict_memory(replace(owner, exports=False), sh) == pytest.approx(predict_memory(plain, sh) + 50)
+        assert predict_memory(owner, sh) >= predict_memory(replace(owner, exports=False), sh)
+
+
+def test_frozen_layers_count_in_the_export_but_not_in_the_checkpoint():
+    """With param_bytes, a frozen layer (M_w = its weights: a LoRA job's base) adds to the export's
+    whole weights but not to the trained bytes a checkpoint gathers with their moments."""
+    from dataclasses import replace
+
+    frozen = {"emb", "attn", "mlp"}  # their M_w is weights alone; ln and head are trained (4 x)
+    layers = tuple(replace(lay, load_bytes=10,
+                           param_bytes=lay.weight_bytes if lay.name in frozen else lay.weight_bytes / 4)
+                   for lay in PROFILE.layers)
+    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000))
+    assert node.weights_full == pytest.approx(100 + 2 * 200 + 2 * 400 + 2 * 8 / 4 + 60 / 4)
+    assert node.trained_full == pytest.approx(2 * 8 / 4 + 60 / 4)
+    resident = 110 + 2 * 240 + 2 * 460 + 2 * 12 + 66
+    assert node.grad_fraction == pytest.approx(node.trained_full / resident)
+    owner = replace(node, owner=True)
+    zero = {k: 0.0 for k in SH}
+    base = 1000 + (1 - node.grad_fraction) * node.mem_repl + 10
+    train = predict_memory(node, zero)
+    assert predict_memory(owner, zero) == pytest.approx(max(train, base + node.weights_full))
+    ckpt_only = replace(owner, exports=False, checkpoints=True)
+    assert predict_memory(ckpt_only, zero) == pytest.approx(max(train, base + 3 * node.trained_full))

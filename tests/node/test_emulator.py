@@ -84,6 +84,37 @@ def test_memory_cap_stops_a_process_that_exceeds_it() -> None:
     assert proc.returncode == -signal.SIGKILL and "survived" not in out
 
 
+MEMORY = find_controller("memory")
+
+
+@needs_cgroup
+@pytest.mark.skipif(MEMORY is None, reason="no writable cgroup memory controller (neither v1 "
+                    "memory.limit_in_bytes nor v2 memory.max) on this machine")
+def test_memory_cap_is_the_kernels_and_a_process_under_it_survives() -> None:
+    """The cap is written where the kernel enforces it (read back from the group's own file), the
+    rank's process lives in that group, and one that stays below the cap runs to the end with no
+    OOM kill while the group's peak charge covers what it touched."""
+    cap = 256 << 20
+    grab = "x = bytearray(96 << 20)\nfor i in range(0, len(x), 4096): x[i] = 1\nprint('survived')\n"
+    with Confinement([RankLimits(0.5, memory_bytes=cap)]) as conf:
+        group = conf._dir_for(0, conf.memory)
+        limit_file = "memory.limit_in_bytes" if conf.memory.version == 1 else "memory.max"
+        assert int((group / limit_file).read_text()) == cap
+        proc = subprocess.Popen([sys.executable, "-c", "import os,signal; os.kill(os.getpid(), signal.SIGSTOP)\n" + grab],
+                                stdout=subprocess.PIPE, text=True)
+        _wait_stopped(proc.pid)
+        conf.wrap(0, proc)
+        where = Path(f"/proc/{proc.pid}/cgroup").read_text()
+        assert group.name in where and conf.name in where
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=60)
+        stats = conf.memory_stats(0)
+    assert proc.returncode == 0 and "survived" in out
+    assert stats["limit"] == cap and stats["oom_kills"] == 0
+    if "peak" in stats:
+        assert 96 << 20 <= stats["peak"] <= cap
+
+
 def _wait_stopped(pid: int) -> None:
     for _ in range(500):
         if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":

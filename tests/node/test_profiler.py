@@ -76,6 +76,14 @@ def test_report_is_valid_and_plausible(reports: dict[str, ProfileReport], task: 
     assert layers["blk.attn"].activation_bytes >= 4 * 3 * B * S * E  # q, k, v
     # Temporaries: AdamW's update buffer of the biggest weight and the norm pass exist.
     assert layers["emb"].temp_bytes >= 4 * V * E
+    # Peak-memory terms: each layer's largest tensor at full width (loading's buffer), the warm
+    # process without a model (Python + torch alone are > 100 MiB), the owner's data stack.
+    assert layers["emb"].load_bytes == 4 * V * E  # the word embedding, larger than the positions
+    assert layers["blk.mlp"].load_bytes == 4 * E * I and layers["blk.attn"].load_bytes == 4 * E * 3 * E
+    assert 100 << 20 < r.runtime_bytes < 4 << 30
+    for name, lay in layers.items():  # weights only; M_w adds grads and two moments (all trained)
+        assert lay.param_bytes == 4 * _params(name, task) and lay.weight_bytes >= 4 * lay.param_bytes, name
+    assert r.owner_bytes >= 0
     assert r.profile_seconds > 0
 
 
@@ -207,3 +215,27 @@ def test_profile_in_child_process(tmp_path: Path) -> None:
     assert len(list((tmp_path / "cache").glob("profile-*.json"))) == 1
     with pytest.raises(RuntimeError, match="max_positions"):
         profile_in_child(job.model_copy(update={"seq_len": P + 1}))
+
+
+def test_lora_profile_is_its_own_and_counts_a_frozen_base(reports: dict[str, ProfileReport], tmp_path: Path) -> None:
+    """A LoRA job's profiling set trains the adapters on a frozen base: the frozen layers' weight
+    memory is their weights alone (no gradient, no AdamW moments), the adapters and the trained
+    head keep all four; and its cache entry is not full fine-tuning's."""
+    r = 4
+    config = prof.config_for(arch=TINY)
+    lora = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path,
+                        lora_r=r, lora_targets=["c_attn", "c_proj", "c_fc"])
+    full = {layer.name: layer for layer in reports["classify"].layers}
+    got = {layer.name: layer for layer in lora.layers}
+    adapters = {"blk.attn": (r * E + 3 * E * r) + (r * E + E * r), "blk.mlp": (r * E + I * r) + (r * I + E * r)}
+    for name in ("emb", "blk.rest"):  # frozen: fp32 weights only
+        assert got[name].weight_bytes == 4 * _params(name, "classify") == full[name].weight_bytes // 4
+    for name, n in adapters.items():  # frozen base + adapters with gradient and two moments
+        assert got[name].weight_bytes == 4 * _params(name, "classify") + 16 * n, name
+    # ln_f frozen, the classification head (score [2, E]) trained
+    assert got["out"].weight_bytes == 4 * 2 * E + 16 * 2 * E and full["out"].weight_bytes == 16 * 4 * E
+    assert len(list(tmp_path.glob("profile-*.json"))) == 1
+    prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("profile-*.json"))) == 2  # full fine-tuning: another entry
+    with pytest.raises(ValueError, match=r"\['q_proj'\] not in model family 'gpt2'"):
+        prof.profile(config, "classify", B, S, threads=1, iters=2, lora_r=r, lora_targets=["q_proj"])

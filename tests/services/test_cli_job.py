@@ -66,3 +66,14 @@ def test_displays():
              "measured_s": {"n100": 0.42}, "idle_ratio": {"n100": 0.03}, "events": ["x"], "error": None}
     text = format_state(state)
     assert "step 3/10" in text and "ETA 4 s" in text and "3.0" in text
+
+
+def test_state_shows_peak_memory_per_node():
+    state = {"job_id": "j", "name": "t", "phase": "running", "step": 3, "total_steps": 10, "epoch": 0,
+             "predicted_s": {}, "measured_s": {}, "idle_ratio": {}, "events": [], "error": None,
+             "predicted_peak_bytes": {"n100": 1200 << 20, "pi5": 700 << 20}, "peak_rss_bytes": {"n100": 1150 << 20}}
+    text = format_state(state)
+    assert "predicted peak MiB" in text
+    line = next(ln for ln in text.splitlines() if "n100" in ln)
+    assert "1200" in line and "1150" in line
+    assert "-" in next(ln for ln in text.splitlines() if "pi5" in ln)  # not measured yet

@@ -397,3 +397,18 @@ def test_state_view_stays_within_the_message_bounds():
     assert view.eta_s is None or math.isfinite(view.eta_s)
     assert view.idle_ratio["a"] <= 1.0
     m.JobState.model_validate_json(view.model_dump_json())
+
+
+def test_job_state_shows_predicted_and_measured_peak_memory_per_node():
+    """Each node's highest reported peak_rss under the current plan, beside the plan's prediction;
+    a new plan version starts over."""
+    job = submit_to_running()
+    for step, peaks in ((1, (300, 200, 100)), (2, (250, 400, 100))):
+        for r, n in enumerate(job.plan_nodes):
+            job, _ = J.handle(job, metric(n, r, step, peak_rss=peaks[r] << 20), ctx(5 + step))
+    view = state_view(job)
+    assert view.peak_rss_bytes == {"a": 300 << 20, "b": 400 << 20, "c": 100 << 20}
+    assert view.predicted_peak_bytes == {e.node_id: int(e.predicted_memory) for e in job.plan.entries}
+    assert set(view.predicted_peak_bytes) == {"a", "b", "c"}
+    job, _ = J.handle(job, metric("a", 0, 3, version=2, peak_rss=999 << 20), ctx(9))  # another plan's
+    assert state_view(job).peak_rss_bytes["a"] == 300 << 20

@@ -21,6 +21,7 @@ from xronos.node.models.loading import SafetensorsSource, materialize
 from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
 from xronos.node.tp.layout import ShardLayout
+from xronos.node.tp.lora import add_lora
 from xronos.node.tp.reshard import reshard, specs_per_rank, transfer_plan
 from xronos.protocol.layout import Layout
 
@@ -59,7 +60,15 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     config = json.loads((ckpt / "config.json").read_text())
     family, task = family_for(config), case["task"]
     old, new = Layout.model_validate(case["old"]), Layout.model_validate(case["new"])
-    model = family.build(config, task, ShardLayout.of(old, rank), group, dropout=0.0)
+    lora = family.lora_settings(case["lora_r"], 8.0, 0.0, None) if case.get("lora_r") else None
+
+    def build(layout: Layout):
+        m = family.build(config, task, ShardLayout.of(layout, rank), group, dropout=0.0)
+        if lora is not None:  # adapters (fresh: A random, B zero) on the family's targets, the base frozen
+            add_lora(m, lora)
+        return m
+
+    model = build(old)
     materialize(model, SafetensorsSource(ckpt))
     model.train()
     opt = adamw([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
@@ -70,9 +79,10 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     specs = model.tensor_specs()
     params = dict(model.named_parameters())
     full = gather_full(model, specs, ShardLayout.of(old, rank), group)
+    trained = {n: specs[n] for n, p in params.items() if p.requires_grad}
     for m in MOMENTS:
-        local = {n: opt.state[p][m] for n, p in params.items()}
-        full.update({f"{m}.{k}": v for k, v in gather_full(local, specs, ShardLayout.of(old, rank), group).items()})
+        local = {n: opt.state[params[n]][m] for n in trained}
+        full.update({f"{m}.{k}": v for k, v in gather_full(local, trained, ShardLayout.of(old, rank), group).items()})
     saved = out / f"{case['name']}.safetensors"
     if rank == 0:
         save_file({k: v.contiguous() for k, v in full.items()}, str(saved))
@@ -80,24 +90,28 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     full = load_file(str(saved))
     lr_before = opt.param_groups[0]["lr"]
 
-    plan = transfer_plan(specs_per_rank(family, config, task, old), specs_per_rank(family, config, task, new))
-    moved = reshard(model, opt, plan, lambda: family.build(config, task, ShardLayout.of(new, rank), group,
-                                                           dropout=0.0), group)
+    plan = transfer_plan(specs_per_rank(family, config, task, old, lora=lora),
+                         specs_per_rank(family, config, task, new, lora=lora))
+    moved = reshard(model, opt, plan, lambda: build(new), group)
     new_specs = moved.tensor_specs()
     for name, p in moved.named_parameters():
         spec = new_specs[name]
         want = spec.take(full[spec.hf_name])
         assert torch.equal(p.detach(), want), (case["name"], rank, name, "weight")
+        assert p.requires_grad == (lora is None or "lora_" in name or "score" in name or "classifier" in name)
+        if not p.requires_grad:
+            assert p not in opt.state  # a frozen base weight has no AdamW state, before or after
+            continue
         st = opt.state[p]
         assert float(st["step"]) == 2.0, (name, st["step"])
         for m in MOMENTS:
             assert torch.equal(st[m], spec.take(full[f"{m}.{spec.hf_name}"])), (case["name"], rank, name, m)
-    assert len(opt.state) == len(list(moved.parameters()))
+    assert len(opt.state) == len([p for p in moved.parameters() if p.requires_grad])
     assert opt.param_groups[0]["params"] == [p for p in moved.parameters() if p.requires_grad]
     assert opt.param_groups[0]["lr"] == lr_before and sched.optimizer is opt
 
     # The reference: built at B from the consolidated state, its optimizer at the same step.
-    ref = family.build(config, task, ShardLayout.of(new, rank), group, dropout=0.0)
+    ref = build(new)
     source = FullSource(full)
     materialize(ref, source)
     ref.train()

@@ -35,7 +35,10 @@ WORLDS = {
     4: [("gpt2", "classify", {}, L((0, 6, 2, 4), (64, 0, 32, 4), (32, 0, 16, 16)),
          L((4, 2, 6, 0), (0, 4, 64, 32), (0, 64, 0, 0))),
         ("qwen3", "causal-lm", {}, L((1, 2, 3, 0), (25, 25, 25, 25), (0, 100, 129, 0)),
-         L((0, 0, 0, 6), (100, 0, 0, 0), (229, 0, 0, 0)))],
+         L((0, 0, 0, 6), (100, 0, 0, 0), (229, 0, 0, 0))),
+        # LoRA: the frozen base moves without moments, the adapters' sharded halves with theirs
+        ("llama", "classify", {"gqa": True, "lora_r": 4}, L((0, 2, 1, 3), (40, 0, 30, 30), (10, 10, 10, 8)),
+         L((3, 0, 3, 0), (0, 70, 0, 30), (0, 0, 38, 0)))],
 }
 
 
@@ -43,9 +46,12 @@ WORLDS = {
 def test_live_reshard_equals_building_at_the_new_layout(world, tmp_path):
     cases = []
     for i, (family, task, kw, old, new) in enumerate(WORLDS[world]):
-        vocab = {} if family == "qwen3" else {"vocab_size": 64}
+        kw = dict(kw)
+        lora_r = kw.pop("lora_r", None)
+        vocab = {} if family == "qwen3" or lora_r else {"vocab_size": 64}
         ckpt = runkit.make_model(tmp_path / f"m{i}", family, task, **kw, **vocab)
-        cases.append(dict(name=f"{family}-{task}", ckpt=str(ckpt), task=task, old=old, new=new))
+        cases.append(dict(name=f"{family}-{task}{'-lora' if lora_r else ''}", ckpt=str(ckpt), task=task, old=old,
+                          new=new, lora_r=lora_r))
     run_world(WORKER, world, {"cases": cases}, tmp_path / "world", timeout=400)
     for c in cases:
         infos = [json.loads((tmp_path / "world" / f"ok-{c['name']}-{r}.json").read_text()) for r in range(world)]
