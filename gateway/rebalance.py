@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from xronos.gateway.costmodel import KindCost, NodeCost, kind_time, layout_shares
+from xronos.gateway.costmodel import KindCost, NodeCost, kind_time
 from xronos.gateway.planner import plan
 from xronos.protocol.layout import KINDS, Layout, Sizes
 
