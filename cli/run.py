@@ -44,6 +44,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "this strategy (segment: each kind balanced on its own, exact; paper: the paper's "
                    "head-tied greedy; uniform: Megatron's even split), and report predicted vs "
                    "measured compute time per rank")
+    p.add_argument("--reshard-at", action="append", default=[], metavar="STEP:attn=..;mlp=..;vocab=..",
+                   help="re-shard live at the boundary before step STEP to this layout (the --layout form, "
+                   "same number of ranks): weights and AdamW state move between the running ranks, no "
+                   "restart; repeatable, steps increasing. For testing the move; its time is in --metrics")
+    p.add_argument("--rebalance", action="store_true",
+                   help="re-plan live: rank 0 refits every rank's speed per segment kind from the measured "
+                   "compute and moves the run to a better layout (as --reshard-at does) when the predicted "
+                   "gain is worth the move. Off by default: a local run keeps the layout it was given")
     p.add_argument("--cpu-shares", metavar="s1,...,sN",
                    help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
                    "quota, to emulate heterogeneous boxes on one machine (needs a writable cgroup)")
@@ -123,6 +131,26 @@ def resolve_layout(args: argparse.Namespace):
     return Layout.tied(units, sizes)
 
 
+def parse_reshard_at(texts: list[str]) -> list[dict]:
+    """`--reshard-at STEP:LAYOUT` values as RunConfig.reshard_at entries."""
+    from xronos.protocol.layout import Layout
+
+    out = []
+    for text in texts:
+        step, sep, layout = text.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            n = int(step)
+        except ValueError:
+            raise ValueError(f"--reshard-at: expected STEP:attn=..;mlp=..;vocab=.., got {text!r}") from None
+        try:
+            out.append({"step": n, "layout": Layout.parse(layout)})
+        except ValueError as exc:
+            raise ValueError(f"--reshard-at {n}: {str(exc).removeprefix('--layout: ')}") from None
+    return out
+
+
 def config_from_args(args: argparse.Namespace, layout):
     from pydantic import ValidationError
 
@@ -147,6 +175,7 @@ def config_from_args(args: argparse.Namespace, layout):
         threads=args.threads_per_node, eval_fraction=args.eval_fraction,
         metrics_path=str(Path(args.metrics).resolve()) if args.metrics else None,
         export_dir=str(export), gloo_timeout_s=args.gloo_timeout, progress=True,
+        reshard_at=parse_reshard_at(args.reshard_at), rebalance=args.rebalance,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
         lora_targets=[t.strip() for t in args.lora_targets.split(",")] if args.lora_targets else None,
         export_merged=args.export_merged,
@@ -209,7 +238,8 @@ def _launch(args: argparse.Namespace, layout, wrap, planned=None) -> int:
         if planned is not None and cfg.metrics_path is None:  # the prediction check needs metrics
             cfg = cfg.model_copy(update={"metrics_path": str(Path(tmp) / "metrics.json")})
         try:
-            launch_local(cfg, args.nodes, wrap=wrap)
+            launch_local(cfg, args.nodes, wrap=wrap,
+                         module="xronos.cli.liverank" if cfg.rebalance else "xronos.node.worker")
         except RankFailed as exc:
             print(f"xronos run: error: {exc}", file=sys.stderr)
             return 1

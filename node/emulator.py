@@ -279,6 +279,16 @@ class Confinement:
         for d in self._rank_dirs[rank]:
             (d / "cgroup.procs").write_text(str(pid))
 
+    def set_share(self, rank: int, cpu_share: float) -> None:
+        """Change rank's CPU quota while it runs (a box that loses part of its CPU mid-run: the
+        bench's background-load scenario). Checked like the starting shares."""
+        if rank not in self._rank_dirs:
+            raise EmulatorError(f"rank {rank} has no group (run has {len(self.limits)} ranks)")
+        limits = [RankLimits(cpu_share, lim.memory_bytes) if r == rank else lim for r, lim in enumerate(self.limits)]
+        validate_limits(limits, usable_cores(), self.parent_limit)
+        self._write_cpu(self._dir_for(rank, self.cpu), cpu_share)  # type: ignore[arg-type]
+        self.limits = limits
+
     def wrap(self, rank: int, popen: object) -> None:
         """Hook for launch_local(..., wrap=...): confine a freshly started rank process."""
         self.add(rank, popen.pid)  # type: ignore[attr-defined]

@@ -104,11 +104,12 @@ class _StderrPump(threading.Thread):
 
 
 def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0: bool = True,
-                 placement: Placement | None = None) -> None:
-    """Run `config` on n local ranks; returns when all exit 0, raises RankFailed otherwise."""
+                 placement: Placement | None = None, module: str = "xronos.node.worker") -> None:
+    """Run `config` on n local ranks (`python -m module`: the rank entry, `xronos.cli.liverank`
+    for a live re-balanced run); returns when all exit 0, raises RankFailed otherwise."""
     if n != config.world_size:
         raise ValueError(f"launch of {n} ranks for a layout of {config.world_size} ranks ({config.layout.describe()})")
-    spawn_ranks("xronos.node.worker", [config] * n, wrap, threads=config.threads, placement=placement,
+    spawn_ranks(module, [config] * n, wrap, threads=config.threads, placement=placement,
                 echo_rank0=echo_rank0, quiet=False, timeout_s=None)
 
 

@@ -95,6 +95,9 @@ class IterationRecord:
     compute_mlp_s: float = 0.0
     compute_vocab_s: float = 0.0
     compute_rest_s: float = 0.0
+    # seconds this rank spent re-sharding at the boundary just before this iteration (not in
+    # iteration_s; 0 when the layout stayed)
+    reshard_s: float = 0.0
 
     def as_row(self) -> list[float]:
         return [float(v) for v in asdict(self).values()]

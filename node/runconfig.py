@@ -113,6 +113,16 @@ class RankConfig(DataConfig):
         return cls.model_validate_json(Path(path).read_text())
 
 
+class ReshardAt(BaseModel):
+    """A forced live re-shard: at the boundary before step `step` every rank moves to `layout`
+    (`xronos run --reshard-at STEP:LAYOUT`, for testing the move; `xronos.node.relayout`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step: int = Field(ge=0)
+    layout: Layout
+
+
 class RunConfig(RankConfig):
     """A rank of our TP engine: `xronos run`'s, or a job's (`for_job`)."""
 
@@ -122,6 +132,9 @@ class RunConfig(RankConfig):
     warmup_steps: int = Field(default=0, ge=0)
     export_dir: str | None = None
     progress: bool = True
+    reshard_at: tuple[ReshardAt, ...] = ()  # in increasing step order, each of this world's size
+    rebalance: bool = False  # rank 0 re-plans live from measured speeds (`relayout.LiveRebalance`)
+
     # LoRA (lora_r None: full fine-tuning): adapters of rank lora_r on lora_targets (peft's module
     # names; None: the family's default), scale lora_alpha / lora_r, the base frozen. The export is
     # then a PEFT adapter directory, and with export_merged also the merged model in <export>/merged.
@@ -130,6 +143,22 @@ class RunConfig(RankConfig):
     lora_dropout: float = Field(default=0.0, ge=0, lt=1)
     lora_targets: list[str] | None = None
     export_merged: bool = False
+
+    @model_validator(mode="after")
+    def _reshards(self) -> RunConfig:
+        if self.rebalance and self.reshard_at:
+            raise ValueError("give reshard_at (forced moves) or rebalance (planned moves), not both")
+        steps = [r.step for r in self.reshard_at]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"reshard_at: steps {steps} must be distinct and increasing")
+        for r in self.reshard_at:
+            if r.layout.world_size != self.layout.world_size:
+                raise ValueError(f"reshard_at step {r.step}: layout has {r.layout.world_size} ranks, the run "
+                                 f"{self.layout.world_size}")
+            if self.max_steps is not None and r.step >= self.max_steps:
+                raise ValueError(f"reshard_at step {r.step}: the run has only {self.max_steps} steps (0.."
+                                 f"{self.max_steps - 1})")
+        return self
 
     @model_validator(mode="after")
     def _lora_options(self) -> RunConfig:

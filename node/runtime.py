@@ -25,9 +25,10 @@ settings class (`xronos.node.runconfig`), an engine, a weight source, a control 
 handed to `run`.
 
 Where a rank's loop is extended: the iteration boundary in `_loop` — every rank stands there
-together, between two steps, after the control source's word. A live re-shard (a new layout
-between two steps: the engine moves its slices and optimizer state) belongs there, as a new word
-of the control source handled by the engine; a change to what trains (frozen base weights and
+together, between two steps, after the control source's word. A live re-shard is such a word: a
+`Reshard` carrying a new layout, which every rank hears at the same boundary and hands to the
+engine's `reshard` (it moves its slices and optimizer state there, `xronos.node.tp.reshard`), and
+then to the sink's `resharded`; a change to what trains (frozen base weights and
 adapter parameters) belongs in the engine's `build` (the optimizer, clipping, checkpoints and
 moments cover the parameters that require a gradient).
 """
@@ -54,6 +55,7 @@ from xronos.node.runconfig import RankConfig
 from xronos.node.streaming import load_shard, share_json
 from xronos.node.tp.group import TPGroup
 from xronos.node.validate import read_config
+from xronos.protocol.layout import Layout
 
 MAX_ROWS = 2**40
 
@@ -148,8 +150,17 @@ class Word(enum.IntEnum):
     STOP = 2
 
 
+@dataclass(frozen=True)
+class Reshard:
+    """A word that carries a new layout (same world): every rank moves to it at this boundary,
+    before the step. `reason` says why (shown in the metrics and a job's events)."""
+
+    layout: Layout
+    reason: str = "scheduled"
+
+
 class Control(Protocol):
-    def at_boundary(self, group: TPGroup, step: int) -> Word:
+    def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
         """Collective: every rank asks before step `step`, and all get the same word."""
         ...
 
@@ -225,6 +236,10 @@ class Engine:
     def step(self, rank: Rank, batches: Iterator[tuple[int, Batch]], step: int) -> Record:
         raise NotImplementedError
 
+    def reshard(self, rank: Rank, word: Reshard, step: int) -> None:
+        """Collective, at the boundary before `step`: go on under `word.layout`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot re-shard live")
+
     def checkpoint(self, rank: Rank, ckpt_dir: str | None, meta: dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} keeps no checkpoints")
 
@@ -243,6 +258,7 @@ class Sink:
     def evaluated(self, rank: Rank, when: str, result: EvalResult | None) -> None: ...
     def iteration(self, rank: Rank, rec: Record) -> None: ...
     def checkpointed(self, rank: Rank, step: int) -> None: ...
+    def resharded(self, rank: Rank, step: int, word: Reshard) -> None: ...
     def cancelled(self, rank: Rank, step: int) -> None: ...
 
     def finish(self, rank: Rank, result: RankResult) -> None:
@@ -355,9 +371,13 @@ def _loop(rank: Rank, control: Control, sink: Sink, checkpoints: Checkpoints | N
     batches = rank.data.train(rank.facts.n_train, start)
     for step in range(start, rank.steps):
         # The iteration boundary: every rank is here, between two steps, and hears the same word.
-        if control.at_boundary(rank.group, step) is Word.STOP:
+        word = control.at_boundary(rank.group, step)
+        if word is Word.STOP:
             sink.cancelled(rank, step)
             return RankResult(records, before, None, completed=False)
+        if isinstance(word, Reshard):
+            engine.reshard(rank, word, step)
+            sink.resharded(rank, step, word)
         rec = engine.step(rank, batches, step)
         records.append(rec)
         sink.iteration(rank, rec)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
 from xronos.node.optstate import allocate_state
 from xronos.node.runconfig import RunConfig
-from xronos.node.runtime import Engine, EvalResult, Rank, RankResult, WeightSource
+from xronos.node.runtime import Engine, EvalResult, Rank, RankResult, Reshard, WeightSource
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import add_lora
@@ -149,11 +149,15 @@ class TPEngine(Engine):
         cfg, group = rank.cfg, rank.group
         config = rank.facts.config
         self.layout = ShardLayout.of(cfg.layout, cfg.rank)
-        family = family_for(config)
-        self.model = family.build(config, cfg.task, self.layout, group, dropout=cfg.dropout)
-        self.lora = family.lora_settings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        self.family = family_for(config)
+        self.model = self.family.build(config, cfg.task, self.layout, group, dropout=cfg.dropout)
+        self.lora = self.family.lora_settings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
         if self.lora is not None:  # adapters on the target layers, the rest frozen (on the meta device)
             self.lora_modules = add_lora(self.model, self.lora)
+        self.moves: list = []  # live re-shards (relayout.Move), in order
+        self.last: IterationRecord | None = None  # the latest step's record (what a re-balancer measures)
+        self.report_extra: dict[str, Any] = {}  # sections others add to the metrics document (re-plans)
+        self._reshard_s = 0.0  # booked on the next iteration's record
         self.specs = self.model.tensor_specs()
 
         def optimizer(source) -> None:  # the parameters exist now (materialized from meta)
@@ -180,11 +184,25 @@ class TPEngine(Engine):
         self.rusage = Rusage()
 
     def step(self, rank: Rank, batches: Iterator[tuple[int, Batch]], step: int) -> IterationRecord:
-        return train_step(self.model, self.opt, self.sched, rank.group, rank.cfg, self.replicated, batches, step,
-                          self.rusage)
+        rec = train_step(self.model, self.opt, self.sched, rank.group, rank.cfg, self.replicated, batches, step,
+                         self.rusage)
+        if self._reshard_s:
+            rec, self._reshard_s = replace(rec, reshard_s=self._reshard_s), 0.0
+        self.last = rec
+        return rec
+
+    def reshard(self, rank: Rank, word: Reshard, step: int) -> None:
+        """Live, at the boundary: weights and AdamW state move to `word.layout` (xronos.node.relayout)."""
+        from xronos.node.relayout import SpecCache, move
+
+        if not hasattr(self, "spec_cache"):
+            self.spec_cache = SpecCache(self.family, rank.facts.config, rank.cfg.task, rank.cfg.dropout, self.lora)
+        m = move(self, rank, word, step)
+        self.moves.append(m)
+        self._reshard_s += m.seconds
 
     def checkpoint(self, rank: Rank, ckpt_dir: str | None, meta: dict[str, Any]) -> None:
-        meta = {**meta, "layout": rank.cfg.layout.model_dump(mode="json")}
+        meta = {**meta, "layout": self.layout.layout().model_dump(mode="json")}  # the current one
         save_checkpoint(ckpt_dir or "", self.model, self.specs, self.layout, rank.group, self.opt,
                         rank.facts.config, rank.cfg.task, meta)
         memwatch.phase("checkpoint")
@@ -208,16 +226,24 @@ class TPEngine(Engine):
         """Rank 0 of `xronos run`: the per-rank table and evaluations on stdout, the metrics document."""
         cfg = rank.cfg
         records = [[IterationRecord.from_row(row) for row in p.tolist()] for p in per_rank]
-        summaries = [summarize(r, cfg.layout, recs) for r, recs in enumerate(records)]
+        summaries = [summarize(r, self.layout.layout(), recs) for r, recs in enumerate(records)]  # final layout
         print(format_table(summaries), flush=True)
         for name, ev in (("before", result.eval_before), ("after", result.eval_after)):
             if ev is not None:
                 metric = f"accuracy {ev.accuracy:.4f}" if ev.accuracy is not None else f"perplexity {ev.perplexity:.3f}"
                 print(f"eval {name} training: loss {ev.loss:.4f}, {metric} ({ev.rows} rows)", flush=True)
+        for m in self.moves:
+            print(f"re-sharded before step {m.step} ({m.reason}): {m.old} -> {m.new}, {m.moved_bytes} bytes, "
+                  f"{m.seconds:.3f} s", flush=True)
         return {
             "config": cfg.model_dump(exclude={"rank", "rendezvous_host", "rendezvous_port"}),
             "eval_before": asdict(result.eval_before) if result.eval_before else None,
             "eval_after": asdict(result.eval_after) if result.eval_after else None,
+            # live re-shards: when, why, old and new layout, bytes moved, the slowest rank's seconds
+            "reshards": [{**m.as_dict(), "seconds": max(r.reshard_s for recs in records for r in recs
+                                                        if r.step == m.step)}
+                         for m in self.moves],
             "ranks": [{"summary": asdict(s), "iterations": [asdict(r) for r in recs]}
                       for s, recs in zip(summaries, records)],
+            **self.report_extra,
         }

@@ -147,6 +147,11 @@ def preflight(cfg: RunConfig, nodes: int) -> Preflight:
     family = family_for(config)
     sizes = family.sizes(config)
     cfg.layout.check(sizes, world_size=nodes)
+    for r in cfg.reshard_at:
+        try:
+            r.layout.check(sizes, world_size=nodes)
+        except ValueError as exc:
+            raise type(exc)(f"--reshard-at {r.step}: {exc}") from None
     max_pos = family.max_positions(config)
     if cfg.seq_len > max_pos:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of {max_pos} positions")

@@ -1,14 +1,17 @@
 """One rank of `xronos run`: `python -m xronos.node.worker CONFIG.json` (a RunConfig as JSON).
 
 A thin caller of the rank runtime (`xronos.node.runtime`): our TP engine, every rank reading its
-own slices of the local checkpoint, no control source, and a metrics file — rank 0 prints the
-per-rank summary and writes the metrics JSON (`--metrics`) and the export.
+own slices of the local checkpoint, no control source (or, with `--reshard-at`, the forced
+re-shards: `relayout.ScheduledReshards`), and a metrics file — rank 0 prints the per-rank summary
+and writes the metrics JSON (`--metrics`) and the export. (`--rebalance` runs the same from
+`xronos.cli.liverank`, which adds the live policy of the gateway plane.)
 """
 
 from __future__ import annotations
 
 import sys
 
+from xronos.node.relayout import ScheduledReshards
 from xronos.node.runconfig import RunConfig
 from xronos.node.runtime import LocalFiles, MetricsFile, exit_process, read_settings, run
 from xronos.node.trainer import TPEngine
@@ -16,7 +19,10 @@ from xronos.node.trainer import TPEngine
 
 def main(argv: list[str]) -> int:
     cfg = read_settings(argv, RunConfig, "xronos.node.worker")
-    run(cfg, TPEngine(), weights=LocalFiles(cfg.model_dir), sink=MetricsFile(progress=cfg.progress))
+    if cfg.rebalance:
+        raise ValueError("rebalance: the live policy is composed by `python -m xronos.cli.liverank`, not this entry")
+    control = ScheduledReshards(cfg.reshard_at) if cfg.reshard_at else None
+    run(cfg, TPEngine(), weights=LocalFiles(cfg.model_dir), control=control, sink=MetricsFile(progress=cfg.progress))
     return 0
 
 

@@ -207,6 +207,20 @@ class TPGroup:
                 dist.recv(t, src=self._global(src), group=self.pg)
         return t
 
+    def exchange(self, sends: dict[int, list[torch.Tensor]], recvs: dict[int, list[torch.Tensor]]) -> None:
+        """Point to point with many peers at once (a live re-shard): `sends[peer]` go to `peer`,
+        `recvs[peer]` are filled from it, in list order on both sides; returns when all are done.
+        Every send is posted with its receives, so no order of peers can deadlock. Untimed: the
+        re-shard is timed as a whole by its caller, between two iterations."""
+        if self.world_size == 1 or self.alone:
+            return
+        works = [dist.irecv(t, src=self._global(peer), group=self.pg)
+                 for peer, ts in sorted(recvs.items()) for t in ts if t.numel()]
+        works += [dist.isend(t.contiguous(), dst=self._global(peer), group=self.pg)
+                  for peer, ts in sorted(sends.items()) for t in ts if t.numel()]
+        for w in works:
+            w.wait()
+
     def barrier(self, *, timed: bool = True) -> None:
         with self._call("barrier", timed) as go:
             if go:

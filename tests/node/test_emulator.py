@@ -181,3 +181,27 @@ def test_period_is_the_shortest_with_a_one_millisecond_quota() -> None:
         assert period == DEFAULT_PERIOD_US or round(share * (period - 1)) < MIN_QUOTA_US + 1
     # Small shares are not silently rounded up to a bigger quota (the rank would run faster).
     assert abs(0.05 * period_for(0.05) - MIN_QUOTA_US) < 1
+
+
+@needs_cgroup
+def test_a_share_changes_while_the_rank_runs() -> None:
+    """The background-load scenario halves a box's quota mid-run: the group's quota is rewritten,
+    what `quotas()` reports follows, and a share the machine cannot give is refused."""
+    with Confinement([RankLimits(0.4), RankLimits(0.2)]) as conf:
+        group = conf._dir_for(0, conf.cpu)
+
+        def quota() -> tuple[int, int]:
+            if conf.cpu.version == 1:
+                return int((group / "cpu.cfs_quota_us").read_text()), int((group / "cpu.cfs_period_us").read_text())
+            q, p = (group / "cpu.max").read_text().split()
+            return int(q), int(p)
+
+        q0, p0 = quota()
+        conf.set_share(0, 0.2)
+        q1, p1 = quota()
+        assert q0 / p0 == pytest.approx(0.4) and q1 / p1 == pytest.approx(0.2)
+        assert conf.quotas()[0]["cpu_share"] == 0.2
+        with pytest.raises(EmulatorError, match="rank 3 has no group"):
+            conf.set_share(3, 0.1)
+        with pytest.raises(EmulatorError, match="below 0.1% of a core"):
+            conf.set_share(1, 0.0)

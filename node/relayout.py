@@ -1,0 +1,217 @@
+"""A running TP engine changes layout at an iteration boundary (the runtime's `Reshard` word).
+
+`move(engine, rank, word, step)` is `TPEngine.reshard`: the transfer plan between the two
+layouts' spec tables (meta-device builds, cached), the exchange of weights and AdamW state
+(`xronos.node.tp.reshard`), then an untimed barrier so every rank leaves the boundary together;
+the wall time of all that is the re-shard's cost, booked on the next iteration's record
+(`reshard_s`) and in the engine's list of moves (`Move`), which the metrics document reports.
+
+`ScheduledReshards` is the control of `xronos run --reshard-at`: the same settings on every rank,
+so no communication is needed to agree on the word. `LiveRebalance` is the control of `xronos run
+--rebalance`: rank 0 runs a re-balancing policy on every rank's measured per-kind compute.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from xronos.node.runconfig import ReshardAt
+from xronos.node.runtime import Rank, Reshard, Word
+from xronos.node.tp.group import TPGroup
+from xronos.node.tp.layout import ShardLayout
+from xronos.node.tp.reshard import moved_bytes, reshard, specs_per_rank, transfer_plan
+from xronos.protocol.layout import Layout, LayoutError
+
+
+@dataclass(frozen=True)
+class Move:
+    """One live re-shard, as this rank saw it."""
+
+    step: int  # before this step
+    reason: str
+    old: str  # Layout.to_text()
+    new: str
+    seconds: float  # this rank's wall time at the boundary
+    moved_bytes: int  # over the network, all ranks together (weights and moments)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ScheduledReshards:
+    """Re-shard at the given steps (`RunConfig.reshard_at`), else go on."""
+
+    def __init__(self, schedule: tuple[ReshardAt, ...]) -> None:
+        self.at = {r.step: r.layout for r in schedule}
+
+    def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
+        layout = self.at.get(step)
+        return Word.GO if layout is None else Reshard(layout, f"--reshard-at {step}")
+
+
+class SpecCache:
+    """Every rank's spec table per layout (a few meta-device builds per new layout)."""
+
+    def __init__(self, family: Any, config: dict[str, Any], task: str, dropout: float | None,
+                 lora: Any = None) -> None:
+        self.family, self.config, self.task, self.dropout, self.lora = family, config, task, dropout, lora
+        self.cache: dict[Layout, list] = {}
+
+    def __call__(self, layout: Layout) -> list:
+        if layout not in self.cache:
+            if len(self.cache) >= 4:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[layout] = specs_per_rank(self.family, self.config, self.task, layout, self.dropout, self.lora)
+        return self.cache[layout]
+
+
+def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
+    """Collective: `engine` (a TPEngine: model, opt, layout, specs, replicated) goes on under
+    `word.layout`. A layout of another world or model is refused on every rank alike."""
+    t0 = time.perf_counter()
+    group, cfg = rank.group, rank.cfg
+    old = engine.layout.layout()
+    new = word.layout
+    if new.world_size != group.world_size:
+        raise LayoutError(f"re-shard at step {step}: layout has {new.world_size} ranks, the world {group.world_size}")
+    new.check(engine.family.sizes(rank.facts.config), quanta=None)
+    plan = transfer_plan(engine.spec_cache(old), engine.spec_cache(new))
+    shard = ShardLayout.of(new, group.rank)
+    sent = moved_bytes(plan, engine.model, engine.opt)
+    lora = getattr(engine, "lora", None)
+
+    def build_new() -> Any:  # the engine's build at the new layout (adapters included), on the meta device
+        from xronos.node.tp.lora import add_lora
+
+        model = engine.family.build(rank.facts.config, cfg.task, shard, group, dropout=cfg.dropout)
+        if lora is not None:
+            engine.lora_modules = add_lora(model, lora)
+        return model
+
+    engine.model = reshard(engine.model, engine.opt, plan, build_new, group)
+    engine.layout = shard
+    engine.specs = engine.model.tensor_specs()
+    engine.replicated = {name for name, s in engine.specs.items() if s.dim is None}
+    group.barrier(timed=False)  # everyone leaves the boundary together: the move's cost is its wall time
+    group.drain_timings()
+    group.drain_spans()
+    return Move(step, word.reason, old.to_text(), new.to_text(), time.perf_counter() - t0, sent)
+
+
+def unit_bytes(family: Any, config: dict[str, Any], task: str, dropout: float | None = None,
+               moments: int = 2) -> dict[str, float]:
+    # Under LoRA the partitioned base is frozen (no moments): pass moments=0; the adapters' own
+    # slices are small next to the base's and are left out.
+    """Per kind, the bytes one unit moves in a re-shard: the partitioned tensors that follow the
+    kind (found from a two-rank probe layout where rank 1 holds all of that kind and nothing
+    else), their elements per unit, times the weight and its `moments` (AdamW: 2)."""
+    sizes = family.sizes(config)
+    out = {}
+    for k in ("attn", "mlp", "vocab"):
+        counts = {j: (0, sizes.total(j)) if j == k else (sizes.total(j), 0) for j in ("attn", "mlp", "vocab")}
+        specs = specs_per_rank(family, config, task, Layout(**counts), dropout)[1]
+        elements = sum(math.prod(s.local_shape) for s in specs.values() if s.dim is not None)
+        out[k] = elements * 4 * (1 + moments) / sizes.total(k)  # fp32 weights and moments
+    return out
+
+
+class Policy(Protocol):
+    """What `LiveRebalance` asks of a re-balancing policy (`xronos.gateway.rebalance.Rebalancer`)."""
+
+    last_reason: str
+    replans: list
+
+    def observe(self, per_rank: list[dict[str, float]]) -> None: ...
+    def observe_move(self, moved_bytes: float, seconds: float) -> None: ...
+    def decide(self, step: int) -> Any: ...
+
+
+class LiveRebalance:
+    """`xronos run --rebalance`: rank 0 (the owner) hosts the policy, which `make_policy(engine,
+    world_size)` makes on the first boundary (the composition, `xronos.cli.liverank`, passes the
+    gateway's `Rebalancer`: this plane does not import the gateway).
+    At every boundary after the first step one untimed all_gather carries each rank's last
+    iteration's per-kind compute and, in rank 0's row, the decision rank 0 took at the previous
+    boundary (a flag and the new counts), which every rank then applies: a `Reshard` word. Rank 0
+    then feeds the policy and asks it about the next boundary (`decide(step + 1)`): a re-plan lands
+    one iteration after the measurements that called for it, for one collective per boundary.
+    A re-plan decided at the last boundary is never applied (`applied: false` in the report).
+    The finished moves' cost refits the policy's bandwidth. The re-plans and the policy's last
+    reason go into the metrics document (`engine.report_extra["rebalance"]`), with the mean time
+    rank 0 spends on this at a boundary (`boundary_s_mean`: gather, policy, broadcast; the cost of
+    re-balancing when nothing moves; making the policy once is `setup_s`)."""
+
+    def __init__(self, engine: Any, make_policy: Callable[[Any, int], Policy]) -> None:
+        self.engine, self.make_policy = engine, make_policy
+        self.policy: Policy | None = None
+        self.pending: Any = None  # rank 0: the re-plan decided at the last boundary, applied at this one
+        self.moves_seen = 0
+        self.spent_s, self.boundaries = 0.0, 0  # rank 0's time in the policy's boundary work
+        self.setup_s = 0.0  # making the policy (once, on the first measured boundary)
+
+    def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
+        t0 = time.perf_counter()
+        word = self._at_boundary(group, step)
+        self.spent_s += time.perf_counter() - t0
+        self.boundaries += 1
+        if "rebalance" in self.engine.report_extra:
+            self.engine.report_extra["rebalance"].update(
+                boundary_s_mean=(self.spent_s - self.setup_s) / self.boundaries, setup_s=self.setup_s)
+        return word
+
+    def _at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
+        import torch
+
+        eng = self.engine
+        rec = getattr(eng, "last", None)
+        if rec is None or group.world_size == 1:  # nothing measured yet; one rank has nothing to balance
+            return Word.GO
+        n = group.world_size
+        # One collective per boundary: every rank's last per-kind compute, and in rank 0's row the
+        # decision it took at the previous boundary (a flag and the counts), applied now by all.
+        row = torch.zeros(3 + 1 + 3 * n, dtype=torch.float64)
+        row[:3] = torch.tensor([rec.compute_attn_s, rec.compute_mlp_s, rec.compute_vocab_s], dtype=torch.float64)
+        if group.rank == 0 and self.pending is not None:
+            lay = self.pending.new
+            row[3] = 1
+            row[4:] = torch.tensor([*lay.attn, *lay.mlp, *lay.vocab], dtype=torch.float64)
+        rows = group.all_gather(row, timed=False)
+        decided = rows[0][3:]
+        if group.rank == 0:
+            reason = f"rebalance: {self.pending.reason}" if self.pending is not None else ""
+            self.pending = None
+            self._decide([r[:3] for r in rows], step)
+        else:
+            reason = "rebalance"
+        if not int(decided[0]):
+            return Word.GO
+        counts = [int(c) for c in decided[1:].tolist()]
+        layout = Layout(attn=tuple(counts[:n]), mlp=tuple(counts[n:2 * n]), vocab=tuple(counts[2 * n:]))
+        return Reshard(layout, reason)
+
+    def _decide(self, rows: list, step: int) -> None:
+        """Rank 0: feed the policy this boundary's measurements and ask it about the next boundary
+        (its decision travels with the next gather; the policy skips its first measurements under
+        a new layout, which covers the step still run under the old one)."""
+        eng = self.engine
+        if self.policy is None:
+            t0 = time.perf_counter()
+            self.policy = self.make_policy(eng, len(rows))
+            self.setup_s = time.perf_counter() - t0
+        for m in eng.moves[self.moves_seen:]:
+            self.policy.observe_move(m.moved_bytes, m.seconds)
+        self.moves_seen = len(eng.moves)
+        self.policy.observe([dict(zip(("attn", "mlp", "vocab"), r.tolist())) for r in rows])
+        self.pending = self.policy.decide(step + 1)
+        moved = {m.step for m in eng.moves}
+        eng.report_extra["rebalance"] = {
+            "last_reason": self.policy.last_reason,
+            "replans": [{"step": r.step, "old": r.old.to_text(), "new": r.new.to_text(),
+                         "predicted_old_s": r.predicted_old_s, "predicted_new_s": r.predicted_new_s,
+                         "gain": r.gain, "move_s": r.move_s, "reason": r.reason,
+                         "applied": r.step in moved} for r in self.policy.replans],
+        }
