@@ -75,7 +75,10 @@ def rows(doc: dict) -> list[dict]:
                     "peak_rss_mib": [n["peak_rss"] / 2**20 for n in s["nodes"]]}
         else:
             reason = next((entry[k] for k in ("infeasible", "not_run", "failed") if k in entry), "?")
-            row["result"] = ("INFEASIBLE: " if "infeasible" in entry else "") + reason.splitlines()[0][:300]
+            row["result"] = ("INFEASIBLE: " if "infeasible" in entry else "FAILED: " if "failed" in entry else
+                             "not run: ") + reason.splitlines()[0][:300]
+            if "failed" in entry and "signal 9" in reason:  # the cgroup's OOM killer: over its cap
+                row["result"] += " (signal 9 under a memory cap: the OOM killer)"
         out.append(row)
     return out
 
