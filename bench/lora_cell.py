@@ -17,8 +17,9 @@ paper's 1 Gbit/s links:
 
 At seq 32, batch 8 the full fine-tuning of the Qwen shape is NOT refused on these caps: its 8.36 GiB
 of state pass the necessary condition (12.47 GiB of caps in all) and the planner finds a plan with
-a Pi 5 at its cap (planned 3.48 / 2.75 / 2.63 GiB against 5.65 / 2.75 / 2.75; LoRA 0.60 / 1.40 /
-0.44). The cell reports whatever the caps and the planner decide; it hard-codes no refusal.
+a Pi 5 at or just under its cap (planned 3.48 / 2.75 / 2.63 GiB against 5.65 / 2.75 / 2.75 in one
+profile, 3.72 / 2.72 / 2.42 in another); in smoke runs that rank was OOM-killed once and ran once.
+The cell reports whatever the caps, the planner and the runs decide; it hard-codes no refusal.
 
 `lora.md` in --out puts the cells' iteration times and per-node peak memory side by side; each
 cell's own JSON/Markdown is written as every cell's is (`results.write`). `--plan-only` profiles
