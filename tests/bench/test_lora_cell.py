@@ -27,7 +27,8 @@ def test_the_cells_are_set_a_at_the_grid_depth_and_scale() -> None:
     assert lora.blocks == 7 and lora.mem_scale == "kept" and lora.strategies == ("xronos", "xronos-lora")
     assert (fit.scenario, fit.model, fit.blocks, fit.mem_scale) == ("set-a", FIT_MODEL, 8, "kept")
     assert fit.strategies == ("xronos",)
-    assert lora.cell_name == "set-a_qwen2.5-1.5b_s32_b7_lora8" and fit.cell_name == "set-a_smollm2-360m_s32_b8"
+    assert lora.seq_len == fit.seq_len == 256
+    assert lora.cell_name == "set-a_qwen2.5-1.5b_s256_b7_lora8" and fit.cell_name == "set-a_smollm2-360m_s256_b8"
     cfg = shape_config(LORA_MODEL, None)  # the published Qwen2.5-1.5B: 1.54 B with its tied LM head
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (
         1536, 28, 2, 151936)
