@@ -65,6 +65,10 @@ def register(subparsers) -> None:
     p.add_argument("--bandwidth-mbit", type=float, default=1000.0,
                    help="every rank's link rate, emulated with network namespaces + tc (default 1000: the "
                         "paper's 1 Gbit/s LAN; needs root); 0 = plain loopback, no limit")
+    p.add_argument("--lora-r", type=int, default=8, help="xronos-lora: the adapters' rank (default 8)")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="xronos-lora: adapter scale alpha / r (default 16)")
+    p.add_argument("--lora-targets", default="",
+                   help="xronos-lora: comma list of target modules (peft's names; default: the family's, peft's)")
     p.add_argument("--name", default=None, help="result file name (default from the cell)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     p.add_argument("--no-plots", action="store_true")
@@ -97,7 +101,9 @@ def handler(args) -> int:
                     strategies=strategies, lr=args.lr or 2e-5,
                     iters=args.iters, warmup=args.warmup, seq_len=args.seq_len, blocks=args.blocks,
                     batch_size=args.batch_size, mem_scale=args.mem_scale, unit_share=args.unit_share,
-                    bandwidth_mbit=args.bandwidth_mbit, name=args.name)
+                    bandwidth_mbit=args.bandwidth_mbit, name=args.name, lora_r=args.lora_r,
+                    lora_alpha=args.lora_alpha,
+                    lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
     validate(spec)  # refuse before any work
     return _finish(results, results.summarize(run_cell(spec)), args)
 

@@ -17,6 +17,7 @@ import os
 import platform
 import tempfile
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from xronos.bench import strategies as st
 from xronos.node.emulator import Confinement, RankLimits, find_controller, usable_cores, validate_limits
 from xronos.bench.scenarios import DEFAULT_MEM_SCALE, KEPT, PI5_SHARE, Scenario, get_scenario
 from xronos.bench.workloads import (
-    PAPER_BLOCKS, get_shape, kept_fraction, kind_parameters, parameter_count, shape_config, write_checkpoint, write_dataset,
+    PAPER_BLOCKS, get_shape, kept_fraction, kind_parameters, lora_parameters, parameter_count, shape_config,
+    write_checkpoint, write_dataset,
 )
 
 log = structlog.get_logger(__name__)
@@ -52,6 +54,11 @@ class CellSpec:
     # LAN is 1 Gbit/s. 0 = plain loopback (no limit).
     bandwidth_mbit: float = netem.PAPER_RATE_MBIT
     lr: float = 2e-5
+    # The LoRA strategies' adapters (`xronos-lora`): rank, alpha, target modules (peft's names;
+    # empty: the family's default, peft's). Full fine-tuning strategies ignore them.
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
     seed: int = 0
     name: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -59,7 +66,13 @@ class CellSpec:
     @property
     def cell_name(self) -> str:
         blocks = f"b{self.blocks}" if self.blocks else "full"
-        return self.name or f"{self.scenario}_{self.model}_s{self.seq_len}_{blocks}{network_suffix(self.bandwidth_mbit)}"
+        lora = f"_lora{self.lora_r}" if self.has_lora else ""
+        return self.name or (f"{self.scenario}_{self.model}_s{self.seq_len}_{blocks}{lora}"
+                             f"{network_suffix(self.bandwidth_mbit)}")
+
+    @property
+    def has_lora(self) -> bool:
+        return any(s in st.LORA_STRATEGIES for s in self.strategies)
 
 
 def network_suffix(rate_mbit: float) -> str:
@@ -103,6 +116,8 @@ def validate(spec: CellSpec) -> tuple[Scenario, dict]:
         v = getattr(spec, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "warmup" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    if spec.has_lora:
+        lora_of(spec, config)  # refuses a bad rank, alpha or target naming what is wrong
     if spec.iters <= spec.warmup:
         raise ValueError(f"--iters {spec.iters} must exceed the {spec.warmup} warm-up iterations")
     max_pos = config.get("n_positions") or config.get("max_position_embeddings")
@@ -129,17 +144,42 @@ def validate(spec: CellSpec) -> tuple[Scenario, dict]:
     return sc, config
 
 
-def memory_shortfall(spec: CellSpec, sc: Scenario, config: dict, caps: list[int | None]) -> str | None:
-    """Why no strategy can fit the caps, or None. Weights + grads + two AdamW moments, 16 B per fp32
-    parameter, spread perfectly, plus each rank's runtime: a necessary condition for every strategy.
-    A cell that fails it is reported infeasible for every strategy (not an error: it is a result)."""
+def lora_of(spec: CellSpec, config: dict):
+    """The cell's LoraSettings on its model's family (ValueError naming a bad rank, alpha, target)."""
+    from xronos.node.models.registry import family_by_name
+
+    family = family_by_name(config["model_type"])  # the families are named as transformers' model types
+    if isinstance(spec.lora_r, bool) or not isinstance(spec.lora_r, int) or spec.lora_r < 1:
+        raise ValueError(f"--lora-r must be a positive integer, got {spec.lora_r!r}")
+    return family.lora_settings(spec.lora_r, spec.lora_alpha, 0.0, list(spec.lora_targets) or None)
+
+
+def model_state_bytes(spec: CellSpec, config: dict, strategy: str) -> tuple[int, str]:
+    """Bytes of fp32 training state a strategy needs, and what they are. Full fine-tuning: weights,
+    gradients and two AdamW moments, 16 B per parameter. LoRA: the frozen base's weights only,
+    4 B per parameter, and 16 B per trained parameter (the adapters and the classification head)."""
+    if strategy in st.LORA_STRATEGIES:
+        lora = lora_of(spec, config)
+        frozen, trained = lora_parameters(config, lora.r, lora.targets)
+        return 4 * frozen + 16 * trained, (f"LoRA r={lora.r} on {','.join(lora.targets)}: {frozen / 1e6:.1f} M frozen "
+                                           f"at 4 B, {trained / 1e6:.2f} M trained at 16 B, runtime")
+    return 16 * _param_count(config), "weights, grads, AdamW state, runtime"
+
+
+def memory_shortfall(spec: CellSpec, sc: Scenario, config: dict, caps: list[int | None],
+                     strategy: str = "xronos") -> str | None:
+    """Why `strategy` cannot fit the caps, or None. Its training state (`model_state_bytes`: 16 B
+    per parameter for full fine-tuning; LoRA's frozen base at 4 B) spread perfectly, plus each
+    rank's runtime: a necessary condition, whatever the plan. A strategy that fails it is reported
+    infeasible (not an error: it is a result)."""
     if not all(c is not None for c in caps):
         return None
-    need = 16 * _param_count(config) + len(caps) * st.RUNTIME_RESERVE
+    state, what = model_state_bytes(spec, config, strategy)
+    need = state + len(caps) * st.RUNTIME_RESERVE
     if need <= sum(caps):
         return None
     return (f"{spec.model} with {config.get('n_layer') or config.get('num_hidden_layers')} blocks needs at "
-            f"least {need / 2**30:.2f} GiB (weights, grads, AdamW state, runtime) but the emulated caps of "
+            f"least {need / 2**30:.2f} GiB ({what}) but the emulated caps of "
             f"{sc.name} total {sum(caps) / 2**30:.2f} GiB ({[round(c / 2**30, 2) for c in caps]})")
 
 
@@ -183,11 +223,13 @@ def run_cell(spec: CellSpec, scratch: str | None = None) -> dict:
                            "full_parameters": _param_count(shape_config(spec.model, None)),
                            "kind_parameters": kind_parameters(config)},
                  "strategies": {}}
-    short = memory_shortfall(spec, sc, config, caps)
-    if short:  # a result, not an error: nothing can run, and the cell says why
-        log.warning("bench.cell_infeasible", cell=spec.cell_name, reason=short)
-        doc["strategies"] = {s: {"infeasible": short, "wall_s": 0.0} for s in spec.strategies}
-    else:
+    # Full fine-tuning and LoRA need different memory: each strategy is checked on its own.
+    short = {s: why for s in spec.strategies if (why := memory_shortfall(spec, sc, config, caps, s))}
+    for s, why in short.items():  # a result, not an error: the strategy cannot run, the cell says why
+        log.warning("bench.strategy_infeasible", cell=spec.cell_name, strategy=s, reason=why)
+    doc["strategies"] = {s: {"infeasible": why, "wall_s": 0.0} for s, why in short.items()}
+    runnable = dataclasses.replace(spec, strategies=tuple(s for s in spec.strategies if s not in short))
+    if runnable.strategies:
         with tempfile.TemporaryDirectory(prefix="xronos-bench-", dir=scratch) as tmp:
             work = Path(tmp)
             model_dir = write_checkpoint(work / "model", config, seed=spec.seed)
@@ -196,8 +238,10 @@ def run_cell(spec: CellSpec, scratch: str | None = None) -> dict:
                                  seed=spec.seed)
             ctx = st.Ctx(work, model_dir, data, config, sc.shares(spec.unit_share), caps,
                          [d.name for d in sc.devices], spec.batch_size, spec.seq_len, spec.micro_batches,
-                         spec.iters, spec.lr, spec.seed, bandwidth_mbit=spec.bandwidth_mbit)
-            doc["strategies"] = run_strategies(spec, sc, config, ctx, doc)
+                         spec.iters, spec.lr, spec.seed, bandwidth_mbit=spec.bandwidth_mbit,
+                         lora_r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_targets=spec.lora_targets or None)
+            doc["strategies"] |= run_strategies(runnable, sc, config, ctx, doc)
+        doc["strategies"] = {s: doc["strategies"][s] for s in spec.strategies}  # the spec's order
     env["loadavg_end"] = os.getloadavg()
     env["finished_at"] = time.time()
     return doc
@@ -216,11 +260,13 @@ def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc:
     numbers (`infeasible`), never timed. A TP strategy whose layout equals one already measured in
     this cell is not run again: it gets that run's numbers and says so (`same_layout_as`), so two
     identical plans never show run-to-run noise as a difference."""
-    want_tp = any(s in st.TP_STRATEGIES for s in spec.strategies)
-    tp_reason = _tp_unavailable(ctx.model_dir) if want_tp else None
+    want_tp = any(s in st.TP_STRATEGIES and s not in st.LORA_STRATEGIES for s in spec.strategies)
+    want_lora = any(s in st.LORA_STRATEGIES for s in spec.strategies)
+    tp_reason = _tp_unavailable(ctx.model_dir) if want_tp or want_lora else None
     want_hf_caps = "hf-tp" in spec.strategies and any(c is not None for c in ctx.caps)
     t0 = time.perf_counter()
-    profiles = st.profile_devices(ctx, (want_tp or want_hf_caps) and tp_reason is None, "pp" in spec.strategies)
+    profiles = st.profile_devices(ctx, (want_tp or want_hf_caps) and tp_reason is None, "pp" in spec.strategies,
+                                  want_lora=want_lora and tp_reason is None)
     doc["profiling_s"] = time.perf_counter() - t0
     doc["profiles"] = profiles
     out: dict[str, dict] = {}
@@ -239,7 +285,8 @@ def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc:
                 why = st.over_cap(plan)
                 if why:
                     raise st.Infeasible(why)
-                key = plan.layout.to_text()
+                # the same layout trains something else with LoRA: never shared across the two
+                key = f"{st.profile_key(strat)} {plan.layout.to_text()}"
                 if key in measured:
                     entry["same_layout_as"] = measured[key]
                     entry["raw"] = out[measured[key]]["raw"]

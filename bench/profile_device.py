@@ -25,6 +25,10 @@ class ProfileJob(BaseModel):
     tp_out: str | None = None
     pp_out: str | None = None
     iters: int = 5
+    # The LoRA job's profile (issue 17): the profiling set trains these adapters on a frozen base.
+    tp_lora_out: str | None = None
+    lora_r: int = 8
+    lora_targets: list[str] | None = None
 
 
 def main(argv: list[str]) -> int:
@@ -44,6 +48,14 @@ def main(argv: list[str]) -> int:
         report = profile(config, "classify", job.batch_size, job.seq_len, threads=job.threads,
                          iters=job.iters, warmup=1, clip=False, weight_decay=0.0)
         Path(job.tp_out).write_text(json.dumps(report.model_dump(mode="json")))
+    if job.tp_lora_out is not None:
+        from xronos.node.profiler import profile
+
+        config = json.loads((Path(job.model_dir) / "config.json").read_text())
+        report = profile(config, "classify", job.batch_size, job.seq_len, threads=job.threads,
+                         iters=job.iters, warmup=1, clip=False, weight_decay=0.0,
+                         lora_r=job.lora_r, lora_targets=job.lora_targets)
+        Path(job.tp_lora_out).write_text(json.dumps(report.model_dump(mode="json")))
     if job.pp_out is not None:
         from xronos.bench.pp_profile import profile_layers
 

@@ -7,6 +7,10 @@ rank confined to its device's CPU share and memory cap:
   own, minimising the sum of per-segment bottlenecks under the memory caps; the default),
   `paper` (the paper's head-tied greedy: a head with its share of the MLP and vocabulary) and
   `uniform` (Megatron-style even split);
+- `xronos-lora`: `xronos` (the per-segment planner) training LoRA adapters on the frozen base
+  (the cell's `lora_r`, `lora_targets`), planned over LoRA profiles of the devices (the profiling
+  set trains the same adapters: no weight gradients for frozen weights, optimizer state for the
+  adapters and the head only);
 - `pp`: the Asteroid-style pipeline (stages from the DP over the devices' layer profiles);
 - `hf-tp`: transformers' own even TP, where the model's sizes divide the rank count.
 With `Ctx.bandwidth_mbit` set, every launch runs its ranks in the network emulator (one namespace
@@ -30,7 +34,8 @@ from xronos.bench.scenarios import RUNTIME_RESERVE
 
 log = structlog.get_logger(__name__)
 # Bench strategy -> planner strategy (`xronos.gateway.planner.STRATEGIES`).
-TP_STRATEGIES = {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform"}
+TP_STRATEGIES = {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform", "xronos-lora": "segment"}
+LORA_STRATEGIES = ("xronos-lora",)  # TP strategies that train LoRA adapters (Ctx.lora) on a frozen base
 STRATEGIES = (*TP_STRATEGIES, "pp", "hf-tp")
 NOMINAL_BW_BPS = 1e9 / 8  # 1 Gbit/s Ethernet (the paper's LAN) for planning inputs on loopback
 NOMINAL_LATENCY_S = 0.5e-3
@@ -56,6 +61,10 @@ class Ctx:
     eval_fraction: float = 0.0  # > 0 only for the time-to-accuracy run (trainer evaluates the tail)
     dropout: float | None = None  # override every dropout probability (None: the checkpoint's)
     bandwidth_mbit: float = 0.0  # emulated link rate per rank (bench/netem.py); 0: plain loopback
+    # LoRA strategies' adapters: rank, alpha, target module names (None: the family's default).
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] | None = None
 
 
 def limits(ctx: Ctx, order: list[int]) -> list[RankLimits]:
@@ -91,9 +100,11 @@ def planning_caps(ctx: Ctx) -> list[float]:
 
 
 # -- profiling ------------------------------------------------------------------------------------
-def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int = 3) -> dict[str, dict]:
+def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int = 3,
+                    want_lora: bool = False) -> dict[str, dict]:
     """Profile each distinct device once, inside its own cgroup, all devices at the same time (their
-    shares fit the machine together): {device name: {"tp": ProfileReport JSON, "pp": layer profile}}."""
+    shares fit the machine together): {device name: {"tp": ProfileReport JSON, "pp": layer profile,
+    "tp-lora": the ProfileReport of the LoRA job (`want_lora`)}}."""
     from xronos.bench.profile_device import ProfileJob
 
     first = {name: d for d, name in reversed(list(enumerate(ctx.device_names)))}
@@ -102,7 +113,10 @@ def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int = 3) -> d
         jobs[name] = ProfileJob(model_dir=str(ctx.model_dir), batch_size=ctx.batch_size, seq_len=ctx.seq_len,
                                 micro_rows=max(1, ctx.batch_size // ctx.micro_batches), iters=iters,
                                 tp_out=str(ctx.work / f"tp-{d}.json") if want_tp else None,
-                                pp_out=str(ctx.work / f"pp-{d}.json") if want_pp else None)
+                                pp_out=str(ctx.work / f"pp-{d}.json") if want_pp else None,
+                                tp_lora_out=str(ctx.work / f"tp-lora-{d}.json") if want_lora else None,
+                                lora_r=ctx.lora_r,
+                                lora_targets=list(ctx.lora_targets) if ctx.lora_targets else None)
         (ctx.work / f"profile-{d}.json").write_text(jobs[name].model_dump_json())
     log.info("bench.profile", devices=list(first))
     # CPU share only: the memory caps emulate the training budget; the profiler's own transient
@@ -122,8 +136,8 @@ def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int = 3) -> d
             raise RuntimeError(f"profiling {name} failed ({how}; signal 9 under a memory cap is the OOM "
                                f"killer):\n{errs[name].decode(errors='replace')[-2000:]}")
         job = jobs[name]
-        out[name] = {k: json.loads(Path(getattr(job, f"{k}_out")).read_text())
-                     for k in ("tp", "pp") if getattr(job, f"{k}_out")}
+        out[name] = {k.replace("_", "-"): json.loads(Path(getattr(job, f"{k}_out")).read_text())
+                     for k in ("tp", "pp", "tp_lora") if getattr(job, f"{k}_out")}
     return out
 
 
@@ -152,7 +166,7 @@ def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
 
     loaded = []
     for d, name in enumerate(ctx.device_names):
-        report = ProfileReport.model_validate(profiles[name]["tp"])
+        report = ProfileReport.model_validate(profiles[name][profile_key(strategy)])
         cap = ctx.caps[d]
         caps = report.capabilities.model_copy(update={"memory_available": NO_CAP if cap is None else int(cap)})
         report = report.model_copy(update={"node_id": f"r{d} {name}", "capabilities": caps})
@@ -167,6 +181,11 @@ def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
                             bandwidth_Bps=planning_bw_bps(ctx), latency_s=NOMINAL_LATENCY_S)
     except InfeasiblePlan as exc:
         raise Infeasible(str(exc)) from None
+
+
+def profile_key(strategy: str) -> str:
+    """Which of a device's profiles plans this strategy: the LoRA job's own, or full fine-tuning's."""
+    return "tp-lora" if strategy in LORA_STRATEGIES else "tp"
 
 
 def over_cap(plan) -> str | None:
@@ -192,7 +211,10 @@ def run_tp(ctx: Ctx, layout, tag: str) -> dict:
                     layout=layout, batch_size=ctx.batch_size, seq_len=ctx.seq_len, lr=ctx.lr,
                     max_steps=ctx.iters, seed=ctx.seed, threads=1, metrics_path=str(metrics),
                     progress=False, gloo_timeout_s=600, eval_fraction=ctx.eval_fraction,
-                    dropout=ctx.dropout)
+                    dropout=ctx.dropout,
+                    **(dict(lora_r=ctx.lora_r, lora_alpha=ctx.lora_alpha,
+                            lora_targets=list(ctx.lora_targets) if ctx.lora_targets else None)
+                       if tag in LORA_STRATEGIES else {}))
     n = layout.world_size
     with Confinement(limits(ctx, list(range(n))), top_weight=True) as conf, network(ctx, n) as net:
         launch_local(cfg, n, wrap=conf.wrap, echo_rank0=False, placement=net)

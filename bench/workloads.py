@@ -40,8 +40,28 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=4, intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_dropout=0.0,
         pad_token_id=0),
+    # The small open models fine-tuned on a few boxes today (issue 17, the LoRA cell), the published
+    # configs (Qwen/Qwen2.5-1.5B, meta-llama/Llama-3.2-1B, HuggingFaceTB/SmolLM2-360M) as
+    # node/models/shapes.py holds them (tests/bench/test_workloads.py checks they agree).
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, max_position_embeddings=131072,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_dropout=0.0,
+        pad_token_id=0),
+    "llama-3.2-1b": dict(
+        model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, attention_dropout=0.0,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192), pad_token_id=0),
+    "smollm2-360m": dict(
+        model_type="llama", hidden_size=960, num_hidden_layers=32, num_attention_heads=15,
+        num_key_value_heads=5, intermediate_size=2560, vocab_size=49152, max_position_embeddings=8192,
+        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, attention_dropout=0.0,
+        pad_token_id=0),
 }
-PAPER_BLOCKS = {"roberta-base": 12, "gpt2-medium": 24, "mobilellama-1.4b": 24, "tinyllama-1.1b": 22}
+PAPER_BLOCKS = {"roberta-base": 12, "gpt2-medium": 24, "mobilellama-1.4b": 24, "tinyllama-1.1b": 22,
+                "qwen2.5-1.5b": 28, "llama-3.2-1b": 16, "smollm2-360m": 32}
 MIN_BLOCKS = 6  # the grid's depth rule: at least this many blocks, or a quarter of the model
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 
@@ -107,6 +127,31 @@ def kind_parameters(config: dict, num_labels: int = 2) -> dict[str, int]:
 
 def parameter_count(config: dict) -> int:
     return sum(kind_parameters(config).values())
+
+
+def lora_parameters(config: dict, r: int, targets: tuple[str, ...], num_labels: int = 2) -> tuple[int, int]:
+    """(frozen, trained) parameters of the classification model under LoRA of rank `r` on the
+    modules named `targets` (peft's names) in its blocks: A [r, in] and B [out, r] per adapted
+    layer (r x (in + out), whatever the weight's orientation: GPT-2's Conv1D too), plus the
+    classification head, which is trained as peft's SEQ_CLS trains it; the rest is frozen."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from xronos.node.tp.lora import TRAINED_HEADS
+
+    cfg = AutoConfig.for_model(config["model_type"], num_labels=num_labels,
+                               **{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(cfg)
+    adapters = head = 0
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if name.rsplit(".", 1)[-1] in targets and w is not None and w.dim() == 2 and re.search(r"\.\d+\.", name):
+            adapters += r * sum(w.shape)
+        if name in TRAINED_HEADS:
+            head += sum(p.numel() for p in m.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return total - head, adapters + head
 
 
 def kept_fraction(name: str, blocks: int | None) -> float:

@@ -126,10 +126,15 @@ def gateway_discovery(ctx: HAContext, specs: Iterable[str] = ()) -> tuple[str, d
         "finish_time": _sensor(f"{dev}_finish_time", "Finish time", state, "finish_at", avail,
                                device_class="timestamp", icon="mdi:flag-checkered"),
         "error": _sensor(f"{dev}_error", "Last error", state, "error", avail, icon="mdi:alert-circle-outline"),
-        # How the job trains (hastate.job_setup): what it learns and how its rows become text.
+        # How the job trains (hastate.job_setup): what it learns, how its rows become text, and
+        # whether it trains LoRA adapters on a frozen base.
         "task": _sensor(f"{dev}_task", "Task", state, "task", avail, icon="mdi:school-outline"),
         "data_format": _sensor(f"{dev}_data_format", "Data format", state, "data_format", avail,
                                icon="mdi:message-text-outline"),
+        # Unknown (None) for full fine-tuning; the adapted modules as an attribute.
+        "lora_rank": _sensor(f"{dev}_lora_rank", "LoRA rank", state, "lora_r", avail, icon="mdi:matrix",
+                             json_attributes_topic=state,
+                             json_attributes_template="{{ {'targets': value_json.lora_targets} | tojson }}"),
     }
     icons = {"pause": "mdi:pause", "resume": "mdi:play", "cancel": "mdi:stop", "start": "mdi:rocket-launch"}
     actions = BUTTONS + (("start",) if specs else ())

@@ -78,9 +78,11 @@ class GatewayHAState(_HAModel):
     nodes_online: Annotated[int, Field(ge=0)] = 0
     error: Text | None = None  # why the current job failed, or why the last submit was refused
     selected_spec: SpecName | None = None  # the job spec the Start button starts
-    # How the job trains, from its JobSpec (see job_setup): the Task and Data format sensors.
+    # How the job trains, from its JobSpec (see job_setup): the Task, Data format and LoRA rank sensors.
     task: Task | None = None  # classify | causal-lm
     data_format: DataFormat | None = None  # text | chat | prompt-completion
+    lora_r: Annotated[int, Field(ge=1)] | None = None  # None: full fine-tuning (or no job)
+    lora_targets: Text | None = None  # "q_proj,v_proj", or "default" (the model family's, peft's)
     last_command: Text | None = None  # e.g. "pause: ok" or "resume: error: no paused job"
     updated_at: Finite
 
@@ -175,8 +177,10 @@ def job_setup(spec: Any) -> dict[str, Any]:
     Assistant is a key here, a field of GatewayHAState and a sensor in
     `homeassistant.gateway_discovery` reading that field."""
     if spec is None:
-        return dict(task=None, data_format=None)
-    return dict(task=spec.task, data_format=spec.data_format)
+        return dict(task=None, data_format=None, lora_r=None, lora_targets=None)
+    lora = spec.lora_r is not None
+    targets = (",".join(spec.lora_targets) if spec.lora_targets else "default") if lora else None
+    return dict(task=spec.task, data_format=spec.data_format, lora_r=spec.lora_r, lora_targets=targets)
 
 
 def same_state(a: BaseModel | None, b: BaseModel | None) -> bool:

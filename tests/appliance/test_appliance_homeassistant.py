@@ -115,7 +115,8 @@ def test_entities_present():
     assert set(gw["cmps"]) == {"job_phase", "job_name", "progress", "loss", "eval_metric",
                                "iteration_time", "eta", "slowest_node", "idle_ratio",
                                "nodes_online", "last_command", "pause", "resume", "cancel",
-                               "steps", "finish_time", "error", "task", "data_format", "start", "job_spec"}
+                               "steps", "finish_time", "error", "task", "data_format", "lora_rank", "start",
+                               "job_spec"}
     assert gw["cmps"]["finish_time"]["device_class"] == "timestamp"
     (_, bare), *_ = all_configs(specs=())  # no job specs: no select (HA refuses an empty one), no Start
     assert "job_spec" not in bare["cmps"] and "start" not in bare["cmps"]
@@ -162,6 +163,19 @@ def test_gateway_state_says_how_the_job_trains():
         value_json = json.loads(unknown.model_dump_json())
         assert value_json["task"] is None and value_json["data_format"] is None  # present, null
         assert render(gw["cmps"]["data_format"]["value_template"], value_json) == "None"
+    # LoRA rank and its targets (an attribute); unknown for full fine-tuning and without a spec.
+    c = gw["cmps"]["lora_rank"]
+    assert c["name"] == "LoRA rank" and c["value_template"] == "{{ value_json.lora_r }}"
+    assert c["json_attributes_topic"] == CTX.topic(hastate.GATEWAY_STATE)
+    lora_cases = [(spec(lora_r=8, lora_targets=["q_proj", "v_proj"]), 8, "q_proj,v_proj"),
+                  (spec(lora_r=4), 4, "default"), (spec(), None, None), (None, None, None)]
+    for sp, r, targets in lora_cases:
+        value_json = json.loads(ha.gateway_state(job(), nodes_online=1, now=0.0, spec=sp).model_dump_json())
+        assert (value_json["lora_r"], value_json["lora_targets"]) == (r, targets)
+        assert render(c["value_template"], value_json) == str(r)
+        assert json.loads(render(c["json_attributes_template"], value_json)) == {"targets": targets}
+    with pytest.raises(ValueError, match="lora_r"):
+        hastate.GatewayHAState(lora_r=0, updated_at=0.0)
     # A new format in a spec would be a state Home Assistant cannot be sent: refused here first.
     with pytest.raises(ValueError, match="data_format"):
         hastate.GatewayHAState(data_format="alpaca", updated_at=0.0)

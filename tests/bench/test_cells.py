@@ -24,9 +24,10 @@ from xronos.protocol.layout import Layout, Sizes
 def test_strategy_names_and_planner_mapping(monkeypatch) -> None:
     from xronos.gateway import planner
 
-    assert st.STRATEGIES == ("xronos", "xronos-paper", "uniform", "pp", "hf-tp")
-    assert st.TP_STRATEGIES == {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform"}
-    assert [st.planner_strategy(s) for s in st.TP_STRATEGIES] == ["segment", "paper", "uniform"]
+    assert st.STRATEGIES == ("xronos", "xronos-paper", "uniform", "xronos-lora", "pp", "hf-tp")
+    assert st.TP_STRATEGIES == {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform",
+                                "xronos-lora": "segment"}
+    assert [st.planner_strategy(s) for s in st.TP_STRATEGIES] == ["segment", "paper", "uniform", "segment"]
     assert set(st.TP_STRATEGIES.values()) <= set(planner.STRATEGIES)
 
 
@@ -143,7 +144,7 @@ def test_infeasible_plans_are_shown_not_timed_and_equal_layouts_run_once(monkeyp
     over = Layout(attn=(2, 1, 1), mlp=(32, 64, 32), vocab=(32, 0, 32))
     plans = {"xronos": _plan(tied), "uniform": _plan(even), "xronos-paper": _plan(over, feasible=False)}
     launched = []
-    monkeypatch.setattr(st, "profile_devices", lambda ctx, tp, pp: {})
+    monkeypatch.setattr(st, "profile_devices", lambda ctx, tp, pp, **kw: {})
     monkeypatch.setattr(st, "tp_plan", lambda ctx, profiles, s: plans[s])
     monkeypatch.setattr(st, "run_tp", lambda ctx, layout, tag: launched.append(tag) or _ranks(layout))
     def pp_plan(ctx, profiles):
@@ -179,7 +180,7 @@ def test_tp_plan_uses_the_emulated_caps() -> None:
     from xronos.bench.plan_speed import synthetic_report
 
     report = synthetic_report("dev", units=16, num_blocks=2).model_dump(mode="json")
-    profiles = {"MiniPC": {"tp": report}, "Pi": {"tp": report}}
+    profiles = {"MiniPC": {"tp": report, "tp-lora": report}, "Pi": {"tp": report, "tp-lora": report}}
     ctx = st.Ctx(Path("."), Path("."), Path("."), {}, [0.45, 0.3], [8 * GIB, 8 * GIB], ["MiniPC", "Pi"],
                  8, 32, 8, 3, 2e-5, 0, bandwidth_mbit=1000.0)
     for s in st.TP_STRATEGIES:

@@ -1,4 +1,4 @@
-"""The benchmark's checkpoints and `xronos profile --arch` describe the same three paper models.
+"""The benchmark's checkpoints and `xronos profile --arch` describe the same models (the paper's and the LoRA cell's).
 
 The bench keeps its own config dicts (dropout 0 so every strategy computes one function, its own
 pad id and tokenizer); the layer shapes must still be the ones `node/models/shapes.py` names."""
@@ -22,7 +22,7 @@ def test_bench_shape_matches_the_built_in_shape(name: str) -> None:
     cfg = shape_config(name, None)
     # The config.json the bench's checkpoint gets (write_checkpoint saves a SequenceClassification model).
     written = AutoConfig.for_model(**cfg).to_dict()
-    written["architectures"] = [{"gpt2": "GPT2", "roberta": "Roberta", "llama": "Llama"}[cfg["model_type"]]
+    written["architectures"] = [{"gpt2": "GPT2", "roberta": "Roberta", "llama": "Llama", "qwen2": "Qwen2"}[cfg["model_type"]]
                                 + "ForSequenceClassification"]
     ours = arch_spec(written, "classify")
     built_in = shape(name, "classify")

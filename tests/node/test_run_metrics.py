@@ -54,6 +54,19 @@ def test_rusage_counts_context_switches() -> None:
     assert Rusage.peak_rss() > 10 * 2**20
 
 
+def test_peak_rss_is_the_process_own_not_its_parents() -> None:
+    """A rank spawned by a big process reports its own peak (ru_maxrss would report the parent's
+    RSS at fork: Linux keeps it across fork + exec)."""
+    import subprocess
+    import sys
+
+    big = torch.ones(128 * 2**20 // 4)  # 128 MiB resident in this (the parent) process
+    code = "from xronos.node.metrics import Rusage; print(Rusage.peak_rss())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert Rusage.peak_rss() > child + 100 * 2**20 > 100 * 2**20, (Rusage.peak_rss(), child)
+    del big
+
+
 def test_linear_warmup_then_constant() -> None:
     assert [lr_factor(s, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert lr_factor(0, 0) == 1.0
