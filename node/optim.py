@@ -19,5 +19,13 @@ import torch
 
 
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
-    """AdamW as the trainer runs it: torch's defaults (betas, eps), the fused CPU kernel."""
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    """AdamW as the trainer runs it: torch's defaults (betas, eps), the fused CPU kernel.
+
+    One parameter group per tensor type: the fused kernel takes one type per call, and a model
+    sharded by transformers' own TP (the hf-tp baseline) mixes DTensor and plain parameters
+    ("got mixed torch.Tensor and DTensor"); the optimizer steps each group on its own."""
+    groups: dict[type, list[torch.nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(type(p.data), []).append(p)
+    return torch.optim.AdamW([{"params": ps} for ps in groups.values()],
+                             lr=lr, weight_decay=weight_decay, fused=True)
