@@ -72,36 +72,33 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def cgroup_cpu_limit(proc: Path = Path("/proc"), cgroot: Path = Path("/sys/fs/cgroup")) -> float | None:
-    """CPU quota in cores (e.g. 0.45), or None when unlimited."""
+def _cpu_quota(proc: Path, cgroot: Path) -> tuple[int, int] | None:
+    """This process's CFS (quota, period) in microseconds, or None when it has no quota (cgroup v2's
+    cpu.max, else v1's cfs_quota_us / cfs_period_us)."""
     paths = _own_cgroup_paths(proc)
     for d in _candidates(cgroot, ["", "unified"], paths.get("", "/")):
         try:
             quota, period = (d / "cpu.max").read_text().split()[:2]
         except (OSError, ValueError):
             continue
-        return None if quota == "max" else int(quota) / int(period)
+        return None if quota == "max" else (int(quota), int(period))
     for d in _candidates(cgroot, ["cpu", "cpu,cpuacct"], paths.get("cpu", "/")):
         quota, period = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
         if quota is not None and period:
-            return None if quota < 0 else quota / period
+            return None if quota < 0 else (quota, period)
     return None
+
+
+def cgroup_cpu_limit(proc: Path = Path("/proc"), cgroot: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPU quota in cores (e.g. 0.45), or None when unlimited."""
+    q = _cpu_quota(proc, cgroot)
+    return None if q is None else q[0] / q[1]
 
 
 def cgroup_cpu_period_s(proc: Path = Path("/proc"), cgroot: Path = Path("/sys/fs/cgroup")) -> float | None:
     """The CFS period (seconds) of this process's CPU quota, or None when there is no quota."""
-    paths = _own_cgroup_paths(proc)
-    for d in _candidates(cgroot, ["", "unified"], paths.get("", "/")):
-        try:
-            quota, period = (d / "cpu.max").read_text().split()[:2]
-        except (OSError, ValueError):
-            continue
-        return None if quota == "max" else int(period) / 1e6
-    for d in _candidates(cgroot, ["cpu", "cpu,cpuacct"], paths.get("cpu", "/")):
-        quota, period = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
-        if quota is not None and period:
-            return None if quota < 0 else period / 1e6
-    return None
+    q = _cpu_quota(proc, cgroot)
+    return None if q is None else q[1] / 1e6
 
 
 def cgroup_memory_limit(proc: Path = Path("/proc"), cgroot: Path = Path("/sys/fs/cgroup")) -> int | None:
