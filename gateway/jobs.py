@@ -31,13 +31,14 @@ from xronos.protocol import messages as m
 
 from .jobtypes import (
     ACTIVE, TERMINAL, Acked, Agg, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job,
-    Metrics, Net, NodeDown, NodeUp, Out, Profile, Profiled, Respond, Status, Tick, Timeouts,
+    Metrics, Net, NodeDown, NodeUp, Out, Profile, Profiled, Rebalanced, Reshard, Respond, Status, Tick, Timeouts,
 )
 from .progress import apply_metrics
 
 __all__ = ["ACTIVE", "TERMINAL", "Acked", "Agg", "Assign", "Command", "Control", "Ctx", "Effect", "Event",
            "Inspect", "Inspected", "Job", "Metrics", "Net", "NodeDown", "NodeUp", "Out", "Profile",
-           "Profiled", "Respond", "Status", "Tick", "Timeouts", "abort", "handle", "new_job", "occupies",
+           "Profiled", "Rebalanced", "Reshard", "Respond", "Status", "Tick", "Timeouts", "abort", "handle", "new_job",
+           "occupies",
            "prune", "restart", "schedule"]
 
 MAX_EVENTS = 20
@@ -428,9 +429,42 @@ def _on_metrics(job: Job, ev: Metrics, ctx: Ctx) -> Out:
     return apply_metrics(job, ev.m, ctx.now, ctx.timeouts.stall_s), []
 
 
+MAX_REASON_CHARS = 256  # JobState.last_replan_reason, Home Assistant's text state
+
+
+def _on_rebalanced(job: Job, ev: Rebalanced, ctx: Ctx) -> Out:
+    """The re-balancing policy's decision: order the owner to re-shard and make the plan the new
+    layout's (a checkpoint after the move records it; the measured sums restart with it), or tell
+    why the plan is kept."""
+    if ev.plan_version != job.plan_version or job.plan is None or job.phase not in ("running", "paused") \
+            or ev.old != job.plan.layout():
+        return job, []
+    reason = _short(ev.reason, MAX_REASON_CHARS)
+    if ev.layout is None:
+        if reason == job.last_replan_reason:
+            return job, []
+        return _note(job, ctx.now, f"plan kept: {ev.reason}", last_replan_reason=reason), []
+    try:
+        ev.layout.check(job.plan.sizes, world_size=len(job.plan.entries), quanta=None)
+    except ValueError as exc:  # never from the policy: it plans over the same sizes
+        return _note(job, ctx.now, f"re-plan refused: {exc}"), []
+    entries = [e.model_copy(update={
+        "attn": ev.layout.attn[e.rank], "mlp": ev.layout.mlp[e.rank], "vocab": ev.layout.vocab[e.rank],
+        **({"predicted_compute_s": ev.predicted_compute_s[e.rank]} if ev.predicted_compute_s else {}),
+        **({"predicted_memory": ev.predicted_memory[e.rank]} if ev.predicted_memory else {}),
+    }) for e in job.plan.entries]
+    update: dict[str, Any] = {"entries": entries}
+    if ev.predicted_bottleneck_s:
+        update["predicted_iteration_s"] = ev.predicted_bottleneck_s + job.plan.comm_s
+    plan = m.Plan.model_validate({**job.plan.model_dump(), **update})
+    job = _note(job, ctx.now, f"re-plan at step {ev.at_step}: {ev.old.to_text()} -> {ev.layout.to_text()}; "
+                f"{ev.reason}", plan=plan, replans=job.replans + 1, agg={}, peak_rss={}, last_replan_reason=reason)
+    return job, [Reshard(job.job_id, job.plan_version, job.rank0 or job.owner, ev.at_step, ev.layout, reason)]
+
+
 _HANDLERS = {Inspected: _on_inspected, Profiled: _on_profiled, Acked: _on_acked,
              NodeDown: _on_down, NodeUp: _on_up, Metrics: _on_metrics, Status: _on_status,
-             Command: _on_command, Tick: _on_tick}
+             Command: _on_command, Tick: _on_tick, Rebalanced: _on_rebalanced}
 
 
 # --- scheduling and restart ------------------------------------------------------------------

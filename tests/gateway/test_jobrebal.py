@@ -1,0 +1,149 @@
+"""A running job's live re-balancing at the gateway (`xronos.gateway.jobrebal`) and its path through
+the job state machine (`J.Rebalanced` -> a `J.Reshard` effect, the plan's new counts, the JobState's
+replans and last reason). Pure: profiles from the bench's synthetic reports, metrics made by hand
+from the cost model with one node slower than its profile says."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from xronos.bench.plan_speed import synthetic_report
+from xronos.gateway import jobs as J
+from xronos.gateway.costmodel import node_cost, segment_times
+from xronos.gateway.jobrebal import JobRebalance, unit_bytes
+from xronos.gateway.profiles import Loaded, node_profile, plan_message, plan_reports
+from xronos.gateway.progress import state_view
+from xronos.gateway.rebalance import PolicyConfig
+from xronos.protocol import messages as m
+from xronos.protocol.layout import KINDS
+
+NODES = ("a", "b")
+SPEC = m.JobSpec(name="t", owner="a", model_dir="/m", data_path="/d.csv", task="classify", batch_size=8,
+                 seq_len=32, lr=1e-4, max_steps=200, export_dir="/out")
+def short(text: str) -> str:  # the JobState's and Home Assistant's 256 characters
+    return text if len(text) <= 256 else text[:253] + "..."
+
+
+FAST = PolicyConfig(window=3, warmup=1, interval=1, confirm=2, cooldown=5, payback=100)
+
+
+def running_job(caps_mb: float | None = None) -> J.Job:
+    reports = {n: synthetic_report(n, units=8, num_blocks=2) for n in NODES}
+    result = plan_reports([Loaded(n, r) for n, r in reports.items()], "segment", batch_size=8, seq_len=32,
+                          task="classify", checkpoints=True)
+    plan = plan_message(result, "j", version=1)
+    if caps_mb is not None:  # every node's cap just above what it holds now: no room to take more
+        plan = plan.model_copy(update={"entries": [e.model_copy(update={"memory_cap": e.predicted_memory * caps_mb})
+                                                   for e in plan.entries]})
+    return J.Job("j", SPEC, 0.0, phase="running", accepted=True, profiles=reports, plan=plan, plan_version=1,
+                 total_steps=200)
+
+
+def metrics(job: J.Job, step: int, slow: dict[str, float], layout=None) -> list[m.IterationMetrics]:
+    """One iteration's metrics from every rank: the profile's per-kind times x the node's slowness."""
+    layout = layout or job.plan.layout()
+    out = []
+    for e in job.plan.entries:
+        base = node_cost(node_profile(job.profiles[e.node_id]))
+        t = segment_times(base, {k: layout.share(k, e.rank) for k in KINDS})
+        f = slow.get(e.node_id, 1.0)
+        per = {k: t[k] * f for k in KINDS}
+        total = sum(per.values()) + t["out"]
+        out.append(m.IterationMetrics(job_id="j", plan_version=1, node_id=e.node_id, rank=e.rank, step=step, epoch=0,
+                                      loss=1.0, compute_s=total, comm_s=0.0, idle_s=0.0, iteration_s=total,
+                                      voluntary_ctx_switches=0, involuntary_ctx_switches=0, peak_rss=1,
+                                      compute_attn_s=per["attn"], compute_mlp_s=per["mlp"],
+                                      compute_vocab_s=per["vocab"], compute_rest_s=t["out"]))
+    return out
+
+
+def run_until_decision(job, reb, slow, steps=range(1, 40)):
+    for step in steps:
+        for x in metrics(job, step, slow):
+            d = reb.observe(x)
+            if d is not None:
+                return step, d
+    return None, None
+
+
+def test_a_slow_node_is_re_planned_and_the_job_orders_the_reshard():
+    job = running_job()
+    reb = JobRebalance.for_job(job, FAST, lead=2)
+    assert reb.policy.layout == job.plan.layout() and reb.policy.caps == [e.memory_cap for e in job.plan.entries]
+    step, d = run_until_decision(job, reb, {"b": 3.0})
+    assert d is not None and d.layout is not None and d.at_step == step + 2
+    old, new = job.plan.layout(), d.layout
+    assert sum(new.mlp[1:]) < sum(old.mlp[1:]) and new.mlp[0] > old.mlp[0]  # work moves off the slow node b
+    job2, effects = J.handle(job, J.Rebalanced(1, d.at_step, d.layout, d.reason, d.old, d.gain,
+                                               d.predicted_compute_s, d.predicted_memory,
+                                               d.predicted_bottleneck_s), J.Ctx(now=5.0, online=frozenset(NODES)))
+    (order,) = effects
+    assert isinstance(order, J.Reshard) and order.node == "a" and order.layout == new and order.at_step == d.at_step
+    assert job2.plan.layout() == new and job2.plan.version == 1 and job2.replans == 1
+    assert job2.plan.predicted_iteration_s == d.predicted_bottleneck_s + job.plan.comm_s
+    state = state_view(job2)
+    assert state.replans == 1 and state.last_replan_reason == short(d.reason)
+    assert f"{old.to_text()} -> {new.to_text()}" in state.events[-1] and "faster" in state.events[-1]
+    # Metrics of the iterations before the move (still the old layout) are not the policy's.
+    fed = reb.fed
+    for x in metrics(job, d.at_step, {"b": 3.0}):
+        assert reb.observe(x) is None
+    assert reb.fed == fed
+    for x in metrics(job2, d.at_step + 1, {"b": 3.0}):
+        reb.observe(x)
+    assert reb.fed == d.at_step + 1
+
+
+def test_a_decision_for_another_plan_or_layout_changes_nothing():
+    job = running_job()
+    reb = JobRebalance.for_job(job, FAST)
+    _, d = run_until_decision(job, reb, {"b": 3.0})
+    c = J.Ctx(now=5.0, online=frozenset(NODES))
+    for ev in (J.Rebalanced(2, d.at_step, d.layout, d.reason, d.old),  # a superseded plan version
+               J.Rebalanced(1, d.at_step, d.layout, d.reason, d.layout)):  # decided from another layout
+        assert J.handle(job, ev, c) == (job, [])
+    assert J.handle(replace(job, phase="recovering"), J.Rebalanced(1, d.at_step, d.layout, d.reason, d.old), c)[1] == []
+
+
+def test_steady_nodes_are_never_re_planned():
+    job = running_job()
+    reb = JobRebalance.for_job(job, FAST)
+    assert run_until_decision(job, reb, {}, range(1, 100)) == (None, None)
+    assert reb.fed == 99 and reb.policy.last_reason.startswith("kept")
+
+
+def test_a_re_plan_over_the_memory_caps_is_kept_and_the_job_says_why_once():
+    job = running_job(caps_mb=1.0001)
+    reb = JobRebalance.for_job(job, FAST)
+    step, d = run_until_decision(job, reb, {"b": 3.0})
+    assert d is not None and d.layout is None and "memory cap" in d.reason
+    c = J.Ctx(now=5.0, online=frozenset(NODES))
+    job2, effects = J.handle(job, J.Rebalanced(1, d.at_step, None, d.reason, d.old), c)
+    assert effects == [] and job2.plan == job.plan and job2.replans == 0
+    assert job2.last_replan_reason == short(d.reason) and "plan kept" in job2.events[-1]
+    # The same reason again is told neither by the glue nor, if it came, by the job.
+    assert run_until_decision(job, reb, {"b": 3.0}, range(step + 1, step + 20)) == (None, None)
+    assert J.handle(job2, J.Rebalanced(1, d.at_step, None, d.reason, d.old), c) == (job2, [])
+
+
+def test_incomplete_steps_and_foreign_metrics_are_not_fed():
+    job = running_job()
+    reb = JobRebalance.for_job(job, FAST)
+    a, b = metrics(job, 1, {})
+    assert reb.observe(a) is None and reb.fed == 0  # b's half is missing
+    assert reb.observe(b.model_copy(update={"node_id": "a"})) is None  # a node speaking for another's rank
+    assert reb.observe(b.model_copy(update={"plan_version": 2})) is None
+    assert reb.observe(b.model_copy(update={"compute_attn_s": None})) is None  # no per-kind split
+    assert reb.fed == 0
+    reb.observe(b)
+    assert reb.fed == 1
+    assert reb.observe(a) is None and reb.fed == 1  # a repeat of a fed step
+
+
+def test_unit_bytes_follow_the_architecture():
+    r = synthetic_report("a", units=8, num_blocks=2)
+    full, lora = unit_bytes(r.arch, 2, "classify", False), unit_bytes(r.arch, 2, "classify", True)
+    h = r.arch.hidden_size
+    assert full["mlp"] == 2 * h * 2 * 4 * 3 and full["vocab"] == h * 4 * 3  # gpt2: c_fc column + c_proj row
+    assert full["attn"] == h * (h / 8) * 4 * 2 * 4 * 3  # q, k, v, o of one head in each of 2 blocks
+    assert {k: v * 3 for k, v in lora.items()} == full  # LoRA: the frozen base moves without moments
