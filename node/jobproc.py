@@ -61,8 +61,8 @@ class JobControl:
     travels in the same broadcast: every rank moves at the same boundary, the first at or after
     `at_step`."""
 
-    def __init__(self, events: Events) -> None:
-        self.code, self.paused, self.events = int(Word.GO), False, events
+    def __init__(self, events: Events, world_size: int) -> None:
+        self.code, self.paused, self.events, self.world_size = int(Word.GO), False, events, world_size
         self.reshard: tuple[int, Layout, str] | None = None  # the owner's pending order
         self.reason = "rebalance"  # the owner's reason for the re-shard it is broadcasting
         self.changed = threading.Event()
@@ -72,12 +72,14 @@ class JobControl:
         for line in sys.stdin:
             order = json.loads(line)
             action = order.get("action")
-            if action == "reshard":
+            if action == "reshard":  # a later order replaces one still pending
                 try:
-                    self.reshard = (int(order["at_step"]), Layout.model_validate(order["layout"]),
-                                    str(order.get("reason", "rebalance"))[:256])
+                    layout = Layout.model_validate(order["layout"])
+                    if layout.world_size != self.world_size:  # the node service checks this too
+                        raise ValueError(f"layout has {layout.world_size} ranks, the job {self.world_size}")
+                    self.reshard = (int(order["at_step"]), layout, str(order.get("reason", "rebalance"))[:256])
                 except (KeyError, TypeError, ValueError) as exc:
-                    self.events.emit("reshard_refused", detail=f"unreadable re-shard order: {exc}"[:2000])
+                    self.events.emit("reshard_refused", detail=f"{exc}"[:2000])
                 continue
             self.code = {"pause": PAUSE, "resume": int(Word.GO), "cancel": int(Word.STOP)}.get(action, self.code)
             self.changed.set()
@@ -91,13 +93,9 @@ class JobControl:
         order = self.reshard if group.rank == 0 else None
         if order is not None and step >= order[0] and row[0] == int(Word.GO):
             self.reshard = None
-            at, layout, _reason = order
-            if layout.world_size != n:  # the node service checks this too: never sent to the group
-                self.events.emit("reshard_refused", detail=f"layout has {layout.world_size} ranks, the job {n}")
-            else:
-                row[1] = 1
-                row[2:] = torch.tensor([*layout.attn, *layout.mlp, *layout.vocab], dtype=torch.int64)
-                self.reason = _reason
+            _at, layout, self.reason = order
+            row[1] = 1
+            row[2:] = torch.tensor([*layout.attn, *layout.mlp, *layout.vocab], dtype=torch.int64)
         return row
 
     def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
@@ -213,7 +211,7 @@ def main(argv: list[str]) -> int:
     checkpoints = Checkpoints(job.checkpoint_dir, job.checkpoint_interval,
                               {"job_id": job.job_id, "plan_version": job.plan_version})
     try:
-        run(job.run, TPEngine(), weights=weights(job), control=JobControl(events), sink=sink,
+        run(job.run, TPEngine(), weights=weights(job), control=JobControl(events, job.run.world_size), sink=sink,
             checkpoints=checkpoints, start=job.resume_step, allowed_dirs=job.allowed_dirs)
     except Exception as exc:  # reported to the node service, which tells the gateway
         traceback.print_exc()
