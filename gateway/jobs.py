@@ -349,6 +349,11 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
                     eval_initial=s.eval_initial, eval_metric_name=s.eval_metric_name)
     if is_owner and s.eval_metric is not None:
         job = replace(job, eval_metric=s.eval_metric, eval_metric_name=s.eval_metric_name)
+    if is_owner and s.reshard_step is not None and s.reshard_step != job.last_reshard_step \
+            and s.reshard_layout is not None:
+        took = f" ({s.reshard_s:.2f} s at the boundary)" if s.reshard_s is not None else ""
+        job = _note(job, ctx.now, f"re-shard applied at step {s.reshard_step}: {s.reshard_layout.to_text()}{took}",
+                    last_reshard_step=s.reshard_step)
     if s.status == "failed" and job.phase in ("assigning", "running", "paused"):
         return _recover(job, ctx, f"rank {s.rank} on {s.node_id!r} failed: {s.detail}")
     # "recovering" too: the owner may finish just as a peer's last-will arrives.

@@ -97,6 +97,7 @@ class Job:
     updated_at: float = 0.0
     replans: int = 0  # live re-shards ordered (the plan's counts follow them)
     last_replan_reason: str | None = None
+    last_reshard_step: int | None = None  # the boundary of the owner's latest applied re-shard
 
     @property
     def owner(self) -> str:

@@ -549,6 +549,11 @@ class NodeJobStatus(Message):
     eval_initial: Metric | None = None
     export_dir: PathText | None = None
     detail: Text4k | None = None
+    # The owner's latest live re-shard (a JobReshard it applied): the boundary (before this 0-based
+    # step), the layout every rank moved to, and the owner's wall time at that boundary.
+    reshard_step: Count | None = None
+    reshard_layout: Layout | None = None
+    reshard_s: Seconds | None = None
     sent_at: Timestamp
 
 

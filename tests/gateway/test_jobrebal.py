@@ -147,3 +147,19 @@ def test_unit_bytes_follow_the_architecture():
     assert full["mlp"] == 2 * h * 2 * 4 * 3 and full["vocab"] == h * 4 * 3  # gpt2: c_fc column + c_proj row
     assert full["attn"] == h * (h / 8) * 4 * 2 * 4 * 3  # q, k, v, o of one head in each of 2 blocks
     assert {k: v * 3 for k, v in lora.items()} == full  # LoRA: the frozen base moves without moments
+
+
+def test_the_owners_applied_reshard_is_noted_once_and_only_from_the_owner():
+    job = running_job()
+    new = job.plan.layout()
+    c = J.Ctx(now=5.0, online=frozenset(NODES))
+
+    def status(node, rank, **kw):
+        return J.Status(m.NodeJobStatus(node_id=node, job_id="j", plan_version=1, rank=rank, status="running",
+                                        step=9, sent_at=1.0, **kw))
+
+    job2, _ = J.handle(job, status("a", 0, reshard_step=7, reshard_layout=new, reshard_s=0.25), c)
+    assert job2.last_reshard_step == 7 and job2.events[-1].endswith(
+        f"re-shard applied at step 7: {new.to_text()} (0.25 s at the boundary)")
+    assert J.handle(job2, status("a", 0, reshard_step=7, reshard_layout=new, reshard_s=0.25), c)[0] == job2
+    assert J.handle(job, status("b", 1, reshard_step=7, reshard_layout=new), c)[0].last_reshard_step is None
