@@ -130,6 +130,11 @@ def gateway_discovery(ctx: HAContext, specs: Iterable[str] = ()) -> tuple[str, d
         "task": _sensor(f"{dev}_task", "Task", state, "task", avail, icon="mdi:school-outline"),
         "data_format": _sensor(f"{dev}_data_format", "Data format", state, "data_format", avail,
                                icon="mdi:message-text-outline"),
+        # Live re-balancing: how often the plan followed the boxes, and the last decision's reason.
+        "replans": _sensor(f"{dev}_replans", "Re-plans", state, "replans", avail, icon="mdi:scale-balance",
+                           state_class="total_increasing"),
+        "last_replan": _sensor(f"{dev}_last_replan", "Last re-plan", state, "last_replan", avail,
+                               icon="mdi:swap-horizontal"),
     }
     icons = {"pause": "mdi:pause", "resume": "mdi:play", "cancel": "mdi:stop", "start": "mdi:rocket-launch"}
     actions = BUTTONS + (("start",) if specs else ())
@@ -284,6 +289,7 @@ def gateway_state(job: JobState | None, *, nodes_online: int, now: float,
         idle_ratio_pct=min(100.0, max(0.0, 100.0 * sum(idle) / len(idle))) if idle else None,
         nodes_online=nodes_online, last_command=_text(last_command), updated_at=now,
         steps=steps, finish_at=finish, error=_text(error or job.error), selected_spec=selected_spec,
+        replans=job.replans, last_replan=_text(job.last_replan_reason),
         **hastate.job_setup(spec),
     )
 

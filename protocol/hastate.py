@@ -82,6 +82,9 @@ class GatewayHAState(_HAModel):
     task: Task | None = None  # classify | causal-lm
     data_format: DataFormat | None = None  # text | chat | prompt-completion
     last_command: Text | None = None  # e.g. "pause: ok" or "resume: error: no paused job"
+    # Live re-balancing (JobState.replans, .last_replan_reason): the Re-plans and Last re-plan sensors.
+    replans: Annotated[int, Field(ge=0)] | None = None
+    last_replan: Text | None = None
     updated_at: Finite
 
 
