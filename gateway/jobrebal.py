@@ -8,8 +8,9 @@ step is complete (every rank heard) it feeds the policy in step order and asks i
 `lead` steps ahead of that step, so the order reaches the owner before the ranks get there (the
 owner applies it at the first boundary at or after `at_step` regardless). The iterations before
 the move are then left out of the policy's measurements: they ran under the old layout.
-A `Decision` is a re-plan to order (`layout` set) or a kept plan whose reason is worth telling
-(the policy's refusal of a re-plan that does not fit the memory caps).
+A `Decision` is a re-plan to order (`layout` set) or the plan kept (`layout` None) for a reason
+other than the last one told (warming up, the gain below the bar, the move not repaid, a re-plan
+that does not fit the memory caps, ...).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class JobRebalance:
         self.pending: dict[int, dict[int, dict[str, float]]] = {}  # step -> rank -> per-kind compute
         self.fed = 0  # the last step fed to the policy
         self.ignore_until = 0  # metrics of steps up to this one ran under a superseded layout
-        self.told = ""  # the last kept reason surfaced (each is told once)
+        self.told = ""  # the policy's last reason told (a repeat is not)
 
     @classmethod
     def for_job(cls, job: Job, config: PolicyConfig = PolicyConfig(), lead: int = 2) -> JobRebalance:
@@ -124,7 +125,7 @@ class JobRebalance:
                             tuple(predict_memory(n, _shares(new, d)) for d, n in enumerate(self.base)),
                             replan.predicted_new_s)
         reason = self.policy.last_reason
-        if "memory cap" in reason and reason != self.told:
+        if reason != self.told:  # the job shows the policy's latest word (Home Assistant's Last re-plan)
             self.told = reason
             return Decision(at, None, reason, old)
         return None

@@ -448,7 +448,11 @@ def _on_rebalanced(job: Job, ev: Rebalanced, ctx: Ctx) -> Out:
     if ev.layout is None:
         if reason == job.last_replan_reason:
             return job, []
-        return _note(job, ctx.now, f"plan kept: {ev.reason}", last_replan_reason=reason), []
+        # The event history hears of a re-plan refused by the memory caps (once in a row of them);
+        # the policy's every other word only updates the reason the state shows.
+        if "memory cap" in ev.reason and "memory cap" not in (job.last_replan_reason or ""):
+            return _note(job, ctx.now, f"plan kept: {ev.reason}", last_replan_reason=reason), []
+        return replace(job, last_replan_reason=reason, updated_at=ctx.now), []
     try:
         ev.layout.check(job.plan.sizes, world_size=len(job.plan.entries), quanta=None)
     except ValueError as exc:  # never from the policy: it plans over the same sizes

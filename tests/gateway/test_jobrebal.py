@@ -57,18 +57,22 @@ def metrics(job: J.Job, step: int, slow: dict[str, float], layout=None) -> list[
     return out
 
 
-def run_until_decision(job, reb, slow, steps=range(1, 40)):
+def run_until_decision(job, reb, slow, steps=range(1, 40), want=lambda d: d.layout is not None):
+    """The first decision `want`s (a re-plan), and every decision seen on the way."""
     for step in steps:
         for x in metrics(job, step, slow):
             d = reb.observe(x)
             if d is not None:
-                return step, d
+                reb.seen.append(d)
+                if want(d):
+                    return step, d
     return None, None
 
 
 def test_a_slow_node_is_re_planned_and_the_job_orders_the_reshard():
     job = running_job()
     reb = JobRebalance.for_job(job, FAST, lead=2)
+    reb.seen = []
     assert reb.policy.layout == job.plan.layout() and reb.policy.caps == [e.memory_cap for e in job.plan.entries]
     step, d = run_until_decision(job, reb, {"b": 3.0})
     assert d is not None and d.layout is not None and d.at_step == step + 2
@@ -97,6 +101,7 @@ def test_a_slow_node_is_re_planned_and_the_job_orders_the_reshard():
 def test_a_decision_for_another_plan_or_layout_changes_nothing():
     job = running_job()
     reb = JobRebalance.for_job(job, FAST)
+    reb.seen = []
     _, d = run_until_decision(job, reb, {"b": 3.0})
     c = J.Ctx(now=5.0, online=frozenset(NODES))
     for ev in (J.Rebalanced(2, d.at_step, d.layout, d.reason, d.old),  # a superseded plan version
@@ -105,30 +110,44 @@ def test_a_decision_for_another_plan_or_layout_changes_nothing():
     assert J.handle(replace(job, phase="recovering"), J.Rebalanced(1, d.at_step, d.layout, d.reason, d.old), c)[1] == []
 
 
-def test_steady_nodes_are_never_re_planned():
+def test_steady_nodes_are_never_re_planned_and_each_new_reason_is_told_once():
     job = running_job()
     reb = JobRebalance.for_job(job, FAST)
+    reb.seen = []
     assert run_until_decision(job, reb, {}, range(1, 100)) == (None, None)
     assert reb.fed == 99 and reb.policy.last_reason.startswith("kept")
+    reasons = [d.reason for d in reb.seen]
+    assert reasons[0] == "warming up" and reasons[-1] == reb.policy.last_reason
+    assert all(a != b for a, b in zip(reasons, reasons[1:])) and all(d.layout is None for d in reb.seen)
+    # The job shows the latest as its reason, without an event line for each.
+    c = J.Ctx(now=5.0, online=frozenset(NODES))
+    for d in reb.seen:
+        job = J.handle(job, J.Rebalanced(1, d.at_step, None, d.reason, d.old), c)[0]
+    assert job.last_replan_reason == short(reasons[-1]) and job.replans == 0 and not job.events
 
 
 def test_a_re_plan_over_the_memory_caps_is_kept_and_the_job_says_why_once():
     job = running_job(caps_mb=1.0001)
     reb = JobRebalance.for_job(job, FAST)
-    step, d = run_until_decision(job, reb, {"b": 3.0})
+    reb.seen = []
+    step, d = run_until_decision(job, reb, {"b": 3.0}, want=lambda d: "memory cap" in d.reason)
     assert d is not None and d.layout is None and "memory cap" in d.reason
     c = J.Ctx(now=5.0, online=frozenset(NODES))
     job2, effects = J.handle(job, J.Rebalanced(1, d.at_step, None, d.reason, d.old), c)
     assert effects == [] and job2.plan == job.plan and job2.replans == 0
     assert job2.last_replan_reason == short(d.reason) and "plan kept" in job2.events[-1]
-    # The same reason again is told neither by the glue nor, if it came, by the job.
+    # No re-plan ever; the same reason again is not told, and the job's history has it once.
     assert run_until_decision(job, reb, {"b": 3.0}, range(step + 1, step + 20)) == (None, None)
     assert J.handle(job2, J.Rebalanced(1, d.at_step, None, d.reason, d.old), c) == (job2, [])
+    other = "kept: the re-plan puts ['a'] over their memory caps"
+    again = J.handle(job2, J.Rebalanced(1, d.at_step, None, other, d.old), c)[0]
+    assert again.events == job2.events and again.last_replan_reason == other
 
 
 def test_incomplete_steps_and_foreign_metrics_are_not_fed():
     job = running_job()
     reb = JobRebalance.for_job(job, FAST)
+    reb.seen = []
     a, b = metrics(job, 1, {})
     assert reb.observe(a) is None and reb.fed == 0  # b's half is missing
     assert reb.observe(b.model_copy(update={"node_id": "a"})) is None  # a node speaking for another's rank
