@@ -73,7 +73,7 @@ class Fuzzer:
         self.answers: Counter[str] = Counter()  # the gateway's answers to the fuzzer's submits and previews
         self.templates = self._templates()
 
-    # --- templates: one valid message per topic, in this deployment's names -------------------
+    # --- templates: one valid message per topic (or a tuple of shapes), in this deployment's names ---
     def _templates(self) -> dict[str, Any]:
         t = dict(SAMPLES)
         t["node.inspect_request"] = m.InspectRequest(request_id="fz.1", job_id="ghost-1",
@@ -82,10 +82,10 @@ class Fuzzer:
                                                      batch_size=2, seq_len=16, threads=1)
         t["node.assignment"] = SAMPLES["node.assignment"].model_copy(update={"node_id": self.real_node,
                                                                              "job_id": "ghost-3"})
-        t["node.control"] = self.rng.choice([
-            m.JobStart(job_id="ghost-4", plan_version=3),
-            m.JobReshard(job_id="ghost-4", plan_version=3, at_step=5, reason="fuzz",
-                         layout=Layout(attn=(2, 2), mlp=(40, 24), vocab=(30, 20)))])
+        # Two shapes on the control topic: each mutation starts from one of them.
+        t["node.control"] = (m.JobStart(job_id="ghost-4", plan_version=3),
+                             m.JobReshard(job_id="ghost-4", plan_version=3, at_step=5, reason="fuzz",
+                                          layout=Layout(attn=(2, 2), mlp=(40, 24), vocab=(30, 20))))
         owner = self.rng.choice(FAKES)
         fake_spec = SPEC.model_copy(update={"owner": owner, "nodes": [owner] + [n for n in FAKES if n != owner][:1]})
         t["gateway.request.job/submit"] = m.JobSubmitRequest(transaction="fz", spec=fake_spec)
@@ -219,6 +219,8 @@ class Fuzzer:
             topic, payload = self.rng.choice(self.seen)  # the real node's own words, again, out of order
         else:
             template = self.templates[entry.key]
+            if isinstance(template, tuple):
+                template = self.rng.choice(template)
             if entry.encoding == "text":
                 texts = [b"ONLINE", b"onl\xffine", b"1", b"online\0", b"x" * 1000, b"\xed\xa0\x80"]
                 if params.get("node_id") != self.real_node:  # another node may say anything of itself
