@@ -182,3 +182,27 @@ def test_the_owners_applied_reshard_is_noted_once_and_only_from_the_owner():
         f"re-shard applied at step 7: {new.to_text()} (0.25 s at the boundary)")
     assert J.handle(job2, status("a", 0, reshard_step=7, reshard_layout=new, reshard_s=0.25), c)[0] == job2
     assert J.handle(job, status("b", 1, reshard_step=7, reshard_layout=new), c)[0].last_reshard_step is None
+
+
+def test_a_rank_failing_after_a_re_plan_recovers_from_the_checkpoint_under_a_fresh_plan():
+    """A rank that dies at or after a move fails like any rank: the survivors are cancelled, the
+    job re-plans from the profiles on the nodes online and resumes from the last checkpoint (which
+    loads under any layout); a decision of the old plan version is ignored from then on."""
+    from xronos.gateway.planning import plan_job
+
+    job = running_job()
+    reb = JobRebalance.for_job(job, FAST)
+    reb.seen = []
+    _, d = run_until_decision(job, reb, {"b": 3.0})
+    c = J.Ctx(now=5.0, online=frozenset(NODES), planner=plan_job)
+    job, _ = J.handle(job, J.Rebalanced(1, d.at_step, d.layout, d.reason, d.old, d.gain), c)
+    job = replace(job, checkpoint_step=10)
+    failed = J.Status(m.NodeJobStatus(node_id="b", job_id="j", plan_version=1, rank=1, status="failed", step=12,
+                                      detail="gloo: connection closed by peer", sent_at=1.0))
+    job, effects = J.handle(job, failed, c)
+    assert job.phase == "recovering" and "resuming from step 10" in job.events[-1]
+    assert [(type(e).__name__, e.action) for e in effects] == [("Control", "cancel")]
+    job, effects = J.handle(job, J.Tick(), replace(c, now=5.0 + 60))  # the regroup wait is over
+    (assign,) = [e for e in effects if isinstance(e, J.Assign)]
+    assert assign.resume_step == 10 and job.plan_version == 2 and assign.plan.version == 2
+    assert J.handle(job, J.Rebalanced(1, d.at_step, d.layout, d.reason, job.plan.layout()), c) == (job, [])
