@@ -98,6 +98,7 @@ class Job:
     replans: int = 0  # live re-shards ordered (the plan's counts follow them)
     last_replan_reason: str | None = None
     last_reshard_step: int | None = None  # the boundary of the owner's latest applied re-shard
+    pending_plan: m.Plan | None = None  # a re-shard ordered, not yet applied: the plan it makes
 
     @property
     def owner(self) -> str:

@@ -83,11 +83,22 @@ def test_a_slow_node_is_re_planned_and_the_job_orders_the_reshard():
                                                d.predicted_bottleneck_s), J.Ctx(now=5.0, online=frozenset(NODES)))
     (order,) = effects
     assert isinstance(order, J.Reshard) and order.node == "a" and order.layout == new and order.at_step == d.at_step
-    assert job2.plan.layout() == new and job2.plan.version == 1 and job2.replans == 1
-    assert job2.plan.predicted_iteration_s == d.predicted_bottleneck_s + job.plan.comm_s
+    # Ordered, not yet applied: the plan is still what the ranks run; the order's plan waits.
+    assert job2.plan == job.plan and job2.pending_plan.layout() == new and job2.replans == 1
+    assert job2.pending_plan.version == 1
+    assert job2.pending_plan.predicted_iteration_s == d.predicted_bottleneck_s + job.plan.comm_s
     state = state_view(job2)
     assert state.replans == 1 and state.last_replan_reason == short(d.reason)
-    assert f"{old.to_text()} -> {new.to_text()}" in state.events[-1] and "faster" in state.events[-1]
+    assert f"re-plan for step {d.at_step}: {old.to_text()} -> {new.to_text()}" in state.events[-1]
+    assert "faster" in state.events[-1]
+    # The owner says the ranks moved: the plan is the new layout's, the measured sums restart.
+    job2 = replace(job2, agg={"a": J.Agg(3, 1.0, 0.1, 1.2, 0.1)})
+    moved = J.Status(m.NodeJobStatus(node_id="a", job_id="j", plan_version=1, rank=0, status="running",
+                                     step=d.at_step, reshard_step=d.at_step, reshard_layout=new, sent_at=1.0))
+    job3, _ = J.handle(job2, moved, J.Ctx(now=6.0, online=frozenset(NODES)))
+    assert job3.plan == job2.pending_plan and job3.pending_plan is None and job3.agg == {}
+    assert job3.events[-1].endswith(f"re-shard applied at step {d.at_step}: {new.to_text()}")
+    assert state_view(job3).plan.layout() == new
     # Metrics of the iterations before the move (still the old layout) are not the policy's.
     fed = reb.fed
     for x in metrics(job, d.at_step, {"b": 3.0}):
@@ -104,6 +115,10 @@ def test_a_decision_for_another_plan_or_layout_changes_nothing():
     reb.seen = []
     _, d = run_until_decision(job, reb, {"b": 3.0})
     c = J.Ctx(now=5.0, online=frozenset(NODES))
+    # No boundary is left before the job's end: nothing is ordered, the reason says so.
+    late, effects = J.handle(replace(job, total_steps=d.at_step), J.Rebalanced(1, d.at_step, d.layout, d.reason,
+                                                                              d.old), c)
+    assert effects == [] and late.pending_plan is None and late.last_replan_reason.startswith("not ordered")
     for ev in (J.Rebalanced(2, d.at_step, d.layout, d.reason, d.old),  # a superseded plan version
                J.Rebalanced(1, d.at_step, d.layout, d.reason, d.layout)):  # decided from another layout
         assert J.handle(job, ev, c) == (job, [])
@@ -180,6 +195,9 @@ def test_the_owners_applied_reshard_is_noted_once_and_only_from_the_owner():
     job2, _ = J.handle(job, status("a", 0, reshard_step=7, reshard_layout=new, reshard_s=0.25), c)
     assert job2.last_reshard_step == 7 and job2.events[-1].endswith(
         f"re-shard applied at step 7: {new.to_text()} (0.25 s at the boundary)")
+    # A layout that does not cover the model is nothing the ranks moved to.
+    bad = new.model_copy(update={"mlp": (1, 1)})
+    assert J.handle(job, status("a", 0, reshard_step=7, reshard_layout=bad), c)[0] == job
     assert J.handle(job2, status("a", 0, reshard_step=7, reshard_layout=new, reshard_s=0.25), c)[0] == job2
     assert J.handle(job, status("b", 1, reshard_step=7, reshard_layout=new), c)[0].last_reshard_step is None
 

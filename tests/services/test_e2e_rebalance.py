@@ -76,7 +76,7 @@ def test_a_slowed_box_is_re_planned_live_and_the_export_equals_xronos_run(tmp_pa
         stack.close()
 
     assert final.replans >= 1 and final.last_replan_reason, final.events
-    assert any("re-plan at step" in e and "faster" in e for e in final.events), final.events
+    assert any("re-plan for step" in e and "faster" in e for e in final.events), final.events
     applied = [(int(s), Layout.parse(t)) for e in final.events for s, t in APPLIED.findall(e)]
     assert len(applied) == final.replans, final.events
     assert applied[-1][1] == final.plan.layout() != first
