@@ -466,8 +466,8 @@ def _on_rebalanced(job: Job, ev: Rebalanced, ctx: Ctx) -> Out:
             return _note(job, ctx.now, f"plan kept: {ev.reason}", last_replan_reason=reason), []
         return replace(job, last_replan_reason=reason, updated_at=ctx.now), []
     if job.total_steps and ev.at_step >= job.total_steps:  # no boundary left to move at
-        return replace(job, last_replan_reason=_short(f"not ordered: the job ends before step {ev.at_step}; {ev.reason}",
-                                                      MAX_REASON_CHARS), updated_at=ctx.now), []
+        why = f"not ordered: the job ends before step {ev.at_step}; {ev.reason}"
+        return replace(job, last_replan_reason=_short(why, MAX_REASON_CHARS), updated_at=ctx.now), []
     try:
         ev.layout.check(plan.sizes, world_size=len(plan.entries), quanta=None)
     except ValueError as exc:  # never from the policy: it plans over the same sizes
