@@ -203,6 +203,12 @@ def format_state(s: dict[str, Any]) -> str:
         if errs:
             lines.append("  prediction MAPE: " + ", ".join(errs))
     lines += format_peak_memory(s)
+    if s.get("replans") or s.get("last_replan_reason"):
+        plan = s.get("plan") or {}
+        layout = ";".join(f"{k}=" + ",".join(str(e[k]) for e in plan.get("entries", [])) for k in ("attn", "mlp", "vocab"))
+        lines.append(f"  live re-plans: {s.get('replans', 0)}" + (f" (now {layout})" if plan else ""))
+        if s.get("last_replan_reason"):
+            lines.append(f"  last re-plan decision: {s['last_replan_reason']}")
     if s.get("error"):
         lines.append(f"  error: {s['error']}")
     lines += [f"  | {e}" for e in s.get("events", [])[-8:]]

@@ -135,6 +135,11 @@ def gateway_discovery(ctx: HAContext, specs: Iterable[str] = ()) -> tuple[str, d
         "lora_rank": _sensor(f"{dev}_lora_rank", "LoRA rank", state, "lora_r", avail, icon="mdi:matrix",
                              json_attributes_topic=state,
                              json_attributes_template="{{ {'targets': value_json.lora_targets} | tojson }}"),
+        # Live re-balancing: how often the plan followed the boxes, and the last decision's reason.
+        "replans": _sensor(f"{dev}_replans", "Re-plans", state, "replans", avail, icon="mdi:scale-balance",
+                           state_class="total_increasing"),
+        "last_replan": _sensor(f"{dev}_last_replan", "Last re-plan", state, "last_replan", avail,
+                               icon="mdi:swap-horizontal"),
     }
     icons = {"pause": "mdi:pause", "resume": "mdi:play", "cancel": "mdi:stop", "start": "mdi:rocket-launch"}
     actions = BUTTONS + (("start",) if specs else ())
@@ -289,6 +294,7 @@ def gateway_state(job: JobState | None, *, nodes_online: int, now: float,
         idle_ratio_pct=min(100.0, max(0.0, 100.0 * sum(idle) / len(idle))) if idle else None,
         nodes_online=nodes_online, last_command=_text(last_command), updated_at=now,
         steps=steps, finish_at=finish, error=_text(error or job.error), selected_spec=selected_spec,
+        replans=job.replans, last_replan=_text(job.last_replan_reason),
         **hastate.job_setup(spec),
     )
 

@@ -31,13 +31,14 @@ from xronos.protocol import messages as m
 
 from .jobtypes import (
     ACTIVE, TERMINAL, Acked, Agg, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job,
-    Metrics, Net, NodeDown, NodeUp, Out, Profile, Profiled, Respond, Status, Tick, Timeouts,
+    Metrics, Net, NodeDown, NodeUp, Out, Profile, Profiled, Rebalanced, Reshard, Respond, Status, Tick, Timeouts,
 )
 from .progress import apply_metrics
 
 __all__ = ["ACTIVE", "TERMINAL", "Acked", "Agg", "Assign", "Command", "Control", "Ctx", "Effect", "Event",
            "Inspect", "Inspected", "Job", "Metrics", "Net", "NodeDown", "NodeUp", "Out", "Profile",
-           "Profiled", "Respond", "Status", "Tick", "Timeouts", "abort", "handle", "new_job", "occupies",
+           "Profiled", "Rebalanced", "Reshard", "Respond", "Status", "Tick", "Timeouts", "abort", "handle", "new_job",
+           "occupies",
            "prune", "restart", "schedule"]
 
 MAX_EVENTS = 20
@@ -187,7 +188,8 @@ def _recover(job: Job, ctx: Ctx, reason: str, known_cause: bool = False) -> Out:
         return _fail(job, ctx, f"{reason}; gave up after {job.recoveries} recoveries")
     effects: list[Effect] = [Control(job.job_id, job.plan_version, job.plan_nodes, "cancel")]
     job = _note(job, ctx.now, f"recovering: {reason}; resuming from step {job.checkpoint_step}",
-                phase="recovering", recoveries=job.recoveries + 1, error=None,
+                phase="recovering", recoveries=job.recoveries + 1, error=None, pending_plan=None,
+                last_reshard_step=None,
                 recover_deadline=ctx.now + ctx.timeouts.recover_s)
     if not known_cause:
         return replace(job, awaiting="retry", waiting=(), deadline=ctx.now + ctx.timeouts.regroup_s), effects
@@ -348,6 +350,15 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
                     eval_initial=s.eval_initial, eval_metric_name=s.eval_metric_name)
     if is_owner and s.eval_metric is not None:
         job = replace(job, eval_metric=s.eval_metric, eval_metric_name=s.eval_metric_name)
+    if is_owner and s.reshard_step is not None and s.reshard_step != job.last_reshard_step \
+            and s.reshard_layout is not None and job.plan is not None \
+            and s.reshard_layout.world_size == len(job.plan.entries):
+        try:
+            s.reshard_layout.check(job.plan.sizes, quanta=None)
+        except ValueError:
+            pass  # not a layout of this model: nothing the owner moved to
+        else:
+            job = _resharded(job, ctx, s)
     if s.status == "failed" and job.phase in ("assigning", "running", "paused"):
         return _recover(job, ctx, f"rank {s.rank} on {s.node_id!r} failed: {s.detail}")
     # "recovering" too: the owner may finish just as a peer's last-will arrives.
@@ -428,9 +439,72 @@ def _on_metrics(job: Job, ev: Metrics, ctx: Ctx) -> Out:
     return apply_metrics(job, ev.m, ctx.now, ctx.timeouts.stall_s), []
 
 
+MAX_REASON_CHARS = 256  # JobState.last_replan_reason, Home Assistant's text state
+
+
+def _ordered(job: Job) -> m.Plan | None:
+    """The plan the ranks run or have been ordered to: a re-shard not yet applied, else the plan."""
+    if job.pending_plan is not None and job.pending_plan.version == job.plan_version:
+        return job.pending_plan
+    return job.plan
+
+
+def _on_rebalanced(job: Job, ev: Rebalanced, ctx: Ctx) -> Out:
+    """The re-balancing policy's decision: order the owner to re-shard (the plan takes the new
+    counts when the owner says the ranks moved: `_on_status`), or tell why the plan is kept."""
+    plan = _ordered(job)
+    if ev.plan_version != job.plan_version or plan is None or job.phase not in ("running", "paused") \
+            or ev.old != plan.layout():
+        return job, []
+    reason = _short(ev.reason, MAX_REASON_CHARS)
+    if ev.layout is None:
+        if reason == job.last_replan_reason:
+            return job, []
+        # The event history hears of a re-plan refused by the memory caps (once in a row of them);
+        # the policy's every other word only updates the reason the state shows.
+        if "memory cap" in ev.reason and "memory cap" not in (job.last_replan_reason or ""):
+            return _note(job, ctx.now, f"plan kept: {ev.reason}", last_replan_reason=reason), []
+        return replace(job, last_replan_reason=reason, updated_at=ctx.now), []
+    if job.total_steps and ev.at_step >= job.total_steps:  # no boundary left to move at
+        why = f"not ordered: the job ends before step {ev.at_step}; {ev.reason}"
+        return replace(job, last_replan_reason=_short(why, MAX_REASON_CHARS), updated_at=ctx.now), []
+    try:
+        ev.layout.check(plan.sizes, world_size=len(plan.entries), quanta=None)
+    except ValueError as exc:  # never from the policy: it plans over the same sizes
+        return _note(job, ctx.now, f"re-plan refused: {exc}"), []
+    entries = [e.model_copy(update={
+        "attn": ev.layout.attn[e.rank], "mlp": ev.layout.mlp[e.rank], "vocab": ev.layout.vocab[e.rank],
+        **({"predicted_compute_s": ev.predicted_compute_s[e.rank]} if ev.predicted_compute_s else {}),
+        **({"predicted_memory": ev.predicted_memory[e.rank]} if ev.predicted_memory else {}),
+    }) for e in plan.entries]
+    update: dict[str, Any] = {"entries": entries}
+    if ev.predicted_bottleneck_s:
+        update["predicted_iteration_s"] = ev.predicted_bottleneck_s + plan.comm_s
+    pending = m.Plan.model_validate({**plan.model_dump(), **update})
+    job = _note(job, ctx.now, f"re-plan for step {ev.at_step}: {ev.old.to_text()} -> {ev.layout.to_text()}; "
+                f"{ev.reason}", pending_plan=pending, replans=job.replans + 1, last_replan_reason=reason)
+    return job, [Reshard(job.job_id, job.plan_version, job.rank0 or job.owner, ev.at_step, ev.layout, reason)]
+
+
+def _resharded(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
+    """The owner says every rank moved to `s.reshard_layout` before step `s.reshard_step`: the plan
+    is now that layout's (the ordered plan's predictions with it), and the measured sums restart."""
+    assert s.reshard_layout is not None and job.plan is not None
+    layout, pending = s.reshard_layout, _ordered(job)
+    if pending is not None and pending.layout() == layout:
+        plan = pending
+    else:  # not the ordered layout (never from our owner): its counts, the plan's predictions
+        plan = m.Plan.model_validate({**job.plan.model_dump(), "entries": [e.model_copy(update={
+            "attn": layout.attn[e.rank], "mlp": layout.mlp[e.rank], "vocab": layout.vocab[e.rank]})
+            for e in job.plan.entries]})
+    took = f" ({s.reshard_s:.2f} s at the boundary)" if s.reshard_s is not None else ""
+    return _note(job, ctx.now, f"re-shard applied at step {s.reshard_step}: {layout.to_text()}{took}",
+                 plan=plan, pending_plan=None, agg={}, peak_rss={}, last_reshard_step=s.reshard_step)
+
+
 _HANDLERS = {Inspected: _on_inspected, Profiled: _on_profiled, Acked: _on_acked,
              NodeDown: _on_down, NodeUp: _on_up, Metrics: _on_metrics, Status: _on_status,
-             Command: _on_command, Tick: _on_tick}
+             Command: _on_command, Tick: _on_tick, Rebalanced: _on_rebalanced}
 
 
 # --- scheduling and restart ------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any, Literal, NamedTuple, Union
 from pydantic import ConfigDict, with_config
 
 from xronos.protocol import messages as m
+from xronos.protocol.layout import Layout
 
 TERMINAL = frozenset({"completed", "failed", "cancelled"})
 # Phases in which a job holds its nodes: only one such job runs at a time.
@@ -94,6 +95,10 @@ class Job:
     events: tuple[str, ...] = ()
     error: str | None = None
     updated_at: float = 0.0
+    replans: int = 0  # live re-shards ordered (the plan's counts follow them)
+    last_replan_reason: str | None = None
+    last_reshard_step: int | None = None  # the boundary of the owner's latest applied re-shard
+    pending_plan: m.Plan | None = None  # a re-shard ordered, not yet applied: the plan it makes
 
     @property
     def owner(self) -> str:
@@ -194,7 +199,23 @@ class Tick:
     pass
 
 
-Event = Union[Inspected, Profiled, Acked, NodeDown, NodeUp, Metrics, Status, Command, Tick]
+@dataclass(frozen=True)
+class Rebalanced:
+    """The gateway's re-balancing policy decided (`xronos.gateway.jobrebal`): a re-plan to `layout`
+    at the boundary before `at_step`, or (`layout` None) the plan kept for `reason`."""
+
+    plan_version: int
+    at_step: int
+    layout: Layout | None
+    reason: str
+    old: Layout
+    gain: float = 0.0
+    predicted_compute_s: tuple[float, ...] = ()  # per rank, at the new layout
+    predicted_memory: tuple[float, ...] = ()
+    predicted_bottleneck_s: float = 0.0
+
+
+Event = Union[Inspected, Profiled, Acked, NodeDown, NodeUp, Metrics, Status, Command, Tick, Rebalanced]
 
 
 # --- effects ---------------------------------------------------------------------------------
@@ -235,5 +256,17 @@ class Control:
     action: Literal["start", "pause", "resume", "cancel"]
 
 
-Effect = Union[Respond, Inspect, Profile, Assign, Control]
+@dataclass(frozen=True)
+class Reshard:
+    """Order the owner to move the running job to `layout` at the boundary before `at_step`."""
+
+    job_id: str
+    plan_version: int
+    node: str  # the owner
+    at_step: int
+    layout: Layout
+    reason: str
+
+
+Effect = Union[Respond, Inspect, Profile, Assign, Control, Reshard]
 Out = tuple[Job, list[Effect]]

@@ -83,5 +83,6 @@ def state_view(job: Job) -> m.JobState:
         predicted_peak_bytes={e.node_id: min(int(e.predicted_memory), 2**50) for e in job.plan.entries}
         if job.plan else {},
         peak_rss_bytes=dict(job.peak_rss),
-        eta_s=eta, plan=job.plan, events=list(job.events), updated_at=job.updated_at, error=job.error,
+        eta_s=eta, plan=job.plan, replans=job.replans, last_replan_reason=job.last_replan_reason,
+        events=list(job.events), updated_at=job.updated_at, error=job.error,
     )

@@ -35,7 +35,9 @@ from xronos.gateway import homeassistant as ha
 from xronos.gateway import jobs as J
 from xronos.gateway import registry as R
 from xronos.gateway.config import GatewayConfig
+from xronos.gateway.jobrebal import JobRebalance
 from xronos.gateway.planning import plan_job
+from xronos.gateway.rebalance import PolicyConfig
 from xronos.gateway.progress import state_view
 from xronos.gateway.store import JobStore
 from xronos.protocol import sdnotify
@@ -56,8 +58,11 @@ def _reason(what: str, exc: BaseException) -> str:
 
 class GatewayService:
     def __init__(self, cfg: GatewayConfig, bus: BusBase | None = None,
-                 timeouts: J.Timeouts | None = None) -> None:
+                 timeouts: J.Timeouts | None = None, policy: PolicyConfig | None = None) -> None:
         self.cfg = cfg
+        # Live re-balancing: per running job, its plan version's policy (None: it could not start).
+        self.policy = policy or PolicyConfig()
+        self.rebal: dict[str, tuple[int, JobRebalance | None]] = {}
         self.table = TopicTable(cfg.base_topic, cfg.homeassistant.discovery_prefix)
         will = (self.table.build("gateway.availability"), "offline", True)
         # A random part: on a broker without use_username_as_clientid nobody can guess the id and
@@ -295,6 +300,9 @@ class GatewayService:
                 self.bus.publish_message(req, node_id=node)
         elif isinstance(e, J.Assign):
             self._assign(e)
+        elif isinstance(e, J.Reshard):
+            self.bus.publish_message(m.JobReshard(job_id=e.job_id, plan_version=e.plan_version, at_step=e.at_step,
+                                                  layout=e.layout, reason=e.reason), node_id=e.node)
         elif isinstance(e, J.Control):
             for node in e.nodes:
                 self.bus.publish_message(_CONTROLS[e.action](job_id=e.job_id, plan_version=e.plan_version),
@@ -372,6 +380,35 @@ class GatewayService:
     def _on_metrics(self, msg: m.IterationMetrics, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
         self._event(msg.job_id, J.Metrics(msg))
+        self._rebalance(msg)
+
+    def _rebalance(self, x: m.IterationMetrics) -> None:
+        """Feed the job's re-balancing policy (`xronos.gateway.jobrebal`); its decision goes
+        through the state machine (`J.Rebalanced`), which orders the re-shard."""
+        job = self.jobs.get(x.job_id)
+        if job is None or not job.spec.rebalance or job.plan is None or job.phase not in ("running", "paused"):
+            self.rebal.pop(x.job_id, None)
+            return
+        version, policy = self.rebal.get(x.job_id, (-1, None))
+        if version != job.plan_version:
+            try:
+                policy = JobRebalance.for_job(job, self.policy)
+            except ValueError as exc:  # e.g. a node without a profile: the job runs on, unbalanced
+                log.warning("gateway.rebalance_off", job=x.job_id, reason=str(exc)[:300])
+                policy = None
+            self.rebal[x.job_id] = (job.plan_version, policy)
+        if policy is None:
+            return
+        try:
+            d = policy.observe(x)
+        except Exception as exc:  # the policy broke: this plan version goes on without it
+            self._internal("rebalance", x.job_id, exc)
+            self.rebal[x.job_id] = (job.plan_version, None)
+            return
+        if d is not None:
+            self._event(x.job_id, J.Rebalanced(policy.plan_version, d.at_step,
+                                               d.layout, d.reason, d.old, d.gain, d.predicted_compute_s,
+                                               d.predicted_memory, d.predicted_bottleneck_s))
 
     def _on_node_job(self, msg: m.NodeJobStatus, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)

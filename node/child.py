@@ -74,10 +74,10 @@ class RankProcess:
             except queue.Empty:
                 return out
 
-    def send(self, action: str) -> None:
+    def send(self, action: str, **fields: Any) -> None:
         try:
             assert self.proc.stdin is not None
-            self.proc.stdin.write((json.dumps({"action": action}) + "\n").encode())
+            self.proc.stdin.write((json.dumps({"action": action, **fields}) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # already gone; exit handling reports it

@@ -11,7 +11,8 @@ local run of the same spec and plan export the same model. What a job brings:
   all ranks pause, resume or stop at the same boundary;
 - consolidated checkpoints every `checkpoint_interval` steps;
 - its sink (`JobEvents`): events to the parent as JSON lines on an inherited pipe.
-Parent → child: JSON lines on stdin ({"action": "pause"|"resume"|"cancel"}); EOF means the parent
+Parent → child: JSON lines on stdin ({"action": "pause"|"resume"|"cancel"}, or on the owner
+{"action": "reshard", "at_step", "layout", "reason"}: a live re-shard); EOF means the parent
 died, and so does this process (as it does through PR_SET_PDEATHSIG).
 """
 
@@ -33,9 +34,11 @@ from xronos.node.checkpoint import CheckpointSource, check_saved_layout, read_me
 from xronos.node.models.loading import SafetensorsSource, ShardSource
 from xronos.node.models.registry import family_for
 from xronos.node.runconfig import JobRankConfig
-from xronos.node.runtime import Checkpoints, EvalResult, FromOwner, Rank, RankResult, Sink, Word, exit_process, run
+from xronos.node.runtime import (Checkpoints, EvalResult, FromOwner, Rank, RankResult, Reshard, Sink, Word,
+                                 exit_process, run)
 from xronos.node.tp.group import TPGroup
 from xronos.node.trainer import TPEngine
+from xronos.protocol.layout import Layout
 
 PAUSE = 1  # besides Word.GO and Word.STOP: the owner holds every rank at the boundary
 
@@ -53,27 +56,55 @@ class Events:
 
 
 class JobControl:
-    """The parent's latest wish, read from stdin on a thread; the owner broadcasts it each step."""
+    """The parent's latest wish, read from stdin on a thread; the owner broadcasts it each step.
+    A re-shard order (`{"action": "reshard", "at_step", "layout", "reason"}`, the owner's only)
+    travels in the same broadcast: every rank moves at the same boundary, the first at or after
+    `at_step`."""
 
-    def __init__(self, events: Events) -> None:
-        self.code, self.paused, self.events = int(Word.GO), False, events
+    def __init__(self, events: Events, world_size: int) -> None:
+        self.code, self.paused, self.events, self.world_size = int(Word.GO), False, events, world_size
+        self.reshard: tuple[int, Layout, str] | None = None  # the owner's pending order
+        self.reason = "rebalance"  # the owner's reason for the re-shard it is broadcasting
         self.changed = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in sys.stdin:
-            action = json.loads(line).get("action")
+            order = json.loads(line)
+            action = order.get("action")
+            if action == "reshard":  # a later order replaces one still pending
+                try:
+                    layout = Layout.model_validate(order["layout"])
+                    if layout.world_size != self.world_size:  # the node service checks this too
+                        raise ValueError(f"layout has {layout.world_size} ranks, the job {self.world_size}")
+                    self.reshard = (int(order["at_step"]), layout, str(order.get("reason", "rebalance"))[:256])
+                except (KeyError, TypeError, ValueError) as exc:
+                    self.events.emit("reshard_refused", detail=f"{exc}"[:2000])
+                continue
             self.code = {"pause": PAUSE, "resume": int(Word.GO), "cancel": int(Word.STOP)}.get(action, self.code)
             self.changed.set()
         os._exit(137)  # stdin closed: the node service is gone, and this rank with it
 
-    def at_boundary(self, group: TPGroup, step: int) -> Word:
-        """Agree on GO or STOP for the next iteration, holding every rank here while paused. The
-        broadcast is untimed: it is not part of the training step."""
+    def _order(self, group: TPGroup, step: int) -> torch.Tensor:
+        """The owner's row: [code, re-shard flag, counts...] (world-size counts per kind)."""
+        n = group.world_size
+        row = torch.zeros(2 + 3 * n, dtype=torch.int64)
+        row[0] = self.code if group.rank == 0 else int(Word.GO)
+        order = self.reshard if group.rank == 0 else None
+        if order is not None and step >= order[0] and row[0] == int(Word.GO):
+            self.reshard = None
+            _at, layout, self.reason = order
+            row[1] = 1
+            row[2:] = torch.tensor([*layout.attn, *layout.mlp, *layout.vocab], dtype=torch.int64)
+        return row
+
+    def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
+        """Agree on GO, STOP or a re-shard for the next iteration, holding every rank here while
+        paused. The broadcast is untimed: it is not part of the training step."""
         while True:
-            flag = torch.tensor([self.code if group.rank == 0 else int(Word.GO)], dtype=torch.int64)
+            flag = self._order(group, step)
             group.broadcast(flag, src=0, timed=False)
-            code = int(flag)
+            code = int(flag[0])
             if code == PAUSE:
                 if not self.paused:
                     self.paused = True
@@ -84,6 +115,11 @@ class JobControl:
             if self.paused:
                 self.paused = False
                 self.events.emit("status", status="running")
+            if code == int(Word.GO) and int(flag[1]):
+                n = group.world_size
+                c = [int(x) for x in flag[2:].tolist()]
+                layout = Layout(attn=tuple(c[:n]), mlp=tuple(c[n:2 * n]), vocab=tuple(c[2 * n:]))
+                return Reshard(layout, self.reason if group.rank == 0 else "rebalance")
             return Word(code)
 
 
@@ -114,6 +150,12 @@ class JobEvents(Sink):
                          comm_s=rec.comm_s, idle_s=rec.idle_s, iteration_s=rec.iteration_s,
                          voluntary_ctx_switches=rec.voluntary_ctx_switches,
                          involuntary_ctx_switches=rec.involuntary_ctx_switches, peak_rss=rec.peak_rss)
+
+    def resharded(self, rank: Rank, step: int, word: Reshard) -> None:
+        if rank.owner:
+            move = rank.engine.moves[-1] if getattr(rank.engine, "moves", None) else None
+            self.events.emit("resharded", step=step, layout=word.layout.to_text(), reason=word.reason,
+                             seconds=move.seconds if move else None, moved_bytes=move.moved_bytes if move else None)
 
     def checkpointed(self, rank: Rank, step: int) -> None:
         if rank.owner:
@@ -169,7 +211,7 @@ def main(argv: list[str]) -> int:
     checkpoints = Checkpoints(job.checkpoint_dir, job.checkpoint_interval,
                               {"job_id": job.job_id, "plan_version": job.plan_version})
     try:
-        run(job.run, TPEngine(), weights=weights(job), control=JobControl(events), sink=sink,
+        run(job.run, TPEngine(), weights=weights(job), control=JobControl(events, job.run.world_size), sink=sink,
             checkpoints=checkpoints, start=job.resume_step, allowed_dirs=job.allowed_dirs)
     except Exception as exc:  # reported to the node service, which tells the gateway
         traceback.print_exc()

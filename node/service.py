@@ -39,6 +39,7 @@ from xronos.node.jobcheck import assignment_problem
 from xronos.protocol import hastate, sdnotify
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import Dispatcher
+from xronos.protocol.layout import Layout
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BusBase, MqttBus
 
@@ -339,6 +340,16 @@ class NodeService:
                 self.child = None
             self._set_status("cancelled")
             self.assignment = None
+        elif c.action == "reshard":
+            if a.rank != 0:
+                raise ValueError(f"reshard for {c.job_id} v{c.plan_version}: only the owner (rank 0) takes it, "
+                                 f"this node is rank {a.rank}")
+            if c.layout.world_size != a.world_size:
+                raise ValueError(f"reshard for {c.job_id}: layout has {c.layout.world_size} ranks, "
+                                 f"the job {a.world_size}")
+            if self.child is not None:  # the owner broadcasts it to every rank at the boundary
+                self.child.send("reshard", at_step=c.at_step, layout=c.layout.model_dump(mode="json"),
+                                reason=c.reason)
         elif self.child is not None:
             self.child.send(c.action)
 
@@ -404,6 +415,12 @@ class NodeService:
             self._set_status("completed", step=ev["step"], epoch=ev["epoch"], export_dir=ev["export_dir"])
         elif kind in ("failed", "cancelled"):
             self._set_status(kind, detail=(ev.get("detail") or "")[:2000] or None)
+        elif kind == "resharded":  # the owner's: the gateway hears the step the ranks moved at
+            log.info(kind, job_id=a.job_id, **ev)
+            self._set_status(self.status.status if self.status else "running", reshard_step=ev["step"],
+                             reshard_layout=Layout.parse(ev["layout"]), reshard_s=ev.get("seconds"))
+        elif kind == "reshard_refused":
+            log.warning(kind, job_id=a.job_id, **ev)
 
     def _metrics(self, a: m.Assignment, ev: dict[str, Any]) -> None:
         self.bus.publish_message(m.IterationMetrics(job_id=a.job_id, plan_version=a.plan_version,

@@ -84,6 +84,9 @@ class GatewayHAState(_HAModel):
     lora_r: Annotated[int, Field(ge=1)] | None = None  # None: full fine-tuning (or no job)
     lora_targets: Text | None = None  # "q_proj,v_proj", or "default" (the model family's, peft's)
     last_command: Text | None = None  # e.g. "pause: ok" or "resume: error: no paused job"
+    # Live re-balancing (JobState.replans, .last_replan_reason): the Re-plans and Last re-plan sensors.
+    replans: Annotated[int, Field(ge=0)] | None = None
+    last_replan: Text | None = None
     updated_at: Finite
 
 

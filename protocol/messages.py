@@ -333,6 +333,10 @@ class JobSpec(Message):
     lora_dropout: Fraction = 0.0
     lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
     export_merged: bool = False
+    # Live re-balancing (issue 14): the gateway re-plans from the ranks' measured per-kind compute
+    # and re-shards the running job at an iteration boundary when the predicted gain repays the move.
+    # On by default: a job runs on boxes whose other work changes their speed, the case it is for.
+    rebalance: bool = True
 
     @model_validator(mode="after")
     def _has_length(self) -> JobSpec:
@@ -435,7 +439,18 @@ class JobCancel(_Control):
     action: Literal["cancel"] = "cancel"
 
 
-JobControl = Annotated[Union[JobStart, JobPause, JobResume, JobCancel], Field(discriminator="action")]
+class JobReshard(_Control):
+    """Gateway -> the owner (rank 0): move the running job to `layout` (same ranks) at the iteration
+    boundary before step `at_step` (0-based; or the first boundary after it, when the order comes
+    late); the owner broadcasts it to every rank through the job's group (`xronos.node.jobproc`)."""
+
+    action: Literal["reshard"] = "reshard"
+    at_step: Count
+    layout: Layout
+    reason: Text256
+
+
+JobControl = Annotated[Union[JobStart, JobPause, JobResume, JobCancel, JobReshard], Field(discriminator="action")]
 
 
 class IterationMetrics(Message):
@@ -489,6 +504,10 @@ class JobState(Message):
     comm_mape_pct: Percent | None = None
     eta_s: Eta | None = None
     plan: Plan | None = None
+    # Live re-balancing: re-shards ordered so far (the plan's counts follow them) and the last
+    # decision's reason (a re-plan's, or why the policy kept the plan).
+    replans: Count = 0
+    last_replan_reason: Text256 | None = None
     events: Annotated[list[Event], Field(max_length=MAX_EVENTS)] = Field(default_factory=list)
     updated_at: Timestamp
     error: Text4k | None = None
@@ -530,6 +549,11 @@ class NodeJobStatus(Message):
     eval_initial: Metric | None = None
     export_dir: PathText | None = None
     detail: Text4k | None = None
+    # The owner's latest live re-shard (a JobReshard it applied): the boundary (before this 0-based
+    # step), the layout every rank moved to, and the owner's wall time at that boundary.
+    reshard_step: Count | None = None
+    reshard_layout: Layout | None = None
+    reshard_s: Seconds | None = None
     sent_at: Timestamp
 
 

@@ -112,7 +112,7 @@ ENTRIES: tuple[TopicEntry, ...] = (
 BY_KEY: dict[str, TopicEntry] = {e.key: e for e in ENTRIES}
 
 # Concrete classes a payload may be, per entry (the JobControl union expands to its members).
-_CONTROL_CLASSES = (m.JobStart, m.JobPause, m.JobResume, m.JobCancel)
+_CONTROL_CLASSES = (m.JobStart, m.JobPause, m.JobResume, m.JobCancel, m.JobReshard)
 
 
 def _classes(entry: TopicEntry) -> tuple[type, ...]:

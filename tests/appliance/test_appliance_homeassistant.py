@@ -115,8 +115,8 @@ def test_entities_present():
     assert set(gw["cmps"]) == {"job_phase", "job_name", "progress", "loss", "eval_metric",
                                "iteration_time", "eta", "slowest_node", "idle_ratio",
                                "nodes_online", "last_command", "pause", "resume", "cancel",
-                               "steps", "finish_time", "error", "task", "data_format", "lora_rank", "start",
-                               "job_spec"}
+                               "steps", "finish_time", "error", "task", "data_format", "lora_rank", "replans",
+                               "last_replan", "start", "job_spec"}
     assert gw["cmps"]["finish_time"]["device_class"] == "timestamp"
     (_, bare), *_ = all_configs(specs=())  # no job specs: no select (HA refuses an empty one), no Start
     assert "job_spec" not in bare["cmps"] and "start" not in bare["cmps"]
@@ -179,6 +179,22 @@ def test_gateway_state_says_how_the_job_trains():
     # A new format in a spec would be a state Home Assistant cannot be sent: refused here first.
     with pytest.raises(ValueError, match="data_format"):
         hastate.GatewayHAState(data_format="alpaca", updated_at=0.0)
+
+
+def test_gateway_state_shows_live_re_plans():
+    """Re-plans and Last re-plan come from the JobState; unknown (null) without a job."""
+    (_, gw), *_ = all_configs()
+    assert gw["cmps"]["replans"]["name"] == "Re-plans" and gw["cmps"]["replans"]["state_class"] == "total_increasing"
+    assert gw["cmps"]["last_replan"]["name"] == "Last re-plan"
+    reason = "predicted 0.5 -> 0.3 s per iteration (40.0% faster), move 0.1 s repaid in 0.5 iterations " + "x" * 300
+    value_json = json.loads(ha.gateway_state(job(replans=2, last_replan_reason=reason[:256]), nodes_online=1,
+                                             now=0.0).model_dump_json())
+    assert value_json["replans"] == 2 and value_json["last_replan"] == reason[:254] + "…"  # HA: 255 characters
+    assert render(gw["cmps"]["replans"]["value_template"], value_json) == "2"
+    assert render(gw["cmps"]["last_replan"]["value_template"], value_json).startswith("predicted 0.5")
+    idle = json.loads(ha.gateway_state(None, nodes_online=0, now=0.0).model_dump_json())
+    assert idle["replans"] is None and idle["last_replan"] is None
+    assert json.loads(ha.gateway_state(job(), nodes_online=1, now=0.0).model_dump_json())["replans"] == 0
 
 
 def test_commands_parse_and_refuse():

@@ -42,6 +42,20 @@ def test_job_control_union(action, cls):
         decode(topic, msgpack.packb({"action": "explode", "job_id": "j", "plan_version": 3}))
 
 
+def test_reshard_order_is_bounded_and_checked():
+    topic = TABLE.build("node.control", node_id="n")
+    order = {"action": "reshard", "job_id": "j", "plan_version": 3, "at_step": 7, "reason": "gain 9%",
+             "layout": {"attn": [2, 2], "mlp": [40, 24], "vocab": [30, 20]}}
+    back = decode(topic, msgpack.packb(order))
+    assert type(back) is m.JobReshard and back.layout.mlp == (40, 24) and back.at_step == 7
+    with pytest.raises(DecodeError, match="layout"):  # one count per rank, for every kind
+        decode(topic, msgpack.packb({**order, "layout": {"attn": [2, 2], "mlp": [64], "vocab": [30, 20]}}))
+    with pytest.raises(DecodeError, match="reason"):
+        decode(topic, msgpack.packb({**order, "reason": "x" * 257}))
+    with pytest.raises(DecodeError, match="at_step"):
+        decode(topic, msgpack.packb({**order, "at_step": -1}))
+
+
 def test_tuples_arrive_as_lists_and_still_validate_strictly():
     topic = TABLE.build("node.profile_report", node_id="pi5-a")
     obj = msgpack.unpackb(encode(SAMPLES["node.profile_report"]))

@@ -32,6 +32,7 @@ from protocol_samples import ARCH, CAPS, LAYERS, SAMPLES, SPEC  # noqa: E402
 from xronos.protocol import messages as m  # noqa: E402
 from xronos.protocol.codec import DecodeError, decode  # noqa: E402
 from xronos.protocol.topics import ENTRIES, TopicTable  # noqa: E402
+from xronos.protocol.layout import Layout  # noqa: E402
 
 FAKES = ("n1", "n2", "n3")
 INTS = [-1, -(2**63), 0, 1, 2**31 - 1, 2**31, 2**53, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 10**30]
@@ -72,7 +73,7 @@ class Fuzzer:
         self.answers: Counter[str] = Counter()  # the gateway's answers to the fuzzer's submits and previews
         self.templates = self._templates()
 
-    # --- templates: one valid message per topic, in this deployment's names -------------------
+    # --- templates: one valid message per topic (or a tuple of shapes), in this deployment's names ---
     def _templates(self) -> dict[str, Any]:
         t = dict(SAMPLES)
         t["node.inspect_request"] = m.InspectRequest(request_id="fz.1", job_id="ghost-1",
@@ -81,7 +82,10 @@ class Fuzzer:
                                                      batch_size=2, seq_len=16, threads=1)
         t["node.assignment"] = SAMPLES["node.assignment"].model_copy(update={"node_id": self.real_node,
                                                                              "job_id": "ghost-3"})
-        t["node.control"] = m.JobStart(job_id="ghost-4", plan_version=3)
+        # Two shapes on the control topic: each mutation starts from one of them.
+        t["node.control"] = (m.JobStart(job_id="ghost-4", plan_version=3),
+                             m.JobReshard(job_id="ghost-4", plan_version=3, at_step=5, reason="fuzz",
+                                          layout=Layout(attn=(2, 2), mlp=(40, 24), vocab=(30, 20))))
         owner = self.rng.choice(FAKES)
         fake_spec = SPEC.model_copy(update={"owner": owner, "nodes": [owner] + [n for n in FAKES if n != owner][:1]})
         t["gateway.request.job/submit"] = m.JobSubmitRequest(transaction="fz", spec=fake_spec)
@@ -215,6 +219,8 @@ class Fuzzer:
             topic, payload = self.rng.choice(self.seen)  # the real node's own words, again, out of order
         else:
             template = self.templates[entry.key]
+            if isinstance(template, tuple):
+                template = self.rng.choice(template)
             if entry.encoding == "text":
                 texts = [b"ONLINE", b"onl\xffine", b"1", b"online\0", b"x" * 1000, b"\xed\xa0\x80"]
                 if params.get("node_id") != self.real_node:  # another node may say anything of itself

@@ -80,3 +80,16 @@ def test_state_shows_peak_memory_per_node():
     line = next(ln for ln in text.splitlines() if "n100" in ln)
     assert "1200" in line and "1150" in line
     assert "-" in next(ln for ln in text.splitlines() if "pi5" in ln)  # not measured yet
+
+
+def test_state_shows_live_re_plans_and_the_last_reason():
+    entries = [{"node_id": n, "rank": r, "attn": a, "mlp": c, "vocab": v} for n, r, a, c, v in
+               (("n0", 0, 8, 64, 32), ("n1", 1, 4, 36, 5))]
+    state = {"job_id": "j", "name": "t", "phase": "running", "step": 30, "total_steps": 60, "epoch": 0,
+             "predicted_s": {}, "measured_s": {}, "idle_ratio": {}, "events": [], "error": None,
+             "plan": {"entries": entries}, "replans": 2,
+             "last_replan_reason": "kept: predicted gain 1.0% <= 5.0%"}
+    text = format_state(state)
+    assert "live re-plans: 2 (now attn=8,4;mlp=64,36;vocab=32,5)" in text
+    assert "last re-plan decision: kept: predicted gain 1.0% <= 5.0%" in text
+    assert "re-plan" not in format_state({**state, "replans": 0, "last_replan_reason": None})

@@ -52,8 +52,9 @@ def test_job_end_to_end_survives_gateway_restart_and_equals_xronos_run(stack, tm
     for n in ("n0", "n1", "n2"):
         stack.node(n)
     stack.wait_nodes(3)
+    # The reference is the plan's one layout: no live re-balancing here (test_e2e_rebalance has it).
     spec = job_spec(model, data, stack.allowed / "export", owner="n0", max_steps=24, checkpoint_interval=8,
-                    strategy="segment")
+                    strategy="segment", rebalance=False)
     spec.pop("schema_version")
     accepted = stack.client.request("job/submit", 300.0, spec=m.JobSpec(**spec))
     job_id, plan = accepted["job_id"], accepted["plan"]

@@ -243,3 +243,55 @@ def test_node_topics_claiming_another_node_are_ignored(tmp_path):
     assert ok.status == "ok" and ok.data["job"]["phase"] == "assigning"
     (err,) = h.request("job/pause", {"transaction": "p", "job_id": "nope"})
     assert err.status == "error" and "unknown job" in err.error
+
+
+def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
+    """Per-kind compute from every rank feeds the job's policy; a slow last rank gets a JobReshard
+    sent to the owner alone; the owner's report of the move makes it the job's plan, shown in the
+    JobState and Home Assistant's state."""
+    from xronos.gateway.rebalance import PolicyConfig
+
+    h = Harness(tmp_path)
+    h.gw.policy = PolicyConfig(window=3, warmup=1, interval=1, confirm=2, cooldown=50, payback=1000)
+    announce(h)
+    job_id, assigned = submit_until_assigned(h)
+    for a in assigned:
+        h.node_says(m.AssignmentAck(job_id=job_id, plan_version=a.plan_version, node_id=a.node_id, accepted=True),
+                    a.node_id)
+    h.pump()
+    h.client.drain()
+    n = len(assigned)
+    assert n >= 2, assigned
+    orders = []
+    for step in range(1, 10):
+        for a in assigned:
+            lay, slow = a.layout, 5.0 if a.rank == n - 1 else 1.0
+            per = {k: slow * 0.01 * lay.share(k, a.rank) + 0.001 for k in ("attn", "mlp", "vocab")}
+            h.node_says(m.IterationMetrics(job_id=job_id, plan_version=1, node_id=a.node_id, rank=a.rank, step=step,
+                                           epoch=0, loss=1.0, compute_s=sum(per.values()), comm_s=0.0, idle_s=0.0,
+                                           iteration_s=sum(per.values()), voluntary_ctx_switches=0,
+                                           involuntary_ctx_switches=0, peak_rss=1,
+                                           compute_attn_s=per["attn"], compute_mlp_s=per["mlp"],
+                                           compute_vocab_s=per["vocab"], compute_rest_s=0.0), a.node_id)
+        h.pump()
+        orders += [(p["node_id"], c) for p, c in h.seen("node.control") if c.action == "reshard"]
+    assert len(orders) == 1, orders
+    (node, order), = orders
+    old = assigned[0].layout
+    assert node == "a" and order.plan_version == 1 and order.layout != old
+    assert order.layout.mlp[n - 1] < old.mlp[n - 1] or order.layout.attn[n - 1] < old.attn[n - 1]
+    h.gw._flush(force=True)
+    state = [s for _, s in h.seen("job.state")][-1]
+    assert state.replans == 1 and state.plan.layout() == old  # ordered, not yet moved
+    h.node_says(m.NodeJobStatus(node_id="a", job_id=job_id, plan_version=1, rank=0, status="running", step=9,
+                                reshard_step=order.at_step, reshard_layout=order.layout, reshard_s=0.1,
+                                sent_at=2.0), "a")
+    h.pump()
+    h.gw._flush(force=True)
+    state = [s for _, s in h.seen("job.state")][-1]
+    assert state.plan.layout() == order.layout and state.last_replan_reason.startswith("cooling down")
+    assert any(f"re-plan for step {order.at_step}" in e and "faster" in e for e in state.events)
+    assert any(f"re-shard applied at step {order.at_step}" in e for e in state.events)
+    h.gw._publish_ha_state()
+    ha_state = json.loads(h.broker.retained["xronos/gateway/state"])
+    assert ha_state["replans"] == 1 and ha_state["last_replan"]

@@ -173,3 +173,44 @@ def test_a_chat_job_trains_like_xronos_run(tmp_path):
     max_abs, rel = runkit.compare(job, ref)
     assert max_abs <= 5e-4 and rel <= 1e-5
     assert (tmp_path / "export" / "chat_template.jinja").is_file()
+
+
+# Two live re-shards ordered to the owner (as the node service forwards the gateway's JobReshard).
+MOVED = (Layout(attn=(4, 4, 4), mlp=(32, 32, 36), vocab=(0, 32, 5)),
+         Layout(attn=(6, 0, 6), mlp=(0, 64, 36), vocab=(32, 5, 0)))
+
+
+def test_reshard_orders_move_every_rank_at_one_boundary_and_export_like_xronos_run(tmp_path):
+    """The owner alone hears each order and broadcasts it: every rank moves at the same boundary
+    (the first at or after `at_step`), the checkpoint after a move records the new layout, and the
+    export equals `xronos run --reshard-at` at the steps the job moved (the move is exact)."""
+    from xronos.cli.main import main as xronos
+
+    model, data = make_case(tmp_path)
+    spec = job_spec(model, data, tmp_path / "export", max_steps=12, checkpoint_interval=5)
+    r = Ranks(start_ranks(tmp_path, spec, FIRST))
+
+    def moves():
+        return [e for e in r.seen[0] if e["type"] == "resharded"]
+
+    # A layout for another world never reaches the group: the owner says why and goes on.
+    r.procs[0].send("reshard", at_step=1, layout={"attn": [6, 6], "mlp": [50, 50], "vocab": [20, 17]},
+                    reason="wrong world")
+    r.procs[0].send("reshard", at_step=3, layout=MOVED[0].model_dump(mode="json"), reason="first")
+    r.pump(lambda: len(moves()) == 1)
+    r.procs[0].send("reshard", at_step=7, layout=MOVED[1].model_dump(mode="json"), reason="second")
+    r.pump(r.done)
+    assert all(ev[-1]["type"] == "completed" for ev in r.seen), [ev[-1] for ev in r.seen]
+    assert [e["reason"] for e in moves()] == ["first", "second"]
+    steps = [e["step"] for e in moves()]
+    assert steps[0] == 3 and steps[1] >= 7 and [e["layout"] for e in moves()] == [x.to_text() for x in MOVED]
+    assert all(e["moved_bytes"] > 0 and e["seconds"] > 0 for e in moves())
+    assert [e["detail"] for e in r.seen[0] if e["type"] == "reshard_refused"] == ["layout has 2 ranks, the job 3"]
+    assert all(r.steps(i) == list(range(1, 13)) for i in range(3))
+    meta = read_meta(tmp_path / "ckpt")  # the last checkpoint (step 10): the layout it ran under then
+    assert meta["step"] == 10 and saved_layout(meta) == (MOVED[1] if steps[1] < 10 else MOVED[0])
+
+    at = [a for s, x in zip(steps, MOVED) for a in ("--reshard-at", f"{s}:{x.to_text()}")]
+    assert xronos(_run_argv(spec, FIRST, tmp_path / "ref", tuple(at))) == 0
+    max_abs, rel = runkit.compare(_load(tmp_path / "export"), _load(tmp_path / "ref"))
+    assert max_abs <= 5e-4 and rel <= 1e-5

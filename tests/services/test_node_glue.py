@@ -127,6 +127,13 @@ def test_assignments_checked(node):
     assert ack.accepted and svc.assignment.plan_version == 1
     status = decode("xronos/node/n0/job", broker.retained["xronos/node/n0/job"])
     assert status.status == "accepted" and status.rank == 0
+    # A re-shard order for another world size is refused before it reaches the rank process.
+    svc.bus.publish(T.build("node.control", node_id="n0"), encode(m.JobReshard(
+        job_id="j", plan_version=1, at_step=4, reason="test",
+        layout=Layout(attn=(4, 4, 4), mlp=(40, 30, 30), vocab=(20, 10, 7)))))
+    svc.step(0.1)
+    (err,) = msgs(client, "node.error")
+    assert "layout has 3 ranks, the job 2" in err.message
     # Controls for a plan this node does not hold are errors; a stale cancel is fine.
     svc.bus.publish(T.build("node.control", node_id="n0"), encode(m.JobPause(job_id="j", plan_version=7)))
     svc.bus.publish(T.build("node.control", node_id="n0"), encode(m.JobCancel(job_id="j", plan_version=7)))
