@@ -157,6 +157,10 @@ class JobEvents(Sink):
             self.events.emit("resharded", step=step, layout=word.layout.to_text(), reason=word.reason,
                              seconds=move.seconds if move else None, moved_bytes=move.moved_bytes if move else None)
 
+    def reshard_refused(self, rank: Rank, step: int, word: Reshard, reason: str) -> None:
+        if rank.owner:
+            self.events.emit("reshard_refused", step=step, detail=f"re-shard at step {step} refused: {reason}"[:2000])
+
     def checkpointed(self, rank: Rank, step: int) -> None:
         if rank.owner:
             self.events.emit("checkpoint", step=step)

@@ -55,7 +55,7 @@ from xronos.node.runconfig import RankConfig
 from xronos.node.streaming import load_shard, share_json
 from xronos.node.tp.group import TPGroup
 from xronos.node.validate import read_config
-from xronos.protocol.layout import Layout
+from xronos.protocol.layout import Layout, LayoutError
 
 MAX_ROWS = 2**40
 
@@ -259,6 +259,7 @@ class Sink:
     def iteration(self, rank: Rank, rec: Record) -> None: ...
     def checkpointed(self, rank: Rank, step: int) -> None: ...
     def resharded(self, rank: Rank, step: int, word: Reshard) -> None: ...
+    def reshard_refused(self, rank: Rank, step: int, word: Reshard, reason: str) -> None: ...
     def cancelled(self, rank: Rank, step: int) -> None: ...
 
     def finish(self, rank: Rank, result: RankResult) -> None:
@@ -376,8 +377,14 @@ def _loop(rank: Rank, control: Control, sink: Sink, checkpoints: Checkpoints | N
             sink.cancelled(rank, step)
             return RankResult(records, before, None, completed=False)
         if isinstance(word, Reshard):
-            engine.reshard(rank, word, step)
-            sink.resharded(rank, step, word)
+            try:
+                engine.reshard(rank, word, step)
+            except LayoutError as exc:
+                # A layout of another world or model is refused before anything moves, by the same
+                # check on every rank (they all hold the same word): the run goes on as it was.
+                sink.reshard_refused(rank, step, word, str(exc))
+            else:
+                sink.resharded(rank, step, word)
         rec = engine.step(rank, batches, step)
         records.append(rec)
         sink.iteration(rank, rec)
