@@ -62,7 +62,7 @@ def test_a_slowed_box_is_re_planned_live_and_the_export_equals_xronos_run(tmp_pa
             stack.node(n, wrap=lambda pid, rank=rank: boxes.add(rank, pid))
         stack.wait_nodes(2)
         spec = job_spec(model, data, stack.allowed / "export", owner="n0", max_steps=120, checkpoint_interval=1000,
-                        batch_size=8, nodes=["n0", "n1"])
+                        batch_size=8, nodes=["n0", "n1"], rebalance=True)
         spec.pop("schema_version")
         accepted = stack.client.request("job/submit", 300.0, spec=m.JobSpec(**spec))
         job_id, first = accepted["job_id"], m.Plan.model_validate(accepted["plan"]).layout()
