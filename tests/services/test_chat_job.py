@@ -23,15 +23,6 @@ pytestmark = pytest.mark.slow
 SEQ_LEN = 48  # a ChatML conversation of a few words: the answer must start within it
 
 
-@pytest.fixture
-def stack(tmp_path, mqtt_broker):
-    data_dir = tmp_path / "owner-data"
-    data_dir.mkdir()
-    s = Stack(tmp_path, mqtt_broker, data_dir, base=f"xr{tmp_path.name[-6:].replace('-', '')}")
-    yield s
-    s.close()
-
-
 def _conversations(n: int) -> list[dict]:
     short = [" ".join(t.split()[:3]) for t in runkit.texts(2 * n, 5)]
     return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}

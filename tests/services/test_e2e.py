@@ -37,15 +37,6 @@ def _wait_step(stack: Stack, job_id: str, at_least: int, timeout: float = 180.0)
     return seen[-1]
 
 
-@pytest.fixture
-def stack(tmp_path, mqtt_broker):
-    data_dir = tmp_path / "owner-data"
-    data_dir.mkdir()
-    s = Stack(tmp_path, mqtt_broker, data_dir, base=f"xr{tmp_path.name[-6:].replace('-', '')}")
-    yield s
-    s.close()
-
-
 def test_job_end_to_end_survives_gateway_restart_and_equals_xronos_run(stack, tmp_path):
     model, data = make_case(stack.allowed, rows=80)
     stack.gateway()
