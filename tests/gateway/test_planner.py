@@ -8,6 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from xronos.gateway import planinteger as PI
 from xronos.gateway import planmodel as PM
 from xronos.gateway.costmodel import KindCost, NodeCost, memory_at, predict_memory, time_at
 from xronos.gateway.planner import MiB, InfeasiblePlan, ideal_compute, plan
@@ -90,7 +91,7 @@ def test_segment_equals_exhaustive_search_on_random_instances():
 def test_constructive_test_never_invents_a_plan(monkeypatch):
     """Without the exact dynamic programme the search is still sound: every plan fits, no plan
     beats the optimum, and the lower bound stays below it."""
-    monkeypatch.setattr(PM, "EXACT_DP_BUDGET", -1)
+    monkeypatch.setattr(PI, "EXACT_DP_BUDGET", -1)
     rng = random.Random(99)
     exact = planned = 0
     for _ in range(150):
