@@ -336,7 +336,7 @@ class JobSpec(Message):
     # Live re-balancing (issue 14): the gateway re-plans from the ranks' measured per-kind compute
     # and re-shards the running job at an iteration boundary when the predicted gain repays the move.
     # On by default: a job runs on boxes whose other work changes their speed, the case it is for.
-    rebalance: bool = False  # opt-in this release: see README "Live re-balancing"
+    rebalance: bool = True
 
     @model_validator(mode="after")
     def _has_length(self) -> JobSpec:
