@@ -554,6 +554,9 @@ class NodeJobStatus(Message):
     reshard_step: Count | None = None
     reshard_layout: Layout | None = None
     reshard_s: Seconds | None = None
+    # The owner's latest refused JobReshard (wrong world, counts that do not fit the model): why.
+    # The gateway then drops the order it had pending; the job goes on under its plan.
+    reshard_refused: Text256 | None = None
     sent_at: Timestamp
 
 
