@@ -359,6 +359,8 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
             pass  # not a layout of this model: nothing the owner moved to
         else:
             job = _resharded(job, ctx, s)
+    if is_owner and s.reshard_refused is not None and s.reshard_refused != job.reshard_refused:
+        job = _refused_reshard(job, ctx, s.reshard_refused)
     if s.status == "failed" and job.phase in ("assigning", "running", "paused"):
         return _recover(job, ctx, f"rank {s.rank} on {s.node_id!r} failed: {s.detail}")
     # "recovering" too: the owner may finish just as a peer's last-will arrives.
@@ -472,6 +474,15 @@ def _on_rebalanced(job: Job, ev: Rebalanced, ctx: Ctx) -> Out:
         ev.layout.check(plan.sizes, world_size=len(plan.entries), quanta=None)
     except ValueError as exc:  # never from the policy: it plans over the same sizes
         return _note(job, ctx.now, f"re-plan refused: {exc}"), []
+    over = [(e.node_id, mem, e.memory_cap) for e, mem in zip(plan.entries, ev.predicted_memory)
+            if mem > e.memory_cap]
+    if over:  # the policy checks the caps too; an order past them is never sent
+        node, mem, cap = over[0]
+        why = _short(f"re-plan not applied, plan kept: node {node!r} would need {mem / 2**20:.0f} MiB, over its "
+                     f"cap of {cap / 2**20:.0f} MiB (memory cap)", MAX_REASON_CHARS)
+        if why == job.last_replan_reason:
+            return job, []
+        return _note(job, ctx.now, why, last_replan_reason=why), []
     entries = [e.model_copy(update={
         "attn": ev.layout.attn[e.rank], "mlp": ev.layout.mlp[e.rank], "vocab": ev.layout.vocab[e.rank],
         **({"predicted_compute_s": ev.predicted_compute_s[e.rank]} if ev.predicted_compute_s else {}),
@@ -484,6 +495,15 @@ def _on_rebalanced(job: Job, ev: Rebalanced, ctx: Ctx) -> Out:
     job = _note(job, ctx.now, f"re-plan for step {ev.at_step}: {ev.old.to_text()} -> {ev.layout.to_text()}; "
                 f"{ev.reason}", pending_plan=pending, replans=job.replans + 1, last_replan_reason=reason)
     return job, [Reshard(job.job_id, job.plan_version, job.rank0 or job.owner, ev.at_step, ev.layout, reason)]
+
+
+def _refused_reshard(job: Job, ctx: Ctx, why: str) -> Job:
+    """The owner refused a re-shard order: it is not pending any more; the job goes on under its plan."""
+    job = replace(job, reshard_refused=why)
+    if job.pending_plan is None:
+        return job
+    reason = _short(f"re-shard refused by the ranks, plan kept: {why}", MAX_REASON_CHARS)
+    return _note(job, ctx.now, reason, pending_plan=None, last_replan_reason=reason)
 
 
 def _resharded(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
@@ -533,6 +553,11 @@ def restart(job: Job, ctx: Ctx) -> Out:
         return job, []
     job = _note(job, ctx.now, "gateway restarted")
     if job.phase in ("running", "paused"):
+        if job.pending_plan is not None:
+            # The order may or may not have reached the owner: it is dropped, not re-sent. Should the
+            # ranks apply it all the same, the owner's status says so and the plan follows (`_resharded`).
+            job = _note(job, ctx.now, f"re-shard to {job.pending_plan.layout().to_text()} was pending: dropped "
+                        "(the owner's status makes it the plan if the ranks moved)", pending_plan=None)
         return replace(job, deadline=ctx.now + ctx.timeouts.stall_s), []
     if job.awaiting == "inspect":
         return _inspect(job, ctx)

@@ -99,6 +99,7 @@ class Job:
     last_replan_reason: str | None = None
     last_reshard_step: int | None = None  # the boundary of the owner's latest applied re-shard
     pending_plan: m.Plan | None = None  # a re-shard ordered, not yet applied: the plan it makes
+    reshard_refused: str | None = None  # the owner's latest refusal heard (a repeat is not news)
 
     @property
     def owner(self) -> str:

@@ -214,8 +214,7 @@ class GatewayService:
         elif old is None or job != old:
             self._dirty.add(job_id)
             self._unsaved = True
-            if old is None or (job.phase, job.plan_version, job.checkpoint_step) != \
-                    (old.phase, old.plan_version, old.checkpoint_step):
+            if old is None or _milestone(job) != _milestone(old):
                 self._flush(force=True, only=job_id)
         for effect in effects:
             self._effect(job_id, effect)
@@ -390,7 +389,11 @@ class GatewayService:
             self.rebal.pop(x.job_id, None)
             return
         version, policy = self.rebal.get(x.job_id, (-1, None))
-        if version != job.plan_version:
+        ordered = job.pending_plan if job.pending_plan is not None else job.plan
+        # A new plan version, or an order the ranks refused (or a gateway restart dropped): the
+        # policy's layout is not the one the ranks run or were ordered to; it starts again from the plan.
+        stale = policy is not None and policy.policy.layout != ordered.layout()
+        if version != job.plan_version or stale:
             try:
                 policy = JobRebalance.for_job(job, self.policy)
             except ValueError as exc:  # e.g. a node without a profile: the job runs on, unbalanced
@@ -510,6 +513,13 @@ class GatewayService:
         job_id = params["job_id"]
         if job_id not in self.jobs and job_id not in self.previews:
             self.bus.publish(self.table.build("job.state", job_id=job_id), b"", retain=True)
+
+
+def _milestone(job: J.Job) -> tuple:
+    """What is written to disk and published at once when it changes (not only every few seconds):
+    a restart must not forget a phase, a plan, a checkpoint or a re-shard ordered or applied."""
+    return (job.phase, job.plan_version, job.checkpoint_step, job.replans, job.pending_plan is None,
+            job.last_reshard_step, job.plan.layout() if job.plan else None)
 
 
 def _nodes_of(job: J.Job) -> set[str]:

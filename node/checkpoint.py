@@ -7,7 +7,11 @@ partitioned tensor to the owner, which writes
   <dir>/state.json                         step, epoch, seed, plan version and layout, ...
                                            (layout: {"attn": [...], "mlp": [...], "vocab": [...]},
                                            the protocol Layout it was saved under: `saved_layout`)
-into a fresh directory that then replaces the previous checkpoint by rename. Because everything is
+into a fresh directory that then replaces the current checkpoint by rename; the one it replaces is
+kept as `<dir>.prev` (one older checkpoint, no more: a save already needs room for two). A job's
+gateway may name that one as the resume point: it decides the instant a node drops, and the owner
+can finish writing the next checkpoint (its peers' slices were already gathered) before the
+gateway hears of it (`find_checkpoint`). Because everything is
 stored unsharded, a resume may use a different plan: the owner serves each rank its new slices of
 weights *and* optimizer moments through the same spec table (`CheckpointSource` + streaming).
 The data order needs no state of its own: batches are a pure function of (seed, step).
@@ -66,7 +70,7 @@ def save_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, specs: dict[st
     if layout.rank != 0:
         return None
     final = Path(ckpt_dir)
-    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+    tmp, old, prev = (final.with_name(final.name + s) for s in (".tmp", ".old", ".prev"))
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_dir(tmp, config, task, weights)
     save_file({k: v.contiguous() for k, v in moments.items()}, str(tmp / OPTIMIZER_FILE))
@@ -74,13 +78,24 @@ def save_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, specs: dict[st
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    shutil.rmtree(old, ignore_errors=True)
+    if old.exists():  # a swap cut short: `old` is the newest complete one, or the previous one
+        if final.exists():
+            _keep_as_previous(old, prev)
+        else:
+            old.rename(final)
     if final.exists():
         final.rename(old)
     tmp.rename(final)
     _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.exists():
+        _keep_as_previous(old, prev)
     return final
+
+
+def _keep_as_previous(old: Path, prev: Path) -> None:
+    shutil.rmtree(prev, ignore_errors=True)
+    old.rename(prev)
+    _fsync_dir(prev.parent)
 
 
 MAX_STATE_BYTES = 1024 * 1024
@@ -112,6 +127,20 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, Any] | None:
         if path.is_file():
             return {**_read_state(path), "dir": str(d)}
     return None
+
+
+def find_checkpoint(ckpt_dir: str | Path, step: int) -> dict[str, Any]:
+    """The state.json (with its "dir") of the checkpoint of `step`: the current one or the one
+    kept before it. ValueError naming the steps found otherwise."""
+    found = []
+    for d in (Path(ckpt_dir), *(Path(str(ckpt_dir) + s) for s in (".old", ".prev"))):
+        path = d / STATE_FILE
+        if path.is_file():
+            meta = _read_state(path)
+            if meta["step"] == step:
+                return {**meta, "dir": str(d)}
+            found.append(meta["step"])
+    raise ValueError(f"no checkpoint at step {step} in {ckpt_dir} (found steps {sorted(set(found)) or 'none'})")
 
 
 def saved_layout(meta: dict[str, Any]) -> Layout | None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from xronos.node.checkpoint import CheckpointSource, check_saved_layout, read_meta
+from xronos.node.checkpoint import CheckpointSource, check_saved_layout, find_checkpoint
 from xronos.node.models.loading import SafetensorsSource, ShardSource
 from xronos.node.models.registry import family_for
 from xronos.node.runconfig import JobRankConfig
@@ -185,9 +185,11 @@ def weights(job: JobRankConfig) -> FromOwner:
     def open_source(model: Any) -> ShardSource:
         if k == 0:
             return SafetensorsSource(job.run.model_dir, job.allowed_dirs)
-        meta = read_meta(job.checkpoint_dir) if job.checkpoint_dir else None
-        if meta is None or meta["step"] != k:
-            raise ValueError(f"no checkpoint at step {k} in {job.checkpoint_dir} (found {meta and meta['step']})")
+        if not job.checkpoint_dir:
+            raise ValueError(f"resume from step {k}: this rank has no checkpoint directory")
+        # The gateway's resume point may be one checkpoint behind the newest (it decided before it
+        # heard of the last one): that one is kept beside it.
+        meta = find_checkpoint(job.checkpoint_dir, k)
         check_saved_layout(meta, family_for(model.config).sizes(model.config))
         # A LoRA checkpoint holds the trained tensors only: the frozen base comes from the base checkpoint.
         return CheckpointSource(meta["dir"], base_dir=job.run.model_dir, allowed_dirs=job.allowed_dirs)

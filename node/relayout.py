@@ -6,6 +6,11 @@ layouts' spec tables (meta-device builds, cached), the exchange of weights and A
 the wall time of all that is the re-shard's cost, booked on the next iteration's record
 (`reshard_s`) and in the engine's list of moves (`Move`), which the metrics document reports.
 
+Two environment settings let a test act while a move is in progress (they only signal and wait;
+nothing fails on purpose): `XRONOS_RESHARD_MARK=DIR` makes every rank write `DIR/rank<r>-step<s>.pid`
+(its process id) as it enters the exchange, and `XRONOS_RESHARD_HOLD=<rank>:<seconds>` makes that
+rank wait there (< 60 s) while its peers wait for its slices.
+
 `ScheduledReshards` is the control of `xronos run --reshard-at`: the same settings on every rank,
 so no communication is needed to agree on the word. `LiveRebalance` is the control of `xronos run
 --rebalance`: rank 0 runs a re-balancing policy on every rank's measured per-kind compute.
@@ -14,7 +19,9 @@ so no communication is needed to agree on the word. `LiveRebalance` is the contr
 from __future__ import annotations
 
 import math
+import os
 import time
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -92,6 +99,7 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
             engine.lora_modules = add_lora(model, lora)
         return model
 
+    _announce(group.rank, step)
     engine.model = reshard(engine.model, engine.opt, plan, build_new, group)
     engine.layout = shard
     engine.specs = engine.model.tensor_specs()
@@ -100,6 +108,30 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     group.drain_timings()
     group.drain_spans()
     return Move(step, word.reason, old.to_text(), new.to_text(), time.perf_counter() - t0, sent)
+
+
+MARK_ENV, HOLD_ENV = "XRONOS_RESHARD_MARK", "XRONOS_RESHARD_HOLD"
+
+
+def _announce(rank: int, step: int) -> None:
+    """The test hooks of the module docstring: a mark file, and a wait on the named rank."""
+    mark = os.environ.get(MARK_ENV)
+    if mark:
+        path = Path(mark) / f"rank{rank}-step{step}.pid"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(str(os.getpid()))
+        tmp.rename(path)  # whole or absent: the test reads the pid as soon as the name appears
+    hold = os.environ.get(HOLD_ENV)
+    if hold:
+        who, _, seconds = hold.partition(":")
+        try:
+            target, wait = int(who), float(seconds)
+        except ValueError:
+            target, wait = -1, -1.0
+        if not 0 <= wait < 60:
+            raise ValueError(f"{HOLD_ENV}={hold[:40]!r}: expected <rank>:<seconds, 0 to 60>")
+        if target == rank:
+            time.sleep(wait)
 
 
 def unit_bytes(family: Any, config: dict[str, Any], task: str, dropout: float | None = None,

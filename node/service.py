@@ -419,8 +419,10 @@ class NodeService:
             log.info(kind, job_id=a.job_id, **ev)
             self._set_status(self.status.status if self.status else "running", reshard_step=ev["step"],
                              reshard_layout=Layout.parse(ev["layout"]), reshard_s=ev.get("seconds"))
-        elif kind == "reshard_refused":
+        elif kind == "reshard_refused":  # the owner's: the gateway drops the order it had pending
             log.warning(kind, job_id=a.job_id, **ev)
+            self._set_status(self.status.status if self.status else "running",
+                             reshard_refused=str(ev.get("detail") or "refused")[:256])
 
     def _metrics(self, a: m.Assignment, ev: dict[str, Any]) -> None:
         self.bus.publish_message(m.IterationMetrics(job_id=a.job_id, plan_version=a.plan_version,

@@ -336,7 +336,7 @@ class JobSpec(Message):
     # Live re-balancing (issue 14): the gateway re-plans from the ranks' measured per-kind compute
     # and re-shards the running job at an iteration boundary when the predicted gain repays the move.
     # On by default: a job runs on boxes whose other work changes their speed, the case it is for.
-    rebalance: bool = False  # opt-in this release: see README "Live re-balancing"
+    rebalance: bool = True
 
     @model_validator(mode="after")
     def _has_length(self) -> JobSpec:
@@ -554,6 +554,9 @@ class NodeJobStatus(Message):
     reshard_step: Count | None = None
     reshard_layout: Layout | None = None
     reshard_s: Seconds | None = None
+    # The owner's latest refused JobReshard (wrong world, counts that do not fit the model): why.
+    # The gateway then drops the order it had pending; the job goes on under its plan.
+    reshard_refused: Text256 | None = None
     sent_at: Timestamp
 
 

@@ -224,3 +224,65 @@ def test_a_rank_failing_after_a_re_plan_recovers_from_the_checkpoint_under_a_fre
     (assign,) = [e for e in effects if isinstance(e, J.Assign)]
     assert assign.resume_step == 10 and job.plan_version == 2 and assign.plan.version == 2
     assert J.handle(job, J.Rebalanced(1, d.at_step, d.layout, d.reason, job.plan.layout()), c) == (job, [])
+
+
+def _ordered(job: J.Job, slow: dict[str, float] | None = None):
+    """The job with a re-shard ordered by its policy (pending), and the decision."""
+    reb = JobRebalance.for_job(job, FAST)
+    reb.seen = []
+    _, d = run_until_decision(job, reb, slow or {"b": 3.0})
+    job2, effects = J.handle(job, J.Rebalanced(1, d.at_step, d.layout, d.reason, d.old, d.gain, d.predicted_compute_s,
+                                               d.predicted_memory, d.predicted_bottleneck_s),
+                             J.Ctx(now=5.0, online=frozenset(NODES)))
+    assert job2.pending_plan is not None and len(effects) == 1
+    return job2, d
+
+
+def test_an_order_the_ranks_refused_is_not_kept_pending_and_the_job_says_why():
+    job, d = _ordered(running_job())
+    c = J.Ctx(now=6.0, online=frozenset(NODES))
+    why = "re-shard at step 9 refused: attn: counts [5, 4] sum to 9"
+
+    def status(node, rank, refused):
+        return J.Status(m.NodeJobStatus(node_id=node, job_id="j", plan_version=1, rank=rank, status="running",
+                                        step=9, sent_at=1.0, reshard_refused=refused))
+
+    assert J.handle(job, status("b", 1, why), c)[0].pending_plan is not None  # only the owner speaks for the ranks
+    job2, effects = J.handle(job, status("a", 0, why), c)
+    assert effects == [] and job2.pending_plan is None and job2.plan == job.plan and job2.phase == "running"
+    assert job2.last_replan_reason.startswith("re-shard refused by the ranks, plan kept: ") and why in job2.events[-1]
+    assert state_view(job2).plan.layout() == job.plan.layout()
+    # The retained status repeats the refusal with every update: a later order is not dropped by it.
+    job3, _ = _ordered(replace(job2, pending_plan=None))
+    job3 = replace(job3, reshard_refused=job2.reshard_refused)
+    assert J.handle(job3, status("a", 0, why), c)[0].pending_plan == job3.pending_plan
+
+
+def test_a_pending_order_is_dropped_at_a_gateway_restart_and_the_state_says_so():
+    job, d = _ordered(running_job())
+    c = J.Ctx(now=7.0, online=frozenset(NODES))
+    job2, effects = J.restart(job, c)
+    assert effects == [] and job2.pending_plan is None and job2.plan == job.plan and job2.phase == "running"
+    assert "was pending: dropped" in job2.events[-1] and d.layout.to_text() in job2.events[-1]
+    # Had the owner applied it all the same, its retained status makes it the plan.
+    moved = J.Status(m.NodeJobStatus(node_id="a", job_id="j", plan_version=1, rank=0, status="running",
+                                     step=d.at_step, reshard_step=d.at_step, reshard_layout=d.layout, sent_at=1.0))
+    job3, _ = J.handle(job2, moved, c)
+    assert job3.plan.layout() == d.layout and job3.plan.entries[0].node_id == "a"
+    # The job table keeps an order across a restart of the store (the record round-trips).
+    from xronos.gateway.store import job_from_dict, job_to_dict
+    assert job_from_dict(job_to_dict(job)) == job
+
+
+def test_an_order_past_a_memory_cap_is_not_sent():
+    job = running_job()
+    reb = JobRebalance.for_job(job, FAST)
+    reb.seen = []
+    _, d = run_until_decision(job, reb, {"b": 3.0})
+    over = tuple(e.memory_cap * 1.5 for e in job.plan.entries)  # as a policy that missed the caps would say
+    c = J.Ctx(now=5.0, online=frozenset(NODES))
+    ev = J.Rebalanced(1, d.at_step, d.layout, d.reason, d.old, d.gain, d.predicted_compute_s, over)
+    job2, effects = J.handle(job, ev, c)
+    assert effects == [] and job2.pending_plan is None and job2.replans == 0 and job2.plan == job.plan
+    assert "memory cap" in job2.last_replan_reason and "plan kept" in job2.events[-1]
+    assert J.handle(job2, ev, c) == (job2, [])  # said once

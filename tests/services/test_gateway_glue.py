@@ -245,13 +245,11 @@ def test_node_topics_claiming_another_node_are_ignored(tmp_path):
     assert err.status == "error" and "unknown job" in err.error
 
 
-def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
-    """Per-kind compute from every rank feeds the job's policy; a slow last rank gets a JobReshard
-    sent to the owner alone; the owner's report of the move makes it the job's plan, shown in the
-    JobState and Home Assistant's state."""
+def _until_ordered(h, slow_last=5.0):
+    """A job assigned and started; per-kind metrics from every rank, its last rank slow, until the
+    policy orders a re-shard. Returns (job id, assignments, the (node, JobReshard) orders seen)."""
     from xronos.gateway.rebalance import PolicyConfig
 
-    h = Harness(tmp_path)
     h.gw.policy = PolicyConfig(window=3, warmup=1, interval=1, confirm=2, cooldown=50, payback=1000)
     announce(h)
     job_id, assigned = submit_until_assigned(h)
@@ -265,7 +263,7 @@ def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
     orders = []
     for step in range(1, 10):
         for a in assigned:
-            lay, slow = a.layout, 5.0 if a.rank == n - 1 else 1.0
+            lay, slow = a.layout, slow_last if a.rank == n - 1 else 1.0
             per = {k: slow * 0.01 * lay.share(k, a.rank) + 0.001 for k in ("attn", "mlp", "vocab")}
             h.node_says(m.IterationMetrics(job_id=job_id, plan_version=1, node_id=a.node_id, rank=a.rank, step=step,
                                            epoch=0, loss=1.0, compute_s=sum(per.values()), comm_s=0.0, idle_s=0.0,
@@ -275,6 +273,16 @@ def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
                                            compute_vocab_s=per["vocab"], compute_rest_s=0.0), a.node_id)
         h.pump()
         orders += [(p["node_id"], c) for p, c in h.seen("node.control") if c.action == "reshard"]
+    return job_id, assigned, orders
+
+
+def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
+    """Per-kind compute from every rank feeds the job's policy; a slow last rank gets a JobReshard
+    sent to the owner alone; the owner's report of the move makes it the job's plan, shown in the
+    JobState and Home Assistant's state."""
+    h = Harness(tmp_path)
+    job_id, assigned, orders = _until_ordered(h)
+    n = len(assigned)
     assert len(orders) == 1, orders
     (node, order), = orders
     old = assigned[0].layout
@@ -295,3 +303,32 @@ def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
     h.gw._publish_ha_state()
     ha_state = json.loads(h.broker.retained["xronos/gateway/state"])
     assert ha_state["replans"] == 1 and ha_state["last_replan"]
+
+
+def test_an_order_the_owner_refused_is_dropped_and_the_policy_starts_again_from_the_plan(tmp_path):
+    """The order is on disk as soon as it is sent (a restart knows it); the owner's refusal drops
+    it, the JobState says why, and the gateway's policy goes back to the layout the ranks run."""
+    from xronos.gateway.store import JobStore
+
+    h = Harness(tmp_path)
+    job_id, assigned, orders = _until_ordered(h)
+    (node, order), = orders
+    old = assigned[0].layout
+    saved = JobStore(h.gw.cfg.state_dir).load()[job_id]
+    assert saved.pending_plan is not None and saved.pending_plan.layout() == order.layout and saved.replans == 1
+    h.node_says(m.NodeJobStatus(node_id="a", job_id=job_id, plan_version=1, rank=0, status="running", step=9,
+                                reshard_refused=f"re-shard at step {order.at_step} refused: test", sent_at=2.0), "a")
+    h.pump()
+    h.gw._flush(force=True)
+    state = [s for _, s in h.seen("job.state")][-1]
+    assert state.phase == "running" and state.plan.layout() == old
+    assert state.last_replan_reason.startswith("re-shard refused by the ranks, plan kept")
+    assert JobStore(h.gw.cfg.state_dir).load()[job_id].pending_plan is None
+    a = assigned[0]
+    h.node_says(m.IterationMetrics(job_id=job_id, plan_version=1, node_id=a.node_id, rank=0, step=10, epoch=0,
+                                   loss=1.0, compute_s=0.1, comm_s=0.0, idle_s=0.0, iteration_s=0.1,
+                                   voluntary_ctx_switches=0, involuntary_ctx_switches=0, peak_rss=1,
+                                   compute_attn_s=0.01, compute_mlp_s=0.01, compute_vocab_s=0.01,
+                                   compute_rest_s=0.0), a.node_id)
+    h.pump()
+    assert h.gw.rebal[job_id][1].policy.layout == old

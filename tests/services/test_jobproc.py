@@ -119,6 +119,27 @@ def test_resume_without_checkpoint_fails_cleanly(tmp_path):
     assert events[1][-1]["type"] == "failed"  # the peer learns from Gloo, not by hanging
 
 
+def test_resume_from_the_checkpoint_before_the_newest(tmp_path):
+    """A gateway decides to recover the instant a node drops, and the owner may still finish the
+    next checkpoint (its peers' slices were gathered already): the checkpoint the gateway names is
+    then one behind the newest, and must still be there (kept as `<dir>.prev`). An older one is
+    gone, and the owner says which steps it has."""
+    model, data = make_case(tmp_path)
+    spec = job_spec(model, data, tmp_path / "export", max_steps=10, checkpoint_interval=3)
+    events = wait_ranks(start_ranks(tmp_path, spec, FIRST))
+    assert [e["step"] for e in events[0] if e["type"] == "checkpoint"] == [3, 6, 9]
+    assert read_meta(tmp_path / "ckpt")["step"] == 9
+
+    stale = wait_ranks(start_ranks(tmp_path, spec, [6, 6], resume_step=3, version=2), timeout=120)
+    assert stale[0][-1]["type"] == "failed" and "no checkpoint at step 3" in stale[0][-1]["detail"] \
+        and "found steps [6, 9]" in stale[0][-1]["detail"], stale[0][-1]
+    spec3 = job_spec(model, data, tmp_path / "export3", max_steps=10, checkpoint_interval=3)
+    events = wait_ranks(start_ranks(tmp_path, spec3, RESUMED, resume_step=6, version=3))
+    assert [e["step"] for e in events[0] if e["type"] == "metrics"] == list(range(7, 11))
+    max_abs, rel = runkit.compare(_load(tmp_path / "export3"), _load(tmp_path / "export"))
+    assert max_abs <= 5e-4 and rel <= 1e-5
+
+
 def _run_argv(spec, layout, out, extra=()):
     return runkit.run_argv(spec["model_dir"], spec["data_path"], spec["task"], layout, out,
                            steps=spec["max_steps"], lr=spec["lr"], seed=spec["seed"],
