@@ -17,18 +17,19 @@ Nodes speak only for themselves: an answer counts only if it carries the request
 to that node; a status or metric only if its rank is the node's rank in the current plan; and
 completion, checkpoints, evaluations and the export only from rank 0 (the owner).
 `abort(job, ctx, reason)` fails a job whose transition raised unexpectedly (the service's guard);
-`prune` bounds the history of finished jobs.
+`prune` bounds the history of finished jobs. The live re-shard transitions (the policy's
+`Rebalanced`, the owner's word on a re-shard) are in `jobreplan`; the event history in `jobnote`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 from xronos.protocol import messages as m
 
+from .jobnote import MAX_EVENT_CHARS, MAX_EVENTS, note, short
+from .jobreplan import on_rebalanced, owner_reshard_status
 from .jobtypes import (
     ACTIVE, TERMINAL, Acked, Agg, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job,
     Metrics, Net, NodeDown, NodeUp, Out, Profile, Profiled, Rebalanced, Reshard, Respond, Status, Tick, Timeouts,
@@ -39,27 +40,15 @@ __all__ = ["ACTIVE", "TERMINAL", "Acked", "Agg", "Assign", "Command", "Control",
            "Inspect", "Inspected", "Job", "Metrics", "Net", "NodeDown", "NodeUp", "Out", "Profile",
            "Profiled", "Rebalanced", "Reshard", "Respond", "Status", "Tick", "Timeouts", "abort", "handle", "new_job",
            "occupies",
-           "prune", "restart", "schedule"]
+           "prune", "restart", "schedule", "MAX_ERROR_CHARS", "MAX_EVENT_CHARS", "MAX_EVENTS"]
 
-MAX_EVENTS = 20
-MAX_EVENT_CHARS = 500  # a reason may quote what a node or a person sent: never all of it
-MAX_ERROR_CHARS = 1000
-
-
-def _short(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+MAX_ERROR_CHARS = 1000  # the event history's bounds (MAX_EVENTS, MAX_EVENT_CHARS) are `jobnote`'s
 
 
 def _few(names: list[str] | tuple[str, ...], n: int = 5) -> str:
     """A list of node names for a message: the first few, and how many more."""
     more = f" (+{len(names) - n} more)" if len(names) > n else ""
     return ", ".join(names[:n]) + more
-
-
-def _note(job: Job, now: float, text: str, **changes: Any) -> Job:
-    stamp = time.strftime("%H:%M:%S", time.gmtime(now))
-    line = _short(f"{stamp} {text}", MAX_EVENT_CHARS)
-    return replace(job, events=(job.events + (line,))[-MAX_EVENTS:], updated_at=now, **changes)
 
 
 def _request_ids(job: Job, nodes: tuple[str, ...]) -> tuple[Job, tuple[tuple[str, str], ...]]:
@@ -76,7 +65,7 @@ def occupies(job: Job) -> bool:
 # --- creation --------------------------------------------------------------------------------
 def new_job(job_id: str, spec: m.JobSpec, transaction: str | None, ctx: Ctx,
             respond_to: str = "job/submit") -> Out:
-    job = _note(Job(job_id, spec, ctx.now, respond_to=respond_to, transaction=transaction),
+    job = note(Job(job_id, spec, ctx.now, respond_to=respond_to, transaction=transaction),
                 ctx.now, f"submitted (owner {spec.owner})")
     named = spec.nodes
     if spec.owner not in ctx.online:
@@ -103,19 +92,19 @@ def refused(job: Job) -> bool:
 
 def _refuse(job: Job, ctx: Ctx, reason: str) -> Out:
     """Submit-time refusal: the request is answered with the reason; nothing ran."""
-    reason = _short(reason, MAX_ERROR_CHARS)
+    reason = short(reason, MAX_ERROR_CHARS)
     respond = Respond(job.respond_to, job.transaction, False, {"job_id": job.job_id}, reason)
-    job = _note(job, ctx.now, f"refused: {reason}", phase="failed", error=reason, transaction=None,
+    job = note(job, ctx.now, f"refused: {reason}", phase="failed", error=reason, transaction=None,
                 awaiting="", waiting=(), requests=(), deadline=None)
     return job, [respond]
 
 
 def _fail(job: Job, ctx: Ctx, reason: str) -> Out:
-    reason = _short(reason, MAX_ERROR_CHARS)
+    reason = short(reason, MAX_ERROR_CHARS)
     effects: list[Effect] = []
     if job.plan and job.phase in ACTIVE:
         effects.append(Control(job.job_id, job.plan_version, job.plan_nodes, "cancel"))
-    job = _note(job, ctx.now, f"failed: {reason}", phase="failed", error=reason, awaiting="",
+    job = note(job, ctx.now, f"failed: {reason}", phase="failed", error=reason, awaiting="",
                 waiting=(), requests=(), deadline=None, recover_deadline=None)
     return job, effects
 
@@ -162,7 +151,7 @@ def _no_plan(job: Job, ctx: Ctx, reason: str) -> Out:
     if not job.accepted:
         return _refuse(job, ctx, reason)
     if job.phase == "recovering":  # wait for a node to come back, until the recovery deadline
-        return _note(job, ctx.now, f"cannot re-plan yet: {reason}", awaiting="retry", waiting=(),
+        return note(job, ctx.now, f"cannot re-plan yet: {reason}", awaiting="retry", waiting=(),
                      deadline=ctx.now + ctx.timeouts.retry_s), []
     return _fail(job, ctx, reason)
 
@@ -170,7 +159,7 @@ def _no_plan(job: Job, ctx: Ctx, reason: str) -> Out:
 def _assign(job: Job, ctx: Ctx, plan: m.Plan) -> Out:
     nodes = tuple(e.node_id for e in plan.entries)
     units = ", ".join(f"{e.node_id}=attn {e.attn}/mlp {e.mlp}/vocab {e.vocab}" for e in plan.entries)
-    job = _note(job, ctx.now, f"plan v{plan.version} ({plan.strategy}): {units}; "
+    job = note(job, ctx.now, f"plan v{plan.version} ({plan.strategy}): {units}; "
                 f"resume from step {job.checkpoint_step}",
                 phase="assigning", plan=plan, plan_version=plan.version, awaiting="acks",
                 waiting=nodes, deadline=ctx.now + ctx.timeouts.ack_s, agg={}, peak_rss={},
@@ -187,7 +176,7 @@ def _recover(job: Job, ctx: Ctx, reason: str, known_cause: bool = False) -> Out:
     if job.recoveries >= ctx.timeouts.max_recoveries:
         return _fail(job, ctx, f"{reason}; gave up after {job.recoveries} recoveries")
     effects: list[Effect] = [Control(job.job_id, job.plan_version, job.plan_nodes, "cancel")]
-    job = _note(job, ctx.now, f"recovering: {reason}; resuming from step {job.checkpoint_step}",
+    job = note(job, ctx.now, f"recovering: {reason}; resuming from step {job.checkpoint_step}",
                 phase="recovering", recoveries=job.recoveries + 1, error=None, pending_plan=None,
                 last_reshard_step=None,
                 recover_deadline=ctx.now + ctx.timeouts.recover_s)
@@ -199,7 +188,7 @@ def _recover(job: Job, ctx: Ctx, reason: str, known_cause: bool = False) -> Out:
 
 def _replan(job: Job, ctx: Ctx) -> Out:
     if job.owner not in ctx.online:  # the owner holds the data and the checkpoint
-        return _note(job, ctx.now, f"waiting for the owner {job.owner!r} to come back",
+        return note(job, ctx.now, f"waiting for the owner {job.owner!r} to come back",
                      awaiting="retry", waiting=(), deadline=ctx.now + ctx.timeouts.retry_s), []
     return _plan_or_profile(job, ctx, _candidates(job, ctx))
 
@@ -211,7 +200,7 @@ def _start(job: Job, ctx: Ctx) -> Out:
     if job.want_paused:
         effects.append(Control(job.job_id, job.plan_version, nodes, "pause"))
         phase = "paused"
-    job = _note(job, ctx.now, f"started plan v{job.plan_version} on {len(nodes)} nodes", phase=phase,
+    job = note(job, ctx.now, f"started plan v{job.plan_version} on {len(nodes)} nodes", phase=phase,
                 awaiting="", waiting=(), deadline=ctx.now + ctx.timeouts.stall_s, recover_deadline=None)
     return job, effects
 
@@ -240,7 +229,7 @@ def _on_inspected(job: Job, ev: Inspected, ctx: Ctx) -> Out:
         return _refuse(job, ctx, f"owner {job.owner!r} cannot run it: {r.error}")
     if r.arch is None or r.total_steps is None:
         return _refuse(job, ctx, f"owner {job.owner!r} answered ok without arch and total_steps")
-    job = _note(job, ctx.now, f"owner checked model and data: {r.arch.family} with "
+    job = note(job, ctx.now, f"owner checked model and data: {r.arch.family} with "
                 f"{r.arch.num_kv_heads} attention units, {r.arch.intermediate_size} MLP columns, "
                 f"{r.arch.vocab_size} vocabulary rows; {r.total_steps} steps", arch=r.arch,
                 units_total=r.arch.num_kv_heads, total_steps=r.total_steps, requests=())
@@ -283,20 +272,20 @@ def _drop_node(job: Job, ctx: Ctx, node: str, why: str) -> tuple[Job, Out | None
     if not job.accepted and (node == job.owner or node in named):
         return job, _refuse(job, ctx, f"node {node!r} {why}")
     if node == job.owner:
-        return job, _replan(_note(job, ctx.now, f"owner {why}"), ctx)
-    return _note(job, ctx.now, f"leaving out {node!r}: it {why}", excluded=job.excluded + (node,)), None
+        return job, _replan(note(job, ctx.now, f"owner {why}"), ctx)
+    return note(job, ctx.now, f"leaving out {node!r}: it {why}", excluded=job.excluded + (node,)), None
 
 
 def _planned(job: Job, ctx: Ctx, plan: m.Plan) -> Out:
     if job.respond_to == "plan/preview":
         respond = Respond("plan/preview", job.transaction, True, {"plan": plan})
-        return _note(job, ctx.now, "plan preview answered", phase="completed", plan=plan,
+        return note(job, ctx.now, "plan preview answered", phase="completed", plan=plan,
                      awaiting="", transaction=None), [respond]
     effects: list[Effect] = []
     if not job.accepted:
         effects.append(Respond("job/submit", job.transaction, True,
                                {"job_id": job.job_id, "plan": plan, "total_steps": job.total_steps}))
-        job = _note(job, ctx.now, "accepted", accepted=True, transaction=None)
+        job = note(job, ctx.now, "accepted", accepted=True, transaction=None)
         if ctx.busy:  # the plan proved it fits; it is redone when the nodes are free
             return replace(job, phase="queued", awaiting="", waiting=(), plan=plan), effects
     job, more = _assign(job, ctx, plan)
@@ -329,7 +318,7 @@ def _on_up(job: Job, ev: NodeUp, ctx: Ctx) -> Out:
     if ev.node_id in job.excluded:
         job = replace(job, excluded=tuple(n for n in job.excluded if n != ev.node_id))
     if job.phase == "recovering" and job.awaiting == "retry":
-        return _replan(_note(job, ctx.now, f"node {ev.node_id!r} is back"), ctx)
+        return _replan(note(job, ctx.now, f"node {ev.node_id!r} is back"), ctx)
     return job, []
 
 
@@ -344,23 +333,14 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
             return job, []  # a checkpoint beyond the job's end is no resume point
         if job.events and " checkpoint at step " in job.events[-1]:  # one line for a run of them
             job = replace(job, events=job.events[:-1])
-        job = _note(job, ctx.now, f"checkpoint at step {s.checkpoint_step}", checkpoint_step=s.checkpoint_step)
+        job = note(job, ctx.now, f"checkpoint at step {s.checkpoint_step}", checkpoint_step=s.checkpoint_step)
     if is_owner and s.eval_initial is not None and job.eval_initial is None:
-        job = _note(job, ctx.now, f"before training: {s.eval_metric_name} {s.eval_initial:.4f}",
+        job = note(job, ctx.now, f"before training: {s.eval_metric_name} {s.eval_initial:.4f}",
                     eval_initial=s.eval_initial, eval_metric_name=s.eval_metric_name)
     if is_owner and s.eval_metric is not None:
         job = replace(job, eval_metric=s.eval_metric, eval_metric_name=s.eval_metric_name)
-    if is_owner and s.reshard_step is not None and s.reshard_step != job.last_reshard_step \
-            and s.reshard_layout is not None and job.plan is not None \
-            and s.reshard_layout.world_size == len(job.plan.entries):
-        try:
-            s.reshard_layout.check(job.plan.sizes, quanta=None)
-        except ValueError:
-            pass  # not a layout of this model: nothing the owner moved to
-        else:
-            job = _resharded(job, ctx, s)
-    if is_owner and s.reshard_refused is not None and s.reshard_refused != job.reshard_refused:
-        job = _refused_reshard(job, ctx, s.reshard_refused)
+    if is_owner:
+        job = owner_reshard_status(job, ctx, s)
     if s.status == "failed" and job.phase in ("assigning", "running", "paused"):
         return _recover(job, ctx, f"rank {s.rank} on {s.node_id!r} failed: {s.detail}")
     # "recovering" too: the owner may finish just as a peer's last-will arrives.
@@ -372,7 +352,7 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
 def _complete(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
     export = s.export_dir or job.spec.export_dir  # the owner's resolved path of the spec's export_dir
     step = min(s.step, job.total_steps) if job.total_steps else s.step
-    return _note(job, ctx.now, f"completed at step {step}; model exported to {export}",
+    return note(job, ctx.now, f"completed at step {step}; model exported to {export}",
                  phase="completed", step=step, epoch=s.epoch, export_dir=export,
                  awaiting="", deadline=None)
 
@@ -390,18 +370,18 @@ def _on_command(job: Job, ev: Command, ctx: Ctx) -> Out:
         if job.transaction:  # a submit still being checked
             effects.append(Respond(job.respond_to, job.transaction, False, {"job_id": job.job_id},
                                    "cancelled while being checked"))
-        job = _note(job, ctx.now, "cancelled", phase="cancelled", awaiting="", waiting=(), requests=(),
+        job = note(job, ctx.now, "cancelled", phase="cancelled", awaiting="", waiting=(), requests=(),
                     deadline=None, recover_deadline=None, transaction=None)
         return ok(job, *effects)
     if ev.action == "pause":
         if job.phase == "running":
-            return ok(_note(job, ctx.now, "paused", phase="paused", want_paused=True),
+            return ok(note(job, ctx.now, "paused", phase="paused", want_paused=True),
                       Control(job.job_id, job.plan_version, job.plan_nodes, "pause"))
         if job.phase in ("paused", "assigning", "recovering", "queued", "planning") and job.accepted:
             return ok(replace(job, want_paused=True))
     if ev.action == "resume":
         if job.phase == "paused":
-            return ok(_note(job, ctx.now, "resumed", phase="running", want_paused=False,
+            return ok(note(job, ctx.now, "resumed", phase="running", want_paused=False,
                             deadline=ctx.now + ctx.timeouts.stall_s),
                       Control(job.job_id, job.plan_version, job.plan_nodes, "resume"))
         if job.accepted:
@@ -441,90 +421,10 @@ def _on_metrics(job: Job, ev: Metrics, ctx: Ctx) -> Out:
     return apply_metrics(job, ev.m, ctx.now, ctx.timeouts.stall_s), []
 
 
-MAX_REASON_CHARS = 256  # JobState.last_replan_reason, Home Assistant's text state
-
-
-def _ordered(job: Job) -> m.Plan | None:
-    """The plan the ranks run or have been ordered to: a re-shard not yet applied, else the plan."""
-    if job.pending_plan is not None and job.pending_plan.version == job.plan_version:
-        return job.pending_plan
-    return job.plan
-
-
-def _on_rebalanced(job: Job, ev: Rebalanced, ctx: Ctx) -> Out:
-    """The re-balancing policy's decision: order the owner to re-shard (the plan takes the new
-    counts when the owner says the ranks moved: `_on_status`), or tell why the plan is kept."""
-    plan = _ordered(job)
-    if ev.plan_version != job.plan_version or plan is None or job.phase not in ("running", "paused") \
-            or ev.old != plan.layout():
-        return job, []
-    reason = _short(ev.reason, MAX_REASON_CHARS)
-    if ev.layout is None:
-        if reason == job.last_replan_reason:
-            return job, []
-        # The event history hears of a re-plan refused by the memory caps (once in a row of them);
-        # the policy's every other word only updates the reason the state shows.
-        if "memory cap" in ev.reason and "memory cap" not in (job.last_replan_reason or ""):
-            return _note(job, ctx.now, f"plan kept: {ev.reason}", last_replan_reason=reason), []
-        return replace(job, last_replan_reason=reason, updated_at=ctx.now), []
-    if job.total_steps and ev.at_step >= job.total_steps:  # no boundary left to move at
-        why = f"not ordered: the job ends before step {ev.at_step}; {ev.reason}"
-        return replace(job, last_replan_reason=_short(why, MAX_REASON_CHARS), updated_at=ctx.now), []
-    try:
-        ev.layout.check(plan.sizes, world_size=len(plan.entries), quanta=None)
-    except ValueError as exc:  # never from the policy: it plans over the same sizes
-        return _note(job, ctx.now, f"re-plan refused: {exc}"), []
-    over = [(e.node_id, mem, e.memory_cap) for e, mem in zip(plan.entries, ev.predicted_memory)
-            if mem > e.memory_cap]
-    if over:  # the policy checks the caps too; an order past them is never sent
-        node, mem, cap = over[0]
-        why = _short(f"re-plan not applied, plan kept: node {node!r} would need {mem / 2**20:.0f} MiB, over its "
-                     f"cap of {cap / 2**20:.0f} MiB (memory cap)", MAX_REASON_CHARS)
-        if why == job.last_replan_reason:
-            return job, []
-        return _note(job, ctx.now, why, last_replan_reason=why), []
-    entries = [e.model_copy(update={
-        "attn": ev.layout.attn[e.rank], "mlp": ev.layout.mlp[e.rank], "vocab": ev.layout.vocab[e.rank],
-        **({"predicted_compute_s": ev.predicted_compute_s[e.rank]} if ev.predicted_compute_s else {}),
-        **({"predicted_memory": ev.predicted_memory[e.rank]} if ev.predicted_memory else {}),
-    }) for e in plan.entries]
-    update: dict[str, Any] = {"entries": entries}
-    if ev.predicted_bottleneck_s:
-        update["predicted_iteration_s"] = ev.predicted_bottleneck_s + plan.comm_s
-    pending = m.Plan.model_validate({**plan.model_dump(), **update})
-    job = _note(job, ctx.now, f"re-plan for step {ev.at_step}: {ev.old.to_text()} -> {ev.layout.to_text()}; "
-                f"{ev.reason}", pending_plan=pending, replans=job.replans + 1, last_replan_reason=reason)
-    return job, [Reshard(job.job_id, job.plan_version, job.rank0 or job.owner, ev.at_step, ev.layout, reason)]
-
-
-def _refused_reshard(job: Job, ctx: Ctx, why: str) -> Job:
-    """The owner refused a re-shard order: it is not pending any more; the job goes on under its plan."""
-    job = replace(job, reshard_refused=why)
-    if job.pending_plan is None:
-        return job
-    reason = _short(f"re-shard refused by the ranks, plan kept: {why}", MAX_REASON_CHARS)
-    return _note(job, ctx.now, reason, pending_plan=None, last_replan_reason=reason)
-
-
-def _resharded(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
-    """The owner says every rank moved to `s.reshard_layout` before step `s.reshard_step`: the plan
-    is now that layout's (the ordered plan's predictions with it), and the measured sums restart."""
-    assert s.reshard_layout is not None and job.plan is not None
-    layout, pending = s.reshard_layout, _ordered(job)
-    if pending is not None and pending.layout() == layout:
-        plan = pending
-    else:  # not the ordered layout (never from our owner): its counts, the plan's predictions
-        plan = m.Plan.model_validate({**job.plan.model_dump(), "entries": [e.model_copy(update={
-            "attn": layout.attn[e.rank], "mlp": layout.mlp[e.rank], "vocab": layout.vocab[e.rank]})
-            for e in job.plan.entries]})
-    took = f" ({s.reshard_s:.2f} s at the boundary)" if s.reshard_s is not None else ""
-    return _note(job, ctx.now, f"re-shard applied at step {s.reshard_step}: {layout.to_text()}{took}",
-                 plan=plan, pending_plan=None, agg={}, peak_rss={}, last_reshard_step=s.reshard_step)
-
 
 _HANDLERS = {Inspected: _on_inspected, Profiled: _on_profiled, Acked: _on_acked,
              NodeDown: _on_down, NodeUp: _on_up, Metrics: _on_metrics, Status: _on_status,
-             Command: _on_command, Tick: _on_tick, Rebalanced: _on_rebalanced}
+             Command: _on_command, Tick: _on_tick, Rebalanced: on_rebalanced}
 
 
 # --- scheduling and restart ------------------------------------------------------------------
@@ -536,7 +436,7 @@ def schedule(jobs: dict[str, Job], ctx: Ctx) -> tuple[dict[str, Job], list[Effec
                      key=lambda j: j.created_at)
     if not waiting:
         return jobs, []
-    job, effects = _replan(_note(waiting[0], ctx.now, "nodes free: planning"), ctx)
+    job, effects = _replan(note(waiting[0], ctx.now, "nodes free: planning"), ctx)
     if job.awaiting == "retry":  # the owner is away: stay queued, try again on the next event
         return jobs, []
     return {**jobs, job.job_id: job}, effects
@@ -551,12 +451,12 @@ def restart(job: Job, ctx: Ctx) -> Out:
     """
     if job.phase in TERMINAL or (job.phase == "queued" and job.accepted):
         return job, []
-    job = _note(job, ctx.now, "gateway restarted")
+    job = note(job, ctx.now, "gateway restarted")
     if job.phase in ("running", "paused"):
         if job.pending_plan is not None:
             # The order may or may not have reached the owner: it is dropped, not re-sent. Should the
-            # ranks apply it all the same, the owner's status says so and the plan follows (`_resharded`).
-            job = _note(job, ctx.now, f"re-shard to {job.pending_plan.layout().to_text()} was pending: dropped "
+            # ranks apply it all the same, the owner's status says so and the plan follows (`jobreplan`).
+            job = note(job, ctx.now, f"re-shard to {job.pending_plan.layout().to_text()} was pending: dropped "
                         "(the owner's status makes it the plan if the ranks moved)", pending_plan=None)
         return replace(job, deadline=ctx.now + ctx.timeouts.stall_s), []
     if job.awaiting == "inspect":

@@ -1,0 +1,24 @@
+"""A job's event history: one timestamped line per noteworthy transition, bounded in count and
+length (a reason may quote what a node or a person sent: never all of it). Shared by the job state
+machine (`jobs`) and its live re-shard transitions (`jobreplan`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from .jobtypes import Job
+
+MAX_EVENTS = 20
+MAX_EVENT_CHARS = 500
+
+
+def short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def note(job: Job, now: float, text: str, **changes: Any) -> Job:
+    stamp = time.strftime("%H:%M:%S", time.gmtime(now))
+    line = short(f"{stamp} {text}", MAX_EVENT_CHARS)
+    return replace(job, events=(job.events + (line,))[-MAX_EVENTS:], updated_at=now, **changes)
