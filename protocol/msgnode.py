@@ -1,0 +1,152 @@
+"""Messages of a node about itself: its availability, its capabilities, and the profiles it measures
+for a job's model (`ProfileRequest` -> `ProfileReport`). Re-exported by `xronos.protocol.messages`."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from .layout import Kind, Sizes
+from .msgtypes import (
+    BatchSize, Bytes, Cores, Decay, Dim, Fraction, Heads, Host, Id, Int, Label, LayerName, Labels, Layers,
+    LoraRank, LoraTarget, Message, Positions, Sample, SeqLen, Seconds, Task, Temperature, Threads, Timestamp,
+    Vocab,
+)
+
+
+class Availability(StrEnum):
+    """Plain-text payload of the availability topics (Zigbee2MQTT style), not a model."""
+
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+class ArchSpec(Message):
+    family: Literal["gpt2", "bert", "roberta", "llama", "qwen2", "qwen3"]
+    hidden_size: Dim
+    num_layers: Layers
+    num_heads: Heads
+    num_kv_heads: Heads
+    intermediate_size: Dim
+    vocab_size: Vocab
+    max_positions: Positions
+    num_labels: Labels | None = None
+    tie_word_embeddings: bool
+
+    def sizes(self) -> Sizes:
+        """Totals per segment kind: attention units (KV heads: a GQA unit is one KV head with its
+        query heads), MLP columns, vocabulary rows."""
+        return Sizes(attn=self.num_kv_heads, mlp=self.intermediate_size, vocab=self.vocab_size)
+
+
+class Capabilities(Message):
+    node_id: Id
+    hostname: Host
+    arch: Label
+    cpu_model: Label
+    cores: Cores
+    memory_total: Bytes
+    memory_available: Bytes
+    torch_version: Label | None
+    data_host: Host
+    participate: bool = True
+    cpu_temp_c: Temperature | None = None
+    sent_at: Timestamp
+
+
+class ProfileRequest(Message):
+    request_id: Id
+    job_id: Id
+    arch: ArchSpec
+    task: Task
+    batch_size: BatchSize
+    seq_len: SeqLen
+    threads: Threads | None = None
+    # The job's optimizer settings: decoupled weight decay and the clipping pass each add a pass
+    # over every parameter, which the profile must time as the trainer will run it.
+    weight_decay: Decay = 0.0
+    clip: bool = True
+    # A LoRA job (JobSpec.lora_*): the profile trains adapters on a frozen base, as the job will.
+    lora_r: LoraRank | None = None
+    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
+    lora_dropout: Fraction = 0.0
+
+
+class LayerProfile(Message):
+    name: LayerName
+    kind: Literal["emb", "blk", "out"]
+    partitioned: bool
+    # Which segment kind a partitioned layer's width follows (None for a replicated layer); its
+    # time_samples are (share of that kind, seconds).
+    segment: Kind | None = None
+    time_s: Seconds
+    time_samples: Annotated[list[Sample], Field(max_length=64)]
+    weight_bytes: Bytes
+    activation_bytes: Bytes
+    temp_bytes: Bytes
+    # The layer's largest single parameter at the profiled width (share 1), bytes: loading reads a
+    # parameter's slice, then copies it in, and the freed buffer stays in the rank's heap.
+    load_bytes: Bytes = 0
+    # The layer's parameters at the profiled width, weights only (frozen ones too): with M_w it
+    # tells the trained bytes apart (a LoRA job's frozen base has no gradient or moments).
+    param_bytes: Bytes = 0
+
+    @model_validator(mode="after")
+    def _enough_samples(self) -> LayerProfile:
+        if self.partitioned != (self.segment is not None):
+            raise ValueError(f"segment: layer {self.name!r} is {'' if self.partitioned else 'not '}"
+                             f"partitioned, so its segment must {'' if self.partitioned else 'not '}be set")
+        if self.partitioned and len(self.time_samples) < 2:
+            raise ValueError(
+                f"time_samples: partitioned layer {self.name!r} needs >= 2 (ratio, seconds) "
+                f"samples for the affine fit, got {len(self.time_samples)}"
+            )
+        return self
+
+
+class CollectiveProfile(Message):
+    """What one all-reduce costs this node's CPU (`xronos.node.commprobe`): two Gloo ranks in the
+    profiling process over loopback, under the node's own CPU quota and threads, each all-reducing
+    `nbytes` (the job's [batch, seq, hidden] activation) and `small_bytes`; means of `repeats`."""
+
+    nbytes: Bytes
+    seconds: Seconds
+    small_bytes: Bytes
+    small_seconds: Seconds
+    repeats: Int(gt=0, le=10_000)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> CollectiveProfile:
+        if not self.small_bytes < self.nbytes:
+            raise ValueError(f"small_bytes: must be below nbytes ({self.nbytes}), got {self.small_bytes}")
+        return self
+
+
+class ProfileReport(Message):
+    node_id: Id
+    request_id: Id
+    job_id: Id
+    capabilities: Capabilities
+    arch: ArchSpec
+    task: Task
+    batch_size: BatchSize
+    seq_len: SeqLen
+    threads: Threads | None
+    sizes: Sizes
+    num_blocks: Layers
+    layers: Annotated[list[LayerProfile], Field(max_length=64)]
+    # The profiling process's resident set once warm (every library initialised by real training
+    # iterations) and emptied of every model (freed pages handed back): what a training rank's
+    # process holds besides its model; 0 = not measured (a report from before profiler version 6).
+    runtime_bytes: Bytes = 0
+    # What rank 0 (the owner: it reads the data) loads besides: the resident set the data stack's
+    # import adds; 0 = not measured.
+    owner_bytes: Bytes = 0
+    profile_seconds: Seconds
+    created_at: Timestamp
+    # The node's CPU cost of the job's all-reduces (None: a profile from before it was measured;
+    # the planner then counts the link alone).
+    collectives: CollectiveProfile | None = None
+

@@ -1,0 +1,103 @@
+"""Messages of a running job's state: every rank's per-iteration metrics, a node's view of its
+current job (retained), and the gateway's aggregated job state (retained). Re-exported by
+`xronos.protocol.messages`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from .layout import Layout
+from .msgjob import Plan
+from .msgtypes import (
+    MAX_EVENTS, MAX_NODES, Bytes, Count, Eta, Event, Id, Message, Metric, NonNegInt, PathText, Percent, Phase,
+    Rank, Seconds, Text4k, Text256, Timestamp,
+)
+
+
+class IterationMetrics(Message):
+    job_id: Id
+    plan_version: Count
+    node_id: Id
+    rank: Rank
+    step: Count
+    epoch: Count
+    loss: Metric  # NaN/inf: the run diverged, which is worth seeing
+    compute_s: Seconds
+    comm_s: Seconds
+    idle_s: Seconds
+    iteration_s: Seconds
+    voluntary_ctx_switches: NonNegInt
+    involuntary_ctx_switches: NonNegInt
+    peak_rss: Bytes
+    # compute_s split by segment kind (attention, MLP, vocabulary, the rest); they sum to compute_s
+    compute_attn_s: Seconds | None = None
+    compute_mlp_s: Seconds | None = None
+    compute_vocab_s: Seconds | None = None
+    compute_rest_s: Seconds | None = None
+
+
+NodeFloats = Annotated[dict[Id, Seconds], Field(max_length=MAX_NODES)]  # per node: seconds or a ratio
+NodeBytes = Annotated[dict[Id, Bytes], Field(max_length=MAX_NODES)]  # per node: bytes
+
+
+class JobState(Message):
+    job_id: Id
+    name: Text256
+    phase: Phase
+    step: Count = 0
+    total_steps: Count | None = None
+    epoch: Count = 0
+    loss: Metric | None = None
+    eval_metric: Metric | None = None
+    eval_metric_name: Text256 | None = None
+    iteration_s: Seconds | None = None
+    idle_ratio: NodeFloats = Field(default_factory=dict)
+    predicted_s: NodeFloats = Field(default_factory=dict)  # compute seconds per iteration, per node
+    measured_s: NodeFloats = Field(default_factory=dict)
+    # Peak memory per node: the plan's prediction (the rank's peak resident set) and the highest
+    # peak_rss its IterationMetrics reported under the current plan version.
+    predicted_peak_bytes: NodeBytes = Field(default_factory=dict)
+    peak_rss_bytes: NodeBytes = Field(default_factory=dict)
+    # Communication per node: the plan's all-reduce time vs the node's measured comm_s.
+    predicted_comm_s: NodeFloats = Field(default_factory=dict)
+    measured_comm_s: NodeFloats = Field(default_factory=dict)
+    compute_mape_pct: Percent | None = None  # over the nodes with both numbers
+    comm_mape_pct: Percent | None = None
+    eta_s: Eta | None = None
+    plan: Plan | None = None
+    # Live re-balancing: re-shards ordered so far (the plan's counts follow them) and the last
+    # decision's reason (a re-plan's, or why the policy kept the plan).
+    replans: Count = 0
+    last_replan_reason: Text256 | None = None
+    events: Annotated[list[Event], Field(max_length=MAX_EVENTS)] = Field(default_factory=list)
+    updated_at: Timestamp
+    error: Text4k | None = None
+
+
+class NodeJobStatus(Message):
+    """A node's view of its current job (retained): what a restarted gateway reconciles from."""
+
+    node_id: Id
+    job_id: Id
+    plan_version: Count
+    rank: Rank
+    status: Literal["accepted", "running", "paused", "completed", "failed", "cancelled"]
+    step: Count = 0
+    epoch: Count = 0
+    checkpoint_step: Count | None = None
+    eval_metric: Metric | None = None
+    eval_metric_name: Text256 | None = None
+    eval_initial: Metric | None = None
+    export_dir: PathText | None = None
+    detail: Text4k | None = None
+    # The owner's latest live re-shard (a JobReshard it applied): the boundary (before this 0-based
+    # step), the layout every rank moved to, and the owner's wall time at that boundary.
+    reshard_step: Count | None = None
+    reshard_layout: Layout | None = None
+    reshard_s: Seconds | None = None
+    # The owner's latest refused JobReshard (wrong world, counts that do not fit the model): why.
+    # The gateway then drops the order it had pending; the job goes on under its plan.
+    reshard_refused: Text256 | None = None
+    sent_at: Timestamp
