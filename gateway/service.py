@@ -1,10 +1,10 @@
 """The gateway service (`xronos gateway --config gateway.toml`): thin glue around the pure parts.
 
 One control loop: bus messages become events of the job state machine (`jobs.handle`, which also
-plans); the effects it returns are carried out here (publish an inspection/profile request,
-publish assignments and controls, answer a request); every change is persisted (`store`) and
-published as the job's retained JobState (and Home Assistant's state). Time is a `Tick` each turn
-of the loop.
+plans); the effects it returns are carried out here, as the messages `effects` makes of them (an
+inspection or profile request, assignments, controls, a re-shard order, a request's answer);
+every change is persisted (`store`) and published as the job's retained JobState (and Home
+Assistant's state). Time is a `Tick` each turn of the loop.
 
 No message can break the service: every turn of the loop is guarded part by part (the message's
 dispatch, each job's tick, each effect, each publish, the save), and an unexpected error in one
@@ -25,7 +25,6 @@ import json
 import re
 import time
 import uuid
-import zlib
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +34,7 @@ from xronos.gateway import homeassistant as ha
 from xronos.gateway import jobs as J
 from xronos.gateway import registry as R
 from xronos.gateway.config import GatewayConfig
+from xronos.gateway.effects import messages as effect_messages
 from xronos.gateway.jobrebal import JobRebalance
 from xronos.gateway.planning import plan_job
 from xronos.gateway.rebalance import PolicyConfig
@@ -49,7 +49,6 @@ from xronos.protocol.transport import BusBase, MqttBus
 log = structlog.get_logger(__name__)
 STATE_EVERY_S = 0.5  # retained JobState at most this often while only metrics change
 SAVE_EVERY_S = 5.0  # job table on disk at most this often while only metrics change
-_CONTROLS = {"start": m.JobStart, "pause": m.JobPause, "resume": m.JobResume, "cancel": m.JobCancel}
 
 
 def _reason(what: str, exc: BaseException) -> str:
@@ -277,49 +276,12 @@ class GatewayService:
 
     # --- effects -------------------------------------------------------------------------------
     def _do(self, e: J.Effect) -> None:
-        if isinstance(e, J.Respond):
-            if self.habridge is not None and e.name == "job/submit" and not e.ok:
-                self.habridge.refused(e.error)  # Home Assistant's "Last error" shows why
-            self.bus.publish_message(m.GatewayResponse(status="ok" if e.ok else "error", data=_jsonable(e.data),
-                                                       error=e.error, transaction=e.transaction), name=e.name)
-        elif isinstance(e, J.Inspect):
-            job = self._job(e.job_id)
-            assert job is not None, e
-            self.bus.publish_message(m.InspectRequest(request_id=e.request_id, job_id=e.job_id, spec=job.spec),
-                                     node_id=e.node_id)
-        elif isinstance(e, J.Profile):
-            job = self._job(e.job_id)
-            assert job is not None and job.arch is not None, e
-            for rid, node in e.requests:
-                req = m.ProfileRequest(request_id=rid, job_id=e.job_id, arch=job.arch, task=job.spec.task,
-                                       batch_size=job.spec.batch_size, seq_len=job.spec.seq_len,
-                                       weight_decay=job.spec.weight_decay, clip=job.spec.max_grad_norm is not None,
-                                       lora_r=job.spec.lora_r, lora_targets=job.spec.lora_targets,
-                                       lora_dropout=job.spec.lora_dropout)
-                self.bus.publish_message(req, node_id=node)
-        elif isinstance(e, J.Assign):
-            self._assign(e)
-        elif isinstance(e, J.Reshard):
-            self.bus.publish_message(m.JobReshard(job_id=e.job_id, plan_version=e.plan_version, at_step=e.at_step,
-                                                  layout=e.layout, reason=e.reason), node_id=e.node)
-        elif isinstance(e, J.Control):
-            for node in e.nodes:
-                self.bus.publish_message(_CONTROLS[e.action](job_id=e.job_id, plan_version=e.plan_version),
-                                         node_id=node)
-
-    def _assign(self, e: J.Assign) -> None:
-        job = self.jobs[e.job_id]
-        owner = self.reg.get(job.owner)
-        host = owner.capabilities.data_host if owner and owner.capabilities else None
-        lo, hi = self.cfg.rendezvous_port_min, self.cfg.rendezvous_port_max
-        port = lo + (zlib.crc32(e.job_id.encode()) + e.plan.version) % (hi - lo + 1)
-        entries = e.plan.entries
-        layout = e.plan.layout()
-        for x in entries:
-            self.bus.publish_message(m.Assignment(
-                job_id=e.job_id, plan_version=e.plan.version, node_id=x.node_id, rank=x.rank,
-                world_size=len(entries), rendezvous_host=host or "127.0.0.1", rendezvous_port=port,
-                layout=layout, spec=job.spec, resume_step=e.resume_step), node_id=x.node_id)
+        if isinstance(e, J.Respond) and self.habridge is not None and e.name == "job/submit" and not e.ok:
+            self.habridge.refused(e.error)  # Home Assistant's "Last error" shows why
+        job = self._job(e.job_id) if not isinstance(e, J.Respond) else None
+        ports = (self.cfg.rendezvous_port_min, self.cfg.rendezvous_port_max)
+        for msg, params in effect_messages(e, job, self.reg, ports):
+            self.bus.publish_message(msg, **params)
 
     # --- node topics ---------------------------------------------------------------------------
     @staticmethod
@@ -530,10 +492,3 @@ def _summary(job: J.Job) -> dict[str, Any]:
     return {"job_id": job.job_id, "name": job.spec.name, "phase": job.phase, "accepted": job.accepted,
             "step": job.step, "total_steps": job.total_steps, "loss": job.loss, "error": job.error,
             "created_at": job.created_at}
-
-
-def _jsonable(data: Any) -> Any:
-    """A response's data with its models in JSON form."""
-    if data is None:
-        return None
-    return {k: v.model_dump(mode="json") if isinstance(v, m.Message) else v for k, v in dict(data).items()}
