@@ -6,7 +6,8 @@ each segment a rank burns `share x segment` seconds of its own CPU time (calibra
 its thread CPU clock), so on ideal slow cores every rank would finish every segment at the same
 moment; then all ranks all-reduce the demo's activation ([8, 16, 384] fp32). Reported per rank,
 with the product's definitions (`node.metrics.comm_and_idle`): idle (own time in each all-reduce
-minus the fastest rank's) over the iteration, and the mean segment wall time against the target.
+minus the fastest rank's) over the iteration, and the segment speed: CPU seconds per wall second
+of its segments over its share (1.0 = as fast as a core of that speed; 2.0 = twice as fast).
 Nothing here is the model: whatever idle shows up is the emulation's (CFS bandwidth control runs a
 rank at full core speed for its quota, then stops it until the period ends) and the barrier's.
 
@@ -49,12 +50,13 @@ def worker(rank: int, world: int, port: int, share: float, seg_s: float, barrier
     x = torch.ones(ELEMENTS)
     rows = []
     for it in range(warmup + iters):
-        own, seg = [], []
+        own, seg, cpu = [], [], []
         t_it = time.perf_counter()
         for _ in range(barriers):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             burn(reps)
             t1 = time.perf_counter()
+            cpu.append(time.thread_time() - c0)
             dist.all_reduce(x)
             own.append(time.perf_counter() - t1)
             seg.append(t1 - t0)
@@ -64,12 +66,16 @@ def worker(rank: int, world: int, port: int, share: float, seg_s: float, barrier
         fastest = torch.stack(everyone).min(dim=0).values
         if it >= warmup:
             rows.append(dict(iter_s=iter_s, idle_s=float((torch.tensor(own, dtype=torch.float64) - fastest).sum()),
-                             comm_s=float(fastest.sum()), seg_s=sum(seg) / len(seg)))
+                             comm_s=float(fastest.sum()), seg_s=sum(seg) / len(seg),
+                             seg_cpu_s=sum(cpu) / len(cpu)))
     dist.destroy_process_group()
     n = len(rows)
     mean = {k: sum(r[k] for r in rows) / n for k in rows[0]}
+    # speed: the rank's segment CPU seconds per wall second over its share (1.0: as slow as its share
+    # says; 2.0: it ran its segments twice as fast as a core of that speed would)
     Path(out).write_text(json.dumps(dict(rank=rank, share=share, target_seg_s=seg_s, **mean,
-                                         idle_ratio=mean["idle_s"] / mean["iter_s"])))
+                                         idle_ratio=mean["idle_s"] / mean["iter_s"],
+                                         speed=mean["seg_cpu_s"] / mean["seg_s"] / share)))
 
 
 def run(shares: list[float], seg_s: float, period_us: int, barriers: int, iters: int, warmup: int,
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 doc.append(dict(period_us=period, segment_ms=seg_ms, load=load, ranks=res))
                 print(f"segment {seg_ms:5.1f} ms  periods " + "/".join(f"{r['period_us'] / 1000:.2f}" for r in res)
                       + " ms  idle " + "/".join(f"{100 * r['idle_ratio']:4.1f}" for r in res)
-                      + " %  seg wall/target " + "/".join(f"{r['seg_s'] / r['target_seg_s']:.2f}" for r in res)
+                      + " %  segment speed/share " + "/".join(f"{r['speed']:.2f}" for r in res)
                       + f"  iter {res[0]['iter_s'] * 1000:.0f} ms (ideal {args.barriers * seg_ms:.0f} + comm "
                       f"{res[0]['comm_s'] * 1000:.0f})  load {load:.1f}", flush=True)
     if args.out:
