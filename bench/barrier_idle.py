@@ -25,11 +25,15 @@ import sys
 import time
 from pathlib import Path
 
+from xronos.node.emulator import POLL_S
+
 ELEMENTS = 8 * 16 * 384  # the demo's activation: batch 8 x seq 16 x hidden 384
 
 
 def worker(rank: int, world: int, port: int, share: float, seg_s: float, barriers: int, iters: int,
-           warmup: int, out: str) -> None:
+           warmup: int, out: str, core: int = -1) -> None:
+    if core >= 0:  # before torch and Gloo start their threads, which inherit it
+        os.sched_setaffinity(0, {core})
     import torch
     import torch.distributed as dist
 
@@ -78,19 +82,33 @@ def worker(rank: int, world: int, port: int, share: float, seg_s: float, barrier
                                          speed=mean["seg_cpu_s"] / mean["seg_s"] / share)))
 
 
+def assign_cores(shares: list[float], cores: list[int]) -> list[int]:
+    """A core per rank, no core over one core's worth of shares (largest share first, least loaded)."""
+    load = dict.fromkeys(cores, 0.0)
+    out = [-1] * len(shares)
+    for r in sorted(range(len(shares)), key=lambda r: -shares[r]):
+        fit = [c for c in cores if load[c] + shares[r] <= 1.0 + 1e-9]
+        if not fit:
+            raise ValueError(f"rank {r}: share {shares[r]:g} fits on no core next to the others")
+        out[r] = min(fit, key=lambda c: load[c])
+        load[out[r]] += shares[r]
+    return out
+
+
 def run(shares: list[float], seg_s: float, period_us: int, barriers: int, iters: int, warmup: int,
-        tmp: Path) -> list[dict]:
+        tmp: Path, pin: bool = False, poll_s: float | None = POLL_S) -> list[dict]:
     from xronos.node.emulator import DEFAULT_PERIOD_US, Confinement, RankLimits
     from xronos.node.launch import free_port
 
     port = free_port()
+    cores = assign_cores(shares, sorted(os.sched_getaffinity(0))) if pin else [-1] * len(shares)
     outs = [tmp / f"r{r}-{seg_s}-{period_us}.json" for r in range(len(shares))]
     with Confinement([RankLimits(s) for s in shares], period_us=period_us or DEFAULT_PERIOD_US,
-                     top_weight=True) as conf:
+                     top_weight=True, poll_s=poll_s) as conf:
         procs = []
         for r, s in enumerate(shares):
             cmd = [sys.executable, "-m", "xronos.bench.barrier_idle", "--worker", str(r), str(len(shares)),
-                   str(port), repr(s), repr(seg_s), str(barriers), str(iters), str(warmup), str(outs[r])]
+                   str(port), repr(s), repr(seg_s), str(barriers), str(iters), str(warmup), str(outs[r]), str(cores[r])]
             p = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
             conf.add(r, p.pid)
             procs.append(p)
@@ -107,12 +125,16 @@ def run(shares: list[float], seg_s: float, period_us: int, barriers: int, iters:
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
         a = sys.argv[2:]
-        worker(int(a[0]), int(a[1]), int(a[2]), float(a[3]), float(a[4]), int(a[5]), int(a[6]), int(a[7]), a[8])
+        worker(int(a[0]), int(a[1]), int(a[2]), float(a[3]), float(a[4]), int(a[5]), int(a[6]), int(a[7]), a[8], int(a[9]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shares", default="0.9,0.5,0.3")
     ap.add_argument("--segment-ms", default="1,3,10", help="wall time of a segment at the rank's share")
     ap.add_argument("--period-us", default="0", help="shortest CFS period(s); 0 = the emulator's default")
+    ap.add_argument("--pin", default="0", help="0, 1 or 0,1: each rank's process pinned to one core "
+                    "(no core over one core's worth of shares)")
+    ap.add_argument("--poll", default=str(POLL_S), help="the emulator's poll interval(s) in seconds, "
+                    "'none' = quotas enforced at the scheduler tick only (e.g. none,0.0005)")
     ap.add_argument("--barriers", type=int, default=30)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
@@ -124,11 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     doc = []
     with tempfile.TemporaryDirectory(prefix="xronos-barrier-") as tmp:
         for period in [int(p) for p in args.period_us.split(",")]:
-            for seg_ms in [float(s) for s in args.segment_ms.split(",")]:
+          for seg_ms in [float(s) for s in args.segment_ms.split(",")]:
+           for pin in [bool(int(x)) for x in args.pin.split(",")]:
+            for poll in [None if x == "none" else float(x) for x in args.poll.split(",")]:
                 load = os.getloadavg()[0]
-                res = run(shares, seg_ms / 1000, period, args.barriers, args.iters, args.warmup, Path(tmp))
-                doc.append(dict(period_us=period, segment_ms=seg_ms, load=load, ranks=res))
-                print(f"segment {seg_ms:5.1f} ms  periods " + "/".join(f"{r['period_us'] / 1000:.2f}" for r in res)
+                res = run(shares, seg_ms / 1000, period, args.barriers, args.iters, args.warmup, Path(tmp), pin, poll)
+                doc.append(dict(period_us=period, segment_ms=seg_ms, pin=pin, poll_s=poll, load=load, ranks=res))
+                print(f"poll {poll} {'pinned' if pin else 'free  '} segment {seg_ms:5.1f} ms  periods " + "/".join(f"{r['period_us'] / 1000:.2f}" for r in res)
                       + " ms  idle " + "/".join(f"{100 * r['idle_ratio']:4.1f}" for r in res)
                       + " %  segment speed/share " + "/".join(f"{r['speed']:.2f}" for r in res)
                       + f"  iter {res[0]['iter_s'] * 1000:.0f} ms (ideal {args.barriers * seg_ms:.0f} + comm "
