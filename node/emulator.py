@@ -41,6 +41,20 @@ MIN_QUOTA_US = 1_000  # the kernel's lower bound for cfs_quota_us
 
 # How often the poller makes the kernel account each rank's CPU time (see `Poller`).
 POLL_S = 0.0005
+POLL_ENV = "XRONOS_EMULATOR_POLL_S"  # for measuring the poller's effect: seconds, or "none"
+
+
+def default_poll_s() -> float | None:
+    """POLL_S, or what XRONOS_EMULATOR_POLL_S says ("none": quotas enforced at the tick only)."""
+    text = os.environ.get(POLL_ENV)
+    if text is None:
+        return POLL_S
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise EmulatorError(f"{POLL_ENV} must be seconds or 'none', got {text!r}") from None
 
 
 def period_for(share: float, shortest_us: int = DEFAULT_PERIOD_US) -> int:
@@ -226,10 +240,12 @@ class Confinement:
 
     def __init__(self, limits: list[RankLimits], *, period_us: int = DEFAULT_PERIOD_US,
                  cpu: Controller | None = None, memory: Controller | None = None,
-                 top_weight: bool = False, poll_s: float | None = POLL_S) -> None:
+                 top_weight: bool = False, poll_s: float | None | str = "default") -> None:
         self.limits = list(limits)
         self.period_us = period_us
         # poll_s: the `Poller`'s interval (None: quotas enforced at the scheduler tick only).
+        if poll_s == "default":
+            poll_s = default_poll_s()
         if poll_s is not None and not 0 < poll_s < 1:
             raise EmulatorError(f"poll_s must be in (0, 1) s, got {poll_s!r}")
         self.poll_s = poll_s

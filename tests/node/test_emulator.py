@@ -226,3 +226,17 @@ def test_poller_runs_while_confined_and_stops_with_the_groups() -> None:
 def test_poll_interval_out_of_range_is_refused(poll_s: float) -> None:
     with pytest.raises(EmulatorError, match="poll_s"):
         Confinement([RankLimits(0.2)], poll_s=poll_s)
+
+
+def test_poll_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from xronos.node.emulator import POLL_ENV, POLL_S, default_poll_s
+
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    assert default_poll_s() == POLL_S
+    monkeypatch.setenv(POLL_ENV, "none")
+    assert default_poll_s() is None
+    monkeypatch.setenv(POLL_ENV, "0.001")
+    assert default_poll_s() == 0.001
+    monkeypatch.setenv(POLL_ENV, "fast")
+    with pytest.raises(EmulatorError, match=POLL_ENV):
+        default_poll_s()
