@@ -95,16 +95,31 @@ def assign_cores(shares: list[float], cores: list[int]) -> list[int]:
     return out
 
 
+def start_eaters(conf, cores: list[int]) -> list:
+    """Per rank, a spinning process at SCHED_IDLE in the rank's cpu group on the rank's core: it
+    spends the quota whenever the rank has nothing runnable, so a rank that waited has not banked
+    its quota (an experiment on the emulation, not part of it)."""
+    procs = []
+    for r, core in enumerate(cores):
+        p = subprocess.Popen(["/bin/sh", "-c", "while :; do :; done"], stdin=subprocess.DEVNULL)
+        os.sched_setaffinity(p.pid, {core})
+        os.sched_setscheduler(p.pid, os.SCHED_IDLE, os.sched_param(0))
+        (conf._dir_for(r, conf.cpu) / "cgroup.procs").write_text(str(p.pid))
+        procs.append(p)
+    return procs
+
+
 def run(shares: list[float], seg_s: float, period_us: int, barriers: int, iters: int, warmup: int,
-        tmp: Path, pin: bool = False, poll_s: float | None = POLL_S) -> list[dict]:
+        tmp: Path, pin: bool = False, poll_s: float | None = POLL_S, eat: bool = False) -> list[dict]:
     from xronos.node.emulator import DEFAULT_PERIOD_US, Confinement, RankLimits
     from xronos.node.launch import free_port
 
     port = free_port()
-    cores = assign_cores(shares, sorted(os.sched_getaffinity(0))) if pin else [-1] * len(shares)
+    cores = assign_cores(shares, sorted(os.sched_getaffinity(0))) if pin or eat else [-1] * len(shares)
     outs = [tmp / f"r{r}-{seg_s}-{period_us}.json" for r in range(len(shares))]
     with Confinement([RankLimits(s) for s in shares], period_us=period_us or DEFAULT_PERIOD_US,
                      top_weight=True, poll_s=poll_s) as conf:
+        eaters = start_eaters(conf, cores) if eat else []
         procs = []
         for r, s in enumerate(shares):
             cmd = [sys.executable, "-m", "xronos.bench.barrier_idle", "--worker", str(r), str(len(shares)),
@@ -116,6 +131,9 @@ def run(shares: list[float], seg_s: float, period_us: int, barriers: int, iters:
             if p.wait(600) != 0:
                 raise RuntimeError(f"worker failed ({p.returncode})")
         periods = [q["period_us"] for q in conf.quotas()]
+        for e in eaters:
+            e.kill()
+            e.wait()
     res = [json.loads(o.read_text()) for o in outs]
     for r, p in zip(res, periods):
         r["period_us"] = p
@@ -135,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(no core over one core's worth of shares)")
     ap.add_argument("--poll", default=str(POLL_S), help="the emulator's poll interval(s) in seconds, "
                     "'none' = quotas enforced at the scheduler tick only (e.g. none,0.0005)")
+    ap.add_argument("--eat", default="0", help="0, 1 or 0,1: an idle-priority spinner in each rank's group "
+                    "on its (pinned) core, spending the quota while the rank waits (an experiment)")
     ap.add_argument("--barriers", type=int, default=30)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
@@ -149,10 +169,13 @@ def main(argv: list[str] | None = None) -> int:
           for seg_ms in [float(s) for s in args.segment_ms.split(",")]:
            for pin in [bool(int(x)) for x in args.pin.split(",")]:
             for poll in [None if x == "none" else float(x) for x in args.poll.split(",")]:
+             for eat in [bool(int(x)) for x in args.eat.split(",")]:
                 load = os.getloadavg()[0]
-                res = run(shares, seg_ms / 1000, period, args.barriers, args.iters, args.warmup, Path(tmp), pin, poll)
-                doc.append(dict(period_us=period, segment_ms=seg_ms, pin=pin, poll_s=poll, load=load, ranks=res))
-                print(f"poll {poll} {'pinned' if pin else 'free  '} segment {seg_ms:5.1f} ms  periods " + "/".join(f"{r['period_us'] / 1000:.2f}" for r in res)
+                res = run(shares, seg_ms / 1000, period, args.barriers, args.iters, args.warmup, Path(tmp), pin, poll,
+                          eat)
+                doc.append(dict(period_us=period, segment_ms=seg_ms, pin=pin, poll_s=poll, eat=eat, load=load,
+                                ranks=res))
+                print(f"poll {poll} {'eat ' if eat else ''}{'pinned' if pin else 'free  '} segment {seg_ms:5.1f} ms  periods " + "/".join(f"{r['period_us'] / 1000:.2f}" for r in res)
                       + " ms  idle " + "/".join(f"{100 * r['idle_ratio']:4.1f}" for r in res)
                       + " %  segment speed/share " + "/".join(f"{r['speed']:.2f}" for r in res)
                       + f"  iter {res[0]['iter_s'] * 1000:.0f} ms (ideal {args.barriers * seg_ms:.0f} + comm "
