@@ -7,7 +7,14 @@ cgroup v1 (`cpu.cfs_quota_us` / `cpu.cfs_period_us`, `memory.limit_in_bytes`) an
 (`cpu.max`, `memory.max`) are both supported; whichever hierarchy has the controller mounted and
 writable is used. Groups are created *below the cgroup this process already lives in* (so a
 supervisor's accounting still covers them), one parent per run with one child per rank, and are
-removed on exit, also on error.
+removed on exit, also on error. While the groups exist a poller process (`Poller`) makes the kernel
+charge each rank's CPU time every 0.5 ms, so a quota binds at that grain rather than at the
+scheduler tick.
+
+A quota is not a slow core: a rank runs at full core speed until its quota for the period is spent,
+then stops, and a rank that waited (in a collective) comes back with quota in hand. Segments shorter
+than the quota run at full speed and the debt is paid later, often inside a collective
+(`bench/results/demo-idle.md`, `python -m xronos.bench.barrier_idle`).
 
 Usage:
     with Confinement([RankLimits(0.45), RankLimits(0.3, memory_bytes=1 << 30)]) as conf:
