@@ -56,11 +56,12 @@ def workload(root: Path, model: str, blocks: int, rows: int, seq: int) -> tuple[
 
 
 def run_one(mdir: Path, data: Path, shares: list[float], strategy: str, steps: int, work: Path,
-            cache: Path, env: dict[str, str], seq: int = SEQ, link: tuple[float, float] | None = None) -> dict:
+            cache: Path, env: dict[str, str], seq: int = SEQ, link: tuple[float, float] | None = None,
+            batch: int = BATCH) -> dict:
     metrics = work / "metrics.json"
     cmd = [sys.executable, "-m", "xronos.cli", "run", "--model", str(mdir), "--data", str(data),
            "--task", "classify", "--nodes", str(len(shares)), "--strategy", strategy,
-           "--cpu-shares", ",".join(f"{s:g}" for s in shares), "--batch-size", str(BATCH),
+           "--cpu-shares", ",".join(f"{s:g}" for s in shares), "--batch-size", str(batch),
            "--seq-len", str(seq), "--lr", "2e-5", "--max-steps", str(steps), "--seed", "0",
            "--max-grad-norm", "1.0", "--metrics", str(metrics), "--profile-cache", str(cache),
            "--export", str(work / "export")]
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategies", default="segment")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seq-len", type=int, default=SEQ)
+    ap.add_argument("--batch-size", type=int, default=BATCH)
     ap.add_argument("--link", default="100000,0", metavar="MBIT,MS",
                     help="the link the planner assumes (default 100000,0: the ranks share loopback, "
                     "so the communication prediction is the ranks' measured CPU cost of all-reduces)")
@@ -105,22 +107,25 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, **({"XRONOS_MALLOC": "glibc"} if args.malloc == "glibc" else {}))
     runs = []
     for model in args.models.split(","):
-        mdir, data = workload(root, model, args.blocks, max(64, (args.steps + 2) * BATCH), args.seq_len)
+        mdir, data = workload(root, model, args.blocks, max(64, (args.steps + 2) * args.batch_size),
+                              args.seq_len)
         sets = ([("custom", [float(x) for x in args.shares.split(",")])] if args.shares
                 else [(name, get_scenario(name).shares()) for name in args.scenarios.split(",")])
         for name, shares in sets:
             for strategy in args.strategies.split(","):
-                work = root / f"run-{model}-{name}-{strategy}-{args.malloc}"
+                work = root / f"run-{model}-{name}-{strategy}-{args.malloc}-b{args.batch_size}"
                 work.mkdir(exist_ok=True)
                 load = os.getloadavg()[0]
                 pred = run_one(mdir, data, shares, strategy, args.steps, work, cache, env, args.seq_len,
-                               tuple(float(x) for x in args.link.split(",")))
-                runs.append(dict(model=model, blocks=args.blocks, scenario=name, shares=shares,
+                               tuple(float(x) for x in args.link.split(",")), args.batch_size)
+                runs.append(dict(model=model, blocks=args.blocks, scenario=name, shares=shares, batch=args.batch_size,
                                  load_before=load, load_after=os.getloadavg()[0], **pred))
                 print(f"{model:>14} b{args.blocks} {name:<6} {strategy:<8} units {pred['units']}  "
                       f"MAPE {pred['mape_pct']:5.2f}% (linear {pred['mape_linear_pct']:5.2f}%)  "
                       + "  ".join(f"r{r['rank']}: {r['predicted_compute_s']:.3f}/{r['measured_compute_s']:.3f}s"
                                   for r in pred["ranks"])
+                      + "  idle " + "/".join(f"{100 * x:.1f}%" for x in pred["idle_ratio"])
+                      + f"  iter {max(pred['iteration_s']):.3f}s"
                       + f"  comm {pred['comm_s']:.3f}s pred vs "
                       + "/".join(f"{r.get('measured_comm_s', float('nan')):.3f}" for r in pred["ranks"]), flush=True)
     pairs = [(r["predicted_compute_s"], r["predicted_linear_s"], r["measured_compute_s"])

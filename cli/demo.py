@@ -76,7 +76,11 @@ def confine(nodes) -> tuple[object | None, str]:
     from xronos.node.emulator import Confinement, EmulatorError, RankLimits
 
     try:
-        conf = Confinement([RankLimits(share) for _, share, _ in nodes]).__enter__()
+        # The top CFS weight, as every other emulated run (`xronos run --cpu-shares`, the bench): a
+        # quota is only a ceiling, and on a machine with other work a group at the default weight
+        # gets the leftovers, so every box ends up equally slow and the plan (made from profiles
+        # taken in the same groups) meets another machine in training.
+        conf = Confinement([RankLimits(share) for _, share, _ in nodes], top_weight=True).__enter__()
     except (EmulatorError, OSError) as exc:
         return None, f"different thread counts ({', '.join(f'{n}={t}' for n, _, t in nodes)}); " \
                      f"no cgroup CPU quotas here: {exc}"

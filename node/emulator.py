@@ -7,7 +7,14 @@ cgroup v1 (`cpu.cfs_quota_us` / `cpu.cfs_period_us`, `memory.limit_in_bytes`) an
 (`cpu.max`, `memory.max`) are both supported; whichever hierarchy has the controller mounted and
 writable is used. Groups are created *below the cgroup this process already lives in* (so a
 supervisor's accounting still covers them), one parent per run with one child per rank, and are
-removed on exit, also on error.
+removed on exit, also on error. While the groups exist a poller process (`Poller`) makes the kernel
+charge each rank's CPU time every 0.5 ms, so a quota binds at that grain rather than at the
+scheduler tick.
+
+A quota is not a slow core: a rank runs at full core speed until its quota for the period is spent,
+then stops, and a rank that waited (in a collective) comes back with quota in hand. Segments shorter
+than the quota run at full speed and the debt is paid later, often inside a collective
+(`bench/results/demo-idle.md`, `python -m xronos.bench.barrier_idle`).
 
 Usage:
     with Confinement([RankLimits(0.45), RankLimits(0.3, memory_bytes=1 << 30)]) as conf:
@@ -37,6 +44,24 @@ log = structlog.get_logger(__name__)
 # 1 ms minimum, and never below DEFAULT_PERIOD_US.
 DEFAULT_PERIOD_US = 2_000
 MIN_QUOTA_US = 1_000  # the kernel's lower bound for cfs_quota_us
+
+
+# How often the poller makes the kernel account each rank's CPU time (see `Poller`).
+POLL_S = 0.0005
+POLL_ENV = "XRONOS_EMULATOR_POLL_S"  # for measuring the poller's effect: seconds, or "none"
+
+
+def default_poll_s() -> float | None:
+    """POLL_S, or what XRONOS_EMULATOR_POLL_S says ("none": quotas enforced at the tick only)."""
+    text = os.environ.get(POLL_ENV)
+    if text is None:
+        return POLL_S
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise EmulatorError(f"{POLL_ENV} must be seconds or 'none', got {text!r}") from None
 
 
 def period_for(share: float, shortest_us: int = DEFAULT_PERIOD_US) -> int:
@@ -152,14 +177,86 @@ def validate_limits(limits: list[RankLimits], cores: int, parent_limit: float | 
             "scale the shares down")
 
 
+class Poller:
+    """Quota enforcement at a fine grain: a process (outside the groups) that reads every confined
+    process's CPU clock every `POLL_S`.
+
+    The kernel charges a running task's CPU time to its group's quota only when it accounts it: at
+    the scheduler tick (4 ms at CONFIG_HZ=250) or a scheduling event on that CPU. A lone compute
+    thread meets no event, so a 1 ms quota was overrun to a whole tick and the debt paid back over
+    several periods: measured on this 2-core VM, a spinning rank ran 4 ms bursts and stalled 12 / 8 /
+    4 ms at shares 0.3 / 0.5 / 0.9, i.e. 0.23 / 0.33 / 0.50 of a core — another device ratio than
+    the one asked for, and a 12 ms stall whenever a collective caught a rank in debt. Reading a
+    process's CPU clock (clock_gettime on its clock_getcpuclockid) makes the kernel update the
+    running thread's runtime, which charges its group and throttles it at once when the quota is
+    spent: with a 0.5 ms poll the same rank ran ~1.1 ms and stalled ~2.5 ms, 0.29 of a core.
+    The poller's own CPU is outside the quotas."""
+
+    def __init__(self, dirs: list[Path], interval_s: float = POLL_S) -> None:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from xronos.node.emulator import poll_main; poll_main()", repr(interval_s),
+             *map(str, dirs)], stdin=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def poll_main() -> None:
+    """The poller's loop (`Poller`): argv = interval seconds, then the rank groups' directories.
+    Ends when its parent does or the groups are gone."""
+    import ctypes
+    import sys
+
+    interval, dirs = float(sys.argv[1]), [Path(d) for d in sys.argv[2:]]
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getppid()
+    clocks: dict[int, int] = {}
+    n = 0
+    while True:
+        if n % 100 == 0:  # refresh the process list (ranks and profilers start and end)
+            if os.getppid() != parent:
+                return
+            try:
+                pids = {int(p) for d in dirs for p in (d / "cgroup.procs").read_text().split()}
+            except FileNotFoundError:
+                return
+            except OSError:
+                pids = set(clocks)
+            for pid in set(clocks) - pids:
+                del clocks[pid]
+            for pid in pids - set(clocks):
+                cid = ctypes.c_int()
+                if libc.clock_getcpuclockid(pid, ctypes.byref(cid)) == 0:
+                    clocks[pid] = cid.value
+        for pid, cid in list(clocks.items()):
+            try:
+                time.clock_gettime(cid)
+            except OSError:  # it exited
+                del clocks[pid]
+        n += 1
+        time.sleep(interval)
+
+
 class Confinement:
     """Per-run cgroups, one per rank. A context manager: groups exist only inside `with`."""
 
     def __init__(self, limits: list[RankLimits], *, period_us: int = DEFAULT_PERIOD_US,
                  cpu: Controller | None = None, memory: Controller | None = None,
-                 top_weight: bool = False) -> None:
+                 top_weight: bool = False, poll_s: float | None | str = "default") -> None:
         self.limits = list(limits)
         self.period_us = period_us
+        # poll_s: the `Poller`'s interval (None: quotas enforced at the scheduler tick only).
+        if poll_s == "default":
+            poll_s = default_poll_s()
+        if poll_s is not None and not 0 < poll_s < 1:
+            raise EmulatorError(f"poll_s must be in (0, 1) s, got {poll_s!r}")
+        self.poll_s = poll_s
+        self._poller: Poller | None = None
         # A quota is only a ceiling: on a machine other work keeps busy, a group at the default
         # CFS weight gets the leftovers, not its quota, and every emulated device ends up equally
         # slow. With the top weight the quota is what binds (the groups still never exceed it).
@@ -221,7 +318,10 @@ class Confinement:
             if lim.memory_bytes is not None:
                 assert self.memory is not None
                 self._write_memory(self._dir_for(rank, self.memory), lim.memory_bytes)
-        log.info("confinement.created", name=self.name, cpu_v=self.cpu.version,
+        if self.poll_s is not None:
+            self._poller = Poller([self._dir_for(r, self.cpu) for r in range(len(self.limits))],  # type: ignore[arg-type]
+                                  self.poll_s)
+        log.info("confinement.created", name=self.name, cpu_v=self.cpu.version, poll_s=self.poll_s,
                  shares=[lim.cpu_share for lim in self.limits],
                  period_us=[period_for(lim.cpu_share, self.period_us) for lim in self.limits])
 
@@ -297,7 +397,7 @@ class Confinement:
         """What was enforced, for the result file's environment block."""
         return [{"rank": r, "cpu_share": lim.cpu_share, "period_us": period_for(lim.cpu_share, self.period_us),
                  "quota_us": round(lim.cpu_share * period_for(lim.cpu_share, self.period_us)),
-                 "memory_bytes": lim.memory_bytes, "cgroup_version": self.cpu.version}  # type: ignore[union-attr]
+                 "memory_bytes": lim.memory_bytes, "cgroup_version": self.cpu.version, "poll_s": self.poll_s}  # type: ignore[union-attr]
                 for r, lim in enumerate(self.limits)]
 
     def throttle_stats(self, rank: int) -> dict[str, int]:
@@ -332,6 +432,9 @@ class Confinement:
     # -- cleanup -----------------------------------------------------------------------------
     def close(self) -> None:
         """Move survivors back to our own group, then remove every group we made (leaves first)."""
+        if self._poller is not None:
+            self._poller.stop()
+            self._poller = None
         for d in reversed(self._dirs):
             home = d.parent.parent if d.name.startswith("rank") else d.parent
             procs = d / "cgroup.procs"

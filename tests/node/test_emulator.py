@@ -205,3 +205,38 @@ def test_a_share_changes_while_the_rank_runs() -> None:
             conf.set_share(3, 0.1)
         with pytest.raises(EmulatorError, match="below 0.1% of a core"):
             conf.set_share(1, 0.0)
+
+
+@needs_cgroup
+def test_poller_runs_while_confined_and_stops_with_the_groups() -> None:
+    """The poller (fine-grained quota enforcement) is a live process reading the rank groups while
+    confined, outside them, and is gone after close; without poll_s there is none."""
+    with Confinement([RankLimits(0.2), RankLimits(0.1)]) as conf:
+        poller = conf._poller
+        assert poller is not None and poller.proc.poll() is None
+        in_groups = {int(p) for r in range(2) for p in (conf._dir_for(r, conf.cpu) / "cgroup.procs").read_text().split()}
+        assert poller.proc.pid not in in_groups  # its CPU is not charged to any rank's quota
+        assert all(q["poll_s"] == conf.poll_s for q in conf.quotas())
+    assert poller.proc.poll() is not None
+    with Confinement([RankLimits(0.2)], poll_s=None) as conf:
+        assert conf._poller is None
+
+
+@pytest.mark.parametrize("poll_s", [0.0, -1.0, 1.0, math.nan])
+def test_poll_interval_out_of_range_is_refused(poll_s: float) -> None:
+    with pytest.raises(EmulatorError, match="poll_s"):
+        Confinement([RankLimits(0.2)], poll_s=poll_s)
+
+
+def test_poll_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from xronos.node.emulator import POLL_ENV, POLL_S, default_poll_s
+
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    assert default_poll_s() == POLL_S
+    monkeypatch.setenv(POLL_ENV, "none")
+    assert default_poll_s() is None
+    monkeypatch.setenv(POLL_ENV, "0.001")
+    assert default_poll_s() == 0.001
+    monkeypatch.setenv(POLL_ENV, "fast")
+    with pytest.raises(EmulatorError, match=POLL_ENV):
+        default_poll_s()
