@@ -27,9 +27,10 @@ LIKE, DISLIKE = ("loved", "enjoyed", "liked", "adored"), ("hated", "regretted", 
 TEMPLATES = ("{s} was {a}.", "honestly, {s} is {a}.", "i thought {s} was {a} overall.",
              "{s} turned out {a} and i {v} it.", "everyone agreed that {s} was {a}.", "i {v} {s}, it was {a}.",
              "what a {a} experience {s} was.", "after a week, {s} still feels {a}.")
-# The fast box and two slow ones (the paper's Set-A, as shares of this machine's cores).
 SEQ_LEN = 16  # the longest generated sentence is 13 MiniLM tokens
-NODES = (("n100", 0.9, 2), ("pi5-a", 0.5, 1), ("pi5-b", 0.3, 1))  # (node id, CPU share, fallback threads)
+# An Intel N100 mini PC, a Raspberry Pi 5 and a Raspberry Pi 4, as shares of this machine's cores
+# (roughly 1.8 : 1 : 0.6 of a Pi 5's single-core speed).
+NODES = (("n100", 0.9, 2), ("pi5", 0.5, 1), ("pi4", 0.3, 1))  # (node id, CPU share, fallback threads)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
