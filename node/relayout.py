@@ -143,7 +143,8 @@ class LiveRebalance:
     The finished moves' cost refits the policy's bandwidth. The re-plans and the policy's last
     reason go into the metrics document (`engine.report_extra["rebalance"]`), with the mean time
     rank 0 spends on this at a boundary (`boundary_s_mean`: gather, policy, broadcast; the cost of
-    re-balancing when nothing moves; making the policy once is `setup_s`)."""
+    re-balancing when nothing moves; making the policy once is `setup_s`) and the mean time of the
+    policy itself (`policy_s_mean`: observe and decide, over `decisions` boundaries)."""
 
     def __init__(self, engine: Any, make_policy: Callable[[Any, int], Policy]) -> None:
         self.engine, self.make_policy = engine, make_policy
@@ -152,6 +153,7 @@ class LiveRebalance:
         self.moves_seen = 0
         self.spent_s, self.boundaries = 0.0, 0  # rank 0's time in the policy's boundary work
         self.setup_s = 0.0  # making the policy (once, on the first measured boundary)
+        self.policy_s, self.decisions = 0.0, 0  # rank 0's time in the policy itself (observe, decide)
 
     def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
         t0 = time.perf_counter()
@@ -202,14 +204,19 @@ class LiveRebalance:
             t0 = time.perf_counter()
             self.policy = self.make_policy(eng, len(rows))
             self.setup_s = time.perf_counter() - t0
+        per_rank = [dict(zip(("attn", "mlp", "vocab"), r.tolist())) for r in rows]
+        t0 = time.perf_counter()
         for m in eng.moves[self.moves_seen:]:
             self.policy.observe_move(m.moved_bytes, m.seconds)
         self.moves_seen = len(eng.moves)
-        self.policy.observe([dict(zip(("attn", "mlp", "vocab"), r.tolist())) for r in rows])
+        self.policy.observe(per_rank)
         self.pending = self.policy.decide(step + 1)
+        self.policy_s += time.perf_counter() - t0
+        self.decisions += 1
         moved = {m.step for m in eng.moves}
         eng.report_extra["rebalance"] = {
             "last_reason": self.policy.last_reason,
+            "policy_s_mean": self.policy_s / self.decisions, "decisions": self.decisions,
             "replans": [{"step": r.step, "old": r.old.to_text(), "new": r.new.to_text(),
                          "predicted_old_s": r.predicted_old_s, "predicted_new_s": r.predicted_new_s,
                          "gain": r.gain, "move_s": r.move_s, "reason": r.reason,
