@@ -7,8 +7,9 @@ Three emulated boxes of different speeds (cgroup CPU quotas `--shares`, one thre
 fine-tune a GPT-2-Medium-shaped classifier (`--blocks` of its 24 blocks, the full vocabulary).
 The start layout is the one their measured speeds call for: a short static calibration run
 (`--calibrate` iterations at the layout proportional to the shares) feeds the policy's own
-estimate (`xronos.gateway.rebalance`, unit cost model), and the segment planner's layout over it
-is the start (`calibrated_layout`) — what a profile would have planned. Then the same cell runs
+estimate (`xronos.gateway.rebalance`, unit cost model), a second one at the segment planner's
+layout over it gives the estimate a second share per kind (its intercepts), and the planner's
+layout over both is the start (`calibrated_layout`) — what a profile would have planned. Then the same cell runs
 `--steps` iterations twice, side by side: static (no control) and live (`--rebalance`'s policy on
 rank 0). Reported: the live run's re-plans (must be none) and the policy's last reason; the
 median iteration time (the slowest rank's, first 3 iterations left out) off and on and their
@@ -61,17 +62,23 @@ def per_kind(doc: dict) -> list[list[dict[str, float]]]:
             for i in range(len(ranks[0]["iterations"]))]
 
 
-def calibrated_layout(rows: list[list[dict[str, float]]], start: Layout, sizes: Sizes) -> Layout:
-    """The segment planner's layout over the policy's speed estimate from a static run's per-kind
-    compute at `start` (its first iteration left out)."""
+def calibrated_layout(stages: list[tuple[Layout, list[list[dict[str, float]]]]], sizes: Sizes) -> Layout:
+    """The segment planner's layout over the policy's speed estimate from static runs' per-kind
+    compute: `stages` of (layout, rows measured under it), in order (the policy moves to each
+    stage's layout, so a second stage gives it two shares per kind: its intercepts)."""
+    start = stages[0][0]
     n = start.world_size
     policy = Rebalancer(sizes, start, unit_costs([f"rank{d}" for d in range(n)]), [NO_CAP] * n,
                         dict.fromkeys(KINDS, 0.0), config=PolicyConfig(warmup=1))
-    for row in rows:
-        policy.observe(row)
+    for i, (layout, rows) in enumerate(stages):
+        if i:
+            policy.moved_to(layout)
+        for row in rows:
+            policy.observe(row)
     nodes = policy.refitted()
     if nodes is None:
-        raise ValueError(f"calibration: {len(rows)} iterations measured nothing (need at least 2)")
+        raise ValueError(f"calibration: {len(stages[-1][1])} iterations at the last stage measured nothing "
+                         f"(need at least 2)")
     return plan(nodes, sizes, "segment", [NO_CAP] * n).layout
 
 
@@ -101,7 +108,8 @@ def report(r: dict, meta: dict) -> str:
     return (f"# Steady cell: live re-balancing on vs off, {meta['steps']} iterations\n\n"
             f"GPT-2-Medium shapes ({meta['blocks']} blocks, classify), ranks at {meta['shares']} cores, batch "
             f"{meta['batch_size']} x {meta['seq_len']}; start layout {meta['start_layout']} (calibrated from "
-            f"{meta['calibrate']} static iterations at {meta['proportional_layout']}); load average "
+            f"{meta['calibrate']} static iterations at {meta['proportional_layout']}, then as many at the layout "
+            f"that called for); load average "
             f"{meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after (provisional when not 0).\n\n"
             "| re-plans | median iteration off s | on s | on / off | policy per boundary | whole boundary (gather too) "
             "| boundaries decided |\n|---|---|---|---|---|---|---|\n"
@@ -140,10 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         sizes = model_sizes(str(model))
         load = {"loadavg_before": os.getloadavg()}
         prop = proportional_layout(sizes, shares)
-        cal = run_one(model, data, prop, run_args, live=False, variant="steady", work=work, shares=shares,
-                      steps=args.calibrate, tag="-calibration")
-        start = calibrated_layout(per_kind(cal)[1:], prop, sizes)
-        print(f"calibrated start layout: {start.to_text()}", file=sys.stderr, flush=True)
+        # Two calibration stages: at the proportional layout, then at the layout it calls for (two
+        # shares per kind: the estimate's intercepts), so the start is what the measured speeds
+        # call for, not a first guess the live policy would still correct.
+        stages, layout = [], prop
+        for i in range(2):
+            cal = run_one(model, data, layout, run_args, live=False, variant="steady", work=work, shares=shares,
+                          steps=args.calibrate, tag=f"-calibration{i}")
+            stages.append((layout, per_kind(cal)))
+            layout = calibrated_layout(stages, sizes)
+            print(f"calibration {i}: {layout.to_text()}", file=sys.stderr, flush=True)
+            if layout == stages[-1][0]:
+                break
+        start = layout
         docs = {}
         for live in (False, True):  # side by side: the same cell, off then on
             docs[live] = run_one(model, data, start, run_args, live=live, variant="steady", work=work, shares=shares,

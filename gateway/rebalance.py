@@ -431,6 +431,12 @@ class Rebalancer:
         self.last_reason = f"re-planned at step {step}: {reason}"
         return replan
 
+    def moved_to(self, new: Layout) -> None:
+        """The run now runs under `new` by someone else's decision (a calibration, an operator):
+        the same bookkeeping as a switch of the policy's own (anchors, fresh samples, cooldown)."""
+        new.check(self.sizes, world_size=self.layout.world_size, quanta=None)
+        self._switched(new)
+
     def _switched(self, new: Layout) -> None:
         cfg = self.config
         # Back-off: a switch soon after the previous one doubles the cooldown; a calm spell resets it.

@@ -23,13 +23,30 @@ def _doc(rows, iteration_s, rebalance=None):
     return {"ranks": ranks, **({"rebalance": rebalance} if rebalance else {})}
 
 
+def _rows(layout, slow, icpt=0.0, n=6):
+    """Rank d's kind k: (icpt + share) x slow[d] seconds (icpt only where it holds some)."""
+    return [[{k: (icpt + layout.share(k, d)) * slow[d] if layout.share(k, d) else 0.0 for k in KINDS}
+             for d in range(len(slow))]] * n
+
+
 def test_calibrated_layout_balances_the_measured_speeds():
     start = proportional_layout(SIZES, [1.0, 1.0])  # even: but rank 1 is twice as slow
-    rows = [[{k: 1.0 * start.share(k, 0) for k in KINDS}, {k: 2.0 * start.share(k, 1) for k in KINDS}]] * 6
-    lay = calibrated_layout(rows, start, SIZES)
+    lay = calibrated_layout([(start, _rows(start, [1.0, 2.0]))], SIZES)
     assert lay.mlp[0] == pytest.approx(2 * lay.mlp[1], rel=0.05) and lay.attn in ((11, 5), (10, 6))
-    with pytest.raises(ValueError, match="calibration: 1 iterations measured nothing"):
-        calibrated_layout(rows[:1], start, SIZES)
+    with pytest.raises(ValueError, match="calibration: 1 iterations at the last stage measured nothing"):
+        calibrated_layout([(start, _rows(start, [1.0, 2.0], n=1))], SIZES)
+
+
+def test_a_second_calibration_stage_learns_the_intercepts():
+    """With a replicated part (0.2 of a kind per node), the first stage's proportional estimate
+    under-gives the fast rank; the second, at another share, corrects it."""
+    start = proportional_layout(SIZES, [1.0, 1.0])
+    first = calibrated_layout([(start, _rows(start, [1.0, 2.0], icpt=0.2))], SIZES)
+    second = calibrated_layout([(start, _rows(start, [1.0, 2.0], icpt=0.2)),
+                                (first, _rows(first, [1.0, 2.0], icpt=0.2))], SIZES)
+    # the truth: (0.2 + x) = 2 (0.2 + 1 - x) -> x = 2.2 / 3 = 0.733 of each kind on rank 0
+    assert second.mlp[0] / 4096 == pytest.approx(2.2 / 3, abs=0.02)
+    assert abs(second.mlp[0] / 4096 - 2.2 / 3) < abs(first.mlp[0] / 4096 - 2.2 / 3)
 
 
 def test_compare_reads_replans_medians_and_the_policy_cost():

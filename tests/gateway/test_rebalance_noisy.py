@@ -199,3 +199,17 @@ def test_bad_policy_settings_are_refused():
         PolicyConfig(settle=0)
     with pytest.raises(ValueError, match="shift_tol must be > 0"):
         PolicyConfig(shift_tol=0)
+
+
+def test_a_move_ordered_elsewhere_is_booked_like_a_switch():
+    true = cell([1.0, 1.0])
+    lay = plan(true, SIZES, "segment", [NO_CAP] * 2).layout
+    policy = Rebalancer(SIZES, lay, true, [NO_CAP] * 2, UNIT_BYTES, config=PolicyConfig(warmup=0))
+    for _ in range(3):
+        policy.observe(measure(true, lay, random.Random(0), jitter=0.0, outliers=0.0))
+    other = plan(cell([1.5, 1.0]), SIZES, "segment", [NO_CAP] * 2).layout
+    policy.moved_to(other)
+    assert policy.layout == other and policy.replans == [] and set(policy.anchors[0]) == set(KINDS)
+    assert policy.decide(10) is None and policy.last_reason.startswith("cooling down")
+    with pytest.raises(ValueError, match="3 ranks but the world has 2"):
+        policy.moved_to(plan(cell([1.0, 1.0, 1.0]), SIZES, "segment", [NO_CAP] * 3).layout)
