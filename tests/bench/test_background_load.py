@@ -46,7 +46,8 @@ def _doc(steps, change_at, move_at=None):
     doc = {"ranks": ranks, "reshards": []}
     if move_at is not None:
         doc["reshards"] = [{"step": move_at, "seconds": 0.5, "moved_bytes": 10, "new": MOVED.to_text()}]
-        doc["rebalance"] = {"replans": [{"step": move_at}], "last_reason": "x", "boundary_s_mean": 0.001}
+        doc["rebalance"] = {"replans": [{"step": move_at}], "last_reason": "x", "boundary_s_mean": 0.001,
+                            "policy_s_mean": 0.0005}
     return doc
 
 
@@ -80,5 +81,5 @@ def test_summary_against_the_bound_recovery_and_moves():
     assert x["reshards"][0]["over_iteration"] == pytest.approx(0.5 / x["after_s"])
     text = table({"quota/static": s, "quota/live": x})
     assert f"| quota | live | {x['before_s']:.3f} | {x['after_s']:.3f} | {x['ideal_after_s']:.3f} |" in text
-    per_boundary = f"{100 * 0.001 / x['before_s']:.2f} %"
-    assert "| never | - | - |" in text and f"0.50 s ({0.5 / x['after_s']:.1f}x) at 13 | {per_boundary} |" in text
+    per_boundary = f"{100 * 0.0005 / x['before_s']:.2f} % / {100 * 0.001 / x['before_s']:.2f} %"
+    assert "| never | - | - / - |" in text and f"0.50 s ({0.5 / x['after_s']:.1f}x) at 13 | {per_boundary} |" in text
