@@ -15,21 +15,25 @@ holders' factors over their own slowness). Refitting is scaling every coefficien
 changes all its kinds at once, so each node also has a *level*: its measured over predicted time
 summed over the kinds it holds. When the last `shift_run` levels all lie more than `shift_tol`
 (relative) above the median of the (at least 2 x `shift_run`) ones before them, or below their
-lower quartile (outliers only ever slow an iteration down), the box changed: the node's
-older samples are dropped (the estimate is the new level's alone, at once, instead of after half
-a window) and what it measured at another share (below) is scaled by the new level over the old. Independent outliers (a 2x
-iteration now and then) do not make a run of `shift_run`; jitter within `shift_tol` never does.
-No decision is taken while any node has fewer than `settle` samples at its current level (since
-the start, its last shift, or the last switch): the evidence is still settling.
+lower quartile (outliers only ever slow an iteration down), the box changed: the node's older
+samples are dropped (the estimate is the new level's alone, at once, instead of after half a
+window) and what it measured at another share (below) is scaled by the new level over the old.
+Independent outliers (a 2x iteration now and then) rarely make a run of `shift_run`; jitter
+within `shift_tol` never does. No decision is taken while any node has fewer than `settle`
+samples at its current level (since the start, its last shift, or the last switch): the evidence
+is still settling.
 
 **Share dependence.** Scaling a model by a factor measured at one share is exact only if the
 model's intercept is right; the unit model has none, and a node's replicated work and per-call
 overheads make a small share look slow per unit — a re-plan then takes more from the node that
-already looked slow, which looks slower still (the runaway seen as 6,6 -> 10,2 -> 7,5 -> 12,0
-on a 2-rank run). So at every switch each (node, kind) keeps its last estimate at the old share
-as an *anchor* (seconds at that share). Once it has settled at the new share, and the two shares
-differ by at least `anchor_gap` of the larger, its kind is refitted as the line through both
-points (`intercept + slope x share`, both >= 0; else the plain factor).
+already looked slow, which then looks slower still (a runaway towards giving it nothing). And a
+node given nothing used to pass for an average one and get work back: between the two, layouts
+could swing (a 2-rank run was seen going 6,6 -> 10,2 -> 7,5 -> 12,0 under CPU quotas). So a node
+holding nothing keeps the factors it had (above), and at every switch each (node, kind) keeps its
+last estimate at the old share as an *anchor* (seconds at that share). Once it has settled at the
+new share, and the two shares differ by at least `anchor_gap` of the larger, its kind is refitted
+as the line through both points (`intercept + slope x share`, both >= 0; else the plain factor).
+A move decided elsewhere (`moved_to`) is booked the same way.
 
 **Re-plan.** Every `interval` iterations once settled: the segment planner (`planner.plan(...,
 "segment")`) over the refitted costs, under the memory caps. The current and the planned layout
