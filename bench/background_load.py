@@ -203,10 +203,11 @@ def table(results: dict) -> str:
     for key, r in results.items():
         variant, mode = key.split("/")
         rec = "never" if r["iterations_to_recover"] is None else str(r["iterations_to_recover"])
-        moves = ", ".join(f"{m['seconds']:.2f} s ({m['over_iteration']:.1f}x) at {m['step']}" for m in r["reshards"]) or "-"
+        moves = ", ".join(f"{m['seconds']:.2f} s ({m['over_iteration']:.1f}x) at {m['step']}"
+                          for m in r["reshards"]) or "-"
+        cost = f"{_pct(r.get('policy_over_iteration'))} / {_pct(r.get('boundary_over_iteration'))}"
         lines.append(f"| {variant} | {mode} | {r['before_s']:.3f} | {r['after_s']:.3f} | {r['ideal_after_s']:.3f} "
-                     f"| {r['after_over_ideal']:.2f} "
-                     f"| {rec} | {moves} | {_pct(r.get('policy_over_iteration'))} / {_pct(r.get('boundary_over_iteration'))} |")
+                     f"| {r['after_over_ideal']:.2f} | {rec} | {moves} | {cost} |")
     return "\n".join(lines)
 
 
