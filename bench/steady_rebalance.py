@@ -34,7 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from xronos.bench.background_load import run_one
-from xronos.bench.workloads import shape_config, write_checkpoint, write_dataset
+from xronos.bench.workloads import kind_parameters, shape_config, write_checkpoint, write_dataset
 from xronos.gateway.planner import plan
 from xronos.gateway.rebalance import NO_CAP, PolicyConfig, Rebalancer, unit_costs
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
@@ -56,20 +56,23 @@ def proportional_layout(sizes: Sizes, shares: list[float]) -> Layout:
 
 
 def per_kind(doc: dict) -> list[list[dict[str, float]]]:
-    """Per iteration, every rank's {kind: compute_{kind}_s}."""
+    """Per iteration, every rank's {kind: compute_{kind}_s} and its rest (compute_rest_s)."""
     ranks = doc["ranks"]
-    return [[{k: r["iterations"][i][f"compute_{k}_s"] for k in KINDS} for r in ranks]
+    return [[{k: r["iterations"][i][f"compute_{k}_s"] for k in (*KINDS, "rest")} for r in ranks]
             for i in range(len(ranks[0]["iterations"]))]
 
 
-def calibrated_layout(stages: list[tuple[Layout, list[list[dict[str, float]]]]], sizes: Sizes) -> Layout:
+def calibrated_layout(stages: list[tuple[Layout, list[list[dict[str, float]]]]], sizes: Sizes,
+                      unit_params: dict[str, float] | None = None) -> Layout:
     """The segment planner's layout over the policy's speed estimate from static runs' per-kind
     compute: `stages` of (layout, rows measured under it), in order (the policy moves to each
-    stage's layout, so a second stage gives it two shares per kind: its intercepts)."""
+    stage's layout, so a second stage gives it two shares per kind: its intercepts). With
+    `unit_params` (parameters per unit of each kind) a row's rest is booked to the kinds as the
+    live policy books it (`xronos.cli.liverank`: bytes per unit, in proportion)."""
     start = stages[0][0]
     n = start.world_size
     policy = Rebalancer(sizes, start, unit_costs([f"rank{d}" for d in range(n)]), [NO_CAP] * n,
-                        dict.fromkeys(KINDS, 0.0), config=PolicyConfig(warmup=1))
+                        unit_params or dict.fromkeys(KINDS, 0.0), config=PolicyConfig(warmup=1))
     for i, (layout, rows) in enumerate(stages):
         if i:
             policy.moved_to(layout)
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = model_sizes(str(model))
         load = {"loadavg_before": os.getloadavg()}
         prop = proportional_layout(sizes, shares)
+        params = kind_parameters(config)
+        unit_params = {k: params[k] / sizes.total(k) for k in KINDS}
         # Two calibration stages: at the proportional layout, then at the layout it calls for (two
         # shares per kind: the estimate's intercepts), so the start is what the measured speeds
         # call for, not a first guess the live policy would still correct.
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             cal = run_one(model, data, layout, run_args, live=False, variant="steady", work=work, shares=shares,
                           steps=args.calibrate, tag=f"-calibration{i}")
             stages.append((layout, per_kind(cal)))
-            layout = calibrated_layout(stages, sizes)
+            layout = calibrated_layout(stages, sizes, unit_params)
             print(f"calibration {i}: {layout.to_text()}", file=sys.stderr, flush=True)
             if layout == stages[-1][0]:
                 break

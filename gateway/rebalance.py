@@ -3,7 +3,10 @@
 **Speed estimate.** Each node's cost per kind is a base model (a profile's `NodeCost`, or — with
 no profile — `unit_costs`: one second per whole kind, so the fit below is seconds per share)
 times a *speed factor* c[d][k] = measured / predicted at the node's current share. The measured
-figure is the rank's `compute_{kind}_s` of an iteration; the factor is the median of that
+figure is the rank's `compute_{kind}_s` of an iteration, plus — when given — its share of the
+rank's `compute_rest_s` (the optimizer step and clipping, which grow with the parameters held:
+booked in proportion to the bytes of each kind the rank holds, as the cost model books a layer's
+optimizer step in its kind; without it a slowed box's slower optimizer step is not seen); the factor is the median of that
 (node, kind)'s last `window` samples (a spike shorter than half the window does not move it).
 A node holding none of a kind measures only that kind's replicated part, which says little about
 its slope: its factor for that kind is the node's relative slowness (the median, over the kinds it
@@ -229,14 +232,18 @@ class Rebalancer:
 
     # -- measurement -----------------------------------------------------------------------
     def observe(self, per_rank: Sequence[Mapping[str, float]]) -> None:
-        """One iteration's compute per rank and kind (seconds: compute_{kind}_s), under `layout`."""
+        """One iteration's compute per rank and kind (seconds: compute_{kind}_s), under `layout`;
+        optionally "rest" (compute_rest_s: the optimizer step, clipping, the replicated layers),
+        booked to the kinds the rank holds in proportion to their bytes (`unit_bytes` x units
+        held), as the cost model books a layer's optimizer step in the layer's kind."""
         if len(per_rank) != self.layout.world_size:
             raise ValueError(f"{len(per_rank)} ranks measured, the layout has {self.layout.world_size}")
         for r, times in enumerate(per_rank):
-            for k in KINDS:
+            for k in (*KINDS, "rest") if "rest" in times else KINDS:
                 t = times[k]
                 if not (t >= 0 and math.isfinite(t)):
                     raise ValueError(f"rank {r}: compute_{k}_s must be finite and >= 0, got {t}")
+        per_rank = [self._with_rest(d, times) for d, times in enumerate(per_rank)]
         self._observed += 1
         self._since_switch += 1
         self._wait = max(0, self._wait - 1)
@@ -263,6 +270,13 @@ class Rebalancer:
             if ratio is not None:
                 self._shifted(d, ratio)
         self._measured += 1
+
+    def _with_rest(self, d: int, times: Mapping[str, float]) -> Mapping[str, float]:
+        held = {k: self.unit_bytes[k] * self.layout.share(k, d) * self.sizes.total(k) for k in KINDS}
+        total = sum(held.values())
+        if "rest" not in times or total <= 0:
+            return times
+        return {k: times[k] + times["rest"] * held[k] / total for k in KINDS}
 
     def _shifted(self, d: int, ratio: float) -> None:
         """Node d's box changed (it now takes `ratio` x its previous time): only the samples of

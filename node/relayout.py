@@ -135,7 +135,7 @@ class LiveRebalance:
     world_size)` makes on the first boundary (the composition, `xronos.cli.liverank`, passes the
     gateway's `Rebalancer`: this plane does not import the gateway).
     At every boundary after the first step one untimed all_gather carries each rank's last
-    iteration's per-kind compute and, in rank 0's row, the decision rank 0 took at the previous
+    iteration's per-kind compute (and the rest, which the policy books to the kinds) and, in rank 0's row, the decision rank 0 took at the previous
     boundary (a flag and the new counts), which every rank then applies: a `Reshard` word. Rank 0
     then feeds the policy and asks it about the next boundary (`decide(step + 1)`): a re-plan lands
     one iteration after the measurements that called for it, for one collective per boundary.
@@ -175,18 +175,19 @@ class LiveRebalance:
         n = group.world_size
         # One collective per boundary: every rank's last per-kind compute, and in rank 0's row the
         # decision it took at the previous boundary (a flag and the counts), applied now by all.
-        row = torch.zeros(3 + 1 + 3 * n, dtype=torch.float64)
-        row[:3] = torch.tensor([rec.compute_attn_s, rec.compute_mlp_s, rec.compute_vocab_s], dtype=torch.float64)
+        row = torch.zeros(4 + 1 + 3 * n, dtype=torch.float64)
+        row[:4] = torch.tensor([rec.compute_attn_s, rec.compute_mlp_s, rec.compute_vocab_s, rec.compute_rest_s],
+                               dtype=torch.float64)
         if group.rank == 0 and self.pending is not None:
             lay = self.pending.new
-            row[3] = 1
-            row[4:] = torch.tensor([*lay.attn, *lay.mlp, *lay.vocab], dtype=torch.float64)
+            row[4] = 1
+            row[5:] = torch.tensor([*lay.attn, *lay.mlp, *lay.vocab], dtype=torch.float64)
         rows = group.all_gather(row, timed=False)
-        decided = rows[0][3:]
+        decided = rows[0][4:]
         if group.rank == 0:
             reason = f"rebalance: {self.pending.reason}" if self.pending is not None else ""
             self.pending = None
-            self._decide([r[:3] for r in rows], step)
+            self._decide([r[:4] for r in rows], step)
         else:
             reason = "rebalance"
         if not int(decided[0]):
@@ -204,7 +205,7 @@ class LiveRebalance:
             t0 = time.perf_counter()
             self.policy = self.make_policy(eng, len(rows))
             self.setup_s = time.perf_counter() - t0
-        per_rank = [dict(zip(("attn", "mlp", "vocab"), r.tolist())) for r in rows]
+        per_rank = [dict(zip(("attn", "mlp", "vocab", "rest"), r.tolist())) for r in rows]
         t0 = time.perf_counter()
         for m in eng.moves[self.moves_seen:]:
             self.policy.observe_move(m.moved_bytes, m.seconds)

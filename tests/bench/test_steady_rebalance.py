@@ -18,7 +18,8 @@ def test_proportional_layout_follows_the_shares_on_every_quantum():
 
 
 def _doc(rows, iteration_s, rebalance=None):
-    ranks = [{"iterations": [{"iteration_s": t * (1 - 0.1 * d), **{f"compute_{k}_s": row[d][k] for k in KINDS}}
+    ranks = [{"iterations": [{"iteration_s": t * (1 - 0.1 * d), **{f"compute_{k}_s": row[d][k] for k in KINDS},
+                              "compute_rest_s": 0.05}
                              for row, t in zip(rows, iteration_s)]} for d in range(len(rows[0]))]
     return {"ranks": ranks, **({"rebalance": rebalance} if rebalance else {})}
 
@@ -55,8 +56,18 @@ def test_compare_reads_replans_medians_and_the_policy_cost():
     live = _doc(rows, [5.0] * WARMUP + [1.02] * 7,
                 {"replans": [], "last_reason": "kept: predicted gain 1.0% <= 9.0%", "policy_s_mean": 0.002,
                  "boundary_s_mean": 0.004, "decisions": 9, "setup_s": 0.1})
-    assert per_kind(static)[0][1] == dict.fromkeys(KINDS, 0.1)
+    assert per_kind(static)[0][1] == {**dict.fromkeys(KINDS, 0.1), "rest": 0.05}
     r = compare(static, live)
     assert r["replans"] == [] and r["median_off_s"] == 1.0 and r["on_over_off"] == pytest.approx(1.02)
     assert r["policy_over_iteration"] == pytest.approx(0.002 / 1.02)
     assert r["boundary_over_iteration"] == pytest.approx(0.004 / 1.02)
+
+
+def test_calibration_books_the_rest_by_the_parameters_held():
+    """Rank 1 is twice as slow in its optimizer step only (the rest): booked to the kinds by the
+    parameters held, it makes rank 1 slower there too."""
+    start = proportional_layout(SIZES, [1.0, 1.0])
+    rows = [[{**{k: start.share(k, d) for k in KINDS}, "rest": (1.0 + d) * 2.0} for d in range(2)]] * 6
+    plain = calibrated_layout([(start, [[{k: r[k] for k in KINDS} for r in row] for row in rows])], SIZES)
+    booked = calibrated_layout([(start, rows)], SIZES, {"attn": 1.0, "mlp": 1.0, "vocab": 1.0})
+    assert plain.mlp[0] == plain.mlp[1] and booked.mlp[0] > booked.mlp[1]

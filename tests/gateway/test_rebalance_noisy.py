@@ -213,3 +213,23 @@ def test_a_move_ordered_elsewhere_is_booked_like_a_switch():
     assert policy.decide(10) is None and policy.last_reason.startswith("cooling down")
     with pytest.raises(ValueError, match="3 ranks but the world has 2"):
         policy.moved_to(plan(cell([1.0, 1.0, 1.0]), SIZES, "segment", [NO_CAP] * 3).layout)
+
+
+def test_the_rest_is_booked_to_the_kinds_by_the_bytes_held():
+    true = cell([1.0, 1.0], icpt=0.0)
+    lay = plan(true, SIZES, "segment", [NO_CAP] * 2).layout
+    policy = Rebalancer(SIZES, lay, true, [NO_CAP] * 2, UNIT_BYTES, config=PolicyConfig(warmup=0))
+    rows = measure(true, lay, random.Random(0), jitter=0.0, outliers=0.0)
+    held = {k: UNIT_BYTES[k] * lay.share(k, 1) * SIZES.total(k) for k in KINDS}
+    booked = policy._with_rest(1, {**rows[1], "rest": 2.0})
+    for k in KINDS:
+        assert booked[k] == pytest.approx(rows[1][k] + 2.0 * held[k] / sum(held.values()))
+    assert policy._with_rest(1, rows[1]) == rows[1]
+    # a box whose optimizer step slowed (the rest tripled) is seen slower, and shifts
+    for _ in range(12):
+        policy.observe([{**rows[0], "rest": 1.0}, {**rows[1], "rest": 1.0}])
+    for _ in range(4):
+        policy.observe([{**rows[0], "rest": 1.0}, {**rows[1], "rest": 3.0 * sum(rows[1].values())}])
+    assert [d for d, _ in policy.shifts] == [1]
+    with pytest.raises(ValueError, match="rank 0: compute_rest_s must be finite"):
+        policy.observe([{**rows[0], "rest": -1.0}, rows[1]])
