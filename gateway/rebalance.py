@@ -6,12 +6,14 @@ times a *speed factor* c[d][k] = measured / predicted at the node's current shar
 figure is the rank's `compute_{kind}_s` of an iteration, plus — when given — its share of the
 rank's `compute_rest_s` (the optimizer step and clipping, which grow with the parameters held:
 booked in proportion to the bytes of each kind the rank holds, as the cost model books a layer's
-optimizer step in its kind; without it a slowed box's slower optimizer step is not seen); the factor is the median of that
-(node, kind)'s last `window` samples (a spike shorter than half the window does not move it).
-A node holding none of a kind measures only that kind's replicated part, which says little about
-its slope: its factor for that kind is the node's relative slowness (the median, over the kinds it
-does hold, of its factor over the kind's mean) times the kind's factor at average slowness (the
-holders' factors over their own slowness). Refitting is scaling every coefficient of the kind
+optimizer step in its kind; without it a slowed box's slower optimizer step is not seen); the
+factor is the median of that (node, kind)'s last `window` samples (a spike shorter than half the
+window does not move it). A node holding none of a kind measures only that kind's replicated
+part, which says little about its slope: its factor for that kind is the one it had at the last
+switch, when it held the kind (scaled by its level shifts since); else its relative slowness (the
+median, over the kinds it does hold, of its factor over the kind's mean) times the kind's factor
+at average slowness (the holders' factors over their own slowness). A slow box given nothing, or
+a sliver of one kind, must not pass for an average or a fast one. Refitting is scaling every coefficient of the kind
 (fixed, intercept, slope) by the factor: `refit(base, factors)`.
 
 **Level shifts and settling.** A box that changes (its quota cut, a process started beside it)
@@ -50,9 +52,12 @@ barriers cost). Switch only when
     predicted seconds over the moves seen (`observe_move`): refitted from measured re-shards
     once one happened,
   - and both held at `confirm` consecutive evaluations (hysteresis: noise must persist to act).
-After a switch the policy waits `cooldown` iterations (doubling, up to `max_cooldown`, when the
-next switch comes within twice the cooldown: back-off against oscillation), discards the first
-`warmup` iterations under the new layout and then needs `settle` fresh ones. A re-plan that does
+After a switch the policy discards the first `warmup` iterations under the new layout, then needs
+`settle` fresh ones (twice as many for a move within the cooldown), and for `cooldown` iterations (doubling, up to `max_cooldown`, when the next
+switch comes within twice the cooldown: back-off against oscillation) it only makes a move that
+carries on the last one (`continues`: no rank gets back units it gave away or gives away units it
+got) — the correction a first move from a one-share estimate may need once the two-share refit
+is in, never a step back. A re-plan that does
 not fit the memory caps (the planner refuses, or a node ends over its cap) is not applied;
 `last_reason` says why, as it does for every evaluation that kept the plan.
 
@@ -177,6 +182,15 @@ def level_shift(levels: Sequence[float], run: int, tol: float) -> float | None:
     return None
 
 
+def continues(previous: Layout | None, current: Layout, new: Layout) -> bool:
+    """`new` carries on the move previous -> current: no (rank, kind) count goes back the way it
+    came (a rank that gave units away does not get any back, and the other way round)."""
+    if previous is None:
+        return False
+    return all((b - c) * (c - a) >= 0 for k in KINDS
+               for a, c, b in zip(getattr(previous, k), getattr(current, k), getattr(new, k)))
+
+
 def _two_point(base: KindCost, f: float, at: float, anchor: tuple[float, float]) -> KindCost | None:
     """The kind as the line through (anchor share, anchor seconds) and (at, f x base(at)): fixed
     part scaled by f, intercept and slope from the two points; None when not physical."""
@@ -229,6 +243,7 @@ class Rebalancer:
         self._since_switch = math.inf
         self._streak = 0
         self._observed = 0  # iterations observed in all
+        self._previous: Layout | None = None  # the layout before the last switch
 
     # -- measurement -----------------------------------------------------------------------
     def observe(self, per_rank: Sequence[Mapping[str, float]]) -> None:
@@ -291,6 +306,7 @@ class Rebalancer:
         # CPU): what it measured at another share still says how it scales, at the new level.
         for k, (share, seconds) in self.anchors[d].items():
             self.anchors[d][k] = (share, seconds * ratio)
+        self.last_factors[d] = {k: f * ratio for k, f in self.last_factors[d].items()}
         self._streak = 0
         self.shifts.append((d, f"rank {d} runs at {ratio:.2f}x its previous time (seen {self._observed})"))
 
@@ -314,9 +330,10 @@ class Rebalancer:
             raise ValueError(f"{len(caps)} caps for {self.layout.world_size} ranks")
         self.caps = list(caps)
 
-    def settling(self) -> list[int]:
-        """The ranks without `settle` samples at their current level (no decision until none)."""
-        return [d for d, n in enumerate(self.fresh) if n < self.config.settle]
+    def settling(self, need: int | None = None) -> list[int]:
+        """The ranks without `need` (`settle`) samples at their current level (no decision until none)."""
+        need = self.config.settle if need is None else need
+        return [d for d, n in enumerate(self.fresh) if n < need]
 
     def _estimate(self) -> list[dict[str, float]] | None:
         """Every node's factor per kind, the missing ones inferred; None until every kind has one."""
@@ -335,14 +352,15 @@ class Rebalancer:
             slow.append(statistics.median(rel) if rel else None)
         typical = {k: statistics.fmean(f[k] / sl for f, sl in zip(factors, slow)
                                        if f[k] is not None and sl is not None and sl > 0) for k in KINDS}
+        # A kind a node holds none of: its factor at the last switch (kept across level shifts,
+        # scaled by them), else inferred from its relative slowness, else average. Not inferred
+        # first: a slow box left with a sliver of one kind measures mostly that sliver's replicated
+        # part, which made it look faster than it is and get work back.
         out = []
         for d, (f, sl) in enumerate(zip(factors, slow)):
-            if sl is None:  # holds nothing: as last seen holding something (never: average), not
-                # average, or a slow box given nothing would look average and get work back
-                last = self.last_factors[d]
-                out.append({k: last[k] if k in last else typical[k] for k in KINDS})
-            else:
-                out.append({k: f[k] if f[k] is not None else sl * typical[k] for k in KINDS})
+            last = self.last_factors[d]
+            out.append({k: f[k] if f[k] is not None else last[k] if k in last
+                        else (sl if sl is not None else 1.0) * typical[k] for k in KINDS})
         return out
 
     def noise(self, nodes: Sequence[NodeCost]) -> float:
@@ -392,8 +410,11 @@ class Rebalancer:
     def decide(self, step: int) -> Replan | None:
         """At the boundary before `step`: a Replan to apply now, or None (`last_reason` says why)."""
         cfg = self.config
-        if self._wait > 0:
-            self.last_reason = f"cooling down ({self._wait} iterations left)"
+        cooling = f"cooling down ({self._wait} iterations left)"
+        # In the cooldown a (continuing) move waits for twice the settling samples: the two-share
+        # refit it rests on amplifies the noise of a short median.
+        if self._wait > 0 and (self._measured == 0 or self._skip > 0 or self.settling(2 * cfg.settle)):
+            self.last_reason = cooling
             return None
         if self._measured == 0 or self._skip > 0:
             self.last_reason = "warming up"
@@ -437,6 +458,10 @@ class Rebalancer:
             self.last_reason = (f"kept: the move ({move_s:.3f} s) is not repaid within {cfg.payback} "
                                 f"iterations by the gain ({current - planned:.4f} s per iteration)")
             return None
+        if self._wait > 0 and not continues(self._previous, self.layout, new):
+            self._streak = 0
+            self.last_reason = f"{cooling}: the re-plan would take back part of the last move"
+            return None
         self._streak += 1
         if self._streak < cfg.confirm:
             self.last_reason = f"kept: gain {100 * gain:.1f}% seen {self._streak} of {cfg.confirm} times"
@@ -475,7 +500,7 @@ class Rebalancer:
                 self.samples[d][k].clear()
             self.levels[d].clear()
             self.fresh[d] = 0
-        self.layout = new
+        self._previous, self.layout = self.layout, new
         self._wait = self._cooldown
         self._skip = cfg.warmup
         self._measured = 0

@@ -107,14 +107,18 @@ def test_without_a_profile_a_slowed_2x_box_is_followed_once_when_the_model_has_l
 @pytest.mark.parametrize("seed", range(4))
 def test_without_a_profile_a_large_intercept_is_learnt_from_two_shares_and_the_plan_converges(seed):
     """The unit model has no intercept: the first move (from one share's measurement) lands off
-    the best; the anchored two-share refit then corrects it in the same direction — never back and
-    forth, never a runaway towards giving the slowed box nothing — and the plan holds."""
+    the best; the anchored two-share refit then corrects it, within the cooldown only by carrying
+    on the first move — never a runaway towards giving the slowed box nothing, every move a real
+    gain — and the plan holds."""
     after = [0.75, 1.0, 1.0]
+    true = cell(after, 0.5)
     policy, replans, times = run(lambda s: [1.5, 1.0, 1.0] if s < 50 else after, 250, seed, icpt=0.5, profile=False)
-    assert 1 <= len(replans) <= 2 and 50 < replans[0].step <= 58, [(r.step, r.reason) for r in replans]
-    held = [replans[0].old.mlp[0]] + [r.new.mlp[0] for r in replans]
-    assert all(b < a for a, b in zip(held, held[1:])) and held[-1] > 0  # one direction, no runaway
-    assert replans[-1].step < 100 and max(times[100:]) <= 1.10 * best_time(after, 0.5)
+    assert 1 <= len(replans) <= 3 and 50 < replans[0].step <= 58, [(r.step, r.reason) for r in replans]
+    assert all(barrier_time(true, r.new) < barrier_time(true, r.old) for r in replans)
+    if len(replans) > 1:
+        assert replans[1].new.mlp[0] < replans[1].old.mlp[0] < replans[0].old.mlp[0]  # carries on
+    assert min(r.new.mlp[0] for r in replans) > 0  # no runaway
+    assert replans[-1].step < 160 and max(times[160:]) <= 1.10 * best_time(after, 0.5)
 
 
 @pytest.mark.parametrize("seed", range(4))
