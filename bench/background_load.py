@@ -11,9 +11,19 @@ before step `--change-at` box 0 loses half its CPU:
   hog    a CPU-hungry process starts inside its cgroup (the box's own day job).
 Each variant runs twice, side by side: static (the plan stays) and live (`--rebalance`'s policy on
 rank 0 re-plans and re-shards). Reported per run: the iteration time (the slowest rank's) before
-the change and after it, its ratio to the new ideal bound (estimated as before x the total CPU
-before / after: compute-bound, balanced before), the iterations from the change until the
-iteration time stays within 1.10x that bound, and each re-shard's time against an iteration's.
+the change and after it (the median of the iterations from 3 after the last re-shard, or after
+the change), and its ratio to the *measured* new ideal bound; the iterations from the change
+until the iteration time stays within 1.10x that bound; each re-shard's time in seconds and in
+iterations (over the run's iteration time after the change).
+
+The bound (`measured_bound`) is the grid's measured ideal (`xronos.bench.results.measured_ideal`)
+over the boxes as they are after the change: every rank's per-kind compute (median over the
+iterations of one layout, from the second iteration after the change, and after a re-shard)
+in both runs of the variant — the static run's layout and the live run's layouts before and after
+its move, two or three counts per rank — fitted per rank and kind as a + b x (the replicated part
+and the slope; the rest as r + c P, P the parameters held), then balanced per kind in whole heads;
+plus each run's own median communication and data time after the change. A lower bound an integer
+layout can reach, not an estimate from the time before the change.
 Timings on a shared machine are provisional: the load (`os.getloadavg`) is recorded.
 """
 
@@ -30,13 +40,15 @@ import threading
 import time
 from pathlib import Path
 
-from xronos.bench.workloads import shape_config, write_checkpoint, write_dataset
+from xronos.bench.results import _balance, _balance_integer, _fits
+from xronos.bench.workloads import kind_parameters, shape_config, write_checkpoint, write_dataset
 from xronos.node.emulator import Confinement, RankLimits
 from xronos.node.launch import spawn_ranks
 from xronos.protocol.layout import QUANTA, Layout, Sizes
 
 RANKS = 3
 RECOVERED = 1.10
+KINDS = ("attn", "mlp", "vocab")
 
 
 def even_layout(sizes: Sizes, n: int) -> Layout:
@@ -47,32 +59,38 @@ def even_layout(sizes: Sizes, n: int) -> Layout:
                               QUANTA)
 
 
-def run_one(model: Path, data: Path, layout: Layout, args, *, live: bool, variant: str, work: Path) -> dict:
+def run_one(model: Path, data: Path, layout: Layout, args, *, live: bool, variant: str, work: Path,
+            shares: list[float] | None = None, steps: int | None = None, tag: str = "") -> dict:
+    """One run of `bgload_worker` ranks in cgroups (`shares`, default `--share` each). `variant`:
+    quota / hog change box 0 at `--change-at`; steady changes nothing."""
     from xronos.bench.bgload_worker import BgRankConfig
 
-    signal = work / f"{variant}-{'live' if live else 'static'}"
+    shares = shares or [args.share] * RANKS
+    steps = steps or args.steps
+    steady = variant == "steady"
+    signal = work / f"{variant}-{'live' if live else 'static'}{tag}"
     signal.mkdir(parents=True)
     cfg = BgRankConfig(model_dir=str(model), data_path=str(data), task="classify", layout=layout,
-                       batch_size=args.batch_size, seq_len=args.seq_len, lr=1e-4, max_steps=args.steps,
+                       batch_size=args.batch_size, seq_len=args.seq_len, lr=1e-4, max_steps=steps,
                        seed=0, dropout=0.0, metrics_path=str(signal / "metrics.json"), progress=False,
-                       live=live, signal_dir=str(signal), change_at=args.change_at)
+                       live=live, signal_dir=str(signal), change_at=steps + 1 if steady else args.change_at)
     hog: subprocess.Popen | None = None
-    with Confinement([RankLimits(args.share)] * RANKS, top_weight=True) as conf:
+    with Confinement([RankLimits(s) for s in shares], top_weight=True) as conf:
         failed: list[BaseException] = []
 
         def launch() -> None:
             try:
-                spawn_ranks("xronos.bench.bgload_worker", [cfg] * RANKS, conf.wrap, threads=1, timeout_s=3600)
+                spawn_ranks("xronos.bench.bgload_worker", [cfg] * len(shares), conf.wrap, threads=1, timeout_s=3600)
             except BaseException as exc:  # reported by the main thread
                 failed.append(exc)
 
         t = threading.Thread(target=launch)
         t.start()
-        while t.is_alive() and not (signal / "change").exists():
+        while not steady and t.is_alive() and not (signal / "change").exists():
             time.sleep(0.005)
         if (signal / "change").exists():
             if variant == "quota":
-                conf.set_share(0, args.share / 2)
+                conf.set_share(0, shares[0] / 2)
             else:
                 hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 conf.add(0, hog.pid)
@@ -86,28 +104,90 @@ def run_one(model: Path, data: Path, layout: Layout, args, *, live: bool, varian
     return json.loads((signal / "metrics.json").read_text())
 
 
-def summarize(doc: dict, change_at: int) -> dict:
+# -- the measured bound after the change (pure) -------------------------------------------------
+def layout_at(start: Layout, reshards: list[dict], step: int) -> Layout:
+    """The layout iteration `step` ran under (re-shards apply before their step)."""
+    lay = start
+    for m in sorted(reshards, key=lambda m: m["step"]):
+        if m["step"] <= step:
+            lay = Layout.parse(m["new"])
+    return lay
+
+
+def segments(doc: dict, start: Layout, change_at: int) -> list[tuple[Layout, list[int]]]:
+    """The iterations after the change grouped by layout, each group without its first iteration
+    (the change's or the move's own boundary: a transient) — (layout, indices into iterations)."""
+    its = doc["ranks"][0]["iterations"]
+    groups: list[tuple[Layout, list[int]]] = []
+    for i, rec in enumerate(its):
+        if rec["step"] < change_at:
+            continue
+        lay = layout_at(start, doc.get("reshards", []), rec["step"])
+        if groups and groups[-1][0] == lay:
+            groups[-1][1].append(i)
+        else:
+            groups.append((lay, [i]))
+    return [(lay, idx[1:]) for lay, idx in groups if len(idx) > 1]
+
+
+def measured_bound(docs: list[dict], start: Layout, change_at: int, kind_params: dict[str, int]) -> dict:
+    """The compute time the boxes after the change allow at best (see the module docstring):
+    {per_kind_s, compute_s (continuous), compute_whole_heads_s, points}."""
+    ranks = len(docs[0]["ranks"])
+    totals = {k: sum(getattr(start, k)) for k in KINDS}
+    per_unit = {k: kind_params[k] / totals[k] for k in KINDS}
+    pts: dict[str, list[list[tuple[float, float]]]] = {k: [[] for _ in range(ranks)] for k in (*KINDS, "rest")}
+    for doc in docs:
+        for lay, idx in segments(doc, start, change_at):
+            for d in range(ranks):
+                its = [doc["ranks"][d]["iterations"][i] for i in idx]
+                for k in KINDS:
+                    pts[k][d].append((getattr(lay, k)[d], statistics.median(x[f"compute_{k}_s"] for x in its)))
+                held = sum(per_unit[k] * getattr(lay, k)[d] for k in KINDS)
+                pts["rest"][d].append((held, statistics.median(x["compute_rest_s"] for x in its)))
+    out: dict = {"per_kind_s": {}, "points": pts}
+    for k in KINDS:
+        fits = _fits(pts[k])
+        out["per_kind_s"][k] = _balance(fits, totals[k])
+        if k == "attn":
+            out["attn_whole_units_s"] = _balance_integer(fits, totals[k])
+    out["per_kind_s"]["rest"] = _balance(_fits(pts["rest"]), sum(kind_params[k] for k in KINDS))
+    out["compute_s"] = sum(out["per_kind_s"].values())
+    out["compute_whole_heads_s"] = out["compute_s"] - out["per_kind_s"]["attn"] + out["attn_whole_units_s"]
+    return out
+
+
+def summarize(doc: dict, change_at: int, bound_compute_s: float) -> dict:
+    """One run against the measured bound's compute (`measured_bound`): the run's ideal iteration
+    is that plus its own median communication and data time after the change."""
     ranks = doc["ranks"]
     steps = len(ranks[0]["iterations"])
     it = [max(r["iterations"][s]["iteration_s"] for r in ranks) for s in range(steps)]
     before = statistics.median(it[max(1, change_at - 10):change_at])
-    ideal = before * RANKS / (RANKS - 0.5)  # the boxes CPU: 3 x share before, 2.5 x share after
     replans = (doc.get("rebalance") or {}).get("replans", [])
-    settled = max([r["step"] for r in replans], default=change_at) + 3
-    after = statistics.median(it[min(settled, steps - 3):])
+    moves = doc.get("reshards", [])
+    settled = max([m["step"] for m in moves], default=change_at) + 3
+    tail = range(min(settled, steps - 3), steps)
+    after = statistics.median(it[s] for s in tail)
+    extra = statistics.median(ranks[0]["iterations"][s]["comm_s"] + max(r["iterations"][s]["data_s"] for r in ranks)
+                              for s in tail)
+    ideal = bound_compute_s + extra
     # Recovered: the first iteration within the bound whose next three are too (their median: one
     # noisy iteration does not undo it).
     bound = RECOVERED * ideal
     recovered = next((s - change_at for s in range(change_at, steps - 2)
                       if it[s] <= bound and statistics.median(it[s:s + 3]) <= bound), None)
-    moves = doc.get("reshards", [])
+    reb = doc.get("rebalance") or {}
     return {
         "before_s": before, "after_s": after, "ideal_after_s": ideal, "after_over_ideal": after / ideal,
-        "iterations_to_recover": recovered, "replans": replans, "last_reason": (doc.get("rebalance") or {}).get("last_reason"),
-        # the policy's own cost per boundary (gather, decide, broadcast) over the iteration time
-        "boundary_over_iteration": (doc["rebalance"]["boundary_s_mean"] / before) if doc.get("rebalance") else None,
+        "comm_data_after_s": extra, "iterations_to_recover": recovered, "replans": replans,
+        "last_reason": reb.get("last_reason"),
+        # rank 0's time per boundary over the iteration time: in the policy itself (observe,
+        # decide) and in the whole boundary (the gather too, with its wait for the slowest rank)
+        "policy_over_iteration": (reb["policy_s_mean"] / before) if "policy_s_mean" in reb else None,
+        "boundary_over_iteration": (reb["boundary_s_mean"] / before) if "boundary_s_mean" in reb else None,
         "reshards": [{"step": m["step"], "seconds": m["seconds"], "moved_bytes": m["moved_bytes"],
-                      "over_iteration": m["seconds"] / before, "new": m["new"]} for m in moves],
+                      "over_iteration": m["seconds"] / after, "new": m["new"]} for m in moves],
         "iteration_s": it,
     }
 
@@ -117,14 +197,17 @@ def _pct(x: float | None) -> str:
 
 
 def table(results: dict) -> str:
-    lines = ["| variant | plan | before s | after s | after / ideal | iterations to <= 1.10x ideal | re-shards "
-             "(s, x an iteration) | policy per boundary |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | plan | before s | after s | ideal after s | after / ideal | iterations to <= 1.10x ideal "
+             "| re-shards (s, x an iteration after) | policy per boundary (own / whole boundary) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         variant, mode = key.split("/")
         rec = "never" if r["iterations_to_recover"] is None else str(r["iterations_to_recover"])
-        moves = ", ".join(f"{m['seconds']:.2f} s ({m['over_iteration']:.1f}x) at {m['step']}" for m in r["reshards"]) or "-"
-        lines.append(f"| {variant} | {mode} | {r['before_s']:.3f} | {r['after_s']:.3f} | {r['after_over_ideal']:.2f} "
-                     f"| {rec} | {moves} | {_pct(r.get('boundary_over_iteration'))} |")
+        moves = ", ".join(f"{m['seconds']:.2f} s ({m['over_iteration']:.1f}x) at {m['step']}"
+                          for m in r["reshards"]) or "-"
+        cost = f"{_pct(r.get('policy_over_iteration'))} / {_pct(r.get('boundary_over_iteration'))}"
+        lines.append(f"| {variant} | {mode} | {r['before_s']:.3f} | {r['after_s']:.3f} | {r['ideal_after_s']:.3f} "
+                     f"| {r['after_over_ideal']:.2f} | {rec} | {moves} | {cost} |")
     return "\n".join(lines)
 
 
@@ -151,24 +234,33 @@ def main(argv: list[str] | None = None) -> int:
 
         layout = even_layout(model_sizes(str(model)), RANKS)
         load = {"loadavg_before": os.getloadavg()}
-        results = {}
+        results, bounds = {}, {}
+        params = kind_parameters(config)
         for variant in (["quota", "hog"] if args.variant == "both" else [args.variant]):
+            docs = {}
             for live in (False, True):  # side by side: the same cell, static then live
-                doc = run_one(model, data, layout, args, live=live, variant=variant, work=work)
-                results[f"{variant}/{'live' if live else 'static'}"] = summarize(doc, args.change_at)
+                docs[live] = run_one(model, data, layout, args, live=live, variant=variant, work=work)
                 print(f"{variant} {'live' if live else 'static'}: done", file=sys.stderr, flush=True)
+            bound = measured_bound(list(docs.values()), layout, args.change_at, params)
+            bounds[variant] = {k: v for k, v in bound.items() if k != "points"}
+            for live, doc in docs.items():
+                results[f"{variant}/{'live' if live else 'static'}"] = summarize(doc, args.change_at,
+                                                                                bound["compute_whole_heads_s"])
         load["loadavg_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": "gpt2-medium", "blocks": args.blocks, "ranks": RANKS, "share": args.share,
             "change_at": args.change_at, "steps": args.steps, "batch_size": args.batch_size,
             "seq_len": args.seq_len, "start_layout": layout.to_text(), **load}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "bounds": bounds, "results": results}, indent=1))
+    bound_text = ", ".join(f"{v} {b['compute_whole_heads_s']:.3f} s" for v, b in bounds.items())
     text = (f"# Background load: box 0 loses half its CPU at step {args.change_at}\n\n"
             f"GPT-2-Medium shapes ({args.blocks} blocks, classify), {RANKS} ranks at {args.share} cores each, "
             f"batch {args.batch_size} x {args.seq_len}, start layout {layout.describe()}; "
             f"load average {load['loadavg_before'][0]:.1f} before, {load['loadavg_after'][0]:.1f} after "
-            f"(provisional: a shared machine).\n\n{table(results)}\n")
+            f"(provisional: a shared machine).\n\nIdeal after: the measured bound (per-rank, per-kind compute after "
+            f"the change fitted over the static and live runs' layouts, balanced in whole heads: {bound_text}) plus "
+            f"each run's median communication and data time after the change.\n\n{table(results)}\n")
     out.with_suffix(".md").write_text(text)
     print(text)
     return 0

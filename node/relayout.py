@@ -167,7 +167,7 @@ class LiveRebalance:
     world_size)` makes on the first boundary (the composition, `xronos.cli.liverank`, passes the
     gateway's `Rebalancer`: this plane does not import the gateway).
     At every boundary after the first step one untimed all_gather carries each rank's last
-    iteration's per-kind compute and, in rank 0's row, the decision rank 0 took at the previous
+    iteration's per-kind compute (and the rest, which the policy books to the kinds) and, in rank 0's row, the decision rank 0 took at the previous
     boundary (a flag and the new counts), which every rank then applies: a `Reshard` word. Rank 0
     then feeds the policy and asks it about the next boundary (`decide(step + 1)`): a re-plan lands
     one iteration after the measurements that called for it, for one collective per boundary.
@@ -175,7 +175,8 @@ class LiveRebalance:
     The finished moves' cost refits the policy's bandwidth. The re-plans and the policy's last
     reason go into the metrics document (`engine.report_extra["rebalance"]`), with the mean time
     rank 0 spends on this at a boundary (`boundary_s_mean`: gather, policy, broadcast; the cost of
-    re-balancing when nothing moves; making the policy once is `setup_s`)."""
+    re-balancing when nothing moves; making the policy once is `setup_s`) and the mean time of the
+    policy itself (`policy_s_mean`: observe and decide, over `decisions` boundaries)."""
 
     def __init__(self, engine: Any, make_policy: Callable[[Any, int], Policy]) -> None:
         self.engine, self.make_policy = engine, make_policy
@@ -184,6 +185,7 @@ class LiveRebalance:
         self.moves_seen = 0
         self.spent_s, self.boundaries = 0.0, 0  # rank 0's time in the policy's boundary work
         self.setup_s = 0.0  # making the policy (once, on the first measured boundary)
+        self.policy_s, self.decisions = 0.0, 0  # rank 0's time in the policy itself (observe, decide)
 
     def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
         t0 = time.perf_counter()
@@ -205,18 +207,19 @@ class LiveRebalance:
         n = group.world_size
         # One collective per boundary: every rank's last per-kind compute, and in rank 0's row the
         # decision it took at the previous boundary (a flag and the counts), applied now by all.
-        row = torch.zeros(3 + 1 + 3 * n, dtype=torch.float64)
-        row[:3] = torch.tensor([rec.compute_attn_s, rec.compute_mlp_s, rec.compute_vocab_s], dtype=torch.float64)
+        row = torch.zeros(4 + 1 + 3 * n, dtype=torch.float64)
+        row[:4] = torch.tensor([rec.compute_attn_s, rec.compute_mlp_s, rec.compute_vocab_s, rec.compute_rest_s],
+                               dtype=torch.float64)
         if group.rank == 0 and self.pending is not None:
             lay = self.pending.new
-            row[3] = 1
-            row[4:] = torch.tensor([*lay.attn, *lay.mlp, *lay.vocab], dtype=torch.float64)
+            row[4] = 1
+            row[5:] = torch.tensor([*lay.attn, *lay.mlp, *lay.vocab], dtype=torch.float64)
         rows = group.all_gather(row, timed=False)
-        decided = rows[0][3:]
+        decided = rows[0][4:]
         if group.rank == 0:
             reason = f"rebalance: {self.pending.reason}" if self.pending is not None else ""
             self.pending = None
-            self._decide([r[:3] for r in rows], step)
+            self._decide([r[:4] for r in rows], step)
         else:
             reason = "rebalance"
         if not int(decided[0]):
@@ -234,14 +237,19 @@ class LiveRebalance:
             t0 = time.perf_counter()
             self.policy = self.make_policy(eng, len(rows))
             self.setup_s = time.perf_counter() - t0
+        per_rank = [dict(zip(("attn", "mlp", "vocab", "rest"), r.tolist())) for r in rows]
+        t0 = time.perf_counter()
         for m in eng.moves[self.moves_seen:]:
             self.policy.observe_move(m.moved_bytes, m.seconds)
         self.moves_seen = len(eng.moves)
-        self.policy.observe([dict(zip(("attn", "mlp", "vocab"), r.tolist())) for r in rows])
+        self.policy.observe(per_rank)
         self.pending = self.policy.decide(step + 1)
+        self.policy_s += time.perf_counter() - t0
+        self.decisions += 1
         moved = {m.step for m in eng.moves}
         eng.report_extra["rebalance"] = {
             "last_reason": self.policy.last_reason,
+            "policy_s_mean": self.policy_s / self.decisions, "decisions": self.decisions,
             "replans": [{"step": r.step, "old": r.old.to_text(), "new": r.new.to_text(),
                          "predicted_old_s": r.predicted_old_s, "predicted_new_s": r.predicted_new_s,
                          "gain": r.gain, "move_s": r.move_s, "reason": r.reason,
