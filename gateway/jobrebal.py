@@ -102,6 +102,8 @@ class JobRebalance:
             return None  # a rank that does not split its compute by kind: nothing to learn from
         row = self.pending.setdefault(x.step, {})
         row[x.rank] = dict(zip(KINDS, times))
+        if x.compute_rest_s is not None:  # the optimizer step and clipping: the policy books them by bytes held
+            row[x.rank]["rest"] = x.compute_rest_s
         if len(row) < len(self.node_ids):
             for old in [s for s in self.pending if s < x.step - PENDING_STEPS]:
                 del self.pending[old]

@@ -286,3 +286,18 @@ def test_an_order_past_a_memory_cap_is_not_sent():
     assert effects == [] and job2.pending_plan is None and job2.replans == 0 and job2.plan == job.plan
     assert "memory cap" in job2.last_replan_reason and "plan kept" in job2.events[-1]
     assert J.handle(job2, ev, c) == (job2, [])  # said once
+
+
+def test_the_ranks_rest_reaches_the_policy_booked_to_the_kinds_they_hold():
+    """compute_rest_s (the optimizer step, clipping) is part of a rank's time the plan can move:
+    the gateway hands it to the policy, which books it to the kinds by bytes held."""
+    job = running_job()
+    seen = {}
+    for rest in (None, 0.5):
+        reb = JobRebalance.for_job(job, FAST, lead=2)
+        for step in (1, 2, 3):  # past the policy's warm-up
+            for x in metrics(job, step, {}):
+                reb.observe(x.model_copy(update={"compute_rest_s": rest}))
+        seen[rest] = [{k: reb.policy.samples[d][k][-1] for k in KINDS} for d in range(len(NODES))]
+    for d in range(len(NODES)):
+        assert all(seen[0.5][d][k] > seen[None][d][k] for k in KINDS)
