@@ -67,12 +67,14 @@ def test_a_chat_job_over_mqtt_exports_a_model_transformers_generates_with(stack,
     shown = _ha_gateway_state(stack, lambda st: st["phase"] == "completed")
     assert (shown["job_id"], shown["task"], shown["data_format"]) == (accepted["job_id"], "causal-lm", "chat")
 
-    # The planner's per-kind layout: every node holds a part, and the kinds are not split alike
-    # (6 attention units, 100 MLP columns and the vocabulary rows, each on its own quantum).
+    # The planner's per-kind layout: the kinds are not split alike (6 attention units, 100 MLP
+    # columns and the vocabulary rows, each on its own quantum), and it is a real TP run. Not "every
+    # node holds a part": on this tiny model the unconfined nodes' profiles are mostly fixed costs
+    # and noise, and the planner may rightly leave one of them out (seen in 2 of 8 runs).
     layout = final.plan.layout()
     assert layout.world_size == 3
     shares = {k: tuple(round(layout.share(k, r), 3) for r in range(3)) for k in ("attn", "mlp", "vocab")}
-    assert all(any(shares[k][r] for k in shares) for r in range(3)), shares
+    assert sum(any(shares[k][r] for k in shares) for r in range(3)) >= 2, shares
     assert len(set(shares.values())) > 1, shares
 
     ref = tmp_path / "ref"
