@@ -36,7 +36,8 @@ from types import SimpleNamespace
 from xronos.bench.background_load import run_one
 from xronos.bench.workloads import kind_parameters, shape_config, write_checkpoint, write_dataset
 from xronos.gateway.planner import plan
-from xronos.gateway.rebalance import NO_CAP, PolicyConfig, Rebalancer, unit_costs
+from xronos.gateway.rebalance import NO_CAP, PolicyConfig, Rebalancer
+from xronos.gateway.rebalmodel import unit_costs
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
 
 WARMUP = 3  # iterations left out of the medians (allocator and caches settle)

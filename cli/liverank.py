@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from xronos.gateway.rebalance import NO_CAP, Rebalancer, unit_costs
+from xronos.gateway.rebalance import NO_CAP, Rebalancer
+from xronos.gateway.rebalmodel import unit_costs
 from xronos.node.relayout import LiveRebalance, unit_bytes
 from xronos.node.runconfig import RunConfig
 from xronos.node.runtime import LocalFiles, MetricsFile, exit_process, read_settings, run

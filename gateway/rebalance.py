@@ -1,7 +1,7 @@
 """Live re-balancing policy: when to move a running job to a new layout. Pure (no torch, no I/O).
 
 **Speed estimate.** Each node's cost per kind is a base model (a profile's `NodeCost`, or — with
-no profile — `unit_costs`: one second per whole kind, so the fit below is seconds per share)
+no profile — `rebalmodel.unit_costs`: one second per whole kind, so the fit below is seconds per share)
 times a *speed factor* c[d][k] = measured / predicted at the node's current share. The measured
 figure is the rank's `compute_{kind}_s` of an iteration, plus — when given — its share of the
 rank's `compute_rest_s` (the optimizer step and clipping, which grow with the parameters held:
@@ -75,8 +75,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from xronos.gateway.costmodel import KindCost, NodeCost, kind_time
+from xronos.gateway.costmodel import NodeCost, kind_time
 from xronos.gateway.planner import plan
+from xronos.gateway.rebalmodel import barrier_time, continues, level_shift, moved_units, refit, two_point
 from xronos.protocol.layout import KINDS, Layout, Sizes
 
 NO_CAP = 1e18  # memory cap of a node whose cap nobody stated (xronos run without a profile)
@@ -132,76 +133,6 @@ class Replan:
     @property
     def gain(self) -> float:
         return (self.predicted_old_s - self.predicted_new_s) / self.predicted_old_s
-
-
-def unit_costs(node_ids: Sequence[str]) -> list[NodeCost]:
-    """The base model without a profile: one second per whole kind, nothing fixed, no memory."""
-    one = KindCost(fixed_s=0.0, icpt_s=0.0, slope_s=1.0, mem_slope=0.0, temp_slope=0.0)
-    return [NodeCost(n, one, one, one, const_s=0.0, mem_repl=0.0, temp_repl=0.0) for n in node_ids]
-
-
-def refit(base: NodeCost, factors: Mapping[str, float]) -> NodeCost:
-    """`base` with every coefficient of kind k scaled by factors[k] (memory unchanged)."""
-    def scale(kc: KindCost, f: float) -> KindCost:
-        return replace(kc, fixed_s=kc.fixed_s * f, icpt_s=kc.icpt_s * f, slope_s=kc.slope_s * f)
-
-    return replace(base, **{k: scale(base.kind(k), factors[k]) for k in KINDS})
-
-
-def barrier_time(nodes: Sequence[NodeCost], layout: Layout) -> float:
-    """Sum over kinds of the slowest node's time (the layout-dependent part of an iteration)."""
-    return sum(max(kind_time(n.kind(k), layout.share(k, d)) for d, n in enumerate(nodes)) for k in KINDS)
-
-
-def moved_units(old: Layout, new: Layout) -> dict[str, int]:
-    """Per kind, the units that change rank (each rank's new range minus what it already held)."""
-    out = {}
-    for k in KINDS:
-        moved = 0
-        for r in range(old.world_size):
-            (a, b), (c, d) = old.range(k, r), new.range(k, r)
-            moved += (d - c) - max(0, min(b, d) - max(a, c))
-        out[k] = moved
-    return out
-
-
-def level_shift(levels: Sequence[float], run: int, tol: float) -> float | None:
-    """The new level over the old when the last `run` levels all lie beyond `tol` (relative) on
-    one side of the (at least 2 x `run`) levels before them, else None. Above: beyond their
-    median. Below: beyond their lower quartile — measurement outliers only ever slow an iteration
-    down, so a few of them among the reference must not make the box look faster."""
-    if len(levels) < 3 * run:
-        return None
-    ref, last = list(levels[:-run]), list(levels[-run:])
-    med = statistics.median(ref)
-    low = statistics.quantiles(ref, n=4, method="inclusive")[0]
-    if med > 0 and all(x > med * (1 + tol) for x in last):
-        return statistics.median(last) / med
-    if low > 0 and all(x * (1 + tol) < low for x in last):
-        return statistics.median(last) / low
-    return None
-
-
-def continues(previous: Layout | None, current: Layout, new: Layout) -> bool:
-    """`new` carries on the move previous -> current: no (rank, kind) count goes back the way it
-    came (a rank that gave units away does not get any back, and the other way round)."""
-    if previous is None:
-        return False
-    return all((b - c) * (c - a) >= 0 for k in KINDS
-               for a, c, b in zip(getattr(previous, k), getattr(current, k), getattr(new, k)))
-
-
-def _two_point(base: KindCost, f: float, at: float, anchor: tuple[float, float]) -> KindCost | None:
-    """The kind as the line through (anchor share, anchor seconds) and (at, f x base(at)): fixed
-    part scaled by f, intercept and slope from the two points; None when not physical."""
-    s_a, t_a = anchor
-    t_c = f * kind_time(base, at)
-    slope = (t_c - t_a) / (at - s_a)
-    icpt = t_c - slope * at
-    fixed = base.fixed_s * f
-    if slope <= 0 or icpt < 0:
-        return None
-    return replace(base, fixed_s=fixed, icpt_s=max(0.0, icpt - fixed), slope_s=slope)
 
 
 @dataclass
@@ -395,7 +326,7 @@ class Rebalancer:
             for k, anchor in self.anchors[d].items():
                 at = self.layout.share(k, d)
                 if at > 0 and self.samples[d][k] and abs(at - anchor[0]) >= gap * max(at, anchor[0]):
-                    kc = _two_point(b.kind(k), f[k], at, anchor)
+                    kc = two_point(b.kind(k), f[k], at, anchor)
                     if kc is not None:
                         lines[k] = kc
             out.append(replace(node, **lines) if lines else node)

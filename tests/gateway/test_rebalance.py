@@ -9,8 +9,8 @@ import pytest
 
 from xronos.gateway.costmodel import KindCost, NodeCost, kind_time
 from xronos.gateway.planner import plan
-from xronos.gateway.rebalance import (NO_CAP, PolicyConfig, Rebalancer, barrier_time, moved_units, refit,
-                                      unit_costs)
+from xronos.gateway.rebalance import NO_CAP, PolicyConfig, Rebalancer
+from xronos.gateway.rebalmodel import barrier_time, moved_units, refit, unit_costs
 from xronos.protocol.layout import KINDS, Layout, Sizes
 
 SIZES = Sizes(attn=16, mlp=4096, vocab=50257)  # GPT-2-Medium's kinds

@@ -11,8 +11,8 @@ import pytest
 
 from xronos.gateway.costmodel import KindCost, NodeCost, kind_time
 from xronos.gateway.planner import plan
-from xronos.gateway.rebalance import (NO_CAP, PolicyConfig, Rebalancer, barrier_time, level_shift,
-                                      moved_units, unit_costs)
+from xronos.gateway.rebalance import NO_CAP, PolicyConfig, Rebalancer
+from xronos.gateway.rebalmodel import barrier_time, level_shift, moved_units, unit_costs
 from xronos.protocol.layout import KINDS, Sizes
 
 SIZES = Sizes(attn=16, mlp=4096, vocab=50257)
