@@ -74,6 +74,7 @@ class JobRebalance:
         self.fed = 0  # the last step fed to the policy
         self.ignore_until = 0  # metrics of steps up to this one ran under a superseded layout
         self.told = ""  # the policy's last reason told (a repeat is not)
+        self.move_seen: int | None = None  # the boundary of the last measured move fed to the policy
 
     @classmethod
     def for_job(cls, job: Job, config: PolicyConfig = PolicyConfig(), lead: int = 2) -> JobRebalance:
@@ -90,6 +91,18 @@ class JobRebalance:
         policy = Rebalancer(job.plan.sizes, job.plan.layout(), base, [e.memory_cap for e in job.plan.entries],
                             ub, config=config)
         return cls(job.plan_version, nodes, policy, base, lead)
+
+    def moved(self, s: m.NodeJobStatus) -> bool:
+        """The owner's word on an applied re-shard: its measured cost refits the policy's move
+        model (as `xronos run` does), so the payback test prices the next move by this job's own.
+        True when it was fed (once per boundary; only the owner of this plan version speaks)."""
+        if s.plan_version != self.plan_version or s.rank != 0 or self.node_ids[0] != s.node_id \
+                or s.reshard_step is None or s.reshard_s is None or s.reshard_bytes is None \
+                or s.reshard_step == self.move_seen:
+            return False
+        self.move_seen = s.reshard_step
+        self.policy.observe_move(float(s.reshard_bytes), s.reshard_s)
+        return True
 
     def observe(self, x: m.IterationMetrics) -> Decision | None:
         """One rank's metrics; a Decision when a complete step made the policy decide something

@@ -418,7 +418,8 @@ class NodeService:
         elif kind == "resharded":  # the owner's: the gateway hears the step the ranks moved at
             log.info(kind, job_id=a.job_id, **ev)
             self._set_status(self.status.status if self.status else "running", reshard_step=ev["step"],
-                             reshard_layout=Layout.parse(ev["layout"]), reshard_s=ev.get("seconds"))
+                             reshard_layout=Layout.parse(ev["layout"]), reshard_s=ev.get("seconds"),
+                             reshard_bytes=ev.get("moved_bytes"))
         elif kind == "reshard_refused":  # the owner's: the gateway drops the order it had pending
             log.warning(kind, job_id=a.job_id, **ev)
             self._set_status(self.status.status if self.status else "running",

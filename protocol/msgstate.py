@@ -93,10 +93,11 @@ class NodeJobStatus(Message):
     export_dir: PathText | None = None
     detail: Text4k | None = None
     # The owner's latest live re-shard (a JobReshard it applied): the boundary (before this 0-based
-    # step), the layout every rank moved to, and the owner's wall time at that boundary.
+    # step), the layout every rank moved to, the owner's wall time at that boundary and the bytes moved.
     reshard_step: Count | None = None
     reshard_layout: Layout | None = None
     reshard_s: Seconds | None = None
+    reshard_bytes: Bytes | None = None  # sent over the network by all ranks together (weights and moments)
     # The owner's latest refused JobReshard (wrong world, counts that do not fit the model): why.
     # The gateway then drops the order it had pending; the job goes on under its plan.
     reshard_refused: Text256 | None = None

@@ -301,3 +301,26 @@ def test_the_ranks_rest_reaches_the_policy_booked_to_the_kinds_they_hold():
         seen[rest] = [{k: reb.policy.samples[d][k][-1] for k in KINDS} for d in range(len(NODES))]
     for d in range(len(NODES)):
         assert all(seen[0.5][d][k] > seen[None][d][k] for k in KINDS)
+
+
+def test_a_measured_move_reaches_the_policy_once_and_only_from_this_plans_owner():
+    """The owner's NodeJobStatus after a re-shard carries its wall time and the bytes moved: the
+    gateway's policy refits its move model from it (as `xronos run` does), once per boundary."""
+    job = running_job()
+    reb = JobRebalance.for_job(job, FAST, lead=2)
+    prior = 100e6 / reb.policy.bandwidth_Bps + reb.policy.move_fixed_s
+
+    def status(**kw) -> m.NodeJobStatus:
+        base = dict(node_id="a", job_id="j", plan_version=1, rank=0, status="running", step=9,
+                    reshard_step=8, reshard_layout=job.plan.layout(), reshard_s=prior * 3,
+                    reshard_bytes=100_000_000, sent_at=1.0)
+        return m.NodeJobStatus(**{**base, **kw})
+
+    assert not reb.moved(status(node_id="b", rank=1))  # not the owner
+    assert not reb.moved(status(plan_version=2))  # another plan's
+    assert not reb.moved(status(reshard_bytes=None))  # an older node's status: nothing to scale by
+    assert reb.policy.move_scale == 1.0
+    assert reb.moved(status())
+    assert abs(reb.policy.move_scale - 3.0) < 1e-9
+    assert not reb.moved(status(step=12))  # the same boundary, re-published with a later step
+    assert len(reb.policy.move_ratios) == 1

@@ -279,7 +279,7 @@ def _until_ordered(h, slow_last=5.0):
 def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
     """Per-kind compute from every rank feeds the job's policy; a slow last rank gets a JobReshard
     sent to the owner alone; the owner's report of the move makes it the job's plan, shown in the
-    JobState and Home Assistant's state."""
+    JobState and Home Assistant's state, and its measured cost refits the policy's move model."""
     h = Harness(tmp_path)
     job_id, assigned, orders = _until_ordered(h)
     n = len(assigned)
@@ -293,11 +293,13 @@ def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
     assert state.replans == 1 and state.plan.layout() == old  # ordered, not yet moved
     h.node_says(m.NodeJobStatus(node_id="a", job_id=job_id, plan_version=1, rank=0, status="running", step=9,
                                 reshard_step=order.at_step, reshard_layout=order.layout, reshard_s=0.1,
-                                sent_at=2.0), "a")
+                                reshard_bytes=1_000_000, sent_at=2.0), "a")
     h.pump()
     h.gw._flush(force=True)
     state = [s for _, s in h.seen("job.state")][-1]
     assert state.plan.layout() == order.layout and state.last_replan_reason.startswith("cooling down")
+    policy = h.gw.rebal[job_id][1].policy  # the measured move refits the policy's move model
+    assert list(policy.move_ratios) == [0.1 / (1_000_000 / policy.bandwidth_Bps + policy.move_fixed_s)]
     assert any(f"re-plan for step {order.at_step}" in e and "faster" in e for e in state.events)
     assert any(f"re-shard applied at step {order.at_step}" in e for e in state.events)
     h.gw._publish_ha_state()
