@@ -39,7 +39,7 @@ from xronos.protocol import messages as m
 
 from .jobnote import note, short
 from .jobtypes import (
-    Assign, Command, Control, Ctx, Event, Job, Metrics, NodeDown, NodeUp, Out, Profile, Profiled, Status,
+    TERMINAL, Assign, Command, Control, Ctx, Event, Job, Metrics, NodeDown, NodeUp, Out, Profile, Profiled, Status,
     profile_mismatch,
 )
 
@@ -50,9 +50,14 @@ Assigner = Callable[[Job, Ctx, m.Plan], Out]
 
 def after(event: Event, out: Out, ctx: Ctx, assign: Assigner) -> Out:
     """The join's part of an event, after the rest of the state machine handled it."""
-    job, effects = out
-    if any(isinstance(e, Assign) for e in effects):
+    job, effects = _after(event, out, ctx, assign)
+    if any(isinstance(e, Assign) for e in effects):  # a restart's cost runs from here
         job = replace(job, assigned_at=ctx.now)
+    return job, effects
+
+
+def _after(event: Event, out: Out, ctx: Ctx, assign: Assigner) -> Out:
+    job, effects = out
     if job.phase not in JOINABLE:
         return _dropped(job, ctx), effects
     if isinstance(event, Metrics):
@@ -92,9 +97,8 @@ def _dropped(job: Job, ctx: Ctx) -> Job:
     """Out of running/paused: nothing of a join stays (a recovery re-plans on every online node)."""
     if job.join_plan is None and not job.join_requests:
         return job
-    if job.join_plan is not None and job.phase == "recovering":
-        job = note(job, ctx.now, f"join of {_who(job.join_newcomers)} dropped: the job is recovering (its re-plan "
-                   "takes every online node)")
+    if job.join_plan is not None and job.phase not in TERMINAL:  # recovering (or assigning its re-plan)
+        job = note(job, ctx.now, "join dropped: the job is recovering (its re-plan takes every online node)")
     return replace(job, join_plan=None, join_requests=())
 
 
