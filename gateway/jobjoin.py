@@ -173,14 +173,15 @@ def _consider(job: Job, ctx: Ctx) -> Job:
     saved = gain * measured * left
     restart, source = _restart_cost(job, ctx)
     restart += measured  # the iteration(s) past the checkpoint, redone
-    head = f"{who} not taken: predicted {old_s:.3g} -> {new_s:.3g} s/iteration ({-gain:+.1%})"
+    faster = f"{gain:.1%} faster" if gain >= 0 else f"{-gain:.1%} slower"
+    head = f"{who} not taken: predicted {old_s:.3g} -> {new_s:.3g} s/iteration ({faster})"
     if gain <= ctx.join.min_gain:
-        return _not_taken(job, ctx, f"{head}, not above the bar of {ctx.join.min_gain:.0%}")
+        return _not_taken(job, ctx, f"{head}: the bar is {ctx.join.min_gain:.0%} faster")
     if saved <= restart:
         return _not_taken(job, ctx, f"{head} would save ~{saved:.1f} s over the {left} steps after the "
                           f"checkpoint at step {at}, not a restart's ~{restart:.1f} s ({source})")
     why = (f"{who} taken for plan v{version} at the checkpoint of step {at}: predicted {old_s:.3g} -> "
-           f"{new_s:.3g} s/iteration ({-gain:+.1%}), ~{saved:.1f} s saved over {left} steps against a "
+           f"{new_s:.3g} s/iteration ({faster}), ~{saved:.1f} s saved over {left} steps against a "
            f"restart's ~{restart:.1f} s ({source})")
     return note(job, ctx.now, why, join_plan=new, join_after=job.checkpoint_step, join_base_s=old_s,
                 last_replan_reason=short(why, MAX_REASON_CHARS))

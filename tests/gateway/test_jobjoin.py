@@ -102,7 +102,7 @@ def test_a_node_that_comes_online_is_taken_at_the_next_checkpoint():
     # 1/2 -> 1/3 s predicted: -33 %; over the 90 steps after step 10 at the measured 1 s: ~30 s
     # saved against the measured 8 s restart plus the iteration redone.
     assert "node 'c' taken for plan v2 at the checkpoint of step 10: predicted 0.5 -> 0.333 s/iteration" in taken
-    assert "(-33.3%)" in taken and "~30.0 s saved over 90 steps" in taken and "~9.0 s (measured" in taken
+    assert "(33.3% faster)" in taken and "~30.0 s saved over 90 steps" in taken and "~9.0 s (measured" in taken
     assert job.last_replan_reason in taken and job.replans == 0
     job, eff = J.handle(job, status("b", 1, checkpoint_step=10), ctx(30))  # only the owner's checkpoint counts
     assert eff == [] and job.phase == "running"
@@ -127,7 +127,7 @@ def test_a_node_that_comes_online_is_taken_at_the_next_checkpoint():
 def test_not_taken_when_the_gain_is_below_the_bar():
     job, _ = comes_online(running(plans=planner({2: 0.5, 3: 0.49})), plans=planner({2: 0.5, 3: 0.49}))
     assert job.join_plan is None and job.replans == 0
-    assert "node 'c' not taken: predicted 0.5 -> 0.49 s/iteration (-2.0%), not above the bar of 5%" in job.events[-1]
+    assert "node 'c' not taken: predicted 0.5 -> 0.49 s/iteration (2.0% faster): the bar is 5% faster" in job.events[-1]
     assert job.last_replan_reason in job.events[-1]
     job, eff = J.handle(job, status("a", 0, checkpoint_step=10), ctx(31))
     assert eff == [] and job.phase == "running" and job.plan_version == 1
@@ -137,7 +137,7 @@ def test_not_taken_when_a_restart_is_not_repaid():
     slow_restart = J.JoinPolicy(restart_s=100.0)
     job, _ = comes_online(running(), join=slow_restart)
     assert job.join_plan is None
-    assert ("not taken: predicted 0.5 -> 0.333 s/iteration (-33.3%) would save ~30.0 s over the 90 steps after "
+    assert ("not taken: predicted 0.5 -> 0.333 s/iteration (33.3% faster) would save ~30.0 s over the 90 steps after "
             "the checkpoint at step 10, not a restart's ~101.0 s (the gateway's join_restart_s)") in job.events[-1]
     # Without a measurement the default stands in, and says so.
     job, _ = comes_online(replace(running(), restart_s=None), now=50, join=J.JoinPolicy(default_restart_s=40.0))
