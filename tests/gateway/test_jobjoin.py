@@ -258,3 +258,18 @@ def test_a_second_newcomer_is_planned_with_the_first_and_a_worse_plan_leaves_the
     kept, _ = comes_online(job, "d", now=25, online=four, plans=planner(fail_with=4))
     assert kept.join_plan_nodes == ("a", "b", "c")
     assert kept.events[-1].endswith("; the join of node 'c' taken before stands")
+
+
+def test_the_gateway_config_bounds_the_join_settings(tmp_path):
+    from xronos.gateway.config import ConfigError, load_config
+
+    path = tmp_path / "gateway.toml"
+    path.write_text("join_min_gain = 0.1\njoin_restart_s = 12.5\n")
+    cfg = load_config(path, env={})
+    assert (cfg.join_min_gain, cfg.join_restart_s) == (0.1, 12.5)
+    path.write_text("join_min_gain = 1.5\n")
+    with pytest.raises(ConfigError, match="join_min_gain"):
+        load_config(path, env={})
+    path.write_text("join_restart_s = -1\n")
+    with pytest.raises(ConfigError, match="join_restart_s"):
+        load_config(path, env={})
