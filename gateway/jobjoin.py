@@ -206,9 +206,10 @@ def _join(job: Job, ctx: Ctx, assign: Assigner) -> Out:
     new = job.join_plan
     assert new is not None
     gone = [n for n in job.join_plan_nodes if n not in ctx.online]
-    if new.version != job.plan_version + 1 or gone:  # never expected: NodeDown drops it first
-        return note(job, ctx.now, f"join dropped: {_who(tuple(gone)) + ' offline' if gone else 'plan superseded'}",
-                    join_plan=None), []
+    # A newcomer that went offline was dropped on NodeDown; one switched off Participate meanwhile is here.
+    if new.version != job.plan_version + 1 or gone:
+        why = f"{_who(tuple(gone))} offline or not participating" if gone else "plan superseded"
+        return note(job, ctx.now, f"join dropped at the checkpoint: {why}", join_plan=None), []
     old = job.plan_version
     why = short(f"{_who(job.join_newcomers)} joins: plan v{old} -> v{new.version}, predicted "
                 f"{job.join_base_s:.3g} -> {new.predicted_iteration_s:.3g} s/iteration", MAX_REASON_CHARS)

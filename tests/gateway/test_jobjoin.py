@@ -203,6 +203,13 @@ def test_a_newcomer_that_goes_offline_drops_its_request_or_its_join():
     assert eff == [] and job.plan_version == 1
 
 
+def test_a_newcomer_switched_off_before_the_checkpoint_is_not_assigned():
+    job, _ = comes_online(running())
+    job, eff = J.handle(job, status("a", 0, checkpoint_step=10), ctx(31, ("a", "b")))  # c: no NodeDown, not usable
+    assert eff == [] and job.plan_version == 1 and job.join_plan is None and job.phase == "running"
+    assert "join dropped at the checkpoint: node 'c' offline or not participating" in job.events[-1]
+
+
 def test_completion_or_cancel_while_a_join_waits_ends_the_job_as_usual():
     job, _ = comes_online(running())
     done, eff = J.handle(job, status("a", 0, "completed", step=100, export_dir="/out"), ctx(30))
