@@ -58,6 +58,12 @@ class GatewayConfig(BaseModel):
     history_max_age_days: PosFloat = 30.0
     # Jobs being checked or waiting for the nodes at one time; a submit beyond is refused.
     max_unfinished_jobs: Annotated[int, Field(ge=1, le=10_000)] = 16
+    # A node that joins a running job is taken into its plan at the next checkpoint (a restart) when
+    # the new plan is predicted faster by more than join_min_gain (None: the live re-balancing
+    # policy's 5 %) and the time it saves over the steps left repays a restart: join_restart_s
+    # seconds, or (None) what the job measured from its assignment to its first metrics.
+    join_min_gain: Annotated[float, Field(ge=0, lt=1)] | None = None
+    join_restart_s: Annotated[float, Field(ge=0)] | None = None
     homeassistant: HomeAssistantSettings = Field(default_factory=HomeAssistantSettings)
     log_level: LogLevel = "info"
 

@@ -18,7 +18,8 @@ to that node; a status or metric only if its rank is the node's rank in the curr
 completion, checkpoints, evaluations and the export only from rank 0 (the owner).
 `abort(job, ctx, reason)` fails a job whose transition raised unexpectedly (the service's guard);
 `prune` bounds the history of finished jobs. The live re-shard transitions (the policy's
-`Rebalanced`, the owner's word on a re-shard) are in `jobreplan`; the event history in `jobnote`.
+`Rebalanced`, the owner's word on a re-shard) are in `jobreplan`; a node that joins a running job
+(taken into its next plan at a checkpoint) in `jobjoin`; the event history in `jobnote`.
 """
 
 from __future__ import annotations
@@ -28,16 +29,19 @@ from dataclasses import replace
 
 from xronos.protocol import messages as m
 
+from .jobjoin import after as join_after
+from .jobjoin import rejoin
 from .jobnote import MAX_EVENT_CHARS, MAX_EVENTS, note, short
 from .jobreplan import on_rebalanced, owner_reshard_status
 from .jobtypes import (
-    ACTIVE, TERMINAL, Acked, Agg, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job,
+    ACTIVE, TERMINAL, Acked, Agg, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job, JoinPolicy,
     Metrics, Net, NodeDown, NodeUp, Out, Profile, Profiled, Rebalanced, Reshard, Respond, Status, Tick, Timeouts,
+    profile_mismatch,
 )
 from .progress import apply_metrics
 
 __all__ = ["ACTIVE", "TERMINAL", "Acked", "Agg", "Assign", "Command", "Control", "Ctx", "Effect", "Event",
-           "Inspect", "Inspected", "Job", "Metrics", "Net", "NodeDown", "NodeUp", "Out", "Profile",
+           "Inspect", "Inspected", "Job", "JoinPolicy", "Metrics", "Net", "NodeDown", "NodeUp", "Out", "Profile",
            "Profiled", "Rebalanced", "Reshard", "Respond", "Status", "Tick", "Timeouts", "abort", "handle", "new_job",
            "occupies",
            "prune", "restart", "schedule", "MAX_ERROR_CHARS", "MAX_EVENT_CHARS", "MAX_EVENTS"]
@@ -213,7 +217,7 @@ def handle(job: Job, event: Event, ctx: Ctx) -> Out:
                                  f"job {job.job_id} is already {job.phase}")]
         return job, []
     handler = _HANDLERS[type(event)]
-    return handler(job, event, ctx)
+    return join_after(event, handler(job, event, ctx), ctx, _assign)  # a node that joins: `jobjoin`
 
 
 def _answers(job: Job, request_id: str, node_id: str) -> bool:
@@ -236,24 +240,12 @@ def _on_inspected(job: Job, ev: Inspected, ctx: Ctx) -> Out:
     return _plan_or_profile(job, ctx, _candidates(job, ctx))
 
 
-def _mismatch(job: Job, report: m.ProfileReport) -> str | None:
-    """Why a profile report does not answer this job's request (None if it does)."""
-    want = {"job_id": job.job_id, "arch": job.arch, "task": job.spec.task,
-            "batch_size": job.spec.batch_size, "seq_len": job.spec.seq_len}
-    for name, value in want.items():
-        if getattr(report, name) != value:
-            return f"its report's {name} does not match the request"
-    if report.capabilities.node_id != report.node_id:
-        return "its report's capabilities name another node"
-    return None
-
-
 def _on_profiled(job: Job, ev: Profiled, ctx: Ctx) -> Out:
     if job.awaiting != "profiles" or ev.node_id not in job.waiting or not _answers(job, ev.request_id, ev.node_id):
         return job, []
     waiting = tuple(n for n in job.waiting if n != ev.node_id)
     requests = tuple(r for r in job.requests if r[1] != ev.node_id)
-    error = ev.error if ev.report is None else _mismatch(job, ev.report)
+    error = ev.error if ev.report is None else profile_mismatch(job, ev.report)
     if ev.report is not None and error is None:
         job = replace(job, profiles={**job.profiles, ev.node_id: ev.report}, waiting=waiting, requests=requests)
     else:
@@ -421,7 +413,6 @@ def _on_metrics(job: Job, ev: Metrics, ctx: Ctx) -> Out:
     return apply_metrics(job, ev.m, ctx.now, ctx.timeouts.stall_s), []
 
 
-
 _HANDLERS = {Inspected: _on_inspected, Profiled: _on_profiled, Acked: _on_acked,
              NodeDown: _on_down, NodeUp: _on_up, Metrics: _on_metrics, Status: _on_status,
              Command: _on_command, Tick: _on_tick, Rebalanced: on_rebalanced}
@@ -458,7 +449,7 @@ def restart(job: Job, ctx: Ctx) -> Out:
             # ranks apply it all the same, the owner's status says so and the plan follows (`jobreplan`).
             job = note(job, ctx.now, f"re-shard to {job.pending_plan.layout().to_text()} was pending: dropped "
                         "(the owner's status makes it the plan if the ranks moved)", pending_plan=None)
-        return replace(job, deadline=ctx.now + ctx.timeouts.stall_s), []
+        return replace(rejoin(job), deadline=ctx.now + ctx.timeouts.stall_s), []
     if job.awaiting == "inspect":
         return _inspect(job, ctx)
     if job.awaiting == "profiles":
@@ -486,6 +477,8 @@ def prune(jobs: Mapping[str, Job], now: float, keep: int, max_age_s: float) -> t
 
 def finished(job: Job) -> Job:
     """A finished job as the history keeps it: without its profiles and in-flight bookkeeping."""
-    if job.phase not in TERMINAL or not (job.profiles or job.requests or job.waiting):
+    if job.phase not in TERMINAL or not (job.profiles or job.requests or job.waiting or job.join_requests
+                                         or job.join_plan):
         return job
-    return replace(job, profiles={}, requests=(), waiting=(), awaiting="", deadline=None, recover_deadline=None)
+    return replace(job, profiles={}, requests=(), waiting=(), awaiting="", deadline=None, recover_deadline=None,
+                   join_requests=(), join_plan=None)

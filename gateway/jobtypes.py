@@ -100,6 +100,16 @@ class Job:
     last_reshard_step: int | None = None  # the boundary of the owner's latest applied re-shard
     pending_plan: m.Plan | None = None  # a re-shard ordered, not yet applied: the plan it makes
     reshard_refused: str | None = None  # the owner's latest refusal heard (a repeat is not news)
+    # A node that joins (`jobjoin`): its profile requests in flight (apart from `requests`, which
+    # the other phases use), the plan taken with it and the checkpoint step it waits to pass, and
+    # the predicted seconds per iteration without it (the same planner, the same profiles).
+    join_requests: tuple[tuple[str, str], ...] = ()
+    join_plan: m.Plan | None = None
+    join_after: int = 0
+    join_base_s: float = 0.0
+    # A restart's cost as this job measured it: from its latest assignment to rank 0's first metrics.
+    assigned_at: float | None = None
+    restart_s: float | None = None
 
     @property
     def owner(self) -> str:
@@ -108,6 +118,15 @@ class Job:
     @property
     def plan_nodes(self) -> tuple[str, ...]:
         return tuple(e.node_id for e in self.plan.entries) if self.plan else ()
+
+    @property
+    def join_plan_nodes(self) -> tuple[str, ...]:
+        return tuple(e.node_id for e in self.join_plan.entries) if self.join_plan else ()
+
+    @property
+    def join_newcomers(self) -> tuple[str, ...]:
+        """The nodes a join taken brings: in its plan, not in the current one."""
+        return tuple(n for n in self.join_plan_nodes if n not in self.plan_nodes)
 
     def rank_of(self, node_id: str) -> int | None:
         """The node's rank in the current plan (None if it has none)."""
@@ -128,12 +147,33 @@ class Job:
         return None
 
 
+def profile_mismatch(job: Job, report: m.ProfileReport) -> str | None:
+    """Why a profile report does not answer this job's request (None if it does)."""
+    want = {"job_id": job.job_id, "arch": job.arch, "task": job.spec.task,
+            "batch_size": job.spec.batch_size, "seq_len": job.spec.seq_len}
+    for name, value in want.items():
+        if getattr(report, name) != value:
+            return f"its report's {name} does not match the request"
+    if report.capabilities.node_id != report.node_id:
+        return "its report's capabilities name another node"
+    return None
+
+
 # A planner: (job, nodes in rank order, plan version, ctx) -> Plan, or ValueError saying why not.
 Planner = Callable[[Job, tuple[str, ...], int, "Ctx"], m.Plan]
 
 
 def _no_planner(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan:
     raise ValueError("no planner configured")
+
+
+@dataclass(frozen=True)
+class JoinPolicy:
+    """When a node that joins a running job is worth a restart from the next checkpoint (`jobjoin`)."""
+
+    min_gain: float = 0.05  # least predicted gain, as the live policy's (`PolicyConfig.threshold`)
+    restart_s: float | None = None  # a restart's cost; None: what the job measured, else `default_restart_s`
+    default_restart_s: float = 60.0  # a job that has not measured one (e.g. after a gateway restart)
 
 
 @dataclass(frozen=True)
@@ -145,6 +185,7 @@ class Ctx:
     caps: Mapping[str, m.Capabilities] = field(default_factory=dict)  # latest per node
     net: Net = Net()
     planner: Planner = _no_planner
+    join: JoinPolicy = JoinPolicy()
 
 
 # --- events ----------------------------------------------------------------------------------

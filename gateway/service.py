@@ -61,6 +61,9 @@ class GatewayService:
         self.cfg = cfg
         # Live re-balancing: per running job, its plan version's policy (None: it could not start).
         self.policy = policy or PolicyConfig()
+        # A node that joins a running job (`jobjoin`): the bar is the live policy's unless configured.
+        self.join = J.JoinPolicy(min_gain=self.policy.threshold if cfg.join_min_gain is None else cfg.join_min_gain,
+                                 restart_s=cfg.join_restart_s)
         self.rebal: dict[str, tuple[int, JobRebalance | None]] = {}
         self.table = TopicTable(cfg.base_topic, cfg.homeassistant.discovery_prefix)
         will = (self.table.build("gateway.availability"), "offline", True)
@@ -169,7 +172,7 @@ class GatewayService:
     def _ctx(self, job_id: str) -> J.Ctx:
         busy = any(J.occupies(j) for k, j in self.jobs.items() if k != job_id)
         return J.Ctx(now=time.time(), online=R.usable(self.reg), timeouts=self.timeouts, busy=busy,
-                     caps=R.capabilities(self.reg), net=self.net, planner=plan_job)
+                     caps=R.capabilities(self.reg), net=self.net, planner=plan_job, join=self.join)
 
     def _job(self, job_id: str) -> J.Job | None:
         return self.jobs.get(job_id) or self.previews.get(job_id)
