@@ -381,9 +381,8 @@ class GatewayService:
     def _on_node_job(self, msg: m.NodeJobStatus, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
         self._event(msg.job_id, J.Status(msg))
-        _, policy = self.rebal.get(msg.job_id, (-1, None))
-        if policy is not None and msg.reshard_step is not None:
-            policy.moved(msg)
+        if msg.reshard_step is not None and (policy := self.rebal.get(msg.job_id, (-1, None))[1]) is not None:
+            policy.moved(msg)  # the move's measured cost refits the job's policy
 
     # --- requests ------------------------------------------------------------------------------
     def _new_id(self, name: str) -> str:
