@@ -141,7 +141,7 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
                          phases=doc["phases"], peak=doc["peak"], peak_phase=doc["peak_phase"],
                          train_peak=train, baseline_rss=doc["baseline_rss"],
                          predicted=predict_memory(replace(node, owner=r == 0), layout_shares(layout, r)), anon_after=doc["anon_after"],
-                         events=doc["events"], kernel=kernel[r] if kernel else None,
+                         events=doc["events"], heaps=doc.get("heaps", []), kernel=kernel[r] if kernel else None,
                          cap=memcap[r] if memcap else None))
     return dict(plan=None if plan is None else dict(layout=plan.layout.to_text(),
                 predicted_memory=[row.predicted_memory for row in plan.rows], caps=[row.memory_cap for row in plan.rows]),
@@ -170,6 +170,13 @@ def table(res: dict) -> str:
     for row in res["rows"]:
         lines.append(f"rank {row['rank']} in order: " + ", ".join(
             f"{n} {p / MiB:.0f}" for n, p, _ in row["events"][:12]))
+    lines.append("glibc heap at the end of the last training step (MiB): span = used + free; the free holes stay "
+                 "resident under the ranks' allocator setting (node/allocator.py)")
+    for row in res["rows"]:
+        last = next((h for n, h in reversed(row.get("heaps", [])) if n == "step" and h), None)
+        if last:
+            lines.append(f"rank {row['rank']}: span {last['span'] / MiB:.0f}, used {last['used'] / MiB:.0f}, "
+                         f"free {last['free'] / MiB:.0f}, mmapped {last['mmapped'] / MiB:.0f}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,12 @@ A process that is already running cannot take the environment variables any more
 the same two parameters through `mallopt`. Only short-lived processes should call it — a process
 tuned this way keeps its peak heap for life, which is what a training rank budgets for but not what
 a long-running service should do. XRONOS_MALLOC=glibc opts out everywhere (for comparison).
+
+The price is free holes: the heap keeps every block it ever spread to, and with activations of mixed
+sizes (6/12/21 MiB at seq 256) new blocks extend the heap past gaps they do not fit. A qwen2.5-1.5b
+LoRA rank at seq 256 held 526 MiB at most but its heap spanned 750-870 MiB (`memwatch.heap()`,
+bench/results/mem-peak-lora.md); an mmap threshold of 8 MiB cut its peak 16 % for +20 % per
+iteration, glibc's default did not lower it at all.
 """
 
 from __future__ import annotations

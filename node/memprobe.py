@@ -17,7 +17,9 @@ Three instruments, all measured on the real tensors of a real fine-tuning iterat
   gradients, optimizer state), i.e. exactly the short-lived buffers of Eq. 10.
   Limits: memory a kernel library allocates outside c10 (oneDNN/MKL scratch pads, OpenMP thread
   stacks) is invisible, and so is allocator fragmentation; both make M_t a lower bound of RSS
-  growth, which the planner's reserve is there to cover.
+  growth, which the planner's reserve is there to cover. The first is small (glibc's own in-use
+  peak matched c10's to the MiB on a LoRA seq-256 rank); the second is not at long sequence: that
+  rank's heap held 515-635 MiB of free holes beside 526 MiB in use (bench/results/mem-peak-lora.md).
 - **Resident state (M_w)** — the bytes of the unique storages of every parameter, its gradient
   and its optimizer state tensors, read after a real optimizer step (so AdamW's exp_avg and
   exp_avg_sq exist and are counted as allocated, not as assumed).

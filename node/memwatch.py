@@ -12,11 +12,14 @@ known, and the rank writes them to `DIR/rank<r>.json` at the end; the process's 
 then the maximum over phases (`peak()`), which every caller reads instead of `ru_maxrss` (the
 reset lowers that too).
 
-Reading the status file costs ~20 microseconds, a handful per iteration.
+Reading the status file costs ~20 microseconds, a handful per iteration. Measurement runs also
+record glibc's heap at the end of each phase (`heap()`: `mallinfo2`, bytes the heap spans, holds
+in use and holds free), which tells live tensors from the heap's free holes in the resident set.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -40,6 +43,27 @@ def status() -> dict[str, int]:
     return out
 
 
+HEAP_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+               "keepcost")  # struct mallinfo2, glibc >= 2.33: ten size_t
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in HEAP_FIELDS]
+
+
+def heap() -> dict[str, int]:
+    """glibc's heap, all arenas: `span` bytes obtained with brk/sbrk (main arena) or arena heaps,
+    `used` in allocated chunks, `free` in free chunks (resident unless trimmed), `mmapped` in
+    chunks mmapped on their own; {} where there is no glibc >= 2.33."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    fn.restype = _Mallinfo2
+    m = fn()
+    return {"span": m.arena, "used": m.uordblks, "free": m.fordblks, "mmapped": m.hblkhd}
+
+
 class Watch:
     """Per-phase peaks of this process (see the module docstring)."""
 
@@ -50,6 +74,7 @@ class Watch:
         self.anon: dict[str, int] = {}  # phase -> RssAnon at its end (what is left, not a peak)
         self.first: str | None = None  # the first phase whose end showed the overall peak
         self.events: list[tuple[str, int, int]] = []  # (phase, peak, RssAnon at its end), first ones
+        self.heaps: list[tuple[str, dict[str, int]]] = []  # measurement runs: (phase, heap() at its end)
         self._peak = 0
         self.baseline = status()["VmRSS"]
         if self.resetting:
@@ -63,6 +88,8 @@ class Watch:
         self.anon[name] = st["RssAnon"]
         if len(self.events) < 64:
             self.events.append((name, hwm, st["RssAnon"]))
+            if self.resetting:
+                self.heaps.append((name, heap()))
         if hwm > self._peak:
             self._peak, self.first = hwm, name
         if self.resetting:
@@ -86,7 +113,7 @@ class Watch:
             return
         doc = {"rank": rank, "baseline_rss": self.baseline, "peak": self.peak(), "peak_phase": self.first,
                "phases": self.phases, "anon_after": self.anon,
-               "events": self.events, **(extra or {})}
+               "events": self.events, "heaps": self.heaps, **(extra or {})}
         Path(self.out_dir, f"rank{rank}.json").write_text(json.dumps(doc, indent=1))
 
 
