@@ -45,13 +45,24 @@ largest partitioned temporary buffer at share 1 — Eq. 10's max over layers, ne
 **Peak memory.** What the kernel counts (and a cgroup caps) is the rank's resident set, which
 holds more than Eq. 8's tensors; `predict_memory` predicts that peak:
 
-    peak = R + M + max(L_repl, max_k l_k * s_k)
+    peak = R + M + max(L, H)    L = max(L_repl, max_k l_k * s_k)
 
 `R` = the profile's `runtime_bytes`, the process without any model once warm (Python, torch,
 its kernels and thread pools; measured, not assumed); `l_k` = the kind's largest single
 parameter at share 1 — loading reads each parameter's slice into a buffer and copies it in, and
 under the training ranks' allocator setting (freed blocks stay in the heap) that buffer stays
-resident. Measured on real `xronos run` ranks (`python -m xronos.bench.mem_peak`), this is within
+resident. `H` = the heap's free holes during training (`heap_slack`): under the same setting
+the heap keeps every block it spread to, and blocks of mixed sizes leave free gaps they do not
+fit; the profile measures them at full width, one block (`heap_slack_bytes`: the heap's span
+minus its in-use peak, settled), and `H` scales that by the rank's share of the block's
+transient bytes, `W(s) / W(1)` with `W(s) = sum over layers of (M_a + M_t) * s_kind` (1 for a
+replicated layer), one block each. Loading's buffer and training's holes are the same free
+space — training's blocks fill the loading buffer's gap where they fit — hence the max, not a
+sum: a GPT-2-medium rank's heap held 49 MiB free at the end of its steps, with L = 49 and H = 51
+MiB predicted. Depth is not scaled: the holes grew less than linearly with depth (236 / 250-340
+/ 351 MiB at 1 / 2 / 3 blocks on a qwen2.5-1.5b LoRA rank), so deeper models are
+under-predicted by the growth beyond one block (bench/results/mem-peak-lora.md).
+Measured on real `xronos run` ranks (`python -m xronos.bench.mem_peak`), this is within
 a few percent of VmHWM; the optimizer state is allocated at build (`node/optstate.py`) and the
 clipping pass is chunked (`node/gradnorm.py`), without which neither term would hold.
 Rank 0, the owner (`NodeCost.owner`, set by the planner for the first node), also holds the data
@@ -96,6 +107,7 @@ class NodeProfile:
     layers: tuple[LayerCost, ...]
     runtime_bytes: float = 0.0  # the rank process without its model (0: not measured)
     owner_bytes: float = 0.0  # what the owner (rank 0) loads besides: the data stack
+    heap_slack: float = 0.0  # the heap's free holes above its in-use peak, full width, one block (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,7 @@ class KindCost:
     mem_slope: float  # M_w + M_a of the kind's partitioned layers at share 1
     temp_slope: float  # largest M_t of the kind's partitioned layers at share 1
     load_slope: float = 0.0  # largest single partitioned parameter of the kind at share 1
+    work_slope: float = 0.0  # M_a + M_t of the kind's partitioned layers at share 1, one block (heap holes' scale)
 
 
 @dataclass(frozen=True)
@@ -129,6 +142,8 @@ class NodeCost:
     trained_full: float = 0.0  # the whole model's trained parameters (a checkpoint gathers them + moments)
     grad_fraction: float = 0.25  # share of M_w + M_a that is gradients (freed before an export)
     owner: bool = False  # this node is rank 0: it reads the data and gathers the export
+    heap_slack: float = 0.0  # the profile's heap_slack (full width, one block)
+    work_repl: float = 0.0  # M_a + M_t of the replicated layers, one block (heap holes' scale)
     checkpoints: bool = False  # the run writes consolidated checkpoints (a job's), gathered on the owner
     exports: bool = True  # the run ends with an export gathered on the owner (the bench's runs do not)
 
@@ -208,8 +223,8 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
     """Fold a profile into per-kind coefficients (Eq. 6, 7, 9, 10 grouped by kind)."""
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
-    acc = {k: [0.0, 0.0, 0.0, 0.0, 0.0, 0.0] for k in KINDS}  # fixed, icpt, slope, mem, temp, load
-    const = mem_repl = temp_repl = load_repl = weights_full = largest_full = 0.0
+    acc = {k: [0.0] * 7 for k in KINDS}  # fixed, icpt, slope, mem, temp, load, work
+    const = mem_repl = temp_repl = load_repl = weights_full = largest_full = work_repl = 0.0
     measured = all(layer.param_bytes > 0 for layer in profile.layers)
     trained_full = resident_all = 0.0
     for layer in profile.layers:
@@ -238,10 +253,12 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
             a[3] += mult * resident
             a[4] = max(a[4], layer.temp_bytes)  # Eq. 10: a max, not a sum
             a[5] = max(a[5], layer.load_bytes)
+            a[6] += layer.activation_bytes + layer.temp_bytes
             continue
         mem_repl += mult * resident
         temp_repl = max(temp_repl, layer.temp_bytes)
         load_repl = max(load_repl, layer.load_bytes)
+        work_repl += layer.activation_bytes + layer.temp_bytes
         t = mult * layer.time_s
         if layer.kind == "blk":  # the block's replicated remainder: half before each barrier
             acc["attn"][0] += t / 2
@@ -253,7 +270,8 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
     kinds = {k: KindCost(*v) for k, v in acc.items()}
     return NodeCost(profile.node_id, kinds["attn"], kinds["mlp"], kinds["vocab"], const, mem_repl, temp_repl,
                     profile.runtime_bytes, load_repl, profile.owner_bytes, weights_full, largest_full,
-                    trained_full, trained_full / resident_all if resident_all > 0 else 0.25)
+                    trained_full, trained_full / resident_all if resident_all > 0 else 0.25,
+                    heap_slack=profile.heap_slack, work_repl=work_repl)
 
 
 def kind_time(kc: KindCost, s: float) -> float:
@@ -289,8 +307,17 @@ def predict_memory(node: NodeCost, shares: Shares) -> float:
     temp = max([node.temp_repl] + [node.kind(k).temp_slope * shares[k] for k in KINDS])
     load = max([node.load_repl] + [node.kind(k).load_slope * shares[k] for k in KINDS])
     model = node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS)
-    train = node.mem_runtime + model + temp + load
+    train = node.mem_runtime + model + temp + max(load, heap_slack(node, shares))
     return owner_peak(node, model, train) if node.owner else train
+
+
+def heap_slack(node: NodeCost, shares: Shares) -> float:
+    """The heap's free holes on a rank holding `shares`: the profile's (full width, one block)
+    times the rank's share of the block's transient bytes (see the module docstring)."""
+    full = node.work_repl + sum(node.kind(k).work_slope for k in KINDS)
+    if node.heap_slack <= 0 or full <= 0:
+        return 0.0
+    return node.heap_slack * (node.work_repl + sum(node.kind(k).work_slope * shares[k] for k in KINDS)) / full
 
 
 def owner_peak(node: NodeCost, model: float, train: float) -> float:

@@ -189,7 +189,8 @@ def node_profile(report: ProfileReport) -> NodeProfile:
         for lay in report.layers
     )
     return NodeProfile(node_id=report.node_id, num_blocks=report.num_blocks, layers=layers,
-                       runtime_bytes=float(report.runtime_bytes), owner_bytes=float(report.owner_bytes))
+                       runtime_bytes=float(report.runtime_bytes), owner_bytes=float(report.owner_bytes),
+                       heap_slack=float(report.heap_slack_bytes))
 
 
 def collective_cost(report: ProfileReport) -> NodeComm | None:

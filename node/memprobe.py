@@ -20,6 +20,11 @@ Three instruments, all measured on the real tensors of a real fine-tuning iterat
   growth, which the planner's reserve is there to cover. The first is small (glibc's own in-use
   peak matched c10's to the MiB on a LoRA seq-256 rank); the second is not at long sequence: that
   rank's heap held 515-635 MiB of free holes beside 526 MiB in use (bench/results/mem-peak-lora.md).
+- **Heap slack** — glibc's heap span (`memwatch.heap()`) after the iteration minus its in-use
+  peak during it (bytes in use before + c10's peak above that level, `AllocTrace.peak_bytes`):
+  the free holes that stay resident under the ranks' allocator setting (`node/allocator.py`).
+  The heap grows for a few iterations before it is flat, so the iteration is repeated until its
+  span stops growing (`heap_slack`).
 - **Resident state (M_w)** — the bytes of the unique storages of every parameter, its gradient
   and its optimizer state tensors, read after a real optimizer step (so AdamW's exp_avg and
   exp_avg_sq exist and are counted as allocated, not as assumed).
@@ -115,6 +120,14 @@ class AllocTrace:
             elif name.startswith("xr::"):
                 self.marks.append((name, e.start_ns(), e.end_ns()))
         self.mem.sort()
+
+    def peak_bytes(self) -> int:
+        """The window's highest allocated level above its start (c10's bytes in use)."""
+        level = peak = 0
+        for _, nbytes in self.mem:
+            level += nbytes
+            peak = max(peak, level)
+        return peak
 
     def temp_bytes(self, name: str, skip: tuple[str, ...] = ()) -> int:
         """Largest excess over the interval's start/end levels, across intervals marked `name`;

@@ -43,7 +43,9 @@ takes the longer of the link's time and the slowest node's CPU time per all-redu
 Memory, measured on one more full-width iteration (see `memprobe` for the instruments and their
 limits): M_w = unique bytes of params + grads + AdamW state after a real step; M_a = unique
 storages packed for backward by saved-tensor hooks, parameters excluded; M_t = peak allocator
-excess over the phase's start/end level, from torch's CPU memory profiler.
+excess over the phase's start/end level, from torch's CPU memory profiler. The same iteration,
+repeated until glibc's heap stops growing (2-4 times), gives the heap's slack: its span minus its
+in-use peak, the free holes a training rank keeps resident (`heap_slack_bytes`).
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ log = structlog.get_logger(__name__)
 #    taken out of the block's layers; the node's CPU cost of an all-reduce (`commprobe`); the
 #    chunked clipping pass, AdamW state at build, the runtime's resident set and each layer's
 #    largest tensor (peak-memory prediction).
-PROFILER_VERSION = 6
+# 7: the heap's slack (free holes above the in-use peak) at full width, the memory iteration
+#    repeated until the heap settles.
+PROFILER_VERSION = 7
 # The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
 # in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).
 DEFAULT_PAUSE_S = 0.001
@@ -279,6 +283,7 @@ def profile(
         mem: dict[str, tuple[int, int, int]] = {}
         largest: dict[str, int] = {}
         params: dict[str, int] = {}
+        slack = 0
         for i, run in enumerate(widths(sizes)):
             full = i == 0
             layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
@@ -291,6 +296,7 @@ def profile(
                 if full:
                     partitioned = ps.partitioned
                     segments = {k: ps.segment(k) for k in ps.groups}
+                    slack = ps.heap_slack()  # before memory(): it drops the timing optimizer's state
                     mem = ps.memory()
                     largest = {k: ps.largest_tensor(k) for k in ps.groups}
                     params = {k: ps.param_bytes(k) for k in ps.groups}
@@ -321,7 +327,7 @@ def profile(
     report = ProfileReport(
         **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
         sizes=sizes, num_blocks=arch.num_layers, layers=layers, runtime_bytes=runtime,
-        owner_bytes=owner, collectives=collectives,
+        owner_bytes=owner, heap_slack_bytes=slack, collectives=collectives,
         profile_seconds=time.perf_counter() - t_start, created_at=time.time())
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

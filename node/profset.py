@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from xronos.node import memwatch
 from xronos.node.gradnorm import squared_norm
 from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.loading import init_random
@@ -143,6 +144,12 @@ class _Timeline:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+# The heap grows for 3-4 iterations, then stays flat (bench/results/mem-peak-lora.md); growth
+# below 1 MiB over one iteration counts as settled.
+SETTLE_ITERS = 4
+SETTLED_BYTES = 1 << 20
 
 
 class ProfilingSet:
@@ -310,6 +317,26 @@ class ProfilingSet:
         self.opt_all.step()
         self.opt_all.zero_grad(set_to_none=True)
         return self.clock() - w0, time.process_time() - c0
+
+    def heap_slack(self, settle: int = SETTLE_ITERS) -> int:
+        """The heap's free bytes above its in-use peak over one fine-tuning iteration as the trainer
+        runs it (`memprobe`, "Heap slack"): iterations until the heap's span stops growing (at
+        most `settle`), then one under torch's memory profiler for the in-use peak — only one,
+        because the profiler's own small allocations split freed blocks and grow the heap
+        further (196 MiB per iteration for five iterations on GPT-2-medium's embedding gradient).
+        0 where glibc cannot tell."""
+        if not memwatch.heap():
+            return 0
+        span = memwatch.heap()["span"]
+        for _ in range(max(1, settle)):
+            self.iteration()
+            grown, span = memwatch.heap()["span"] - span, memwatch.heap()["span"]
+            if grown <= SETTLED_BYTES:
+                break
+        before = memwatch.heap()
+        with AllocTrace() as trace:
+            self.iteration()
+        return max(0, before["span"] - (before["used"] + trace.peak_bytes()))
 
     def memory(self) -> dict[str, tuple[int, int, int]]:
         """(M_w, M_a, M_t) per layer key, measured on one iteration."""

@@ -144,6 +144,11 @@ class ProfileReport(Message):
     # What rank 0 (the owner: it reads the data) loads besides: the resident set the data stack's
     # import adds; 0 = not measured.
     owner_bytes: Bytes = 0
+    # glibc's heap span minus its in-use peak over the profiling set's settled memory iteration at
+    # full width (one block): the free holes that stay resident under the training ranks'
+    # allocator setting (xronos.node.allocator); 0 = not measured (before profiler version 7, or
+    # not glibc). The cost model scales it to a rank's width.
+    heap_slack_bytes: Bytes = 0
     profile_seconds: Seconds
     created_at: Timestamp
     # The node's CPU cost of the job's all-reduces (None: a profile from before it was measured;

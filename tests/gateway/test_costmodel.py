@@ -33,10 +33,11 @@ SH = {"attn": 0.25, "mlp": 0.5, "vocab": 0.75}
 def test_segments_by_hand():
     node = node_cost(PROFILE, fit="affine")
     # The block remainder (2 x 0.05) splits between the attention and the MLP segment.
-    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80, 0))  # no load_bytes
+    # no load_bytes; transient bytes (M_a + M_t) of one block: 40 + 80
+    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80, 0, 120))
     assert node.mlp.fixed_s == pytest.approx(0.05) and node.mlp.icpt_s == pytest.approx(0.1)
     assert node.mlp.slope_s == pytest.approx(1.0) and node.mlp.mem_slope == 2 * 460
-    assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50, 0))  # exactly linear: intercept 0
+    assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50, 0, 60))  # exactly linear: intercept 0
     assert (node.const_s, node.mem_repl, node.temp_repl) == (0.2, 2 * 12 + 66, 70)
     seg = segment_times(node, SH)
     assert seg["attn"] == pytest.approx(0.05 + 0.05 + 0.6 * 0.25)
@@ -181,6 +182,36 @@ def test_peak_adds_the_runtime_and_loadings_largest_buffer():
     # at share 0 of every kind only the replicated buffer remains
     zero = {k: 0.0 for k in SH}
     assert predict_memory(node, zero) == pytest.approx(predict_memory(node_cost(PROFILE), zero) + 1000 + 120)
+
+
+def test_heap_slack_scales_with_the_blocks_transient_bytes_and_shares_the_loading_buffers_room():
+    """H = heap_slack * W(s) / W(1), W = one block's M_a + M_t by kind share (replicated: 1);
+    the peak adds max(L, H): loading's buffer and training's holes are the same free space."""
+    from dataclasses import replace
+
+    from xronos.gateway.costmodel import heap_slack
+
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    plain = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000))
+    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, heap_slack=4160))
+    # W(1) = emb 60 + attn 120 + mlp 150 + ln 34 + head 76 = 440, one block (not times B = 2)
+    assert node.work_repl == 34 + 76
+    assert (node.vocab.work_slope, node.attn.work_slope, node.mlp.work_slope) == (60, 120, 150)
+    assert heap_slack(node, {k: 1.0 for k in SH}) == pytest.approx(4160)
+    w = 110 + 60 * 0.75 + 120 * 0.25 + 150 * 0.5  # 260 at SH
+    assert heap_slack(node, SH) == pytest.approx(4160 * w / 440)
+    load = 300  # vocab's 400 at 0.75: below H, which replaces it
+    assert predict_memory(node, SH) == pytest.approx(predict_memory(plain, SH) - load + 4160 * w / 440)
+    # H below the loading buffer: the buffer's room holds the holes, nothing is added
+    small = replace(node, heap_slack=100.0)
+    assert heap_slack(small, SH) < load
+    assert predict_memory(small, SH) == predict_memory(plain, SH)
+    # a profile that did not measure the heap (heap_slack 0) predicts as before
+    assert heap_slack(plain, SH) == 0.0
+    # monotone in every share
+    for k in SH:
+        m = [predict_memory(node, {**SH, k: s / 8}) for s in range(9)]
+        assert m == sorted(m)
 
 
 def test_owner_peak_is_the_higher_of_training_with_its_data_stack_and_the_export():

@@ -41,6 +41,18 @@ def test_roundtrip_and_conversion(tmp_path):
     assert cost.vocab.icpt_s == pytest.approx(0.002)
 
 
+def test_heap_slack_is_optional_and_reaches_the_cost_model(tmp_path):
+    """A report from before profiler version 7 (no heap_slack_bytes) reads as 0 (not measured);
+    a measured one reaches the node's cost."""
+    report = synthetic_report("n0", units=8, num_blocks=2)
+    doc = report.model_dump(mode="json")
+    doc.pop("heap_slack_bytes")
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    assert load_report(tmp_path / "old.json").heap_slack_bytes == 0
+    new = load_report(write(tmp_path / "new.json", report, heap_slack_bytes=300 * MiB))
+    assert node_cost(node_profile(new)).heap_slack == 300 * MiB
+
+
 def test_memory_cap_is_available_minus_reserve():
     r = synthetic_report("n0", memory_available=1000 * MiB)
     assert memory_cap(r, 200) == 800 * MiB
@@ -61,6 +73,7 @@ def test_memory_cap_is_available_minus_reserve():
     ({"layers__0__weight_bytes": -4}, "field layers[0].weight_bytes"),
     ({"sizes__attn": 0}, "field sizes.attn"),
     ({"layers": []}, "field layers"),
+    ({"heap_slack_bytes": -1}, "field heap_slack_bytes"),
     ({"capabilities__memory_available": "lots"}, "field capabilities.memory_available"),
     # A profile that does not time every segment kind, or puts one in the wrong place.
     ({"layers__2__partitioned": False, "layers__2__segment": None, "layers__2__time_samples": []},
