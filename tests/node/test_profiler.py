@@ -314,3 +314,54 @@ def test_lora_profile_is_its_own_and_counts_a_frozen_base(reports: dict[str, Pro
     assert len(list(tmp_path.glob("profile-*.json"))) == 2  # full fine-tuning: another entry
     with pytest.raises(ValueError, match=r"\['q_proj'\] not in model family 'gpt2'"):
         prof.profile(config, "classify", B, S, threads=1, iters=2, lora_r=r, lora_targets=["q_proj"])
+
+
+def test_alloc_trace_peak_is_the_highest_level_above_the_start() -> None:
+    x = torch.randn(256, 1024)  # 1 MiB, before the window: not counted
+    with AllocTrace() as trace:
+        a = x * 2.0  # +1 MiB
+        b = (a * 3.0).sum()  # +1 MiB temporary on top: the peak, 2 MiB
+        del a
+        c = x + 1.0  # +1 MiB after a was freed: level 1 MiB again
+    assert float(b) != 0 and c.numel() == x.numel()
+    assert 2 << 20 <= trace.peak_bytes() < (2 << 20) + (64 << 10)
+
+
+_SLACK_CHILD = """
+import json, torch
+from xronos.node import memwatch, profiler as prof
+from xronos.node.models.shapes import shape
+from xronos.node.profset import ProfilingSet
+from xronos.protocol.layout import Layout
+torch.set_num_threads(1)
+config = prof.one_block_config(prof.config_for(arch=shape("tiny-gpt2", "classify")))
+ps = ProfilingSet(config, "classify", Layout(attn=(4, 0), mlp=(256, 0), vocab=(500, 0)), 2, 16, 0, True)
+for _ in range(3):
+    ps.iteration()
+base = ps.heap_slack()
+big = torch.ones(64 << 18)  # 64 MiB in the heap (mmap off), then a block above it pins the top
+pin = torch.ones(1 << 18)
+del big  # a 64 MiB free hole below the top, resident, which the tiny iteration cannot fill
+holed = ps.heap_slack()
+print(json.dumps({"base": base, "holed": holed, "heap": memwatch.heap()}))
+"""
+
+
+def test_heap_slack_sees_a_free_hole_in_the_heap() -> None:
+    """Under the ranks' allocator setting a freed block below the heap's top stays a free hole; the
+    profiling set's heap slack (span minus in-use peak) grows by it."""
+    import subprocess
+    import sys
+
+    from xronos.node import allocator
+    from xronos.node.launch import rank_env
+
+    env = rank_env(1) | allocator.ENV  # the ranks' setting even where XRONOS_MALLOC=glibc is set
+    out = subprocess.run([sys.executable, "-c", _SLACK_CHILD], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    if not doc["heap"]:
+        pytest.skip("no glibc mallinfo2 here")
+    assert 0 <= doc["base"] < 16 << 20  # a tiny model: a few MiB at most
+    assert 60 << 20 <= doc["holed"] - doc["base"] <= 66 << 20
