@@ -84,7 +84,7 @@ def run_capped(cmd: list[str], caps: list[int], phases_dir: Path) -> list[dict]:
 def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nodes: int, *, batch: int, seq: int,
             steps: int, work: Path, profile_json: Path | None = None, memcap: list[int] | None = None,
             lora_r: int | None = None) -> dict:
-    from xronos.gateway.costmodel import layout_shares, node_cost, predict_memory
+    from xronos.gateway.costmodel import heap_slack, layout_shares, node_cost, predict_memory
     from xronos.gateway.profiles import load_report, node_profile
     from xronos.node.launch import rank_env
     from xronos.node.memwatch import ENV
@@ -142,6 +142,7 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
                          train_peak=train, baseline_rss=doc["baseline_rss"],
                          predicted=predict_memory(replace(node, owner=r == 0), layout_shares(layout, r)), anon_after=doc["anon_after"],
                          events=doc["events"], heaps=doc.get("heaps", []), kernel=kernel[r] if kernel else None,
+                         holes=heap_slack(node, layout_shares(layout, r)),
                          cap=memcap[r] if memcap else None))
     return dict(plan=None if plan is None else dict(layout=plan.layout.to_text(),
                 predicted_memory=[row.predicted_memory for row in plan.rows], caps=[row.memory_cap for row in plan.rows]),
@@ -176,7 +177,8 @@ def table(res: dict) -> str:
         last = next((h for n, h in reversed(row.get("heaps", [])) if n == "step" and h), None)
         if last:
             lines.append(f"rank {row['rank']}: span {last['span'] / MiB:.0f}, used {last['used'] / MiB:.0f}, "
-                         f"free {last['free'] / MiB:.0f}, mmapped {last['mmapped'] / MiB:.0f}")
+                         f"free {last['free'] / MiB:.0f}, mmapped {last['mmapped'] / MiB:.0f}; predicted holes "
+                         f"{row.get('holes', 0) / MiB:.0f} (profile's heap_slack_bytes scaled to the rank)")
     return "\n".join(lines)
 
 

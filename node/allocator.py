@@ -17,7 +17,13 @@ The price is free holes: the heap keeps every block it ever spread to, and with 
 sizes (6/12/21 MiB at seq 256) new blocks extend the heap past gaps they do not fit. A qwen2.5-1.5b
 LoRA rank at seq 256 held 526 MiB at most but its heap spanned 750-870 MiB (`memwatch.heap()`,
 bench/results/mem-peak-lora.md); an mmap threshold of 8 MiB cut its peak 16 % for +20 % per
-iteration, glibc's default did not lower it at all.
+iteration, glibc's default did not lower it at all. `malloc_trim(0)` once per iteration (after
+the optimizer step; also before the backward) does not lower the peak either: the next iteration
+touches the holes again (peak 924-1025 against 1017-1035 MiB there, 684-691 against 724 MiB on a
+GPT-2-medium full fine-tune rank) and it costs +15-65 % per iteration in page faults, so ranks
+do not trim. The holes are predicted instead: the profiler measures them under this setting
+(`ProfileReport.heap_slack_bytes`, `xronos.node.profset.ProfilingSet.heap_slack`) and the cost
+model adds them to the peak (`xronos.gateway.costmodel.heap_slack`).
 """
 
 from __future__ import annotations
