@@ -59,9 +59,10 @@ transient bytes, `W(s) / W(1)` with `W(s) = sum over layers of (M_a + M_t) * s_k
 replicated layer), one block each. Loading's buffer and training's holes are the same free
 space — training's blocks fill the loading buffer's gap where they fit — hence the max, not a
 sum: a GPT-2-medium rank's heap held 49 MiB free at the end of its steps, with L = 49 and H = 51
-MiB predicted. Depth is not scaled: the holes grew less than linearly with depth (236 / 250-340
-/ 351 MiB at 1 / 2 / 3 blocks on a qwen2.5-1.5b LoRA rank), so deeper models are
-under-predicted by the growth beyond one block (bench/results/mem-peak-lora.md).
+MiB predicted. Depth is not scaled (the profile measures one block): the holes grow with depth
+(a qwen2.5-1.5b LoRA rank at seq 256 needed 0.8-1.4x the one-block H at 2 blocks, 1.6-2.3x at 3),
+so deeper models are under-predicted by that growth: -9 % and -16 % on the 3-block cell
+(bench/results/mem-peak-lora.md).
 Measured on real `xronos run` ranks (`python -m xronos.bench.mem_peak`), this is within
 a few percent of VmHWM; the optimizer state is allocated at build (`node/optstate.py`) and the
 clipping pass is chunked (`node/gradnorm.py`), without which neither term would hold.
