@@ -43,9 +43,11 @@ takes the longer of the link's time and the slowest node's CPU time per all-redu
 Memory, measured on one more full-width iteration (see `memprobe` for the instruments and their
 limits): M_w = unique bytes of params + grads + AdamW state after a real step; M_a = unique
 storages packed for backward by saved-tensor hooks, parameters excluded; M_t = peak allocator
-excess over the phase's start/end level, from torch's CPU memory profiler. The same iteration,
-repeated until glibc's heap stops growing (2-4 times), gives the heap's slack: its span minus its
-in-use peak, the free holes a training rank keeps resident (`heap_slack_bytes`).
+excess over the phase's start/end level, from torch's CPU memory profiler. Before it, the timing
+iteration repeated until glibc's heap stops growing (at most 4 more), then once under the memory
+profiler, gives the heap's slack: its span minus its in-use peak, the free holes a training rank
+keeps resident under the ranks' allocator setting (`heap_slack_bytes`; with XRONOS_MALLOC=glibc
+the ranks and the profile both run glibc's default, whose big blocks are mmapped apart).
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ log = structlog.get_logger(__name__)
 #    taken out of the block's layers; the node's CPU cost of an all-reduce (`commprobe`); the
 #    chunked clipping pass, AdamW state at build, the runtime's resident set and each layer's
 #    largest tensor (peak-memory prediction).
-# 7: the heap's slack (free holes above the in-use peak) at full width, the memory iteration
-#    repeated until the heap settles.
+# 7: the heap's slack (free holes above the in-use peak) at full width, one block, once the heap
+#    has settled.
 PROFILER_VERSION = 7
 # The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
 # in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).
