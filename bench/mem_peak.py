@@ -126,7 +126,8 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
         json.loads((work / "metrics.json").read_text())["config"]["layout"])
     from dataclasses import replace
 
-    node = node_cost(node_profile(report))
+    # The runs export without --export-merged: the owner gathers the trained tensors.
+    node = replace(node_cost(node_profile(report)), export_all=False)
     rows = []
     for r in range(nodes):
         path = phases_dir / f"rank{r}.json"

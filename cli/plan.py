@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"per all-reduce latency in ms (default {DEFAULT_LATENCY_S * 1e3:g})")
     p.add_argument("--fit", choices=FITS, default="affine",
                    help="time of partitioned layers: affine in width (default) or linear (paper)")
+    p.add_argument("--export-merged", action="store_true",
+                   help="LoRA profiles: the run also exports the merged model, so the owner gathers the "
+                        "whole model (default: the adapters only)")
     p.add_argument("--job-id", default="preview", help="job id written into --json output")
     p.add_argument("--json", action="store_true", help="print the protocol Plan message as JSON")
     p.set_defaults(func=run)
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan_reports(
         loaded, args.strategy, reserve_mb=args.reserve_mb,
         bandwidth_Bps=args.bandwidth_mbps * 1e6 / 8, latency_s=args.latency_ms / 1e3, fit=args.fit,
-        batch_size=args.batch_size, seq_len=args.seq_len,
+        batch_size=args.batch_size, seq_len=args.seq_len, export_merged=args.export_merged,
     )
     if args.json:
         print(plan_message(result, args.job_id).model_dump_json(indent=2))

@@ -72,15 +72,17 @@ def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, thre
 
 def plan_units(reports: list[ProfileReport], strategy: str, reserve_mb: float, *,
                batch_size: int | None = None, seq_len: int | None = None,
-               bandwidth_mbps: float = 1000.0, latency_ms: float = 0.5) -> PlanResult:
-    """The planner's result over the ranks' reports (ranks in order)."""
+               bandwidth_mbps: float = 1000.0, latency_ms: float = 0.5, export_merged: bool = False) -> PlanResult:
+    """The planner's result over the ranks' reports (ranks in order); `export_merged`: a LoRA run
+    that also exports the merged model (the owner gathers the whole model)."""
     if not (bandwidth_mbps > 0 and math.isfinite(bandwidth_mbps)):
         raise ValueError(f"--bandwidth-mbps must be finite and > 0, got {bandwidth_mbps}")
     if not (latency_ms >= 0 and math.isfinite(latency_ms)):
         raise ValueError(f"--latency-ms must be finite and >= 0, got {latency_ms}")
     return plan_reports([Loaded(f"profile of {r.node_id}", r) for r in reports], strategy,  # type: ignore[arg-type]
                         reserve_mb=reserve_mb, batch_size=batch_size, seq_len=seq_len,
-                        bandwidth_Bps=bandwidth_mbps * 1e6 / 8, latency_s=latency_ms / 1e3)
+                        bandwidth_Bps=bandwidth_mbps * 1e6 / 8, latency_s=latency_ms / 1e3,
+                        export_merged=export_merged)
 
 
 def predictions(reports: list[ProfileReport], layout: Layout) -> dict[str, list[float]]:
@@ -192,7 +194,8 @@ def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileRepo
                             lora_dropout=getattr(args, "lora_dropout", 0.0))
     result = plan_units(reports, args.strategy, args.reserve_mb, batch_size=args.batch_size,
                         seq_len=args.seq_len, bandwidth_mbps=getattr(args, "bandwidth_mbps", 1000.0),
-                        latency_ms=getattr(args, "latency_ms", 0.5))
+                        latency_ms=getattr(args, "latency_ms", 0.5),
+                        export_merged=getattr(args, "export_merged", False))
     print(f"xronos run: {args.strategy} plan {result.layout.describe()}, predicted iteration "
           f"{result.predicted_iteration_s:.4f} s (compute {result.bottleneck_s:.4f} s + comm "
           f"{result.comm_s:.4f} s)", file=sys.stderr, flush=True)

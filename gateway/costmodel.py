@@ -147,6 +147,10 @@ class NodeCost:
     work_repl: float = 0.0  # M_a + M_t of the replicated layers, one block (heap holes' scale)
     checkpoints: bool = False  # the run writes consolidated checkpoints (a job's), gathered on the owner
     exports: bool = True  # the run ends with an export gathered on the owner (the bench's runs do not)
+    # The export gathers every weight (LoRA's merged model); False: the trained tensors alone —
+    # every weight in full fine-tuning, the adapters and a head in LoRA's adapter-only export
+    # (`node.models.adapters.exported`). Both give the same peak for full fine-tuning.
+    export_all: bool = True
 
     def kind(self, kind: str) -> KindCost:
         if kind not in KINDS:
@@ -325,7 +329,8 @@ def owner_peak(node: NodeCost, model: float, train: float) -> float:
     """Rank 0's peak: its data stack on top of training, or the export, whichever is higher. The
     export gathers the whole model's weights while the rank's own gradients are freed (their
     share of M_w + M_a: `grad_fraction`), and assembles the largest tensor from its parts once
-    more. A job's consolidated checkpoint (`checkpoints`) gathers the trained tensors and both
+    more — under LoRA without the merged model (`export_all` False) only the adapters and a
+    classifier's head are gathered. A job's consolidated checkpoint (`checkpoints`) gathers the trained tensors and both
     their AdamW moments: three times the trained bytes, the whole weights in full fine-tuning,
     the adapters and head under LoRA (from `node/checkpoint.py`; not measured yet). A profile that did not measure the process (runtime_bytes 0,
     from before profiler version 6) predicts Eq. 8 for the owner too."""
@@ -333,9 +338,12 @@ def owner_peak(node: NodeCost, model: float, train: float) -> float:
         return train
     if not (node.exports or node.checkpoints):
         return node.owner_bytes + train
-    gathered = max(node.weights_full if node.exports else 0.0,
+    written = node.weights_full if node.export_all else node.trained_full
+    gathered = max(written if node.exports else 0.0,
                    3 * node.trained_full if node.checkpoints else 0.0)  # trained tensors + both moments
-    export = node.mem_runtime + model * (1 - node.grad_fraction) + gathered + node.largest_full
+    # The largest tensor is assembled from its parts once more; an adapter-only export's are small.
+    largest = node.largest_full if node.export_all else min(node.largest_full, node.trained_full)
+    export = node.mem_runtime + model * (1 - node.grad_fraction) + gathered + largest
     return node.owner_bytes + max(train, export)
 
 

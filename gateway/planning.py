@@ -27,7 +27,8 @@ def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan
     result = plan_reports(loaded, job.spec.strategy, reserve_mb=job.spec.reserve_mb,
                           bandwidth_Bps=ctx.net.bandwidth_Bps, latency_s=ctx.net.latency_s,
                           batch_size=job.spec.batch_size, seq_len=job.spec.seq_len, task=job.spec.task,
-                          checkpoints=True)  # a job's owner gathers consolidated checkpoints
+                          checkpoints=True,  # a job's owner gathers consolidated checkpoints
+                          export_merged=job.spec.export_merged)
     if not result.feasible:
         over = ", ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of {r.memory_cap / 2**20:.0f}"
                          for r in result.rows if r.over_cap)

@@ -222,11 +222,13 @@ def plan_reports(
     task: str | None = None,
     checkpoints: bool = False,
     exports: bool = True,
+    export_merged: bool = False,
 ) -> PlanResult:
     """Cost model + communication term + planner over validated reports (ranks in given order).
     `batch_size`/`seq_len`/`task`, when given, are the job's: a report taken at others is refused.
     `checkpoints`: the run writes consolidated checkpoints (a job), which the owner's memory holds;
-    `exports`: it ends with an export (every run and job; not the bench's timed runs)."""
+    `exports`: it ends with an export (every run and job; not the bench's timed runs): of the trained
+    tensors, or with `export_merged` (LoRA's merged model) of every weight."""
     for item in loaded:
         check_report(item.report, item.source)
     check_compatible(loaded, batch_size=batch_size, seq_len=seq_len, task=task)
@@ -240,7 +242,9 @@ def plan_reports(
             nodes.append(node_cost(node_profile(item.report), fit))
         except ValueError as exc:
             raise ValueError(f"{item.source}: field layers: {exc}") from None
-    nodes = [replace(nd, checkpoints=checkpoints, exports=exports) for nd in nodes]
+    # Without the merged model an export gathers the trained tensors: every weight in full
+    # fine-tuning, the adapters (and a classifier's head) under LoRA.
+    nodes = [replace(nd, checkpoints=checkpoints, exports=exports, export_all=export_merged) for nd in nodes]
     caps = [memory_cap(item.report, reserve_mb) for item in loaded]
     return plan(nodes, r0.sizes, strategy, caps, comm)
 

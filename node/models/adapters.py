@@ -36,6 +36,12 @@ def is_trained_head(name: str) -> bool:
     return name.split(".", 1)[0] in TRAINED_HEADS
 
 
+def exported(hf_name: str, task: str) -> bool:
+    """A tensor an adapter-only export writes (`adapter_state`): the adapters, and the trained
+    classification head."""
+    return is_lora_key(hf_name) or (task == "classify" and is_trained_head(hf_name))
+
+
 def adapter_state(state: Mapping[str, torch.Tensor], task: str) -> dict[str, torch.Tensor]:
     """peft's adapter tensors out of a consolidated state."""
     out = {PEFT_PREFIX + k: v for k, v in state.items() if is_lora_key(k)}

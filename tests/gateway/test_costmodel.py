@@ -267,6 +267,43 @@ def test_a_jobs_checkpoints_add_both_moments_to_the_owners_export():
     assert predict_memory(replace(ckpt, owner=False), zero) == predict_memory(replace(owner, owner=False), zero)
 
 
+def test_an_adapter_only_export_gathers_the_trained_tensors_alone():
+    """LoRA without the merged model: the owner gathers the adapters (and a head), not the frozen
+    base, and assembles nothing larger than them."""
+    from dataclasses import replace
+
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    owner = replace(node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, owner_bytes=50)), owner=True,
+                    trained_full=30.0)
+    adapters = replace(owner, export_all=False)
+    for sh in (SH, {k: 0.0 for k in SH}):
+        train = predict_memory(replace(owner, owner=False), sh)
+        model = owner.mem_repl + sum(owner.kind(k).mem_slope * sh[k] for k in SH)
+        export = 1000 + (1 - owner.grad_fraction) * model + 30.0 + 30.0  # gathered, largest <= the trained bytes
+        assert predict_memory(adapters, sh) == pytest.approx(50 + max(train, export))
+        assert predict_memory(adapters, sh) <= predict_memory(owner, sh)
+    # a job's checkpoint still gathers the trained tensors with both moments
+    zero = {k: 0.0 for k in SH}
+    assert predict_memory(replace(adapters, checkpoints=True), zero) >= predict_memory(adapters, zero)
+
+
+def test_plan_reports_export_merged_matters_for_lora_profiles_only():
+    from xronos.bench.plan_speed import synthetic_report
+    from xronos.gateway.profiles import Loaded, plan_reports
+
+    def report(n: str, trained: float):  # M_w = params + 3 x the trained bytes (AdamW's moments, gradients)
+        r = synthetic_report(n, units=8, num_blocks=2)
+        layers = [lay.model_copy(update={"param_bytes": int(lay.weight_bytes / (1 + 3 * trained))})
+                  for lay in r.layers]
+        return Loaded(n, r.model_copy(update={"layers": layers, "runtime_bytes": 100 << 20}))
+
+    full = [report(n, 1.0) for n in ("a", "b")]
+    lora = [report(n, 0.01) for n in ("a", "b")]  # a LoRA profile: the base frozen but a sliver
+    owner = lambda loaded, **kw: plan_reports(loaded, "uniform", **kw).rows[0].predicted_memory  # noqa: E731
+    assert owner(lora) < owner(lora, export_merged=True)  # adapter-only: the frozen base is not gathered
+    assert owner(full) == pytest.approx(owner(full, export_merged=True))  # full fine-tuning: the same
+
+
 def test_a_run_without_export_leaves_the_owner_its_data_stack_only():
     from dataclasses import replace
 

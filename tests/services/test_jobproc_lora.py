@@ -4,7 +4,8 @@ The consolidated checkpoint holds the adapters (and the trained head) with their
 unsharded, and neither the frozen base nor moments for it; a job cut at its checkpoint and resumed under
 another per-segment layout ends where the uninterrupted one does; the export is a PEFT adapter
 directory that peft loads onto the base, plus the merged model transformers loads by itself, both
-computing the same logits.
+computing the same logits; an adapter-only export (gathering the trained tensors alone) writes
+the same adapters.
 """
 
 from __future__ import annotations
@@ -53,9 +54,13 @@ def test_lora_job_checkpoint_resume_under_another_layout_and_exports(tmp_path: P
     assert weights == trained  # the frozen base is not saved again: a resume reads it from the base
     assert moments == {f"{m}.{k}" for m in ("exp_avg", "exp_avg_sq") for k in trained}  # no base moments
 
-    spec2 = job_spec(model, data, tmp_path / "export2", max_steps=20, checkpoint_interval=10, lr=1e-3, **LORA)
+    # The resumed run exports the adapters only: the owner gathers the trained tensors alone, and
+    # they are the ones the merged export's gather of the whole model wrote.
+    spec2 = job_spec(model, data, tmp_path / "export2", max_steps=20, checkpoint_interval=10, lr=1e-3,
+                     **{**LORA, "export_merged": False})
     events = wait_ranks(start_ranks(tmp_path, spec2, RESUMED, resume_step=10, version=2))
     assert [e["step"] for e in events[0] if e["type"] == "metrics"] == list(range(11, 21))
+    assert not (tmp_path / "export2" / "merged").exists()
     a = load_file(str(tmp_path / "export" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "export2" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and "base_model.model.score.weight" in a
