@@ -36,6 +36,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -45,6 +46,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 OWNER, PEER, NEWCOMER = "n0", "n1", "n2"
+SUBMIT_TIMEOUT_S = 600.0  # inspection and two profiles at half a core: ~80 s on a quiet 2-core machine
 SKIP = 2  # iterations after a (re)start left out of a median: the start's own transient
 JOINS = re.compile(r"(?:node|nodes) .* joins: plan v(\d+) -> v(\d+), predicted ([\d.e+-]+) -> ([\d.e+-]+) "
                    r"s/iteration; resuming from step (\d+)")
@@ -239,7 +241,7 @@ def run_one(args, model: Path, data: Path, root: Path, *, join: bool) -> dict:
                        checkpoint_interval=args.checkpoint_interval, export_dir=str(root / f"export-{name}"),
                        reserve_mb=0, seed=0, dropout=0.0, rebalance=True)
         t_submit = time.time()
-        accepted = stack.client.request("job/submit", args.timeout, spec=spec)
+        accepted = stack.client.request("job/submit", min(args.timeout, SUBMIT_TIMEOUT_S), spec=spec)
         job_id = accepted["job_id"]
         _progress(f"{name}: job {job_id} planned on {[e['node_id'] for e in accepted['plan']['entries']]}, "
                   f"predicted {accepted['plan']['predicted_iteration_s']:.3f} s/iteration")
@@ -248,6 +250,9 @@ def run_one(args, model: Path, data: Path, root: Path, *, join: bool) -> dict:
         phase = None
         while time.monotonic() < deadline:
             time.sleep(0.2)
+            dead = [n for n, proc in stack.procs.items() if proc.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{name}: {', '.join(dead)} exited during the job\n{stack.logs(1500)}")
             last = col.last
             phase = last.phase if last is not None and last.job_id == job_id else phase
             if phase in ("completed", "failed", "cancelled"):
@@ -326,9 +331,9 @@ def _shares(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m xronos.bench.join", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 blocks, 50 steps: a few minutes")
+    p.add_argument("--quick", action="store_true", help="2 blocks, 130 steps")
     p.add_argument("--blocks", type=int, default=None, help="GPT-2-Medium blocks (default 4; --quick 2)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 70; --quick 50)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 150; --quick 130)")
     p.add_argument("--switch-at", type=int, default=6, help="rank 0's step at which n2 is switched on")
     p.add_argument("--checkpoint-interval", type=int, default=10)
     p.add_argument("--shares", type=_shares, default=[0.5, 0.5, 0.5], help="cores of n0,n1,n2")
@@ -340,12 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/join")
     args = p.parse_args(argv)
     args.blocks = args.blocks or (2 if args.quick else 4)
-    args.steps = args.steps or (50 if args.quick else 70)
+    args.steps = args.steps or (130 if args.quick else 150)
     if not 1 <= args.switch_at < args.steps - args.checkpoint_interval - SKIP - 3:
         raise SystemExit(f"--switch-at {args.switch_at} must be >= 1 and leave a checkpoint and "
                          f"{SKIP + 3} measured steps after it (steps {args.steps}, "
                          f"checkpoint_interval {args.checkpoint_interval})")
     _require_cgroups(args.shares)
+    # Every exit path cleans up (processes, cgroups, the poller): SIGTERM, and SIGINT even when a
+    # non-interactive shell started this in the background (which ignores SIGINT), unwind the stack.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminated)
     from xronos.bench.workloads import shape_config, write_checkpoint, write_dataset
 
     config = shape_config("gpt2-medium", args.blocks)
@@ -395,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".md").write_text(text)
         print(text)
     return 0
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _cpu_model() -> str:
