@@ -101,15 +101,24 @@ def decision(events: list[str]) -> dict:
     return {"taken": None, "why": "no decision in the job's events", "text": None}
 
 
-def summarize_join(metrics: list[dict], states: list[dict], events: list[str]) -> dict:
-    """The join run's figures. `states`: {"t", "plan_version"} per JobState received (arrival order)."""
+def summarize_join(metrics: list[dict], states: list[dict], events: list[str],
+                   profiling: tuple[float, float] | None = None) -> dict:
+    """The join run's figures. `states`: {"t", "plan_version"} per JobState received (arrival order);
+    `profiling`: the (switch, decision) arrival times — the old plan's steps that ended in between
+    ran beside the newcomer's profile and are reported apart, not in the time before the join."""
     per = slowest(metrics)
     first = min((v for v, _ in per), default=1)
     out: dict = {"decision": decision(events), "wall_s": _wall(per)}
     join = find_join(events)
     old_steps = _steps(per, join["old_version"] if join else first)
     old_version = join["old_version"] if join else first
-    out["before_s"] = _median([per[(old_version, s)]["iteration_s"] for s in old_steps[SKIP:]])
+
+    def beside(s: int) -> bool:
+        return profiling is not None and profiling[0] <= per[(old_version, s)]["t"] <= profiling[1]
+
+    out["before_s"] = _median([per[(old_version, s)]["iteration_s"] for s in old_steps[SKIP:] if not beside(s)])
+    out["while_profiling_s"] = _median([per[(old_version, s)]["iteration_s"] for s in old_steps[SKIP:] if beside(s)])
+    out["profiling_s"] = profiling[1] - profiling[0] if profiling is not None else None
     out["iteration_s"] = {f"v{v}": [[s, per[(v, s)]["iteration_s"]] for s in _steps(per, v)]
                           for v in sorted({v for v, _ in per})}
     if join is None:
@@ -169,6 +178,7 @@ class Collector:
         self.metrics: list[dict] = []
         self.states: list[dict] = []
         self.events: list[str] = []
+        self.event_t: dict[str, float] = {}  # each event's first arrival here
         self.last = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -192,7 +202,10 @@ class Collector:
                 self.last = msg
                 self.states.append({"t": t, "plan_version": msg.plan.version if msg.plan else None,
                                     "phase": msg.phase, "step": msg.step})
-                self.events.extend(e for e in msg.events if e not in self.events)
+                for e in msg.events:
+                    if e not in self.event_t:
+                        self.event_t[e] = t
+                        self.events.append(e)
 
     def step(self) -> int:
         return max((x["step"] for x in self.metrics if x["rank"] == 0), default=0)
@@ -271,7 +284,9 @@ def run_one(args, model: Path, data: Path, root: Path, *, join: bool) -> dict:
         if phase != "completed":
             raise RuntimeError(f"{name}: job ended {phase}: {final.error if final else '?'}\n{stack.logs(1500)}")
         _progress(f"{name}: completed at step {final.step} ({time.time() - t_submit:.0f} s after submit)")
+        decided = next((col.event_t[e] for e in col.events if " taken" in e and NEWCOMER in e), None)
         return {"metrics": list(col.metrics), "states": list(col.states), "events": list(col.events),
+                "profiling": [switched["t"], decided] if switched and decided else None,
                 "switched": switched, "plan_v1": accepted["plan"],
                 "final_plan": final.plan.model_dump(mode="json") if final.plan else None,
                 "replans": final.replans, "submit_t": t_submit}
@@ -298,7 +313,10 @@ def report(meta: dict, res: dict) -> str:
                      f"wall {_fmt(j['wall_s'], '.1f')} s (static {_fmt(st['wall_s'], '.1f')} s).\n")
         return "\n".join(lines)
     lines += ["| figure | value |", "|---|---|",
-              f"| iteration before the join (measured, slowest rank, median) | {_fmt(j['before_s'])} s |",
+              f"| iteration before the join (measured, slowest rank, median; not beside the profile) | "
+              f"{_fmt(j['before_s'])} s |",
+              f"| iteration while {NEWCOMER} profiled ({_fmt(j['profiling_s'], '.0f')} s from the switch to the "
+              f"decision) | {_fmt(j['while_profiling_s'])} s |",
               f"| iteration after the join (measured, from the 3rd step after the restart) | {_fmt(j['after_s'])} s |",
               f"| static run over the same steps (2 ranks throughout) | {_fmt(st['over_join_steps_s'])} s |",
               f"| after / static | {_fmt(res['after_over_static'], '.2f')} |",
@@ -373,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root / f"export-{name}", ignore_errors=True)
     load["loadavg_after"] = os.getloadavg()
     if "join" in raw:
-        res["join"] = summarize_join(raw["join"]["metrics"], raw["join"]["states"], raw["join"]["events"])
+        r = raw["join"]
+        res["join"] = summarize_join(r["metrics"], r["states"], r["events"],
+                                     tuple(r["profiling"]) if r["profiling"] else None)
     if "static" in raw:
         per = slowest(raw["static"]["metrics"])
         res["static"] = {"wall_s": _wall(per), "before_s": summarize_join(raw["static"]["metrics"], [], [])["before_s"],
@@ -396,9 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             **load}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    runs_doc = {k: {kk: vv for kk, vv in v.items() if kk not in ("metrics", "states")} for k, v in raw.items()}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": res, "runs": runs_doc}, indent=1,
-                                                   default=sorted))
+    # The raw records too (metrics stamped on arrival, job states): the summary can be recomputed.
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": res, "runs": raw}, default=sorted))
     if "join" in res and "static" in res:
         text = report(meta, res)
         out.with_suffix(".md").write_text(text)

@@ -81,3 +81,13 @@ def test_static_over_takes_the_static_runs_median_on_the_join_runs_steps():
     ms = [_m(float(s), 1, r, s, 1.0 + 0.01 * s + 0.1 * r) for s in range(1, 11) for r in range(2)]
     assert static_over(ms, [8, 9, 10, 11]) == pytest.approx(1.19)
     assert static_over(ms, [20]) is None
+
+
+def test_steps_beside_the_newcomers_profile_are_reported_apart_from_the_time_before():
+    ms, states = _run()
+    for x in ms:  # steps 10..20 (ending at t 10.01..20.01) ran beside the profile, at 1.5 s
+        if x["plan_version"] == 1 and 10 <= x["step"] <= 20 and x["rank"] == 1:
+            x["iteration_s"] = 1.5
+    s = summarize_join(ms, states, [TAKEN, JOIN], profiling=(9.5, 20.5))
+    assert s["before_s"] == 1.0 and s["while_profiling_s"] == 1.5 and s["profiling_s"] == 11.0
+    assert summarize_join(ms, states, [TAKEN, JOIN])["while_profiling_s"] is None
