@@ -337,6 +337,8 @@ def report(meta: dict, res: dict) -> str:
               f"| saved per iteration | {_fmt(j['saved_per_iteration_s'])} s |",
               f"| break-even (restart + redone steps) / saved | {_fmt(j['break_even_iterations'], '.1f')} iterations |",
               f"| steps left after the resume | {meta['steps'] - j['resume_step']} |",
+              f"| re-plans (live re-shards; the join counts as one): join / static run | {j['replans']} / "
+              f"{st['replans']} |",
               f"| wall, first step to last: join / static | {_fmt(j['wall_s'], '.1f')} / {_fmt(st['wall_s'], '.1f')} s "
               f"({_fmt(res['wall_join_over_static'], '.2f')}) |"]
     return "\n".join(lines) + "\n"
@@ -404,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         res["static"] = {"wall_s": _wall(per), "before_s": summarize_join(raw["static"]["metrics"], [], [])["before_s"],
                          "iteration_s": {f"v{v}": [[s, per[(v, s)]["iteration_s"]] for s in _steps(per, v)]
                                          for v in sorted({v for v, _ in per})}}
+    for name in res:  # the live policy's re-plans (the join counts as one): the static run may re-shard too
+        res[name]["replans"] = raw[name]["replans"]
     if "join" in res and "static" in res:
         j = res["join"]
         res["static"]["over_join_steps_s"] = static_over(raw["static"]["metrics"], j.get("after_steps", []))
