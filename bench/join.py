@@ -297,6 +297,32 @@ def run_one(args, model: Path, data: Path, root: Path, *, join: bool) -> dict:
                 "replans": final.replans, "submit_t": t_submit}
 
 
+def results(raw: dict) -> dict:
+    """The figures of both runs from their records (`run_one`'s dicts; pure)."""
+    res: dict = {}
+    if "join" in raw:
+        r = raw["join"]
+        res["join"] = summarize_join(r["metrics"], r["states"], r["events"],
+                                     tuple(r["profiling"]) if r["profiling"] else None)
+    if "static" in raw:
+        per = slowest(raw["static"]["metrics"])
+        res["static"] = {"wall_s": _wall(per), "before_s": summarize_join(raw["static"]["metrics"], [], [])["before_s"],
+                         "iteration_s": {f"v{v}": [[s, per[(v, s)]["iteration_s"]] for s in _steps(per, v)]
+                                         for v in sorted({v for v, _ in per})}}
+    for name in res:  # the live policy's re-plans (the join counts as one): the static run may re-shard too
+        res[name]["replans"] = raw[name]["replans"]
+    if "join" in res and "static" in res:
+        j = res["join"]
+        res["static"]["over_join_steps_s"] = static_over(raw["static"]["metrics"], j.get("after_steps", []))
+        o = res["static"]["over_join_steps_s"]
+        res["after_over_static"] = j["after_s"] / o if j.get("after_s") and o else None
+        res["after_over_predicted"] = (j["after_s"] / j["predicted_after_s"]
+                                       if j.get("after_s") and j.get("predicted_after_s") else None)
+        res["wall_join_over_static"] = j["wall_s"] / res["static"]["wall_s"] \
+            if j.get("wall_s") and res["static"].get("wall_s") else None
+    return res
+
+
 def _fmt(x: float | None, f: str = ".3f") -> str:
     return "-" if x is None else format(x, f)
 
@@ -368,7 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     p.add_argument("--runs", choices=["both", "join", "static"], default="both")
     p.add_argument("--out", default="bench/results/join")
+    p.add_argument("--from-json", metavar="PATH", help="recompute the figures and report of a run's JSON "
+                   "(its raw records) into --out; runs nothing")
     args = p.parse_args(argv)
+    if args.from_json:
+        doc = json.loads(Path(args.from_json).read_text())
+        return _write(Path(args.out), doc["meta"], results(doc["runs"]), doc["runs"])
     args.blocks = args.blocks or (2 if args.quick else 4)
     args.steps = args.steps or (160 if args.quick else 200)
     if not 1 <= args.switch_at < args.steps - args.checkpoint_interval - SKIP - 3:
@@ -384,7 +415,6 @@ def main(argv: list[str] | None = None) -> int:
 
     config = shape_config("gpt2-medium", args.blocks)
     load = {"loadavg_before": os.getloadavg()}
-    res: dict = {}
     with tempfile.TemporaryDirectory(prefix="xronos-joinbench-") as tmp:
         root = Path(tmp)
         model = write_checkpoint(root / "model", config)
@@ -397,33 +427,17 @@ def main(argv: list[str] | None = None) -> int:
             raw[name] = run_one(args, model, data, root, join=join)
             shutil.rmtree(root / f"export-{name}", ignore_errors=True)
     load["loadavg_after"] = os.getloadavg()
-    if "join" in raw:
-        r = raw["join"]
-        res["join"] = summarize_join(r["metrics"], r["states"], r["events"],
-                                     tuple(r["profiling"]) if r["profiling"] else None)
-    if "static" in raw:
-        per = slowest(raw["static"]["metrics"])
-        res["static"] = {"wall_s": _wall(per), "before_s": summarize_join(raw["static"]["metrics"], [], [])["before_s"],
-                         "iteration_s": {f"v{v}": [[s, per[(v, s)]["iteration_s"]] for s in _steps(per, v)]
-                                         for v in sorted({v for v, _ in per})}}
-    for name in res:  # the live policy's re-plans (the join counts as one): the static run may re-shard too
-        res[name]["replans"] = raw[name]["replans"]
-    if "join" in res and "static" in res:
-        j = res["join"]
-        res["static"]["over_join_steps_s"] = static_over(raw["static"]["metrics"], j.get("after_steps", []))
-        o = res["static"]["over_join_steps_s"]
-        res["after_over_static"] = j["after_s"] / o if j.get("after_s") and o else None
-        res["after_over_predicted"] = (j["after_s"] / j["predicted_after_s"]
-                                       if j.get("after_s") and j.get("predicted_after_s") else None)
-        res["wall_join_over_static"] = j["wall_s"] / res["static"]["wall_s"] \
-            if j.get("wall_s") and res["static"].get("wall_s") else None
+    res = results(raw)
     meta = {"model": "gpt2-medium", "blocks": args.blocks, "shares": args.shares, "steps": args.steps,
             "switch_at": args.switch_at, "checkpoint_interval": args.checkpoint_interval,
             "batch_size": args.batch_size, "seq_len": args.seq_len, "eval_fraction": args.eval_fraction,
             "command": "python -m xronos.bench.join " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or _cpu_model()}",
             **load}
-    out = Path(args.out)
+    return _write(Path(args.out), meta, res, raw)
+
+
+def _write(out: Path, meta: dict, res: dict, raw: dict) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     # The raw records too (metrics stamped on arrival, job states): the summary can be recomputed.
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": res, "runs": raw}, default=sorted))
