@@ -353,6 +353,8 @@ def report(meta: dict, res: dict) -> str:
               f"| after / static | {_fmt(res['after_over_static'], '.2f')} |",
               f"| predicted before -> after (the join event) | {_fmt(j['predicted_before_s'])} -> "
               f"{_fmt(j['predicted_after_s'])} s |",
+              f"| measured before / predicted before | "
+              f"{_fmt(j['before_s'] / j['predicted_before_s'] if j['before_s'] else None, '.2f')} |",
               f"| measured after / predicted after | {_fmt(res['after_over_predicted'], '.2f')} |",
               f"| restart: cancel -> first step of plan v{j['new_version']} | {_fmt(j['restart_s'], '.1f')} s |",
               f"| restart: last step of v{j['old_version']} -> first of v{j['new_version']} | "
@@ -367,6 +369,9 @@ def report(meta: dict, res: dict) -> str:
               f"{st['replans']} |",
               f"| wall, first step to last: join / static | {_fmt(j['wall_s'], '.1f')} / {_fmt(st['wall_s'], '.1f')} s "
               f"({_fmt(res['wall_join_over_static'], '.2f')}) |"]
+    lines.append("\nIteration times are the ranks' own (`IterationMetrics.iteration_s`): they leave out the owner's "
+                 "checkpoint writes every few steps, which both runs pay; the wall times include them. The restart "
+                 "from the last step of the old plan also holds the checkpoint it resumed from.")
     return "\n".join(lines) + "\n"
 
 
