@@ -185,8 +185,9 @@ def test_peak_adds_the_runtime_and_loadings_largest_buffer():
 
 
 def test_heap_slack_scales_with_the_blocks_transient_bytes_and_shares_the_loading_buffers_room():
-    """H = heap_slack * W(s) / W(1), W = one block's M_a + M_t by kind share (replicated: 1);
-    the peak adds max(L, H): loading's buffer and training's holes are the same free space."""
+    """H = heap_slack * W(s) / W(1), W = one block's M_a + M_t by kind share (replicated: 1; the
+    vocabulary's left out); the peak adds max(L, H): loading's buffer and training's holes are the
+    same free space."""
     from dataclasses import replace
 
     from xronos.gateway.costmodel import heap_slack
@@ -194,14 +195,16 @@ def test_heap_slack_scales_with_the_blocks_transient_bytes_and_shares_the_loadin
     layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
     plain = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000))
     node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, heap_slack=4160))
-    # W(1) = emb 60 + attn 120 + mlp 150 + ln 34 + head 76 = 440, one block (not times B = 2)
+    # W(1) = attn 120 + mlp 150 + ln 34 + head 76 = 380, one block (not times B = 2); the
+    # vocabulary's 60 is not in the scale
     assert node.work_repl == 34 + 76
     assert (node.vocab.work_slope, node.attn.work_slope, node.mlp.work_slope) == (60, 120, 150)
     assert heap_slack(node, {k: 1.0 for k in SH}) == pytest.approx(4160)
-    w = 110 + 60 * 0.75 + 120 * 0.25 + 150 * 0.5  # 260 at SH
-    assert heap_slack(node, SH) == pytest.approx(4160 * w / 440)
+    w = 110 + 120 * 0.25 + 150 * 0.5  # 215 at SH
+    assert heap_slack(node, SH) == pytest.approx(4160 * w / 380)
+    assert heap_slack(node, {**SH, "vocab": 0.0}) == heap_slack(node, SH)  # a rank without vocabulary rows
     load = 300  # vocab's 400 at 0.75: below H, which replaces it
-    assert predict_memory(node, SH) == pytest.approx(predict_memory(plain, SH) - load + 4160 * w / 440)
+    assert predict_memory(node, SH) == pytest.approx(predict_memory(plain, SH) - load + 4160 * w / 380)
     # H below the loading buffer: the buffer's room holds the holes, nothing is added
     small = replace(node, heap_slack=100.0)
     assert heap_slack(small, SH) < load
