@@ -95,4 +95,7 @@ def test_node_killed_mid_job_is_survived_from_the_last_checkpoint(stack):
     resumed = [e for e in final.events if "resume from step" in e and "plan v2" in e]
     assert recovered and resumed, final.events
     resume_step = int(resumed[0].rsplit("resume from step ", 1)[1])
-    assert resume_step >= (state.step // 10) * 10  # at most one checkpoint interval lost
+    # At most one checkpoint interval lost — or two when the kill lands while the owner writes the
+    # newest checkpoint: the gateway then names the one before it, which the owner keeps
+    # (`checkpoint.prev`; seen once in a clean-clone CI: resumed from 20 at step 30).
+    assert resume_step >= (state.step // 10) * 10 - 10
