@@ -12,8 +12,8 @@ import argparse
 import math
 import sys
 
-from xronos.gateway.costmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, FITS
-from xronos.gateway.costmodel import SEGMENTS
+from xronos.gateway.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S
+from xronos.gateway.costmodel import FITS, SEGMENTS
 from xronos.gateway.planner import MiB, STRATEGIES, PlanResult
 from xronos.protocol.layout import KINDS, NOUN
 from xronos.gateway.profiles import DEFAULT_RESERVE_MB, Loaded, load_report, plan_message, plan_reports

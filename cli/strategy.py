@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from xronos.gateway.costmodel import comm_per_node, layout_shares, node_cost, predict_time, tp_comm_volume
+from xronos.gateway.commmodel import comm_per_node, tp_comm_volume
+from xronos.gateway.costmodel import layout_shares, node_cost, predict_time
 from xronos.gateway.planner import PlanResult
 from xronos.gateway.profiles import Loaded, collective_cost, load_report, node_profile, plan_reports
 from xronos.protocol.layout import Layout

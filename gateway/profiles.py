@@ -18,10 +18,10 @@ from typing import Sequence
 
 from pydantic import ValidationError
 
-from xronos.gateway.costmodel import (
-    DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, Fit, LayerCost, NodeComm, NodeProfile, comm_time, node_comm,
-    node_cost, tp_comm_volume,
+from xronos.gateway.commmodel import (
+    DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, NodeComm, comm_time, node_comm, tp_comm_volume,
 )
+from xronos.gateway.costmodel import Fit, LayerCost, NodeProfile, node_cost
 from xronos.gateway.planner import MiB, PlanResult, Strategy, plan
 from xronos.protocol.layout import KINDS, NOUN
 from xronos.protocol.messages import SCHEMA_VERSION, Plan, PlanEntry, ProfileReport

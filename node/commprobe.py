@@ -7,7 +7,7 @@ Gloo ranks *inside the profiling process* (two threads, one `ProcessGroupGloo` e
 loopback), so both share this node's CPU quota and threads, and times all-reduces of the job's
 activation `[batch, seq, hidden]` (fp32) and of a few bytes. Over loopback the link is not the
 limit: the time is what the CPU needs for two ranks' sending and receiving, which is what one rank
-of a ring pays for its own share of both directions (`gateway.costmodel.node_comm`).
+of a ring pays for its own share of both directions (`gateway.commmodel.node_comm`).
 """
 
 from __future__ import annotations

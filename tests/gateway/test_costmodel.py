@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
+from xronos.gateway.commmodel import CommVolume, comm_time, tp_comm_volume
 from xronos.gateway.costmodel import (
-    CommVolume, LayerCost, NodeProfile, comm_time, fit_affine, fit_error, kind_time,
-    memory_at, node_cost, predict_memory, predict_time, segment_times, time_at, tp_comm_volume,
+    LayerCost, NodeProfile, fit_affine, fit_error, kind_time, memory_at, node_cost, predict_memory, predict_time,
+    segment_times, time_at,
 )
 
 
@@ -341,7 +342,7 @@ def test_frozen_layers_count_in_the_export_but_not_in_the_checkpoint():
 
 
 def test_node_comm_from_the_probe_and_comm_time_takes_the_slower_of_link_and_cpu():
-    from xronos.gateway.costmodel import CommVolume, NodeComm, comm_time, comm_per_node, node_comm
+    from xronos.gateway.commmodel import CommVolume, NodeComm, comm_per_node, comm_time, node_comm
 
     c = node_comm(nbytes=1004, seconds=0.011, small_bytes=4, small_seconds=0.001)
     # The probe's two ranks took turns on one core: one rank pays half of its per-byte time...

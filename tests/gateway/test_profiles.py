@@ -6,7 +6,8 @@ import math
 import pytest
 
 from xronos.bench.plan_speed import synthetic_report
-from xronos.gateway.costmodel import comm_time, layout_shares, node_cost, predict_time, tp_comm_volume
+from xronos.gateway.commmodel import comm_time, tp_comm_volume
+from xronos.gateway.costmodel import layout_shares, node_cost, predict_time
 from xronos.gateway.planner import MiB
 from xronos.gateway.profiles import (
     Loaded, check_compatible, load_report, memory_cap, node_profile, plan_message, plan_reports,
@@ -197,7 +198,7 @@ def test_bad_collectives_and_missing_layers_name_file_and_field(tmp_path, edits,
 def test_measured_collectives_enter_the_plans_communication():
     """A node whose CPU needs longer for an all-reduce than the link sets the plan's comm term;
     where the link is slower, the link does (and a report without the probe counts the link)."""
-    from xronos.gateway.costmodel import node_comm
+    from xronos.gateway.commmodel import node_comm
 
     a, b = loaded("a"), loaded("b")
     slow = Loaded("b.json", _with_collectives(b.report, seconds=0.050, small=0.010))
