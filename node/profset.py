@@ -325,12 +325,14 @@ class ProfilingSet:
         because the profiler's own small allocations split freed blocks and grow the heap
         further (196 MiB per iteration for five iterations on GPT-2-medium's embedding gradient).
         0 where glibc cannot tell."""
-        if not memwatch.heap():
+        heap = memwatch.heap()
+        if not heap:
             return 0
-        span = memwatch.heap()["span"]
+        span = heap["span"]
         for _ in range(max(1, settle)):
             self.iteration()
-            grown, span = memwatch.heap()["span"] - span, memwatch.heap()["span"]
+            now = memwatch.heap()["span"]
+            grown, span = now - span, now
             if grown <= SETTLED_BYTES:
                 break
         before = memwatch.heap()
