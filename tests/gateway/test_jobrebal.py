@@ -324,3 +324,21 @@ def test_a_measured_move_reaches_the_policy_once_and_only_from_this_plans_owner(
     assert abs(reb.policy.move_scale - 3.0) < 1e-9
     assert not reb.moved(status(step=12))  # the same boundary, re-published with a later step
     assert len(reb.policy.move_ratios) == 1
+
+
+def test_a_re_plans_memory_for_the_owner_is_the_planners():
+    """Rank 0 reads the data and gathers the export: the decision's peak for it is the planner's
+    arithmetic (owner included), so the cap check and the job's predicted peak see the same figure
+    a fresh plan would (it was a plain rank's: 581 against a measured 902 MiB in `make demo`)."""
+    job = running_job()  # the owner's data stack: what only rank 0 holds besides its shard
+    job = replace(job, profiles={n: r.model_copy(update={"owner_bytes": 90 << 20, "runtime_bytes": 335 << 20}) for n, r in job.profiles.items()})
+    reb = JobRebalance.for_job(job, FAST, lead=2)
+    reb.seen = []
+    _, d = run_until_decision(job, reb, {"b": 3.0})
+    assert d is not None and d.layout is not None
+    from xronos.gateway.costmodel import layout_shares, predict_memory
+    owner = replace(reb.base[0], owner=True)
+    assert reb.base[0].owner and not any(n.owner for n in reb.base[1:])
+    assert d.predicted_memory[0] == predict_memory(owner, layout_shares(d.layout, 0))
+    plain = replace(reb.base[0], owner=False)
+    assert d.predicted_memory[0] > predict_memory(plain, layout_shares(d.layout, 0))
