@@ -43,7 +43,10 @@ A move decided elsewhere (`moved_to`) is booked the same way.
 **Re-plan.** Every `interval` iterations once settled: the segment planner (`planner.plan(...,
 "segment")`) over the refitted costs, under the memory caps. The current and the planned layout
 are compared in the same refitted model (the sum over kinds of the slowest node's time: what the
-barriers cost). Switch only when
+barriers cost). The planned layout is taken only as far as the evidence reaches: no node gets
+more of a kind than `reach` x the largest share it was measured at (a factor is local — a sliver
+looks cheap per unit), else the move goes that part of the way (`blend`) and is carried on once
+the node has been measured there. Switch only when
   - the predicted gain (current - planned) / current exceeds `threshold` plus `noise_margin`
     relative standard errors of the current prediction (`noise`: noisy boxes need a larger gain),
   - the move pays for itself: its predicted cost is repaid by the predicted gain within `payback`
@@ -63,7 +66,7 @@ not fit the memory caps (the planner refuses, or a node ends over its cap) is no
 
 Defaults (`PolicyConfig`): window 12, warmup 2, shift_run 4, shift_tol 0.2, settle 4, anchor_gap
 0.2, interval 1, threshold 5 %, noise_margin 2, payback 10, confirm 2, cooldown 20, max_cooldown
-320. A box slowed 2x is followed 5 iterations after the change (4 samples show the shift, then two
+320, reach 2. A box slowed 2x is followed 5 iterations after the change (4 samples show the shift, then two
 evaluations agree); steady boxes with +-10 % jitter and 5 % of 2x outliers do not move the plan.
 """
 
@@ -75,10 +78,10 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from xronos.gateway.costmodel import NodeCost, kind_time
+from xronos.gateway.costmodel import NodeCost, kind_time, layout_shares, predict_memory
 from xronos.gateway.planner import plan
-from xronos.gateway.rebalmodel import barrier_time, continues, level_shift, moved_units, refit, two_point
-from xronos.protocol.layout import KINDS, Layout, Sizes
+from xronos.gateway.rebalmodel import barrier_time, blend, continues, level_shift, moved_units, refit, two_point
+from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
 
 NO_CAP = 1e18  # memory cap of a node whose cap nobody stated (xronos run without a profile)
 
@@ -99,6 +102,7 @@ class PolicyConfig:
     cooldown: int = 20  # iterations after a switch before the next evaluation
     max_cooldown: int = 320  # back-off ceiling
     budget: int = 200  # planner box evaluations
+    reach: float = 2.0  # a move takes a node's share of a kind to at most this x the largest it was measured at
 
     def __post_init__(self) -> None:
         for name in ("warmup", "payback", "cooldown", "budget"):
@@ -111,6 +115,8 @@ class PolicyConfig:
             raise ValueError(f"shift_run must be >= 2, got {self.shift_run}")
         if not self.shift_tol > 0 or not 0 <= self.anchor_gap < 1:
             raise ValueError(f"shift_tol must be > 0 and anchor_gap in [0, 1), got {self.shift_tol}, {self.anchor_gap}")
+        if not self.reach >= 1:
+            raise ValueError(f"reach must be >= 1 (math.inf: no limit), got {self.reach}")
         if not self.noise_margin >= 0:
             raise ValueError(f"noise_margin must be >= 0, got {self.noise_margin}")
         if not self.threshold >= 0 or self.max_cooldown < self.cooldown:
@@ -374,21 +380,31 @@ class Rebalancer:
             over = [r.node_id for r in result.rows if r.over_cap]
             self.last_reason = f"kept: the re-plan puts {over} over their memory caps"
             return None
-        new = result.layout
-        planned = barrier_time(nodes, new)
-        gain = (current - planned) / current if current > 0 else 0.0
-        move_s = self.move_seconds(new)
+        # Judged on the whole re-plan (is there something worth fixing, and does fixing it pay?);
+        # made as far as the evidence reaches (`_within_reach`), carried on once measured there.
+        target = result.layout
+        full = barrier_time(nodes, target)
+        gain = (current - full) / current if current > 0 else 0.0
         need = cfg.threshold + cfg.noise_margin * self.noise(nodes)  # noise raises the bar
-        if new == self.layout or gain <= need:
+        if target == self.layout or gain <= need:
             self._streak = 0
             self.last_reason = (f"kept: predicted gain {100 * gain:.1f}% <= {100 * need:.1f}% (threshold "
                                 f"{100 * cfg.threshold:.1f}% + measurement noise)")
             return None
-        if move_s > cfg.payback * (current - planned):
+        whole_s = self.move_seconds(target)
+        if whole_s > cfg.payback * (current - full):
             self._streak = 0
-            self.last_reason = (f"kept: the move ({move_s:.3f} s) is not repaid within {cfg.payback} "
-                                f"iterations by the gain ({current - planned:.4f} s per iteration)")
+            self.last_reason = (f"kept: the move ({whole_s:.3f} s) is not repaid within {cfg.payback} "
+                                f"iterations by the gain ({current - full:.4f} s per iteration)")
             return None
+        new, alpha = self._within_reach(target)
+        planned = barrier_time(nodes, new)
+        if new == self.layout or planned >= current:
+            self._streak = 0
+            self.last_reason = (f"kept: the re-plan ({target.to_text()}) gives nodes more than {cfg.reach:g}x "
+                                f"the work they were measured at, and no step towards it gains")
+            return None
+        move_s = self.move_seconds(new)
         if self._wait > 0 and not continues(self._previous, self.layout, new):
             self._streak = 0
             self.last_reason = f"{cooling}: the re-plan would take back part of the last move"
@@ -397,13 +413,48 @@ class Rebalancer:
         if self._streak < cfg.confirm:
             self.last_reason = f"kept: gain {100 * gain:.1f}% seen {self._streak} of {cfg.confirm} times"
             return None
-        reason = (f"predicted {current:.4f} -> {planned:.4f} s per iteration ({100 * gain:.1f}% faster), "
+        step_gain = (current - planned) / current
+        reason = (f"predicted {current:.4f} -> {planned:.4f} s per iteration ({100 * step_gain:.1f}% faster), "
                   f"move {move_s:.3f} s repaid in {move_s / (current - planned):.1f} iterations")
+        if alpha < 1:
+            reason += (f"; {100 * alpha:.0f}% of the way to {target.to_text()} ({full:.4f} s), within reach "
+                       f"of the measured shares")
         replan = Replan(step, self.layout, new, current, planned, move_s, reason)
         self._switched(new)
         self.replans.append(replan)
         self.last_reason = f"re-planned at step {step}: {reason}"
         return replan
+
+    def _within_reach(self, target: Layout) -> tuple[Layout, float]:
+        """`target`, or the layout part of the way to it (and that fraction) that gives no node more
+        of a kind than `reach` x the largest share it was measured at (now, or at its anchor), nor
+        more than the even share of a kind it was never measured at — the factors are local: a node
+        given a sliver measures its per-call and replicated part, or (under a CPU quota) runs the
+        sliver inside its banked quota, and looks faster per unit than it is at several times the
+        work (`make demo` moved a Pi 4 from 128 to 576 MLP columns on such a factor and ran slower).
+        The step stays within the memory caps. A move cut short is carried on once the node has
+        been measured at its new share (the cooldown lets such a move continue)."""
+        n, reach = self.layout.world_size, self.config.reach
+        if not math.isfinite(reach):
+            return target, 1.0
+        alpha = 1.0
+        for d in range(n):
+            for k in KINDS:
+                cur, want = self.layout.share(k, d), target.share(k, d)
+                seen = [s for s in (cur if self.samples[d][k] else 0.0, self.anchors[d].get(k, (0.0,))[0]) if s > 0]
+                limit = reach * max(seen) if seen else max(cur, 1 / n)
+                if want > limit > cur:
+                    alpha = min(alpha, (limit - cur) / (want - cur))
+                elif want > cur >= limit:
+                    alpha = 0.0
+        owner = [replace(self.base[0], owner=True), *self.base[1:]]
+        while alpha > 0:
+            step = target if alpha >= 1 else blend(self.layout, target, alpha, self.sizes, QUANTA)
+            if all(predict_memory(nd, layout_shares(step, d)) <= cap
+                   for d, (nd, cap) in enumerate(zip(owner, self.caps))) or alpha >= 1:
+                return step, alpha
+            alpha /= 2  # a rounded step past a cap: a shorter one
+        return self.layout, 0.0
 
     def moved_to(self, new: Layout) -> None:
         """The run now runs under `new` by someone else's decision (a calibration, an operator):

@@ -1,7 +1,7 @@
 """The arithmetic of the live re-balancing policy (`rebalance.Rebalancer`), pure: the base model
 without a profile, refitting a node's costs by measured factors (one point, or the line through
-two shares), the barrier time of a layout, the units a move hands over, a box's level shift, and
-whether a move carries on the previous one.
+two shares), the barrier time of a layout, the units a move hands over, a box's level shift,
+whether a move carries on the previous one, and the layout part of the way between two.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from xronos.gateway.costmodel import KindCost, NodeCost, kind_time
-from xronos.protocol.layout import KINDS, Layout
+from xronos.protocol.layout import KINDS, Layout, Sizes
 
 
 def unit_costs(node_ids: Sequence[str]) -> list[NodeCost]:
@@ -82,3 +82,22 @@ def two_point(base: KindCost, f: float, at: float, anchor: tuple[float, float]) 
     if slope <= 0 or icpt < 0:
         return None
     return replace(base, fixed_s=fixed, icpt_s=max(0.0, icpt - fixed), slope_s=slope)
+
+
+def blend(old: Layout, new: Layout, alpha: float, sizes: Sizes, quanta: Mapping[str, int]) -> Layout:
+    """The layout `alpha` of the way from `old` to `new` (0: old, 1: new): every cut between ranks
+    moved that fraction of its way, at a multiple of the kind's quantum (or the kind's end). Each
+    rank's count is then within a quantum of (1 - alpha) x old + alpha x new, and the cuts stay in
+    order, so the counts cover the model exactly."""
+    out = {}
+    for k in KINDS:
+        total, q = sizes.total(k), quanta[k]
+        cuts, at_old, at_new, prev = [], 0, 0, 0
+        for a, b in zip(old.counts(k)[:-1], new.counts(k)[:-1]):
+            at_old, at_new = at_old + a, at_new + b
+            cut = min(total, q * round((at_old + alpha * (at_new - at_old)) / q))
+            prev = max(prev, cut)
+            cuts.append(prev)
+        edges = [0, *cuts, total]
+        out[k] = tuple(e - s for s, e in zip(edges, edges[1:]))
+    return Layout(**out)
