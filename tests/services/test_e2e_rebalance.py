@@ -1,5 +1,8 @@
 """End to end over a real broker, live re-balancing (issue 14): two node processes in CPU cgroups
-run a job planned while both had the same share; then one box loses most of its CPU (its cgroup's
+run a job planned while both had the same share (strategy `uniform`: the profiles are taken while
+the two boxes, the services and anything else on a 2-core machine contend, and a segment plan
+from them was once 9/3 heads; the live policy re-plans with the segment planner either way, and
+what is under test is that it follows a slowed box); then one box loses most of its CPU (its cgroup's
 quota is cut, as when a box's own work starts), the gateway's policy re-plans from the measured
 per-kind compute, the owner moves every rank at one boundary, and the job completes with an export
 equal to `xronos run` with the same layouts from the same steps (`--reshard-at`): the move is exact."""
@@ -62,11 +65,11 @@ def test_a_slowed_box_is_re_planned_live_and_the_export_equals_xronos_run(tmp_pa
             stack.node(n, wrap=lambda pid, rank=rank: boxes.add(rank, pid))
         stack.wait_nodes(2)
         spec = job_spec(model, data, stack.allowed / "export", owner="n0", max_steps=120, checkpoint_interval=1000,
-                        batch_size=8, nodes=["n0", "n1"], rebalance=True)
+                        batch_size=8, nodes=["n0", "n1"], rebalance=True, strategy="uniform")
         spec.pop("schema_version")
         accepted = stack.client.request("job/submit", 300.0, spec=m.JobSpec(**spec))
         job_id, first = accepted["job_id"], m.Plan.model_validate(accepted["plan"]).layout()
-        assert [e["node_id"] for e in accepted["plan"]["entries"]] == ["n0", "n1"]
+        assert [e["node_id"] for e in accepted["plan"]["entries"]] == ["n0", "n1"] and first.attn == (6, 6)
         state = _wait_step(stack, job_id, 6)
         assert state.phase == "running" and state.replans == 0, stack.logs()
         boxes.set_share(1, 0.12)  # n1 keeps an eighth of a core
@@ -81,7 +84,14 @@ def test_a_slowed_box_is_re_planned_live_and_the_export_equals_xronos_run(tmp_pa
     assert len(applied) == final.replans, final.events
     assert applied[-1][1] == final.plan.layout() != first
     # The first re-plan follows the slowed box: n1 gives work away (a later one may fine-tune it).
-    assert applied[0][1].mlp[1] < first.mlp[1] and applied[0][1].attn[1] <= first.attn[1], (first, applied)
+    # Counted in block weights held, not per kind: under a CPU quota a segment shorter than the
+    # quota the rank banked while it waited runs at full core speed, so the cut box's attention
+    # (6 heads of H = 192: well under its 1 ms quota) can look as fast as before while its MLP shows
+    # the cut — a first move of attn 6,6 -> 5,7 with mlp 384,384 -> 608,160 was seen. A real box
+    # slows down as a whole; the emulator's per-kind artefact is `bench/results/demo-idle.md`'s.
+    def block_weights(layout: Layout, rank: int) -> int:
+        return layout.attn[rank] * 4 * 192 * 16 + layout.mlp[rank] * 2 * 192  # q|k|v + out; in + out
+    assert block_weights(applied[0][1], 1) < block_weights(first, 1), (first, applied)
 
     ref = tmp_path / "ref"
     at = [a for s, lay in applied for a in ("--reshard-at", f"{s}:{lay.to_text()}")]
