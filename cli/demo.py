@@ -36,9 +36,9 @@ NODES = (("n100", 0.9, 2), ("pi5", 0.5, 1), ("pi4", 0.3, 1))  # (node id, CPU sh
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run a whole fine-tuning job over MQTT on this machine",
                               description=__doc__.split("\n\n")[1])
-    p.add_argument("--dir", default="xronos-demo", help="where data, logs and the exported model go")
-    p.add_argument("--rows", type=int, default=300, help="rows of the generated dataset")
-    p.add_argument("--steps", type=int, default=30, help="training steps")
+    p.add_argument("--dir", default="xronos-demo", help="where data, logs and the exported model go (default xronos-demo)")
+    p.add_argument("--rows", type=int, default=300, help="rows of the generated dataset (default 300)")
+    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     p.set_defaults(func=run)
 
 

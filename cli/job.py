@@ -13,7 +13,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Submit and control jobs through the gateway.")
     sub = p.add_subparsers(dest="job_command", metavar="ACTION", required=True)
     s = sub.add_parser("submit", help="submit a job spec (TOML or YAML)")
-    s.add_argument("file", help="job spec file (.toml, .yaml); see examples/job.toml")
+    s.add_argument("file", help="job spec file (.toml, .yaml or .yml); see examples/job.toml")
     s.add_argument("--follow", action="store_true", help="show a progress bar until the job ends")
     st = sub.add_parser("status", help="all jobs, or one job in detail")
     st.add_argument("job_id", nargs="?")

@@ -30,7 +30,7 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--username", help="MQTT user name")
     g.add_argument("--password-file", help="file holding the MQTT password")
     g.add_argument("--base-topic", help="Xronos base topic (default xronos)")
-    g.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the gateway")
+    g.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the gateway (default 30)")
 
 
 def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
