@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
+
+# sysexits.h EX_DATAERR: the job table on disk does not read back. Like a config error (78) it
+# needs a person (`--restore-previous`), so xronos-gateway.service lists it in
+# RestartPreventExitStatus= and systemd reports the start as failed once instead of restarting.
+EXIT_DATAERR = 65
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from xronos.cli.service import config_or_exit
     from xronos.gateway.config import load_config
     from xronos.gateway.service import GatewayService
+    from xronos.gateway.store import JobStore
     from xronos.protocol import cachedirs
     from xronos.protocol.logsetup import configure_logging
 
@@ -30,6 +37,11 @@ def run(args: argparse.Namespace) -> int:
         return restore_previous(cfg)
     configure_logging(cfg.log_level)
     cachedirs.apply(cfg.state_dir)
+    try:
+        JobStore(cfg.state_dir).load()  # the service loads it again; a bad one is refused here, once
+    except ValueError as exc:
+        print(f"xronos gateway: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_DATAERR
     service = GatewayService(cfg)
 
     def stop(*_: object) -> None:

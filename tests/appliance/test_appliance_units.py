@@ -82,7 +82,8 @@ def test_unit_contract(unit):
     assert d["ExecStart"] == [f"/opt/xronos/venv/bin/xronos {role} --config /etc/xronos/{role}.toml"]
     assert d["User"] == ["xronos"] and d["StateDirectory"] == [f"xronos-{role}"]
     assert d["ConfigurationDirectory"] == ["xronos"]
-    assert d["RestartPreventExitStatus"] == ["78"]  # a config error: refused once, no restart loop
+    # A config error (and the gateway's damaged job table, EX_DATAERR): refused once, no restart loop.
+    assert d["RestartPreventExitStatus"] == (["78 65"] if role == "gateway" else ["78"])
     assert d["CacheDirectory"] == [f"xronos-{role}"]  # library caches, never $HOME
     assert d["LoadCredential"] == ["mqtt_password:/etc/xronos/mqtt_password"]
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "ProtectKernelTunables"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +129,24 @@ def test_restore_previous_is_one_command(tmp_path, capsys):
     assert "restored" in capsys.readouterr().out and list(JobStore(state).load()) == ["j1"]
     assert xronos(["gateway", "--config", str(cfg), "--restore-previous"]) == 2  # nothing left to restore
     assert "no previous job table" in capsys.readouterr().err
+
+
+def test_a_damaged_table_stops_the_gateway_with_its_own_exit_status(tmp_path, capsys):
+    """README: a jobs.json that does not read back stops the gateway. Under systemd that needs an
+    exit status the unit does not restart on (RestartPreventExitStatus=78 65), else
+    Restart=on-failure starts it again every 5 s, failing the same way, for ever."""
+    from xronos.cli.gateway import EXIT_DATAERR
+    from xronos.cli.main import main as xronos
+
+    state = tmp_path / "state"
+    store = JobStore(state)
+    store.save({"j1": _a_job()})
+    store.save({"j1": _a_job(), "j2": replace(_a_job(), job_id="j2")})
+    store.path.write_text("{damaged")
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text(f'state_dir = "{state}"\n[homeassistant]\nenabled = false\n')
+    assert xronos(["gateway", "--config", str(cfg)]) == EXIT_DATAERR == 65
+    err = capsys.readouterr().err
+    assert f"{store.path}: not a readable job table" in err and "--restore-previous" in err
+    unit = (Path(__file__).parents[2] / "systemd" / "xronos-gateway.service").read_text()
+    assert "RestartPreventExitStatus=78 65" in unit.splitlines()
