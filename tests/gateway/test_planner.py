@@ -76,8 +76,11 @@ def test_segment_equals_exhaustive_search_on_random_instances():
             continue
         res = plan(nodes, sizes, "segment", caps, quanta=Q)
         assert res.search.objective_s == pytest.approx(best, rel=1e-12, abs=1e-15)
-        assert res.optimal and res.gap == 0
-        assert res.lower_bound_s == pytest.approx(best, rel=1e-12, abs=1e-15)
+        assert res.optimal
+        # the bound is on the layout's real compute: the model counts a remainder quantum as whole
+        assert res.lower_bound_s <= res.bottleneck_s * (1 + 1e-12) + 1e-15
+        if all(sizes.total(k) % Q[k] == 0 for k in Q):
+            assert res.lower_bound_s == pytest.approx(best, rel=1e-12, abs=1e-15) and res.gap == pytest.approx(0, abs=1e-12)
         assert res.search.separable_s <= best * (1 + 1e-12) + 1e-15  # a lower bound
         assert res.ideal_compute_s <= best * (1 + 1e-9) + 1e-15  # the continuous relaxation too
         assert res.feasible and all(r.predicted_memory <= r.memory_cap for r in res.rows)
