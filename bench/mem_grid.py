@@ -44,8 +44,7 @@ def remeasured(report: dict, fresh: dict) -> dict:
     temps = {lay["name"]: lay["temp_bytes"] for lay in fresh["layers"]}
     layers = [lay | {"temp_bytes": temps[lay["name"]]} for lay in report["layers"]]
     return report | {"layers": layers, **{k: fresh.get(k) for k in (
-        "heap_slack_bytes", "heap_slack_block_bytes", "heap_slack_small_bytes", "heap_slack_small_block_bytes",
-        "heap_slack_small_counts")}}
+        "heap_slack_bytes", "heap_slack_block_bytes", "heap_slack_small_bytes", "heap_slack_small_counts")}}
 
 
 def cell_rows(doc: dict, fresh: dict | None = None) -> list[dict]:

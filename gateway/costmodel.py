@@ -55,10 +55,11 @@ under the training ranks' allocator setting (freed blocks stay in the heap) that
 resident. `H` = the heap's free holes during training (`heap_slack`): under the same setting
 the heap keeps every block it spread to, and blocks of mixed sizes leave free gaps they do not
 fit. The profile measures them on the trainer's own iteration (`node/heapprobe.py`: the heap's
-span minus its in-use peak, settled) at one and two blocks, at full width and at its smallest
-width; `H` counts the one-block holes plus (B - 1) times what a further block added (each block
-is one more round of the same allocations: 236, 291, 352 MiB at 1, 2, 3 blocks of a qwen2.5-1.5b
-LoRA rank at seq 256), and goes between the two widths by the rank's transient bytes
+span minus its in-use peak, settled) with one block at full width and at its smallest width, and
+with four blocks at the smallest width; `H` counts the one-block holes plus (B - 1) times what a
+further block added (each block is one more round of the same allocations: 236, 291, 352 MiB at
+1, 2, 3 blocks of a qwen2.5-1.5b LoRA rank at seq 256), and goes between the two widths by the
+rank's transient bytes
 `W(s) = sum over layers of (M_a + M_t + gradients) * s_kind` (1 for a replicated layer; the
 vocabulary's layers left out), one block each: linear between them, flat below the smallest.
 Loading's buffer and training's holes are the same free space — training's blocks fill the
@@ -111,9 +112,8 @@ class NodeProfile:
     owner_bytes: float = 0.0  # what the owner (rank 0) loads besides: the data stack
     heap_slack: float = 0.0  # the heap's free holes above its in-use peak, full width, one block (0: not measured)
     heap_slack_block: float = 0.0  # what each further block adds to them (0: not measured)
-    # The same at the profile's smallest width: (its shares per kind, one block's holes, each
-    # further block's); None: not measured
-    heap_small: tuple[Mapping[str, float], float, float] | None = None
+    # One block's holes at the profile's smallest width: (its shares per kind, bytes); None: not measured
+    heap_small: tuple[Mapping[str, float], float] | None = None
 
 
 @dataclass(frozen=True)
@@ -289,8 +289,8 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
     depth = max(0, profile.num_blocks - 1)
     small_slack = small_work = 0.0
     if profile.heap_small is not None:
-        shares, one, per_block = profile.heap_small
-        small_slack = one + depth * per_block
+        shares, one = profile.heap_small
+        small_slack = one + depth * profile.heap_slack_block
         small_work = work_repl + sum(kinds[k].work_slope * shares[k] for k in HOLE_KINDS)
     return NodeCost(profile.node_id, kinds["attn"], kinds["mlp"], kinds["vocab"], const, mem_repl, temp_repl,
                     profile.runtime_bytes, load_repl, profile.owner_bytes, weights_full, largest_full,

@@ -199,7 +199,7 @@ def node_profile(report: ProfileReport) -> NodeProfile:
                        heap_slack_block=float(report.heap_slack_block_bytes),
                        heap_small=None if report.heap_slack_small_counts is None else (
                            {k: report.heap_slack_small_counts.total(k) / report.sizes.total(k) for k in KINDS},
-                           float(report.heap_slack_small_bytes), float(report.heap_slack_small_block_bytes)))
+                           float(report.heap_slack_small_bytes)))
 
 
 def collective_cost(report: ProfileReport) -> NodeComm | None:

@@ -13,12 +13,16 @@ trainer does (`node/optstate.py`), and runs the trainer's iteration (forward, ba
 chunked clipping pass, the fused step, `zero_grad(set_to_none=True)`) until glibc's heap stops
 growing, then once more under torch's memory profiler: slack = the heap's span minus (bytes in
 use before + c10's peak above them), as `ProfilingSet.heap_slack`, without the timing hooks.
-`slack_per_depth` runs it at 1 and 2 blocks, each in its own fresh process under the ranks'
+`slack_per_depth` runs it at 1 and 4 blocks, each in its own fresh process under the ranks'
 environment (a process that built one model already has holes the next one fills), and gives
-the one-block slack and each further block's growth (never negative). The cost model puts them
-together linearly in the rank's depth: each block adds one more round of the same pattern.
+the one-block slack and each further block's mean growth (never negative). The cost model puts
+them together linearly in the rank's depth: each block adds one more round of the same pattern
+(236, 291, 352 MiB at 1, 2, 3 blocks of a qwen2.5-1.5b LoRA rank's shape at seq 256).
 
     python -m xronos.node.heapprobe REQUEST.json     # a child: prints {"slack": bytes, ...}
+
+The profiler (`node/profiler.py`) measures one block at full width and at its smallest width, and
+the growth with depth at the smallest width (cheap there, and the ranks of a plan are rarely wide).
 """
 
 from __future__ import annotations
@@ -129,14 +133,19 @@ def measure_in_child(job: dict[str, Any], threads: int, timeout_s: float = 1800.
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def slack_per_depth(job: dict[str, Any], threads: int) -> tuple[int, int]:
-    """(slack at one block, each further block's growth >= 0), bytes, from two fresh processes;
-    (0, 0) where glibc cannot tell."""
+DEPTH = 4  # the second depth: three more blocks than one, so that each block's growth is the
+# mean of three (one measurement's holes vary by ~20 MiB run to run: 39 / 57 MiB for the same
+# RoBERTa-base block; a one-block difference extrapolated over five more blocks was off by ~90)
+
+
+def slack_per_depth(job: dict[str, Any], threads: int, depth: int = DEPTH) -> tuple[int, int]:
+    """(slack at one block, each further block's mean growth >= 0), bytes, from two fresh
+    processes (1 and `depth` blocks); (0, 0) where glibc cannot tell."""
     one = measure_in_child(job | {"blocks": 1}, threads)
-    two = measure_in_child(job | {"blocks": 2}, threads)
-    if not one or not two:
+    deep = measure_in_child(job | {"blocks": depth}, threads)
+    if not one or not deep:
         return 0, 0
-    return one["slack"], max(0, two["slack"] - one["slack"])
+    return one["slack"], max(0, round((deep["slack"] - one["slack"]) / (depth - 1)))
 
 
 def main(argv: list[str]) -> int:

@@ -46,10 +46,11 @@ storages packed for backward by saved-tensor hooks, parameters excluded; M_t = p
 excess over the phase's start/end level, from torch's CPU memory profiler (AdamW's state exists
 before the step, as in training). The heap's slack — its span minus its in-use peak, the free
 holes a training rank keeps resident under the ranks' allocator setting — is measured on the
-trainer's own iteration of the model with one and with two blocks at full width, each in a fresh
-process (`node/heapprobe.py`): `heap_slack_bytes` and what a further block adds,
-`heap_slack_block_bytes` (with XRONOS_MALLOC=glibc the ranks and the probe both run glibc's
-default, whose big blocks are mmapped apart).
+trainer's own iteration of the model with one block at full width (`heap_slack_bytes`) and at the
+smallest profiled width (`heap_slack_small_bytes`), and with four blocks at the smallest width for
+what each further block adds (`heap_slack_block_bytes`), each in a fresh process
+(`node/heapprobe.py`; with XRONOS_MALLOC=glibc the ranks and the probe both run glibc's default,
+whose big blocks are mmapped apart).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ import torch
 from xronos.node import allocator, memwatch
 from xronos.node.capabilities import fingerprint, probe
 from xronos.node.commprobe import probe_collectives
-from xronos.node.heapprobe import blocks_config, slack_per_depth
+from xronos.node.heapprobe import blocks_config, measure_in_child, slack_per_depth
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
 from xronos.node.profset import ProfilingSet
 from xronos.node.tp.lora import LoraSettings
@@ -88,7 +89,7 @@ log = structlog.get_logger(__name__)
 #    largest tensor (peak-memory prediction).
 # 7: the heap's slack (free holes above the in-use peak) at full width, one block, once the heap
 #    has settled.
-# 8: the slack measured at one and two blocks in fresh processes, AdamW state allocated at build
+# 8: the slack measured in fresh processes at two widths and two depths, AdamW state allocated at build
 #    (as the trainer); each layer's M_t without the moments' lazy creation inside its step.
 PROFILER_VERSION = 8
 # The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
@@ -309,17 +310,19 @@ def profile(
         collectives = probe_collectives(batch_size, seq_len, arch.hidden_size)
         runtime = runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
         owner = owner_rss()
-        # The heap's holes at one and two blocks, each in a fresh process (node/heapprobe.py), at
-        # full width and at the smallest profiled one; after runtime_rss, which handed this
-        # process's freed heap back, so the box holds one model at a time.
+        # The heap's holes of one block at full width and at the smallest profiled one, and their
+        # growth with depth (1 and 4 blocks at the smallest), each in a fresh process
+        # (node/heapprobe.py); after runtime_rss, which handed this process's freed heap back,
+        # so the box holds one model at a time.
         heap_job = dict(config=config, task=task, batch=batch_size, seq=seq_len, seed=seed, clip=clip,
                      weight_decay=weight_decay,
                      lora=None if lora is None else dict(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                                                          targets=list(lora.targets)))
         small_counts = widths(sizes)[-1]
-        slack, slack_block = slack_per_depth(heap_job | {"layout": {k: (sizes.total(k), 0) for k in KINDS}}, threads)
-        small, small_block = slack_per_depth(
-            heap_job | {"layout": {k: (small_counts[k], sizes.total(k) - small_counts[k]) for k in KINDS}}, threads)
+        full_layout = {k: (sizes.total(k), 0) for k in KINDS}
+        small_layout = {k: (small_counts[k], sizes.total(k) - small_counts[k]) for k in KINDS}
+        slack = (measure_in_child(heap_job | {"layout": full_layout, "blocks": 1}, threads) or {}).get("slack", 0)
+        small, slack_block = slack_per_depth(heap_job | {"layout": small_layout}, threads)
     finally:
         torch.set_num_threads(before)
     layers = []
@@ -334,8 +337,7 @@ def profile(
     report = ProfileReport(
         **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
         sizes=sizes, num_blocks=arch.num_layers, layers=layers, runtime_bytes=runtime,
-        owner_bytes=owner, heap_slack_bytes=slack, heap_slack_block_bytes=slack_block,
-        heap_slack_small_bytes=small, heap_slack_small_block_bytes=small_block,
+        owner_bytes=owner, heap_slack_bytes=slack, heap_slack_block_bytes=slack_block, heap_slack_small_bytes=small,
         heap_slack_small_counts=Sizes(**small_counts) if small_counts != {k: sizes.total(k) for k in KINDS} else None,
         collectives=collectives,
         profile_seconds=time.perf_counter() - t_start, created_at=time.time())

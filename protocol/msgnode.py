@@ -149,15 +149,14 @@ class ProfileReport(Message):
     # allocator setting (xronos.node.allocator); 0 = not measured (before profiler version 7, or
     # not glibc). The cost model scales it to a rank's width.
     heap_slack_bytes: Bytes = 0
-    # What each further block adds to those holes: the same measurement at two blocks minus one
-    # block's, each in a fresh process (xronos.node.heapprobe); 0 = not measured (before profiler
-    # version 8). The cost model counts heap_slack_bytes + (blocks - 1) x this.
+    # What each further block adds to those holes: their growth from one to four blocks at the
+    # smallest width over three, each depth in a fresh process (xronos.node.heapprobe); 0 = not
+    # measured (before profiler version 8). The cost model counts (blocks - 1) x this on top.
     heap_slack_block_bytes: Bytes = 0
-    # The same two measurements at the profile's smallest width (the rank's counts per kind in
+    # One block's holes at the profile's smallest width (the rank's counts per kind in
     # heap_slack_small_counts; None = not measured): holes do not shrink in proportion to the
-    # width, so the cost model interpolates between the two widths.
+    # width, so the cost model goes between the two widths.
     heap_slack_small_bytes: Bytes = 0
-    heap_slack_small_block_bytes: Bytes = 0
     heap_slack_small_counts: Sizes | None = None
     profile_seconds: Seconds
     created_at: Timestamp

@@ -234,6 +234,33 @@ def test_heap_slack_grows_by_the_measured_per_block_holes_with_depth():
         assert heap_slack(node, SH) / heap_slack(one, SH) == pytest.approx((400 + (blocks - 1) * 100) / 400)
 
 
+def test_heap_slack_goes_between_the_two_measured_widths_and_is_flat_below_the_smaller():
+    """With the profile's second width (version 8), H is linear in W(s) between the two measured
+    points and the smaller width's holes below it (never scaled down towards 0); depth adds the
+    same (B - 1) x per block at both."""
+    from dataclasses import replace
+
+    from xronos.gateway.costmodel import heap_slack
+
+    quarter = {k: 0.25 for k in SH}
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, heap_slack=5470, heap_slack_block=100,
+                                 heap_small=(quarter, 2000.0)))
+    # W(1) = 547, W(quarter) = 127 + (170 + 250) / 4 = 232 (see the test above); B = 2: +100 each
+    assert node.heap_slack == 5570 and node.small_slack == 2100 and node.small_work == pytest.approx(232)
+    assert heap_slack(node, {k: 1.0 for k in SH}) == pytest.approx(5570)
+    assert heap_slack(node, quarter) == pytest.approx(2100)
+    assert heap_slack(node, {k: 0.0 for k in SH}) == pytest.approx(2100)  # below the smaller width: flat
+    w = 127 + 170 * 0.25 + 250 * 0.5
+    assert heap_slack(node, SH) == pytest.approx(2100 + 3470 * (w - 232) / (547 - 232))
+    # proportional scaling would have given 5570 * 127 / 547 = 1293 at no share: less than measured
+    assert heap_slack(replace(node, small_work=0.0), {k: 0.0 for k in SH}) < 2100
+    # a smaller width that measured more holes than the full one (noise) keeps its own: monotone
+    noisy = replace(node, small_slack=6000.0)
+    m = [heap_slack(noisy, {k: s / 8 for k in SH}) for s in range(9)]
+    assert m == sorted(m) and min(m) == 6000.0
+
+
 def test_owner_peak_is_the_higher_of_training_with_its_data_stack_and_the_export():
     from dataclasses import replace
 

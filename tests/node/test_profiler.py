@@ -81,8 +81,7 @@ def test_report_is_valid_and_plausible(reports: dict[str, ProfileReport], task: 
     # The heap's holes: measured at full width and at the smallest profiled width (counts of it)
     assert r.heap_slack_small_counts is not None
     assert r.heap_slack_small_counts.model_dump() == prof.widths(r.sizes)[-1]
-    assert min(r.heap_slack_bytes, r.heap_slack_block_bytes, r.heap_slack_small_bytes,
-               r.heap_slack_small_block_bytes) >= 0
+    assert min(r.heap_slack_bytes, r.heap_slack_block_bytes, r.heap_slack_small_bytes) >= 0
     # Peak-memory terms: each layer's largest tensor at full width (loading's buffer), the warm
     # process without a model (Python + torch alone are > 100 MiB), the owner's data stack.
     assert layers["emb"].load_bytes == 4 * V * E  # the word embedding, larger than the positions
