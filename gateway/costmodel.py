@@ -54,16 +54,17 @@ parameter at share 1 — loading reads each parameter's slice into a buffer and 
 under the training ranks' allocator setting (freed blocks stay in the heap) that buffer stays
 resident. `H` = the heap's free holes during training (`heap_slack`): under the same setting
 the heap keeps every block it spread to, and blocks of mixed sizes leave free gaps they do not
-fit; the profile measures them at full width, one block (`heap_slack_bytes`: the heap's span
-minus its in-use peak, settled), and `H` scales that by the rank's share of the block's
-transient bytes, `W(s) / W(1)` with `W(s) = sum over layers of (M_a + M_t) * s_kind` (1 for a
-replicated layer; the vocabulary's layers left out, see `heap_slack`), one block each. Loading's buffer and training's holes are the same free
-space — training's blocks fill the loading buffer's gap where they fit — hence the max, not a
-sum: a GPT-2-medium rank's heap held 49 MiB free at the end of its steps, with L = 49 and H = 51
-MiB predicted. Depth is not scaled (the profile measures one block): the holes grow with depth
-(a qwen2.5-1.5b LoRA rank at seq 256 needed 0.8-1.4x the one-block H at 2 blocks, 1.6-2.3x at 3),
-so deeper models are under-predicted by that growth: -9 % and -16 % on the 3-block cell
-(bench/results/mem-peak-lora.md).
+fit. The profile measures them on the trainer's own iteration (`node/heapprobe.py`: the heap's
+span minus its in-use peak, settled) with one block at full width and at its smallest width, and
+with four blocks at the smallest width; `H` counts the one-block holes plus (B - 1) times what a
+further block added (each block is one more round of the same allocations: 236, 291, 352 MiB at
+1, 2, 3 blocks of a qwen2.5-1.5b LoRA rank at seq 256), and goes between the two widths by the
+rank's transient bytes
+`W(s) = sum over layers of (M_a + M_t + gradients) * s_kind` (1 for a replicated layer; the
+vocabulary's layers left out), one block each: linear between them, flat below the smallest.
+Loading's buffer and training's holes are the same free space — training's blocks fill the
+loading buffer's gap where they fit — hence the max, not a sum: a GPT-2-medium rank's heap held
+49 MiB free at the end of its steps, with L = 49 and H = 51 MiB predicted.
 Measured on real `xronos run` ranks (`python -m xronos.bench.mem_peak`), this is within
 a few percent of VmHWM; the optimizer state is allocated at build (`node/optstate.py`) and the
 clipping pass is chunked (`node/gradnorm.py`), without which neither term would hold.
@@ -110,6 +111,9 @@ class NodeProfile:
     runtime_bytes: float = 0.0  # the rank process without its model (0: not measured)
     owner_bytes: float = 0.0  # what the owner (rank 0) loads besides: the data stack
     heap_slack: float = 0.0  # the heap's free holes above its in-use peak, full width, one block (0: not measured)
+    heap_slack_block: float = 0.0  # what each further block adds to them (0: not measured)
+    # One block's holes at the profile's smallest width: (its shares per kind, bytes); None: not measured
+    heap_small: tuple[Mapping[str, float], float] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ class KindCost:
     mem_slope: float  # M_w + M_a of the kind's partitioned layers at share 1
     temp_slope: float  # largest M_t of the kind's partitioned layers at share 1
     load_slope: float = 0.0  # largest single partitioned parameter of the kind at share 1
-    work_slope: float = 0.0  # M_a + M_t of the kind's partitioned layers at share 1, one block (heap holes' scale)
+    work_slope: float = 0.0  # M_a + M_t + gradients of the kind's partitioned layers at share 1, one block (holes' scale)
 
 
 @dataclass(frozen=True)
@@ -143,9 +147,12 @@ class NodeCost:
     largest_full: float = 0.0  # the whole model's largest tensor (assembled once more at the export)
     trained_full: float = 0.0  # the whole model's trained parameters (a checkpoint gathers them + moments)
     grad_fraction: float = 0.25  # share of M_w + M_a that is gradients (freed before an export)
+    act_fraction: float = 0.0  # share of M_w + M_a that is activations (freed before an export too)
     owner: bool = False  # this node is rank 0: it reads the data and gathers the export
-    heap_slack: float = 0.0  # the profile's heap_slack (full width, one block)
-    work_repl: float = 0.0  # M_a + M_t of the replicated layers, one block (heap holes' scale)
+    heap_slack: float = 0.0  # the heap's holes at full width and the profile's depth (heap_slack + (B-1) x per block)
+    work_repl: float = 0.0  # M_a + M_t + gradients of the replicated layers, one block (heap holes' scale)
+    small_slack: float = 0.0  # the heap's holes at the profile's smallest width and the profile's depth
+    small_work: float = 0.0  # W at that width (0: no second width measured: holes scale with W alone)
     checkpoints: bool = False  # the run writes consolidated checkpoints (a job's), gathered on the owner
     exports: bool = True  # the run ends with an export gathered on the owner (the bench's runs do not)
     # The export gathers every weight (LoRA's merged model); False: the trained tensors alone —
@@ -232,17 +239,22 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
     acc = {k: [0.0] * 7 for k in KINDS}  # fixed, icpt, slope, mem, temp, load, work
     const = mem_repl = temp_repl = load_repl = weights_full = largest_full = work_repl = 0.0
     measured = all(layer.param_bytes > 0 for layer in profile.layers)
-    trained_full = resident_all = 0.0
+    trained_full = resident_all = acts_all = 0.0
     for layer in profile.layers:
         mult = profile.num_blocks if layer.kind == "blk" else 1
         resident = layer.weight_bytes + layer.activation_bytes
         resident_all += mult * resident
+        acts_all += mult * layer.activation_bytes
         if measured:  # M_w = weights + (for trained parameters) gradients and two AdamW moments
+            trained = max(0.0, layer.weight_bytes - layer.param_bytes) / 3
             weights_full += mult * layer.param_bytes
-            trained_full += mult * max(0.0, layer.weight_bytes - layer.param_bytes) / 3
         else:  # a profile without param_bytes: everything trained, M_w = 4 x weights
-            weights_full += mult * layer.weight_bytes / 4
-            trained_full += mult * layer.weight_bytes / 4
+            trained = layer.weight_bytes / 4
+            weights_full += mult * trained
+        trained_full += mult * trained
+        # What cycles through the heap every iteration: saved activations, temporaries, and the
+        # gradients (allocated in backward, freed at zero_grad); the heap's holes scale with it.
+        work = layer.activation_bytes + layer.temp_bytes + trained
         largest_full = max(largest_full, layer.load_bytes)
         try:
             seg = layer_segment(layer)
@@ -259,12 +271,12 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
             a[3] += mult * resident
             a[4] = max(a[4], layer.temp_bytes)  # Eq. 10: a max, not a sum
             a[5] = max(a[5], layer.load_bytes)
-            a[6] += layer.activation_bytes + layer.temp_bytes
+            a[6] += work
             continue
         mem_repl += mult * resident
         temp_repl = max(temp_repl, layer.temp_bytes)
         load_repl = max(load_repl, layer.load_bytes)
-        work_repl += layer.activation_bytes + layer.temp_bytes
+        work_repl += work
         t = mult * layer.time_s
         if layer.kind == "blk":  # the block's replicated remainder: half before each barrier
             acc["attn"][0] += t / 2
@@ -274,10 +286,18 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
         else:
             const += t
     kinds = {k: KindCost(*v) for k, v in acc.items()}
+    depth = max(0, profile.num_blocks - 1)
+    small_slack = small_work = 0.0
+    if profile.heap_small is not None:
+        shares, one = profile.heap_small
+        small_slack = one + depth * profile.heap_slack_block
+        small_work = work_repl + sum(kinds[k].work_slope * shares[k] for k in HOLE_KINDS)
     return NodeCost(profile.node_id, kinds["attn"], kinds["mlp"], kinds["vocab"], const, mem_repl, temp_repl,
                     profile.runtime_bytes, load_repl, profile.owner_bytes, weights_full, largest_full,
                     trained_full, trained_full / resident_all if resident_all > 0 else 0.25,
-                    heap_slack=profile.heap_slack, work_repl=work_repl)
+                    act_fraction=acts_all / resident_all if resident_all > 0 else 0.0,
+                    heap_slack=profile.heap_slack + depth * profile.heap_slack_block,
+                    work_repl=work_repl, small_slack=small_slack, small_work=small_work)
 
 
 def kind_time(kc: KindCost, s: float) -> float:
@@ -314,34 +334,48 @@ def predict_memory(node: NodeCost, shares: Shares) -> float:
     load = max([node.load_repl] + [node.kind(k).load_slope * shares[k] for k in KINDS])
     model = node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS)
     train = node.mem_runtime + model + temp + max(load, heap_slack(node, shares))
-    return owner_peak(node, model, train) if node.owner else train
+    return owner_peak(node, model, train, shares) if node.owner else train
 
 
 HOLE_KINDS = ("attn", "mlp")  # the kinds whose transient bytes scale the heap's holes (not the vocabulary's)
 
 
 def heap_slack(node: NodeCost, shares: Shares) -> float:
-    """The heap's free holes on a rank holding `shares`: the profile's (full width, one block)
-    times the rank's share of the block's transient bytes (see the module docstring). The
-    vocabulary's transient bytes (a full fine-tune's dense embedding gradient: 200 of the 270 MiB
-    of W(1) on GPT-2-medium) are left out of the scale: a rank without vocabulary rows kept 67 MiB
-    of holes where its peers with half the rows kept 79-87 (2 blocks), and scaling by them gave a
-    Set-C rank without rows 18 MiB of holes, 14.7 % under its measured peak."""
+    """The heap's free holes on a rank holding `shares` (see the module docstring), as a function
+    of the rank's transient bytes W(s): measured at full width (W(1)) and, with a profile of
+    version 8, at its smallest width (W_q); linear between the two and flat below W_q (the holes
+    of the smallest width measured: an over- rather than an under-prediction). Without the second
+    width: the full width's holes times W(s) / W(1). The holes do not shrink in proportion: a
+    qwen2.5-1.5b LoRA block at seq 256 kept 367 MiB at full width and 236 at a rank's shape with
+    W(s) / W(1) = 0.44; a MobileLLaMA-1.4B full fine-tune block 83 and 43 at a quarter of every
+    kind (W ratio 0.35). The vocabulary's transient bytes (a full fine-tune's dense embedding
+    gradient: 200 of the 270 MiB of W(1) on GPT-2-medium) are left out of W: a rank without
+    vocabulary rows kept 67 MiB of holes where its peers with half the rows kept 79-87 (2 blocks)."""
     full = node.work_repl + sum(node.kind(k).work_slope for k in HOLE_KINDS)
     if node.heap_slack <= 0 or full <= 0:
         return 0.0
-    return node.heap_slack * (node.work_repl + sum(node.kind(k).work_slope * shares[k] for k in HOLE_KINDS)) / full
+    w = node.work_repl + sum(node.kind(k).work_slope * shares[k] for k in HOLE_KINDS)
+    if not 0 < node.small_work < full:
+        return node.heap_slack * w / full
+    if w <= node.small_work:
+        return node.small_slack
+    return max(node.small_slack, node.small_slack + (node.heap_slack - node.small_slack)
+               * (w - node.small_work) / (full - node.small_work))
 
 
-def owner_peak(node: NodeCost, model: float, train: float) -> float:
+def owner_peak(node: NodeCost, model: float, train: float, shares: Shares) -> float:
     """Rank 0's peak: its data stack on top of training, or the export, whichever is higher. The
-    export gathers the whole model's weights while the rank's own gradients are freed (their
-    share of M_w + M_a: `grad_fraction`), and assembles the largest tensor from its parts once
-    more — under LoRA without the merged model (`export_all` False) only the adapters and a
-    classifier's head are gathered. A job's consolidated checkpoint (`checkpoints`) gathers the trained tensors and both
-    their AdamW moments: three times the trained bytes, the whole weights in full fine-tuning,
-    the adapters and head under LoRA (from `node/checkpoint.py`; not measured yet). A profile that did not measure the process (runtime_bytes 0,
-    from before profiler version 6) predicts Eq. 8 for the owner too."""
+    export gathers the whole model's weights while the rank's own gradients and activations are
+    freed (their shares of M_w + M_a: `grad_fraction`, `act_fraction`), and receives each peer's
+    slice of a tensor into a buffer before placing it (`node/models/export.gather_full`): the
+    largest such buffer is at most the rest of the kind's largest tensor, `l_k * (1 - s_k)` (exact
+    with one peer; with more it is an upper bound: the largest peer's slice). Under LoRA without
+    the merged model (`export_all` False) only the adapters and a classifier's head are gathered.
+    A job's consolidated checkpoint (`checkpoints`) gathers the trained tensors and both their
+    AdamW moments: three times the trained bytes, the whole weights in full fine-tuning, the
+    adapters and head under LoRA (from `node/checkpoint.py`; not measured yet). A profile that did
+    not measure the process (runtime_bytes 0, from before profiler version 6) predicts Eq. 8 for
+    the owner too."""
     if node.mem_runtime <= 0:
         return train
     if not (node.exports or node.checkpoints):
@@ -349,9 +383,10 @@ def owner_peak(node: NodeCost, model: float, train: float) -> float:
     written = node.weights_full if node.export_all else node.trained_full
     gathered = max(written if node.exports else 0.0,
                    3 * node.trained_full if node.checkpoints else 0.0)  # trained tensors + both moments
-    # The largest tensor is assembled from its parts once more; an adapter-only export's are small.
-    largest = node.largest_full if node.export_all else min(node.largest_full, node.trained_full)
-    export = node.mem_runtime + model * (1 - node.grad_fraction) + gathered + largest
+    received = max(node.kind(k).load_slope * (1.0 - shares[k]) for k in KINDS)
+    if not node.export_all:  # an adapter-only export receives adapters' slices: small
+        received = min(received, node.trained_full)
+    export = node.mem_runtime + model * (1 - node.grad_fraction - node.act_fraction) + gathered + received
     return node.owner_bytes + max(train, export)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from xronos.gateway.costmodel import NodeCost, owner_peak, predict_memory
+from xronos.gateway.costmodel import NodeCost, heap_slack, owner_peak, predict_memory
 from xronos.gateway.planinteger import IntegerTest
 from xronos.protocol.layout import KINDS, NOUN, Sizes
 
@@ -168,11 +168,12 @@ class Problem(IntegerTest):
         part = ma * sa + mm * sm + mv * sv
         temp = max(t0, xa * sa, xm * sm, xv * sv)
         l0, la, lm, lv = self.load[d]
-        train = base + part + temp + max(l0, la * sa, lm * sm, lv * sv)
         nd = self.nodes[d]
+        shares = {"attn": sa, "mlp": sm, "vocab": sv}
+        train = base + part + temp + max(l0, la * sa, lm * sm, lv * sv, heap_slack(nd, shares))
         if not nd.owner:
             return train
-        return owner_peak(nd, nd.mem_repl + part, train)
+        return owner_peak(nd, nd.mem_repl + part, train, shares)
 
     def fits(self, d: int, w: Sequence[int]) -> bool:
         return self.mem(d, w) <= self._row[d][8]

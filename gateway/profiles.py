@@ -100,6 +100,11 @@ def check_report(r: ProfileReport, source: str) -> None:
         if not only_whole and len({p for p, _ in lay.time_samples}) < 2:
             raise ValueError(f"{source}: field layers[{i}].time_samples: partitioned layer "
                              f"{lay.name!r} needs samples at >= 2 distinct shares for the affine fit")
+    small = r.heap_slack_small_counts
+    for k in KINDS if small is not None else ():
+        if small.total(k) > r.sizes.total(k):
+            raise ValueError(f"{source}: field heap_slack_small_counts.{k}: {small.total(k)} is more than the "
+                             f"model's {r.sizes.total(k)}")
     timed = {lay.segment for lay in r.layers if lay.partitioned}
     missing = [k for k in KINDS if k not in timed]
     if missing:
@@ -190,7 +195,11 @@ def node_profile(report: ProfileReport) -> NodeProfile:
     )
     return NodeProfile(node_id=report.node_id, num_blocks=report.num_blocks, layers=layers,
                        runtime_bytes=float(report.runtime_bytes), owner_bytes=float(report.owner_bytes),
-                       heap_slack=float(report.heap_slack_bytes))
+                       heap_slack=float(report.heap_slack_bytes),
+                       heap_slack_block=float(report.heap_slack_block_bytes),
+                       heap_small=None if report.heap_slack_small_counts is None else (
+                           {k: report.heap_slack_small_counts.total(k) / report.sizes.total(k) for k in KINDS},
+                           float(report.heap_slack_small_bytes)))
 
 
 def collective_cost(report: ProfileReport) -> NodeComm | None:

@@ -24,7 +24,8 @@ Three instruments, all measured on the real tensors of a real fine-tuning iterat
   peak during it (bytes in use before + c10's peak above that level, `AllocTrace.peak_bytes`):
   the free holes that stay resident under the ranks' allocator setting (`node/allocator.py`).
   The heap grows for a few iterations before it is flat, so the iteration is repeated until its
-  span stops growing, then run once more under the profiler (`ProfilingSet.heap_slack`).
+  span stops growing, then run once more under the profiler (`node/heapprobe.py`, at one and
+  two blocks, each in a fresh process).
 - **Resident state (M_w)** — the bytes of the unique storages of every parameter, its gradient
   and its optimizer state tensors, read after a real optimizer step (so AdamW's exp_avg and
   exp_avg_sq exist and are counted as allocated, not as assumed).

@@ -43,11 +43,14 @@ takes the longer of the link's time and the slowest node's CPU time per all-redu
 Memory, measured on one more full-width iteration (see `memprobe` for the instruments and their
 limits): M_w = unique bytes of params + grads + AdamW state after a real step; M_a = unique
 storages packed for backward by saved-tensor hooks, parameters excluded; M_t = peak allocator
-excess over the phase's start/end level, from torch's CPU memory profiler. Before it, the timing
-iteration repeated until glibc's heap stops growing (at most 4 more), then once under the memory
-profiler, gives the heap's slack: its span minus its in-use peak, the free holes a training rank
-keeps resident under the ranks' allocator setting (`heap_slack_bytes`; with XRONOS_MALLOC=glibc
-the ranks and the profile both run glibc's default, whose big blocks are mmapped apart).
+excess over the phase's start/end level, from torch's CPU memory profiler (AdamW's state exists
+before the step, as in training). The heap's slack — its span minus its in-use peak, the free
+holes a training rank keeps resident under the ranks' allocator setting — is measured on the
+trainer's own iteration of the model with one block at full width (`heap_slack_bytes`) and at the
+smallest profiled width (`heap_slack_small_bytes`), and with four blocks at the smallest width for
+what each further block adds (`heap_slack_block_bytes`), each in a fresh process
+(`node/heapprobe.py`; with XRONOS_MALLOC=glibc the ranks and the probe both run glibc's default,
+whose big blocks are mmapped apart).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ import torch
 from xronos.node import allocator, memwatch
 from xronos.node.capabilities import fingerprint, probe
 from xronos.node.commprobe import probe_collectives
+from xronos.node.heapprobe import blocks_config, measure_in_child, slack_per_depth
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
 from xronos.node.profset import ProfilingSet
 from xronos.node.tp.lora import LoraSettings
@@ -85,11 +89,12 @@ log = structlog.get_logger(__name__)
 #    largest tensor (peak-memory prediction).
 # 7: the heap's slack (free holes above the in-use peak) at full width, one block, once the heap
 #    has settled.
-PROFILER_VERSION = 7
+# 8: the slack measured in fresh processes at two widths and two depths, AdamW state allocated at build
+#    (as the trainer); each layer's M_t without the moments' lazy creation inside its step.
+PROFILER_VERSION = 8
 # The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
 # in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).
 DEFAULT_PAUSE_S = 0.001
-_LAYER_KEYS = ("n_layer", "num_hidden_layers", "num_layers")
 
 
 SHARES = (1.0, 0.5, 0.25)  # the widths profiled, as shares of each kind
@@ -185,15 +190,7 @@ def without_hook_overhead(med: dict[str, float], hooked: list[tuple[float, float
 
 def one_block_config(config: dict[str, Any]) -> dict[str, Any]:
     """The same model with one transformer block (the profiling set), pad id defined."""
-    c = dict(config)
-    keys = [k for k in _LAYER_KEYS if c.get(k) is not None]
-    if not keys:
-        raise ValueError(f"config has none of {_LAYER_KEYS}: cannot tell the number of blocks")
-    for k in keys:
-        c[k] = 1
-    if c.get("pad_token_id") is None:
-        c["pad_token_id"] = int(c["vocab_size"]) - 1
-    return c
+    return blocks_config(config, 1)
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -285,7 +282,6 @@ def profile(
         mem: dict[str, tuple[int, int, int]] = {}
         largest: dict[str, int] = {}
         params: dict[str, int] = {}
-        slack = 0
         for i, run in enumerate(widths(sizes)):
             full = i == 0
             layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
@@ -298,7 +294,6 @@ def profile(
                 if full:
                     partitioned = ps.partitioned
                     segments = {k: ps.segment(k) for k in ps.groups}
-                    slack = ps.heap_slack()  # before memory(): it drops the timing optimizer's state
                     mem = ps.memory()
                     largest = {k: ps.largest_tensor(k) for k in ps.groups}
                     params = {k: ps.param_bytes(k) for k in ps.groups}
@@ -315,6 +310,19 @@ def profile(
         collectives = probe_collectives(batch_size, seq_len, arch.hidden_size)
         runtime = runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
         owner = owner_rss()
+        # The heap's holes of one block at full width and at the smallest profiled one, and their
+        # growth with depth (1 and 4 blocks at the smallest), each in a fresh process
+        # (node/heapprobe.py); after runtime_rss, which handed this process's freed heap back,
+        # so the box holds one model at a time.
+        heap_job = dict(config=config, task=task, batch=batch_size, seq=seq_len, seed=seed, clip=clip,
+                     weight_decay=weight_decay,
+                     lora=None if lora is None else dict(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                                                         targets=list(lora.targets)))
+        small_counts = widths(sizes)[-1]
+        full_layout = {k: (sizes.total(k), 0) for k in KINDS}
+        small_layout = {k: (small_counts[k], sizes.total(k) - small_counts[k]) for k in KINDS}
+        slack = (measure_in_child(heap_job | {"layout": full_layout, "blocks": 1}, threads) or {}).get("slack", 0)
+        small, slack_block = slack_per_depth(heap_job | {"layout": small_layout}, threads)
     finally:
         torch.set_num_threads(before)
     layers = []
@@ -329,7 +337,9 @@ def profile(
     report = ProfileReport(
         **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
         sizes=sizes, num_blocks=arch.num_layers, layers=layers, runtime_bytes=runtime,
-        owner_bytes=owner, heap_slack_bytes=slack, collectives=collectives,
+        owner_bytes=owner, heap_slack_bytes=slack, heap_slack_block_bytes=slack_block, heap_slack_small_bytes=small,
+        heap_slack_small_counts=Sizes(**small_counts) if small_counts != {k: sizes.total(k) for k in KINDS} else None,
+        collectives=collectives,
         profile_seconds=time.perf_counter() - t_start, created_at=time.time())
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

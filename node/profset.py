@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from xronos.node import memwatch
 from xronos.node.gradnorm import squared_norm
 from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.loading import init_random
 from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
+from xronos.node.optstate import allocate_state
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import InRegion
 from xronos.node.tp.layout import ShardLayout
@@ -146,12 +146,6 @@ class _Timeline:
             h.remove()
 
 
-# The heap grows for 3-4 iterations, then stays flat (bench/results/mem-peak-lora.md); growth
-# below 1 MiB over one iteration counts as settled.
-SETTLE_ITERS = 4
-SETTLED_BYTES = 1 << 20
-
-
 class ProfilingSet:
     """The one-block model at one width, its layer groups, one AdamW over every trained parameter
     (timing) and one per layer (memory), a synthetic batch."""
@@ -193,6 +187,11 @@ class ProfilingSet:
         # elementwise). The per-layer optimizers above are for memory(): each layer's own state.
         trained = [p for ps in self.groups.values() for p in ps if p.requires_grad]
         self.opt_all = adamw(trained, lr=2e-5, weight_decay=weight_decay)
+        # Its state up front, as the trainer allocates it at build (node/optstate.py): created
+        # lazily inside the first step, above that iteration's gradients, it leaves holes the
+        # next gradients do not fit: the heap's slack measured here was 323 MiB on a
+        # MobileLLaMA-1.4B block at full width, 96 MiB with the trainer's order.
+        allocate_state(self.opt_all)
         self.numel = {k: sum(p.numel() for p in ps if p.requires_grad) for k, ps in self.groups.items()}
         # A layer is partitioned when it holds partitioned parameters — or, for the LM head, when
         # its compute is vocabulary-parallel even though its weight is tied to the embedding's.
@@ -318,31 +317,16 @@ class ProfilingSet:
         self.opt_all.zero_grad(set_to_none=True)
         return self.clock() - w0, time.process_time() - c0
 
-    def heap_slack(self, settle: int = SETTLE_ITERS) -> int:
-        """The heap's free bytes above its in-use peak over one fine-tuning iteration as the trainer
-        runs it (`memprobe`, "Heap slack"): iterations until the heap's span stops growing (at
-        most `settle`), then one under torch's memory profiler for the in-use peak — only one,
-        because the profiler's own small allocations split freed blocks and grow the heap
-        further (196 MiB per iteration for five iterations on GPT-2-medium's embedding gradient).
-        0 where glibc cannot tell."""
-        heap = memwatch.heap()
-        if not heap:
-            return 0
-        span = heap["span"]
-        for _ in range(max(1, settle)):
-            self.iteration()
-            now = memwatch.heap()["span"]
-            grown, span = now - span, now
-            if grown <= SETTLED_BYTES:
-                break
-        before = memwatch.heap()
-        with AllocTrace() as trace:
-            self.iteration()
-        return max(0, before["span"] - (before["used"] + trace.peak_bytes()))
-
     def memory(self) -> dict[str, tuple[int, int, int]]:
         """(M_w, M_a, M_t) per layer key, measured on one iteration."""
         self.opt_all.state.clear()  # the timing optimizer's moments: not a layer's, and not kept
+        # Each layer's moments exist before its step, as in training (allocated at build). Created
+        # inside the traced step, 2 x the layer's parameters arrived while its gradients were
+        # alive and the gradients left at zero_grad: a rise and fall of exactly the parameters'
+        # bytes, which M_t counted as a temporary no training step has (every full fine-tune
+        # layer's M_t equalled its param_bytes; the fused AdamW allocates none).
+        for opt in self.opts.values():
+            allocate_state(opt)
         tl = self.timeline
         exclude = {storage_key(p) for p in self.model.parameters()}
         meter = SavedTensorMeter(exclude, current=tl.current, inputs=tl.inputs)

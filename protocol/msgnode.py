@@ -144,11 +144,20 @@ class ProfileReport(Message):
     # What rank 0 (the owner: it reads the data) loads besides: the resident set the data stack's
     # import adds; 0 = not measured.
     owner_bytes: Bytes = 0
-    # glibc's heap span minus its in-use peak over the profiling set's settled memory iteration at
-    # full width (one block): the free holes that stay resident under the training ranks'
+    # glibc's heap span minus its in-use peak over the trainer's settled iteration of the model with
+    # one block at full width: the free holes that stay resident under the training ranks'
     # allocator setting (xronos.node.allocator); 0 = not measured (before profiler version 7, or
     # not glibc). The cost model scales it to a rank's width.
     heap_slack_bytes: Bytes = 0
+    # What each further block adds to those holes: their growth from one to four blocks at the
+    # smallest width over three, each depth in a fresh process (xronos.node.heapprobe); 0 = not
+    # measured (before profiler version 8). The cost model counts (blocks - 1) x this on top.
+    heap_slack_block_bytes: Bytes = 0
+    # One block's holes at the profile's smallest width (the rank's counts per kind in
+    # heap_slack_small_counts; None = not measured): holes do not shrink in proportion to the
+    # width, so the cost model goes between the two widths.
+    heap_slack_small_bytes: Bytes = 0
+    heap_slack_small_counts: Sizes | None = None
     profile_seconds: Seconds
     created_at: Timestamp
     # The node's CPU cost of the job's all-reduces (None: a profile from before it was measured;

@@ -34,11 +34,12 @@ SH = {"attn": 0.25, "mlp": 0.5, "vocab": 0.75}
 def test_segments_by_hand():
     node = node_cost(PROFILE, fit="affine")
     # The block remainder (2 x 0.05) splits between the attention and the MLP segment.
-    # no load_bytes; transient bytes (M_a + M_t) of one block: 40 + 80
-    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80, 0, 120))
+    # no load_bytes; transient bytes of one block, M_a + M_t + gradients (no param_bytes: M_w / 4):
+    # 40 + 80 + 50
+    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80, 0, 170))
     assert node.mlp.fixed_s == pytest.approx(0.05) and node.mlp.icpt_s == pytest.approx(0.1)
     assert node.mlp.slope_s == pytest.approx(1.0) and node.mlp.mem_slope == 2 * 460
-    assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50, 0, 60))  # exactly linear: intercept 0
+    assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50, 0, 85))  # exactly linear: intercept 0
     assert (node.const_s, node.mem_repl, node.temp_repl) == (0.2, 2 * 12 + 66, 70)
     seg = segment_times(node, SH)
     assert seg["attn"] == pytest.approx(0.05 + 0.05 + 0.6 * 0.25)
@@ -186,26 +187,26 @@ def test_peak_adds_the_runtime_and_loadings_largest_buffer():
 
 
 def test_heap_slack_scales_with_the_blocks_transient_bytes_and_shares_the_loading_buffers_room():
-    """H = heap_slack * W(s) / W(1), W = one block's M_a + M_t by kind share (replicated: 1; the
-    vocabulary's left out); the peak adds max(L, H): loading's buffer and training's holes are the
-    same free space."""
+    """H = heap_slack * W(s) / W(1), W = one block's M_a + M_t + gradients by kind share
+    (replicated: 1; the vocabulary's left out); the peak adds max(L, H): loading's buffer and
+    training's holes are the same free space."""
     from dataclasses import replace
 
     from xronos.gateway.costmodel import heap_slack
 
     layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
     plain = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000))
-    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, heap_slack=4160))
-    # W(1) = attn 120 + mlp 150 + ln 34 + head 76 = 380, one block (not times B = 2); the
-    # vocabulary's 60 is not in the scale
-    assert node.work_repl == 34 + 76
-    assert (node.vocab.work_slope, node.attn.work_slope, node.mlp.work_slope) == (60, 120, 150)
-    assert heap_slack(node, {k: 1.0 for k in SH}) == pytest.approx(4160)
-    w = 110 + 120 * 0.25 + 150 * 0.5  # 215 at SH
-    assert heap_slack(node, SH) == pytest.approx(4160 * w / 380)
+    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, heap_slack=5470))
+    # W(1), one block (not times B = 2): attn 40 + 80 + 200/4 = 170, mlp 60 + 90 + 400/4 = 250,
+    # ln 4 + 30 + 8/4 = 36, head 6 + 70 + 60/4 = 91: 547; the vocabulary's 85 is not in the scale
+    assert node.work_repl == 36 + 91
+    assert (node.vocab.work_slope, node.attn.work_slope, node.mlp.work_slope) == (85, 170, 250)
+    assert heap_slack(node, {k: 1.0 for k in SH}) == pytest.approx(5470)
+    w = 127 + 170 * 0.25 + 250 * 0.5  # 294.5 at SH
+    assert heap_slack(node, SH) == pytest.approx(10 * w)
     assert heap_slack(node, {**SH, "vocab": 0.0}) == heap_slack(node, SH)  # a rank without vocabulary rows
     load = 300  # vocab's 400 at 0.75: below H, which replaces it
-    assert predict_memory(node, SH) == pytest.approx(predict_memory(plain, SH) - load + 4160 * w / 380)
+    assert predict_memory(node, SH) == pytest.approx(predict_memory(plain, SH) - load + 10 * w)
     # H below the loading buffer: the buffer's room holds the holes, nothing is added
     small = replace(node, heap_slack=100.0)
     assert heap_slack(small, SH) < load
@@ -218,6 +219,48 @@ def test_heap_slack_scales_with_the_blocks_transient_bytes_and_shares_the_loadin
         assert m == sorted(m)
 
 
+def test_heap_slack_grows_by_the_measured_per_block_holes_with_depth():
+    """The profile measures the holes at one block and what each further block adds; a node of B
+    blocks holds heap_slack + (B - 1) x heap_slack_block at full width, scaled to its shares alike."""
+    from xronos.gateway.costmodel import heap_slack
+
+    full = {k: 1.0 for k in SH}
+    for blocks in (1, 2, 5):
+        node = node_cost(NodeProfile("n0", blocks, PROFILE.layers, runtime_bytes=1000, heap_slack=400,
+                                     heap_slack_block=100))
+        assert node.heap_slack == 400 + (blocks - 1) * 100
+        assert heap_slack(node, full) == pytest.approx(400 + (blocks - 1) * 100)
+        one = node_cost(NodeProfile("n0", blocks, PROFILE.layers, runtime_bytes=1000, heap_slack=400))
+        assert heap_slack(node, SH) / heap_slack(one, SH) == pytest.approx((400 + (blocks - 1) * 100) / 400)
+
+
+def test_heap_slack_goes_between_the_two_measured_widths_and_is_flat_below_the_smaller():
+    """With the profile's second width (version 8), H is linear in W(s) between the two measured
+    points and the smaller width's holes below it (never scaled down towards 0); depth adds the
+    same (B - 1) x per block at both."""
+    from dataclasses import replace
+
+    from xronos.gateway.costmodel import heap_slack
+
+    quarter = {k: 0.25 for k in SH}
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    node = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000, heap_slack=5470, heap_slack_block=100,
+                                 heap_small=(quarter, 2000.0)))
+    # W(1) = 547, W(quarter) = 127 + (170 + 250) / 4 = 232 (see the test above); B = 2: +100 each
+    assert node.heap_slack == 5570 and node.small_slack == 2100 and node.small_work == pytest.approx(232)
+    assert heap_slack(node, {k: 1.0 for k in SH}) == pytest.approx(5570)
+    assert heap_slack(node, quarter) == pytest.approx(2100)
+    assert heap_slack(node, {k: 0.0 for k in SH}) == pytest.approx(2100)  # below the smaller width: flat
+    w = 127 + 170 * 0.25 + 250 * 0.5
+    assert heap_slack(node, SH) == pytest.approx(2100 + 3470 * (w - 232) / (547 - 232))
+    # proportional scaling would have given 5570 * 127 / 547 = 1293 at no share: less than measured
+    assert heap_slack(replace(node, small_work=0.0), {k: 0.0 for k in SH}) < 2100
+    # a smaller width that measured more holes than the full one (noise) keeps its own: monotone
+    noisy = replace(node, small_slack=6000.0)
+    m = [heap_slack(noisy, {k: s / 8 for k in SH}) for s in range(9)]
+    assert m == sorted(m) and min(m) == 6000.0
+
+
 def test_owner_peak_is_the_higher_of_training_with_its_data_stack_and_the_export():
     from dataclasses import replace
 
@@ -227,10 +270,15 @@ def test_owner_peak_is_the_higher_of_training_with_its_data_stack_and_the_export
     assert node.weights_full == pytest.approx((100 + 2 * 200 + 2 * 400 + 2 * 8 + 60) / 4)
     assert node.largest_full == 400
     owner = replace(node, owner=True)
-    for sh in (SH, {k: 0.0 for k in SH}, {k: 1.0 for k in SH}):
+    # gradients and activations are freed before the export: M_a is 10 + 2 x (40 + 60 + 4) + 6 of 1600
+    assert node.act_fraction == pytest.approx(224 / 1600)
+    # the largest peer slice received: the rest of each kind's largest tensor (vocab 400, attn 100,
+    # mlp 300), at the most
+    for sh, received in ((SH, max(400 * 0.25, 100 * 0.75, 300 * 0.5)), ({k: 0.0 for k in SH}, 400),
+                         ({k: 1.0 for k in SH}, 0)):
         train = predict_memory(node, sh)
         model = node.mem_repl + sum(node.kind(k).mem_slope * sh[k] for k in SH)
-        export = 1000 + (1 - node.grad_fraction) * model + node.weights_full + 400
+        export = 1000 + (1 - node.grad_fraction - node.act_fraction) * model + node.weights_full + received
         assert predict_memory(owner, sh) == pytest.approx(50 + max(train, export))
     # a profile that did not measure the process keeps Eq. 8 for the owner as well
     old = replace(node_cost(PROFILE), owner=True)
@@ -283,7 +331,8 @@ def test_an_adapter_only_export_gathers_the_trained_tensors_alone():
     for sh in (SH, {k: 0.0 for k in SH}):
         train = predict_memory(replace(owner, owner=False), sh)
         model = owner.mem_repl + sum(owner.kind(k).mem_slope * sh[k] for k in SH)
-        export = 1000 + (1 - owner.grad_fraction) * model + 30.0 + 30.0  # gathered, largest <= the trained bytes
+        # gathered, and the largest received slice: no more than the trained bytes
+        export = 1000 + (1 - owner.grad_fraction - owner.act_fraction) * model + 30.0 + 30.0
         assert predict_memory(adapters, sh) == pytest.approx(50 + max(train, export))
         assert predict_memory(adapters, sh) <= predict_memory(owner, sh)
     # a job's checkpoint still gathers the trained tensors with both moments
@@ -334,7 +383,7 @@ def test_frozen_layers_count_in_the_export_but_not_in_the_checkpoint():
     assert node.grad_fraction == pytest.approx(node.trained_full / resident)
     owner = replace(node, owner=True)
     zero = {k: 0.0 for k in SH}
-    base = 1000 + (1 - node.grad_fraction) * node.mem_repl + 10
+    base = 1000 + (1 - node.grad_fraction - node.act_fraction) * node.mem_repl + 10
     train = predict_memory(node, zero)
     assert predict_memory(owner, zero) == pytest.approx(max(train, base + node.weights_full))
     ckpt_only = replace(owner, exports=False, checkpoints=True)

@@ -10,7 +10,7 @@ from xronos.gateway.commmodel import comm_time, tp_comm_volume
 from xronos.gateway.costmodel import layout_shares, node_cost, predict_time
 from xronos.gateway.planner import MiB
 from xronos.gateway.profiles import (
-    Loaded, check_compatible, load_report, memory_cap, node_profile, plan_message, plan_reports,
+    Loaded, check_compatible, check_report, load_report, memory_cap, node_profile, plan_message, plan_reports,
 )
 from xronos.protocol.messages import Plan
 
@@ -52,6 +52,16 @@ def test_heap_slack_is_optional_and_reaches_the_cost_model(tmp_path):
     assert load_report(tmp_path / "old.json").heap_slack_bytes == 0
     new = load_report(write(tmp_path / "new.json", report, heap_slack_bytes=300 * MiB))
     assert node_cost(node_profile(new)).heap_slack == 300 * MiB
+    # version 8: the growth per block (B = 2 here) and the smaller width's holes, as shares
+    small = report.sizes.model_copy(update={"attn": 2})
+    v8 = load_report(write(tmp_path / "v8.json", report, heap_slack_bytes=300 * MiB, heap_slack_block_bytes=50 * MiB,
+                           heap_slack_small_bytes=200 * MiB, heap_slack_small_counts=small.model_dump()))
+    cost = node_cost(node_profile(v8))
+    assert cost.heap_slack == 350 * MiB and cost.small_slack == 250 * MiB
+    assert node_profile(v8).heap_small[0] == {"attn": 2 / report.sizes.attn, "mlp": 1.0, "vocab": 1.0}
+    too_many = report.sizes.model_copy(update={"mlp": report.sizes.mlp + 1})
+    with pytest.raises(ValueError, match="field heap_slack_small_counts.mlp"):
+        check_report(report.model_copy(update={"heap_slack_small_counts": too_many}), "x")
 
 
 def test_memory_cap_is_available_minus_reserve():
