@@ -33,8 +33,8 @@ Waits: where a training rank would block in a collective (every skipped timed co
 before the optimizer step, which follows the clipping all-reduce) the profiled rank sleeps
 (`collective_pause_s`: one CFS period under a CPU quota, 1 ms without) and the sleep is left out
 of every layer's time. Under a quota a rank that waited starts with its whole quota at full core
-speed; profiled back to back, the small MiniLM's segments (a few ms each) were predicted 13-80%
-slower than they ran.
+speed; the pause takes 22.7-33.8 % off the MiniLM one-block set's layer times at 0.3 core, and
+took the MiniLM's compute MAPE from 44.7 % to 5.5-13.5 % (bench/results/prediction-error.md).
 
 Communication: `commprobe` times all-reduces of the job's activation on this node's CPU (two Gloo
 ranks in this process over loopback, under its quota and threads); the planner's `comm_time`
@@ -147,8 +147,8 @@ def collective_pause_s() -> float:
     """How long the profiled rank waits at each skipped collective. A training rank blocks in every
     collective; under a CFS quota (the emulator, a container's CPU limit) it comes back with its
     whole quota for the period and runs it at full core speed. Measured on the real MiniLM at
-    shares 0.9/0.5/0.3 that burst made the ranks' compute 13-80% faster than a profile taken back
-    to back said. One period is the longest a wait can matter: the quota refills every period."""
+    shares 0.9/0.5/0.3 a profile taken back to back mispredicted the ranks' compute by 44.7 %
+    (MAPE; 5.5-13.5 % with the pause, bench/results/prediction-error.md). One period is the longest a wait can matter: the quota refills every period."""
     import os
 
     from xronos.node.capabilities import cgroup_cpu_period_s
