@@ -47,16 +47,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="profile LoRA training: adapters of rank R on a frozen base (as `xronos run --lora-r`)")
     p.add_argument("--lora-targets", metavar="M1,M2,..", help="with --lora-r: the adapted modules (peft's names)")
     p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="with --lora-r: adapter dropout")
-    p.add_argument("--node-id", default="local", help="node id written into the report")
+    p.add_argument("--node-id", default="local", type=_node_id, help="node id written into the report")
     p.add_argument("--cache-dir", metavar="DIR", help="reuse/store profiles of this hardware here")
     p.add_argument("--out", required=True, metavar="FILE.json")
     p.set_defaults(func=handle)
+
+
+def _node_id(text: str) -> str:
+    """The id goes into the report's node_id, which `xronos plan` and the gateway read as an Id."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from xronos.protocol.messages import Id
+
+    try:
+        return TypeAdapter(Id).validate_python(text)
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
 
 def handle(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.resolve().parent.is_dir():
         raise FileNotFoundError(f"--out {args.out}: directory does not exist")
+    if args.lora_r is None and (args.lora_targets or args.lora_dropout):
+        # Without --lora-r the profile is full fine-tuning's, which a LoRA job would be planned with.
+        raise ValueError("--lora-targets / --lora-dropout need --lora-r (a LoRA profile)")
 
     from xronos.node import allocator
     from xronos.node.models.shapes import shape_config

@@ -8,6 +8,8 @@ in which case predicted and measured compute time per rank are reported after tr
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 from pathlib import Path
 
@@ -122,7 +124,11 @@ def resolve_layout(args: argparse.Namespace):
     if args.layout is not None and args.units is not None:
         raise ValueError("give either --layout or --units, not both")
     if args.layout is not None:
-        return Layout.parse(args.layout)
+        layout = Layout.parse(args.layout)
+        if layout.world_size != args.nodes:
+            raise ValueError(f"--layout has {layout.world_size} counts per kind (one per rank), but --nodes is "
+                             f"{args.nodes}: {layout.describe()}")
+        return layout
     if args.units is None:
         raise ValueError("one of --layout, --units or --strategy is required")
     units = parse_units(args.units)
@@ -141,9 +147,12 @@ def parse_reshard_at(texts: list[str]) -> list[dict]:
         try:
             if not sep:
                 raise ValueError
+            if not step.strip().isascii() or not step.strip().isdigit():
+                raise ValueError
             n = int(step)
         except ValueError:
-            raise ValueError(f"--reshard-at: expected STEP:attn=..;mlp=..;vocab=.., got {text!r}") from None
+            raise ValueError(f"--reshard-at: expected STEP:attn=..;mlp=..;vocab=.. with STEP a step number "
+                             f"(0, 1, ...), got {text!r}") from None
         try:
             out.append({"step": n, "layout": Layout.parse(layout)})
         except ValueError as exc:
@@ -183,12 +192,18 @@ def config_from_args(args: argparse.Namespace, layout):
     try:
         return RunConfig(**fields)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{_FLAGS.get(str(e['loc'][0]), '--' + str(e['loc'][0]).replace('_', '-')) if e['loc'] else 'run'}: "
-            f"{e['msg']} (got {e.get('input')!r})"
-            for e in exc.errors()
-        )
-        raise ValueError(problems) from None
+        raise ValueError("; ".join(_problem(e) for e in exc.errors())) from None
+
+
+def _problem(e: dict) -> str:
+    """One pydantic error as the user typed it: the flag and the value. A check across fields (no
+    location) names its fields itself, and its input would be the whole config: not repeated."""
+    msg = e["msg"].removeprefix("Value error, ")
+    if not e["loc"]:
+        msg = msg.replace("reshard_at", "--reshard-at").replace("or rebalance (", "or --rebalance (")
+        return re.sub(r"ranks, the run (\d+)$", r"ranks, but --nodes is \1", msg)
+    flag = _FLAGS.get(str(e["loc"][0]), "--" + str(e["loc"][0]).replace("_", "-"))
+    return f"{flag}: {msg} (got {e.get('input')!r})"
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -203,9 +218,18 @@ def handle(args: argparse.Namespace) -> int:
         if args.units is not None or args.layout is not None:
             raise ValueError("give either --layout/--units or --strategy, not both")
         # Refuse bad input before spending minutes on profiles: check with a placeholder split.
+        check_planner_flags(args)
         preflight(config_from_args(args, uniform_layout(args)), args.nodes)
         planned = plan_run(args, wrap)
         return _launch(args, planned[0].layout, wrap, planned)
+
+
+def check_planner_flags(args: argparse.Namespace) -> None:
+    """The planner's own flags, which it checks only once every rank is profiled."""
+    for flag, value, low in (("--reserve-mb", args.reserve_mb, 0.0), ("--latency-ms", args.latency_ms, 0.0),
+                             ("--bandwidth-mbps", args.bandwidth_mbps, None)):
+        if not (math.isfinite(value) and (value > 0 if low is None else value >= low)):
+            raise ValueError(f"{flag} must be finite and {'> 0' if low is None else '>= 0'}, got {value}")
 
 
 def uniform_layout(args: argparse.Namespace):

@@ -148,12 +148,17 @@ class Job:
 
 
 def profile_mismatch(job: Job, report: m.ProfileReport) -> str | None:
-    """Why a profile report does not answer this job's request (None if it does)."""
+    """Why a profile report does not answer this job's request (None if it does). The service
+    checks first that the planner can use it at all (`profiles.check_report`)."""
     want = {"job_id": job.job_id, "arch": job.arch, "task": job.spec.task,
             "batch_size": job.spec.batch_size, "seq_len": job.spec.seq_len}
     for name, value in want.items():
-        if getattr(report, name) != value:
-            return f"its report's {name} does not match the request"
+        got = getattr(report, name)
+        if got != value:
+            if isinstance(value, m.ArchSpec) and isinstance(got, m.ArchSpec):  # name the field that differs
+                name = next(f"arch.{k}" for k in type(value).model_fields if getattr(got, k) != getattr(value, k))
+                got, value = getattr(got, name[5:]), getattr(value, name[5:])
+            return f"its report's {name} does not match the request (got {got!r}, the job's is {value!r})"
     if report.capabilities.node_id != report.node_id:
         return "its report's capabilities name another node"
     return None

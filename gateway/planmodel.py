@@ -256,8 +256,9 @@ def infeasible(pb: Problem, why: str) -> InfeasiblePlan:
             per.append(f"{kd.name} {kd.ms[d] * kd.share(even[i]) / MiB:.1f}")
         sh = {k: pb.kinds[i].share(even[i]) for i, k in enumerate(KINDS)}
         need = predict_memory(nd, sh)
-        if pb.short and d in pb.short:
-            alone = "fits not even the replicated layers"
+        if pb.short and d in pb.short:  # the owner's runtime, data stack and export gather count too
+            alone = (f"holding nothing it already needs {pb.mem(d, (0, 0, 0)) / MiB:.1f} MiB"
+                     + (" (rank 0, the owner: with its data stack and the export's gather)" if nd.owner else ""))
         else:
             alone = "alone fits at most " + ", ".join(
                 f"{min(kd.total, kd.lim[d] * kd.q)} of {kd.total} {NOUN[kd.name]}" for kd in pb.kinds)

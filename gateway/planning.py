@@ -7,6 +7,7 @@ round trip through the service. Planning goes only through `profiles.plan_report
 from __future__ import annotations
 
 from xronos.protocol import messages as m
+from xronos.protocol.layout import KINDS, NOUN
 
 from .jobtypes import Ctx, Job
 from .profiles import Loaded, plan_message, plan_reports
@@ -30,7 +31,8 @@ def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan
                           checkpoints=True,  # a job's owner gathers consolidated checkpoints
                           export_merged=job.spec.export_merged)
     if not result.feasible:
-        over = ", ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of {r.memory_cap / 2**20:.0f}"
+        over = "; ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of its {r.memory_cap / 2**20:.0f} "
+                         f"MiB cap holding " + ", ".join(f"{r.count(k)} {NOUN[k]}" for k in KINDS)
                          for r in result.rows if r.over_cap)
         raise ValueError(f"the {result.strategy} plan exceeds memory caps: {over}")
     return plan_message(result, job.job_id, version)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from xronos.gateway.commmodel import (
     DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, NodeComm, comm_time, node_comm, tp_comm_volume,
@@ -24,7 +24,10 @@ from xronos.gateway.commmodel import (
 from xronos.gateway.costmodel import Fit, LayerCost, NodeProfile, node_cost
 from xronos.gateway.planner import MiB, PlanResult, Strategy, plan
 from xronos.protocol.layout import KINDS, NOUN
-from xronos.protocol.messages import SCHEMA_VERSION, Plan, PlanEntry, ProfileReport
+from xronos.protocol.codec import MAX_PAYLOAD
+from xronos.protocol.messages import MAX_ID, SCHEMA_VERSION, Id, Plan, PlanEntry, ProfileReport
+
+RequestId = TypeAdapter(Id)
 
 DEFAULT_RESERVE_MB = 512
 
@@ -59,7 +62,8 @@ def parse_report(data: object, source: str) -> ProfileReport:
         first = errors[0]
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         got = f" (got {first['input']!r})" if "input" in first and not isinstance(first["input"], dict) else ""
-        raise ValueError(f"{source}: field {_loc(first['loc'])}: {first['msg']}{got}{more}") from None
+        msg = first["msg"].removeprefix("Value error, ")  # a validator's own text already says why
+        raise ValueError(f"{source}: field {_loc(first['loc'])}: {msg}{got}{more}") from None
     _check_numbers(report, source)
     return report
 
@@ -74,6 +78,16 @@ def check_report(r: ProfileReport, source: str) -> None:
     segment kind no layer times. ValueError "SOURCE: field F: ..."."""
     if not r.layers:
         raise ValueError(f"{source}: field layers: a profile needs at least one layer")
+    # The totals the planner cuts and the depth it multiplies by are the architecture's: a report
+    # whose own figures disagree with its arch would plan a model that is not the job's.
+    want = r.arch.sizes()
+    for k in KINDS:
+        if r.sizes.total(k) != want.total(k):
+            raise ValueError(f"{source}: field sizes.{k}: node {r.node_id} reports {r.sizes.total(k)} "
+                             f"{NOUN[k]}, but its arch ({r.arch.family}) has {want.total(k)}")
+    if r.num_blocks != r.arch.num_layers:
+        raise ValueError(f"{source}: field num_blocks: node {r.node_id} reports {r.num_blocks} blocks, but its "
+                         f"arch has num_layers {r.arch.num_layers}")
     for i, lay in enumerate(r.layers):
         values = {"time_s": lay.time_s, "weight_bytes": lay.weight_bytes,
                   "activation_bytes": lay.activation_bytes, "temp_bytes": lay.temp_bytes,
@@ -130,6 +144,39 @@ def check_report(r: ProfileReport, source: str) -> None:
             raise ValueError(f"{source}: field collectives.nbytes: node {r.node_id} probed all-reduces of "
                              f"{c.nbytes} bytes, but the activation of batch {r.batch_size} x seq "
                              f"{r.seq_len} x hidden {r.arch.hidden_size} (fp32) is {want} bytes")
+
+
+def screen_report(r: ProfileReport) -> tuple[ProfileReport | None, str | None]:
+    """(r, None) for a report that arrived over the bus and the planner can use, else (None, why),
+    the node and field named. The gateway checks it on arrival, so a bad report leaves its node out
+    of the job at once, instead of failing the plan of every node later."""
+    try:
+        check_report(r, f"node {r.node_id}'s profile")
+    except ValueError as exc:
+        return None, str(exc)
+    return r, None
+
+
+def refused_request_id(payload: bytes) -> str | None:
+    """The request id of a ProfileReport payload the codec refused (a NaN time, a missing field...),
+    read best-effort, so the job that asked hears at once why the node's answer does not count
+    instead of waiting out the profile timeout. None when there is none to read: the job's core
+    checks the id against the requests it sent that very node, so a made-up one changes nothing."""
+    import msgpack
+
+    if not isinstance(payload, (bytes, bytearray)) or len(payload) > MAX_PAYLOAD:
+        return None
+    try:
+        data = msgpack.unpackb(payload, raw=False, strict_map_key=True, timestamp=0)
+    except Exception:  # msgpack raises a zoo of types for broken input
+        return None
+    rid = data.get("request_id") if isinstance(data, dict) else None
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID:
+        return None
+    try:
+        return RequestId.validate_python(rid)
+    except ValidationError:
+        return None
 
 
 def load_report(path: str | Path) -> ProfileReport:

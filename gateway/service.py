@@ -37,6 +37,7 @@ from xronos.gateway.config import GatewayConfig
 from xronos.gateway.effects import messages as effect_messages
 from xronos.gateway.jobrebal import JobRebalance
 from xronos.gateway.planning import plan_job
+from xronos.gateway.profiles import refused_request_id, screen_report
 from xronos.gateway.rebalance import PolicyConfig
 from xronos.gateway.progress import state_view
 from xronos.gateway.store import JobStore
@@ -95,7 +96,7 @@ class GatewayService:
                         ("node.profile_report", self._on_profile), ("node.inspect_report", self._on_inspect),
                         ("node.ack", self._on_ack), ("node.metrics", self._on_metrics),
                         ("node.job", self._on_node_job), ("node.error", self._on_node_error)):
-            d.on(key, fn)
+            d.on(key, fn, on_refused=self._profile_refused if key == "node.profile_report" else None)
         for name, fn in (("job/submit", self._req_submit), ("job/status", self._req_status),
                          ("job/pause", self._req_command), ("job/resume", self._req_command),
                          ("job/cancel", self._req_command), ("nodes/list", self._req_nodes),
@@ -139,9 +140,7 @@ class GatewayService:
 
     def step(self, timeout: float) -> None:
         """One turn of the control loop. Each part is guarded: nothing raises out of it."""
-        item = self.bus.get(timeout)
-        if item is not None:
-            self.dispatcher.dispatch(*item, retain=getattr(item, "retain", False))  # never raises
+        self.dispatcher.run_once(timeout)  # never raises
         if self.habridge is not None:
             try:
                 self.habridge.tick()
@@ -321,17 +320,18 @@ class GatewayService:
 
     def _on_profile(self, msg: m.ProfileReport, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
-        self._event(msg.job_id, J.Profiled(msg.node_id, msg.request_id, msg))
+        self._event(msg.job_id, J.Profiled(msg.node_id, msg.request_id, *screen_report(msg)))  # bad: node left out
 
     def _on_node_error(self, msg: m.ErrorResponse, params: dict[str, str]) -> None:
         log.warning("node reported an error", node=params["node_id"], code=msg.code, message=msg.message[:500])
-        if msg.code == "profile_failed":
-            # "<request id>: <reason>"; request ids are "<job id>.<seq>", and the job checks that the
-            # request was this node's own.
+        if msg.code == "profile_failed":  # "<request id>: <reason>"
             rid, _, text = msg.message.partition(": ")
-            job_id = rid.rpartition(".")[0]
-            if job_id:
-                self._event(job_id, J.Profiled(params["node_id"], rid, None, text[:500]))
+            self._profile_refused(text, params, rid)
+
+    def _profile_refused(self, text: str, params: dict[str, str], rid: bytes | str) -> None:
+        rid = rid if isinstance(rid, str) else refused_request_id(rid) or ""  # a refused report: read from it
+        if rid.rpartition(".")[0]:  # request ids are "<job id>.<seq>"; the job checks it asked this very node
+            self._event(rid.rpartition(".")[0], J.Profiled(params["node_id"], rid, None, text[:500]))
 
     def _on_inspect(self, msg: m.InspectReport, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)

@@ -149,9 +149,9 @@ def saved_layout(meta: dict[str, Any]) -> Layout | None:
     if raw is None:
         return None
     try:
-        return Layout.model_validate(raw)
-    except ValueError as exc:
-        raise ValueError(f"{meta.get('dir')}/{STATE_FILE}: layout {raw!r} is not a layout: {exc}") from None
+        return Layout.from_data(raw)
+    except LayoutError as exc:
+        raise ValueError(f"{meta.get('dir')}/{STATE_FILE}: field layout is not a layout: {exc}") from None
 
 
 def check_saved_layout(meta: dict[str, Any], sizes: Sizes) -> None:

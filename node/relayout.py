@@ -85,7 +85,8 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     new = word.layout
     if new.world_size != group.world_size:
         raise LayoutError(f"re-shard at step {step}: layout has {new.world_size} ranks, the world {group.world_size}")
-    new.check(engine.family.sizes(rank.facts.config), quanta=None)
+    # The kinds' quanta too, as for an Assignment: every layout a plan or the policy makes cuts on them.
+    new.check(engine.family.sizes(rank.facts.config))
     plan = transfer_plan(engine.spec_cache(old), engine.spec_cache(new))
     shard = ShardLayout.of(new, group.rank)
     sent = moved_bytes(plan, engine.model, engine.opt)

@@ -45,16 +45,21 @@ class Dispatcher:
         self.bus, self.table, self.max_bytes, self.node_id = bus, bus.table, max_bytes, node_id
         self.handlers: dict[str, Handler] = {}
         self.on_errors: dict[str, Callable[[str], None]] = {}
+        self.on_refused: dict[str, Callable[[str, dict[str, str], bytes], None]] = {}
         self.errors: collections.Counter[str] = collections.Counter()
 
     def on(self, key: str, handler: Handler, *, subscribe: bool = True,
-           on_error: Callable[[str], None] | None = None, **params: str) -> None:
+           on_error: Callable[[str], None] | None = None,
+           on_refused: Callable[[str, dict[str, str], bytes], None] | None = None, **params: str) -> None:
         """Handle topic-table entry `key`; subscribes to its filter (params narrow it).
-        `on_error(text)` also hears why a payload on this topic was refused (e.g. to show it)."""
+        `on_error(text)` also hears why a payload on this topic was refused (e.g. to show it);
+        `on_refused(text, topic params, payload)` too, for a reply whose asker must hear of it."""
         entry = BY_KEY[key]
         self.handlers[key] = handler
         if on_error is not None:
             self.on_errors[key] = on_error
+        if on_refused is not None:
+            self.on_refused[key] = on_refused
         if subscribe:
             self.bus.subscribe(self.table.filter(entry, **params))
 
@@ -93,7 +98,7 @@ class Dispatcher:
         try:
             msg = decode(topic, payload, table=self.table, max_bytes=self.max_bytes)
         except DecodeError as err:
-            self._bad(entry, params, topic, err.reason, str(err), err.transaction)
+            self._bad(entry, params, topic, err.reason, str(err), err.transaction, payload)
             return
         handler = self.handlers.get(entry.key)
         if handler is None:
@@ -104,7 +109,7 @@ class Dispatcher:
         try:
             data = handler(msg, params)
         except (RequestError, ValueError, TypeError) as exc:
-            self._bad(entry, params, topic, "rejected", str(exc), txn)
+            self._bad(entry, params, topic, "rejected", str(exc), txn, payload)
             return
         except Exception as exc:
             self.errors["handler_error"] += 1
@@ -115,13 +120,18 @@ class Dispatcher:
             self._respond(entry, txn, data=data)
 
     def _bad(self, entry: TopicEntry | None, params: dict[str, str], topic: str, reason: str,
-             text: str, txn: str | None) -> None:
+             text: str, txn: str | None, payload: bytes = b"") -> None:
         self.errors[reason] += 1
         log.warning("dispatch.bad_input", topic=topic, client=self.bus.client_id, reason=reason, detail=text)
         self._answer(entry, params, topic, reason, text, txn)
         if entry is not None and entry.key in self.on_errors:
             try:
                 self.on_errors[entry.key](text)
+            except Exception:
+                log.exception("dispatch.on_error_failed", topic=topic)
+        if entry is not None and entry.key in self.on_refused:
+            try:
+                self.on_refused[entry.key](text, params, payload)
             except Exception:
                 log.exception("dispatch.on_error_failed", topic=topic)
 

@@ -19,9 +19,10 @@ Pure data and arithmetic, no torch: the gateway plans with it, the node builds i
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Literal, Sequence
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 Kind = Literal["attn", "mlp", "vocab"]
 KINDS: tuple[Kind, ...] = ("attn", "mlp", "vocab")
@@ -41,6 +42,7 @@ def _tuple(value: object) -> object:
 # model this product plans, and a world has at most 256 ranks (protocol.messages.MAX_NODES).
 MAX_COUNT = 2**31 - 1
 MAX_RANKS = 256
+_COUNT = re.compile(r"-?[0-9]+")  # a count as `--layout` takes it (negatives refused by value)
 Counts = Annotated[tuple[Annotated[int, Field(ge=0, le=MAX_COUNT)], ...], BeforeValidator(_tuple),
                    Field(max_length=MAX_RANKS)]
 
@@ -172,28 +174,55 @@ class Layout(BaseModel):
         return cls(attn=units, mlp=follow(sizes.mlp, qm), vocab=follow(sizes.vocab, qv))
 
     @classmethod
+    def from_data(cls, raw: object) -> Layout:
+        """A layout from decoded JSON (a checkpoint's state.json, a re-shard order); LayoutError
+        naming the kind, the rank and the value instead of pydantic's multi-line report."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            problems = []
+            for e in exc.errors(include_url=False):
+                where = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p))
+                                for i, p in enumerate(e["loc"]))
+                got = "" if isinstance(e.get("input"), dict) else f" (got {e.get('input')!r})"
+                problems.append(f"{where + ': ' if where else ''}{e['msg'].removeprefix('Value error, ')}{got}")
+            raise LayoutError("; ".join(problems)) from None
+
+    @classmethod
     def parse(cls, text: str) -> Layout:
-        """`attn=4,6,6;mlp=1024,1536,1536;vocab=...` (the `xronos run --layout` form)."""
+        """`attn=4,6,6;mlp=1024,1536,1536;vocab=...` (the `xronos run --layout` form). Items are
+        separated by `;` or whitespace; whitespace around `=` and `,` is allowed."""
         parts: dict[str, tuple[int, ...]] = {}
-        for item in filter(None, (p.strip() for p in text.replace(" ", ";").split(";"))):
+        # "attn = 4, 8" means "attn=4,8": glue the separators before splitting on whitespace.
+        glued = re.sub(r"\s*([=,])\s*", r"\1", text)
+        for item in filter(None, (p.strip() for p in re.split(r"[;\s]+", glued))):
             key, sep, value = item.partition("=")
             if not sep or key not in KINDS:
                 raise LayoutError(f"--layout: expected kind=c1,c2,... with kind in {', '.join(KINDS)}, "
                                   f"got {item!r}")
             if key in parts:
                 raise LayoutError(f"--layout: {key} given twice")
-            try:
-                parts[key] = tuple(int(v) for v in value.split(","))
-            except ValueError:
-                raise LayoutError(f"--layout: {key} must be comma-separated integers, got {value!r}") from None
-            if any(c < 0 for c in parts[key]):
-                raise LayoutError(f"--layout: {key} counts must be >= 0, got {list(parts[key])}")
+            values = value.split(",")
+            # ASCII digits only: int() would also take "6_0" (60), "+6" and other scripts' digits.
+            if not value or not all(_COUNT.fullmatch(v) for v in values):
+                raise LayoutError(f"--layout: {key} must be comma-separated integers (one count of "
+                                  f"{NOUN[key]} per rank), got {value!r}")
+            if any(len(v.lstrip("-")) > 10 for v in values):  # beyond MAX_COUNT (and int()'s digit limit)
+                raise LayoutError(f"--layout: {key} counts must be in 0..{MAX_COUNT}, got {value[:80]!r}")
+            counts = tuple(int(v) for v in values)
+            if any(c < 0 for c in counts):
+                raise LayoutError(f"--layout: {key} counts must be >= 0, got {list(counts)}")
+            if any(c > MAX_COUNT for c in counts):
+                raise LayoutError(f"--layout: {key} counts must be in 0..{MAX_COUNT}, got {list(counts)}")
+            parts[key] = counts
         missing = [k for k in KINDS if k not in parts]
         if missing:
             raise LayoutError(f"--layout: missing {', '.join(missing)} (give all of {', '.join(KINDS)})")
         lengths = {k: len(v) for k, v in parts.items()}
         if len(set(lengths.values())) != 1:
             raise LayoutError(f"--layout: every kind needs one count per rank, got lengths {lengths}")
+        if lengths["attn"] > MAX_RANKS:
+            raise LayoutError(f"--layout: {lengths['attn']} ranks, at most {MAX_RANKS}")
         return cls(**parts)
 
 

@@ -76,7 +76,7 @@ def test_run_is_registered_with_the_documented_flags() -> None:
         ({"layout": "attn=4,8;mlp=50,50;vocab=32,5"}, "mlp: the cut after rank 0 falls at 50, not a multiple of the MLP columns quantum 32"),
         ({"layout": "attn=4,8;mlp=64,36;vocab=10,27"}, "vocab: the cut after rank 0 falls at 10, not a multiple of the vocabulary rows quantum 32"),
         ({"layout": "attn=-4,16;mlp=64,36;vocab=32,5"}, "--layout: attn counts must be >= 0, got [-4, 16]"),
-        ({"layout": "attn=4,4,4;mlp=32,32,36;vocab=32,5,0"}, "layout has 3 ranks but the world has 2"),
+        ({"layout": "attn=4,4,4;mlp=32,32,36;vocab=32,5,0"}, "--layout has 3 counts per kind (one per rank), but --nodes is 2"),
         ({"layout": "attn=4,8;mlp=64,36,0;vocab=32,5"}, "every kind needs one count per rank"),
         ({"layout": "attn=4,8;mlp=64,36"}, "--layout: missing vocab"),
         ({"layout": "attn=4,8;ffn=64,36;vocab=32,5"}, "expected kind=c1,c2,... with kind in attn, mlp, vocab"),

@@ -38,16 +38,16 @@ def test_the_flag_is_documented() -> None:
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    (["7"], "--reshard-at: expected STEP:attn=..;mlp=..;vocab=.., got '7'"),
-    (["x:" + GOOD], "--reshard-at: expected STEP:attn=..;mlp=..;vocab=.., got 'x:"),
+    (["7"], "--reshard-at: expected STEP:attn=..;mlp=..;vocab=.. with STEP a step number (0, 1, ...), got '7'"),
+    (["x:" + GOOD], "with STEP a step number (0, 1, ...), got 'x:"),
     (["7:attn=6,6;mlp=32,68"], "--reshard-at 7: missing vocab"),
     (["7:attn=6,5;mlp=32,68;vocab=32,5"], "--reshard-at 7: attn: counts [6, 5] sum to 11, but the model has 12"),
     (["7:attn=6,6;mlp=50,50;vocab=32,5"], "--reshard-at 7: mlp: the cut after rank 0 falls at 50"),
-    (["7:attn=4,4,4;mlp=32,32,36;vocab=32,5,0"], "reshard_at step 7: layout has 3 ranks, the run 2"),
-    (["9:" + GOOD, "7:" + GOOD], "reshard_at: steps [9, 7] must be distinct and increasing"),
-    (["7:" + GOOD, "7:" + GOOD], "reshard_at: steps [7, 7] must be distinct and increasing"),
-    (["20:" + GOOD], "reshard_at step 20: the run has only 20 steps (0..19)"),
-    (["-1:" + GOOD], "--reshard-at: Input should be greater than or equal to 0"),
+    (["7:attn=4,4,4;mlp=32,32,36;vocab=32,5,0"], "--reshard-at step 7: layout has 3 ranks, but --nodes is 2"),
+    (["9:" + GOOD, "7:" + GOOD], "--reshard-at: steps [9, 7] must be distinct and increasing"),
+    (["7:" + GOOD, "7:" + GOOD], "--reshard-at: steps [7, 7] must be distinct and increasing"),
+    (["20:" + GOOD], "--reshard-at step 20: the run has only 20 steps (0..19)"),
+    (["-1:" + GOOD], "--reshard-at: expected STEP:attn=..;mlp=..;vocab=.. with STEP a step number"),
 ])
 def test_bad_schedules_are_refused(good, tmp_path, capsys, no_spawn, values, message) -> None:
     model, data = good
@@ -65,4 +65,4 @@ def test_rebalance_and_forced_moves_are_not_mixed(good, tmp_path, capsys, no_spa
     argv = runkit.run_argv(model, data, "classify", (4, 8), tmp_path / "out") + ["--rebalance",
                                                                                   f"--reshard-at=7:{GOOD}"]
     assert main(argv) == 2
-    assert "give reshard_at (forced moves) or rebalance (planned moves), not both" in capsys.readouterr().err
+    assert "give --reshard-at (forced moves) or --rebalance (planned moves), not both" in capsys.readouterr().err

@@ -191,7 +191,7 @@ def _with_collectives(r, seconds=0.004, small=0.001, nbytes=None):
     ({"collectives__small_seconds": -1.0}, "field collectives.small_seconds"),
     ({"collectives__nbytes": 4 * 8 * 64 * 1024}, "field collectives.nbytes: node n0 probed all-reduces of "
                                                    "2097152 bytes, but the activation of batch 8 x seq 32"),
-    ({"collectives__small_bytes": 10**9}, "field collectives: Value error, small_bytes: must be below nbytes"),
+    ({"collectives__small_bytes": 10**9}, "field collectives: small_bytes: must be below nbytes"),
     # Missing layers: no embedding, no output layer, a layer twice.
     ({"layers__0__kind": "blk", "layers__0__segment": "attn"}, "field layers"),
     ({"layers__4__kind": "blk"}, "field layers: no 'out' layer"),
