@@ -129,7 +129,7 @@ class Layout(BaseModel):
             counts, total = self.counts(k), sizes.total(k)
             if sum(counts) != total:
                 raise LayoutError(f"{k}: counts {list(counts)} sum to {sum(counts)}, but the model has "
-                                  f"{total} {NOUN[k]}")
+                                  f"{total} {NOUN[k]}" + (" (heads; KV-head groups under GQA)" if k == "attn" else ""))
             q = 1 if quanta is None else quanta[k]
             cut = 0
             for r, c in enumerate(counts[:-1]):
