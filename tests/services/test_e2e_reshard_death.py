@@ -8,6 +8,7 @@ rank announce that it entered the move, and `XRONOS_RESHARD_HOLD` keeps rank 1 t
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -19,7 +20,7 @@ import pytest
 from jobkit import job_spec, make_case
 from test_e2e import _load, _wait_step
 from xronos.protocol import messages as m
-from xronos.protocol.layout import Layout
+from xronos.protocol.layout import Layout, LayoutError
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,42 @@ VICTIM = 1  # the rank killed in the move (not the owner: its node service keeps
 
 def _marks(mark: Path, rank: int) -> list[Path]:
     return sorted(mark.glob(f"rank{rank}-step*.pid"))
+
+
+
+def trading_layout(old: Layout, sizes) -> Layout:
+    """A layout every rank of `old` both sends to and receives from (or, failing that, at least
+    does one of the two): cuts between ranks moved by a
+    few heads and by whole quanta of one other kind (the ranks refuse an order off the quanta, as
+    the gateway never sends one)."""
+    def moved(kind: str, deltas: tuple[int, ...]) -> tuple[int, ...]:
+        counts, total = old.counts(kind), sizes.total(kind)
+        cuts = [min(total, max(0, sum(counts[:r + 1]) + d)) for r, d in enumerate(deltas)]
+        edges = [0, *cuts, total]
+        return tuple(max(0, b - a) for a, b in zip(edges, edges[1:]))
+
+    def trades(new: Layout, rank: int, both: bool) -> bool:
+        spans = [(old.range(k, rank), new.range(k, rank)) for k in ("attn", "mlp", "vocab")]
+        sends = any(a < min(b, c) or max(a, d) < b for (a, b), (c, d) in spans)
+        gets = any(c < min(d, a) or max(c, b) < d for (a, b), (c, d) in spans)
+        return (sends and gets) if both else (sends or gets)
+
+    n = old.world_size
+    steps = [(-2, -1, 0, 1, 2)] * (n - 1)
+    for both in (True, False):  # a rank the plan gave nothing can only receive
+        for da in itertools.product(*steps):
+            for kind in ("mlp", "vocab"):
+                for dk in itertools.product(*steps):
+                    new = Layout(**{"attn": moved("attn", da), "mlp": old.mlp, "vocab": old.vocab,
+                                    kind: moved(kind, tuple(32 * d for d in dk))})
+                    if sum(new.attn) != sizes.attn or not all(trades(new, r, both) for r in range(n)):
+                        continue
+                    try:
+                        new.check(sizes, world_size=n)
+                    except LayoutError:
+                        continue
+                    return new
+    raise AssertionError(f"no layout trades with every rank of {old.to_text()}")
 
 
 def test_a_rank_killed_mid_reshard_falls_back_to_the_last_checkpoint(stack, monkeypatch, tmp_path):
@@ -47,9 +84,7 @@ def test_a_rank_killed_mid_reshard_falls_back_to_the_last_checkpoint(stack, monk
     accepted = stack.client.request("job/submit", 300.0, spec=m.JobSpec(**spec))
     job_id, plan = accepted["job_id"], m.Plan.model_validate(accepted["plan"])
     # Every rank sends and receives something: the victim's peers wait for it in the exchange.
-    target = Layout(attn=(4, 4, 4), mlp=(34, 33, 33), vocab=(13, 12, 12))
-    if target == plan.layout():
-        target = Layout(attn=(2, 4, 6), mlp=(20, 30, 50), vocab=(7, 10, 20))
+    target = trading_layout(plan.layout(), plan.sizes)
 
     # Held at a boundary, the ranks take the order at the boundary where they resume (at_step 0:
     # the first one the owner reaches), whatever the step.
