@@ -12,6 +12,7 @@ from jobkit import job_spec, make_case
 from xronos.node.checkpoint import check_saved_layout, saved_layout
 from xronos.node.config import NodeConfig
 from xronos.node.jobcheck import assignment_problem, check_layout_cuts
+from xronos.node.launch import free_port
 from xronos.node.service import NodeService
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
@@ -35,7 +36,7 @@ def case(tmp_path_factory):
 
 def _assignment(spec: m.JobSpec, layout: Layout, rank: int = 0, version: int = 1) -> m.Assignment:
     return m.Assignment(job_id="j", plan_version=version, node_id="n0" if rank == 0 else "n1", rank=rank,
-                        world_size=layout.world_size, rendezvous_host="127.0.0.1", rendezvous_port=41235,
+                        world_size=layout.world_size, rendezvous_host="127.0.0.1", rendezvous_port=free_port(),
                         layout=layout, spec=spec)
 
 

@@ -23,6 +23,7 @@ from xronos.node.models.specs import TensorSpec
 from xronos.node import service as S
 from xronos.node.service import NodeService
 from xronos.node.tp.layout import ShardLayout
+from xronos.node.launch import free_port
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
 from xronos.protocol.layout import Layout
@@ -73,7 +74,7 @@ def inspect(svc, client, spec, rid="r1", timeout=120.0) -> m.InspectReport:
 def assignment(tmp, **changes) -> m.Assignment:
     spec = m.JobSpec(**job_spec(tmp / "allowed" / "m", tmp / "allowed" / "d.csv", tmp / "allowed" / "o", owner="n0"))
     fields = dict(job_id="j", plan_version=1, node_id="n0", rank=0, world_size=2, rendezvous_host="127.0.0.1",
-                  rendezvous_port=41234,
+                  rendezvous_port=free_port(),  # a fixed port inside the ephemeral range collided once in CI
                   layout=Layout(attn=(6, 6), mlp=(64, 36), vocab=(32, 5)), spec=spec)
     return m.Assignment(**{**fields, **changes})
 

@@ -11,6 +11,7 @@ import pytest
 from jobkit import job_spec, make_case
 from xronos.node.config import NodeConfig
 from xronos.node.service import NodeService
+from xronos.node.launch import free_port
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
 from xronos.protocol.layout import Layout
@@ -107,7 +108,7 @@ def test_assignments_checked(node):
     svc, client, broker, tmp = node
     spec = m.JobSpec(**job_spec(tmp / "allowed" / "m", tmp / "allowed" / "d.csv", tmp / "allowed" / "o", owner="n0"))
     base = dict(job_id="j", plan_version=1, rank=0, world_size=2, rendezvous_host="127.0.0.1",
-                rendezvous_port=41234,
+                rendezvous_port=free_port(),  # a fixed port inside the ephemeral range collided once in CI
                 layout=Layout(attn=(6, 6), mlp=(64, 36), vocab=(32, 5)), spec=spec)
     client.drain()
     # A payload naming another node on n0's topic: ignored, logged, answered on n0's error topic.
