@@ -12,6 +12,7 @@ import argparse
 import math
 import sys
 
+from xronos.cli.profile import positive_int
 from xronos.gateway.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S
 from xronos.gateway.costmodel import FITS, SEGMENTS
 from xronos.gateway.planner import MiB, STRATEGIES, PlanResult
@@ -30,9 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", choices=STRATEGIES, default="segment",
                    help="segment (default: every kind balanced on its own, exact), paper (the paper's "
                         "head-tied greedy) or uniform (Megatron-LM's even split)")
-    p.add_argument("--batch-size", type=_count, metavar="B",
+    p.add_argument("--batch-size", type=positive_int, metavar="B",
                    help="the job's batch size: refuse profiles taken at another")
-    p.add_argument("--seq-len", type=_count, metavar="S",
+    p.add_argument("--seq-len", type=positive_int, metavar="S",
                    help="the job's sequence length: refuse profiles taken at another")
     p.add_argument("--reserve-mb", type=float, default=DEFAULT_RESERVE_MB,
                    help=f"MiB of available memory left to the node's day job (default {DEFAULT_RESERVE_MB})")
@@ -48,16 +49,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--job-id", default="preview", help="job id written into --json output")
     p.add_argument("--json", action="store_true", help="print the protocol Plan message as JSON")
     p.set_defaults(func=run)
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _positive(name: str, value: float) -> None:

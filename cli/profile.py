@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -34,16 +34,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--model", metavar="DIR", help="Hugging Face model directory (only config.json is read)")
     src.add_argument("--arch", metavar="NAME", help=f"built-in shape: {', '.join(SHAPES)}")
     p.add_argument("--task", required=True, choices=["classify", "causal-lm"])
-    p.add_argument("--batch-size", required=True, type=_positive, metavar="B")
-    p.add_argument("--seq-len", required=True, type=_positive, metavar="S")
-    p.add_argument("--threads", type=_positive, metavar="T", help="torch threads (default: torch's)")
-    p.add_argument("--iters", type=_positive, default=10, metavar="K",
+    p.add_argument("--batch-size", required=True, type=positive_int, metavar="B")
+    p.add_argument("--seq-len", required=True, type=positive_int, metavar="S")
+    p.add_argument("--threads", type=positive_int, metavar="T", help="torch threads (default: torch's)")
+    p.add_argument("--iters", type=positive_int, default=10, metavar="K",
                    help="measured iterations per width after warm-up (default 10)")
     p.add_argument("--no-clip", action="store_true",
                    help="the job does not clip gradients (leave out the global-norm pass)")
     p.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
                    help="the job's AdamW weight decay (default 0, as `xronos run`)")
-    p.add_argument("--lora-r", type=_positive, metavar="R",
+    p.add_argument("--lora-r", type=positive_int, metavar="R",
                    help="profile LoRA training: adapters of rank R on a frozen base (as `xronos run --lora-r`)")
     p.add_argument("--lora-targets", metavar="M1,M2,..", help="with --lora-r: the adapted modules (peft's names)")
     p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="with --lora-r: adapter dropout")
