@@ -72,7 +72,8 @@ def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
     try:
         return BrokerSettings(**fields), args.base_topic or base
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                             for e in exc.errors())
         raise ValueError(f"broker settings: {problems}") from None
 
 

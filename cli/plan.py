@@ -1,9 +1,11 @@
 """`xronos plan PROFILE.json ...`: predicted split of a job over nodes from their profile reports.
 
-Gateway-side and torch-free: it reads the profiler's JSON reports, runs the cost model and the
-planner, and prints per node its count and share of every segment kind (attention units, MLP
-columns, vocabulary rows), predicted compute, memory vs cap and idle time; then the slowest
-node's time per segment, the predicted iteration, the ideal and the proven lower bound.
+Gateway-side and torch-free: it reads the profiler's JSON reports (refusing a set taken under
+different job settings: a LoRA and a full fine-tune's, other weight decay or clipping), runs the
+cost model and the planner, and prints per node its count and share of every segment kind
+(attention units, MLP columns, vocabulary rows), predicted compute, memory vs cap and idle time;
+then the slowest node's time per segment, the predicted iteration, the ideal and the proven lower
+bound.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     if not (args.reserve_mb >= 0 and math.isfinite(args.reserve_mb)):
         raise ValueError(f"--reserve-mb must be a finite number >= 0, got {args.reserve_mb}")
     loaded = [Loaded(str(path), load_report(path)) for path in args.profiles]
+    for item in loaded:  # a merged export is LoRA's; a full fine-tune's profile would plan another job
+        s = item.report.settings
+        if args.export_merged and s is not None and s.lora_r is None:
+            raise ValueError(f"{item.source}: field settings.lora_r: --export-merged is for LoRA profiles, but node "
+                             f"{item.report.node_id} was profiled for full fine-tuning")
     result = plan_reports(
         loaded, args.strategy, reserve_mb=args.reserve_mb,
         bandwidth_Bps=args.bandwidth_mbps * 1e6 / 8, latency_s=args.latency_ms / 1e3, fit=args.fit,

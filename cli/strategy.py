@@ -27,7 +27,7 @@ from xronos.gateway.costmodel import layout_shares, node_cost, predict_time
 from xronos.gateway.planner import PlanResult
 from xronos.gateway.profiles import Loaded, collective_cost, load_report, node_profile, plan_reports
 from xronos.protocol.layout import Layout
-from xronos.protocol.messages import ProfileReport
+from xronos.protocol.messages import ProfileReport, ProfileSettings
 
 Wrap = Callable[[int, subprocess.Popen], None]
 
@@ -73,15 +73,17 @@ def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, thre
 
 def plan_units(reports: list[ProfileReport], strategy: str, reserve_mb: float, *,
                batch_size: int | None = None, seq_len: int | None = None,
-               bandwidth_mbps: float = 1000.0, latency_ms: float = 0.5, export_merged: bool = False) -> PlanResult:
+               bandwidth_mbps: float = 1000.0, latency_ms: float = 0.5, export_merged: bool = False,
+               settings: ProfileSettings | None = None) -> PlanResult:
     """The planner's result over the ranks' reports (ranks in order); `export_merged`: a LoRA run
-    that also exports the merged model (the owner gathers the whole model)."""
+    that also exports the merged model (the owner gathers the whole model); `settings`: the run's,
+    a report taken under others (a cached one, say) is refused."""
     if not (bandwidth_mbps > 0 and math.isfinite(bandwidth_mbps)):
         raise ValueError(f"--bandwidth-mbps must be finite and > 0, got {bandwidth_mbps}")
     if not (latency_ms >= 0 and math.isfinite(latency_ms)):
         raise ValueError(f"--latency-ms must be finite and >= 0, got {latency_ms}")
     return plan_reports([Loaded(f"profile of {r.node_id}", r) for r in reports], strategy,  # type: ignore[arg-type]
-                        reserve_mb=reserve_mb, batch_size=batch_size, seq_len=seq_len,
+                        reserve_mb=reserve_mb, batch_size=batch_size, seq_len=seq_len, settings=settings,
                         bandwidth_Bps=bandwidth_mbps * 1e6 / 8, latency_s=latency_ms / 1e3,
                         export_merged=export_merged)
 
@@ -185,6 +187,15 @@ def confinement(shares: str | None, n: int) -> Iterator[Wrap | None]:
         yield conf.wrap
 
 
+def run_settings(args: Any) -> ProfileSettings:
+    """The job settings of an `xronos run`, as its rank profiles are asked for and record them."""
+    targets = getattr(args, "lora_targets", None)
+    return ProfileSettings.of(weight_decay=args.weight_decay, clip=args.max_grad_norm is not None,
+                              lora_r=getattr(args, "lora_r", None),
+                              lora_targets=[t.strip() for t in targets.split(",")] if targets else None,
+                              lora_dropout=getattr(args, "lora_dropout", 0.0))
+
+
 def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileReport]]:
     """Profile each rank of an `xronos run` where it will run, then plan with args.strategy."""
     reports = profile_ranks(str(Path(args.model).resolve()), args.task, args.batch_size, args.seq_len,
@@ -196,7 +207,7 @@ def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileRepo
     result = plan_units(reports, args.strategy, args.reserve_mb, batch_size=args.batch_size,
                         seq_len=args.seq_len, bandwidth_mbps=getattr(args, "bandwidth_mbps", 1000.0),
                         latency_ms=getattr(args, "latency_ms", 0.5),
-                        export_merged=getattr(args, "export_merged", False))
+                        export_merged=getattr(args, "export_merged", False), settings=run_settings(args))
     print(f"xronos run: {args.strategy} plan {result.layout.describe()}, predicted iteration "
           f"{result.predicted_iteration_s:.4f} s (compute {result.bottleneck_s:.4f} s + comm "
           f"{result.comm_s:.4f} s)", file=sys.stderr, flush=True)

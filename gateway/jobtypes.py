@@ -16,6 +16,8 @@ from pydantic import ConfigDict, with_config
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Layout
 
+from .profiles import job_settings, settings_diff
+
 TERMINAL = frozenset({"completed", "failed", "cancelled"})
 # Phases in which a job holds its nodes: only one such job runs at a time.
 ACTIVE = frozenset({"assigning", "running", "paused", "recovering"})
@@ -159,6 +161,12 @@ def profile_mismatch(job: Job, report: m.ProfileReport) -> str | None:
                 name = next(f"arch.{k}" for k in type(value).model_fields if getattr(got, k) != getattr(value, k))
                 got, value = getattr(got, name[5:]), getattr(value, name[5:])
             return f"its report's {name} does not match the request (got {got!r}, the job's is {value!r})"
+    # The job settings it records (none: an older node's, which honoured the request's; see
+    # profiles.check_compatible): a LoRA or full fine-tune, decay, clipping other than the job's
+    # are another profile's memory and time.
+    diff = None if report.settings is None else settings_diff(report.settings, job_settings(job.spec))
+    if diff is not None:
+        return f"its report's settings.{diff[0]} does not match the request (got {diff[1]}, the job's is {diff[2]})"
     if report.capabilities.node_id != report.node_id:
         return "its report's capabilities name another node"
     return None

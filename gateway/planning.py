@@ -10,7 +10,7 @@ from xronos.protocol import messages as m
 from xronos.protocol.layout import KINDS, NOUN
 
 from .jobtypes import Ctx, Job
-from .profiles import Loaded, plan_message, plan_reports
+from .profiles import Loaded, job_settings, plan_message, plan_reports
 
 
 def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan:
@@ -28,6 +28,7 @@ def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan
     result = plan_reports(loaded, job.spec.strategy, reserve_mb=job.spec.reserve_mb,
                           bandwidth_Bps=ctx.net.bandwidth_Bps, latency_s=ctx.net.latency_s,
                           batch_size=job.spec.batch_size, seq_len=job.spec.seq_len, task=job.spec.task,
+                          settings=job_settings(job.spec),
                           checkpoints=True,  # a job's owner gathers consolidated checkpoints
                           export_merged=job.spec.export_merged)
     if not result.feasible:

@@ -2,10 +2,12 @@
 
 `load_report` reads one ProfileReport JSON file (as the profiler writes it, `model_dump(mode=
 "json")`); `check_report` refuses a report the planner cannot use (non-finite or negative
-numbers, a segment kind without a partitioned layer, too few widths for the fit);
-`check_compatible` refuses a set of reports that cannot be planned together (or that were taken
-at another batch size, sequence length or task than the job's); `plan_reports` runs the cost
-model and planner over them. Every refusal names the file (or node) and the field.
+numbers, a segment kind without a partitioned layer, no embedding, block remainder or output
+layer, too few widths for the fit); `check_compatible` refuses a set of reports that cannot be
+planned together (another model, batch shape or job settings — LoRA or not, weight decay,
+clipping) or that were taken at another batch size, sequence length, task or settings than the
+job's; `plan_reports` runs the cost model and planner over them. Every refusal names the file (or
+node) and the field.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from xronos.gateway.costmodel import Fit, LayerCost, NodeProfile, node_cost
 from xronos.gateway.planner import MiB, PlanResult, Strategy, plan
 from xronos.protocol.layout import KINDS, NOUN
 from xronos.protocol.codec import MAX_PAYLOAD
-from xronos.protocol.messages import MAX_ID, SCHEMA_VERSION, Id, Plan, PlanEntry, ProfileReport
+from xronos.protocol.messages import (
+    MAX_ID, SCHEMA_VERSION, Id, JobSpec, Plan, PlanEntry, ProfileReport, ProfileSettings,
+)
 
 RequestId = TypeAdapter(Id)
 
@@ -133,6 +137,11 @@ def check_report(r: ProfileReport, source: str) -> None:
     if absent:
         raise ValueError(f"{source}: field layers: no {' or '.join(repr(k) for k in absent)} layer (a profile "
                          f"times the embedding, the block and the output layer)")
+    # The block's replicated remainder (blk.rest: its norms and residual adds) runs whole on every
+    # rank, B times: without it the cost model would count neither its time nor its memory.
+    if not any(lay.kind == "blk" and not lay.partitioned for lay in r.layers):
+        raise ValueError(f"{source}: field layers: node {r.node_id}'s profile has no replicated 'blk' layer "
+                         f"(blk.rest: the block's norms and residual adds, which every rank runs whole)")
     c = r.collectives
     if c is not None:
         for name in ("seconds", "small_seconds"):
@@ -198,15 +207,50 @@ def load_report(path: str | Path) -> ProfileReport:
 _SAME = ("task", "batch_size", "seq_len", "num_blocks", "arch", "sizes")
 
 
+def _show(name: str, value: object) -> str:
+    if value is None and name == "lora_r":
+        return "None (full fine-tuning)"
+    if value is None and name == "lora_targets":
+        return "None (the family's default)"
+    return repr(value)
+
+
+def job_settings(spec: JobSpec) -> ProfileSettings:
+    """The settings a job's profiles are taken under: what the gateway's ProfileRequest carries
+    (gateway/effects.py), in the form a report records them."""
+    return ProfileSettings.of(weight_decay=spec.weight_decay, clip=spec.max_grad_norm is not None,
+                              lora_r=spec.lora_r, lora_targets=spec.lora_targets, lora_dropout=spec.lora_dropout)
+
+
+def settings_diff(got: ProfileSettings, want: ProfileSettings) -> tuple[str, str, str] | None:
+    """(field, got, want) of the first setting `got` differs from `want` in, shown for a person
+    (the LoRA targets compared as a set), or None when they are the same."""
+    for name in type(want).model_fields:
+        if name == "schema_version":
+            continue
+        a, b = getattr(got, name), getattr(want, name)
+        if name == "lora_targets" and a is not None and b is not None:
+            a, b = sorted(set(a)), sorted(set(b))
+        if a != b:
+            return name, _show(name, a), _show(name, b)
+    return None
+
+
 def check_compatible(loaded: Sequence[Loaded], *, batch_size: int | None = None, seq_len: int | None = None,
-                     task: str | None = None) -> None:
+                     task: str | None = None, settings: ProfileSettings | None = None) -> None:
     """Refuse a set of reports that do not describe one job on distinct nodes, or (when given)
-    were taken at another batch size, sequence length or task than the job's."""
+    were taken at another batch size, sequence length, task or job settings than the job's.
+
+    Settings: a report that records none (an older Xronos wrote it) is of unknown settings. With
+    the job's `settings` given it is let through (it answered that job's own request, which carried
+    them, or `xronos run` just measured it); without, it cannot be planned beside one that records
+    its settings, since nothing says they are the same."""
     if not loaded:
         raise ValueError("profiles: a plan needs at least one node's profile, got none")
     first = loaded[0]
     seen: dict[str, str] = {}
     expect = {"batch_size": batch_size, "seq_len": seq_len, "task": task}
+    recorded = next((item for item in loaded if item.report.settings is not None), None)
     for item in loaded:
         r = item.report
         if r.node_id in seen:
@@ -217,6 +261,11 @@ def check_compatible(loaded: Sequence[Loaded], *, batch_size: int | None = None,
             if want is not None and getattr(r, name) != want:
                 raise ValueError(f"{item.source}: field {name}: node {r.node_id} was profiled at "
                                  f"{name} {getattr(r, name)!r}, but the job runs {want!r}; profile it again")
+        if settings is not None and r.settings is not None:
+            diff = settings_diff(r.settings, settings)
+            if diff is not None:
+                raise ValueError(f"{item.source}: field settings.{diff[0]}: node {r.node_id} was profiled at "
+                                 f"{diff[0]} {diff[1]}, but the job runs {diff[2]}; profile it again")
         for name in _SAME:
             mine, theirs = getattr(r, name), getattr(first.report, name)
             if name == "arch":  # name the architecture field that differs, not the whole spec
@@ -226,6 +275,19 @@ def check_compatible(loaded: Sequence[Loaded], *, batch_size: int | None = None,
             if mine != theirs:
                 raise ValueError(f"{item.source}: field {name}: {mine!r} differs from {theirs!r} in "
                                  f"{first.source}; one plan needs one model and batch shape")
+        if recorded is None or settings is not None:
+            continue
+        # A LoRA profile holds no gradient or moments on the base and a full fine-tune's does, and
+        # decay and clipping are passes of their own: one plan needs reports of one job's settings.
+        if r.settings is None:
+            raise ValueError(f"{item.source}: field settings: node {r.node_id}'s profile does not record the "
+                             f"job settings it was taken under (an older Xronos wrote it), but {recorded.source} "
+                             f"does; profile it again")
+        diff = settings_diff(r.settings, recorded.report.settings)  # type: ignore[arg-type]
+        if diff is not None:
+            raise ValueError(f"{item.source}: field settings.{diff[0]}: node {r.node_id} was profiled at "
+                             f"{diff[0]} {diff[1]}, but {recorded.source} at {diff[2]}; one plan needs "
+                             f"profiles taken under one job's settings")
 
 
 def node_profile(report: ProfileReport) -> NodeProfile:
@@ -276,18 +338,20 @@ def plan_reports(
     batch_size: int | None = None,
     seq_len: int | None = None,
     task: str | None = None,
+    settings: ProfileSettings | None = None,
     checkpoints: bool = False,
     exports: bool = True,
     export_merged: bool = False,
 ) -> PlanResult:
     """Cost model + communication term + planner over validated reports (ranks in given order).
-    `batch_size`/`seq_len`/`task`, when given, are the job's: a report taken at others is refused.
+    `batch_size`/`seq_len`/`task`/`settings`, when given, are the job's: a report taken at others
+    is refused.
     `checkpoints`: the run writes consolidated checkpoints (a job), which the owner's memory holds;
     `exports`: it ends with an export (every run and job; not the bench's timed runs): of the trained
     tensors, or with `export_merged` (LoRA's merged model) of every weight."""
     for item in loaded:
         check_report(item.report, item.source)
-    check_compatible(loaded, batch_size=batch_size, seq_len=seq_len, task=task)
+    check_compatible(loaded, batch_size=batch_size, seq_len=seq_len, task=task, settings=settings)
     r0 = loaded[0].report
     volume = tp_comm_volume(r0.arch.hidden_size, r0.batch_size, r0.seq_len, r0.num_blocks, r0.task)
     cpu = [c for c in (collective_cost(item.report) for item in loaded) if c is not None]

@@ -77,7 +77,7 @@ from xronos.node.models.registry import arch_spec, config_from_arch, family_for
 from xronos.node.profset import ProfilingSet
 from xronos.node.tp.lora import LoraSettings
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
-from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport
+from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport, ProfileSettings
 
 log = structlog.get_logger(__name__)
 
@@ -91,6 +91,9 @@ log = structlog.get_logger(__name__)
 #    has settled.
 # 8: the slack measured in fresh processes at two widths and two depths, AdamW state allocated at build
 #    (as the trainer); each layer's M_t without the moments' lazy creation inside its step.
+# (ProfileReport.settings, the job settings a report was taken under, is not a change of method and
+# needs no bump: the key holds those settings, so a report cached before it was recorded is served
+# with this request's settings, which are the ones it was measured under.)
 PROFILER_VERSION = 8
 # The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
 # in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).
@@ -237,7 +240,8 @@ def profile(
     With `cache_dir`, a report measured earlier for the same hardware fingerprint, shape, task,
     batch and sequence length is returned (with this request's ids and fresh capabilities).
     With `lora_r`, the profiling set trains LoRA adapters (`lora_targets`, None: the family's
-    default) on a frozen base, as the job will; its cache entry is its own.
+    default) on a frozen base, as the job will; its cache entry is its own. The report records
+    these settings (`ProfileReport.settings`), so it is refused for a job run under others.
     """
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("iters", iters)):
         _check_positive_int(name, v)
@@ -251,9 +255,13 @@ def profile(
     arch = ArchSpec(**arch_spec(config, task))
     if seq_len > arch.max_positions:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_positions {arch.max_positions}")
+    # Echoed in the report (and onto a cached one: the key holds them), so the planner can refuse
+    # it for a job run under other settings.
+    settings = ProfileSettings.of(weight_decay=weight_decay, clip=clip, lora_r=lora_r, lora_targets=lora_targets,
+                                  lora_dropout=lora_dropout)
     caps = capabilities or probe(node_id, "127.0.0.1")
     threads = threads or torch.get_num_threads()
-    ids = dict(node_id=node_id, request_id=request_id, job_id=job_id, capabilities=caps)
+    ids = dict(node_id=node_id, request_id=request_id, job_id=job_id, capabilities=caps, settings=settings)
     path = None
     pause = collective_pause_s()
     if cache_dir is not None:

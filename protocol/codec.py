@@ -106,7 +106,9 @@ def decode_entry(entry: TopicEntry, topic: str, payload: bytes, *, max_bytes: in
         first = min(errors, key=lambda e: _REASONS.get(e["type"], (2, "invalid"))[0])
         reason = _REASONS.get(first["type"], (2, "invalid"))[1]
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise DecodeError(topic, reason, f"{first['msg']}{more}", field=_field(first["loc"]),
+        # pydantic prefixes a validator's own text, which already says why, with "Value error, ".
+        msg = first["msg"].removeprefix("Value error, ")
+        raise DecodeError(topic, reason, f"{msg}{more}", field=_field(first["loc"]),
                           transaction=txn, entry=entry) from None
     except RecursionError:
         raise DecodeError(topic, "invalid", "nested too deeply", transaction=txn, entry=entry) from None

@@ -24,7 +24,7 @@ from .msgtypes import (
 )
 from .msgnode import (
     Availability, ArchSpec, Capabilities, ProfileRequest, LayerProfile, CollectiveProfile,
-    ProfileReport,
+    ProfileSettings, ProfileReport,
 )
 from .msgjob import (
     JobSpec, PlanEntry, Plan, Assignment, AssignmentAck, JobStart, JobPause, JobResume, JobCancel,
@@ -49,7 +49,7 @@ __all__ = [
     "LayerName", "Column", "LearningRate", "Epochs", "Steps", "StepCount", "Fraction", "Megabytes",
     "Seed", "GradNorm", "HostName", "Eta", "Percent", "Code", "TopicText", "LoraRank", "LoraAlpha",
     "LoraTarget", "Sample", "Message", "Availability", "ArchSpec", "Capabilities", "ProfileRequest",
-    "LayerProfile", "CollectiveProfile", "ProfileReport", "JobSpec", "PlanEntry", "Plan", "Assignment",
+    "LayerProfile", "CollectiveProfile", "ProfileSettings", "ProfileReport", "JobSpec", "PlanEntry", "Plan", "Assignment",
     "AssignmentAck", "JobStart", "JobPause", "JobResume", "JobCancel", "JobReshard", "JobControl",
     "JobControlAdapter", "InspectRequest", "InspectReport", "IterationMetrics", "NodeFloats",
     "NodeBytes", "JobState", "NodeJobStatus", "ErrorResponse", "Transaction", "GatewayRequest",

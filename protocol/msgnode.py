@@ -124,6 +124,45 @@ class CollectiveProfile(Message):
         return self
 
 
+class ProfileSettings(Message):
+    """The job settings a profile was taken under, as its ProfileRequest named them. They change
+    what is measured: decoupled weight decay and the clipping pass each add a pass over every
+    parameter, and LoRA trains adapters on a frozen base (no gradient or AdamW moments on the base:
+    less memory, less time), so a profile is the job's only at the job's settings. Every field is
+    required: a report that records its settings records all of them. Without `lora_r` (full
+    fine-tuning) the LoRA fields are unset (None, 0.0); `lora_targets` None is the family's default."""
+
+    weight_decay: Decay
+    clip: bool
+    lora_r: LoraRank | None
+    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None
+    lora_dropout: Fraction
+
+    @model_validator(mode="after")
+    def _lora_needs_rank(self) -> ProfileSettings:
+        if self.lora_r is None and (self.lora_targets is not None or self.lora_dropout != 0):
+            which = "lora_targets" if self.lora_targets is not None else "lora_dropout"
+            raise ValueError(f"{which}: set without lora_r (a full fine-tune trains no adapters)")
+        return self
+
+    @classmethod
+    def of(cls, *, weight_decay: float, clip: bool, lora_r: int | None, lora_targets: list[str] | None,
+           lora_dropout: float) -> ProfileSettings:
+        """The settings of a request or a job spec, in the one form every report records: the LoRA
+        fields dropped under full fine-tuning (a spec may carry a dropout it never uses), the targets
+        sorted and once each (their order trains nothing different)."""
+        if lora_r is None:
+            return cls(weight_decay=weight_decay, clip=clip, lora_r=None, lora_targets=None, lora_dropout=0.0)
+        targets = sorted(set(lora_targets)) if lora_targets else None
+        return cls(weight_decay=weight_decay, clip=clip, lora_r=lora_r, lora_targets=targets,
+                   lora_dropout=lora_dropout)
+
+    @classmethod
+    def of_request(cls, req: ProfileRequest) -> ProfileSettings:
+        return cls.of(weight_decay=req.weight_decay, clip=req.clip, lora_r=req.lora_r,
+                      lora_targets=req.lora_targets, lora_dropout=req.lora_dropout)
+
+
 class ProfileReport(Message):
     node_id: Id
     request_id: Id
@@ -163,4 +202,9 @@ class ProfileReport(Message):
     # The node's CPU cost of the job's all-reduces (None: a profile from before it was measured;
     # the planner then counts the link alone).
     collectives: CollectiveProfile | None = None
+    # The job settings it was taken under (None: not recorded, a report written by an Xronos from
+    # before they were echoed; its settings are unknown, not the defaults). The planner refuses a
+    # set of reports taken under different settings, and a report taken under other settings than
+    # the job's, as it does another batch size or sequence length.
+    settings: ProfileSettings | None = None
 

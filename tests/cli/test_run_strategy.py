@@ -52,6 +52,31 @@ def test_profiles_of_another_batch_refused() -> None:
         strategy.plan_units(reports, "segment", reserve_mb=0, batch_size=8, seq_len=32)
 
 
+def test_rank_profiles_of_other_job_settings_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`xronos run --strategy` plans only with rank profiles that record the run's settings (a
+    profile cache could hold another run's): a full fine-tune's profile for a LoRA run is refused,
+    naming the rank and the field; LoRA's own plans."""
+    from argparse import Namespace
+
+    from xronos.protocol.messages import ProfileSettings
+
+    args = Namespace(model=".", task="classify", batch_size=8, seq_len=32, threads_per_node=1, nodes=2,
+                     max_grad_norm=1.0, weight_decay=0.0, profile_cache=None, lora_r=8, lora_targets="c_proj, c_attn",
+                     lora_dropout=0.05, strategy="segment", reserve_mb=0)
+    lora = ProfileSettings(weight_decay=0.0, clip=True, lora_r=8, lora_targets=["c_attn", "c_proj"], lora_dropout=0.05)
+    assert strategy.run_settings(args) == lora
+    full = ProfileSettings.of(weight_decay=0.0, clip=True, lora_r=None, lora_targets=None, lora_dropout=0.0)
+    given = {"rank0": lora, "rank1": full}
+    monkeypatch.setattr(strategy, "profile_ranks", lambda *a, **k: [
+        synthetic_report(f"rank{r}").model_copy(update={"settings": given[f"rank{r}"]}) for r in range(2)])
+    with pytest.raises(ValueError, match="profile of rank1: field settings.lora_r: node rank1 was profiled at "
+                                         r"lora_r None \(full fine-tuning\), but the job runs 8"):
+        strategy.plan_run(args, None)
+    given["rank1"] = lora
+    result, _ = strategy.plan_run(args, None)
+    assert len(result.rows) == 2
+
+
 def test_parse_shares() -> None:
     assert strategy.parse_shares("1,0.45", 2) == [1.0, 0.45]
     with pytest.raises(ValueError, match="2 entries for --nodes 3"):

@@ -15,9 +15,10 @@ from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes
 from xronos.node.models.shapes import shape
 from xronos.node.profset import find_regions
 from xronos.protocol.layout import Sizes
-from xronos.protocol.messages import ProfileReport
+from xronos.protocol.messages import ProfileReport, ProfileSettings
 
 B, S = 2, 16
+FULL = ProfileSettings.of(weight_decay=0.0, clip=True, lora_r=None, lora_targets=None, lora_dropout=0.0)
 TINY = shape("tiny-gpt2", "classify")  # hidden 64, 4 heads, MLP 256, vocab 500, 2 blocks
 E, I, V, P, H = 64, 256, 500, 128, 4
 
@@ -49,6 +50,7 @@ def test_report_is_valid_and_plausible(reports: dict[str, ProfileReport], task: 
     assert r.sizes.attn == H and r.num_blocks == 2 and r.task == task
     assert (r.batch_size, r.seq_len, r.threads) == (B, S, 1)
     assert r.arch.hidden_size == E and r.capabilities.cores >= 1
+    assert r.settings == FULL  # the job settings it was taken under, recorded
     layers = {lay.name: lay for lay in r.layers}
     assert set(layers) == {"emb", "blk.attn", "blk.mlp", "blk.rest", "out"}
     assert [lay.kind for lay in r.layers] == ["emb", "blk", "blk", "blk", "out"]
@@ -116,6 +118,15 @@ def test_cache_hit_does_not_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
                           node_id="n1", job_id="j2", request_id="r2")
     assert second.layers == first.layers and second.created_at == first.created_at
     assert (second.job_id, second.request_id) == ("j2", "r2")
+    assert second.settings == first.settings == FULL
+    # An entry cached before the report recorded its settings (no PROFILER_VERSION bump for it) is
+    # served with this request's: the key holds them, so they are the ones it was measured under.
+    (entry,) = tmp_path.glob("profile-*.json")
+    doc = json.loads(entry.read_text())
+    doc.pop("settings")
+    entry.write_text(json.dumps(doc))
+    third = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path)
+    assert third.settings == FULL and third.layers == first.layers
     # Another batch shape is another profile.
     with pytest.raises(AssertionError, match="profiled again"):
         prof.profile(config, "classify", B + 1, S, threads=1, iters=2, cache_dir=tmp_path)
@@ -302,6 +313,8 @@ def test_lora_profile_is_its_own_and_counts_a_frozen_base(reports: dict[str, Pro
     config = prof.config_for(arch=TINY)
     lora = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path,
                         lora_r=r, lora_targets=["c_attn", "c_proj", "c_fc"])
+    assert lora.settings == ProfileSettings(weight_decay=0.0, clip=True, lora_r=r,
+                                            lora_targets=["c_attn", "c_fc", "c_proj"], lora_dropout=0.0)
     full = {layer.name: layer for layer in reports["classify"].layers}
     got = {layer.name: layer for layer in lora.layers}
     adapters = {"blk.attn": (r * E + 3 * E * r) + (r * E + E * r), "blk.mlp": (r * E + I * r) + (r * I + E * r)}

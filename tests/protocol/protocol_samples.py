@@ -32,6 +32,9 @@ LAYERS = [
     m.LayerProfile(name="blk.mlp", kind="blk", partitioned=True, segment="mlp", time_s=0.2,
                    time_samples=[(0.25, 0.06), (0.5, 0.11), (1.0, 0.2)], weight_bytes=10**6,
                    activation_bytes=10**5, temp_bytes=10**4),
+    # The block's replicated remainder (norms, residual adds): every profile has one.
+    m.LayerProfile(name="blk.rest", kind="blk", partitioned=False, time_s=0.004, time_samples=[(1.0, 0.004)],
+                   weight_bytes=1024, activation_bytes=4096, temp_bytes=512),
     m.LayerProfile(name="out", kind="out", partitioned=False, time_s=0.001, time_samples=[],
                    weight_bytes=500, activation_bytes=20, temp_bytes=0),
 ]
@@ -44,7 +47,9 @@ SAMPLES: dict[str, object] = {
     "node.profile_report": m.ProfileReport(node_id="pi5-a", request_id="r1", job_id="j1", capabilities=CAPS,
                                            arch=ARCH, task="causal-lm", batch_size=4, seq_len=64, threads=4,
                                            sizes=ARCH.sizes(), num_blocks=2, layers=LAYERS, profile_seconds=3.5,
-                                           created_at=1.7e9),
+                                           created_at=1.7e9,
+                                           settings=m.ProfileSettings(weight_decay=0.0, clip=True, lora_r=None,
+                                                                      lora_targets=None, lora_dropout=0.0)),
     "node.assignment": m.Assignment(job_id="j1", plan_version=2, node_id="n100", rank=1, world_size=2,
                                     rendezvous_host="192.168.1.20", rendezvous_port=29500,
                                     layout=Layout(attn=(0, 2), mlp=(32, 96), vocab=(640, 360)),

@@ -108,6 +108,25 @@ def test_bad_input_names_topic_reason_and_field(payload, reason, field, text):
     assert isinstance(err, ValueError)
 
 
+def test_a_validators_refusal_reads_without_pydantics_prefix():
+    """A model validator's own text already says why; the codec hands it on without pydantic's
+    "Value error, " in front (the text a person reads in the gateway's events and logs)."""
+    topic = TABLE.build("node.profile_report", node_id="pi5-a")
+    doc = SAMPLES["node.profile_report"].model_dump(mode="json")
+    doc["layers"][1]["segment"] = None  # a partitioned layer without its segment kind
+    with pytest.raises(DecodeError) as info:
+        decode(topic, msgpack.packb(doc))
+    err = info.value
+    assert (err.reason, err.field) == ("invalid", "layers.1")
+    assert err.detail == "segment: layer 'blk.attn' is partitioned, so its segment must be set", err.detail
+    assert "Value error" not in str(err)
+    doc = SAMPLES["node.profile_report"].model_dump(mode="json")
+    doc["settings"]["lora_dropout"] = 0.1  # without lora_r
+    with pytest.raises(DecodeError) as info:
+        decode(topic, msgpack.packb(doc))
+    assert info.value.field == "settings" and info.value.detail.startswith("lora_dropout: set without lora_r")
+
+
 def test_bad_msgpack_and_text_and_unknown_topic():
     with pytest.raises(DecodeError, match="not msgpack"):
         decode(TABLE.build("node.metrics", node_id="a"), b"\xc1")
