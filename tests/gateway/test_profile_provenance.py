@@ -77,6 +77,22 @@ def test_settings_of_a_request_or_spec_take_one_form():
     assert m.ProfileSettings.of_request(req) == LORA
 
 
+@pytest.mark.parametrize("changes", [
+    dict(lora_r=8, lora_targets=["c_proj", "c_attn"], lora_dropout=0.05, weight_decay=0.01),
+    dict(lora_dropout=0.05, max_grad_norm=None),  # a full fine-tune carrying a dropout it never uses
+])
+def test_the_request_the_gateway_sends_is_recorded_as_the_jobs_settings(changes):
+    """What a node echoes (the profiler's ProfileSettings.of its request) equals what the gateway
+    checks against (job_settings of the spec): a correct node's report is never refused."""
+    from xronos.gateway.effects import messages
+
+    spec = SPEC.model_copy(update=changes)
+    job = J.Job("j", spec, 0.0, arch=rep().arch)
+    ((req, _),) = list(messages(J.Profile("j", (("j.1", "a"),)), job, None, (0, 0)))
+    assert isinstance(req, m.ProfileRequest)
+    assert m.ProfileSettings.of_request(req) == job_settings(spec)
+
+
 # --- a set of reports: one job's settings ------------------------------------------------------
 
 @pytest.mark.parametrize("other, needle", [
