@@ -16,7 +16,10 @@ the temporary T, loading's buffer L, the heap's holes H and the owner's data sta
 layer's `temp_bytes` and the heap's holes: `heap_slack_*`) from a fresh profile of the
 same shape, task, batch and sequence length in DIR (`<model>_s<seq>.json`, `xronos profile`
 output), every other field from the cell's own profile: memory does not depend on the CPU's
-speed, so the cell's measured peaks stay comparable.
+speed, so the cell's measured peaks stay comparable. Version 9 measures the same fields (the heap
+probes' depths drawn three times, medians): `bench/results/mem-profiles-v9`, from the cells'
+1-block checkpoints (`bench.workloads.write_checkpoint`: dropout 0, which `--arch` shapes do not
+have and which shifts the holes), `mem-peak-v9.md`.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def run_capped(cmd: list[str], caps: list[int], phases_dir: Path) -> list[dict]:
 
 def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nodes: int, *, batch: int, seq: int,
             steps: int, work: Path, profile_json: Path | None = None, memcap: list[int] | None = None,
-            lora_r: int | None = None) -> dict:
+            lora_r: int | None = None, clip: bool = True) -> dict:
     from xronos.gateway.costmodel import heap_slack, layout_shares, node_cost, predict_memory
     from xronos.gateway.profiles import load_report, node_profile
     from xronos.node.launch import rank_env
@@ -96,7 +96,8 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
         t0 = time.perf_counter()
         _run([sys.executable, "-m", "xronos.cli", "profile", "--model", str(model_dir), "--task", task,
               "--batch-size", str(batch), "--seq-len", str(seq), "--threads", "1", "--iters", "2",
-              "--out", str(profile_json)] + (["--lora-r", str(lora_r)] if lora_r else []), env)
+              "--out", str(profile_json)] + (["--lora-r", str(lora_r)] if lora_r else [])
+             + ([] if clip else ["--no-clip"]), env)
         print(f"profiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     report = load_report(profile_json)
     plan = None
@@ -108,8 +109,9 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
     phases_dir.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "xronos.cli", "run", "--model", str(model_dir), "--data", str(data),
            "--task", task, "--nodes", str(nodes), "--batch-size", str(batch), "--seq-len", str(seq),
-           "--lr", "1e-4", "--max-steps", str(steps), "--seed", "0", "--max-grad-norm", "1.0",
-           "--export", str(work / "export"), "--metrics", str(work / "metrics.json")]
+           "--lr", "1e-4", "--max-steps", str(steps), "--seed", "0"]
+    cmd += ["--max-grad-norm", "1.0"] if clip else []
+    cmd += ["--export", str(work / "export"), "--metrics", str(work / "metrics.json")]
     cmd += ["--lora-r", str(lora_r)] if lora_r else []
     if layout_text:
         cmd += ["--layout", layout_text]
@@ -148,7 +150,7 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
     return dict(plan=None if plan is None else dict(layout=plan.layout.to_text(),
                 predicted_memory=[row.predicted_memory for row in plan.rows], caps=[row.memory_cap for row in plan.rows]),
                 model_dir=str(model_dir), task=task, batch=batch, seq=seq, steps=steps, nodes=nodes,
-                layout=layout.to_text(), wall_s=wall, loadavg=os.getloadavg(), rows=rows,
+                layout=layout.to_text(), clip=clip, wall_s=wall, loadavg=os.getloadavg(), rows=rows,
                 profile=json.loads(profile_json.read_text()))
 
 
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", help="reuse this profile JSON instead of profiling")
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--lora-r", type=int, help="LoRA adapters of this rank on a frozen base (profile and run)")
+    ap.add_argument("--no-clip", action="store_true", help="no global-norm clipping, in the profile nor the run "
+                    "(as the bench grid's ranks: their peaks lack the clipping pass's 16 MiB chunks and its holes)")
     ap.add_argument("--memcap", help="MiB per rank: plan for these caps and train under them (cgroups)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="xronos-mempeak-") as tmp:
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                       seq=args.seq_len, steps=args.steps, work=work,
                       profile_json=Path(args.profile) if args.profile else None,
                       memcap=[int(float(x) * MiB) for x in args.memcap.split(",")] if args.memcap else None,
-                      lora_r=args.lora_r)
+                      lora_r=args.lora_r, clip=not args.no_clip)
     res["model"] = args.model or args.model_dir
     print(table(res))
     if args.json:

@@ -56,9 +56,13 @@ resident. `H` = the heap's free holes during training (`heap_slack`): under the 
 the heap keeps every block it spread to, and blocks of mixed sizes leave free gaps they do not
 fit. The profile measures them on the trainer's own iteration (`node/heapprobe.py`: the heap's
 span minus its in-use peak, settled) with one block at full width and at its smallest width, and
-with four blocks at the smallest width; `H` counts the one-block holes plus (B - 1) times what a
-further block added (each block is one more round of the same allocations: 236, 291, 352 MiB at
-1, 2, 3 blocks of a qwen2.5-1.5b LoRA rank at seq 256), and goes between the two widths by the
+with four blocks at the smallest width (the smallest width's two depths the medians of three
+fresh processes, profiler version 9: one draw's growth was off by half); `H` counts the one-block
+holes plus (B - 1) times what a further block added (each block is one more round of the same
+allocations: 236, 291, 352 MiB at 1, 2, 3 blocks of a qwen2.5-1.5b LoRA rank at seq 256; the
+probes' medians at 1, 4, 6 blocks of the grid's RoBERTa-base shape 38, 74, 104 MiB, and its ranks
+at 6 blocks held 102-116 MiB free at the end of their steps: bench/results/mem-peak-v9.md, where
+a cap at the probed depth was tried and left out), and goes between the two widths by the
 rank's transient bytes
 `W(s) = sum over layers of (M_a + M_t + gradients) * s_kind` (1 for a replicated layer; the
 vocabulary's layers left out), one block each: linear between them, flat below the smallest.

@@ -13,21 +13,30 @@ trainer does (`node/optstate.py`), and runs the trainer's iteration (forward, ba
 chunked clipping pass, the fused step, `zero_grad(set_to_none=True)`) until glibc's heap stops
 growing, then once more under torch's memory profiler: slack = the heap's span minus (bytes in
 use before + c10's peak above them), as `ProfilingSet.heap_slack`, without the timing hooks.
-`slack_per_depth` runs it at 1 and 4 blocks, each in its own fresh process under the ranks'
-environment (a process that built one model already has holes the next one fills), and gives
-the one-block slack and each further block's mean growth (never negative). The cost model puts
-them together linearly in the rank's depth: each block adds one more round of the same pattern
-(236, 291, 352 MiB at 1, 2, 3 blocks of a qwen2.5-1.5b LoRA rank's shape at seq 256).
+`slack_per_depth` runs it at 1 and 4 blocks, three times each, every run in its own fresh
+process under the ranks' environment (a process that built one model already has holes the next
+one fills), and gives the median one-block slack and each further block's growth between the two
+depths' medians (never negative). One run is one draw of the allocator's placement: RoBERTa-base's
+smallest width at seq 64 measured 26.8-41.4 MiB at one block and 63.5-89.5 at four over five
+runs, so one pair of draws gave anything from 11 to 21 MiB per block (main's grid profile drew
+20.9 and over-predicted the 6-block ranks by ~30 MiB); the median of three steadies it. The cost
+model puts them together linearly in the rank's depth: each block adds one more round of the same
+pattern (236, 291, 352 MiB at 1, 2, 3 blocks of a qwen2.5-1.5b LoRA rank's shape at seq 256). They
+do not level off with depth (medians at 1, 4, 6 blocks of the grid's RoBERTa shape, no clipping:
+38, 74, 104 MiB; the line through the first two gives 98 at six), so no cap is put on the growth
+(bench/results/mem-peak-v9.md).
 
     python -m xronos.node.heapprobe REQUEST.json     # a child: prints {"slack": bytes, ...}
 
-The profiler (`node/profiler.py`) measures one block at full width and at its smallest width, and
-the growth with depth at the smallest width (cheap there, and the ranks of a plan are rarely wide).
+The profiler (`node/profiler.py`) measures one block at full width (once: the costliest probe) and
+at its smallest width, and the growth with depth at the smallest width (cheap there, and the
+ranks of a plan are rarely wide), the smallest width's two depths three times each.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -136,16 +145,24 @@ def measure_in_child(job: dict[str, Any], threads: int, timeout_s: float = 1800.
 DEPTH = 4  # the second depth: three more blocks than one, so that each block's growth is the
 # mean of three (one measurement's holes vary by ~20 MiB run to run: 39 / 57 MiB for the same
 # RoBERTa-base block; a one-block difference extrapolated over five more blocks was off by ~90)
+REPEATS = 3  # fresh processes per depth, their median taken: an odd count, so one draw in the
+# allocator's other placement mode is outvoted rather than averaged in
 
 
-def slack_per_depth(job: dict[str, Any], threads: int, depth: int = DEPTH) -> tuple[int, int]:
-    """(slack at one block, each further block's mean growth >= 0), bytes, from two fresh
-    processes (1 and `depth` blocks); (0, 0) where glibc cannot tell."""
-    one = measure_in_child(job | {"blocks": 1}, threads)
-    deep = measure_in_child(job | {"blocks": depth}, threads)
-    if not one or not deep:
+def slack_per_depth(job: dict[str, Any], threads: int, depth: int = DEPTH,
+                    repeats: int = REPEATS) -> tuple[int, int]:
+    """(median slack at one block, each further block's growth >= 0 between the medians at 1 and
+    `depth` blocks), bytes, from `repeats` fresh processes per depth; (0, 0) where glibc cannot
+    tell."""
+    ones, deeps = [], []
+    for _ in range(repeats):  # interleaved, so that a drift of the machine's state meets both depths alike
+        ones.append(measure_in_child(job | {"blocks": 1}, threads))
+        deeps.append(measure_in_child(job | {"blocks": depth}, threads))
+    if not all(ones) or not all(deeps):
         return 0, 0
-    return one["slack"], max(0, round((deep["slack"] - one["slack"]) / (depth - 1)))
+    one = statistics.median(r["slack"] for r in ones)
+    deep = statistics.median(r["slack"] for r in deeps)
+    return round(one), max(0, round((deep - one) / (depth - 1)))
 
 
 def main(argv: list[str]) -> int:

@@ -48,8 +48,8 @@ before the step, as in training). The heap's slack — its span minus its in-use
 holes a training rank keeps resident under the ranks' allocator setting — is measured on the
 trainer's own iteration of the model with one block at full width (`heap_slack_bytes`) and at the
 smallest profiled width (`heap_slack_small_bytes`), and with four blocks at the smallest width for
-what each further block adds (`heap_slack_block_bytes`), each in a fresh process
-(`node/heapprobe.py`; with XRONOS_MALLOC=glibc the ranks and the probe both run glibc's default,
+what each further block adds (`heap_slack_block_bytes`), each in a fresh process, the smallest
+width's two depths three times each and their medians taken (`node/heapprobe.py`; with XRONOS_MALLOC=glibc the ranks and the probe both run glibc's default,
 whose big blocks are mmapped apart).
 """
 
@@ -91,10 +91,12 @@ log = structlog.get_logger(__name__)
 #    has settled.
 # 8: the slack measured in fresh processes at two widths and two depths, AdamW state allocated at build
 #    (as the trainer); each layer's M_t without the moments' lazy creation inside its step.
+# 9: the smallest width's heap probes at 1 and 4 blocks three times each, medians (one pair of
+#    draws gave 11 to 21 MiB per block on the same RoBERTa-base shape).
 # (ProfileReport.settings, the job settings a report was taken under, is not a change of method and
 # needs no bump: the key holds those settings, so a report cached before it was recorded is served
 # with this request's settings, which are the ones it was measured under.)
-PROFILER_VERSION = 8
+PROFILER_VERSION = 9
 # The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
 # in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).
 DEFAULT_PAUSE_S = 0.001
@@ -319,7 +321,7 @@ def profile(
         runtime = runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
         owner = owner_rss()
         # The heap's holes of one block at full width and at the smallest profiled one, and their
-        # growth with depth (1 and 4 blocks at the smallest), each in a fresh process
+        # growth with depth (1 and 4 blocks at the smallest, medians of three), each in a fresh process
         # (node/heapprobe.py); after runtime_rss, which handed this process's freed heap back,
         # so the box holds one model at a time.
         heap_job = dict(config=config, task=task, batch=batch_size, seq=seq_len, seed=seed, clip=clip,

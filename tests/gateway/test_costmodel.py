@@ -415,3 +415,32 @@ def test_node_comm_from_the_probe_and_comm_time_takes_the_slower_of_link_and_cpu
         node_comm(1004, float("nan"), 4, 0.001)
     with pytest.raises(ValueError, match="small_bytes"):
         node_comm(4, 0.01, 4, 0.001)
+
+
+def test_the_planners_memory_is_the_cost_models_at_every_quantum_with_deep_holes():
+    """planmodel.Problem.mem mirrors predict_memory term by term (it is what the planner holds
+    against a cap): at B = 6 with holes measured at both widths and their growth with depth — so
+    that the holes, not loading's buffer, set max(L, H) on the narrow ranks — for the owner and a
+    peer, at every count of quanta of every kind."""
+    import itertools
+    from dataclasses import replace
+
+    from xronos.gateway.costmodel import heap_slack
+    from xronos.gateway.planmodel import Problem
+    from xronos.protocol.layout import Sizes
+
+    quarter = {k: 0.25 for k in SH}
+    layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
+    node = node_cost(NodeProfile("n", 6, layers, runtime_bytes=1000, owner_bytes=50, heap_slack=900,
+                                 heap_slack_block=150, heap_small=(quarter, 500.0)))
+    nodes = [replace(node, node_id="n0", owner=True), replace(node, node_id="n1")]
+    sizes = Sizes(attn=4, mlp=128, vocab=256)
+    quanta = {"attn": 1, "mlp": 32, "vocab": 64}
+    pb = Problem(nodes, sizes, [1e9, 1e9], quanta)
+    seen_holes = False
+    for d, w in itertools.product(range(2), itertools.product(range(5), range(5), range(5))):
+        shares = {"attn": w[0] / 4, "mlp": w[1] * 32 / 128, "vocab": w[2] * 64 / 256}
+        assert pb.mem(d, w) == pytest.approx(predict_memory(nodes[d], shares), rel=1e-12)
+        load = max([node.load_repl] + [node.kind(k).load_slope * shares[k] for k in SH])
+        seen_holes |= heap_slack(node, shares) > load
+    assert seen_holes
