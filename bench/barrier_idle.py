@@ -52,6 +52,9 @@ def worker(rank: int, world: int, port: int, share: float, seg_s: float, barrier
     reps = max(1, round(per_s * share * seg_s))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     x = torch.ones(ELEMENTS)
+    from xronos.node import pacer
+
+    paced = pacer.current()  # the emulator's paced CPU (cpu mode "pace"), else None
     rows = []
     for it in range(warmup + iters):
         own, seg, cpu = [], [], []
@@ -60,9 +63,14 @@ def worker(rank: int, world: int, port: int, share: float, seg_s: float, barrier
             t0, c0 = time.perf_counter(), time.thread_time()
             burn(reps)
             t1 = time.perf_counter()
+            if paced is not None:  # as TPGroup does at every collective
+                paced.pace()
+                t1 = time.perf_counter()
             cpu.append(time.thread_time() - c0)
             dist.all_reduce(x)
             own.append(time.perf_counter() - t1)
+            if paced is not None:
+                paced.restart()
             seg.append(t1 - t0)
         iter_s = time.perf_counter() - t_it
         everyone = [torch.zeros(barriers, dtype=torch.float64) for _ in range(world)]
@@ -82,19 +90,6 @@ def worker(rank: int, world: int, port: int, share: float, seg_s: float, barrier
                                          speed=mean["seg_cpu_s"] / mean["seg_s"] / share)))
 
 
-def assign_cores(shares: list[float], cores: list[int]) -> list[int]:
-    """A core per rank, no core over one core's worth of shares (largest share first, least loaded)."""
-    load = dict.fromkeys(cores, 0.0)
-    out = [-1] * len(shares)
-    for r in sorted(range(len(shares)), key=lambda r: -shares[r]):
-        fit = [c for c in cores if load[c] + shares[r] <= 1.0 + 1e-9]
-        if not fit:
-            raise ValueError(f"rank {r}: share {shares[r]:g} fits on no core next to the others")
-        out[r] = min(fit, key=lambda c: load[c])
-        load[out[r]] += shares[r]
-    return out
-
-
 def start_eaters(conf, cores: list[int]) -> list:
     """Per rank, a spinning process at SCHED_IDLE in the rank's cpu group on the rank's core: it
     spends the quota whenever the rank has nothing runnable, so a rank that waited has not banked
@@ -110,15 +105,17 @@ def start_eaters(conf, cores: list[int]) -> list:
 
 
 def run(shares: list[float], seg_s: float, period_us: int, barriers: int, iters: int, warmup: int,
-        tmp: Path, pin: bool = False, poll_s: float | None = POLL_S, eat: bool = False) -> list[dict]:
-    from xronos.node.emulator import DEFAULT_PERIOD_US, Confinement, RankLimits
+        tmp: Path, pin: bool = False, poll_s: float | None = POLL_S, eat: bool = False,
+        cpu_mode: str = "quota") -> list[dict]:
+    from xronos.node.emulator import DEFAULT_PERIOD_US, Confinement, RankLimits, assign_cores
     from xronos.node.launch import free_port
 
     port = free_port()
+    pin = pin and cpu_mode == "quota"  # paced ranks are pinned by the emulator itself
     cores = assign_cores(shares, sorted(os.sched_getaffinity(0))) if pin or eat else [-1] * len(shares)
     outs = [tmp / f"r{r}-{seg_s}-{period_us}.json" for r in range(len(shares))]
     with Confinement([RankLimits(s) for s in shares], period_us=period_us or DEFAULT_PERIOD_US,
-                     top_weight=True, poll_s=poll_s) as conf:
+                     top_weight=True, poll_s=poll_s, cpu_mode=cpu_mode) as conf:
         eaters = start_eaters(conf, cores) if eat else []
         procs = []
         for r, s in enumerate(shares):
@@ -130,7 +127,7 @@ def run(shares: list[float], seg_s: float, period_us: int, barriers: int, iters:
         for p in procs:
             if p.wait(600) != 0:
                 raise RuntimeError(f"worker failed ({p.returncode})")
-        periods = [q["period_us"] for q in conf.quotas()]
+        periods = [q.get("period_us", 0) for q in conf.quotas()]
         for e in eaters:
             e.kill()
             e.wait()
@@ -155,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                     "'none' = quotas enforced at the scheduler tick only (e.g. none,0.0005)")
     ap.add_argument("--eat", default="0", help="0, 1 or 0,1: an idle-priority spinner in each rank's group "
                     "on its (pinned) core, spending the quota while the rank waits (an experiment)")
+    ap.add_argument("--cpu-mode", default="quota", help="the emulator's CPU mode(s): quota, pace or quota,pace")
     ap.add_argument("--barriers", type=int, default=30)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
@@ -170,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
            for pin in [bool(int(x)) for x in args.pin.split(",")]:
             for poll in [None if x == "none" else float(x) for x in args.poll.split(",")]:
              for eat in [bool(int(x)) for x in args.eat.split(",")]:
+              for mode in args.cpu_mode.split(","):
                 load = os.getloadavg()[0]
                 res = run(shares, seg_ms / 1000, period, args.barriers, args.iters, args.warmup, Path(tmp), pin, poll,
-                          eat)
-                doc.append(dict(period_us=period, segment_ms=seg_ms, pin=pin, poll_s=poll, eat=eat, load=load,
-                                ranks=res))
-                print(f"poll {poll} {'eat ' if eat else ''}{'pinned' if pin else 'free  '} segment {seg_ms:5.1f} ms  periods " + "/".join(f"{r['period_us'] / 1000:.2f}" for r in res)
+                          eat, mode)
+                doc.append(dict(period_us=period, segment_ms=seg_ms, pin=pin, poll_s=poll, eat=eat, cpu_mode=mode,
+                                load=load, ranks=res))
+                print(f"{mode} poll {poll} {'eat ' if eat else ''}{'pinned' if pin else 'free  '} segment {seg_ms:5.1f} ms  periods " + "/".join(f"{r['period_us'] / 1000:.2f}" for r in res)
                       + " ms  idle " + "/".join(f"{100 * r['idle_ratio']:4.1f}" for r in res)
                       + " %  segment speed/share " + "/".join(f"{r['speed']:.2f}" for r in res)
                       + f"  iter {res[0]['iter_s'] * 1000:.0f} ms (ideal {args.barriers * seg_ms:.0f} + comm "

@@ -27,6 +27,7 @@ from pathlib import Path
 from xronos.bench.harness import CellSpec
 from xronos.bench.netem import PAPER_RATE_MBIT
 from xronos.bench.workloads import realistic_blocks
+from xronos.node.emulator import CPU_MODE_ENV
 
 TP = ("xronos", "xronos-paper", "uniform", "pp")  # every cell: CellSpec's default network, the paper's 1 Gbit/s
 # Iterations per strategy, the first WARMUP excluded: the first step runs 1.5-2.5x slow (allocation),
@@ -61,12 +62,13 @@ COLUMNS = ("xronos", "xronos-paper", "uniform", "pp", "hf-tp")
 
 
 def summary_markdown(docs: list[dict], tta: dict | None, seconds: float) -> str:
-    from xronos.bench.results import memory_note, network
+    from xronos.bench.results import cpu_emulation, memory_note, network
 
     nets = sorted({network(d) for d in docs})
     lines = ["# Benchmark grid", "",
              f"{len(docs)} cells in {seconds / 60:.1f} min. Machine: {docs[0]['environment']['cpu_model']}, "
-             f"{docs[0]['environment']['cores']} cores (shared with other work: see each cell's load average). "
+             f"{docs[0]['environment']['cores']} cores (shared with other work: see each cell's load average), "
+             f"{'; '.join(sorted({cpu_emulation(d['environment']) for d in docs}))} (`{CPU_MODE_ENV}`). "
              f"Network: {'; '.join(nets)}. Iteration times are the mean over the measured steps ± their sd.", "",
              "| cell | blocks | mem scale | " + " | ".join(f"{c} s" for c in COLUMNS) + " | xronos/uniform | "
              "xronos/xronos-paper | xronos/pp | xronos/ideal (measured fit) | xronos/ideal (whole heads) | "

@@ -25,7 +25,8 @@ import structlog
 
 from xronos.bench import netem
 from xronos.bench import strategies as st
-from xronos.node.emulator import Confinement, RankLimits, find_controller, usable_cores, validate_limits
+from xronos.node.emulator import (Confinement, RankLimits, default_cpu_mode, find_controller, usable_cores,
+                                  validate_limits)
 from xronos.bench.scenarios import DEFAULT_MEM_SCALE, KEPT, PI5_SHARE, Scenario, get_scenario
 from xronos.bench.workloads import (
     PAPER_BLOCKS, get_shape, kept_fraction, kind_parameters, lora_parameters, parameter_count, shape_config,
@@ -202,7 +203,7 @@ def environment(cpu_version: int | None) -> dict:
     return {"cpu_model": model, "cores": usable_cores(), "machine": platform.machine(),
             "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "cgroup_version": cpu_version,
-            "loadavg_start": os.getloadavg(), "started_at": time.time()}
+            "cpu_emulation": default_cpu_mode(), "loadavg_start": os.getloadavg(), "started_at": time.time()}
 
 
 def run_cell(spec: CellSpec, scratch: str | None = None) -> dict:

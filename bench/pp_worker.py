@@ -115,8 +115,7 @@ class Pipe:
         for j in range(self.M - warmup, self.M):
             backward(j)
         t0 = time.perf_counter()
-        for w in self.pending:
-            w.wait()
+        self.group.wait_all(self.pending)
         self.send_wait += time.perf_counter() - t0
         self.pending.clear()
         return loss_sum

@@ -303,6 +303,14 @@ def network(doc: dict) -> str:
     return doc["environment"].get("network") or describe(doc["spec"].get("bandwidth_mbit"))
 
 
+def cpu_emulation(env: dict) -> str:
+    """How the devices' CPU shares were made (`xronos.node.emulator`); results from before the
+    mode existed were all CFS quotas."""
+    mode = env.get("cpu_emulation", "quota")
+    return ("CPU shares paced, one pinned core per rank" if mode == "pace"
+            else "CPU shares as CFS quotas")
+
+
 def memory_note(doc: dict) -> str:
     """How the cell's memory caps were set (the scale and its basis)."""
     sc, m = doc["scenario"], doc["model"]
@@ -348,7 +356,7 @@ def markdown(doc: dict) -> str:
         f"- {sp['iters']} iterations per strategy, first {sp['warmup']} excluded (warm-up); ±sd over the "
         f"measured steps; pp: {sp['micro_batches']} micro-batches, 1F1B",
         f"- Machine: {env['cpu_model']}, {env['cores']} cores, torch {env['torch']}, cgroup v{env['cgroup_version']}, "
-        f"load average {env['loadavg_start'][0]:.2f} → {env['loadavg_end'][0]:.2f} (shared machine)", "",
+        f"{cpu_emulation(env)}, load average {env['loadavg_start'][0]:.2f} → {env['loadavg_end'][0]:.2f} (shared machine)", "",
         "| strategy | iteration s | ±sd | max idle | idle per node | comm s | ctx sw/iter | peak RSS MiB per node | layout | MAPE |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -74,7 +74,7 @@ def prepare_model(out: Path) -> Path:
 
 def confine(nodes) -> tuple[object | None, str]:
     """cgroup CPU quotas per node where possible; else different thread counts. Says which."""
-    from xronos.node.emulator import Confinement, EmulatorError, RankLimits
+    from xronos.node.emulator import CPU_MODE_ENV, Confinement, EmulatorError, RankLimits
 
     try:
         # The top CFS weight, as every other emulated run (`xronos run --cpu-shares`, the bench): a
@@ -85,7 +85,10 @@ def confine(nodes) -> tuple[object | None, str]:
     except (EmulatorError, OSError) as exc:
         return None, f"different thread counts ({', '.join(f'{n}={t}' for n, _, t in nodes)}); " \
                      f"no cgroup CPU quotas here: {exc}"
-    return conf, "cgroup CPU quotas (" + ", ".join(f"{n}={s:g} core" for n, s, _ in nodes) + ")"
+    shares = ", ".join(f"{n}={s:g} core" for n, s, _ in nodes)
+    if conf.cpu_mode == "pace":
+        return conf, f"paced CPU shares, one pinned core each ({shares}; {CPU_MODE_ENV}=pace)"
+    return conf, f"cgroup CPU quotas ({shares})"
 
 
 def owner_status(stack, node_id: str, timeout: float = 10.0):

@@ -16,6 +16,11 @@ then stops, and a rank that waited (in a collective) comes back with quota in ha
 than the quota run at full speed and the debt is paid later, often inside a collective
 (`bench/results/demo-idle.md`, `python -m xronos.bench.barrier_idle`).
 
+So there is a second way (`cpu_mode="pace"`, or XRONOS_EMULATOR_CPU=pace): no quota; each rank is
+pinned to a core (no core over one core's worth of shares) and paced — before every collective it
+sleeps until its wall time is its CPU time over its share (`xronos.node.pacer`), which is what a slow
+core takes for the same work, with nothing banked and no stall inside a collective.
+
 Usage:
     with Confinement([RankLimits(0.45), RankLimits(0.3, memory_bytes=1 << 30)]) as conf:
         popen = subprocess.Popen(...); conf.add(rank, popen.pid)   # or launch_local(wrap=conf.wrap)
@@ -33,6 +38,9 @@ from pathlib import Path
 
 import structlog
 
+from xronos.node import pacer
+from xronos.node.emupoll import POLL_S, Poller
+
 log = structlog.get_logger(__name__)
 
 # The CFS period: as short as the kernel allows. A rank that waited (in a collective) starts each
@@ -46,9 +54,36 @@ DEFAULT_PERIOD_US = 2_000
 MIN_QUOTA_US = 1_000  # the kernel's lower bound for cfs_quota_us
 
 
-# How often the poller makes the kernel account each rank's CPU time (see `Poller`).
-POLL_S = 0.0005
 POLL_ENV = "XRONOS_EMULATOR_POLL_S"  # for measuring the poller's effect: seconds, or "none"
+
+# How a rank's CPU share is made: "quota" (CFS bandwidth control, the poller) or "pace" (each rank
+# pinned to a core and paced at its collectives, `xronos.node.pacer`). XRONOS_EMULATOR_CPU picks the
+# default, so every bench and the demo can be run either way.
+CPU_MODES = ("quota", "pace")
+CPU_MODE_ENV = "XRONOS_EMULATOR_CPU"
+
+
+def default_cpu_mode() -> str:
+    mode = os.environ.get(CPU_MODE_ENV, "quota").strip().lower()
+    if mode not in CPU_MODES:
+        raise EmulatorError(f"{CPU_MODE_ENV} must be one of {', '.join(CPU_MODES)}, got {mode!r}")
+    return mode
+
+
+def assign_cores(shares: list[float], cores: list[int]) -> list[int]:
+    """A core per rank, no core holding more than one core's worth of shares (largest share first,
+    onto the least loaded core that fits): a paced rank then always gets at least its share."""
+    load = dict.fromkeys(cores, 0.0)
+    out = [-1] * len(shares)
+    for r in sorted(range(len(shares)), key=lambda r: -shares[r]):
+        fit = [c for c in cores if load[c] + shares[r] <= 1.0 + 1e-9]
+        if not fit:
+            raise EmulatorError(f"rank {r}: cpu_share {shares[r]:g} fits on no core next to the other ranks' "
+                                f"({', '.join(f'core {c}: {load[c]:g}' for c in cores)}); paced ranks need "
+                                "whole cores' worth of shares per core")
+        out[r] = min(fit, key=lambda c: load[c])
+        load[out[r]] += shares[r]
+    return out
 
 
 def default_poll_s() -> float | None:
@@ -177,79 +212,20 @@ def validate_limits(limits: list[RankLimits], cores: int, parent_limit: float | 
             "scale the shares down")
 
 
-class Poller:
-    """Quota enforcement at a fine grain: a process (outside the groups) that reads every confined
-    process's CPU clock every `POLL_S`.
-
-    The kernel charges a running task's CPU time to its group's quota only when it accounts it: at
-    the scheduler tick (4 ms at CONFIG_HZ=250) or a scheduling event on that CPU. A lone compute
-    thread meets no event, so a 1 ms quota was overrun to a whole tick and the debt paid back over
-    several periods: measured on this 2-core VM, a spinning rank ran 4 ms bursts and stalled 12 / 8 /
-    4 ms at shares 0.3 / 0.5 / 0.9, i.e. 0.23 / 0.33 / 0.50 of a core — another device ratio than
-    the one asked for, and a 12 ms stall whenever a collective caught a rank in debt. Reading a
-    process's CPU clock (clock_gettime on its clock_getcpuclockid) makes the kernel update the
-    running thread's runtime, which charges its group and throttles it at once when the quota is
-    spent: with a 0.5 ms poll the same rank ran ~1.1 ms and stalled ~2.5 ms, 0.29 of a core.
-    The poller's own CPU is outside the quotas."""
-
-    def __init__(self, dirs: list[Path], interval_s: float = POLL_S) -> None:
-        import subprocess
-        import sys
-
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from xronos.node.emulator import poll_main; poll_main()", repr(interval_s),
-             *map(str, dirs)], stdin=subprocess.DEVNULL)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-def poll_main() -> None:
-    """The poller's loop (`Poller`): argv = interval seconds, then the rank groups' directories.
-    Ends when its parent does or the groups are gone."""
-    import ctypes
-    import sys
-
-    interval, dirs = float(sys.argv[1]), [Path(d) for d in sys.argv[2:]]
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getppid()
-    clocks: dict[int, int] = {}
-    n = 0
-    while True:
-        if n % 100 == 0:  # refresh the process list (ranks and profilers start and end)
-            if os.getppid() != parent:
-                return
-            try:
-                pids = {int(p) for d in dirs for p in (d / "cgroup.procs").read_text().split()}
-            except FileNotFoundError:
-                return
-            except OSError:
-                pids = set(clocks)
-            for pid in set(clocks) - pids:
-                del clocks[pid]
-            for pid in pids - set(clocks):
-                cid = ctypes.c_int()
-                if libc.clock_getcpuclockid(pid, ctypes.byref(cid)) == 0:
-                    clocks[pid] = cid.value
-        for pid, cid in list(clocks.items()):
-            try:
-                time.clock_gettime(cid)
-            except OSError:  # it exited
-                del clocks[pid]
-        n += 1
-        time.sleep(interval)
-
-
 class Confinement:
     """Per-run cgroups, one per rank. A context manager: groups exist only inside `with`."""
 
     def __init__(self, limits: list[RankLimits], *, period_us: int = DEFAULT_PERIOD_US,
                  cpu: Controller | None = None, memory: Controller | None = None,
-                 top_weight: bool = False, poll_s: float | None | str = "default") -> None:
+                 top_weight: bool = False, poll_s: float | None | str = "default",
+                 cpu_mode: str | None = None) -> None:
         self.limits = list(limits)
         self.period_us = period_us
+        self.cpu_mode = default_cpu_mode() if cpu_mode is None else cpu_mode
+        if self.cpu_mode not in CPU_MODES:
+            raise EmulatorError(f"cpu_mode must be one of {', '.join(CPU_MODES)}, got {self.cpu_mode!r}")
+        if self.cpu_mode == "pace":
+            poll_s = None  # no quota to enforce
         # poll_s: the `Poller`'s interval (None: quotas enforced at the scheduler tick only).
         if poll_s == "default":
             poll_s = default_poll_s()
@@ -268,6 +244,8 @@ class Confinement:
                 "run as root on a machine with the cpu controller mounted")
         self.parent_limit = cpu_limit_of(self.cpu)
         validate_limits(self.limits, usable_cores(), self.parent_limit)
+        self.cores = (assign_cores([lim.cpu_share for lim in self.limits], sorted(os.sched_getaffinity(0)))
+                      if self.cpu_mode == "pace" else None)
         self.memory: Controller | None = None
         if any(lim.memory_bytes is not None for lim in self.limits):
             self.memory = memory or find_controller("memory")
@@ -276,6 +254,7 @@ class Confinement:
                                     "controller exists (v1 memory.limit_in_bytes or v2 memory.max)")
         self.name = f"xronos-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._dirs: list[Path] = []  # created groups, parents first
+        self._pace_dir: Path | None = None  # the paced shares' files (pace mode)
         self._rank_dirs: dict[int, list[Path]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -312,7 +291,10 @@ class Confinement:
             for base, run in run_dirs.items():
                 dirs.append(self._mkdir(run / f"rank{rank}"))
             self._rank_dirs[rank] = dirs
-            self._write_cpu(self._dir_for(rank, self.cpu), lim.cpu_share)
+            if self.cpu_mode == "quota":
+                self._write_cpu(self._dir_for(rank, self.cpu), lim.cpu_share)
+            else:
+                self._write_pace(rank, lim.cpu_share)
             if self.top_weight:
                 self._write_weight(self._dir_for(rank, self.cpu))  # type: ignore[arg-type]
             if lim.memory_bytes is not None:
@@ -321,7 +303,8 @@ class Confinement:
         if self.poll_s is not None:
             self._poller = Poller([self._dir_for(r, self.cpu) for r in range(len(self.limits))],  # type: ignore[arg-type]
                                   self.poll_s)
-        log.info("confinement.created", name=self.name, cpu_v=self.cpu.version, poll_s=self.poll_s,
+        log.info("confinement.created", name=self.name, cpu_v=self.cpu.version, cpu_mode=self.cpu_mode,
+                 poll_s=self.poll_s, cores=self.cores,
                  shares=[lim.cpu_share for lim in self.limits],
                  period_us=[period_for(lim.cpu_share, self.period_us) for lim in self.limits])
 
@@ -352,6 +335,19 @@ class Confinement:
             raise EmulatorError(f"cannot set cpu quota {quota}/{period} us in {group}: "
                                 f"{exc.strerror}") from exc
 
+    def _write_pace(self, rank: int, share: float) -> None:
+        """The share file a paced rank's processes find through their cgroup (`pacer.current`)."""
+        path = pacer.share_path(self.name, f"rank{rank}")
+        try:
+            if not path.parent.is_dir():
+                path.parent.mkdir(parents=True)
+                self._pace_dir = path.parent
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(repr(float(share)))
+            tmp.replace(path)  # a rank reading it mid-write sees the old share or the new one
+        except OSError as exc:
+            raise EmulatorError(f"cannot write the paced share file {path}: {exc.strerror}") from exc
+
     def _write_weight(self, group: Path) -> None:
         name, value = ("cpu.shares", "262144") if self.cpu.version == 1 else ("cpu.weight", "10000")  # type: ignore[union-attr]
         try:
@@ -378,6 +374,13 @@ class Confinement:
             raise EmulatorError(f"rank {rank} has no group (run has {len(self.limits)} ranks)")
         for d in self._rank_dirs[rank]:
             (d / "cgroup.procs").write_text(str(pid))
+        if self.cores is not None:
+            # Every thread it has now; threads started later inherit their creator's mask.
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    os.sched_setaffinity(int(tid), {self.cores[rank]})
+                except (ProcessLookupError, FileNotFoundError):
+                    pass  # that thread ended meanwhile
 
     def set_share(self, rank: int, cpu_share: float) -> None:
         """Change rank's CPU quota while it runs (a box that loses part of its CPU mid-run: the
@@ -386,7 +389,11 @@ class Confinement:
             raise EmulatorError(f"rank {rank} has no group (run has {len(self.limits)} ranks)")
         limits = [RankLimits(cpu_share, lim.memory_bytes) if r == rank else lim for r, lim in enumerate(self.limits)]
         validate_limits(limits, usable_cores(), self.parent_limit)
-        self._write_cpu(self._dir_for(rank, self.cpu), cpu_share)  # type: ignore[arg-type]
+        if self.cpu_mode == "quota":
+            self._write_cpu(self._dir_for(rank, self.cpu), cpu_share)  # type: ignore[arg-type]
+        else:
+            assign_cores([lim.cpu_share for lim in limits], sorted(os.sched_getaffinity(0)))  # still fits?
+            self._write_pace(rank, cpu_share)
         self.limits = limits
 
     def wrap(self, rank: int, popen: object) -> None:
@@ -395,6 +402,10 @@ class Confinement:
 
     def quotas(self) -> list[dict[str, object]]:
         """What was enforced, for the result file's environment block."""
+        if self.cpu_mode == "pace":
+            return [{"rank": r, "cpu_share": lim.cpu_share, "cpu_mode": "pace", "core": self.cores[r],  # type: ignore[index]
+                     "memory_bytes": lim.memory_bytes, "cgroup_version": self.cpu.version}  # type: ignore[union-attr]
+                    for r, lim in enumerate(self.limits)]
         return [{"rank": r, "cpu_share": lim.cpu_share, "period_us": period_for(lim.cpu_share, self.period_us),
                  "quota_us": round(lim.cpu_share * period_for(lim.cpu_share, self.period_us)),
                  "memory_bytes": lim.memory_bytes, "cgroup_version": self.cpu.version, "poll_s": self.poll_s}  # type: ignore[union-attr]
@@ -460,6 +471,11 @@ class Confinement:
                     time.sleep(0.02)  # exiting tasks leave the group asynchronously
         self._dirs.clear()
         self._rank_dirs.clear()
+        if self._pace_dir is not None:
+            for f in self._pace_dir.iterdir():
+                f.unlink(missing_ok=True)
+            self._pace_dir.rmdir()
+            self._pace_dir = None
 
 
 def leftover_groups(pid: int | None = None) -> list[Path]:

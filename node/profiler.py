@@ -158,6 +158,10 @@ def collective_pause_s() -> float:
 
     from xronos.node.capabilities import cgroup_cpu_period_s
 
+    from xronos.node import pacer
+
+    if pacer.current() is not None:
+        return 0.0  # a paced rank banks nothing while it waits: there is nothing to mimic
     forced = os.environ.get("XRONOS_PROFILE_PAUSE_S")  # for measuring the pause's effect (0: none)
     if forced is not None:
         value = float(forced)

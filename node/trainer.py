@@ -117,6 +117,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
     sched.step()
     opt.zero_grad(set_to_none=True)
     loss_v = float(loss.detach())
+    group.settle()
     t1 = time.perf_counter()
     iteration_s = t1 - t0
     group.drain_timings()

@@ -28,6 +28,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from xronos.node import pacer
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -146,9 +148,36 @@ class TPGroup:
         self.timings.append((name, dt))
         self.spans.append(Span(name, self._tag, t0, dt))
 
+    @staticmethod
+    @contextmanager
+    def _paced() -> Iterator[None]:
+        """Under the emulator's paced CPU (`xronos.node.pacer`), the rank first waits out what a
+        core of its share would still be computing, then meets its peers; the wait for them is not
+        compute. Elsewhere nothing."""
+        p = pacer.current()
+        if p is not None:
+            p.pace()
+        try:
+            yield
+        finally:
+            if p is not None:
+                p.restart()
+
+    def settle(self) -> None:
+        """Where an iteration ends without a collective: a paced rank pays for its last compute
+        (the optimizer step) within the iteration that did it."""
+        p = pacer.current()
+        if p is not None:
+            p.pace()
+
     @contextmanager
     def _call(self, name: str, timed: bool) -> Iterator[bool]:
         """Yields whether to communicate; times it (or, in a traced world of one, marks it)."""
+        with self._paced(), self._call_unpaced(name, timed) as go:
+            yield go
+
+    @contextmanager
+    def _call_unpaced(self, name: str, timed: bool) -> Iterator[bool]:
         if self.world_size == 1 or self.alone:
             if timed:
                 self.pause()
@@ -191,7 +220,7 @@ class TPGroup:
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         if self._p2p(t):
-            with self._timed("send"):
+            with self._paced(), self._timed("send"):
                 dist.send(t.contiguous(), dst=self._global(dst), group=self.pg)
 
     def isend(self, t: torch.Tensor, dst: int) -> dist.Work | None:
@@ -201,9 +230,15 @@ class TPGroup:
             return dist.isend(t.contiguous(), dst=self._global(dst), group=self.pg)
         return None
 
+    def wait_all(self, works: list[dist.Work]) -> None:
+        """Wait for `isend`s: a wait for peers like any other (paced; untimed, as `isend`)."""
+        with self._paced():
+            for w in works:
+                w.wait()
+
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if self._p2p(t):
-            with self._timed("recv"):
+            with self._paced(), self._timed("recv"):
                 dist.recv(t, src=self._global(src), group=self.pg)
         return t
 
@@ -214,6 +249,10 @@ class TPGroup:
         re-shard is timed as a whole by its caller, between two iterations."""
         if self.world_size == 1 or self.alone:
             return
+        with self._paced():
+            self._exchange(sends, recvs)
+
+    def _exchange(self, sends: dict[int, list[torch.Tensor]], recvs: dict[int, list[torch.Tensor]]) -> None:
         works = [dist.irecv(t, src=self._global(peer), group=self.pg)
                  for peer, ts in sorted(recvs.items()) for t in ts if t.numel()]
         works += [dist.isend(t.contiguous(), dst=self._global(peer), group=self.pg)

@@ -131,8 +131,12 @@ def test_sharded_lora_matches_peft(world, cid):
     # The last step's gradients are those of weights that already differ by rounding (~1e-7): a
     # gradient is more sensitive to its weights than the weights are to it (Qwen3's q/k RMSNorms
     # most), so they get the contract's absolute bound and 10x its relative one (a single device
-    # against itself in another summation order shows the same: qwen3-cls at N = 1, 5e-6).
+    # against itself in another summation order shows the same: qwen3-cls at N = 1, 5e-6). The
+    # first moment is a sum over the same late gradients and gets the same bound: on an Intel Xeon
+    # llama-gqa-lm at N = 5 gave exp_avg 1.3e-5 (one v_proj lora_A 2.7e-5) with the parameters, the
+    # optimizer's steps, at 7e-8; an AMD EPYC passed 1e-5.
     assert errs.pop("grad") < 10 * MAX_REL, errs
+    assert errs.pop("exp_avg") < 10 * MAX_REL, errs
     assert all(v < MAX_REL for v in errs.values()), errs
     assert all(v < MAX_ABS for v in abs_errs.values()), abs_errs
     # The check can fail: training moved the adapters far beyond the tolerance.
