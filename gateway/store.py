@@ -59,7 +59,7 @@ def job_from_dict(data: Mapping) -> Job:
         return _JOB.validate_python(dict(data))
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        raise ValueError(f"job record {data.get('job_id')!r}: field {_loc(first['loc'])}: {first['msg']}") from None
+        raise ValueError(f"job record {data.get('job_id')!r}: field {_loc(first['loc'])}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 def parse_table(text: bytes | str, source: str) -> dict[str, Job]:
@@ -71,7 +71,7 @@ def parse_table(text: bytes | str, source: str) -> dict[str, Job]:
         first = errors[0]
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         where = "not valid JSON" if first["type"] == "json_invalid" else f"field {_loc(first['loc'])}"
-        raise ValueError(f"{source}: not a readable job table: {where}: {first['msg']}{more}") from None
+        raise ValueError(f"{source}: not a readable job table: {where}: {first['msg'].removeprefix('Value error, ')}{more}") from None
     jobs: dict[str, Job] = {}
     for i, job in enumerate(table.jobs):
         if job.job_id in jobs:

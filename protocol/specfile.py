@@ -59,5 +59,5 @@ def load_spec(path: str | Path) -> m.JobSpec:
     try:
         return m.JobSpec.model_validate(doc)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
         raise ValueError(f"job spec {path}: {problems}") from None
