@@ -306,8 +306,11 @@ def network(doc: dict) -> str:
 def cpu_emulation(env: dict) -> str:
     """How the devices' CPU shares were made (`xronos.node.emulator`); results from before the
     mode existed were all CFS quotas."""
+    from xronos.node.pacer import PACE_CORE_LOAD
+
     mode = env.get("cpu_emulation", "quota")
-    return ("CPU shares paced, one pinned core per rank" if mode == "pace"
+    return ("CPU shares paced, one pinned core per rank, all scaled by one factor so no core carries "
+            f"over {PACE_CORE_LOAD:g} (each run's `dilation`)" if mode == "pace"
             else "CPU shares as CFS quotas")
 
 

@@ -17,9 +17,10 @@ than the quota run at full speed and the debt is paid later, often inside a coll
 (`bench/results/demo-idle.md`, `python -m xronos.bench.barrier_idle`).
 
 So there is a second way (`cpu_mode="pace"`, or XRONOS_EMULATOR_CPU=pace): no quota; each rank is
-pinned to a core (no core over one core's worth of shares) and paced — before every collective it
-sleeps until its wall time is its CPU time over its share (`xronos.node.pacer`), which is what a slow
-core takes for the same work, with nothing banked and no stall inside a collective.
+pinned to a core and paced — before every collective it sleeps until its wall time is its CPU time
+over its share (`xronos.node.pacer`), which is what a slow core takes for the same work, with nothing
+banked and no stall inside a collective. The shares are scaled by one factor so that no core carries
+more than PACE_CORE_LOAD of them (time dilation: the ratios between devices stay).
 
 Usage:
     with Confinement([RankLimits(0.45), RankLimits(0.3, memory_bytes=1 << 30)]) as conf:
@@ -39,6 +40,7 @@ from pathlib import Path
 import structlog
 
 from xronos.node import pacer
+from xronos.node.pacer import assign_cores, pace_dilation
 from xronos.node.emupoll import POLL_S, Poller
 
 log = structlog.get_logger(__name__)
@@ -68,22 +70,6 @@ def default_cpu_mode() -> str:
     if mode not in CPU_MODES:
         raise EmulatorError(f"{CPU_MODE_ENV} must be one of {', '.join(CPU_MODES)}, got {mode!r}")
     return mode
-
-
-def assign_cores(shares: list[float], cores: list[int]) -> list[int]:
-    """A core per rank, no core holding more than one core's worth of shares (largest share first,
-    onto the least loaded core that fits): a paced rank then always gets at least its share."""
-    load = dict.fromkeys(cores, 0.0)
-    out = [-1] * len(shares)
-    for r in sorted(range(len(shares)), key=lambda r: -shares[r]):
-        fit = [c for c in cores if load[c] + shares[r] <= 1.0 + 1e-9]
-        if not fit:
-            raise EmulatorError(f"rank {r}: cpu_share {shares[r]:g} fits on no core next to the other ranks' "
-                                f"({', '.join(f'core {c}: {load[c]:g}' for c in cores)}); paced ranks need "
-                                "whole cores' worth of shares per core")
-        out[r] = min(fit, key=lambda c: load[c])
-        load[out[r]] += shares[r]
-    return out
 
 
 def default_poll_s() -> float | None:
@@ -244,8 +230,10 @@ class Confinement:
                 "run as root on a machine with the cpu controller mounted")
         self.parent_limit = cpu_limit_of(self.cpu)
         validate_limits(self.limits, usable_cores(), self.parent_limit)
-        self.cores = (assign_cores([lim.cpu_share for lim in self.limits], sorted(os.sched_getaffinity(0)))
-                      if self.cpu_mode == "pace" else None)
+        shares, cores = [lim.cpu_share for lim in self.limits], sorted(os.sched_getaffinity(0))
+        self.cores = assign_cores(shares, cores) if self.cpu_mode == "pace" else None
+        # pace mode: the paced shares are the asked ones times this (fixed for the run, `pace_dilation`)
+        self.dilation = pace_dilation(shares, cores) if self.cpu_mode == "pace" else 1.0
         self.memory: Controller | None = None
         if any(lim.memory_bytes is not None for lim in self.limits):
             self.memory = memory or find_controller("memory")
@@ -294,7 +282,7 @@ class Confinement:
             if self.cpu_mode == "quota":
                 self._write_cpu(self._dir_for(rank, self.cpu), lim.cpu_share)
             else:
-                self._write_pace(rank, lim.cpu_share)
+                self._write_pace(rank, lim.cpu_share * self.dilation)
             if self.top_weight:
                 self._write_weight(self._dir_for(rank, self.cpu))  # type: ignore[arg-type]
             if lim.memory_bytes is not None:
@@ -304,7 +292,7 @@ class Confinement:
             self._poller = Poller([self._dir_for(r, self.cpu) for r in range(len(self.limits))],  # type: ignore[arg-type]
                                   self.poll_s)
         log.info("confinement.created", name=self.name, cpu_v=self.cpu.version, cpu_mode=self.cpu_mode,
-                 poll_s=self.poll_s, cores=self.cores,
+                 poll_s=self.poll_s, cores=self.cores, dilation=self.dilation,
                  shares=[lim.cpu_share for lim in self.limits],
                  period_us=[period_for(lim.cpu_share, self.period_us) for lim in self.limits])
 
@@ -392,8 +380,13 @@ class Confinement:
         if self.cpu_mode == "quota":
             self._write_cpu(self._dir_for(rank, self.cpu), cpu_share)  # type: ignore[arg-type]
         else:
-            assign_cores([lim.cpu_share for lim in limits], sorted(os.sched_getaffinity(0)))  # still fits?
-            self._write_pace(rank, cpu_share)
+            # the run's cores and dilation stay: the new share must still fit its core at them
+            load = self.dilation * sum(lim.cpu_share for r, lim in enumerate(limits)
+                                       if self.cores[r] == self.cores[rank])  # type: ignore[index]
+            if load > 1.0 + 1e-9:
+                raise EmulatorError(f"rank {rank}: cpu_share {cpu_share:g} would put {load:.2f} of a core's "
+                                    f"work on core {self.cores[rank]} (shares paced at x{self.dilation:.3f})")
+            self._write_pace(rank, cpu_share * self.dilation)
         self.limits = limits
 
     def wrap(self, rank: int, popen: object) -> None:
@@ -404,6 +397,7 @@ class Confinement:
         """What was enforced, for the result file's environment block."""
         if self.cpu_mode == "pace":
             return [{"rank": r, "cpu_share": lim.cpu_share, "cpu_mode": "pace", "core": self.cores[r],  # type: ignore[index]
+                     "paced_share": round(lim.cpu_share * self.dilation, 6), "dilation": round(self.dilation, 6),
                      "memory_bytes": lim.memory_bytes, "cgroup_version": self.cpu.version}  # type: ignore[union-attr]
                     for r, lim in enumerate(self.limits)]
         return [{"rank": r, "cpu_share": lim.cpu_share, "period_us": period_for(lim.cpu_share, self.period_us),

@@ -18,8 +18,8 @@ nothing changes.
 
 What pacing does not model: the CPU the collective's own work needs (Gloo's threads copy and sum
 at the host core's speed — microseconds per call here, against milliseconds of compute), and how
-the host's other ranks share its cores (the emulator pins each rank to a core and checks that no
-core holds more than one core's worth of shares, so a paced rank always gets at least its share).
+the host's other ranks share its cores (the emulator pins each rank to a core and scales the shares
+so that no core carries more than PACE_CORE_LOAD of them, so a paced rank always gets its share).
 """
 
 from __future__ import annotations
@@ -137,3 +137,33 @@ def current() -> Pacer | None:
 def reset_for_tests(pacer: Pacer | None | object = _UNSET) -> None:
     global _current
     _current = pacer
+
+
+# A paced rank alone on a core still shares it with the kernel's softirq work and Gloo's threads:
+# at share 0.9 it ran at 0.81-0.94 of its share (`python -m xronos.bench.barrier_idle --cpu-mode
+# pace`). So pace mode dilates time: every share is scaled by one factor such that no core carries
+# more than PACE_CORE_LOAD; the devices' speed ratios, which are what a plan depends on, stay the same.
+PACE_CORE_LOAD = 0.85
+
+
+def assign_cores(shares: list[float], cores: list[int]) -> list[int]:
+    """A core per rank: largest share first, onto the least loaded core (which minimises the
+    heaviest core's load well enough for a handful of ranks)."""
+    load = dict.fromkeys(cores, 0.0)
+    out = [-1] * len(shares)
+    for r in sorted(range(len(shares)), key=lambda r: -shares[r]):
+        out[r] = min(cores, key=lambda c: load[c])
+        load[out[r]] += shares[r]
+    return out
+
+
+def heaviest_core(shares: list[float], cores: list[int]) -> float:
+    """The largest sum of shares on one core under `assign_cores`."""
+    placed = assign_cores(shares, cores)
+    return max(sum(s for s, c in zip(shares, placed) if c == core) for core in cores)
+
+
+def pace_dilation(shares: list[float], cores: list[int]) -> float:
+    """The factor (<= 1) every paced share is scaled by so that no core carries more than
+    PACE_CORE_LOAD (e.g. 0.9, 0.5, 0.3, 0.3 on 2 cores: heaviest core 0.5 + 0.3 + 0.3, factor 0.77)."""
+    return min(1.0, PACE_CORE_LOAD / heaviest_core(shares, cores))

@@ -15,7 +15,9 @@ from xronos.node import pacer
 from xronos.node.emulator import (
     CPU_MODE_ENV, Confinement, EmulatorError, RankLimits, assign_cores, default_cpu_mode, find_controller,
 )
-from xronos.node.pacer import Pacer, read_share, share_file, share_path
+from xronos.node.pacer import (
+    PACE_CORE_LOAD, Pacer, heaviest_core, pace_dilation, read_share, share_file, share_path,
+)
 
 
 class FakeClocks:
@@ -145,14 +147,15 @@ def test_this_test_process_is_not_paced() -> None:
         pacer.reset_for_tests()
 
 
-def test_cores_are_assigned_within_one_core_of_shares_each() -> None:
-    cores = assign_cores([0.6, 0.3, 0.45, 0.4], [0, 1])
-    load = {c: 0.0 for c in (0, 1)}
-    for share, core in zip([0.6, 0.3, 0.45, 0.4], cores):
-        load[core] += share
-    assert max(load.values()) <= 1.0
-    with pytest.raises(EmulatorError, match=r"rank 2: cpu_share 0.6 fits on no core"):
-        assign_cores([0.6, 0.6, 0.6], [0, 1])
+def test_cores_are_assigned_and_shares_dilated_to_leave_every_core_headroom() -> None:
+    shares = [0.6, 0.3, 0.45, 0.4]
+    cores = assign_cores(shares, [0, 1])
+    load = {c: sum(s for s, k in zip(shares, cores) if k == c) for c in (0, 1)}
+    assert sorted(load.values()) == pytest.approx([0.85, 0.9]) and heaviest_core(shares, [0, 1]) == pytest.approx(0.9)
+    assert pace_dilation(shares, [0, 1]) == pytest.approx(PACE_CORE_LOAD / 0.9)
+    assert pace_dilation([0.9, 0.5, 0.3, 0.3], [0, 1]) == pytest.approx(PACE_CORE_LOAD / 1.1)  # Set-C-like
+    assert pace_dilation([0.3, 0.2], [0, 1]) == 1.0  # never faster than asked
+    assert pace_dilation([1.0], [0]) == pytest.approx(PACE_CORE_LOAD)
 
 
 def test_cpu_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,6 +205,21 @@ def test_a_paced_rank_finds_its_share_is_pinned_and_runs_at_its_share() -> None:
         assert read_share(files[0]) == 0.5 and conf.quotas()[0]["cpu_share"] == 0.5
         run_dir = files[0].parent
     assert not run_dir.exists()  # the share files go with the groups
+
+
+@pytest.mark.skipif(find_controller("cpu") is None or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a writable cgroup cpu controller and two cores")
+def test_paced_shares_are_dilated_together_and_a_later_share_must_fit_its_core() -> None:
+    with Confinement([RankLimits(0.9), RankLimits(0.9)], cpu_mode="pace") as conf:
+        assert conf.cores is not None and conf.cores[0] != conf.cores[1]
+        assert conf.dilation == pytest.approx(PACE_CORE_LOAD / 0.9)
+        files = [pacer.share_path(conf.name, f"rank{r}") for r in range(2)]
+        assert [read_share(f) for f in files] == pytest.approx([PACE_CORE_LOAD] * 2)
+        assert conf.quotas()[0]["cpu_share"] == 0.9 and conf.quotas()[0]["paced_share"] == pytest.approx(PACE_CORE_LOAD)
+        conf.set_share(1, 0.45)
+        assert read_share(files[1]) == pytest.approx(0.45 * conf.dilation)
+        with pytest.raises(EmulatorError, match=r"rank 1: cpu_share 1.1 would put 1.04 of a core's work on core"):
+            conf.set_share(1, 1.1)  # fits the machine (2 cores), not its core at the run's dilation
 
 
 def test_cpu_mode_pace_is_what_the_environment_says(monkeypatch: pytest.MonkeyPatch) -> None:
