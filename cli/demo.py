@@ -72,6 +72,12 @@ def prepare_model(out: Path) -> Path:
     return out
 
 
+# The emulated Pi 4 (0.3 core) profiles MiniLM in 120-300 s (222 and 297 s under a quota on a 2-core
+# Xeon, the heap probes' seven fresh processes included), so the local stack's 300 s, meant for its
+# tests' tiny models, once left it out of the demo; above the gateway's own 600 s default.
+PROFILE_TIMEOUT_S = 900.0
+
+
 def confine(nodes) -> tuple[object | None, str]:
     """cgroup CPU quotas per node where possible; else different thread counts. Says which."""
     from xronos.node.emulator import CPU_MODE_ENV, Confinement, EmulatorError, RankLimits
@@ -87,7 +93,8 @@ def confine(nodes) -> tuple[object | None, str]:
                      f"no cgroup CPU quotas here: {exc}"
     shares = ", ".join(f"{n}={s:g} core" for n, s, _ in nodes)
     if conf.cpu_mode == "pace":
-        return conf, f"paced CPU shares, one pinned core each ({shares}; {CPU_MODE_ENV}=pace)"
+        return conf, (f"paced CPU shares, one pinned core each ({shares}, all x{conf.dilation:.3f} so every "
+                      f"core keeps headroom; {CPU_MODE_ENV}=pace)")
     return conf, f"cgroup CPU quotas ({shares})"
 
 
@@ -157,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         if conf is not None:
             stack_guard.callback(conf.close)
         print(f"heterogeneity: {how}")
-        stack.gateway()
+        stack.gateway(profile_timeout_s=PROFILE_TIMEOUT_S)
         for rank, (node_id, _, threads) in enumerate(NODES):
             wrap = (lambda pid, r=rank: conf.add(r, pid)) if conf is not None else None
             stack.node(node_id, threads=1 if conf is not None else threads, wrap=wrap)
@@ -170,8 +177,9 @@ def run(args: argparse.Namespace) -> int:
                        eval_fraction=0.2, strategy="segment", checkpoint_interval=max(args.steps // 2, 1),
                        export_dir=str(root / "export"), reserve_mb=256, seed=0, warmup_steps=4,
                        max_grad_norm=1.0)
-        print("submitting: the owner inspects model and data, every node profiles MiniLM, the gateway plans ...")
-        accepted = stack.client.request("job/submit", 600.0, spec=spec)
+        print("submitting: the owner inspects model and data, every node profiles MiniLM, the gateway plans "
+              "(the emulated Pi 4 profiles for 2-5 minutes) ...")
+        accepted = stack.client.request("job/submit", PROFILE_TIMEOUT_S + 120.0, spec=spec)
         job_id = accepted["job_id"]
         print(f"job {job_id} accepted, {accepted['total_steps']} steps")
         print(format_plan(accepted["plan"]))

@@ -41,11 +41,12 @@ class LocalStack:
         self.procs[name] = proc
         return proc
 
-    def gateway(self, **extra: object) -> subprocess.Popen:
+    def gateway(self, profile_timeout_s: float = 300.0, **extra: object) -> subprocess.Popen:
         lines = "".join(f"{k} = {v}\n" for k, v in extra.items())
         return self._spawn("gateway", "gateway", f'state_dir = "{self.dir / "gateway-state"}"\n'
                            f"rendezvous_port_min = {self.port0}\nrendezvous_port_max = {self.port0 + 20}\n"
-                           f"ack_timeout_s = 20.0\nprofile_timeout_s = 300.0\n{lines}" + self._broker_toml())
+                           f"ack_timeout_s = 20.0\nprofile_timeout_s = {float(profile_timeout_s)}\n{lines}"
+                           + self._broker_toml())
 
     def node(self, node_id: str, threads: int = 1, wrap: Callable[[int], None] | None = None) -> subprocess.Popen:
         """Start a node; `wrap(pid)` may confine it (its training child inherits the confinement)."""
