@@ -19,7 +19,9 @@ nothing changes.
 What pacing does not model: the CPU the collective's own work needs (Gloo's threads copy and sum
 at the host core's speed — microseconds per call here, against milliseconds of compute), and how
 the host's other ranks share its cores (the emulator pins each rank to a core and scales the shares
-so that no core carries more than PACE_CORE_LOAD of them, so a paced rank always gets its share).
+so that no core carries more than PACE_CORE_LOAD of them; ranks that compute at the same moment on
+one core still crowd each other, and a crowded-out rank ends its segment later than its share says:
+`bench/results/pace.md`).
 """
 
 from __future__ import annotations
