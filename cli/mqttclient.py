@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode
+from xronos.protocol.errtext import reason
 from xronos.protocol.specfile import load_spec  # noqa: F401  (re-exported: the CLI's spec files)
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BrokerSettings, MqttBus
@@ -72,7 +73,7 @@ def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
     try:
         return BrokerSettings(**fields), args.base_topic or base
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {reason(e)}"
                              for e in exc.errors())
         raise ValueError(f"broker settings: {problems}") from None
 

@@ -57,12 +57,13 @@ def _node_id(text: str) -> str:
     """The id goes into the report's node_id, which `xronos plan` and the gateway read as an Id."""
     from pydantic import TypeAdapter, ValidationError
 
+    from xronos.protocol.errtext import reason
     from xronos.protocol.messages import Id
 
     try:
         return TypeAdapter(Id).validate_python(text)
     except ValidationError as exc:
-        raise argparse.ArgumentTypeError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        raise argparse.ArgumentTypeError(reason(exc.errors()[0])) from None
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from xronos.protocol.errtext import reason
+
 # RunConfig field -> the flag a user typed (for error messages).
 _FLAGS = {
     "model_dir": "--model", "data_path": "--data", "threads": "--threads-per-node",
@@ -198,7 +200,7 @@ def config_from_args(args: argparse.Namespace, layout):
 def _problem(e: dict) -> str:
     """One pydantic error as the user typed it: the flag and the value. A check across fields (no
     location) names its fields itself, and its input would be the whole config: not repeated."""
-    msg = e["msg"].removeprefix("Value error, ")
+    msg = reason(e)
     if not e["loc"]:
         msg = msg.replace("reshard_at", "--reshard-at").replace("or rebalance (", "or --rebalance (")
         return re.sub(r"ranks, the run (\d+)$", r"ranks, but --nodes is \1", msg)

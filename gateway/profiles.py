@@ -27,6 +27,7 @@ from xronos.gateway.costmodel import Fit, LayerCost, NodeProfile, node_cost
 from xronos.gateway.planner import MiB, PlanResult, Strategy, plan
 from xronos.protocol.layout import KINDS, NOUN
 from xronos.protocol.codec import MAX_PAYLOAD
+from xronos.protocol.errtext import reason, where
 from xronos.protocol.messages import (
     MAX_ID, SCHEMA_VERSION, Id, JobSpec, Plan, PlanEntry, ProfileReport, ProfileSettings,
 )
@@ -45,10 +46,7 @@ class Loaded:
 
 
 def _loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "<document>"
+    return where(loc, "<document>")
 
 
 def parse_report(data: object, source: str) -> ProfileReport:
@@ -66,7 +64,7 @@ def parse_report(data: object, source: str) -> ProfileReport:
         first = errors[0]
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         got = f" (got {first['input']!r})" if "input" in first and not isinstance(first["input"], dict) else ""
-        msg = first["msg"].removeprefix("Value error, ")  # a validator's own text already says why
+        msg = reason(first)
         raise ValueError(f"{source}: field {_loc(first['loc'])}: {msg}{got}{more}") from None
     _check_numbers(report, source)
     return report

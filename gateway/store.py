@@ -25,6 +25,8 @@ from typing import Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
+from xronos.protocol.errtext import reason, where
+
 from .jobtypes import Job
 
 log = structlog.get_logger(__name__)
@@ -43,10 +45,7 @@ _JOB = TypeAdapter(Job)
 
 
 def _loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "<document>"
+    return where(loc, "<document>")
 
 
 def job_to_dict(job: Job) -> dict:
@@ -59,7 +58,7 @@ def job_from_dict(data: Mapping) -> Job:
         return _JOB.validate_python(dict(data))
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        raise ValueError(f"job record {data.get('job_id')!r}: field {_loc(first['loc'])}: {first['msg'].removeprefix('Value error, ')}") from None
+        raise ValueError(f"job record {data.get('job_id')!r}: field {_loc(first['loc'])}: {reason(first)}") from None
 
 
 def parse_table(text: bytes | str, source: str) -> dict[str, Job]:
@@ -70,8 +69,8 @@ def parse_table(text: bytes | str, source: str) -> dict[str, Job]:
         errors = exc.errors(include_url=False)
         first = errors[0]
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-        where = "not valid JSON" if first["type"] == "json_invalid" else f"field {_loc(first['loc'])}"
-        raise ValueError(f"{source}: not a readable job table: {where}: {first['msg'].removeprefix('Value error, ')}{more}") from None
+        at = "not valid JSON" if first["type"] == "json_invalid" else f"field {_loc(first['loc'])}"
+        raise ValueError(f"{source}: not a readable job table: {at}: {reason(first)}{more}") from None
     jobs: dict[str, Job] = {}
     for i, job in enumerate(table.jobs):
         if job.job_id in jobs:

@@ -9,6 +9,7 @@ import msgpack
 from pydantic import ValidationError
 
 from . import messages as m
+from .errtext import reason
 from .topics import TopicEntry, TopicTable, encoding_for
 
 MAX_PAYLOAD = 256 * 1024
@@ -104,11 +105,9 @@ def decode_entry(entry: TopicEntry, topic: str, payload: bytes, *, max_bytes: in
         errors = exc.errors(include_url=False, include_input=False)
         # Name an unknown field first, then a missing one: they explain the rest (e.g. a typo).
         first = min(errors, key=lambda e: _REASONS.get(e["type"], (2, "invalid"))[0])
-        reason = _REASONS.get(first["type"], (2, "invalid"))[1]
+        code = _REASONS.get(first["type"], (2, "invalid"))[1]
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-        # pydantic prefixes a validator's own text, which already says why, with "Value error, ".
-        msg = first["msg"].removeprefix("Value error, ")
-        raise DecodeError(topic, reason, f"{msg}{more}", field=_field(first["loc"]),
+        raise DecodeError(topic, code, f"{reason(first)}{more}", field=_field(first["loc"]),
                           transaction=txn, entry=entry) from None
     except RecursionError:
         raise DecodeError(topic, "invalid", "nested too deeply", transaction=txn, entry=entry) from None

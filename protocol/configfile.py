@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import pydantic
 from pydantic import AfterValidator, ConfigDict, Field
 
+from .errtext import reason, where
 from .logsetup import is_secret_key
 
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -28,10 +29,7 @@ class ConfigError(ValueError):
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
+    return where(loc, "(top level)")
 
 
 def _reason(err: Mapping[str, Any]) -> str:
@@ -44,7 +42,7 @@ def _reason(err: Mapping[str, Any]) -> str:
         return "unknown key"
     if err["type"] == "missing":
         return "required key is missing"
-    msg = err["msg"].removeprefix("Value error, ")
+    msg = reason(err)
     if key and is_secret_key(key):
         return msg  # never echo a secret back into a log or a terminal
     shown = repr(err.get("input"))

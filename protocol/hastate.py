@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .errtext import reason
 from .messages import DataFormat, Phase, Task
 
 GATEWAY_STATE = "gateway/state"  # GatewayHAState, retained, gateway → HA
@@ -152,7 +153,7 @@ def parse_command(model: type[GatewayCommand] | type[NodeCommand], payload: byte
         return model.model_validate_json(payload, strict=True)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'payload'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
+            f"{'.'.join(str(p) for p in e['loc']) or 'payload'}: {reason(e)}" for e in exc.errors()
         )
         raise ValueError(f"{topic}: bad {model.__name__} payload {payload[:200]!r}: {problems}") from None
 

@@ -24,6 +24,8 @@ from typing import Annotated, Literal, Sequence
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from .errtext import reason, where
+
 Kind = Literal["attn", "mlp", "vocab"]
 KINDS: tuple[Kind, ...] = ("attn", "mlp", "vocab")
 NOUN = {"attn": "attention units", "mlp": "MLP columns", "vocab": "vocabulary rows"}
@@ -182,10 +184,9 @@ class Layout(BaseModel):
         except ValidationError as exc:
             problems = []
             for e in exc.errors(include_url=False):
-                where = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p))
-                                for i, p in enumerate(e["loc"]))
+                at = where(e["loc"])
                 got = "" if isinstance(e.get("input"), dict) else f" (got {e.get('input')!r})"
-                problems.append(f"{where + ': ' if where else ''}{e['msg'].removeprefix('Value error, ')}{got}")
+                problems.append(f"{at + ': ' if at else ''}{reason(e)}{got}")
             raise LayoutError("; ".join(problems)) from None
 
     @classmethod

@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from . import messages as m
+from .errtext import reason
 
 MAX_SPEC_BYTES = 64 * 1024
 # YAML 1.1 (PyYAML) reads `lr: 1e-4` as the string "1e-4"; YAML 1.2 and TOML read a number.
@@ -59,5 +60,5 @@ def load_spec(path: str | Path) -> m.JobSpec:
     try:
         return m.JobSpec.model_validate(doc)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {reason(e)}" for e in exc.errors())
         raise ValueError(f"job spec {path}: {problems}") from None
