@@ -213,4 +213,9 @@ def fingerprint(caps: Capabilities, threads: int | None) -> str:
              f"torch={caps.torch_version}"]
     if paced is not None:  # only then: the fingerprints of every profile cached before stay the same
         parts.append(f"paced={paced:.3f}")
+    # Pinned to some of the machine's CPUs (XRONOS_EMULATOR_PIN, taskset): a quota group alone on a
+    # core runs otherwise than one the scheduler moves among others (bench/results/demo-idle.md §5).
+    pinned = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if pinned and len(pinned) < (os.cpu_count() or 1):
+        parts.append(f"cpus={','.join(map(str, pinned))}")
     return "|".join(parts)

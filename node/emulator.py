@@ -40,7 +40,7 @@ from pathlib import Path
 import structlog
 
 from xronos.node import pacer
-from xronos.node.pacer import assign_cores, pace_dilation
+from xronos.node.pacer import assign_cores, heaviest_core, pace_dilation
 from xronos.node.emupoll import POLL_S, Poller
 
 log = structlog.get_logger(__name__)
@@ -64,12 +64,23 @@ POLL_ENV = "XRONOS_EMULATOR_POLL_S"  # for measuring the poller's effect: second
 CPU_MODES = ("quota", "pace")
 CPU_MODE_ENV = "XRONOS_EMULATOR_CPU"
 
+# XRONOS_EMULATOR_PIN=1 pins quota-mode ranks as paced ones are (`assign_cores`): a quota group sharing
+# a core gets less than its quota (bench/results/demo-idle.md §5). Off by default: two runs so far.
+PIN_ENV = "XRONOS_EMULATOR_PIN"
+
 
 def default_cpu_mode() -> str:
     mode = os.environ.get(CPU_MODE_ENV, "quota").strip().lower()
     if mode not in CPU_MODES:
         raise EmulatorError(f"{CPU_MODE_ENV} must be one of {', '.join(CPU_MODES)}, got {mode!r}")
     return mode
+
+
+def default_pin() -> bool:
+    text = os.environ.get(PIN_ENV, "0").strip()
+    if text not in ("0", "1"):
+        raise EmulatorError(f"{PIN_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def default_poll_s() -> float | None:
@@ -204,7 +215,7 @@ class Confinement:
     def __init__(self, limits: list[RankLimits], *, period_us: int = DEFAULT_PERIOD_US,
                  cpu: Controller | None = None, memory: Controller | None = None,
                  top_weight: bool = False, poll_s: float | None | str = "default",
-                 cpu_mode: str | None = None) -> None:
+                 cpu_mode: str | None = None, pin: bool | None = None) -> None:
         self.limits = list(limits)
         self.period_us = period_us
         self.cpu_mode = default_cpu_mode() if cpu_mode is None else cpu_mode
@@ -231,7 +242,11 @@ class Confinement:
         self.parent_limit = cpu_limit_of(self.cpu)
         validate_limits(self.limits, usable_cores(), self.parent_limit)
         shares, cores = [lim.cpu_share for lim in self.limits], sorted(os.sched_getaffinity(0))
-        self.cores = assign_cores(shares, cores) if self.cpu_mode == "pace" else None
+        pin = default_pin() if pin is None else pin  # unless a core would get over one core of quota:
+        pinned = self.cpu_mode == "pace" or (pin and heaviest_core(shares, cores) <= 1.0)
+        if pin and not pinned:
+            log.warning("confinement.not_pinned", shares=shares, cores=cores, reason="a core would be overloaded")
+        self.cores = assign_cores(shares, cores) if pinned else None
         # pace mode: the paced shares are the asked ones times this (fixed for the run, `pace_dilation`)
         self.dilation = pace_dilation(shares, cores) if self.cpu_mode == "pace" else 1.0
         self.memory: Controller | None = None
@@ -377,15 +392,17 @@ class Confinement:
             raise EmulatorError(f"rank {rank} has no group (run has {len(self.limits)} ranks)")
         limits = [RankLimits(cpu_share, lim.memory_bytes) if r == rank else lim for r, lim in enumerate(self.limits)]
         validate_limits(limits, usable_cores(), self.parent_limit)
+        if self.cores is not None:
+            # the run's cores and dilation stay: the new share must still fit its core at them
+            load = self.dilation * sum(lim.cpu_share for r, lim in enumerate(limits)
+                                       if self.cores[r] == self.cores[rank])
+            if load > 1.0 + 1e-9:
+                paced = f" (shares paced at x{self.dilation:.3f})" if self.cpu_mode == "pace" else ""
+                raise EmulatorError(f"rank {rank}: cpu_share {cpu_share:g} would put {load:.2f} of a core's "
+                                    f"work on core {self.cores[rank]}{paced}")
         if self.cpu_mode == "quota":
             self._write_cpu(self._dir_for(rank, self.cpu), cpu_share)  # type: ignore[arg-type]
         else:
-            # the run's cores and dilation stay: the new share must still fit its core at them
-            load = self.dilation * sum(lim.cpu_share for r, lim in enumerate(limits)
-                                       if self.cores[r] == self.cores[rank])  # type: ignore[index]
-            if load > 1.0 + 1e-9:
-                raise EmulatorError(f"rank {rank}: cpu_share {cpu_share:g} would put {load:.2f} of a core's "
-                                    f"work on core {self.cores[rank]} (shares paced at x{self.dilation:.3f})")
             self._write_pace(rank, cpu_share * self.dilation)
         self.limits = limits
 
@@ -402,7 +419,8 @@ class Confinement:
                     for r, lim in enumerate(self.limits)]
         return [{"rank": r, "cpu_share": lim.cpu_share, "period_us": period_for(lim.cpu_share, self.period_us),
                  "quota_us": round(lim.cpu_share * period_for(lim.cpu_share, self.period_us)),
-                 "memory_bytes": lim.memory_bytes, "cgroup_version": self.cpu.version, "poll_s": self.poll_s}  # type: ignore[union-attr]
+                 "memory_bytes": lim.memory_bytes, "cgroup_version": self.cpu.version, "poll_s": self.poll_s,  # type: ignore[union-attr]
+                 "core": None if self.cores is None else self.cores[r]}
                 for r, lim in enumerate(self.limits)]
 
     def throttle_stats(self, rank: int) -> dict[str, int]:

@@ -91,3 +91,22 @@ def test_probe_real_machine() -> None:
     assert again == caps
     fp = cap.fingerprint(caps, threads=1)
     assert caps.cpu_model in fp and "threads=1" in fp
+
+
+def test_a_process_pinned_to_fewer_cpus_is_another_node() -> None:
+    """A profile taken pinned to one core (the emulator's XRONOS_EMULATOR_PIN, or taskset) is not
+    reused unpinned, nor on another core."""
+    caps = cap.probe("n1", "10.0.0.5")
+    every = os.sched_getaffinity(0)
+    if len(every) < 2:
+        pytest.skip("needs two CPUs")
+    free = cap.fingerprint(caps, threads=1)
+    try:
+        os.sched_setaffinity(0, {min(every)})
+        one = cap.fingerprint(caps, threads=1)
+        os.sched_setaffinity(0, {max(every)})
+        other = cap.fingerprint(caps, threads=1)
+    finally:
+        os.sched_setaffinity(0, every)
+    assert len({free, one, other}) == 3 and f"cpus={min(every)}" in one
+    assert cap.fingerprint(caps, threads=1) == free

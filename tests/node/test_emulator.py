@@ -240,3 +240,40 @@ def test_poll_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(POLL_ENV, "fast")
     with pytest.raises(EmulatorError, match=POLL_ENV):
         default_poll_s()
+
+
+@pytest.mark.skipif(CPU is None or len(os.sched_getaffinity(0)) != 2,
+                    reason="needs a writable cgroup cpu controller and exactly two cores")
+def test_pinned_quota_ranks_get_a_core_each_and_a_later_share_must_fit_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """XRONOS_EMULATOR_PIN=1 (or pin=True): quota-mode ranks pinned largest share first, the quota
+    still the CFS one; a share that would overload its core is refused; shares that cannot fit
+    the cores at one core each stay unpinned; unpinned is the default."""
+    from xronos.node.emulator import PIN_ENV, default_pin
+
+    monkeypatch.delenv(PIN_ENV, raising=False)
+    assert default_pin() is False
+    with Confinement([RankLimits(0.2)], cpu_mode="quota") as conf:
+        assert conf.cores is None and conf.quotas()[0]["core"] is None
+    monkeypatch.setenv(PIN_ENV, "yes")
+    with pytest.raises(EmulatorError, match=PIN_ENV):
+        default_pin()
+    monkeypatch.setenv(PIN_ENV, "1")
+    with Confinement([RankLimits(0.5), RankLimits(0.3), RankLimits(0.2)], cpu_mode="quota") as conf:
+        assert conf.cores is not None and conf._poller is not None  # still a quota, still polled
+        assert conf.cores[1] == conf.cores[2] != conf.cores[0]  # 0.5 alone, 0.3 + 0.2 together
+        assert [q["core"] for q in conf.quotas()] == conf.cores
+        proc = subprocess.Popen([sys.executable, "-c", "import sys, os; sys.stdin.readline(); "
+                                 "print(sorted(os.sched_getaffinity(0)))"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            conf.wrap(1, proc)
+            out, _ = proc.communicate("go\n", timeout=60)
+        finally:
+            proc.kill()
+        assert out.strip() == str([conf.cores[1]])
+        conf.set_share(1, 0.8)  # 0.8 + 0.2: the core is full, not overloaded
+        with pytest.raises(EmulatorError, match="1.10 of a core's work on core"):
+            conf.set_share(1, 0.9)
+        assert conf.quotas()[1]["cpu_share"] == 0.8
+    with Confinement([RankLimits(0.6), RankLimits(0.6), RankLimits(0.5)], cpu_mode="quota", pin=True) as conf:
+        assert conf.cores is None  # one core would carry 1.1 cores of quota: left to the scheduler
