@@ -242,7 +242,7 @@ class Confinement:
         self.parent_limit = cpu_limit_of(self.cpu)
         validate_limits(self.limits, usable_cores(), self.parent_limit)
         shares, cores = [lim.cpu_share for lim in self.limits], sorted(os.sched_getaffinity(0))
-        pin = default_pin() if pin is None else pin  # unless a core would get over one core of quota:
+        pin = default_pin() if pin is None else pin  # honoured where no core gets over one core of quota
         pinned = self.cpu_mode == "pace" or (pin and heaviest_core(shares, cores) <= 1.0)
         if pin and not pinned:
             log.warning("confinement.not_pinned", shares=shares, cores=cores, reason="a core would be overloaded")
