@@ -23,6 +23,19 @@ needs_cgroup = pytest.mark.skipif(CPU is None, reason="no writable cgroup cpu co
 BUSY = "import threading\ndef spin():\n    while True: pass\nthreading.Thread(target=spin, daemon=True).start()\nspin()\n"
 
 
+def confined_output(conf: Confinement, rank: int, code: str) -> str:
+    """stdout of `python -c code` started stopped at the door: the child waits on stdin until it is
+    in rank's group (and pinned, where the run pins), then runs `code`."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()\n" + code],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        conf.wrap(rank, proc)
+        out, _ = proc.communicate("go\n", timeout=60)
+    finally:
+        proc.kill()
+    return out
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -262,14 +275,7 @@ def test_pinned_quota_ranks_get_a_core_each_and_a_later_share_must_fit_it(monkey
         assert conf.cores is not None and conf._poller is not None  # still a quota, still polled
         assert conf.cores[1] == conf.cores[2] != conf.cores[0]  # 0.5 alone, 0.3 + 0.2 together
         assert [q["core"] for q in conf.quotas()] == conf.cores
-        proc = subprocess.Popen([sys.executable, "-c", "import sys, os; sys.stdin.readline(); "
-                                 "print(sorted(os.sched_getaffinity(0)))"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            conf.wrap(1, proc)
-            out, _ = proc.communicate("go\n", timeout=60)
-        finally:
-            proc.kill()
+        out = confined_output(conf, 1, "import os; print(sorted(os.sched_getaffinity(0)))")
         assert out.strip() == str([conf.cores[1]])
         conf.set_share(1, 0.8)  # 0.8 + 0.2: the core is full, not overloaded
         with pytest.raises(EmulatorError, match="1.10 of a core's work on core"):

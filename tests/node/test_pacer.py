@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.node.test_emulator import confined_output
 from xronos.node import pacer
 from xronos.node.emulator import (
     CPU_MODE_ENV, Confinement, EmulatorError, RankLimits, assign_cores, default_cpu_mode, find_controller,
@@ -190,15 +189,7 @@ def test_a_paced_rank_finds_its_share_is_pinned_and_runs_at_its_share() -> None:
         assert [read_share(f) for f in files] == [0.25, 0.5]
         assert [q["cpu_mode"] for q in conf.quotas()] == ["pace", "pace"]
         assert conf._poller is None  # no quota to enforce
-        # Started stopped-at-the-door: the child waits on stdin until it is in its group and pinned.
-        proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()\n" + PACED_CHILD],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            conf.wrap(0, proc)
-            out, _ = proc.communicate("go\n", timeout=60)
-        finally:
-            proc.kill()
-        share, cores, wall = json.loads(out)
+        share, cores, wall = json.loads(confined_output(conf, 0, PACED_CHILD))
         assert share == 0.25 and cores == [conf.cores[0]]
         assert wall >= 0.04 / 0.25 * 0.95  # at least what a quarter core takes (not a speed bound)
         conf.set_share(0, 0.5)
