@@ -26,7 +26,7 @@ from xronos.gateway.commmodel import comm_per_node, tp_comm_volume
 from xronos.gateway.costmodel import layout_shares, node_cost, predict_time
 from xronos.gateway.planner import PlanResult
 from xronos.gateway.profiles import Loaded, collective_cost, load_report, node_profile, plan_reports
-from xronos.protocol.layout import Layout
+from xronos.protocol.layout import KINDS, NOUN, Layout
 from xronos.protocol.messages import ProfileReport, ProfileSettings
 
 Wrap = Callable[[int, subprocess.Popen], None]
@@ -208,6 +208,11 @@ def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileRepo
                         seq_len=args.seq_len, bandwidth_mbps=getattr(args, "bandwidth_mbps", 1000.0),
                         latency_ms=getattr(args, "latency_ms", 0.5),
                         export_merged=getattr(args, "export_merged", False), settings=run_settings(args))
+    if not result.feasible:  # uniform ignores memory (and a run would OOM the box): refuse before launching
+        over = "; ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of its {r.memory_cap / 2**20:.0f} "
+                         f"MiB cap holding " + ", ".join(f"{r.count(k)} {NOUN[k]}" for k in KINDS)
+                         for r in result.rows if r.over_cap)
+        raise ValueError(f"the {result.strategy} plan exceeds memory caps: {over}")
     print(f"xronos run: {args.strategy} plan {result.layout.describe()}, predicted iteration "
           f"{result.predicted_iteration_s:.4f} s (compute {result.bottleneck_s:.4f} s + comm "
           f"{result.comm_s:.4f} s)", file=sys.stderr, flush=True)

@@ -387,7 +387,14 @@ def owner_peak(node: NodeCost, model: float, train: float, shares: Shares) -> fl
     written = node.weights_full if node.export_all else node.trained_full
     gathered = max(written if node.exports else 0.0,
                    3 * node.trained_full if node.checkpoints else 0.0)  # trained tensors + both moments
-    received = max(node.kind(k).load_slope * (1.0 - shares[k]) for k in KINDS)
+    # The rest of the kind's largest tensor shrinks as the rank's own share grows, but the planner
+    # needs memory nondecreasing in every share (its binary searches, alone caps, the "cannot even
+    # hold the replicated layers" test and the DP's pruning assume it). Where the weights kept grow
+    # slower than the buffer shrinks (LoRA with a merged export: a frozen embedding's M_w is its
+    # weights alone, scaled by the global 1 - grad - act), hold the buffer at its largest instead.
+    kept = 1 - node.grad_fraction - node.act_fraction
+    received = max(node.kind(k).load_slope
+                   - min(node.kind(k).load_slope, node.kind(k).mem_slope * kept) * shares[k] for k in KINDS)
     if not node.export_all:  # an adapter-only export receives adapters' slices: small
         received = min(received, node.trained_full)
     export = node.mem_runtime + model * (1 - node.grad_fraction - node.act_fraction) + gathered + received

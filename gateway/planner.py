@@ -245,6 +245,17 @@ def plan(
             raise infeasible(pb, "the paper's head-tied greedy ran out of nodes with memory for "
                                   "another unit")
         layout = Layout.tied(units, sizes, quanta)
+        # The greedy checks memory at the tied share h/H; the layout cuts MLP and vocabulary at the
+        # nearest quantum, which can round a node's share up past its cap.
+        over = []
+        for d, nd in enumerate(nodes):
+            need = predict_memory(nd, layout_shares(layout, d))
+            if need > caps[d]:
+                over.append(f"{nd.node_id} needs {need / MiB:.1f} MiB of its {caps[d] / MiB:.1f} MiB cap holding "
+                            + ", ".join(f"{layout.counts(k)[d]} {NOUN[k]}" for k in KINDS))
+        if over:
+            raise infeasible(pb, "the paper's head-tied layout, cut at the quantum, exceeds the caps: "
+                                  + "; ".join(over))
     else:
         if pb.short:
             raise infeasible(pb, f"nodes {[nodes[d].node_id for d in pb.short]} cannot even hold the "

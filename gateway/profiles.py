@@ -121,12 +121,24 @@ def check_report(r: ProfileReport, source: str) -> None:
         if small.total(k) > r.sizes.total(k):
             raise ValueError(f"{source}: field heap_slack_small_counts.{k}: {small.total(k)} is more than the "
                              f"model's {r.sizes.total(k)}")
+    if not any(t > 0 for lay in r.layers for _, t in lay.time_samples) and not any(lay.time_s > 0 for lay in r.layers):
+        raise ValueError(f"{source}: field layers: every time in node {r.node_id}'s profile is 0 s (a timer that did "
+                         f"not run): the planner would give this node the whole model")
     timed = {lay.segment for lay in r.layers if lay.partitioned}
     missing = [k for k in KINDS if k not in timed]
     if missing:
         raise ValueError(f"{source}: field layers: no partitioned layer of segment "
                          f"{', '.join(repr(k) for k in missing)} (a profile times every kind: "
                          f"{', '.join(NOUN[k] for k in KINDS)})")
+    # Every kind holds weights (a tied LM head may hold none of its own, the embedding does): a kind
+    # at 0 bytes is memory that was not measured, and the planner would put all of it on this node
+    # as if it took no memory.
+    weightless = [k for k in KINDS if not any(lay.weight_bytes > 0 for lay in r.layers
+                                              if lay.partitioned and lay.segment == k)]
+    if weightless:
+        raise ValueError(f"{source}: field layers[].weight_bytes: node {r.node_id}'s partitioned "
+                         f"{', '.join(repr(k) for k in weightless)} layers report 0 bytes of weights "
+                         f"(their memory was not measured)")
     names = [lay.name for lay in r.layers]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

@@ -112,6 +112,24 @@ def test_units_and_strategy_exclusive(tiny: tuple[Path, Path], tmp_path: Path,
     assert "1 entries for --nodes 2" in capsys.readouterr().err
 
 
+def test_an_over_cap_plan_is_refused_before_any_rank_starts(tiny: tuple[Path, Path], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """uniform ignores memory: a plan over a rank's cap is refused with each rank's need, cap and
+    counts per kind, as the gateway refuses it, instead of starting ranks the kernel would kill."""
+    from xronos.cli import run
+    from xronos.gateway.planner import MiB
+
+    monkeypatch.setattr(strategy, "profile_ranks", lambda *a, **k: [
+        synthetic_report("rank0", units=8, num_blocks=2, memory_available=300 * MiB, batch_size=4, seq_len=8),
+        synthetic_report("rank1", units=8, num_blocks=2, memory_available=8192 * MiB, batch_size=4, seq_len=8)])
+    monkeypatch.setattr(run, "_launch", lambda *a, **k: pytest.fail("launched an over-cap plan"))
+    assert main([*_args(tiny, tmp_path), "--strategy", "uniform", "--reserve-mb", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "the uniform plan exceeds memory caps: rank0 needs " in err, err
+    assert "MiB of its 300 MiB cap holding 4 attention units, 2048 MLP columns, " in err and "rank1" not in err
+
+
 @pytest.mark.slow
 def test_run_with_strategy_reports_prediction(tiny: tuple[Path, Path], tmp_path: Path,
                                               capsys: pytest.CaptureFixture) -> None:

@@ -91,3 +91,22 @@ def test_an_owner_that_cannot_hold_even_nothing_is_explained():
     assert "holding nothing it already needs" in line and "(rank 0, the owner: with its data stack" in line
     need = float(line.split("holding nothing it already needs ")[1].split(" MiB")[0])
     assert need > 300 and "cap 300.0 MiB" in line, line
+
+
+def test_a_profile_without_memory_or_without_times_is_refused_naming_node_and_field():
+    """A kind at 0 bytes of weights would be planned as free (caps could not stop this node taking
+    all of it); all times 0 would give this node the whole model as 'optimal'."""
+    good = rep("n1")
+    part = [i for i, lay in enumerate(good.layers) if lay.partitioned and lay.segment == "mlp"]
+    layers = [lay.model_copy(update={"weight_bytes": 0}) if i in part else lay for i, lay in enumerate(good.layers)]
+    with pytest.raises(ValueError, match=r"a.json: field layers\[\]\.weight_bytes: node n1's partitioned 'mlp' "
+                                         r"layers report 0 bytes of weights"):
+        check_report(good.model_copy(update={"layers": layers}), "a.json")
+    # one partitioned layer without weights of its own (a head tied to the embedding) is fine
+    out = next(i for i, lay in enumerate(good.layers) if lay.kind == "out")
+    layers = [lay.model_copy(update={"weight_bytes": 0}) if i == out else lay for i, lay in enumerate(good.layers)]
+    check_report(good.model_copy(update={"layers": layers}), "a.json")
+    layers = [lay.model_copy(update={"time_s": 0.0, "time_samples": [(p, 0.0) for p, _ in lay.time_samples]})
+              for lay in good.layers]
+    with pytest.raises(ValueError, match=r"a.json: field layers: every time in node n1's profile is 0 s"):
+        check_report(good.model_copy(update={"layers": layers}), "a.json")
