@@ -11,6 +11,7 @@ carries the architecture (for profiling on other nodes), H and the number of ste
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,20 @@ def _overlap(a: Path, b: Path) -> bool:
     return a == b or a.is_relative_to(b) or b.is_relative_to(a)
 
 
+def _confine_symlinks(model_dir: Path, allowed: list) -> None:
+    """Every symlink directly in the model directory (config.json, tokenizer files, ... which
+    transformers reads and the export copies) must resolve inside the allowed directories too, as
+    the checkpoint's safetensors files must (`checkpoint_files`): a confined directory is no
+    confinement if its files may point anywhere (a credential, another job's checkpoint)."""
+    try:
+        entries = list(os.scandir(model_dir))
+    except OSError:
+        return  # a missing model dir is reported by the checks that read it
+    for e in entries:
+        if e.is_symlink():
+            confine_path(e.path, allowed, f"spec.model_dir entry {e.name!r}")
+
+
 def confined_spec(spec: JobSpec, allowed_dirs: Iterable[str | Path],
                   reserved: Iterable[str | Path] = ()) -> JobSpec:
     """The spec with model_dir, data_path and export_dir resolved inside allowed_dirs.
@@ -35,6 +50,7 @@ def confined_spec(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     allowed = list(allowed_dirs)
     out = {field: str(confine_path(getattr(spec, field), allowed, f"spec.{field}"))
            for field in ("model_dir", "data_path", "export_dir")}
+    _confine_symlinks(Path(out["model_dir"]), allowed)
     export = Path(out["export_dir"])
     for field in ("model_dir", "data_path"):
         if _overlap(export, Path(out[field])):

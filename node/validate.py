@@ -26,6 +26,9 @@ class Preflight:
     labels: LabelSpace | None = None  # classify: the classes the run trains (names, and whether the data names them)
 
 
+MAX_CONFIG_BYTES = 1024 * 1024  # real configs are a few KiB
+
+
 def read_config(model_dir: str | Path) -> dict:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -33,6 +36,10 @@ def read_config(model_dir: str | Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model dir {model_dir} has no config.json")
+    # Read in the node service itself (job inspection): a huge file there is an OOM of the service.
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path} is {size} bytes; a model's config.json is at most {MAX_CONFIG_BYTES} bytes")
     try:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -62,6 +62,10 @@ class BrokerSettings(BaseModel):
         if self.password_file is None:
             return None
         try:
+            mode = self.password_file.stat().st_mode
+            if mode & 0o004:  # a secret every local user can read; the service still connects (the broker decides)
+                log.warning("broker.password_file_world_readable", path=str(self.password_file),
+                            mode=oct(mode & 0o777), fix=f"chmod 600 {self.password_file}")
             return self.password_file.read_text(encoding="utf-8").rstrip("\r\n")
         except OSError as exc:
             raise ValueError(f"password_file {str(self.password_file)!r}: cannot read: {exc.strerror}") from None

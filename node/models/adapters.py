@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from xronos.node.tp.lora import TRAINED_HEADS, LoraSettings
 
-from .export import TOKENIZER_FILES, save_hf_dir
+from .export import TOKENIZER_FILES, fresh_target, save_hf_dir
 from .registry import family_for
 
 PEFT_PREFIX = "base_model.model."
@@ -72,13 +72,15 @@ def save_adapter_dir(out_dir: str | Path, config: dict[str, Any], task: str, sta
     tensors = adapter_state(state, task)
     if not any(is_lora_key(k) for k in tensors):
         raise ValueError("no LoRA tensors in the state to export")
+    fresh_target(out / "adapter_config.json")
     peft_config(config, task, settings, modules, str(model_dir) if model_dir else None).save_pretrained(str(out))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(fresh_target(out / ADAPTER_FILE)),
+              metadata={"format": "pt"})
     if model_dir is not None:
         src = Path(model_dir)
         for name in TOKENIZER_FILES:
             if (src / name).is_file() and src.resolve() != out.resolve():
-                shutil.copy2(src / name, out / name)
+                shutil.copy2(src / name, fresh_target(out / name))
     return out
 
 

@@ -87,6 +87,14 @@ def gather_full(source: nn.Module | Mapping[str, torch.Tensor], specs: Mapping[s
     return out
 
 
+def fresh_target(path: Path) -> Path:
+    """`path`, with a symlink there removed first: an export writes its own files, never through a
+    link someone left in the export directory (to another job's checkpoint, the node's state)."""
+    if path.is_symlink():
+        path.unlink()
+    return path
+
+
 def save_hf_dir(out_dir: str | Path, config: dict[str, Any], task: str,
                 state: Mapping[str, torch.Tensor], tokenizer_src_dir: str | Path | None = None) -> Path:
     """Write config.json (architectures = the task's HF class), model.safetensors and the tokenizer
@@ -109,12 +117,12 @@ def save_hf_dir(out_dir: str | Path, config: dict[str, Any], task: str,
     if len(dtypes) == 1:
         cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
         cfg.pop("torch_dtype", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+    save_file({k: v.contiguous() for k, v in state.items()}, str(fresh_target(out / "model.safetensors")),
               metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    fresh_target(out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if tokenizer_src_dir is not None:
         src = Path(tokenizer_src_dir)
         for name in TOKENIZER_FILES:
             if (src / name).is_file() and src.resolve() != out.resolve():
-                shutil.copy2(src / name, out / name)
+                shutil.copy2(src / name, fresh_target(out / name))
     return out

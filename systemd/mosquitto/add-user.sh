@@ -7,7 +7,8 @@
 #
 # ROLE is one of
 #   gateway        the Xronos gateway: all of {base}/#, writes Home Assistant discovery
-#   node           a node; NAME must equal node_id in its node.toml: only {base}/node/NAME/#
+#   node           a node; NAME must equal node_id in its node.toml: only {base}/node/NAME/...,
+#                  writing its reports and reading its commands (not the other way round)
 #   homeassistant  Home Assistant: reads {base}/#, writes only the command topics .../set, and
 #                  its own discovery tree homeassistant/# (reads discovery, writes its status)
 #   cli            a person or script running `xronos job|nodes`: reads {base}/#, sends requests
@@ -38,7 +39,7 @@ while [ $# -gt 0 ]; do
         --base) BASE="${2:-}"; shift 2 ;;
         --no-password) SET_PASSWORD=0; shift ;;
         --remove) REMOVE=1; shift ;;
-        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) die "unknown option '$1' (see --help)" ;;
         *) args+=("$1"); shift ;;
     esac
@@ -58,10 +59,17 @@ printf '%s' "$NAME" | grep -Eq '^[A-Za-z0-9_.-]{1,64}$' \
 printf '%s' "$BASE" | grep -Eq '^[A-Za-z0-9_./-]+$' || die "--base '$BASE' is not a usable topic prefix"
 case "$BASE" in /*|*/|*//*) die "--base '$BASE': no leading, trailing or empty levels" ;; esac
 
+# A node's own topics (protocol/topics.py), by direction: node → others, and others → node.
+NODE_WRITES="availability capabilities profile/report ack metrics error inspect/report job state"
+NODE_READS="profile/request assignment control inspect/request set"
+
 block() {
     case "$ROLE" in
         gateway) printf 'topic readwrite %s/#\ntopic write homeassistant/device/#\ntopic read homeassistant/status\n' "$BASE" ;;
-        node) printf 'topic readwrite %s/node/%s/#\ntopic read %s/gateway/availability\n' "$BASE" "$NAME" "$BASE" ;;
+        node)  # writes its reports, reads its commands: its credentials cannot command it
+            for leaf in $NODE_WRITES; do printf 'topic write %s/node/%s/%s\n' "$BASE" "$NAME" "$leaf"; done
+            for leaf in $NODE_READS; do printf 'topic read %s/node/%s/%s\n' "$BASE" "$NAME" "$leaf"; done
+            printf 'topic read %s/gateway/availability\n' "$BASE" ;;
         homeassistant) printf 'topic read %s/#\ntopic write %s/gateway/set\ntopic write %s/node/+/set\ntopic readwrite homeassistant/#\n' "$BASE" "$BASE" "$BASE" ;;
         cli) printf 'topic read %s/#\ntopic write %s/gateway/request/#\n' "$BASE" "$BASE" ;;
         keep) printf 'topic readwrite #\ntopic read $SYS/#\n' ;;

@@ -128,6 +128,28 @@ def test_node_cannot_publish_under_another_node(clients):
     assert got == [("xronos/node/n1/availability", b"online")]
 
 
+def test_a_nodes_credentials_cannot_command_that_node(clients):
+    """A node writes what it reports and reads what it is told; stolen node credentials (a leaked
+    password file) cannot assign or start its jobs, or flip its Home Assistant switch."""
+    gateway, n1 = clients("gateway"), clients("n1")
+    gateway.subscribe("xronos/#")
+    for leaf in ("assignment", "control", "profile/request", "inspect/request", "set"):
+        assert n1.publish(f"xronos/node/n1/{leaf}", b"\x80") == NOT_AUTHORIZED, leaf
+    assert n1.publish("xronos/node/n1/ack", b"\x80") == 0
+    assert gateway.received_until("xronos/node/n1/ack") == [("xronos/node/n1/ack", b"\x80")]
+
+
+def test_the_node_blocks_leaves_are_the_topic_tables(broker):
+    """add-user.sh lists a node's topics by direction; they must be the table's, every one."""
+    from xronos.protocol.topics import ENTRIES
+
+    text = ADD_USER.read_text()
+    listed = {d: text.split(f'NODE_{d}="', 1)[1].split('"', 1)[0].split() for d in ("WRITES", "READS")}
+    own = {e.pattern.removeprefix("node/{node_id}/"): e.direction for e in ENTRIES if e.pattern.startswith("node/{node_id}/")}
+    assert sorted(listed["WRITES"]) == sorted(leaf for leaf, d in own.items() if d.startswith("node →"))
+    assert sorted(listed["READS"]) == sorted(leaf for leaf, d in own.items() if d.endswith("→ node"))
+
+
 def test_node_reads_only_its_own_topics(clients):
     gateway, n1 = clients("gateway"), clients("n1")
     n1.subscribe("xronos/#")

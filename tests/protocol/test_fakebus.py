@@ -84,3 +84,18 @@ def test_password_file_read_on_demand_and_never_in_repr(tmp_path):
         BrokerSettings(port=0)
     with pytest.raises(ValueError, match="tls_key"):
         BrokerSettings(tls_key=tmp_path / "k.pem")
+
+
+def test_a_world_readable_password_file_is_named_in_a_warning_without_the_secret(tmp_path):
+    from structlog.testing import capture_logs
+
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    for mode, warned in ((0o644, True), (0o600, False), (0o640, False)):
+        pw.chmod(mode)
+        with capture_logs() as logs:
+            assert BrokerSettings(username="u", password_file=pw).read_password() == "s3cret"
+        hits = [e for e in logs if e["event"] == "broker.password_file_world_readable"]
+        assert bool(hits) == warned, (oct(mode), logs)
+        assert "s3cret" not in repr(logs)
+        assert all(e["mode"] == "0o644" and e["fix"] == f"chmod 600 {pw}" for e in hits)

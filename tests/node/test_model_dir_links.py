@@ -1,0 +1,62 @@
+"""A confined model or export directory confines its files too: a symlink in the model directory
+must resolve inside allowed_dirs (transformers reads it, the export copies it), and the export
+never writes through a link left in the export directory."""
+
+import os
+
+import pytest
+import torch
+
+from xronos.node.jobcheck import confined_spec
+from xronos.node.models.export import save_hf_dir
+from xronos.protocol.messages import JobSpec
+
+
+def _spec(allowed, export):
+    return JobSpec(name="x", owner="n1", model_dir=str(allowed / "model"), data_path=str(allowed / "d.jsonl"),
+                   task="causal-lm", batch_size=1, seq_len=8, lr=1e-3, max_steps=1, export_dir=str(export))
+
+
+def test_symlink_in_model_dir_out_of_allowed_is_refused(tmp_path):
+    allowed, secret = tmp_path / "allowed", tmp_path / "secret"
+    (allowed / "model").mkdir(parents=True)
+    (allowed / "d.jsonl").write_text("{}\n")
+    secret.write_text("password")
+    os.symlink(secret, allowed / "model" / "chat_template.jinja")
+    with pytest.raises(ValueError, match="chat_template.jinja.*outside the allowed"):
+        confined_spec(_spec(allowed, allowed / "out"), [allowed])
+
+
+def test_symlink_in_model_dir_inside_allowed_is_fine(tmp_path):
+    allowed = tmp_path / "allowed"
+    (allowed / "model").mkdir(parents=True)
+    (allowed / "blobs").mkdir()
+    (allowed / "blobs" / "c").write_text("{}")
+    (allowed / "d.jsonl").write_text("{}\n")
+    os.symlink(allowed / "blobs" / "c", allowed / "model" / "config.json")  # the Hugging Face cache layout
+    confined_spec(_spec(allowed, allowed / "out"), [allowed])
+
+
+def test_export_replaces_links_instead_of_writing_through_them(tmp_path):
+    victim, src, out = tmp_path / "victim.json", tmp_path / "src", tmp_path / "out"
+    victim.write_text("keep")
+    src.mkdir()
+    (src / "vocab.json").write_text("{}")
+    out.mkdir()
+    for name in ("config.json", "vocab.json"):
+        os.symlink(victim, out / name)
+    save_hf_dir(out, {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "causal-lm",
+                {"w": torch.ones(1)}, src)
+    assert victim.read_text() == "keep"
+    assert not (out / "config.json").is_symlink() and (out / "vocab.json").read_text() == "{}"
+
+
+def test_an_oversized_config_json_is_refused_before_it_is_read(tmp_path):
+    from xronos.node.validate import MAX_CONFIG_BYTES, read_config
+
+    (tmp_path / "config.json").write_text("{}")
+    assert read_config(tmp_path) == {}
+    with open(tmp_path / "config.json", "r+b") as f:  # sparse: no disk spent, and never read whole
+        f.truncate(MAX_CONFIG_BYTES + 1)
+    with pytest.raises(ValueError, match=f"config.json is {MAX_CONFIG_BYTES + 1} bytes; .* at most"):
+        read_config(tmp_path)
