@@ -5,6 +5,7 @@ effect there, as one that cannot be published does), each with the topic paramet
 
 from __future__ import annotations
 
+import secrets
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -54,11 +55,12 @@ def _assign(e: Assign, job: Job, reg: Registry, ports: tuple[int, int]) -> Outgo
     port = lo + (zlib.crc32(e.job_id.encode()) + e.plan.version) % (hi - lo + 1)
     entries = e.plan.entries
     layout = e.plan.layout()
+    key = secrets.token_hex(32)  # the world's (node/tp/groupkey.py): every rank of this version gets it
     for x in entries:
         yield m.Assignment(
             job_id=e.job_id, plan_version=e.plan.version, node_id=x.node_id, rank=x.rank,
             world_size=len(entries), rendezvous_host=host or "127.0.0.1", rendezvous_port=port,
-            layout=layout, spec=job.spec, resume_step=e.resume_step), {"node_id": x.node_id}
+            layout=layout, spec=job.spec, resume_step=e.resume_step, group_key=key), {"node_id": x.node_id}
 
 
 def _jsonable(data: Any) -> Any:

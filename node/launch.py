@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from xronos.node import allocator
 from xronos.node.runconfig import RunConfig
+from xronos.node.tp.groupkey import new_key
 
 Wrap = Callable[[int, subprocess.Popen], None]
 _TAIL_BYTES = 8192
@@ -127,6 +128,8 @@ def spawn_ranks(module: str, configs: Sequence[BaseModel], wrap: Wrap | None = N
         # A fresh namespace has every port free: the configs' own port is as good as any.
         port = configs[0].rendezvous_port  # type: ignore[attr-defined]
         update["rendezvous_host"] = placement.rendezvous_host
+    if "group_key" in type(configs[0]).model_fields:  # a rank of ours proves it (node/tp/groupkey.py)
+        update["group_key"] = new_key()
     env = {**rank_env(threads), **(extra_env or {})}
     procs: list[subprocess.Popen] = []
     pumps: list[_StderrPump] = []

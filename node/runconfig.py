@@ -87,6 +87,9 @@ class RankConfig(DataConfig):
     rank: int = Field(default=0, ge=0)
     rendezvous_host: str = "127.0.0.1"
     rendezvous_port: int = Field(default=29500, gt=0, lt=65536)
+    # The world's key, proved by every rank right after joining (node/tp/groupkey.py): a job's from
+    # its Assignment, a local run's from spawn_ranks. None: no proof (tests joining by hand).
+    group_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$", repr=False)
 
     @model_validator(mode="after")
     def _check(self) -> RankConfig:
@@ -172,12 +175,12 @@ class RunConfig(RankConfig):
 
     @classmethod
     def for_job(cls, spec: JobSpec, *, layout: Layout, rank: int, host: str, port: int, threads: int,
-                gloo_timeout_s: float) -> RunConfig:
+                gloo_timeout_s: float, group_key: str | None = None) -> RunConfig:
         """The rank settings a JobSpec means (a job always shuffles with its seed, like `xronos run`);
         its length is the spec's own (max_steps and/or epochs), counted once the owner has the data."""
         same = spec.model_dump(include=set(cls.model_fields))  # the fields both name alike
         return cls(**same, layout=layout, shuffle=True, threads=threads, gloo_timeout_s=gloo_timeout_s,
-                   progress=False, rank=rank, rendezvous_host=host, rendezvous_port=port)
+                   progress=False, rank=rank, rendezvous_host=host, rendezvous_port=port, group_key=group_key)
 
 
 class JobRankConfig(BaseModel):

@@ -54,6 +54,7 @@ from xronos.node.models.loading import SafetensorsSource, ShardSource, materiali
 from xronos.node.runconfig import RankConfig
 from xronos.node.streaming import load_shard, share_json
 from xronos.node.tp.group import TPGroup
+from xronos.node.tp.groupkey import prove
 from xronos.node.validate import read_config
 from xronos.protocol.layout import Layout, LayoutError
 
@@ -345,6 +346,8 @@ def run(cfg: RankConfig, engine: Engine, *, weights: WeightSource, control: Cont
     sink = sink or Sink()
     torch.set_num_threads(cfg.threads)
     group = TPGroup.join(cfg.rank, cfg.world_size, cfg.rendezvous_host, cfg.rendezvous_port, cfg.gloo_timeout_s)
+    if cfg.group_key is not None:
+        prove(group, cfg.group_key)  # before anything of the job's goes out
     memwatch.phase("join")
     facts, source = share_facts(cfg, group, allowed_dirs)
     rank = Rank(cfg, group, facts, BatchChannel(cfg, group, source, facts.token_types),

@@ -281,6 +281,8 @@ class NodeService:
             raise ValueError(f"assignment names node {a.node_id!r} but arrived on {params['node_id']!r}'s topic")
         cur = self.assignment
         if cur is not None and cur.job_id == a.job_id and cur.plan_version == a.plan_version:
+            if self.child is None:  # not started: the repeat's group key is the one the others hold now
+                self.assignment = a
             self._ack(a, None)  # a repeat (the gateway restarted while waiting for acks)
             return
         if cur is not None and cur.job_id == a.job_id and cur.plan_version > a.plan_version:
@@ -360,7 +362,8 @@ class NodeService:
         assert self.spec is not None
         threads = self._threads()
         run = RunConfig.for_job(self.spec, layout=a.layout, rank=a.rank, host=a.rendezvous_host,
-                                port=a.rendezvous_port, threads=threads, gloo_timeout_s=self.cfg.gloo_timeout_s)
+                                port=a.rendezvous_port, threads=threads, gloo_timeout_s=self.cfg.gloo_timeout_s,
+                                group_key=a.group_key)
         jobdir = job_dir(self.state_dir, a.job_id)
         config = JobRankConfig(job_id=a.job_id, plan_version=a.plan_version, node_id=self.node_id, run=run,
                                checkpoint_interval=self.spec.checkpoint_interval, resume_step=a.resume_step,

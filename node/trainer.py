@@ -243,7 +243,7 @@ class TPEngine(Engine):
             print(f"re-sharded before step {m.step} ({m.reason}): {m.old} -> {m.new}, {m.moved_bytes} bytes, "
                   f"{m.seconds:.3f} s", flush=True)
         return {
-            "config": cfg.model_dump(exclude={"rank", "rendezvous_host", "rendezvous_port"}),
+            "config": cfg.model_dump(exclude={"rank", "rendezvous_host", "rendezvous_port", "group_key"}),
             "eval_before": asdict(result.eval_before) if result.eval_before else None,
             "eval_after": asdict(result.eval_after) if result.eval_after else None,
             # live re-shards: when, why, old and new layout, bytes moved, the slowest rank's seconds

@@ -125,6 +125,10 @@ class Assignment(Message):
     layout: Layout  # every rank's counts per segment kind; this node's ranges follow from `rank`
     spec: JobSpec
     resume_step: Count = 0
+    # The world's key (32 random bytes, hex; one per plan version): the ranks prove it to each
+    # other right after joining, so a stranger at the rendezvous port gets no data
+    # (node/tp/groupkey.py). Never logged, never retained; kept out of reprs.
+    group_key: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", repr=False)]
 
     @model_validator(mode="after")
     def _consistent(self) -> Assignment:

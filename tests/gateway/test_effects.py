@@ -55,6 +55,13 @@ def test_assignments_name_the_owners_address_and_the_plan_versions_port(reg, hos
     assert [a.rank for a, _ in out] == [0, 1]
 
 
+def test_every_rank_of_a_plan_gets_one_fresh_group_key_which_no_repr_shows():
+    keys = [{a.group_key for a, _ in messages(J.Assign("j1", PLAN, 0), JOB, {}, PORTS)} for _ in range(2)]
+    assert all(len(k) == 1 for k in keys) and keys[0] != keys[1]  # one per world, drawn anew each time
+    (a, _), _ = messages(J.Assign("j1", PLAN, 0), JOB, {}, PORTS)
+    assert a.group_key not in repr(a) and a.group_key not in str(a)
+
+
 def test_controls_go_to_every_node_and_a_reshard_order_to_the_owner_alone():
     out = list(messages(J.Control("j1", 3, ("a", "b"), "pause"), JOB, {}, PORTS))
     assert [(type(c), p) for c, p in out] == [(m.JobPause, {"node_id": "a"}), (m.JobPause, {"node_id": "b"})]

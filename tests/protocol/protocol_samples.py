@@ -51,7 +51,7 @@ SAMPLES: dict[str, object] = {
                                            settings=m.ProfileSettings(weight_decay=0.0, clip=True, lora_r=None,
                                                                       lora_targets=None, lora_dropout=0.0)),
     "node.assignment": m.Assignment(job_id="j1", plan_version=2, node_id="n100", rank=1, world_size=2,
-                                    rendezvous_host="192.168.1.20", rendezvous_port=29500,
+                                    rendezvous_host="192.168.1.20", rendezvous_port=29500, group_key="0f" * 32,
                                     layout=Layout(attn=(0, 2), mlp=(32, 96), vocab=(640, 360)),
                                     spec=SPEC, resume_step=0),
     "node.ack": m.AssignmentAck(job_id="j1", plan_version=2, node_id="n100", accepted=False,

@@ -37,6 +37,7 @@ def case(tmp_path_factory):
 def _assignment(spec: m.JobSpec, layout: Layout, rank: int = 0, version: int = 1) -> m.Assignment:
     return m.Assignment(job_id="j", plan_version=version, node_id="n0" if rank == 0 else "n1", rank=rank,
                         world_size=layout.world_size, rendezvous_host="127.0.0.1", rendezvous_port=free_port(),
+                        group_key="ab" * 32,
                         layout=layout, spec=spec)
 
 

@@ -190,7 +190,7 @@ def test_fuzz_the_gateway_and_a_node(tmp_path):
             ("node/n0/control", encode(m.JobCancel(job_id=real_job, plan_version=1))),
             ("node/n0/assignment", encode(m.Assignment(
                 job_id="poison", plan_version=1, node_id="n0", rank=0, world_size=1, rendezvous_host="127.0.0.1",
-                rendezvous_port=29999, layout=Layout(attn=(12,), mlp=(100,), vocab=(37,)),
+                rendezvous_port=29999, group_key="ab" * 32, layout=Layout(attn=(12,), mlp=(100,), vocab=(37,)),
                 spec=m.JobSpec(**spec)))),
             ("node/n0/set", b'{"participate": false}'),
         ]

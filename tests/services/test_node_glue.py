@@ -109,6 +109,7 @@ def test_assignments_checked(node):
     spec = m.JobSpec(**job_spec(tmp / "allowed" / "m", tmp / "allowed" / "d.csv", tmp / "allowed" / "o", owner="n0"))
     base = dict(job_id="j", plan_version=1, rank=0, world_size=2, rendezvous_host="127.0.0.1",
                 rendezvous_port=free_port(),  # a fixed port inside the ephemeral range collided once in CI
+                group_key="ab" * 32,
                 layout=Layout(attn=(6, 6), mlp=(64, 36), vocab=(32, 5)), spec=spec)
     client.drain()
     # A payload naming another node on n0's topic: ignored, logged, answered on n0's error topic.
@@ -126,6 +127,13 @@ def test_assignments_checked(node):
     svc.step(0.1)
     (ack,) = msgs(client, "node.ack")
     assert ack.accepted and svc.assignment.plan_version == 1
+    # The same plan again (a gateway restarted while waiting for acks), with the key it drew anew:
+    # acked again, and the key of the repeat is the one the rank will prove.
+    svc.bus.publish(T.build("node.assignment", node_id="n0"),
+                    encode(m.Assignment(node_id="n0", **{**base, "group_key": "cd" * 32})))
+    svc.step(0.1)
+    (ack,) = msgs(client, "node.ack")
+    assert ack.accepted and svc.assignment.group_key == "cd" * 32
     status = decode("xronos/node/n0/job", broker.retained["xronos/node/n0/job"])
     assert status.status == "accepted" and status.rank == 0
     # A re-shard order for another world size is refused before it reaches the rank process.
