@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from xronos.protocol import messages as m
-from xronos.protocol.codec import decode
+from xronos.protocol.codec import DecodeError, decode
 from xronos.protocol.errtext import reason
 from xronos.protocol.specfile import load_spec  # noqa: F401  (re-exported: the CLI's spec files)
 from xronos.protocol.topics import TopicTable
@@ -145,7 +146,10 @@ class GatewayClient:
             item = self.bus.get(left)
             if item is None or item[0] != want:
                 continue
-            resp = decode(*item, table=self.table)
+            try:
+                resp = decode(*item, table=self.table)
+            except DecodeError:  # not the gateway's answer (e.g. a retained or stray bad payload): not ours
+                continue
             if resp.transaction != txn:
                 continue
             if resp.status == "error":
@@ -161,7 +165,11 @@ class GatewayClient:
             item = self.bus.get(1.0)
             if item is None or not item[0].endswith(f"/job/{job_id}/state") or not item[1]:
                 continue  # an empty payload: the gateway cleared the state (pruned from its history)
-            state = decode(*item, table=self.table)
+            try:
+                state = decode(*item, table=self.table)
+            except DecodeError as exc:  # e.g. a state retained by another schema version: wait for the gateway's
+                print(f"ignoring an unreadable state of job {job_id}: {exc}"[:300], file=sys.stderr)
+                continue
             on_state(state)
             if state.phase in TERMINAL:
                 return state

@@ -307,6 +307,15 @@ MAX_SPECS = 50  # a select with more options is no longer a menu
 RESCAN_S = 30.0
 
 
+def _spec_file(job_dir: Path, path: Path) -> bool:
+    """A regular file that is in job_dir once links are resolved: a button in Home Assistant must
+    not make the gateway read (and quote the parse errors of) a file elsewhere through a link."""
+    try:
+        return path.is_file() and path.resolve().is_relative_to(job_dir.resolve())
+    except OSError:
+        return False
+
+
 def list_specs(job_dir: Path | None) -> tuple[str, ...]:
     """Job spec names in job_dir: file names without suffix, usable as select options."""
     if job_dir is None:
@@ -318,7 +327,8 @@ def list_specs(job_dir: Path | None) -> tuple[str, ...]:
     names: list[str] = []
     for e in entries:
         stem, suffix = os.path.splitext(e.name)
-        if suffix in SPEC_SUFFIXES and e.is_file() and _SPEC_NAME.fullmatch(stem) and stem not in names:
+        if suffix in SPEC_SUFFIXES and _spec_file(job_dir, Path(e.path)) and _SPEC_NAME.fullmatch(stem) \
+                and stem not in names:
             names.append(stem)
     return tuple(names[:MAX_SPECS])
 
@@ -432,7 +442,7 @@ class HABridge:
 
             self.rescan()
             path = next((self.job_dir / f"{name}{sfx}" for sfx in SPEC_SUFFIXES
-                         if self.job_dir and (self.job_dir / f"{name}{sfx}").is_file()), None)
+                         if self.job_dir and _spec_file(self.job_dir, self.job_dir / f"{name}{sfx}")), None)
             if path is None:
                 raise ValueError(f"no job spec {name!r} in {self.job_dir}")
             try:

@@ -96,13 +96,15 @@ class GatewayService:
                         ("node.profile_report", self._on_profile), ("node.inspect_report", self._on_inspect),
                         ("node.ack", self._on_ack), ("node.metrics", self._on_metrics),
                         ("node.job", self._on_node_job), ("node.error", self._on_node_error)):
-            d.on(key, fn, on_refused=self._profile_refused if key == "node.profile_report" else None)
+            d.on(key, fn, on_refused=self._profile_refused if key == "node.profile_report" else None,
+                 on_cleared=self._availability_cleared if key == "node.availability" else None)
         for name, fn in (("job/submit", self._req_submit), ("job/status", self._req_status),
                          ("job/pause", self._req_command), ("job/resume", self._req_command),
                          ("job/cancel", self._req_command), ("nodes/list", self._req_nodes),
                          ("plan/preview", self._req_preview)):
             d.on(f"gateway.request.{name}", fn)
-        d.on("job.state", self._on_job_state)  # retained states of jobs this gateway no longer has
+        # retained states of jobs this gateway no longer has, and unreadable ones (garbage, another schema version)
+        d.on("job.state", self._on_job_state, on_refused=self._job_state_refused)
         if self.habridge is not None:
             self.habridge.register(d)
         self.bus.on_connect(self._announce)
@@ -204,6 +206,7 @@ class GatewayService:
         job, effects = out
         job = J.finished(job)
         old = self._job(job_id)
+        stored = job_id in self.jobs  # in the table on disk (saved when it was created)
         (self.previews if job.respond_to == "plan/preview" else self.jobs)[job_id] = job
         if J.refused(job) or (job.phase in J.TERMINAL and job.respond_to == "plan/preview"):
             # Answered and done: a refused submit or a preview is not kept (nor its state retained).
@@ -212,6 +215,9 @@ class GatewayService:
             self._dirty.discard(job_id)
             if old is not None and old.accepted:
                 self._clear_state(job_id)
+            if stored:  # off the disk at once too: a restart must not bring a refused submit back to run
+                self._unsaved = True
+                self._flush(force=True, only=job_id)
         elif old is None or job != old:
             self._dirty.add(job_id)
             self._unsaved = True
@@ -300,9 +306,24 @@ class GatewayService:
         node = params["node_id"]
         before = R.usable(self.reg)
         self.reg, change = R.on_availability(self.reg, node, msg == m.Availability.ONLINE, time.time())
+        if node not in self.reg:
+            log.warning("gateway.registry_full", node=node, known=len(self.reg),
+                        hint="every known node is online: this one is not recorded")
         if change == "down":
             self._to_jobs(J.NodeDown(node))
         self._newly_usable(before)
+
+    def _availability_cleared(self, params: dict[str, str]) -> None:
+        """A node's retained availability removed (an operator cleaning the broker): the node is not
+        online any more; one that never announced its capabilities is forgotten."""
+        node = params["node_id"]
+        info = self.reg.get(node)
+        if info is None:
+            return
+        if info.capabilities is None:
+            self.reg = {k: v for k, v in self.reg.items() if k != node}
+        elif info.online:
+            self._on_availability(m.Availability.OFFLINE, params)
 
     def _newly_usable(self, before: frozenset[str]) -> None:
         for node in sorted(R.usable(self.reg) - before):
@@ -387,7 +408,10 @@ class GatewayService:
     # --- requests ------------------------------------------------------------------------------
     def _new_id(self, name: str) -> str:
         slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:40] or "job"
-        return f"{slug}-{uuid.uuid4().hex[:6]}"
+        while True:  # 24 random bits: rare, but a collision would replace a job (maybe a running one)
+            job_id = f"{slug}-{uuid.uuid4().hex[:6]}"
+            if job_id not in self.jobs and f"preview-{job_id}" not in self.previews:
+                return job_id
 
     def _room_for_one_more(self) -> None:
         unfinished = sum(1 for j in list(self.jobs.values()) + list(self.previews.values())
@@ -481,6 +505,19 @@ class GatewayService:
         if job_id not in self.jobs and job_id not in self.previews:
             self.bus.publish(self.table.build("job.state", job_id=job_id), b"", retain=True)
 
+
+    def _job_state_refused(self, _text: str, params: dict[str, str], _payload: bytes) -> None:
+        """An unreadable retained state on a topic only this gateway publishes (garbage, or a state
+        of another schema version left by an upgrade): its own job's is published again, any other
+        cleared, or the CLI and Home Assistant would trip on it forever."""
+        job_id = params.get("job_id")
+        if not job_id:
+            return
+        job = self.jobs.get(job_id)
+        if job is not None and job.accepted:
+            self._dirty.add(job_id)  # re-published by the next flush
+        elif job_id not in self.previews:
+            self._clear_state(job_id)
 
 def _milestone(job: J.Job) -> tuple:
     """What is written to disk and published at once when it changes (not only every few seconds):

@@ -52,7 +52,9 @@ def _parse(topic: str, entry: TopicEntry, payload: bytes) -> Any:
     except RecursionError:
         raise DecodeError(topic, "bad_encoding", f"not {entry.encoding}: nested too deeply", entry=entry) from None
     except Exception as exc:  # msgpack raises a zoo of types; translate all at the boundary
-        raise DecodeError(topic, "bad_encoding", f"not {entry.encoding}: {exc}", entry=entry) from None
+        why = str(exc) or {"FormatError": "invalid or reserved type byte", "StackError": "nested too deeply",
+                           "OutOfData": "truncated"}.get(type(exc).__name__, type(exc).__name__)
+        raise DecodeError(topic, "bad_encoding", f"not {entry.encoding}: {why}", entry=entry) from None
 
 
 _REASONS = {"extra_forbidden": (0, "unknown_field"), "missing": (1, "missing_field")}

@@ -46,11 +46,13 @@ class Dispatcher:
         self.handlers: dict[str, Handler] = {}
         self.on_errors: dict[str, Callable[[str], None]] = {}
         self.on_refused: dict[str, Callable[[str, dict[str, str], bytes], None]] = {}
+        self.on_cleared: dict[str, Callable[[dict[str, str]], None]] = {}
         self.errors: collections.Counter[str] = collections.Counter()
 
     def on(self, key: str, handler: Handler, *, subscribe: bool = True,
            on_error: Callable[[str], None] | None = None,
-           on_refused: Callable[[str, dict[str, str], bytes], None] | None = None, **params: str) -> None:
+           on_refused: Callable[[str, dict[str, str], bytes], None] | None = None,
+           on_cleared: Callable[[dict[str, str]], None] | None = None, **params: str) -> None:
         """Handle topic-table entry `key`; subscribes to its filter (params narrow it).
         `on_error(text)` also hears why a payload on this topic was refused (e.g. to show it);
         `on_refused(text, topic params, payload)` too, for a reply whose asker must hear of it."""
@@ -60,6 +62,8 @@ class Dispatcher:
             self.on_errors[key] = on_error
         if on_refused is not None:
             self.on_refused[key] = on_refused
+        if on_cleared is not None:  # a retained-by-design topic's state removed (an empty retained payload)
+            self.on_cleared[key] = on_cleared
         if subscribe:
             self.bus.subscribe(self.table.filter(entry, **params))
 
@@ -93,7 +97,9 @@ class Dispatcher:
                 self.errors["empty"] += 1
             return
         if entry is not None and entry.retained and not payload:
-            self.errors["empty"] += 1  # retained state removed: nothing to do
+            self.errors["empty"] += 1  # retained state removed: nothing to do unless someone asked
+            if entry.key in self.on_cleared:
+                self.on_cleared[entry.key](params)
             return
         try:
             msg = decode(topic, payload, table=self.table, max_bytes=self.max_bytes)

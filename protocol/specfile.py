@@ -32,6 +32,14 @@ def _yaml_load(text: str):
 SUFFIXES = (".toml", ".yaml", ".yml")
 
 
+def _yaml_problem(exc: Exception) -> str:
+    """The problem and where, without PyYAML's quote of the offending line: the message goes to a
+    retained Home Assistant state and the log, and the line may hold anything."""
+    problem = getattr(exc, "problem", None) or type(exc).__name__
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
 def load_spec(path: str | Path) -> m.JobSpec:
     """A job spec from TOML (.toml) or YAML (.yaml/.yml); errors name the file and the field."""
     path = Path(path)
@@ -53,7 +61,7 @@ def load_spec(path: str | Path) -> m.JobSpec:
     except (tomllib.TOMLDecodeError, ValueError) as exc:
         raise ValueError(f"job spec {path}: {exc}") from None
     except Exception as exc:  # yaml.YAMLError
-        raise ValueError(f"job spec {path}: not valid YAML: {exc}") from None
+        raise ValueError(f"job spec {path}: not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"job spec {path}: expected a table of settings")
     doc = doc.get("job", doc)  # either top-level keys or a [job] table

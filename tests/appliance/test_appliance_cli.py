@@ -76,6 +76,16 @@ def test_client_commands_print_for_people_and_services_log_json(mqtt_broker, tmp
     conf = tmp_path / "gateway.toml"
     conf.write_text(f'state_dir = "{tmp_path / "state"}"\nbase_topic = "xrcli"\n[broker]\nhost = "{mqtt_broker.host}"\n'
                     f"port = {mqtt_broker.port}\n[homeassistant]\nenabled = false\n")
+    # A garbage answer left retained (a buggy client, a broker without the ACL) is not the answer
+    # the CLI waits for: it skips it, every time, and takes the gateway's own.
+    import paho.mqtt.client as mqtt
+
+    pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    pub.connect(mqtt_broker.host, mqtt_broker.port)
+    pub.loop_start()
+    pub.publish("xrcli/gateway/response/nodes/list", b"garbage", qos=1, retain=True).wait_for_publish(10)
+    pub.disconnect()
+    pub.loop_stop()
     gw = subprocess.Popen([*XRONOS, "gateway", "--config", str(conf)], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     try:

@@ -88,6 +88,25 @@ def test_start_a_job_from_home_assistant(tmp_path):
     assert h.ha({"action": "start", "spec": "missing"})["last_command"].startswith("start: error: no job spec 'missing'")
 
 
+def test_a_spec_link_out_of_job_dir_is_not_a_spec_and_a_yaml_error_quotes_no_line(tmp_path):
+    """A link in job_dir to a file elsewhere is neither listed nor started (its parse error would
+    have quoted its first line into the retained state); a YAML error says what and where only."""
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "secret.txt").write_text("password: hunter2: topsecret\n")
+    (tmp_path / "jobs" / "evil.yaml").symlink_to(tmp_path / "secret.txt")
+    (tmp_path / "jobs" / "broken.yaml").write_text("name: x\npassword: hunter2: topsecret\n")
+    (tmp_path / "jobs" / "reviews.toml").write_text(SPEC_TOML)
+    (tmp_path / "jobs" / "same.toml").symlink_to(tmp_path / "jobs" / "reviews.toml")  # inside: fine
+    h = HAHarness(tmp_path)
+    announce(h)
+    assert h.discovery()["cmps"]["job_spec"]["options"] == ["broken", "reviews", "same"]
+    state = h.ha({"action": "start", "spec": "evil"})
+    assert state["last_command"].startswith("start: error: no job spec 'evil'"), state
+    state = h.ha({"action": "start", "spec": "broken"})
+    assert "not valid YAML: mapping values are not allowed here at line 2, column 18" in state["last_command"]
+    assert "hunter2" not in json.dumps(state) and "hunter2" not in repr(h.broker.retained)
+
+
 def test_refusal_reason_is_a_sensor(tmp_path):
     (tmp_path / "jobs").mkdir()
     (tmp_path / "jobs" / "reviews.toml").write_text(SPEC_TOML)

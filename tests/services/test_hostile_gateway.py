@@ -304,3 +304,61 @@ def test_spec_strings_are_bounded(tmp_path, field, value):
     announce(h)
     (err,) = h.request("job/submit", {"transaction": "s", "spec": spec_json(**{field: value})})
     assert err.status == "error" and f"spec.{field}" in err.error and h.gw.jobs == {}
+
+
+def test_a_submit_refused_after_inspection_does_not_come_back_on_restart(tmp_path):
+    """A submit refused by its owner's inspection was saved as "queued" when it was created and
+    stayed so on disk: a gateway restart re-inspected it and, the problem fixed meanwhile, ran a
+    job its submitter had been told was refused."""
+    h = Harness(tmp_path)
+    announce(h)
+    h.client.drain()
+    h.client.publish("xronos/gateway/request/job/submit",
+                     json.dumps({"transaction": "r", "spec": SPEC.model_dump(mode="json")}).encode())
+    h.pump()
+    (_, insp), = h.seen("node.inspect_request")
+    h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=False,
+                                error="spec.data_path '/d.csv': no such file on the owner"), "a")
+    h.pump()
+    assert h.gw.jobs == {}
+    table = json.loads((tmp_path / "gw" / "jobs.json").read_text())["jobs"]
+    assert table == [], f"refused job still on disk: {[(j['job_id'], j['phase']) for j in table]}"
+
+
+def test_an_unreadable_retained_job_state_is_cleared(tmp_path):
+    """Garbage (or a state of another schema version) retained on job/<id>/state, a topic only the
+    gateway publishes, was logged on every start and never cleared: `xronos job status --follow`
+    failed on it."""
+    broker_h = Harness(tmp_path)
+    broker_h.client.publish(T.build("job.state", job_id="ghost"), b'{"schema_version": 1}', retain=True)
+    broker_h.pump()
+    assert T.build("job.state", job_id="ghost") not in broker_h.broker.retained
+    alive(broker_h)
+
+
+def test_a_cleared_availability_takes_the_node_off_the_registry(tmp_path):
+    """Retained "online" of nodes that never announced capabilities (a flood, or a buggy fleet) filled
+    the registry; clearing them on the broker changed nothing until the gateway restarted."""
+    h = Harness(tmp_path)
+    for i in range(5):
+        h.client.publish(T.build("node.availability", node_id=f"fake{i}"), "online", retain=True)
+    h.pump()
+    assert len(h.gw.reg) == 5
+    for i in range(5):
+        h.client.publish(T.build("node.availability", node_id=f"fake{i}"), b"", retain=True)
+    h.pump()
+    assert h.gw.reg == {}
+    alive(h)
+
+
+def test_a_new_job_id_never_reuses_a_known_one(tmp_path, monkeypatch):
+    """Ids carry 24 random bits; a collision would have replaced the job holding that id."""
+    import uuid
+
+    from xronos.gateway import service
+
+    h = Harness(tmp_path)
+    draws = iter([uuid.UUID("abcdef00" * 4), uuid.UUID("abcdef11" * 4), uuid.UUID("12345600" * 4)])
+    monkeypatch.setattr(service.uuid, "uuid4", lambda: next(draws))
+    h.gw.jobs["t-abcdef"] = "a known job"  # type: ignore[assignment]
+    assert h.gw._new_id("T") == "t-123456"
