@@ -20,7 +20,7 @@ SUBCOMMANDS: tuple[str, ...] = ("plan", "broker", "run", "profile", "node", "gat
 PLUGINS = "xronos.commands"  # entry point group: commands installed by other packages (the bench)
 # Services log JSON lines for the journal (they configure that themselves). The client commands
 # talk to a person: their own output on stdout, and only library warnings, as plain text, on stderr.
-CLIENTS = ("job", "nodes", "demo")
+CLIENTS = ("job", "nodes", "demo", "profile")
 
 
 def version() -> str:

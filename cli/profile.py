@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -66,6 +67,15 @@ def _node_id(text: str) -> str:
         raise argparse.ArgumentTypeError(reason(exc.errors()[0])) from None
 
 
+def _stage_printer():
+    t0 = time.perf_counter()
+
+    def show(stage: str) -> None:
+        print(f"xronos profile: {stage} ... ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    return show
+
+
 def handle(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.resolve().parent.is_dir():
@@ -89,7 +99,7 @@ def handle(args: argparse.Namespace) -> int:
                      lora_r=args.lora_r, lora_dropout=args.lora_dropout,
                      lora_targets=[t.strip() for t in args.lora_targets.split(",")] if args.lora_targets else None,
                      node_id=args.node_id,
-                     cache_dir=args.cache_dir)
+                     cache_dir=args.cache_dir, progress=_stage_printer())
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report.model_dump(mode="json"), indent=1))
     tmp.replace(out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -167,11 +168,21 @@ def config_from_args(args: argparse.Namespace, layout):
 
     from xronos.node.runconfig import RunConfig
 
+    if args.lora_r is None:
+        given = [f for f, v, d in (("--lora-alpha", args.lora_alpha, 16.0), ("--lora-dropout", args.lora_dropout, 0.0),
+                                   ("--lora-targets", args.lora_targets, None)) if v != d]
+        if given:
+            raise ValueError(f"{', '.join(given)} require --lora-r (without it the run fine-tunes every weight)")
     if args.data_format != "text" and args.task != "causal-lm":
         raise ValueError(f"--data-format {args.data_format} is for --task causal-lm (its loss covers the answers)")
     export = Path(args.export).resolve()
     if export == Path(args.model).resolve():
         raise ValueError(f"--export {args.export} would overwrite the input model directory")
+    if export.exists() and not export.is_dir():
+        raise ValueError(f"--export {args.export}: exists and is not a directory")
+    parent = next(d for d in (export, *export.parents) if d.exists())
+    if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+        raise ValueError(f"--export {args.export}: cannot create it ({parent} is not a writable directory)")
     if args.metrics is not None and not Path(args.metrics).resolve().parent.is_dir():
         raise FileNotFoundError(f"--metrics {args.metrics}: directory does not exist")
     fields = dict(

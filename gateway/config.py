@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from xronos.protocol.configfile import (
     STRICT_CONFIG,
@@ -66,6 +66,13 @@ class GatewayConfig(BaseModel):
     join_restart_s: Annotated[float, Field(ge=0)] | None = None
     homeassistant: HomeAssistantSettings = Field(default_factory=HomeAssistantSettings)
     log_level: LogLevel = "info"
+
+    @model_validator(mode="after")
+    def _port_range(self) -> "GatewayConfig":
+        if self.rendezvous_port_min > self.rendezvous_port_max:
+            raise ValueError(f"rendezvous_port_min {self.rendezvous_port_min} is above "
+                             f"rendezvous_port_max {self.rendezvous_port_max}")
+        return self
 
 
 def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> GatewayConfig:

@@ -63,6 +63,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,7 @@ def profile(
     capabilities: Capabilities | None = None,
     cache_dir: str | Path | None = None,
     seed: int = 0,
+    progress: Callable[[str], None] | None = None,
 ) -> ProfileReport:
     """Profile the model described by `config` (a config.json dict; see `config_for`) on this node.
 
@@ -248,6 +250,7 @@ def profile(
     With `lora_r`, the profiling set trains LoRA adapters (`lora_targets`, None: the family's
     default) on a frozen base, as the job will; its cache entry is its own. The report records
     these settings (`ProfileReport.settings`), so it is refused for a job run under others.
+    `progress(stage)` hears each stage as it begins (a person waits minutes on a slow box).
     """
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("iters", iters)):
         _check_positive_int(name, v)
@@ -296,7 +299,10 @@ def profile(
         mem: dict[str, tuple[int, int, int]] = {}
         largest: dict[str, int] = {}
         params: dict[str, int] = {}
-        for i, run in enumerate(widths(sizes)):
+        steps = widths(sizes)
+        for i, run in enumerate(steps):
+            if progress is not None:
+                progress(f"timing width {i + 1}/{len(steps)} ({', '.join(f'{k} {run[k]}' for k in KINDS)})")
             full = i == 0
             layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
             ps = ProfilingSet(small, task, layout, batch_size, seq_len, seed, clip, weight_decay, lora, pause)
@@ -321,6 +327,8 @@ def profile(
             finally:
                 ps.close()
             del ps
+        if progress is not None:
+            progress("all-reduce probe")
         collectives = probe_collectives(batch_size, seq_len, arch.hidden_size)
         runtime = runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
         owner = owner_rss()
@@ -332,6 +340,8 @@ def profile(
                      weight_decay=weight_decay,
                      lora=None if lora is None else dict(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                                                          targets=list(lora.targets)))
+        if progress is not None:
+            progress("heap probes (7 fresh processes)")
         small_counts = widths(sizes)[-1]
         full_layout = {k: (sizes.total(k), 0) for k in KINDS}
         small_layout = {k: (small_counts[k], sizes.total(k) - small_counts[k]) for k in KINDS}

@@ -406,6 +406,12 @@ def read_settings(argv: list[str], cls: type[RankConfig], module: str):
     if len(argv) != 2:
         print(f"usage: python -m {module} CONFIG.json", file=sys.stderr)
         raise SystemExit(2)
+    import logging
+
+    import structlog
+
+    # structlog's unconfigured default prints every level (a LoRA run's per-tensor debug lines)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     return cls.read(Path(argv[1]))
 
 

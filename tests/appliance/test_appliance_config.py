@@ -113,6 +113,10 @@ def test_gateway_config(tmp_path):
     bad2 = write(tmp_path, 'latency_ms = -1.0\n', "bad2.toml")
     with pytest.raises(ConfigError, match=r"latency_ms: .*greater than or equal to 0"):
         load_gateway(bad2, env={})
+    # min = max + 1 divided by zero at the first assignment; otherwise ports left the range
+    bad3 = write(tmp_path, 'rendezvous_port_min = 29700\nrendezvous_port_max = 29699\n', "bad3.toml")
+    with pytest.raises(ConfigError, match=r"rendezvous_port_min 29700 is above rendezvous_port_max 29699"):
+        load_gateway(bad3, env={})
 
 
 def test_detect_data_host(tmp_path):

@@ -75,6 +75,29 @@ def test_layouts_are_refused_in_one_line_naming_flag_and_numbers(good, tmp_path,
     assert message in err and "got {'model_dir'" not in err, err
 
 
+@pytest.mark.parametrize("extra, message", [
+    # Found only by rank 0 after the last step: the whole run was lost, with two tracebacks.
+    (lambda tmp: ["--export", str(_file(tmp))], "exists and is not a directory"),
+    (lambda tmp: ["--export", str(_file(tmp) / "sub")], "cannot create it"),
+    # Without --lora-r these silently fine-tuned every weight.
+    (lambda tmp: ["--lora-alpha", "32"], "--lora-alpha require --lora-r"),
+    (lambda tmp: ["--lora-dropout", "0.1", "--lora-targets", "c_attn"], "--lora-dropout, --lora-targets require --lora-r"),
+])
+def test_export_and_lora_flags_are_refused_before_training(good, tmp_path, capsys, nothing_starts, extra, message):
+    model, data = good
+    argv = runkit.run_argv(model, data, "classify", (4, 8), tmp_path / "out") + extra(tmp_path)
+    if "--export" in extra(tmp_path):
+        i = argv.index("--export")
+        del argv[i:i + 2]
+    assert main(argv) == 2
+    assert message in _error(capsys)
+
+
+def _file(tmp: Path) -> Path:
+    (tmp / "a-file").write_text("x")
+    return tmp / "a-file"
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--node-id", "a/b"], "argument --node-id: must be [A-Za-z0-9_][A-Za-z0-9_.-]*"),
     # Without --lora-r this used to profile full fine-tuning silently.

@@ -22,7 +22,13 @@ def test_profile_builtin_arch_writes_a_report(tmp_path: Path, capsys: pytest.Cap
     assert main(["profile", "--arch", "tiny-gpt2", *ARGS, "--node-id", "box1", "--out", str(out)]) == 0
     report = load_report(out)  # the planner's own validation accepts it
     assert report.node_id == "box1" and report.sizes.attn == 4 and report.num_blocks == 2
-    assert "blk.attn" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "blk.attn" in err
+    # each stage as it begins (minutes on a slow box), and no library debug lines among them
+    stages = [ln.split(" ... (")[0] for ln in err.splitlines() if " ... (" in ln]
+    assert stages[0].startswith("xronos profile: timing width 1/") and len(stages) >= 3, stages
+    assert stages[-2:] == ["xronos profile: all-reduce probe", "xronos profile: heap probes (7 fresh processes)"]
+    assert "[debug" not in err and "debug:" not in err
 
 
 def test_profile_model_dir(tmp_path: Path) -> None:
