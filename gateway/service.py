@@ -314,16 +314,14 @@ class GatewayService:
         self._newly_usable(before)
 
     def _availability_cleared(self, params: dict[str, str]) -> None:
-        """A node's retained availability removed (an operator cleaning the broker): the node is not
-        online any more; one that never announced its capabilities is forgotten."""
+        """A node's retained availability removed (an operator cleaning the broker of what a flood or
+        a buggy fleet left): a node that never announced its capabilities is forgotten. One that did
+        stays as it is: a cleared retained message says nothing about whether the node runs (its
+        last will does)."""
         node = params["node_id"]
         info = self.reg.get(node)
-        if info is None:
-            return
-        if info.capabilities is None:
+        if info is not None and info.capabilities is None:
             self.reg = {k: v for k, v in self.reg.items() if k != node}
-        elif info.online:
-            self._on_availability(m.Availability.OFFLINE, params)
 
     def _newly_usable(self, before: frozenset[str]) -> None:
         for node in sorted(R.usable(self.reg) - before):

@@ -338,8 +338,16 @@ def test_an_unreadable_retained_job_state_is_cleared(tmp_path):
 
 def test_a_cleared_availability_takes_the_node_off_the_registry(tmp_path):
     """Retained "online" of nodes that never announced capabilities (a flood, or a buggy fleet) filled
-    the registry; clearing them on the broker changed nothing until the gateway restarted."""
+    the registry; clearing them on the broker changed nothing until the gateway restarted. A node
+    that announced itself stays online: a cleared retained message is no last will."""
     h = Harness(tmp_path)
+    announce(h)
+    real = set(h.gw.reg)
+    for n in real:
+        h.client.publish(T.build("node.availability", node_id=n), b"", retain=True)
+    h.pump()
+    assert set(h.gw.reg) == real and all(info.online for info in h.gw.reg.values())
+    h.gw.reg = {}
     for i in range(5):
         h.client.publish(T.build("node.availability", node_id=f"fake{i}"), "online", retain=True)
     h.pump()
