@@ -503,7 +503,6 @@ class GatewayService:
         if job_id not in self.jobs and job_id not in self.previews:
             self.bus.publish(self.table.build("job.state", job_id=job_id), b"", retain=True)
 
-
     def _job_state_refused(self, _text: str, params: dict[str, str], _payload: bytes) -> None:
         """An unreadable retained state on a topic only this gateway publishes (garbage, or a state
         of another schema version left by an upgrade): its own job's is published again, any other
@@ -516,6 +515,7 @@ class GatewayService:
             self._dirty.add(job_id)  # re-published by the next flush
         elif job_id not in self.previews:
             self._clear_state(job_id)
+
 
 def _milestone(job: J.Job) -> tuple:
     """What is written to disk and published at once when it changes (not only every few seconds):
