@@ -44,12 +44,13 @@ def secured(tmp_path_factory):
 @needs_mosquitto
 def test_not_authorised_is_not_unreachable(secured, tmp_path):
     b, _ = secured
-    (tmp_path / "wrong").write_text("wrong\n")
+    (tmp_path / "pw").write_text("wr0ng-pw\n")  # mode 0644: warned about, naming the file
     res = xronos("nodes", "--host", b.host, "--port", str(b.port), "--username", "xronos-cli",
-                 "--password-file", str(tmp_path / "wrong"), "--timeout", "5")
+                 "--password-file", str(tmp_path / "pw"), "--timeout", "5")
     assert res.returncode == 2 and res.stdout == ""
     assert "not authorised" in res.stderr and "cannot reach" not in res.stderr, res.stderr
-    assert "wrong" not in res.stderr.replace("'xronos-cli'", "")  # never the password
+    assert "password_file_world_readable" in res.stderr and f"chmod 600 {tmp_path / 'pw'}" in res.stderr
+    assert "wr0ng" not in res.stderr  # never the password
     res = xronos("nodes", "--host", b.host, "--port", str(b.port), "--timeout", "5")  # no user at all
     assert res.returncode == 2 and "not authorised" in res.stderr and "without a user name" in res.stderr
     res = xronos("nodes", "--host", "127.0.0.1", "--port", "1", "--timeout", "2")
