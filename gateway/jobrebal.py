@@ -21,7 +21,7 @@ from xronos.protocol import messages as m
 from xronos.protocol.layout import KINDS, Layout
 
 from .costmodel import NodeCost, node_cost, predict_memory, predict_time
-from .jobtypes import Job
+from .jobtypes import Job, Rebalanced
 from .profiles import node_profile
 from .rebalance import PolicyConfig, Rebalancer
 
@@ -147,3 +147,45 @@ class JobRebalance:
             self.told = reason
             return Decision(at, None, reason, old)
         return None
+
+
+class Rebalancers:
+    """The gateway's policies, one per running job, each for the plan version it was built for."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        self.by_job: dict[str, tuple[int, JobRebalance | None]] = {}
+
+    def observe(self, job: Job | None, x: m.IterationMetrics) -> Rebalanced | None:
+        """Feed `x` to its job's policy; its decision as the state machine's event. Raises
+        ValueError when no policy can be made for the job (it runs on unbalanced), and whatever
+        the policy raised (this plan version then goes on without one)."""
+        if job is None or not job.spec.rebalance or job.plan is None or job.phase not in ("running", "paused"):
+            self.by_job.pop(x.job_id, None)
+            return None
+        version, policy = self.by_job.get(x.job_id, (-1, None))
+        ordered = job.pending_plan if job.pending_plan is not None else job.plan
+        # A new plan version, or an order the ranks refused (or a gateway restart dropped): the
+        # policy's layout is not the one the ranks run or were ordered to; it starts again from the plan.
+        stale = policy is not None and policy.policy.layout != ordered.layout()
+        if version != job.plan_version or stale:
+            self.by_job[x.job_id] = (job.plan_version, None)
+            policy = JobRebalance.for_job(job, self.config)  # e.g. a node without a profile: ValueError
+            self.by_job[x.job_id] = (job.plan_version, policy)
+        if policy is None:
+            return None
+        try:
+            d = policy.observe(x)
+        except Exception:
+            self.by_job[x.job_id] = (job.plan_version, None)
+            raise
+        if d is None:
+            return None
+        return Rebalanced(policy.plan_version, d.at_step, d.layout, d.reason, d.old, d.gain,
+                          d.predicted_compute_s, d.predicted_memory, d.predicted_bottleneck_s)
+
+    def moved(self, msg: m.NodeJobStatus) -> None:
+        """A re-shard's measured cost refits the job's policy."""
+        policy = self.by_job.get(msg.job_id, (-1, None))[1]
+        if msg.reshard_step is not None and policy is not None:
+            policy.moved(msg)

@@ -35,7 +35,8 @@ from xronos.gateway import jobs as J
 from xronos.gateway import registry as R
 from xronos.gateway.config import GatewayConfig
 from xronos.gateway.effects import messages as effect_messages
-from xronos.gateway.jobrebal import JobRebalance
+from xronos.gateway.jobrebal import Rebalancers
+from xronos.gateway.jobviews import current, milestone, nodes_of, summary
 from xronos.gateway.planning import plan_job
 from xronos.gateway.profiles import refused_request_id, screen_report
 from xronos.gateway.rebalance import PolicyConfig
@@ -65,7 +66,7 @@ class GatewayService:
         # A node that joins a running job (`jobjoin`): the bar is the live policy's unless configured.
         self.join = J.JoinPolicy(min_gain=self.policy.threshold if cfg.join_min_gain is None else cfg.join_min_gain,
                                  restart_s=cfg.join_restart_s)
-        self.rebal: dict[str, tuple[int, JobRebalance | None]] = {}
+        self.rebal = Rebalancers(self.policy)
         self.table = TopicTable(cfg.base_topic, cfg.homeassistant.discovery_prefix)
         will = (self.table.build("gateway.availability"), "offline", True)
         # A random part: on a broker without use_username_as_clientid nobody can guess the id and
@@ -221,7 +222,7 @@ class GatewayService:
         elif old is None or job != old:
             self._dirty.add(job_id)
             self._unsaved = True
-            if old is None or _milestone(job) != _milestone(old):
+            if old is None or milestone(job) != milestone(old):
                 self._flush(force=True, only=job_id)
         for effect in effects:
             self._effect(job_id, effect)
@@ -366,42 +367,23 @@ class GatewayService:
         self._rebalance(msg)
 
     def _rebalance(self, x: m.IterationMetrics) -> None:
-        """Feed the job's re-balancing policy (`xronos.gateway.jobrebal`); its decision goes
-        through the state machine (`J.Rebalanced`), which orders the re-shard."""
-        job = self.jobs.get(x.job_id)
-        if job is None or not job.spec.rebalance or job.plan is None or job.phase not in ("running", "paused"):
-            self.rebal.pop(x.job_id, None)
-            return
-        version, policy = self.rebal.get(x.job_id, (-1, None))
-        ordered = job.pending_plan if job.pending_plan is not None else job.plan
-        # A new plan version, or an order the ranks refused (or a gateway restart dropped): the
-        # policy's layout is not the one the ranks run or were ordered to; it starts again from the plan.
-        stale = policy is not None and policy.policy.layout != ordered.layout()
-        if version != job.plan_version or stale:
-            try:
-                policy = JobRebalance.for_job(job, self.policy)
-            except ValueError as exc:  # e.g. a node without a profile: the job runs on, unbalanced
-                log.warning("gateway.rebalance_off", job=x.job_id, reason=str(exc)[:300])
-                policy = None
-            self.rebal[x.job_id] = (job.plan_version, policy)
-        if policy is None:
-            return
+        """Feed the job's re-balancing policy; its decision goes through the state machine
+        (`J.Rebalanced`), which orders the re-shard."""
         try:
-            d = policy.observe(x)
+            decision = self.rebal.observe(self.jobs.get(x.job_id), x)
+        except ValueError as exc:  # e.g. a node without a profile: the job runs on, unbalanced
+            log.warning("gateway.rebalance_off", job=x.job_id, reason=str(exc)[:300])
+            return
         except Exception as exc:  # the policy broke: this plan version goes on without it
             self._internal("rebalance", x.job_id, exc)
-            self.rebal[x.job_id] = (job.plan_version, None)
             return
-        if d is not None:
-            self._event(x.job_id, J.Rebalanced(policy.plan_version, d.at_step,
-                                               d.layout, d.reason, d.old, d.gain, d.predicted_compute_s,
-                                               d.predicted_memory, d.predicted_bottleneck_s))
+        if decision is not None:
+            self._event(x.job_id, decision)
 
     def _on_node_job(self, msg: m.NodeJobStatus, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
         self._event(msg.job_id, J.Status(msg))
-        if msg.reshard_step is not None and (policy := self.rebal.get(msg.job_id, (-1, None))[1]) is not None:
-            policy.moved(msg)  # the move's measured cost refits the job's policy
+        self.rebal.moved(msg)
 
     # --- requests ------------------------------------------------------------------------------
     def _new_id(self, name: str) -> str:
@@ -433,7 +415,7 @@ class GatewayService:
     def _req_status(self, req: m.JobStatusRequest, _p: dict[str, str]) -> Any:
         if req.job_id is None:
             recent = sorted(self.jobs.values(), key=lambda j: j.created_at)[-50:]
-            return {"jobs": [_summary(j) for j in recent]}
+            return {"jobs": [summary(j) for j in recent]}
         job = self.jobs.get(req.job_id)
         if job is None:
             raise RequestError(f"unknown job {req.job_id!r}")
@@ -450,22 +432,16 @@ class GatewayService:
         return {"nodes": R.listing(self.reg)}
 
     # --- Home Assistant ------------------------------------------------------------------------
-    def _current(self) -> J.Job | None:
-        if not self.jobs:
-            return None
-        live = [j for j in self.jobs.values() if j.phase not in J.TERMINAL]
-        return max(live or self.jobs.values(), key=lambda j: j.created_at)
-
     def _publish_ha_state(self) -> None:
         if self.habridge is None:
             return
-        job = self._current()
+        job = current(self.jobs.values())
         online = sum(1 for n in self.reg.values() if n.online)
         self.habridge.publish_state(state_view(job) if job else None, job.created_at if job else None, online,
                                     spec=job.spec if job else None)
 
     def _ha_job_command(self, action: str) -> str:
-        job = self._current()
+        job = current(self.jobs.values())
         if job is None or job.phase in J.TERMINAL:
             raise ValueError(f"no unfinished job to {action}")
         self._event(job.job_id, J.Command(action, None))
@@ -486,7 +462,7 @@ class GatewayService:
             raise ValueError(f"unknown node {node_id!r}")
         if node.online:
             raise ValueError(f"node {node_id!r} is online: stop its service first")
-        users = [j.job_id for j in self.jobs.values() if j.phase not in J.TERMINAL and node_id in _nodes_of(j)]
+        users = [j.job_id for j in self.jobs.values() if j.phase not in J.TERMINAL and node_id in nodes_of(j)]
         if users:
             raise ValueError(f"node {node_id!r} is in unfinished job {users[0]}")
         self.reg = {k: v for k, v in self.reg.items() if k != node_id}
@@ -515,20 +491,3 @@ class GatewayService:
             self._dirty.add(job_id)  # re-published by the next flush
         elif job_id not in self.previews:
             self._clear_state(job_id)
-
-
-def _milestone(job: J.Job) -> tuple:
-    """What is written to disk and published at once when it changes (not only every few seconds):
-    a restart must not forget a phase, a plan, a checkpoint or a re-shard ordered or applied."""
-    return (job.phase, job.plan_version, job.checkpoint_step, job.replans, job.pending_plan is None,
-            job.last_reshard_step, job.plan.layout() if job.plan else None)
-
-
-def _nodes_of(job: J.Job) -> set[str]:
-    return {e.node_id for e in job.plan.entries} | {job.owner} if job.plan else {job.owner}
-
-
-def _summary(job: J.Job) -> dict[str, Any]:
-    return {"job_id": job.job_id, "name": job.spec.name, "phase": job.phase, "accepted": job.accepted,
-            "step": job.step, "total_steps": job.total_steps, "loss": job.loss, "error": job.error,
-            "created_at": job.created_at}

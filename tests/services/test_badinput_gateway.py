@@ -6,13 +6,12 @@ plans on the others; the service keeps running."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import msgpack
 import pytest
 
-from test_gateway_glue import NODES, SPEC, Harness, announce, report
+from test_gateway_glue import NODES, SPEC, Harness, announce, report, submit_to_inspection
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
 from xronos.protocol.topics import TopicTable
@@ -38,11 +37,7 @@ def _no_attention(r: m.ProfileReport) -> bytes:
 def test_a_bad_report_leaves_its_node_out_at_once(tmp_path, bad, why):
     h = Harness(tmp_path)
     announce(h)
-    h.client.drain()
-    h.client.publish("xronos/gateway/request/job/submit",
-                     json.dumps({"transaction": "t1", "spec": SPEC.model_dump(mode="json")}).encode())
-    h.pump()
-    (_, insp), = h.seen("node.inspect_request")
+    insp = submit_to_inspection(h)
     h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=True,
                                 arch=report("a", "x", "y").arch, train_rows=40, eval_rows=4, total_steps=10), "a")
     h.pump()

@@ -81,13 +81,19 @@ def report(node: str, rid: str, job_id: str) -> m.ProfileReport:
                            layers=LAYERS, profile_seconds=1.0, created_at=1.0)
 
 
-def submit_until_assigned(h: Harness) -> tuple[str, list[m.Assignment]]:
+def submit_to_inspection(h: Harness, txn: str = "t1") -> m.InspectRequest:
+    """SPEC submitted (answer deferred): the inspection request its owner "a" got."""
     h.client.drain()
     h.client.publish("xronos/gateway/request/job/submit",
-                     json.dumps({"transaction": "t1", "spec": SPEC.model_dump(mode="json")}).encode())
+                     json.dumps({"transaction": txn, "spec": SPEC.model_dump(mode="json")}).encode())
     h.pump()
     (params, insp), = h.seen("node.inspect_request")
     assert params["node_id"] == "a" and insp.spec == SPEC
+    return insp
+
+
+def submit_until_assigned(h: Harness) -> tuple[str, list[m.Assignment]]:
+    insp = submit_to_inspection(h)
     h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=True, arch=ARCH,
                                 train_rows=40, eval_rows=4, total_steps=10), "a")
     h.pump()
@@ -146,11 +152,7 @@ def test_refusals_answered_at_submit(tmp_path):
     (resp,) = h.request("job/submit", {"transaction": "x", "spec": SPEC.model_dump(mode="json")})
     assert resp.status == "error" and "owner node 'a' is offline" in resp.error and resp.transaction == "x"
     announce(h, ("a",))
-    h.client.drain()
-    h.client.publish("xronos/gateway/request/job/submit",
-                     json.dumps({"transaction": "y", "spec": SPEC.model_dump(mode="json")}).encode())
-    h.pump()
-    (_, insp), = h.seen("node.inspect_request")
+    insp = submit_to_inspection(h, "y")
     h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=False,
                                 error="spec.data_path '/d.csv' is outside the allowed directories"), "a")
     h.pump()
@@ -250,7 +252,7 @@ def _until_ordered(h, slow_last=5.0):
     policy orders a re-shard. Returns (job id, assignments, the (node, JobReshard) orders seen)."""
     from xronos.gateway.rebalance import PolicyConfig
 
-    h.gw.policy = PolicyConfig(window=3, warmup=1, interval=1, confirm=2, cooldown=50, payback=1000)
+    h.gw.rebal.config = PolicyConfig(window=3, warmup=1, interval=1, confirm=2, cooldown=50, payback=1000)
     announce(h)
     job_id, assigned = submit_until_assigned(h)
     for a in assigned:
@@ -298,7 +300,7 @@ def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
     h.gw._flush(force=True)
     state = [s for _, s in h.seen("job.state")][-1]
     assert state.plan.layout() == order.layout and state.last_replan_reason.startswith("cooling down")
-    policy = h.gw.rebal[job_id][1].policy  # the measured move refits the policy's move model
+    policy = h.gw.rebal.by_job[job_id][1].policy  # the measured move refits the policy's move model
     assert list(policy.move_ratios) == [0.1 / (1_000_000 / policy.bandwidth_Bps + policy.move_fixed_s)]
     assert any(f"re-plan for step {order.at_step}" in e and "faster" in e for e in state.events)
     assert any(f"re-shard applied at step {order.at_step}" in e for e in state.events)
@@ -333,4 +335,4 @@ def test_an_order_the_owner_refused_is_dropped_and_the_policy_starts_again_from_
                                    compute_attn_s=0.01, compute_mlp_s=0.01, compute_vocab_s=0.01,
                                    compute_rest_s=0.0), a.node_id)
     h.pump()
-    assert h.gw.rebal[job_id][1].policy.layout == old
+    assert h.gw.rebal.by_job[job_id][1].policy.layout == old

@@ -12,7 +12,7 @@ from dataclasses import replace
 import msgpack
 import pytest
 
-from test_gateway_glue import NODES, SPEC, Harness, T, announce, report, submit_until_assigned
+from test_gateway_glue import NODES, SPEC, Harness, T, announce, report, submit_to_inspection, submit_until_assigned
 from xronos.gateway import jobs as J
 from xronos.gateway.service import STATE_EVERY_S
 from xronos.protocol import messages as m
@@ -237,11 +237,7 @@ def test_a_helper_cannot_complete_the_job_as_rank_0(tmp_path):
 def test_a_node_cannot_cancel_another_nodes_profile_request(tmp_path):
     h = Harness(tmp_path)
     announce(h)
-    h.client.drain()
-    h.client.publish("xronos/gateway/request/job/submit",
-                     json.dumps({"transaction": "t1", "spec": SPEC.model_dump(mode="json")}).encode())
-    h.pump()
-    (_, insp), = h.seen("node.inspect_request")
+    insp = submit_to_inspection(h)
     h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=True,
                                 arch=report("a", "x", "j").arch, train_rows=40, eval_rows=4,
                                 total_steps=10), "a")
@@ -312,11 +308,7 @@ def test_a_submit_refused_after_inspection_does_not_come_back_on_restart(tmp_pat
     job its submitter had been told was refused."""
     h = Harness(tmp_path)
     announce(h)
-    h.client.drain()
-    h.client.publish("xronos/gateway/request/job/submit",
-                     json.dumps({"transaction": "r", "spec": SPEC.model_dump(mode="json")}).encode())
-    h.pump()
-    (_, insp), = h.seen("node.inspect_request")
+    insp = submit_to_inspection(h, "r")
     h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=False,
                                 error="spec.data_path '/d.csv': no such file on the owner"), "a")
     h.pump()
