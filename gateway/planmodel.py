@@ -23,6 +23,23 @@ class InfeasiblePlan(ValueError):
     """No assignment fits every node's memory cap (the message names each node's need and cap)."""
 
 
+def _most(f: float, c: float, b: float, lim: int, q: int, total: int, tau: float) -> int:
+    """Most quanta (<= lim) within tau of a node whose time is f at 0 and c + b * share above."""
+    if tau < f:
+        return -1
+    if lim == 0 or tau < c:
+        return 0
+    if b == 0 or tau >= c + b:  # share 1 is the slowest a node can be
+        return lim
+    w = int((tau - c) / b * total / q)
+    w = 0 if w < 0 else (lim if w > lim else w)
+    while w < lim and c + b * (min((w + 1) * q, total) / total) <= tau:
+        w += 1
+    while w > 0 and c + b * (min(w * q, total) / total) > tau:
+        w -= 1
+    return w
+
+
 class KindModel:
     """One kind's planning data: quanta, per-node time coefficients, alone caps."""
 
@@ -39,6 +56,7 @@ class KindModel:
         self.mt = [kc.temp_slope for kc in kcs]
         self.lim = [self.W] * len(nodes)  # alone caps, set by the problem
         self.floor = max(self.f)
+        self._us: dict[float, list[int]] = {}
 
     def share(self, w: int) -> float:
         return min(w * self.q, self.total) / self.total
@@ -51,22 +69,16 @@ class KindModel:
 
     def u(self, d: int, tau: float) -> int:
         """Most quanta (<= alone cap) node d can hold within tau; -1 if not even 0 fits."""
-        if tau < self.f[d]:
-            return -1
-        lim = self.lim[d]
-        c, b = self.c[d], self.b[d]
-        if lim == 0 or tau < c:
-            return 0
-        if b == 0 or tau >= c + b:  # share 1 is the slowest a node can be
-            return lim
-        q, total = self.q, self.total
-        w = int((tau - c) / b * total / q)
-        w = 0 if w < 0 else (lim if w > lim else w)
-        while w < lim and c + b * (min((w + 1) * q, total) / total) <= tau:
-            w += 1
-        while w > 0 and c + b * (min(w * q, total) / total) > tau:
-            w -= 1
-        return w
+        return _most(self.f[d], self.c[d], self.b[d], self.lim[d], self.q, self.total, tau)
+
+    def us(self, tau: float) -> list[int]:
+        """u(d, tau) for every node (memoised: the searches ask for the same targets again)."""
+        got = self._us.get(tau)
+        if got is None:
+            q, total = self.q, self.total
+            got = self._us[tau] = [_most(f, c, b, lim, q, total, tau)
+                                   for f, c, b, lim in zip(self.f, self.c, self.b, self.lim)]
+        return got
 
     def top(self) -> float:
         """The largest candidate: every node at its alone cap."""
@@ -75,10 +87,10 @@ class KindModel:
     def prev(self, x: float) -> float:
         """Largest candidate value <= x (-inf if none)."""
         best = -math.inf
-        for d in range(len(self.f)):
-            w = self.u(d, x)
+        q, total = self.q, self.total
+        for w, c, b, f in zip(self.us(x), self.c, self.b, self.f):
             if w >= 0:
-                v = self.t(d, w)
+                v = f if w == 0 else c + b * (min(w * q, total) / total)
                 if v > best:
                     best = v
         return best
@@ -86,10 +98,10 @@ class KindModel:
     def next_above(self, x: float) -> float:
         """Smallest candidate value > x (inf if none)."""
         best = math.inf
-        for d in range(len(self.f)):
-            w = self.u(d, x) + 1
-            if w <= self.lim[d]:
-                v = self.t(d, w)
+        q, total = self.q, self.total
+        for w, c, b, f, lim in zip(self.us(x), self.c, self.b, self.f, self.lim):
+            if w < lim:
+                v = f if w < 0 else c + b * (min((w + 1) * q, total) / total)
                 if v < best:
                     best = v
         return best
@@ -152,11 +164,12 @@ class Problem(IntegerTest):
         if not self.short:
             for i, kd in enumerate(self.kinds):
                 kd.lim = [self._alone(d, i) for d in range(self.n)]
+                kd._us.clear()  # computed under the old caps
         # Relaxation constants: the smallest per-share bytes of each kind, each node's room.
         self.msmin = [min(kd.ms) for kd in self.kinds]
         self.room = [self.caps[d] - self.base[d] - self.t0[d] for d in range(self.n)]
-        self._ucache: list[dict[float, list[int]]] = [{}, {}, {}]
         self._vtab: dict[int, list[list[int]]] = {}
+        self._xcache: list[dict[float, list[float] | None]] = [{}, {}, {}]
         self._icache: dict[tuple, tuple[list[list[int]] | None, bool]] = {}
 
     # -- memory (the same arithmetic as costmodel.predict_memory) --
@@ -195,12 +208,7 @@ class Problem(IntegerTest):
         return lo
 
     def U(self, i: int, tau: float) -> list[int]:
-        cache = self._ucache[i]
-        got = cache.get(tau)
-        if got is None:
-            kd = self.kinds[i]
-            got = cache[tau] = [kd.u(d, tau) for d in range(self.n)]
-        return got
+        return self.kinds[i].us(tau)
 
     def targets(self, w: Sequence[Sequence[int]]) -> tuple[float, ...]:
         """Per-kind bottleneck of counts w[d][kind index]."""
@@ -213,31 +221,36 @@ class Problem(IntegerTest):
     # -- relaxed feasibility of a target vector (Hall's condition of the transportation problem) --
     def relaxed(self, tau: Sequence[float]) -> tuple[int, ...] | None:
         """None if the target vector passes the relaxed test, else the first violated subset."""
-        Us = [self.U(i, tau[i]) for i in range(3)]
+        at = [self._at(i, tau[i]) for i in range(3)]
         for i in range(3):
-            if not self._single(Us, i):
+            if at[i] is None:
                 return (i,)
-        xs = self._bytes(Us)
         for S in SUBSETS:
-            if not self._joint(xs, S):
+            if not self._joint(at, S):  # type: ignore[arg-type]
                 return S
         return None
 
     def holds(self, tau: Sequence[float], S: tuple[int, ...]) -> bool:
         """Whether the relaxed condition of subset S alone holds at tau."""
-        Us = [self.U(i, tau[i]) for i in range(3)]
-        if len(S) == 1:
-            return self._single(Us, S[0])
-        if not all(self._single(Us, i) for i in S):
+        at = [self._at(i, tau[i]) if i in S else None for i in range(3)]
+        if any(at[i] is None for i in S):
             return False
-        return self._joint(self._bytes(Us), S)
+        return len(S) == 1 or self._joint(at, S)  # type: ignore[arg-type]
 
-    def _single(self, Us: list[list[int]], i: int) -> bool:
-        U = Us[i]
-        return min(U) >= 0 and sum(U) >= self.kinds[i].W
-
-    def _bytes(self, Us: list[list[int]]) -> list[list[float]]:
-        return [[m * kd.share(x) for x in U] for m, kd, U in zip(self.msmin, self.kinds, Us)]
+    def _at(self, i: int, tau: float) -> list[float] | None:
+        """Kind i alone at target tau: None if its nodes cannot cover it within tau, else each
+        node's bytes of it at the kind's smallest per-share bytes (memoised per target)."""
+        cache = self._xcache[i]
+        if tau in cache:
+            return cache[tau]
+        kd = self.kinds[i]
+        U = kd.us(tau)
+        xs = None
+        if min(U) >= 0 and sum(U) >= kd.W:
+            m, q, total = self.msmin[i], kd.q, kd.total
+            xs = [m * (min(x * q, total) / total) for x in U]
+        cache[tau] = xs
+        return xs
 
     def _joint(self, xs: list[list[float]], S: tuple[int, ...]) -> bool:
         need = sum(self.msmin[i] for i in S)

@@ -45,17 +45,23 @@ T_d,k(w)).
    cannot complete are dropped; the last node is checked, not enumerated — and, when that would
    pass `EXACT_DP_BUDGET` transitions, a constructive one (kind by kind from the coarsest, each
    bound node's share from a max-flow of bytes, rounded and repaired) that can only miss
-   solutions, never invent them. The first incumbent is the integer test at the top corner
-   (every node at its most, trimmed); if that fails, a greedy walk up from the separable targets.
-   Once a constructive test fails at a lower corner, the bound is settled there and `polish`
-   looks for a better plan above it. Trimming a surplus always drops the slowest quanta first.
-   **Lower bound**: the smallest lower-corner sum among boxes still open (none: the optimum),
-   the target vectors whose integer test was only constructive, and the incumbent; it is at least
-   the separable bound. With the exact test throughout and no box left the plan is proven optimal
-   (`optimal`). The search is deterministic (budgeted in box evaluations, not in seconds).
+   solutions, never invent them. The first incumbent comes from a greedy walk up from the
+   separable targets (violated relaxed conditions raised as little as possible, then a common
+   lift toward the top corner, doubled from 1/256 of the way and bisected: the integer test
+   costs more the higher its targets); if the walk fails, the integer test at the top corner
+   (every node at its most, trimmed). Once a constructive test fails at a lower corner, the bound
+   is settled there and `polish` looks for a better plan above it. Trimming a surplus always drops
+   the slowest quanta first. The search stops once every open box's lower bound is within
+   `GAP_TOL` (0.1 %) of the incumbent: closing that last part steps one vocabulary quantum at a
+   time and took most of the boxes. **Lower bound**: the smallest lower-corner sum among boxes
+   still open (none: the optimum), the target vectors whose integer test was only constructive,
+   and the incumbent; it is at least the separable bound. With the exact test throughout and no
+   box left the plan is proven optimal (`optimal`); otherwise `gap` says how close it is. The
+   search is deterministic (budgeted in box evaluations, not in seconds).
 3. *Ideal.* The same search over continuous shares (no integer test: the relaxation is its own
-   solution), to `IDEAL_TOL`: the smallest open box's sum is the ideal compute (a lower bound on
-   the continuous optimum, which it meets when no cap binds: then each kind is balanced alone).
+   solution), to `IDEAL_TOL`: the first box narrower than that settles the bound (boxes leave the
+   heap in order of their sums), which is the ideal compute (a lower bound on the continuous
+   optimum, which it meets when no cap binds: then each kind is balanced alone).
 
 Where the parts live: the planning model and its feasibility tests in `xronos.gateway.planmodel`,
 the two searches (integer targets, continuous ideal) in `xronos.gateway.plansearch`, the

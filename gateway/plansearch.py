@@ -17,7 +17,15 @@ from xronos.protocol.layout import KINDS
 from xronos.gateway.planmodel import KindModel, Problem, infeasible
 
 IDEAL_BUDGET = 400  # box evaluations of the ideal's search (its bound stays valid when cut short)
+# The `segment` search stops once its plan is within this of the proven bound (the last 0.1 % is
+# most of the boxes: one vocabulary quantum at a time).
+GAP_TOL = 1e-3
 IDEAL_TOL = 1e-3  # relative width below which the ideal's search stops splitting a box
+# The walk lifts integer-infeasible targets by a common fraction of the way to the top corner,
+# doubling from LIFT_FIRST and then bisecting LIFT_STEPS times: the integer test's cost grows with
+# its targets (the top corner's can take 100x one near the optimum), so it starts low.
+LIFT_FIRST = 1 / 256
+LIFT_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class Search:
     corner: Callable[[Sequence[float]], tuple[object | None, bool]] | None = None  # exact-only test
     targets: Callable[[object], tuple[float, ...]] = tuple  # a solution's per-kind bottlenecks
     tol: float = 0.0  # relative: boxes whose width sum is below tol * lower sum are not split
+    gap: float = 0.0  # relative: stop once the incumbent is within this of every open box's bound
     ub: float = math.inf
     best: object = None
     best_tau: tuple[float, ...] | None = None
@@ -70,6 +79,9 @@ class Search:
             lb, _, l, h = heapq.heappop(heap)
             if lb >= self.ub:
                 heap = []
+                break
+            if lb * (1 + self.gap) >= self.ub:  # close enough: what is left only proves the last bit
+                heapq.heappush(heap, (lb, 0, l, h))
                 break
             if self.boxes >= self.budget:
                 heapq.heappush(heap, (lb, 0, l, h))
@@ -115,8 +127,10 @@ class Search:
                 continue
             widths = [h[k] - l[k] for k in range(3)]
             if self.tol and sum(widths) <= self.tol * max(lb, 1e-300):
+                # Boxes leave the heap in order of their lower bounds, and the optimum lies in one
+                # of them: none can bring the bound below this one's, so it is settled.
                 self.unresolved = min(self.unresolved, lb)
-                continue
+                break
             k = max(range(3), key=lambda j: widths[j])
             mid = self.prev[k](l[k] + widths[k] / 2)
             if mid < l[k]:
@@ -159,10 +173,12 @@ def walk(pb: Problem, lo: Sequence[float], top: Sequence[float], steps: int = 30
             def lift(t: float) -> list[float]:
                 return [max(base[k], prev[k](base[k] + t * (top[k] - base[k]))) for k in range(3)]
 
-            if pb.integer(lift(1.0))[0] is None:
-                return None
-            lo_t, hi_t = 0.0, 1.0
-            for _ in range(14):
+            lo_t, hi_t = 0.0, LIFT_FIRST
+            while pb.integer(lift(hi_t))[0] is None:
+                if hi_t >= 1.0:
+                    return None
+                lo_t, hi_t = hi_t, min(1.0, 2 * hi_t)
+            for _ in range(LIFT_STEPS):
                 mid = (lo_t + hi_t) / 2
                 lo_t, hi_t = (lo_t, mid) if pb.integer(lift(mid))[0] is not None else (mid, hi_t)
             tau = lift(hi_t)
@@ -180,7 +196,7 @@ def walk(pb: Problem, lo: Sequence[float], top: Sequence[float], steps: int = 30
 
             if pb.holds(at(1.0), bad):
                 lo_t, hi_t = 0.0, 1.0
-                for _ in range(50):
+                for _ in range(24):  # 2^-24 of the way: finer than the candidates
                     mid = (lo_t + hi_t) / 2
                     lo_t, hi_t = (lo_t, mid) if pb.holds(at(mid), bad) else (mid, hi_t)
                 cand = at(hi_t)
@@ -231,19 +247,21 @@ def segment_search(pb: Problem, budget: int) -> tuple[list[list[int]], SearchSta
     if pb.relaxed(top) is not None:
         raise infeasible(pb, "even with every node at its most, the kinds do not fit the memory together")
     search = Search(prev, nxt, pb.relaxed, pb.integer, budget,
-                     corner=lambda tau: pb.integer(tau, exact_only=True), targets=pb.targets)
-    # The first incumbent: the integer test at the top corner (every node at its most, trimmed
-    # from the slowest down); failing that, a greedy walk up from the separable targets.
-    sol, exact = pb.integer(top, quick=True)
-    if sol is not None:
-        search.offer(pb.targets(sol), sol)
-    elif exact:
-        raise infeasible(pb, "no integer split of the quanta fits the memory caps even with every "
-                              "node at its most")
+                     corner=lambda tau: pb.integer(tau, exact_only=True), targets=pb.targets, gap=GAP_TOL)
+    # The first incumbent: a greedy walk up from the separable targets, which usually ends within
+    # a fraction of a percent of the optimum, so the search's boxes start small (the integer test
+    # costs more the higher its targets). Failing that, the test at the top corner (every node at
+    # its most, trimmed from the slowest down).
+    first = walk(pb, lo, top)
+    if first is not None:
+        search.offer(first[0], first[1])
     else:
-        first = walk(pb, lo, top)
-        if first is not None:
-            search.offer(first[0], first[1])
+        sol, exact = pb.integer(top, quick=True)
+        if sol is not None:
+            search.offer(pb.targets(sol), sol)
+        elif exact:
+            raise infeasible(pb, "no integer split of the quanta fits the memory caps even with every "
+                                  "node at its most")
     search.run(lo, top)
     if search.best is None:
         sol, exact = pb.integer(top)
@@ -374,14 +392,25 @@ def ideal_bound(pb: Problem, budget: int, ub: float = math.inf) -> float:
         return math.inf
     room = pb.room
 
+    cache: list[dict[float, list[float] | None]] = [{}, {}, {}]
+
+    def scaled(i: int, tau: float) -> list[float] | None:
+        """Kind i at target tau: None if the shares cannot cover it, else each node's bytes at the
+        kind's smallest per-share bytes (memoised: neighbouring boxes share coordinates)."""
+        got = cache[i].get(tau, False)
+        if got is False:
+            v = conts[i].vec(tau)
+            m = pb.msmin[i]
+            got = cache[i][tau] = None if min(v) < 0 or sum(v) < 1 - 1e-12 else [m * x for x in v]
+        return got  # type: ignore[return-value]
+
     def relaxed(tau: Sequence[float]) -> tuple[int, ...] | None:
         ss = []
-        for i, c in enumerate(conts):
-            v = c.vec(tau[i])
-            if min(v) < 0 or sum(v) < 1 - 1e-12:
+        for i in range(3):
+            x = scaled(i, tau[i])
+            if x is None:
                 return (i,)
-            m = pb.msmin[i]
-            ss.append([m * x for x in v])
+            ss.append(x)
         a, b, c = ss
         for S, xs in (((0, 1), map(float.__add__, a, b)), ((0, 2), map(float.__add__, a, c)),
                       ((1, 2), map(float.__add__, b, c)), ((0, 1, 2), map(lambda x, y, z: x + y + z, a, b, c))):

@@ -302,7 +302,9 @@ def test_binding_caps_at_model_scale_are_planned_within_half_a_percent(n, seed):
     caps = [memory_cap(r) for r in reports]
     res = plan(nodes, reports[0].sizes, "segment", caps)
     assert res.search.coupled and res.feasible
-    assert res.search.separable_s <= res.lower_bound_s <= res.search.objective_s
+    # The real layouts' bound sits below the model's by at most the remainder quanta (16 rows of
+    # 50,000 here), which a search that stops within GAP_TOL of the separable bound shows.
+    assert res.search.separable_s * (1 - 1e-4) <= res.lower_bound_s <= res.search.objective_s
     assert res.gap <= 0.005
     assert res.ideal_compute_s <= res.lower_bound_s
     paper = plan(nodes, reports[0].sizes, "paper", caps)
