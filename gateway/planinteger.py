@@ -44,7 +44,7 @@ def undominated(states: dict[int, int], nm: int) -> dict[int, int]:
 class IntegerTest:
     """Integer feasibility at a target vector, on the problem's per-node memory model. A base of
     `planmodel.Problem` only: it uses the problem's n, kinds, caps, base, load, its `fits` and `U`
-    and the two caches it sets up."""
+    and the caches it sets up."""
 
     n: int
     kinds: list  # planmodel.KindModel per kind (not imported: planmodel imports this module)
@@ -52,6 +52,7 @@ class IntegerTest:
     base: list[float]
     load: list[tuple[float, ...]]
     _vtab: dict[int, list[list[int]]]
+    _pcache: dict[tuple[int, ...], list[tuple[int, int, int]]]
     _icache: dict[tuple, tuple[list[list[int]] | None, bool]]
 
     def integer(self, tau: Sequence[float], exact_only: bool = False, quick: bool = False
@@ -134,14 +135,18 @@ class IntegerTest:
         size = nm + 1
         per: dict[int, list[tuple[int, int, int]]] = {}
         for d in bound:
-            uv = ub[d][2]
-            ch: dict[int, int] = {}
-            for a, m, v in self._choices(d, ub[d][0], ub[d][1]):
-                a, m, v = min(a, na), min(m, nm), min(v, uv)
-                k = a * size + m
-                if v > ch.get(k, -1):
-                    ch[k] = v
-            per[d] = [(k // size, k % size, v) for k, v in undominated(ch, nm).items()]
+            ua, um, uv = ub[d]
+            key = (d, ua, um, uv, na, nm)  # neighbouring targets often leave a node's bounds alone
+            got = self._pcache.get(key)
+            if got is None:
+                ch: dict[int, int] = {}
+                for a, m, v in self._choices(d, ua, um):
+                    a, m, v = min(a, na), min(m, nm), min(v, uv)
+                    k = a * size + m
+                    if v > ch.get(k, -1):
+                        ch[k] = v
+                got = self._pcache[key] = [(k // size, k % size, v) for k, v in undominated(ch, nm).items()]
+            per[d] = got
         g_m = [d for d in bound if all(c[0] == 0 for c in per[d])]  # MLP vs vocabulary only
         g_a = [d for d in bound if d not in g_m and all(c[1] == 0 for c in per[d])]
         g2 = sorted((d for d in bound if d not in g_m and d not in g_a), key=lambda d: len(per[d]))

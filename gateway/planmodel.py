@@ -169,6 +169,7 @@ class Problem(IntegerTest):
         self.msmin = [min(kd.ms) for kd in self.kinds]
         self.room = [self.caps[d] - self.base[d] - self.t0[d] for d in range(self.n)]
         self._vtab: dict[int, list[list[int]]] = {}
+        self._pcache: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
         self._xcache: list[dict[float, list[float] | None]] = [{}, {}, {}]
         self._icache: dict[tuple, tuple[list[list[int]] | None, bool]] = {}
 
