@@ -51,9 +51,9 @@ T_d,k(w)).
    costs more the higher its targets); if the walk fails, the integer test at the top corner
    (every node at its most, trimmed). Once a constructive test fails at a lower corner, the bound
    is settled there and `polish` looks for a better plan above it. Trimming a surplus always drops
-   the slowest quanta first. The search stops once every open box's lower bound is within
-   `GAP_TOL` (0.1 %) of the incumbent: closing that last part steps one vocabulary quantum at a
-   time and took most of the boxes. **Lower bound**: the smallest lower-corner sum among boxes
+   the slowest quanta first. Beyond `EXACT_NODES` (8) nodes the search stops once every open
+   box's lower bound is within `GAP_TOL` (0.1 %) of the incumbent: closing that last part steps
+   one vocabulary quantum at a time and took most of the boxes. **Lower bound**: the smallest lower-corner sum among boxes
    still open (none: the optimum), the target vectors whose integer test was only constructive,
    and the incumbent; it is at least the separable bound. With the exact test throughout and no
    box left the plan is proven optimal (`optimal`); otherwise `gap` says how close it is. The

@@ -17,8 +17,10 @@ from xronos.protocol.layout import KINDS
 from xronos.gateway.planmodel import KindModel, Problem, infeasible
 
 IDEAL_BUDGET = 400  # box evaluations of the ideal's search (its bound stays valid when cut short)
-# The `segment` search stops once its plan is within this of the proven bound (the last 0.1 % is
-# most of the boxes: one vocabulary quantum at a time).
+# Beyond EXACT_NODES nodes the `segment` search stops once its plan is within GAP_TOL of the
+# proven bound (the last 0.1 % is most of the boxes: one vocabulary quantum at a time); up to it,
+# a home's few boxes, it proves the optimum.
+EXACT_NODES = 8
 GAP_TOL = 1e-3
 IDEAL_TOL = 1e-3  # relative width below which the ideal's search stops splitting a box
 # The walk lifts integer-infeasible targets by a common fraction of the way to the top corner,
@@ -247,7 +249,8 @@ def segment_search(pb: Problem, budget: int) -> tuple[list[list[int]], SearchSta
     if pb.relaxed(top) is not None:
         raise infeasible(pb, "even with every node at its most, the kinds do not fit the memory together")
     search = Search(prev, nxt, pb.relaxed, pb.integer, budget,
-                     corner=lambda tau: pb.integer(tau, exact_only=True), targets=pb.targets, gap=GAP_TOL)
+                     corner=lambda tau: pb.integer(tau, exact_only=True), targets=pb.targets,
+                     gap=GAP_TOL if pb.n > EXACT_NODES else 0.0)
     # The first incumbent: a greedy walk up from the separable targets, which usually ends within
     # a fraction of a percent of the optimum, so the search's boxes start small (the integer test
     # costs more the higher its targets). Failing that, the test at the top corner (every node at
