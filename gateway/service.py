@@ -45,6 +45,7 @@ from xronos.gateway.store import JobStore
 from xronos.protocol import sdnotify
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import DEFER, Dispatcher, RequestError
+from xronos.protocol.ownavail import OwnAvailability
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BusBase, MqttBus
 
@@ -73,6 +74,10 @@ class GatewayService:
         # knock the gateway off by connecting with it.
         self.bus = bus or MqttBus(cfg.broker, f"{cfg.gateway_id}-{uuid.uuid4().hex[:8]}", will=will, table=self.table)
         self.dispatcher = Dispatcher(self.bus)
+        self.availability = OwnAvailability(
+            self.bus, "gateway.availability", event="gateway.availability_offline_while_running",
+            hint=f"another gateway on base topic {cfg.base_topic!r} ran and stopped, or an 'offline' was "
+                 "published by hand: run one gateway per base topic; 'online' published again")
         self.timeouts = timeouts or J.Timeouts(profile_s=cfg.profile_timeout_s, ack_s=cfg.ack_timeout_s)
         self.net = J.Net(bandwidth_Bps=cfg.bandwidth_mbps * 1e6 / 8, latency_s=cfg.latency_ms / 1000)
         self.store = JobStore(cfg.state_dir)
@@ -106,6 +111,7 @@ class GatewayService:
             d.on(f"gateway.request.{name}", fn)
         # retained states of jobs this gateway no longer has, and unreadable ones (garbage, another schema version)
         d.on("job.state", self._on_job_state, on_refused=self._job_state_refused)
+        self.availability.register(d)  # Home Assistant's entities follow it
         if self.habridge is not None:
             self.habridge.register(d)
         self.bus.on_connect(self._announce)
@@ -119,7 +125,7 @@ class GatewayService:
             self._run(job_id, out)
 
     def _announce(self) -> None:
-        self.bus.publish(self.table.build("gateway.availability"), "online", retain=True)
+        self.availability.announce()
         self._discovery()
 
     def _discovery(self) -> None:
@@ -162,7 +168,7 @@ class GatewayService:
             self._flush(force=True)
         except Exception as exc:
             self._internal("flush", None, exc)
-        self.bus.publish(self.table.build("gateway.availability"), "offline", retain=True)
+        self.availability.withdraw()
         self.bus.stop()
 
     def _internal(self, where: str, job_id: str | None, exc: BaseException) -> None:

@@ -4,7 +4,9 @@ One control loop reads the bus and never blocks on work: inspections and profile
 worker thread, training runs in a child process (`node.child`). Everything the node tells the
 world goes out from this loop: retained availability (last-will `offline`) and capabilities,
 re-published on every reconnect; profile reports; inspection reports; assignment acks; per-
-iteration metrics; and the retained NodeJobStatus a restarted gateway reconciles from.
+iteration metrics; and the retained NodeJobStatus a restarted gateway reconciles from. An
+`offline` that another process leaves on this node's availability while it runs (a duplicate
+node_id's last will) is answered with `online` and an error in the log (`protocol.ownavail`).
 
 Assignments are two-phase: the node checks and acknowledges, and starts its rank only on the
 gateway's `start`, once every rank has accepted. A newer plan version of the same job replaces the
@@ -40,6 +42,7 @@ from xronos.protocol import hastate, sdnotify
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import Dispatcher
 from xronos.protocol.layout import Layout
+from xronos.protocol.ownavail import OwnAvailability
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BusBase, MqttBus
 
@@ -71,6 +74,10 @@ class NodeService:
         self.bus = bus or MqttBus(cfg.broker, f"node-{self.node_id}-{os.urandom(4).hex()}", will=will,
                                   table=self.table)
         self.dispatcher = Dispatcher(self.bus, node_id=self.node_id)
+        self.availability = OwnAvailability(
+            self.bus, "node.availability", node_id=self.node_id, event="node.availability_offline_while_running",
+            hint="another process with this node_id (a copied node.toml?) ran and stopped, or an 'offline' "
+                 "was published by hand: every box needs its own node_id; 'online' published again")
         self.participate = participation.load(cfg.state_dir, cfg.participate)  # HA's last choice wins
         self.work = ThreadPoolExecutor(1, thread_name_prefix="node-work")
         self.outbox: queue.Queue[Any] = queue.Queue()  # messages the worker thread wants published
@@ -95,13 +102,14 @@ class NodeService:
         self.dispatcher.on("node.assignment", self._on_assignment, **own)
         self.dispatcher.on("node.control", self._on_control, **own)
         self.dispatcher.on("node.set", self._on_ha_command, **own)  # Home Assistant's switch
+        self.availability.register(self.dispatcher)
         self.bus.on_connect(self._announce)
         self.bus.start()
         self.work.submit(_warm_up)
 
     def _announce(self) -> None:
         """Runs after every (re)connect: the retained view of this node, afresh."""
-        self.bus.publish(self.table.build("node.availability", node_id=self.node_id), "online", retain=True)
+        self.availability.announce()
         self._publish_caps()
         if self.status is not None:
             self.bus.publish_message(self.status, node_id=self.node_id)
@@ -180,7 +188,7 @@ class NodeService:
             self.child.kill(grace_s=1.0)
             self._set_status("cancelled", detail="node service stopped")
         self.work.shutdown(wait=False, cancel_futures=True)
-        self.bus.publish(self.table.build("node.availability", node_id=self.node_id), "offline", retain=True)
+        self.availability.withdraw()
         self.bus.stop()
 
     # --- Home Assistant switch -----------------------------------------------------------------

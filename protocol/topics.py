@@ -69,8 +69,9 @@ def _request_entry(name: str, model: type[m.GatewayRequest]) -> TopicEntry:
 
 
 ENTRIES: tuple[TopicEntry, ...] = (
+    # The node reads it too: it answers an `offline` left by another process under its id (ownavail).
     TopicEntry("node.availability", "node/{node_id}/availability", m.Availability, "text", True,
-               "node → all (last-will offline)"),
+               "node → all, itself too (last-will offline)"),
     TopicEntry("node.capabilities", "node/{node_id}/capabilities", m.Capabilities, "json", True,
                "node → gateway, HA"),
     TopicEntry("node.profile_request", "node/{node_id}/profile/request", m.ProfileRequest,

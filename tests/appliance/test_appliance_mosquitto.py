@@ -146,17 +146,26 @@ def test_the_node_blocks_leaves_are_the_topic_tables(broker):
     text = ADD_USER.read_text()
     listed = {d: text.split(f'NODE_{d}="', 1)[1].split('"', 1)[0].split() for d in ("WRITES", "READS")}
     own = {e.pattern.removeprefix("node/{node_id}/"): e.direction for e in ENTRIES if e.pattern.startswith("node/{node_id}/")}
-    assert sorted(listed["WRITES"]) == sorted(leaf for leaf, d in own.items() if d.startswith("node →"))
-    assert sorted(listed["READS"]) == sorted(leaf for leaf, d in own.items() if d.endswith("→ node"))
+    # "writer → reader, reader (note)"; the node reads a topic it writes when "itself" is a reader.
+    writer = {leaf: d.split("→")[0].strip() for leaf, d in own.items()}
+    readers = {leaf: {r.strip() for r in d.split("→")[1].split("(")[0].split(",")} for leaf, d in own.items()}
+    assert sorted(listed["WRITES"]) == sorted(leaf for leaf, w in writer.items() if w == "node")
+    assert sorted(listed["READS"]) == sorted(leaf for leaf, rs in readers.items()
+                                             if "node" in rs or any(r.startswith("itself") for r in rs))
+    assert "availability" in listed["READS"]  # the node answers an `offline` left under its name
 
 
 def test_node_reads_only_its_own_topics(clients):
     gateway, n1 = clients("gateway"), clients("n1")
     n1.subscribe("xronos/#")
     assert gateway.publish("xronos/node/n2/assignment", b"for n2") == 0
+    assert gateway.publish("xronos/node/n2/availability", b"offline") == 0
     assert gateway.publish("xronos/job/j1/state", b"{}") == 0
     assert gateway.publish("xronos/node/n1/assignment", b"for n1") == 0
-    assert n1.received_until("xronos/node/n1/assignment") == [("xronos/node/n1/assignment", b"for n1")]
+    # Its own availability, as another process's last will would leave it: the node must hear it.
+    assert gateway.publish("xronos/node/n1/availability", b"offline") == 0
+    assert n1.received_until("xronos/node/n1/availability") == [("xronos/node/n1/assignment", b"for n1"),
+                                                                ("xronos/node/n1/availability", b"offline")]
 
 
 def test_home_assistant_commands_but_does_not_impersonate(clients):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from jobkit import job_spec, make_case
+from nodekit import msgs, pump, replies
 from xronos.node import streaming
 from xronos.node.checkpoint import read_meta
 from xronos.node.config import NodeConfig
@@ -25,7 +26,7 @@ from xronos.node.service import NodeService
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.launch import free_port
 from xronos.protocol import messages as m
-from xronos.protocol.codec import decode, encode
+from xronos.protocol.codec import encode
 from xronos.protocol.layout import Layout
 from xronos.protocol.fakebus import FakeBroker
 from xronos.protocol.topics import TopicTable
@@ -45,17 +46,10 @@ def node(tmp_path):
     client.subscribe("#")
     client.start()
     svc.start()
+    # Its own `online` comes back to it first: from here on, the node hears only what a test sends.
+    pump(svc, until=lambda: svc.availability.confirmed)
     yield svc, client, broker, tmp_path
     svc.work.shutdown(wait=True)
-
-
-def msgs(client, key):
-    out = []
-    for topic, payload in client.drain():
-        found = T.match(topic)
-        if found and found[0].key == key and payload:
-            out.append(decode(topic, payload))
-    return out
 
 
 def inspect(svc, client, spec, rid="r1", timeout=120.0) -> m.InspectReport:
@@ -85,8 +79,7 @@ def test_job_directory_comes_from_a_checked_id(node):
     svc, client, broker, tmp = node
     payload = assignment(tmp).model_dump(mode="json")
     svc.bus.publish(T.build("node.assignment", node_id="n0"), msgpack.packb({**payload, "job_id": "../../../etc"}))
-    svc.step(0.1)
-    (err,) = msgs(client, "node.error")
+    (err,) = replies(svc, client, "node.error")
     assert "job_id" in err.message and svc.assignment is None
     for bad in ("..", ".", "a/b", "", "x\0"):
         with pytest.raises(ValueError, match="job_id"):
@@ -108,8 +101,7 @@ def test_an_export_may_not_overwrite_the_base_model_or_a_jobs_checkpoint(node):
     # The owner checks its assignment the same way.
     a = assignment(tmp, spec=m.JobSpec(**job_spec(model, data, model, owner="n0")))
     svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(a))
-    svc.step(0.1)
-    (ack,) = msgs(client, "node.ack")
+    (ack,) = replies(svc, client, "node.ack")
     assert not ack.accepted and "would overwrite spec.model_dir" in ack.reason
 
 

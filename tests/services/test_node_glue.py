@@ -4,11 +4,11 @@ checks (including payloads claiming another node), the participate switch."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from jobkit import job_spec, make_case
+from nodekit import msgs, pump, replies
 from xronos.node.config import NodeConfig
 from xronos.node.service import NodeService
 from xronos.node.launch import free_port
@@ -33,26 +33,10 @@ def node(tmp_path):
     client.subscribe("#")
     client.start()
     svc.start()
+    # Its own `online` comes back to it first: from here on, the node hears only what a test sends.
+    pump(svc, until=lambda: svc.availability.confirmed)
     yield svc, client, broker, tmp_path
     svc.work.shutdown(wait=True)
-
-
-def pump(svc, until=None, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        svc.step(0.05)
-        if until is None or until():
-            return
-    raise TimeoutError
-
-
-def msgs(client, key):
-    out = []
-    for topic, payload in client.drain():
-        found = T.match(topic)
-        if found and found[0].key == key:
-            out.append(decode(topic, payload))
-    return out
 
 
 def test_announces_and_last_will(node):
@@ -72,12 +56,11 @@ def test_announces_and_last_will(node):
 def test_participate_switch_from_home_assistant(node):
     svc, client, broker, _ = node
     client.publish("xronos/node/n0/set", b'{"participate": false}')
-    svc.step(0.1)
+    pump(svc, until=lambda: not svc.participate)
     caps = decode("xronos/node/n0/capabilities", broker.retained["xronos/node/n0/capabilities"])
     assert caps.participate is False
     client.publish("xronos/node/n0/set", b'{"participate": "nope"}')
-    svc.step(0.1)
-    (err,) = msgs(client, "node.error")
+    (err,) = replies(svc, client, "node.error")
     assert err.code == "invalid" and "participate" in err.message
 
 
@@ -114,25 +97,21 @@ def test_assignments_checked(node):
     client.drain()
     # A payload naming another node on n0's topic: ignored, logged, answered on n0's error topic.
     svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(m.Assignment(node_id="n1", **base)))
-    svc.step(0.1)
-    (err,) = msgs(client, "node.error")
+    (err,) = replies(svc, client, "node.error")
     assert err.code == "rejected" and "names node 'n1'" in err.message and svc.assignment is None
     # Rank 1 for the owner is refused with a reason in the ack.
     svc.bus.publish(T.build("node.assignment", node_id="n0"),
                     encode(m.Assignment(node_id="n0", **{**base, "rank": 1})))
-    svc.step(0.1)
-    (ack,) = msgs(client, "node.ack")
+    (ack,) = replies(svc, client, "node.ack")
     assert not ack.accepted and "owner must be rank 0" in ack.reason
     svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(m.Assignment(node_id="n0", **base)))
-    svc.step(0.1)
-    (ack,) = msgs(client, "node.ack")
+    (ack,) = replies(svc, client, "node.ack")
     assert ack.accepted and svc.assignment.plan_version == 1
     # The same plan again (a gateway restarted while waiting for acks), with the key it drew anew:
     # acked again, and the key of the repeat is the one the rank will prove.
     svc.bus.publish(T.build("node.assignment", node_id="n0"),
                     encode(m.Assignment(node_id="n0", **{**base, "group_key": "cd" * 32})))
-    svc.step(0.1)
-    (ack,) = msgs(client, "node.ack")
+    (ack,) = replies(svc, client, "node.ack")
     assert ack.accepted and svc.assignment.group_key == "cd" * 32
     status = decode("xronos/node/n0/job", broker.retained["xronos/node/n0/job"])
     assert status.status == "accepted" and status.rank == 0
@@ -140,17 +119,16 @@ def test_assignments_checked(node):
     svc.bus.publish(T.build("node.control", node_id="n0"), encode(m.JobReshard(
         job_id="j", plan_version=1, at_step=4, reason="test",
         layout=Layout(attn=(4, 4, 4), mlp=(40, 30, 30), vocab=(20, 10, 7)))))
-    svc.step(0.1)
-    (err,) = msgs(client, "node.error")
+    (err,) = replies(svc, client, "node.error")
     assert "layout has 3 ranks, the job 2" in err.message
-    # Controls for a plan this node does not hold are errors; a stale cancel is fine.
-    svc.bus.publish(T.build("node.control", node_id="n0"), encode(m.JobPause(job_id="j", plan_version=7)))
-    svc.bus.publish(T.build("node.control", node_id="n0"), encode(m.JobCancel(job_id="j", plan_version=7)))
-    svc.step(0.1)
-    svc.step(0.1)
-    (err,) = msgs(client, "node.error")
+    # Controls for a plan this node does not hold are errors; a stale cancel is fine. The real cancel
+    # comes last: once it is done, so are the two before it (one loop, in order).
+    for control in (m.JobPause(job_id="j", plan_version=7), m.JobCancel(job_id="j", plan_version=7),
+                    m.JobCancel(job_id="j", plan_version=1)):
+        svc.bus.publish(T.build("node.control", node_id="n0"), encode(control))
+    errors: list[m.ErrorResponse] = []
+    pump(svc, until=lambda: bool(errors.extend(msgs(client, "node.error"))) or svc.assignment is None)
+    (err,) = errors + msgs(client, "node.error")
     assert "no such assignment" in err.message
-    svc.bus.publish(T.build("node.control", node_id="n0"), encode(m.JobCancel(job_id="j", plan_version=1)))
-    svc.step(0.1)
     assert svc.assignment is None
     assert decode("xronos/node/n0/job", broker.retained["xronos/node/n0/job"]).status == "cancelled"
