@@ -2,7 +2,9 @@
 
 Bad input is logged (topic, client, reason), counted per reason, answered where someone waits for
 an answer (a gateway request gets an error GatewayResponse with its transaction when it can be
-recovered), and never stops the service. A handler that raises is treated the same way.
+recovered), and never stops the service. A handler that raises is treated the same way. The log
+lines are throttled per (topic, reason) (`throttle.LogThrottle`): a flood is counted and answered,
+but does not fill the disk.
 
 Retained messages are state, never commands: a message the broker delivers as retained on a topic
 that the table does not retain by design (a request, an assignment, a control...) is ignored,
@@ -21,6 +23,7 @@ from pydantic_core import to_jsonable_python
 
 from . import messages as m
 from .codec import MAX_PAYLOAD, DecodeError, decode
+from .throttle import LogThrottle
 from .topics import BY_KEY, TopicEntry
 
 log = structlog.get_logger(__name__)
@@ -48,6 +51,7 @@ class Dispatcher:
         self.on_refused: dict[str, Callable[[str, dict[str, str], bytes], None]] = {}
         self.on_cleared: dict[str, Callable[[dict[str, str]], None]] = {}
         self.errors: collections.Counter[str] = collections.Counter()
+        self.throttle = LogThrottle()  # log lines of bad input, per (topic entry, reason)
 
     def on(self, key: str, handler: Handler, *, subscribe: bool = True,
            on_error: Callable[[str], None] | None = None,
@@ -89,7 +93,7 @@ class Dispatcher:
         if entry is not None and not entry.retained and (retain or not payload):
             if payload:  # a command left retained: never replayed, and removed from the broker
                 self.errors["retained_command"] += 1
-                log.warning("dispatch.retained_command_ignored", topic=topic, client=self.bus.client_id)
+                self._log("dispatch.retained_command_ignored", (entry.key, "retained_command"), topic=topic)
                 self.bus.publish(topic, b"", retain=True)
                 if entry.key in self.on_errors:
                     self.on_errors[entry.key]("a retained command was ignored and cleared")
@@ -128,7 +132,8 @@ class Dispatcher:
     def _bad(self, entry: TopicEntry | None, params: dict[str, str], topic: str, reason: str,
              text: str, txn: str | None, payload: bytes = b"") -> None:
         self.errors[reason] += 1
-        log.warning("dispatch.bad_input", topic=topic, client=self.bus.client_id, reason=reason, detail=text)
+        self._log("dispatch.bad_input", (entry.key if entry else None, reason), topic=topic[:200], reason=reason,
+                  detail=text)
         self._answer(entry, params, topic, reason, text, txn)
         if entry is not None and entry.key in self.on_errors:
             try:
@@ -140,6 +145,15 @@ class Dispatcher:
                 self.on_refused[entry.key](text, params, payload)
             except Exception:
                 log.exception("dispatch.on_error_failed", topic=topic)
+
+    def _log(self, event: str, key: tuple[str | None, str], **fields: Any) -> None:
+        """A warning, unless this (topic entry, reason) has had its share of lines lately."""
+        dropped = self.throttle.admit(key)
+        if dropped is None:
+            return
+        if dropped:
+            fields["suppressed_before"] = dropped  # lines of this kind left out since the last one
+        log.warning(event, client=self.bus.client_id, **fields)
 
     def _answer(self, entry: TopicEntry | None, params: dict[str, str], topic: str, reason: str,
                 text: str, txn: str | None) -> None:

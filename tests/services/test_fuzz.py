@@ -118,8 +118,8 @@ def log_events(path: Path) -> Counter:
         if isinstance(rec, dict):
             ev = rec.get("event", "")
             counts[ev] += 1
-            if ev == "dispatch.bad_input":
-                counts[f"bad_input:{rec.get('reason')}"] += 1
+            if ev == "dispatch.bad_input":  # throttled: a line carries the count left out before it
+                counts[f"bad_input:{rec.get('reason')}"] += 1 + int(rec.get("suppressed_before", 0))
     return counts
 
 
