@@ -349,7 +349,8 @@ class GatewayService:
         self._event(msg.job_id, J.Profiled(msg.node_id, msg.request_id, *screen_report(msg)))  # bad: node left out
 
     def _on_node_error(self, msg: m.ErrorResponse, params: dict[str, str]) -> None:
-        log.warning("node reported an error", node=params["node_id"], code=msg.code, message=msg.message[:500])
+        self.dispatcher.warn_throttled("node reported an error", ("node.error", params["node_id"], msg.code),
+                                       node=params["node_id"], code=msg.code, message=msg.message[:500])
         if msg.code == "profile_failed":  # "<request id>: <reason>"
             rid, _, text = msg.message.partition(": ")
             self._profile_refused(text, params, rid)

@@ -147,13 +147,18 @@ class Dispatcher:
                 log.exception("dispatch.on_error_failed", topic=topic)
 
     def _log(self, event: str, key: tuple[str | None, str], **fields: Any) -> None:
-        """A warning, unless this (topic entry, reason) has had its share of lines lately."""
+        self.warn_throttled(event, key, client=self.bus.client_id, **fields)
+
+    def warn_throttled(self, event: str, key: tuple[Any, ...], **fields: Any) -> None:
+        """A warning, unless lines of this key (e.g. topic entry and reason) had their share
+        lately. Also for the services' own echoes of bad input (the gateway logs every error a
+        node answers a bad payload with)."""
         dropped = self.throttle.admit(key)
         if dropped is None:
             return
         if dropped:
             fields["suppressed_before"] = dropped  # lines of this kind left out since the last one
-        log.warning(event, client=self.bus.client_id, **fields)
+        log.warning(event, **fields)
 
     def _answer(self, entry: TopicEntry | None, params: dict[str, str], topic: str, reason: str,
                 text: str, txn: str | None) -> None:

@@ -15,11 +15,14 @@ from typing import Callable, Hashable
 
 
 class LogThrottle:
+    OTHER = ("(other keys)",)  # where new keys go while the table is full
+
     def __init__(self, limit: int = 20, window_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if limit < 1 or not window_s > 0:
-            raise ValueError(f"LogThrottle needs limit >= 1 and window_s > 0, got {limit}, {window_s}")
-        self.limit, self.window_s, self.clock = limit, window_s, clock
+                 clock: Callable[[], float] = time.monotonic, max_keys: int = 256) -> None:
+        if limit < 1 or not window_s > 0 or max_keys < 1:
+            raise ValueError(f"LogThrottle needs limit >= 1, window_s > 0 and max_keys >= 1, got {limit}, "
+                             f"{window_s}, {max_keys}")
+        self.limit, self.window_s, self.clock, self.max_keys = limit, window_s, clock, max_keys
         # key -> [window start, lines admitted in it, lines dropped since the last admitted]
         self._state: dict[Hashable, list[float]] = {}
 
@@ -27,6 +30,11 @@ class LogThrottle:
         """None: drop this line. Otherwise log it; the int is how many lines of this key were
         dropped before it (0 when none)."""
         now = self.clock()
+        if key not in self._state and len(self._state) >= self.max_keys:
+            # Keys can come from the network (a node id in a topic): the table stays bounded.
+            self._state = {k: v for k, v in self._state.items() if now - v[0] < self.window_s or v[2]}
+            if len(self._state) >= self.max_keys:
+                key = self.OTHER
         st = self._state.get(key)
         if st is None or now - st[0] >= self.window_s:
             dropped = int(st[2]) if st is not None else 0

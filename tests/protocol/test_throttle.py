@@ -28,10 +28,19 @@ def test_limit_per_key_and_window_then_the_drops_are_counted():
     assert t.admit("a") == 0
 
 
-@pytest.mark.parametrize("limit, window", [(0, 1.0), (1, 0.0), (1, float("nan"))])
-def test_bad_settings_are_refused(limit, window):
-    with pytest.raises(ValueError, match="limit >= 1 and window_s > 0"):
-        LogThrottle(limit, window)
+def test_keys_from_the_network_stay_bounded():
+    clock = Clock()
+    t = LogThrottle(limit=1, window_s=10.0, clock=clock, max_keys=4)
+    assert [t.admit(f"node{i}") for i in range(6)] == [0, 0, 0, 0, 0, None]  # 5 and 6 share one key
+    assert len(t._state) == 5 and LogThrottle.OTHER in t._state
+    clock.now += 10.0  # expired windows without drops make room again
+    assert t.admit("node9") == 0 and "node9" in t._state
+
+
+@pytest.mark.parametrize("limit, window, keys", [(0, 1.0, 1), (1, 0.0, 1), (1, float("nan"), 1), (1, 1.0, 0)])
+def test_bad_settings_are_refused(limit, window, keys):
+    with pytest.raises(ValueError, match="limit >= 1, window_s > 0 and max_keys >= 1"):
+        LogThrottle(limit, window, max_keys=keys)
 
 
 def test_a_flood_is_counted_and_answered_but_logged_in_bounds():
@@ -57,3 +66,18 @@ def test_a_flood_is_counted_and_answered_but_logged_in_bounds():
     assert len(sender.drain()) == 101  # every one answered on the node's error topic
     assert len(lines) == 21 and "suppressed_before" not in lines[19]
     assert lines[20]["suppressed_before"] == 80 and lines[20]["reason"] == "bad_encoding"
+
+
+def test_the_services_own_echoes_share_the_throttle():
+    """The gateway logs every error a node answers a bad payload with, through the same throttle."""
+    broker = FakeBroker()
+    disp = Dispatcher(broker.bus("gateway"))
+    clock = Clock()
+    disp.throttle = LogThrottle(limit=2, window_s=60.0, clock=clock)
+    with capture_logs() as logs:
+        for node in ("n1", "n1", "n1", "n2"):
+            disp.warn_throttled("node reported an error", ("node.error", node, "bad_encoding"), node=node)
+        clock.now += 60.0
+        disp.warn_throttled("node reported an error", ("node.error", "n1", "bad_encoding"), node="n1")
+    assert [(e["node"], e.get("suppressed_before")) for e in logs] == [
+        ("n1", None), ("n1", None), ("n2", None), ("n1", 1)]
