@@ -113,14 +113,14 @@ class KindModel:
         u = self.u
         if caps is None:
             def cnt(tau: float) -> int:
-                return sum(u(d, tau) for d in range(n))
+                return sum(self.us(tau))
 
             def uc(d: int, tau: float) -> int:
                 return u(d, tau)
             top = self.top()
         else:  # the W-th smallest quantum time under these counts, floors ignored (for trimming)
             def cnt(tau: float) -> int:
-                return sum(max(0, min(u(d, tau), c)) for d, c in enumerate(caps))
+                return sum(max(0, min(x, c)) for x, c in zip(self.us(tau), caps))
 
             def uc(d: int, tau: float) -> int:
                 return max(0, min(u(d, tau), caps[d]))

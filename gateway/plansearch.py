@@ -352,18 +352,8 @@ class ContKind:
         return [-1.0 if tau < f else 0.0 if tau < c else sm if b == 0 else min(sm, (tau - c) / b)
                 for f, c, b, sm in zip(kd.f, kd.c, kd.b, self.smax)]
 
-    def s(self, d: int, tau: float) -> float:
-        kd = self.kd
-        if tau < kd.f[d]:
-            return -1.0
-        if tau < kd.c[d]:
-            return 0.0
-        if kd.b[d] == 0:
-            return self.smax[d]
-        return min(self.smax[d], (tau - kd.c[d]) / kd.b[d])
-
     def total(self, tau: float) -> float:
-        return sum(self.s(d, tau) for d in range(self.n))
+        return sum(self.vec(tau))
 
     def solve(self) -> float:
         lo = self.kd.floor
@@ -440,7 +430,7 @@ def cont_fits(pb: Problem, conts: list[ContKind], tau: Sequence[float]) -> bool:
     """Whether the balanced shares at tau, trimmed proportionally to sum to 1, fit every node."""
     shares = []
     for i, c in enumerate(conts):
-        v = [c.s(d, tau[i]) for d in range(pb.n)]
+        v = c.vec(tau[i])
         tot = sum(v)
         shares.append([x / tot for x in v])
     for d in range(pb.n):
