@@ -169,8 +169,9 @@ def config_from_args(args: argparse.Namespace, layout):
     from xronos.node.runconfig import RunConfig
 
     if args.lora_r is None:
-        given = [f for f, v, d in (("--lora-alpha", args.lora_alpha, 16.0), ("--lora-dropout", args.lora_dropout, 0.0),
-                                   ("--lora-targets", args.lora_targets, None)) if v != d]
+        given = [f for f, v, d in (
+            ("--lora-alpha", args.lora_alpha, 16.0), ("--lora-dropout", args.lora_dropout, 0.0),
+            ("--lora-targets", args.lora_targets, None), ("--export-merged", args.export_merged, False)) if v != d]
         if given:
             raise ValueError(f"{', '.join(given)} require --lora-r (without it the run fine-tunes every weight)")
     if args.data_format != "text" and args.task != "causal-lm":

@@ -67,8 +67,15 @@ class JobSpec(Message):
     def _has_length(self) -> JobSpec:
         if self.epochs is None and self.max_steps is None:
             raise ValueError("epochs/max_steps: at least one must be set")
-        if self.lora_r is None and (self.lora_targets or self.export_merged):
-            raise ValueError("lora_targets/export_merged: need lora_r (LoRA)")
+        if self.lora_r is None:
+            # By value, not by model_fields_set: every spec that crossed the wire or the job store has
+            # all its fields set, and the defaults are what a full fine-tune carries (as `xronos run`).
+            fields = type(self).model_fields
+            given = [f for f in ("lora_alpha", "lora_dropout", "lora_targets", "export_merged")
+                     if getattr(self, f) != fields[f].default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: set without lora_r (LoRA); without it the job "
+                                 "fine-tunes every weight and trains no adapters")
         if self.data_format != "text" and self.task != "causal-lm":
             raise ValueError(f"data_format: {self.data_format!r} is a causal-lm format, not one for task {self.task!r}")
         return self

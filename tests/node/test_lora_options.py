@@ -100,6 +100,34 @@ def test_jobspec_bounds_the_lora_fields() -> None:
             JobSpec.model_validate_json(json.dumps(_spec(**bad)))
 
 
+def test_jobspec_refuses_lora_settings_without_lora_r(tmp_path: Path) -> None:
+    """A spec that forgot lora_r would fine-tune every weight and export a full model where the user
+    asked for adapters: refused naming the fields. The defaults alone (a full fine-tune's spec, or
+    any spec as it comes back from the wire or the job store, every field set) are no LoRA setting."""
+    for given in ({"lora_alpha": 8.0}, {"lora_dropout": 0.1}, {"lora_targets": ["c_attn"]}, {"export_merged": True}):
+        with pytest.raises(ValidationError, match=f"{next(iter(given))}: set without lora_r"):
+            JobSpec.model_validate_json(json.dumps(_spec(**given)))
+    full = JobSpec.model_validate_json(json.dumps(_spec(lora_alpha=16.0, lora_dropout=0.0)))
+    assert full.lora_r is None and JobSpec.model_validate_json(full.model_dump_json()) == full
+    # The example spec file, its LoRA lines uncommented but lora_r: named in one line (its
+    # lora_alpha = 16.0 and export_merged = false are the defaults, so not among them).
+    from xronos.protocol.specfile import load_spec
+
+    example = (Path(__file__).resolve().parents[2] / "examples" / "job.toml").read_text()
+    assert load_spec(_write(tmp_path / "as-is.toml", example)).lora_r is None
+    lines = [ln.removeprefix("# ") if ln.startswith(("# lora_", "# export_merged")) and "lora_r " not in ln
+             else ln for ln in example.splitlines()]
+    with pytest.raises(ValueError) as info:
+        load_spec(_write(tmp_path / "no-rank.toml", "\n".join(lines)))
+    assert "no-rank.toml: spec: lora_dropout, lora_targets: set without lora_r" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
 def test_xronos_run_refuses_bad_lora_before_any_process(models, tmp_path: Path, capsys) -> None:
     model, data = models["bert"]
     argv = ["run", "--model", str(model), "--data", str(data), "--task", "classify", "--nodes", "2",
@@ -110,7 +138,7 @@ def test_xronos_run_refuses_bad_lora_before_any_process(models, tmp_path: Path, 
     assert main([*argv, "--lora-r", "0"]) != 0
     assert "--lora-r" in capsys.readouterr().err
     assert main([*argv, "--export-merged"]) != 0
-    assert "need lora_r" in capsys.readouterr().err
+    assert "--export-merged require --lora-r" in capsys.readouterr().err  # the flag typed, not the field
     assert not (tmp_path / "out").exists()
 
 
