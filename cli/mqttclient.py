@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from xronos.protocol import messages as m
 from xronos.protocol.codec import DecodeError, decode
-from xronos.protocol.errtext import reason
+from xronos.protocol.errtext import problems
 from xronos.protocol.specfile import load_spec  # noqa: F401  (re-exported: the CLI's spec files)
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BrokerSettings, MqttBus
@@ -74,9 +74,7 @@ def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
     try:
         return BrokerSettings(**fields), args.base_topic or base
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {reason(e)}"
-                             for e in exc.errors())
-        raise ValueError(f"broker settings: {problems}") from None
+        raise ValueError(f"broker settings: {problems(exc.errors())}") from None
 
 
 class NotAuthorised(ValueError):
@@ -136,9 +134,12 @@ class GatewayClient:
 
     def request(self, name: str, timeout: float, **fields: Any) -> dict[str, Any] | list[Any]:
         """The response's data; ValueError with the gateway's error text, TimeoutError if silent."""
-        self._wait_connected(min(timeout, 10.0))
         txn = uuid.uuid4().hex
-        req = m.REQUEST_MODELS[name](transaction=txn, **fields)
+        try:  # what the user typed (a job id) is refused here, in one line, before the broker is waited for
+            req = m.REQUEST_MODELS[name](transaction=txn, **fields)
+        except ValidationError as exc:
+            raise ValueError(problems(exc.errors(), empty="request")) from None
+        self._wait_connected(min(timeout, 10.0))
         self.bus.publish(self.table.build(f"gateway.request.{name}"), req.model_dump_json())
         want = self.table.build("gateway.response", name=name)
         deadline = time.monotonic() + timeout

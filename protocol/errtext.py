@@ -20,3 +20,8 @@ def where(loc: Sequence[Any], empty: str = "") -> str:
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or empty
+
+
+def problems(errors: Sequence[Mapping[str, Any]], empty: str = "") -> str:
+    """Every error of a ValidationError (`exc.errors()`) on one line: `field: reason; field: reason`."""
+    return "; ".join(f"{where(e['loc'], empty)}: {reason(e)}" for e in errors)

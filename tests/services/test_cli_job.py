@@ -48,6 +48,15 @@ def test_cli_refuses_a_bad_spec_before_connecting(tmp_path, capsys):
     assert err.startswith("xronos job: error: job spec") and "task" in err
 
 
+@pytest.mark.parametrize("command", ["pause", "resume", "cancel", "status"])
+def test_cli_refuses_a_bad_job_id_in_one_line_before_connecting(command, capsys):
+    """Not pydantic's multi-line dump, and no wait for a broker (there is none on port 1)."""
+    assert xronos(["job", command, "bad id!", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("xronos job: error: job_id: must be [A-Za-z0-9_][A-Za-z0-9_.-]* (a topic level and a file "
+                   "name), got 'bad id!'\n")
+
+
 def test_cli_without_broker_is_one_clean_line(capsys):
     assert xronos(["nodes", "--port", "1", "--timeout", "1"]) == 2
     assert "cannot reach the MQTT broker" in capsys.readouterr().err
