@@ -23,6 +23,9 @@ _FLAGS = {
     "shuffle": "--no-shuffle", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
     "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets", "export_merged": "--export-merged",
 }
+# The planner's settings and their defaults: a run without --strategy is not planned, so one of
+# them set there would be silently ignored.
+PLANNER_FLAGS = {"reserve_mb": 512.0, "profile_cache": None, "bandwidth_mbps": 1000.0, "latency_ms": 0.5}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,14 +63,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-shares", metavar="s1,...,sN",
                    help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
                    "quota, to emulate heterogeneous boxes on one machine (needs a writable cgroup)")
-    p.add_argument("--reserve-mb", type=float, default=512.0, metavar="M",
+    p.add_argument("--reserve-mb", type=float, default=PLANNER_FLAGS["reserve_mb"], metavar="M",
                    help="with --strategy: memory each rank keeps free for its day job (default 512)")
     p.add_argument("--profile-cache", metavar="DIR", help="with --strategy: reuse/store rank profiles here")
-    p.add_argument("--bandwidth-mbps", type=float, default=1000.0, metavar="MBIT",
+    p.add_argument("--bandwidth-mbps", type=float, default=PLANNER_FLAGS["bandwidth_mbps"], metavar="MBIT",
                    help="with --strategy: the link the planner assumes (default 1000; the local ranks "
                    "talk over loopback, so a large value leaves each rank's measured CPU cost of an "
                    "all-reduce as the communication term)")
-    p.add_argument("--latency-ms", type=float, default=0.5, metavar="MS",
+    p.add_argument("--latency-ms", type=float, default=PLANNER_FLAGS["latency_ms"], metavar="MS",
                    help="with --strategy: per-all-reduce link latency the planner assumes (default 0.5)")
     p.add_argument("--batch-size", required=True, type=int, metavar="B")
     p.add_argument("--seq-len", required=True, type=int, metavar="S")
@@ -226,6 +229,11 @@ def handle(args: argparse.Namespace) -> int:
 
     if args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.strategy is None:
+        ignored = ["--" + k.replace("_", "-") for k, default in PLANNER_FLAGS.items() if getattr(args, k) != default]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)}: only with --strategy (the planner's settings; a run with "
+                             "--layout or --units is not planned)")
     with confinement(args.cpu_shares, args.nodes) as wrap:
         if args.strategy is None:
             return _launch(args, resolve_layout(args), wrap)

@@ -55,6 +55,18 @@ def test_planner_flags_are_refused_before_profiling(good, tmp_path, capsys, noth
 
 
 @pytest.mark.parametrize("flags, message", [
+    # Accepted and ignored before: a run with --units is not planned.
+    (["--reserve-mb", "100"], "--reserve-mb: only with --strategy"),
+    (["--profile-cache", "pc", "--latency-ms", "2", "--bandwidth-mbps", "100"],
+     "--profile-cache, --bandwidth-mbps, --latency-ms: only with --strategy"),
+])
+def test_planner_flags_without_strategy_are_refused(good, tmp_path, capsys, nothing_starts, flags, message):
+    model, data = good
+    assert main(runkit.run_argv(model, data, "classify", (4, 8), tmp_path / "out") + flags) == 2
+    assert message in _error(capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
     # This model: 12 heads, 100 MLP columns, 37 vocabulary rows.
     (["--layout=attn=6,6;mlp=64,99999999999;vocab=32,5"], "--layout: mlp counts must be in 0..2147483647"),
     (["--layout=attn=6_0,6;mlp=64,36;vocab=32,5"], "--layout: attn must be comma-separated integers"),
