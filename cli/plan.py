@@ -14,7 +14,7 @@ import argparse
 import math
 import sys
 
-from xronos.cli.profile import positive_int
+from xronos.cli.profile import id_arg, positive_int
 from xronos.gateway.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S
 from xronos.gateway.costmodel import FITS, SEGMENTS
 from xronos.gateway.planner import MiB, STRATEGIES, PlanResult
@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--export-merged", action="store_true",
                    help="LoRA profiles: the run also exports the merged model, so the owner gathers the "
                         "whole model (default: the adapters only)")
-    p.add_argument("--job-id", default="preview", help="job id written into --json output")
+    p.add_argument("--job-id", default="preview", type=id_arg, help="job id written into --json output")
     p.add_argument("--json", action="store_true", help="print the protocol Plan message as JSON")
     p.set_defaults(func=run)
 

@@ -48,14 +48,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="profile LoRA training: adapters of rank R on a frozen base (as `xronos run --lora-r`)")
     p.add_argument("--lora-targets", metavar="M1,M2,..", help="with --lora-r: the adapted modules (peft's names)")
     p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="with --lora-r: adapter dropout")
-    p.add_argument("--node-id", default="local", type=_node_id, help="node id written into the report")
+    p.add_argument("--node-id", default="local", type=id_arg, help="node id written into the report")
     p.add_argument("--cache-dir", metavar="DIR", help="reuse/store profiles of this hardware here")
     p.add_argument("--out", required=True, metavar="FILE.json")
     p.set_defaults(func=handle)
 
 
-def _node_id(text: str) -> str:
-    """The id goes into the report's node_id, which `xronos plan` and the gateway read as an Id."""
+def id_arg(text: str) -> str:
+    """argparse type of an id that goes into a message as an Id (a report's node_id, which `xronos
+    plan` and the gateway read back; a plan's job_id): refused as the user typed it, in one line."""
     from pydantic import TypeAdapter, ValidationError
 
     from xronos.protocol.errtext import reason

@@ -132,3 +132,13 @@ def test_plan_refuses_a_job_shape_that_is_no_shape(flag, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "unused.json", flag])
     assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_bad_job_id_before_planning(capsys):
+    # It used to plan, then print pydantic's four-line dump of the Plan message's job_id.
+    with pytest.raises(SystemExit):
+        main(["plan", "unused.json", "--json", "--job-id", "bad id!"])
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("xronos plan: error: argument --job-id: must be [A-Za-z0-9_][A-Za-z0-9_.-]* (a topic level "
+                       "and a file name), got 'bad id!'")
+    assert not any("validation error" in line or "pydantic" in line for line in err)
