@@ -32,7 +32,8 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--username", help="MQTT user name")
     g.add_argument("--password-file", help="file holding the MQTT password")
     g.add_argument("--base-topic", help="Xronos base topic (default xronos)")
-    g.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the gateway (default 30)")
+    # %(default)g, not a fixed number: job submit sets its own (its answer waits for the profiles).
+    g.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the gateway (default %(default)g)")
 
 
 def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
