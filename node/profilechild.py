@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from xronos.protocol.messages import Capabilities, ProfileReport
 
 _TAIL_LINES = 15
+REFUSED = 3  # the child's exit code when the profile refused to start (its reason on stderr)
 
 
 class ProfileJob(BaseModel):
@@ -69,6 +70,8 @@ def profile_in_child(job: ProfileJob, timeout_s: float = 3600.0) -> ProfileRepor
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        if proc.returncode == REFUSED:
+            raise RuntimeError(err.strip()[-2000:])
         if proc.returncode != 0:
             how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
             tail = "\n".join([ln for ln in err.splitlines() if ln.strip()][-_TAIL_LINES:])
@@ -85,12 +88,18 @@ def main(argv: list[str]) -> int:
     except OSError:
         pass
     from xronos.node.profiler import profile
+    from xronos.node.profset import ProfileTooLarge
 
     job = ProfileJob.model_validate_json(Path(argv[1]).read_text())
-    report = profile(job.config, job.task, job.batch_size, job.seq_len, threads=job.threads, iters=job.iters,
-                     clip=job.clip, weight_decay=job.weight_decay, lora_r=job.lora_r, lora_targets=job.lora_targets,
-                     lora_dropout=job.lora_dropout, node_id=job.node_id, request_id=job.request_id, job_id=job.job_id,
-                     capabilities=job.capabilities, cache_dir=job.cache_dir)
+    try:
+        report = profile(job.config, job.task, job.batch_size, job.seq_len, threads=job.threads, iters=job.iters,
+                         clip=job.clip, weight_decay=job.weight_decay, lora_r=job.lora_r,
+                         lora_targets=job.lora_targets, lora_dropout=job.lora_dropout, node_id=job.node_id,
+                         request_id=job.request_id, job_id=job.job_id,
+                         capabilities=job.capabilities, cache_dir=job.cache_dir)
+    except ProfileTooLarge as exc:  # a refusal, not a crash: its sentence alone, no traceback
+        print(exc, file=sys.stderr)
+        return REFUSED
     out = Path(argv[2])
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(report.model_dump_json())

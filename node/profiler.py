@@ -75,7 +75,7 @@ from xronos.node.capabilities import fingerprint, probe
 from xronos.node.commprobe import probe_collectives
 from xronos.node.heapprobe import blocks_config, measure_in_child, slack_per_depth
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
-from xronos.node.profset import ProfilingSet
+from xronos.node.profset import ProfileTooLarge, ProfilingSet, floor_bytes
 from xronos.node.tp.lora import LoraSettings
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
 from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport, ProfileSettings
@@ -289,6 +289,15 @@ def profile(
     sizes = family.sizes(config)
     H = sizes.attn
     small = one_block_config(config)
+    # A model whose one-block set alone exceeds the box would page it until the OOM killer picks
+    # something (under the node's unit, this process first): refused with the figures instead.
+    need, n_params = floor_bytes(small, task, lora is not None)
+    if need > caps.memory_available:
+        what = "fp32 weights" if lora is not None else "fp32 weights, gradients and AdamW moments"
+        raise ProfileTooLarge(
+            f"profiling this model needs at least {need / 2**20:,.1f} MiB (its one-block profiling set's {what}: "
+            f"{n_params:,} parameters, the embedding's {sizes.vocab:,} x {arch.hidden_size} among them), but node "
+            f"{node_id} has {caps.memory_available / 2**20:,.1f} MiB available")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     t_start = time.perf_counter()

@@ -29,7 +29,7 @@ from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import InRegion
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import LoraSettings, add_lora
-from xronos.protocol.layout import Layout
+from xronos.protocol.layout import KINDS, Layout
 
 
 def find_regions(block: nn.Module, partitioned: set[int]) -> dict[str, nn.Module]:
@@ -384,3 +384,20 @@ def _only_block(model: nn.Module) -> nn.Module:
     if len(lists) != 1:
         raise RuntimeError(f"cannot find the single transformer block of {type(model).__name__}")
     return lists[0][0]
+
+
+class ProfileTooLarge(ValueError):
+    """This box cannot even hold the profiling set: refused before anything is allocated."""
+
+
+def floor_bytes(config: dict[str, Any], task: str, lora: bool) -> tuple[int, int]:
+    """(bytes, parameters): the least the profile allocates — the one-block set's fp32 weights at
+    full width and, unless the base is frozen (LoRA), their gradients and AdamW's two moments
+    (4 + 12 bytes a parameter). Activations, temporaries and the runtime come on top, so a box
+    below this surely fails; counted on the meta device, nothing allocated."""
+    family = family_for(config)
+    sizes = family.sizes(config)
+    layout = Layout(**{k: (sizes.total(k), 0) for k in KINDS})
+    model = family.build(config, task, ShardLayout.of(layout, 0), TPGroup.alone(2))
+    n = sum(p.numel() for p in model.parameters())  # tied weights once
+    return n * (4 if lora else 16), n

@@ -132,6 +132,21 @@ def test_cache_hit_does_not_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         prof.profile(config, "classify", B + 1, S, threads=1, iters=2, cache_dir=tmp_path)
 
 
+def test_a_box_too_small_for_the_profiling_set_is_refused_before_it_is_built() -> None:
+    """A model whose one-block set alone exceeds the box would page it until the OOM killer picks
+    something: refused with the figures, before a tensor is allocated."""
+    from xronos.node.capabilities import probe
+    from xronos.node.profset import ProfileTooLarge, floor_bytes
+
+    one_block = prof.one_block_config(prof.config_for(arch=TINY))
+    n = sum(_params(name, "classify") for name in ("emb", "blk.attn", "blk.mlp", "blk.rest", "out"))
+    assert floor_bytes(one_block, "classify", lora=False) == (16 * n, n)  # weights, grads, 2 moments
+    assert floor_bytes(one_block, "classify", lora=True) == (4 * n, n)  # a frozen base: weights only
+    small = probe("n7", "127.0.0.1").model_copy(update={"memory_available": 16 * n - 1})
+    with pytest.raises(ProfileTooLarge, match=rf"needs at least .* MiB .*{n:,} parameters.*node n7 has 1.4 MiB available"):
+        prof.profile(prof.config_for(arch=TINY), "classify", B, S, threads=1, capabilities=small, node_id="n7")
+
+
 def test_bad_input_is_refused() -> None:
     config = prof.config_for(arch=TINY)
     with pytest.raises(ValueError, match="batch_size"):
@@ -228,6 +243,11 @@ def test_profile_in_child_process(tmp_path: Path) -> None:
     assert len(list((tmp_path / "cache").glob("profile-*.json"))) == 1
     with pytest.raises(RuntimeError, match="max_positions"):
         profile_in_child(job.model_copy(update={"seq_len": P + 1}))
+    # A box too small for the profiling set: the refusal's sentence, not a traceback.
+    tiny_box = caps.model_copy(update={"memory_available": 1024})
+    with pytest.raises(RuntimeError, match="^profiling this model needs at least") as err:
+        profile_in_child(job.model_copy(update={"capabilities": tiny_box, "cache_dir": None}))
+    assert "Traceback" not in str(err.value)
 
 
 def test_pause_at_skipped_collectives_is_left_out_of_layer_times() -> None:
