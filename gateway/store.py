@@ -26,6 +26,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from xronos.protocol.errtext import reason, where
+from xronos.protocol.messages import STORED
 
 from .jobtypes import Job
 
@@ -64,7 +65,7 @@ def job_from_dict(data: Mapping) -> Job:
 def parse_table(text: bytes | str, source: str) -> dict[str, Job]:
     """The jobs of a table file's content; ValueError naming `source`, the field and the problem."""
     try:
-        table = _TABLE.validate_json(text, strict=True)
+        table = _TABLE.validate_json(text, strict=True, context={STORED: True})
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]

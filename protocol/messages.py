@@ -28,7 +28,7 @@ from .msgnode import (
 )
 from .msgjob import (
     JobSpec, PlanEntry, Plan, Assignment, AssignmentAck, JobStart, JobPause, JobResume, JobCancel,
-    JobReshard, JobControl, JobControlAdapter, InspectRequest, InspectReport,
+    JobReshard, JobControl, JobControlAdapter, InspectRequest, InspectReport, STORED,
 )
 from .msgstate import (
     IterationMetrics, NodeFloats, NodeBytes, JobState, NodeJobStatus,
@@ -51,7 +51,7 @@ __all__ = [
     "LoraTarget", "Sample", "Message", "Availability", "ArchSpec", "Capabilities", "ProfileRequest",
     "LayerProfile", "CollectiveProfile", "ProfileSettings", "ProfileReport", "JobSpec", "PlanEntry", "Plan", "Assignment",
     "AssignmentAck", "JobStart", "JobPause", "JobResume", "JobCancel", "JobReshard", "JobControl",
-    "JobControlAdapter", "InspectRequest", "InspectReport", "IterationMetrics", "NodeFloats",
+    "JobControlAdapter", "InspectRequest", "InspectReport", "STORED", "IterationMetrics", "NodeFloats",
     "NodeBytes", "JobState", "NodeJobStatus", "ErrorResponse", "Transaction", "GatewayRequest",
     "JobSubmitRequest", "JobStatusRequest", "JobPauseRequest", "JobResumeRequest", "JobCancelRequest",
     "NodesListRequest", "PlanPreviewRequest", "GatewayResponse", "REQUEST_MODELS"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, TypeAdapter, model_validator
+from pydantic import Field, TypeAdapter, ValidationInfo, model_validator
 
 from .layout import Layout, LayoutError, Sizes
 from .msgnode import ArchSpec
@@ -15,6 +15,11 @@ from .msgtypes import (
     LearningRate, LoraAlpha, LoraRank, LoraTarget, Megabytes, Message, Name, NonNegInt, PathText, Rank, Seconds,
     Seed, SeqLen, StepCount, Steps, Strategy, Task, Text4k, Text256, UnitCount, WorldSize,
 )
+
+
+# Validation context key (`model_validate(..., context={STORED: True})`): the data comes from this
+# gateway's own job table, written by an earlier version, not from a sender.
+STORED = "stored"
 
 
 class JobSpec(Message):
@@ -64,15 +69,18 @@ class JobSpec(Message):
     rebalance: bool = True
 
     @model_validator(mode="after")
-    def _has_length(self) -> JobSpec:
+    def _has_length(self, info: ValidationInfo) -> JobSpec:
         if self.epochs is None and self.max_steps is None:
             raise ValueError("epochs/max_steps: at least one must be set")
         if self.lora_r is None:
             # By value, not by model_fields_set: every spec that crossed the wire or the job store has
             # all its fields set, and the defaults are what a full fine-tune carries (as `xronos run`).
+            # A job table written before alpha and dropout were checked still loads (STORED): its jobs
+            # ran as full fine-tunes, and a gateway must not refuse to start over them.
             fields = type(self).model_fields
-            given = [f for f in ("lora_alpha", "lora_dropout", "lora_targets", "export_merged")
-                     if getattr(self, f) != fields[f].default]
+            checked = ("lora_targets", "export_merged") if (info.context or {}).get(STORED) else \
+                ("lora_alpha", "lora_dropout", "lora_targets", "export_merged")
+            given = [f for f in checked if getattr(self, f) != fields[f].default]
             if given:
                 raise ValueError(f"{', '.join(given)}: set without lora_r (LoRA); without it the job "
                                  "fine-tunes every weight and trains no adapters")

@@ -97,6 +97,22 @@ def test_store_refuses_a_damaged_table_naming_file_and_field(tmp_path):
             store.load()
 
 
+def test_a_table_from_before_the_lora_checks_still_loads(tmp_path):
+    """A spec with lora_alpha but no lora_r ran as a full fine-tune under an earlier gateway; the
+    sender is refused it now, but the gateway's own table keeps loading (it must start)."""
+    store = JobStore(tmp_path)
+    old = job_to_dict(_a_job())
+    old["spec"] = {**old["spec"], "lora_alpha": 32.0, "lora_dropout": 0.1}
+    store.path.write_text(json.dumps({"format": 1, "jobs": [old]}))
+    assert store.load()["j1"].spec.lora_alpha == 32.0
+    with pytest.raises(ValueError, match="lora_alpha, lora_dropout: set without lora_r"):
+        m.JobSpec.model_validate_json(json.dumps(old["spec"]))
+    old["spec"]["export_merged"] = True  # refused before too: still unreadable
+    store.path.write_text(json.dumps({"format": 1, "jobs": [old]}))
+    with pytest.raises(ValueError, match="export_merged: set without lora_r"):
+        store.load()
+
+
 def test_previous_good_table_is_recoverable(tmp_path):
     store = JobStore(tmp_path)
     store.save({"j1": _a_job()})
