@@ -24,7 +24,7 @@ from xronos.gateway.commmodel import (
     DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, NodeComm, comm_time, node_comm, tp_comm_volume,
 )
 from xronos.gateway.costmodel import Fit, LayerCost, NodeProfile, node_cost
-from xronos.gateway.planner import MiB, PlanResult, Strategy, plan
+from xronos.gateway.planner import InfeasiblePlan, MiB, PlanResult, Strategy, plan
 from xronos.protocol.layout import KINDS, NOUN
 from xronos.protocol.codec import MAX_PAYLOAD
 from xronos.protocol.errtext import reason, where
@@ -376,7 +376,16 @@ def plan_reports(
     # fine-tuning, the adapters (and a classifier's head) under LoRA.
     nodes = [replace(nd, checkpoints=checkpoints, exports=exports, export_all=export_merged) for nd in nodes]
     caps = [memory_cap(item.report, reserve_mb) for item in loaded]
-    return plan(nodes, r0.sizes, strategy, caps, comm)
+    try:
+        return plan(nodes, r0.sizes, strategy, caps, comm)
+    except InfeasiblePlan as exc:
+        if reserve_mb <= 0:
+            raise
+        # The caps are net of the day job's reserve: say so, or "cap 0.0 MiB" reads as a bug.
+        gone = [f"{item.report.node_id} ({item.report.capabilities.memory_available / MiB:,.0f} MiB available)"
+                for item, cap in zip(loaded, caps) if cap <= 0]
+        raise InfeasiblePlan(f"{exc}\neach cap is the node's available memory minus reserve_mb {reserve_mb:,.0f} MiB"
+                             + (f"; the reserve takes all of it on {', '.join(gone)}" if gone else "")) from None
 
 
 def plan_message(result: PlanResult, job_id: str, version: int = 0) -> Plan:

@@ -83,6 +83,11 @@ def test_infeasible_names_needs_and_caps(tmp_path, capsys):
         assert err.startswith("xronos plan: error: no plan fits the memory caps")
         assert "pi0: cap 512.0 MiB; replicated" in err and "alone fits at most" in err
         assert "MLP columns" in err and "vocabulary rows" in err
+        assert "each cap is the node's available memory minus reserve_mb 512 MiB" in err
+    # A reserve that takes all a node has: said so, naming the node and what it has.
+    assert main(["plan", *paths, "--reserve-mb", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert "cap 0.0 MiB" in err and "the reserve takes all of it on pi0 (1,024 MiB available), pi1" in err
 
 
 @pytest.mark.parametrize("kw, other_kw, needle", [
