@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--export-merged", action="store_true",
                    help="LoRA profiles: the run also exports the merged model, so the owner gathers the "
                         "whole model (default: the adapters only)")
-    p.add_argument("--job-id", default="preview", type=id_arg, help="job id written into --json output")
+    p.add_argument("--job-id", default=None, type=id_arg, help="job id written into --json output (default preview)")
     p.add_argument("--json", action="store_true", help="print the protocol Plan message as JSON")
     p.set_defaults(func=run)
 
@@ -59,6 +59,8 @@ def _positive(name: str, value: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.job_id is not None and not args.json:
+        raise ValueError("--job-id names the job in the --json output; without --json it would be ignored")
     _positive("bandwidth-mbps", args.bandwidth_mbps)
     if not (args.latency_ms >= 0 and math.isfinite(args.latency_ms)):
         raise ValueError(f"--latency-ms must be a finite number >= 0, got {args.latency_ms}")
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, seq_len=args.seq_len, export_merged=args.export_merged,
     )
     if args.json:
-        print(plan_message(result, args.job_id).model_dump_json(indent=2))
+        print(plan_message(result, args.job_id or "preview").model_dump_json(indent=2))
     else:
         print(render(result))
     if not result.feasible:

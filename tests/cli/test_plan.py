@@ -161,6 +161,8 @@ def test_bad_options_and_missing_files(tmp_path, capsys):
     assert "--bandwidth-mbps" in capsys.readouterr().err
     assert main(["plan", path, "--reserve-mb", "-5"]) == 2
     assert "--reserve-mb" in capsys.readouterr().err
+    assert main(["plan", path, "--job-id", "j1"]) == 2  # would be ignored without --json
+    assert "--job-id names the job in the --json output" in capsys.readouterr().err
     assert main(["plan", str(tmp_path / "nope.json")]) == 2
     assert "nope.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # zero profiles: argparse refuses (nargs="+")
