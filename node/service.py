@@ -38,6 +38,7 @@ import structlog
 from xronos.node import participation
 from xronos.node.config import NodeConfig, detect_data_host
 from xronos.node.jobcheck import assignment_problem
+from xronos.node.owncaps import OwnCapabilities
 from xronos.protocol import hastate, sdnotify
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import Dispatcher
@@ -78,6 +79,7 @@ class NodeService:
             self.bus, "node.availability", node_id=self.node_id, event="node.availability_offline_while_running",
             hint="another process with this node_id (a copied node.toml?) ran and stopped, or an 'offline' "
                  "was published by hand: every box needs its own node_id; 'online' published again")
+        self.owncaps = OwnCapabilities(self.bus, self.node_id)  # another box under this id (node/owncaps.py)
         self.participate = participation.load(cfg.state_dir, cfg.participate)  # HA's last choice wins
         self.work = ThreadPoolExecutor(1, thread_name_prefix="node-work")
         self.outbox: queue.Queue[Any] = queue.Queue()  # messages the worker thread wants published
@@ -103,6 +105,7 @@ class NodeService:
         self.dispatcher.on("node.control", self._on_control, **own)
         self.dispatcher.on("node.set", self._on_ha_command, **own)  # Home Assistant's switch
         self.availability.register(self.dispatcher)
+        self.owncaps.register(self.dispatcher)
         self.bus.on_connect(self._announce)
         self.bus.start()
         self.work.submit(_warm_up)
@@ -110,6 +113,7 @@ class NodeService:
     def _announce(self) -> None:
         """Runs after every (re)connect: the retained view of this node, afresh."""
         self.availability.announce()
+        self.owncaps.connected()
         self._publish_caps()
         if self.status is not None:
             self.bus.publish_message(self.status, node_id=self.node_id)
@@ -119,7 +123,7 @@ class NodeService:
         from xronos.node.capabilities import probe
 
         self._caps_at = time.monotonic()
-        self.bus.publish_message(probe(self.node_id, self.data_host, self.participate), node_id=self.node_id)
+        self.owncaps.publish(probe(self.node_id, self.data_host, self.participate))
 
     def _publish_ha(self, force: bool = False) -> None:
         """node/<id>/state for Home Assistant, only when something but its timestamp changed."""

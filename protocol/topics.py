@@ -72,8 +72,9 @@ ENTRIES: tuple[TopicEntry, ...] = (
     # The node reads it too: it answers an `offline` left by another process under its id (ownavail).
     TopicEntry("node.availability", "node/{node_id}/availability", m.Availability, "text", True,
                "node → all, itself too (last-will offline)"),
+    # ... and this one: another process announcing under its id is a duplicate node id (owncaps).
     TopicEntry("node.capabilities", "node/{node_id}/capabilities", m.Capabilities, "json", True,
-               "node → gateway, HA"),
+               "node → gateway, HA, itself too"),
     TopicEntry("node.profile_request", "node/{node_id}/profile/request", m.ProfileRequest,
                "msgpack", False, "gateway → node"),
     TopicEntry("node.profile_report", "node/{node_id}/profile/report", m.ProfileReport,

@@ -60,9 +60,10 @@ printf '%s' "$BASE" | grep -Eq '^[A-Za-z0-9_./-]+$' || die "--base '$BASE' is no
 case "$BASE" in /*|*/|*//*) die "--base '$BASE': no leading, trailing or empty levels" ;; esac
 
 # A node's own topics (protocol/topics.py), by direction: node → others, and others → node.
-# availability is in both: the node answers an `offline` left by another process under its name.
+# availability and capabilities are in both: the node answers an `offline` left by another process
+# under its name, and reports another process announcing itself under it (a duplicate node id).
 NODE_WRITES="availability capabilities profile/report ack metrics error inspect/report job state"
-NODE_READS="availability profile/request assignment control inspect/request set"
+NODE_READS="availability capabilities profile/request assignment control inspect/request set"
 
 block() {
     case "$ROLE" in

@@ -136,3 +136,47 @@ def test_the_gateway_answers_an_offline_left_on_its_availability(tmp_path, mqtt_
     finally:
         svc.shutdown()
     assert retained(mqtt_broker, topic) == b"offline"
+
+
+def test_a_node_reports_another_process_announcing_under_its_id(tmp_path, mqtt_broker, base):
+    """Two boxes from one node.toml: each hears the other's capabilities on its own topic. Its own
+    (the echo, and a previous run's retained one at start) are no alarm."""
+    from xronos.protocol import messages as m
+
+    table = TopicTable(base)
+    topic = table.build("node.capabilities", node_id="n0")
+    cfg = NodeConfig(node_id="n0", broker=BrokerSettings(host=mqtt_broker.host, port=mqtt_broker.port),
+                     base_topic=base, state_dir=tmp_path / "state", allowed_dirs=[tmp_path],
+                     data_host="127.0.0.1", threads=1)
+    svc = NodeService(cfg)
+    stale = Watcher(mqtt_broker, topic, "stale")  # a previous run's retained announcement
+    other = m.Capabilities(node_id="n0", hostname="other-box", arch="aarch64", cpu_model="cpu", cores=4,
+                           memory_total=8 << 30, memory_available=6 << 30, torch_version="2.13.0",
+                           data_host="192.0.2.7", participate=True, cpu_temp_c=None, sent_at=1.0)
+    stale.publish_retained(other.model_dump_json().encode())
+    stale.close()
+    errs = Watcher(mqtt_broker, table.build("node.error", node_id="n0"), "errors")
+    try:
+        with capture_logs() as logs:
+            svc.start()
+            drive(svc, lambda: svc.owncaps.confirmed, "the node hears its own capabilities")
+            for _ in range(10):
+                svc.step(0.05)
+            assert errors(logs, "node.duplicate_node_id") == [] and svc.owncaps.seen == 0
+            twin = Watcher(mqtt_broker, topic, "twin")  # the second box announces itself
+            twin.publish_retained(other.model_copy(update={"sent_at": 2.0}).model_dump_json().encode())
+            twin.publish_retained(other.model_copy(update={"sent_at": 3.0}).model_dump_json().encode())
+            twin.close()
+            drive(svc, lambda: svc.owncaps.seen == 2, "both announcements of the other box heard")
+        (err,) = errors(logs, "node.duplicate_node_id")  # once per 10 minutes
+        assert err["other_host"] == "other-box" and err["other_data_host"] == "192.0.2.7"
+        deadline = time.monotonic() + 10
+        reports = []
+        while not reports and time.monotonic() < deadline:
+            svc.step(0.05)
+            reports = [m.ErrorResponse.model_validate_json(p) for p in errs.payloads()]
+        (report,) = [r for r in reports if r.code == "duplicate_node_id"]
+        assert "'other-box'" in report.message and "own node_id" in report.message and report.topic == topic
+    finally:
+        errs.close()
+        svc.shutdown()

@@ -1,0 +1,68 @@
+"""A second process announcing itself under this node's id: detected and reported.
+
+Two boxes provisioned from one node.toml both subscribe to `node/<id>/#`: both take the
+inspections, assignments and controls meant for one node, and would start the same rank twice.
+Each announces its capabilities (retained) under the shared id, so each hears the other's: a
+capabilities message on our own topic that we did not publish — once ours has come back on this
+connection (what the broker hands over on subscribing is our previous run's) — is another process.
+It is logged as an error naming the other host, and reported on `node/<id>/error`
+(`duplicate_node_id`) so the gateway's log shows it too; at most once per `REPORT_EVERY_S`, as the
+other process re-announces every minute.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import structlog
+
+from xronos.protocol import messages as m
+from xronos.protocol.throttle import LogThrottle
+
+log = structlog.get_logger(__name__)
+
+REPORT_EVERY_S = 600.0
+
+
+class OwnCapabilities:
+    def __init__(self, bus: Any, node_id: str) -> None:
+        self.bus, self.node_id = bus, node_id
+        self.topic = bus.table.build("node.capabilities", node_id=node_id)
+        # sent_at of our own recent announcements (the loop and network threads append; deque is safe)
+        self._ours: collections.deque[float] = collections.deque(maxlen=16)
+        self._back = False
+        self.seen = 0  # announcements by another process
+        self._throttle = LogThrottle(limit=1, window_s=REPORT_EVERY_S)
+
+    @property
+    def confirmed(self) -> bool:
+        return self._back
+
+    def register(self, dispatcher: Any) -> None:
+        dispatcher.on("node.capabilities", self._on_message, node_id=self.node_id)
+
+    def connected(self) -> None:
+        """On every (re)connect, before announcing: what arrives before our own is old state."""
+        self._back = False
+
+    def publish(self, caps: m.Capabilities) -> None:
+        self._ours.append(caps.sent_at)  # before it can echo back
+        self.bus.publish_message(caps, node_id=self.node_id)
+
+    def _on_message(self, caps: m.Capabilities, _params: dict[str, str]) -> None:
+        if caps.sent_at in self._ours:
+            self._back = True
+            return
+        if not self._back:
+            return
+        self.seen += 1
+        dropped = self._throttle.admit("duplicate")
+        if dropped is None:
+            return
+        text = (f"another process announces itself as node {self.node_id!r} (host {caps.hostname!r}, data host "
+                f"{caps.data_host!r}): both receive this node's assignments; give every box its own node_id")
+        log.error("node.duplicate_node_id", node=self.node_id, other_host=caps.hostname,
+                  other_data_host=caps.data_host, times=self.seen)
+        self.bus.publish_message(m.ErrorResponse(code="duplicate_node_id", message=text, topic=self.topic),
+                                 node_id=self.node_id)
