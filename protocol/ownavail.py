@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from . import messages as m
+from .throttle import LogThrottle
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +36,7 @@ class OwnAvailability:
         self._back = False
         self._withdrawn = False
         self.reasserted = 0  # times someone else's `offline` was answered with `online`
+        self._throttle = LogThrottle(limit=5, window_s=60.0)
 
     @property
     def confirmed(self) -> bool:
@@ -62,5 +64,7 @@ class OwnAvailability:
         if not self._back or self._withdrawn:
             return
         self.reasserted += 1
-        log.error(self.event, topic=self.topic, times=self.reasserted, hint=self.hint)
+        dropped = self._throttle.admit(self.event)  # someone repeating it must not fill the log
+        if dropped is not None:
+            log.error(self.event, topic=self.topic, times=self.reasserted, hint=self.hint)
         self.bus.publish(self.topic, m.Availability.ONLINE.value, retain=True)
