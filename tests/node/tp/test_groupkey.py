@@ -26,6 +26,8 @@ WORKER = textwrap.dedent("""
         print(json.dumps({"ok": True}))
     except GroupAuthError as exc:
         print(json.dumps({"ok": False, "error": str(exc)}))
+    finally:  # all three are this test's processes: tear down together, or a peer may abort (leave)
+        group.leave()
 """)
 
 
