@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from nodekit import pump
 from test_gateway_glue import NODES, SPEC, T, Harness, announce, report  # noqa: F401  (tests/services)
 from xronos.gateway import jobs as J
 from xronos.gateway.config import GatewayConfig
@@ -268,7 +269,8 @@ def _node(tmp_path, broker, participate=True):
                      data_host="127.0.0.1", threads=1, participate=participate)
     svc = NodeService(cfg, broker.bus("n0", will=(T.build("node.availability", node_id="n0"), "offline", True)))
     svc.start()
-    svc.step(0)
+    # Its own availability and capabilities come back to it first: then it hears what a test sends.
+    pump(svc, until=lambda: svc.availability.confirmed and svc.owncaps.confirmed)
     return svc
 
 

@@ -46,8 +46,8 @@ def node(tmp_path):
     client.subscribe("#")
     client.start()
     svc.start()
-    # Its own `online` comes back to it first: from here on, the node hears only what a test sends.
-    pump(svc, until=lambda: svc.availability.confirmed)
+    # Its own `online` and capabilities come back to it first: then it hears only what a test sends.
+    pump(svc, until=lambda: svc.availability.confirmed and svc.owncaps.confirmed)
     yield svc, client, broker, tmp_path
     svc.work.shutdown(wait=True)
 
