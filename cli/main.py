@@ -21,6 +21,10 @@ PLUGINS = "xronos.commands"  # entry point group: commands installed by other pa
 # Services log JSON lines for the journal (they configure that themselves). The client commands
 # talk to a person: their own output on stdout, and only library warnings, as plain text, on stderr.
 CLIENTS = ("job", "nodes", "demo", "profile")
+# Options whose value may begin with '-' (a negative count or step: `--units -2,10,4`). argparse
+# takes such a value for an unknown flag and says only "expected one argument"; joined as
+# `--units=-2,10,4` it reaches the command's own check, which names the flag and the number.
+DASH_VALUES = ("--units", "--layout", "--cpu-shares", "--reshard-at")
 
 
 def version() -> str:
@@ -96,9 +100,28 @@ def plugins() -> dict[str, str]:
     return {ep.name: ep.value for ep in entry_points(group=PLUGINS)}
 
 
+def join_dash_values(argv: list[str]) -> list[str]:
+    """`OPT VALUE` as `OPT=VALUE` for the DASH_VALUES options when VALUE starts with a single '-'
+    (not another long option, not -h); nothing after `--` is touched."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return out + argv[i:]
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if arg in DASH_VALUES and nxt.startswith("-") and not nxt.startswith("--") and nxt != "-h":
+            out.append(f"{arg}={nxt}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_dash_values(sys.argv[1:] if argv is None else list(argv)))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

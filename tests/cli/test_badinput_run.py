@@ -142,3 +142,21 @@ def test_plan_refuses_a_bad_job_id_before_planning(capsys):
     assert err[-1] == ("xronos plan: error: argument --job-id: must be [A-Za-z0-9_][A-Za-z0-9_.-]* (a topic level "
                        "and a file name), got 'bad id!'")
     assert not any("validation error" in line or "pydantic" in line for line in err)
+
+
+@pytest.mark.parametrize("units, flags, message", [
+    # argparse took a value starting with '-' for a flag: "argument --units: expected one argument".
+    ((-2, 10, 4), [], "--units [-2, 10, 4] has negative entries [-2]"),
+    ((6, 6), ["--layout", "attn=6,6;mlp=64,36;vocab=32,5", "--reshard-at", "-1:attn=6,6;mlp=64,36;vocab=32,5"],
+     "--reshard-at: expected STEP:attn=..;mlp=..;vocab=.. with STEP a step number"),
+])
+def test_a_value_starting_with_a_minus_reaches_our_own_check(good, tmp_path, capsys, nothing_starts, units, flags,
+                                                            message):
+    model, data = good
+    argv = runkit.run_argv(model, data, "classify", units, tmp_path / "out")
+    assert argv[argv.index("--units") + 1] == ",".join(map(str, units))  # space-separated, not --units=...
+    if flags:
+        i = argv.index("--units")
+        argv[i:i + 2] = flags
+    assert main(argv) == 2
+    assert message in _error(capsys)
