@@ -12,10 +12,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xronos.protocol import messages as m
 from xronos.protocol.codec import DecodeError, decode
+from xronos.protocol.configfile import TopicPrefix
 from xronos.protocol.errtext import problems
 from xronos.protocol.specfile import load_spec  # noqa: F401  (re-exported: the CLI's spec files)
 from xronos.protocol.topics import TopicTable
@@ -36,6 +37,14 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the gateway (default %(default)g)")
 
 
+class _BrokerPart(BaseModel):
+    """What a client command takes from a gateway or node config; the rest is the service's."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+    broker: BrokerSettings = Field(default_factory=BrokerSettings)
+    base_topic: TopicPrefix = "xronos"
+
+
 def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
     """Broker settings from --config's [broker] and the command line (which wins).
 
@@ -44,14 +53,14 @@ def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
     file (the config's directory, `mqtt_password`) when it can read it, and says so when not,
     instead of connecting without a password and being refused.
     """
-    from xronos.protocol.configfile import credential_password_file, read_toml
+    from xronos.protocol.configfile import credential_password_file, read_toml, validate_config
 
     fields: dict[str, Any] = {}
     base = "xronos"
-    if args.config:
-        doc = read_toml(args.config)
-        fields = dict(doc.get("broker", {}))
-        base = doc.get("base_topic", base)
+    if args.config:  # refused as the services refuse it: file, key and reason
+        part = validate_config(_BrokerPart, read_toml(args.config), args.config)
+        fields = part.broker.model_dump(exclude_unset=True)
+        base = part.base_topic
     for opt, key in (("host", "host"), ("port", "port"), ("username", "username"), ("password_file", "password_file")):
         if getattr(args, opt) is not None:
             fields[key] = getattr(args, opt)

@@ -1,0 +1,55 @@
+"""The client commands' broker options (`xronos nodes`, `xronos job ...` with --config): a bad
+[broker] or base_topic in the config is refused like the services refuse it, in one line naming the
+file, the key and the reason, before anything connects."""
+
+from __future__ import annotations
+
+import pytest
+
+from xronos.cli.main import main
+
+
+@pytest.fixture
+def nothing_connects(monkeypatch):
+    def refuse(*a, **kw):
+        raise AssertionError("connected to a broker with a config that should have been refused")
+
+    monkeypatch.setattr("xronos.cli.mqttclient.GatewayClient.__init__", refuse)
+
+
+@pytest.mark.parametrize("body, message", [
+    ('[broker]\nport = "abc"\n', "broker.port: Input should be a valid integer, unable to parse string as an integer "
+                                 "(got 'abc')"),
+    ('[broker]\nhost = "10.0.0.2"\nbogus = 1\n', "broker.bogus: unknown key"),
+    ("[broker]\nport = 70000\n", "broker.port: Input should be less than 65536 (got 70000)"),
+    ('[broker]\npassword = "s3cret"\n', "broker.password: secrets are not accepted in a config file"),
+    ("broker = 5\n", "broker: Input should be a valid dictionary"),
+    ("base_topic = 5\n", "base_topic: Input should be a valid string (got 5)"),
+    ('base_topic = "a/+/b"\n', "base_topic: 'a/+/b' is not a usable topic prefix"),
+])
+@pytest.mark.parametrize("command", [["nodes"], ["job", "status"], ["job", "cancel", "j1"]])
+def test_bad_broker_config_is_refused_naming_file_key_and_reason(tmp_path, capsys, nothing_connects, body, message,
+                                                                 command):
+    conf = tmp_path / "gateway.toml"
+    conf.write_text(body)
+    assert main([*command, "--config", str(conf), "--timeout", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"xronos {command[0]}: error: {conf}: {message}"), err
+    assert "s3cret" not in err[0]
+
+
+def test_config_keys_of_the_service_are_not_the_clients_business(tmp_path, monkeypatch):
+    # A whole gateway or node config is a good --config: only [broker] and base_topic are read.
+    seen = {}
+
+    def fake(self, settings, base="xronos"):
+        seen.update(settings=settings, base=base)
+        raise TimeoutError("stop here")
+
+    monkeypatch.setattr("xronos.cli.mqttclient.GatewayClient.__init__", fake)
+    conf = tmp_path / "node.toml"
+    conf.write_text('node_id = "n1"\nthreads = 4\nbase_topic = "lab"\n[broker]\nhost = "10.0.0.2"\nport = 1884\n'
+                    "[homeassistant]\nenabled = false\n")
+    with pytest.raises(TimeoutError):
+        main(["nodes", "--config", str(conf), "--port", "1885"])
+    assert (seen["settings"].host, seen["settings"].port, seen["base"]) == ("10.0.0.2", 1885, "lab")
