@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from xronos.node.tp.lora import TRAINED_HEADS, LoraSettings
 
-from .export import TOKENIZER_FILES, fresh_target, save_hf_dir
+from .export import copy_tokenizer, save_hf_dir
+from .stage import staged
 from .registry import family_for
 
 PEFT_PREFIX = "base_model.model."
@@ -65,22 +66,16 @@ def peft_config(config: dict[str, Any], task: str, settings: LoraSettings, modul
 def save_adapter_dir(out_dir: str | Path, config: dict[str, Any], task: str, state: Mapping[str, torch.Tensor],
                      settings: LoraSettings, modules: list[str], model_dir: str | Path | None = None) -> Path:
     """adapter_config.json + adapter_model.safetensors (+ the tokenizer files), as peft writes them."""
-    import shutil
-
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = adapter_state(state, task)
     if not any(is_lora_key(k) for k in tensors):
         raise ValueError("no LoRA tensors in the state to export")
-    fresh_target(out / "adapter_config.json")
-    peft_config(config, task, settings, modules, str(model_dir) if model_dir else None).save_pretrained(str(out))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(fresh_target(out / ADAPTER_FILE)),
-              metadata={"format": "pt"})
-    if model_dir is not None:
-        src = Path(model_dir)
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file() and src.resolve() != out.resolve():
-                shutil.copy2(src / name, fresh_target(out / name))
+    with staged(out) as stage:  # never through a link left in the export directory (stage.py)
+        peft_config(config, task, settings, modules, str(model_dir) if model_dir else None).save_pretrained(str(stage))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(stage / ADAPTER_FILE),
+                  metadata={"format": "pt"})
+        if model_dir is not None:
+            copy_tokenizer(Path(model_dir), stage)
     return out
 
 

@@ -21,6 +21,7 @@ from xronos.node.tp.layout import ShardLayout
 
 from .common import num_labels
 from .specs import TensorSpec
+from .stage import staged
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model", "spiece.model",
@@ -87,14 +88,6 @@ def gather_full(source: nn.Module | Mapping[str, torch.Tensor], specs: Mapping[s
     return out
 
 
-def fresh_target(path: Path) -> Path:
-    """`path`, with a symlink there removed first: an export writes its own files, never through a
-    link someone left in the export directory (to another job's checkpoint, the node's state)."""
-    if path.is_symlink():
-        path.unlink()
-    return path
-
-
 def save_hf_dir(out_dir: str | Path, config: dict[str, Any], task: str,
                 state: Mapping[str, torch.Tensor], tokenizer_src_dir: str | Path | None = None) -> Path:
     """Write config.json (architectures = the task's HF class), model.safetensors and the tokenizer
@@ -103,7 +96,6 @@ def save_hf_dir(out_dir: str | Path, config: dict[str, Any], task: str,
     from .registry import family_for
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     family = family_for(config)
     cfg = dict(config)
     cfg["architectures"] = [family.hf_class(task)]
@@ -117,12 +109,17 @@ def save_hf_dir(out_dir: str | Path, config: dict[str, Any], task: str,
     if len(dtypes) == 1:
         cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
         cfg.pop("torch_dtype", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(fresh_target(out / "model.safetensors")),
-              metadata={"format": "pt"})
-    fresh_target(out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    if tokenizer_src_dir is not None:
-        src = Path(tokenizer_src_dir)
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file() and src.resolve() != out.resolve():
-                shutil.copy2(src / name, fresh_target(out / name))
+    with staged(out) as stage:  # never through a link left in the export directory (stage.py)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(stage / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (stage / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        if tokenizer_src_dir is not None:
+            copy_tokenizer(Path(tokenizer_src_dir), stage)
     return out
+
+
+def copy_tokenizer(src: Path, stage: Path) -> None:
+    """The tokenizer files the model directory has (the export loads with no other directory)."""
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, stage / name)

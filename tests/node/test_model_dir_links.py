@@ -60,3 +60,44 @@ def test_an_oversized_config_json_is_refused_before_it_is_read(tmp_path):
         f.truncate(MAX_CONFIG_BYTES + 1)
     with pytest.raises(ValueError, match=f"config.json is {MAX_CONFIG_BYTES + 1} bytes; .* at most"):
         read_config(tmp_path)
+
+
+def test_a_link_planted_while_the_export_is_written_is_replaced_not_followed(tmp_path):
+    from xronos.node.models.stage import staged
+
+    victim, out = tmp_path / "victim.json", tmp_path / "out"
+    victim.write_text("keep")
+    with staged(out) as stage:
+        (stage / "config.json").write_text("new")
+        os.symlink(victim, out / "config.json")  # after any check an exporter could make
+    assert victim.read_text() == "keep"
+    assert not (out / "config.json").is_symlink() and (out / "config.json").read_text() == "new"
+    assert os.listdir(out) == ["config.json"]
+
+
+def test_swapping_the_private_directory_does_not_redirect_the_writes(tmp_path):
+    from xronos.node.models.stage import STAGE_PREFIX, staged
+
+    victim, out = tmp_path / "victim", tmp_path / "out"
+    victim.write_text("keep")
+    with staged(out) as stage:
+        name = next(n for n in os.listdir(out) if n.startswith(STAGE_PREFIX))
+        assert (out / name).stat().st_mode & 0o777 == 0o700
+        os.rename(out / name, out / "moved")  # an attacker with write access to `out`
+        (out / name).mkdir()
+        os.symlink(victim, out / name / "model.safetensors")
+        (stage / "model.safetensors").write_text("weights")
+    assert victim.read_text() == "keep" and (out / "model.safetensors").read_text() == "weights"
+
+
+def test_a_failed_export_moves_nothing_and_leaves_no_private_directory(tmp_path):
+    from xronos.node.models.stage import staged
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    with pytest.raises(RuntimeError):
+        with staged(out) as stage:
+            (stage / "config.json").write_text("half")
+            raise RuntimeError("disk full")
+    assert os.listdir(out) == ["config.json"] and (out / "config.json").read_text() == "old"
