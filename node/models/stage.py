@@ -7,7 +7,9 @@ written in a fresh private directory (0700, made inside the export directory so 
 a rename on one file system) that is reached only through a descriptor, never through its name,
 and then renamed into place: a rename replaces whatever entry is there, link or file, and never
 follows it. A reader also never sees a half-written file, and after a power cut either the old file
-or the new one is there (each file and the directory are synced). Linux: the private directory is
+or the new one is there (each file and the directory are synced); a process killed while writing
+leaves its private directory (`.xronos-stage-*`, safe to delete), never half a file in place.
+Linux: the private directory is
 handed to the libraries that write (safetensors, peft) as its /proc/self/fd path.
 """
 
