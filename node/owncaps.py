@@ -60,8 +60,10 @@ class OwnCapabilities:
         dropped = self._throttle.admit("duplicate")
         if dropped is None:
             return
-        text = (f"another process announces itself as node {self.node_id!r} (host {caps.hostname!r}, data host "
-                f"{caps.data_host!r}): both receive this node's assignments; give every box its own node_id")
+        # Host names shown cut short: 255 characters each, escaped by repr (up to 10 each), would
+        # overflow the report's 4096 and the report would be refused in place of being sent.
+        text = (f"another process announces itself as node {self.node_id!r} (host {caps.hostname[:64]!r}, data "
+                f"host {caps.data_host[:64]!r}): both receive this node's assignments; give every box its own node_id")
         log.error("node.duplicate_node_id", node=self.node_id, other_host=caps.hostname,
                   other_data_host=caps.data_host, times=self.seen)
         self.bus.publish_message(m.ErrorResponse(code="duplicate_node_id", message=text, topic=self.topic),

@@ -8,6 +8,12 @@ messages (duplicated and out of order), and claims in other nodes' or other rank
 plays three fake nodes that answer the gateway's requests — correctly, late, twice, or wrongly —
 so that jobs owned by them travel the whole state machine under fire.
 
+It also speaks on the services' own retained topics, which each service now listens to
+(protocol/ownavail.py, node/owncaps.py): anything on the gateway's availability (an `offline` it
+must answer with `online`), and, on the real node's capabilities, schema-valid announcements of an
+impostor (another box under its id) with the longest and oddest host names the schema admits, and
+replays of the node's own.
+
 What it never sends are messages that the example ACL reserves to the gateway or to the real node
 and that are *valid* orders for the real job (its assignment, a start/cancel of its plan, a
 pause/cancel request for it): those are authority, not hostility; the ACL test covers who may
@@ -41,6 +47,8 @@ FLOATS = [math.nan, math.inf, -math.inf, 1e308, -1e308, 5e-324, -0.0, 1e-300, 1e
 STRS = ["", "x" * 100_000, "../../../etc/passwd", "a/b", "+", "#", "\0", "é" * 3000, "\U0001F600", " ", "..",
         "n0", "n1", "a" * 129, "online", "{}", "\u202e"]
 JSON_STRS = ["\ud800", "a\udfffb", "\udbff\udc00x\ud800"]  # lone surrogates: JSON can carry them
+# Host names the schema admits (Host: up to 255 characters of valid Unicode), the longest in print first.
+HOSTS = ["\U000e0001" * 255, "\u202e" * 255, "\0" * 255, "é" * 255, "x" * 255, "", " ", "n0", "127.0.0.1", "::1"]
 OTHER: list[Any] = [None, True, False, [], {}, [1, 2], {"a": 1}, [[[[[]]]]], {"schema_version": 1}]
 
 
@@ -71,6 +79,9 @@ class Fuzzer:
         self.todo: list[tuple[str, bytes, bool]] = []  # fake nodes' answers, sent with the next batch
         self.fake_jobs: dict[str, dict[str, Any]] = {}  # job id -> what the fake nodes know of it
         self.answers: Counter[str] = Counter()  # the gateway's answers to the fuzzer's submits and previews
+        self.own_caps: m.Capabilities | None = None  # the real node's latest announcement, as heard
+        self.forged: set[bytes] = set()  # our impostor announcements on its topic (not the node's own)
+        self.impostor_reports = 0  # the real node's duplicate_node_id reports (node/owncaps.py)
         self.templates = self._templates()
 
     # --- templates: one valid message per topic (or a tuple of shapes), in this deployment's names ---
@@ -192,7 +203,9 @@ class Fuzzer:
 
     def one(self) -> tuple[str, bytes, bool]:
         """One hostile (topic, payload, retain)."""
-        subscribed = [e for e in ENTRIES if e.key not in ("gateway.response", "job.state", "gateway.availability")]
+        subscribed = [e for e in ENTRIES if e.key not in ("gateway.response", "job.state")]
+        if self.own_caps is not None and self.rng.random() < 0.02:
+            return self.impostor()
         if self.rng.random() < 0.06:
             ha = self.rng.choice([f"{self.base}/gateway/set", "homeassistant/status", f"{self.base}/node/{self.real_node}/set"])
             payload = self.rng.choice([b"online", b"offline", b'{"action": "explode"}', b'{"participate": "yes"}',
@@ -239,6 +252,29 @@ class Fuzzer:
         self.counts[entry.key] += 1
         return topic, payload, self.rng.random() < 0.05
 
+    def impostor(self) -> tuple[str, bytes, bool]:
+        """A schema-valid announcement on the real node's capabilities topic that the node did not
+        make: another box under its id (odd, maximal host names; timestamps at the schema's ends) or
+        a replay of its own. Its capacity and participation are left as the node said them: this is
+        a duplicate box, not an order to plan differently. The first one is the worst case, since
+        the node reports an impostor at most once per 10 minutes."""
+        assert self.own_caps is not None
+        topic = self.table.build("node.capabilities", node_id=self.real_node)
+        if self.forged and self.rng.random() < 0.2:
+            msg = self.own_caps  # its own words again
+        else:
+            hosts = HOSTS if self.forged else [HOSTS[0]]
+            msg = self.own_caps.model_copy(update={
+                "hostname": self.rng.choice(hosts), "data_host": self.rng.choice(hosts),
+                "cpu_model": self.rng.choice(hosts), "torch_version": self.rng.choice([None, "\u202e" * 256]),
+                "cpu_temp_c": self.rng.choice([None, -273.15, 1000.0, -0.0]),
+                "sent_at": self.rng.choice([0.0, 5e-324, 1e11, self.own_caps.sent_at + 1e-6])})
+            m.Capabilities.model_validate(msg.model_dump())  # schema-valid: it reaches the handlers
+        payload = msg.model_dump_json().encode()
+        self.forged.add(payload)
+        self.counts["node.capabilities (own, valid)"] += 1
+        return topic, payload, self.rng.random() < 0.1
+
     # --- claims about the real job, in other nodes' names -----------------------------------
     def claims(self, job_id: str, version: int) -> list[tuple[str, bytes, bool]]:
         out = []
@@ -278,6 +314,18 @@ class Fuzzer:
             self.answers[f"{params['name']}: {why}"] += 1
             return
         node = params.get("node_id")
+        if node == self.real_node and entry.key == "node.capabilities" and payload not in self.forged:
+            try:
+                self.own_caps = decode(topic, payload, table=self.table)
+            except DecodeError:  # one of the fuzz's own invalid payloads
+                pass
+            return
+        if node == self.real_node and entry.key == "node.error":
+            try:
+                self.impostor_reports += decode(topic, payload, table=self.table).code == "duplicate_node_id"
+            except DecodeError:
+                pass
+            return
         if node == self.real_node and entry.key in ("node.ack", "node.metrics", "node.job", "node.profile_report",
                                                     "node.inspect_report") and len(self.seen) < 500:
             self.seen.append((topic, payload))

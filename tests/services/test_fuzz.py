@@ -6,8 +6,9 @@ trains; then both are restarted over retained poison. Bounded: a seeded generato
 Passes when: no service process died, both restarted and came up, every normal request (a
 barrier after each batch, to the gateway and to the node) was answered, no unexpected exception
 was caught by a guard (the services log those as `*.internal_error`/`dispatch.handler_error`),
-the real job completed exactly once and is still there, exactly once, after the restart, and no
-retained command was acted on after it. The figures (payloads per topic, refusals per reason)
+the real job completed exactly once and is still there, exactly once, after the restart, no
+retained command was acted on after it, and the node reported the impostor the fuzz played on its
+capabilities topic. The figures (payloads per topic, refusals per reason)
 are printed and written to the test's tmp dir as fuzz-report.json.
 """
 
@@ -225,6 +226,7 @@ def test_fuzz_the_gateway_and_a_node(tmp_path):
         report.update(
             payloads=fuzzer.total, per_topic=dict(sorted(fuzzer.counts.items())),
             fake_node_jobs={"answers": dict(sorted(fuzzer.answers.items())), "assigned": len(fuzzer.fake_jobs)},
+            impostor_reports=fuzzer.impostor_reports,
             crashes=0, restart_failures=0, runtime_s=round(time.monotonic() - t_start, 1),
             jobs_before_restart=before, jobs_after_restart=after,
             gateway_refusals={k: v for k, v in gw.items() if k.startswith("bad_input:")},
@@ -236,6 +238,8 @@ def test_fuzz_the_gateway_and_a_node(tmp_path):
         (tmp_path / "fuzz-report.json").write_text(json.dumps(report, indent=1))
         print("\nfuzz report:", json.dumps(report, indent=1))
         assert fuzzer.total >= PAYLOADS
+        # The impostor on the node's capabilities was reported (once: at most one per 10 minutes).
+        assert fuzzer.counts["node.capabilities (own, valid)"] > 0 and fuzzer.impostor_reports >= 1, stack.logs()
         assert report["internal_errors"] == {"gateway": {}, "node": {}}, stack.logs()
     finally:
         client.close()

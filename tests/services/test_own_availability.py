@@ -138,7 +138,13 @@ def test_the_gateway_answers_an_offline_left_on_its_availability(tmp_path, mqtt_
     assert retained(mqtt_broker, topic) == b"offline"
 
 
-def test_a_node_reports_another_process_announcing_under_its_id(tmp_path, mqtt_broker, base):
+@pytest.mark.parametrize("host, data_host", [
+    ("other-box", "192.0.2.7"),
+    # The longest names the schema admits, each character escaped in print: the report was refused
+    # (its message over 4096 characters) in place of being sent (found by the fuzzer).
+    ("\U000e0001" * 255, "\U000e0002" * 255),
+])
+def test_a_node_reports_another_process_announcing_under_its_id(tmp_path, mqtt_broker, base, host, data_host):
     """Two boxes from one node.toml: each hears the other's capabilities on its own topic. Its own
     (the echo, and a previous run's retained one at start) are no alarm."""
     from xronos.protocol import messages as m
@@ -150,9 +156,9 @@ def test_a_node_reports_another_process_announcing_under_its_id(tmp_path, mqtt_b
                      data_host="127.0.0.1", threads=1)
     svc = NodeService(cfg)
     stale = Watcher(mqtt_broker, topic, "stale")  # a previous run's retained announcement
-    other = m.Capabilities(node_id="n0", hostname="other-box", arch="aarch64", cpu_model="cpu", cores=4,
+    other = m.Capabilities(node_id="n0", hostname=host, arch="aarch64", cpu_model="cpu", cores=4,
                            memory_total=8 << 30, memory_available=6 << 30, torch_version="2.13.0",
-                           data_host="192.0.2.7", participate=True, cpu_temp_c=None, sent_at=1.0)
+                           data_host=data_host, participate=True, cpu_temp_c=None, sent_at=1.0)
     stale.publish_retained(other.model_dump_json().encode())
     stale.close()
     errs = Watcher(mqtt_broker, table.build("node.error", node_id="n0"), "errors")
@@ -169,14 +175,14 @@ def test_a_node_reports_another_process_announcing_under_its_id(tmp_path, mqtt_b
             twin.close()
             drive(svc, lambda: svc.owncaps.seen == 2, "both announcements of the other box heard")
         (err,) = errors(logs, "node.duplicate_node_id")  # once per 10 minutes
-        assert err["other_host"] == "other-box" and err["other_data_host"] == "192.0.2.7"
+        assert err["other_host"] == host and err["other_data_host"] == data_host
         deadline = time.monotonic() + 10
         reports = []
         while not reports and time.monotonic() < deadline:
             svc.step(0.05)
             reports = [m.ErrorResponse.model_validate_json(p) for p in errs.payloads()]
         (report,) = [r for r in reports if r.code == "duplicate_node_id"]
-        assert "'other-box'" in report.message and "own node_id" in report.message and report.topic == topic
+        assert repr(host[:64]) in report.message and "own node_id" in report.message and report.topic == topic
     finally:
         errs.close()
         svc.shutdown()
