@@ -4,7 +4,8 @@ One control loop: bus messages become events of the job state machine (`jobs.han
 plans); the effects it returns are carried out here, as the messages `effects` makes of them (an
 inspection or profile request, assignments, controls, a re-shard order, a request's answer);
 every change is persisted (`store`) and published as the job's retained JobState (and Home
-Assistant's state). Time is a `Tick` each turn of the loop.
+Assistant's state). Time is a `Tick` each turn of the loop. The handlers of the nodes' topics are
+in `nodetopics` (a mixin of the service).
 
 No message can break the service: every turn of the loop is guarded part by part (the message's
 dispatch, each job's tick, each effect, each publish, the save), and an unexpected error in one
@@ -21,7 +22,6 @@ they completed, failed or lost a node meanwhile (then it recovers from the last 
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -37,8 +37,8 @@ from xronos.gateway.config import GatewayConfig
 from xronos.gateway.effects import messages as effect_messages
 from xronos.gateway.jobrebal import Rebalancers
 from xronos.gateway.jobviews import current, milestone, nodes_of, summary
+from xronos.gateway.nodetopics import NodeTopics
 from xronos.gateway.planning import plan_job
-from xronos.gateway.profiles import refused_request_id, screen_report
 from xronos.gateway.rebalance import PolicyConfig
 from xronos.gateway.progress import state_view
 from xronos.gateway.store import JobStore
@@ -58,7 +58,7 @@ def _reason(what: str, exc: BaseException) -> str:
     return f"internal error {what}: {type(exc).__name__}: {exc}"[:300]
 
 
-class GatewayService:
+class GatewayService(NodeTopics):
     def __init__(self, cfg: GatewayConfig, bus: BusBase | None = None,
                  timeouts: J.Timeouts | None = None, policy: PolicyConfig | None = None) -> None:
         self.cfg = cfg
@@ -297,100 +297,6 @@ class GatewayService:
         ports = (self.cfg.rendezvous_port_min, self.cfg.rendezvous_port_max)
         for msg, params in effect_messages(e, job, self.reg, ports):
             self.bus.publish_message(msg, **params)
-
-    # --- node topics ---------------------------------------------------------------------------
-    @staticmethod
-    def _same_node(claimed: str, params: dict[str, str]) -> None:
-        if claimed != params["node_id"]:  # only the node itself may speak under its topics
-            raise ValueError(f"payload claims node {claimed!r} on node {params['node_id']!r}'s topic: ignored")
-
-    def _to_jobs(self, event: J.Event) -> None:
-        for job_id, job in list(self.jobs.items()) + list(self.previews.items()):
-            if job.phase not in J.TERMINAL:
-                self._event(job_id, event)
-
-    def _on_availability(self, msg: m.Availability, params: dict[str, str]) -> None:
-        node = params["node_id"]
-        before = R.usable(self.reg)
-        self.reg, change = R.on_availability(self.reg, node, msg == m.Availability.ONLINE, time.time())
-        if node not in self.reg:
-            log.warning("gateway.registry_full", node=node, known=len(self.reg),
-                        hint="every known node is online: this one is not recorded")
-        if change == "down":
-            self._to_jobs(J.NodeDown(node))
-        self._newly_usable(before)
-
-    def _availability_cleared(self, params: dict[str, str]) -> None:
-        """A node's retained availability removed (an operator cleaning the broker of what a flood or
-        a buggy fleet left): a node that never announced its capabilities is forgotten. One that did
-        stays as it is: a cleared retained message says nothing about whether the node runs (its
-        last will does)."""
-        node = params["node_id"]
-        info = self.reg.get(node)
-        if info is not None and info.capabilities is None:
-            self.reg = {k: v for k, v in self.reg.items() if k != node}
-
-    def _newly_usable(self, before: frozenset[str]) -> None:
-        for node in sorted(R.usable(self.reg) - before):
-            self._to_jobs(J.NodeUp(node))
-
-    def _on_caps(self, msg: m.Capabilities, params: dict[str, str]) -> None:
-        self._same_node(msg.node_id, params)
-        before = R.usable(self.reg)
-        known = msg.node_id in self.reg and self.reg[msg.node_id].capabilities is not None
-        self.reg = R.on_capabilities(self.reg, msg, time.time())
-        if self.ha is not None and not known and msg.node_id in self.reg:
-            topic, payload = ha.node_discovery(self.ha, msg)
-            self.bus.publish(topic, json.dumps(payload), retain=True)
-        self._newly_usable(before)
-
-    def _on_profile(self, msg: m.ProfileReport, params: dict[str, str]) -> None:
-        self._same_node(msg.node_id, params)
-        self._event(msg.job_id, J.Profiled(msg.node_id, msg.request_id, *screen_report(msg)))  # bad: node left out
-
-    def _on_node_error(self, msg: m.ErrorResponse, params: dict[str, str]) -> None:
-        self.dispatcher.warn_throttled("node reported an error", ("node.error", params["node_id"], msg.code),
-                                       node=params["node_id"], code=msg.code, message=msg.message[:500])
-        if msg.code == "profile_failed":  # "<request id>: <reason>"
-            rid, _, text = msg.message.partition(": ")
-            self._profile_refused(text, params, rid)
-
-    def _profile_refused(self, text: str, params: dict[str, str], rid: bytes | str) -> None:
-        rid = rid if isinstance(rid, str) else refused_request_id(rid) or ""  # a refused report: read from it
-        if rid.rpartition(".")[0]:  # request ids are "<job id>.<seq>"; the job checks it asked this very node
-            self._event(rid.rpartition(".")[0], J.Profiled(params["node_id"], rid, None, text[:500]))
-
-    def _on_inspect(self, msg: m.InspectReport, params: dict[str, str]) -> None:
-        self._same_node(msg.node_id, params)
-        self._event(msg.job_id, J.Inspected(msg))
-
-    def _on_ack(self, msg: m.AssignmentAck, params: dict[str, str]) -> None:
-        self._same_node(msg.node_id, params)
-        self._event(msg.job_id, J.Acked(msg.node_id, msg.plan_version, msg.accepted, msg.reason))
-
-    def _on_metrics(self, msg: m.IterationMetrics, params: dict[str, str]) -> None:
-        self._same_node(msg.node_id, params)
-        self._event(msg.job_id, J.Metrics(msg))
-        self._rebalance(msg)
-
-    def _rebalance(self, x: m.IterationMetrics) -> None:
-        """Feed the job's re-balancing policy; its decision goes through the state machine
-        (`J.Rebalanced`), which orders the re-shard."""
-        try:
-            decision = self.rebal.observe(self.jobs.get(x.job_id), x)
-        except ValueError as exc:  # e.g. a node without a profile: the job runs on, unbalanced
-            log.warning("gateway.rebalance_off", job=x.job_id, reason=str(exc)[:300])
-            return
-        except Exception as exc:  # the policy broke: this plan version goes on without it
-            self._internal("rebalance", x.job_id, exc)
-            return
-        if decision is not None:
-            self._event(x.job_id, decision)
-
-    def _on_node_job(self, msg: m.NodeJobStatus, params: dict[str, str]) -> None:
-        self._same_node(msg.node_id, params)
-        self._event(msg.job_id, J.Status(msg))
-        self.rebal.moved(msg)
 
     # --- requests ------------------------------------------------------------------------------
     def _new_id(self, name: str) -> str:
