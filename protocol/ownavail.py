@@ -9,7 +9,9 @@ next reconnects. So the service listens to its own availability topic and says `
 
 The value the broker delivers on subscribing is state from before this connection (usually our
 own last will from the previous one): it is not news. Only once our own `online` has come back on
-this connection is a later `offline` someone else's doing.
+this connection is a later `offline` someone else's doing. So is anything else that replaces our
+`online` there: a payload that is neither value (Home Assistant reads it as "not available" too)
+and an empty retained one (our state removed from the broker).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ log = structlog.get_logger(__name__)
 
 class OwnAvailability:
     """Publishes `online` on every connect, `offline` on a clean stop, and re-asserts `online` when
-    another publisher says `offline` in between. `event` and `hint` word the error that is logged."""
+    another publisher replaces it in between. `event` and `hint` word the error that is logged."""
 
     def __init__(self, bus: Any, key: str, *, event: str, hint: str, **params: str) -> None:
         self.bus, self.key, self.params = bus, key, params
@@ -35,7 +37,7 @@ class OwnAvailability:
         # The network thread resets it on connect; the loop thread sets it when our `online` arrives.
         self._back = False
         self._withdrawn = False
-        self.reasserted = 0  # times someone else's `offline` was answered with `online`
+        self.reasserted = 0  # times someone else's value was answered with `online`
         self._throttle = LogThrottle(limit=5, window_s=60.0)
 
     @property
@@ -44,7 +46,9 @@ class OwnAvailability:
         return self._back
 
     def register(self, dispatcher: Any) -> None:
-        dispatcher.on(self.key, self._on_message, **self.params)
+        dispatcher.on(self.key, self._on_message, **self.params,
+                      on_refused=lambda _text, _params, _payload: self._reassert("unreadable"),
+                      on_cleared=lambda _params: self._reassert("cleared"))
 
     def announce(self) -> None:
         """On every (re)connect: what arrives on the topic before our own `online` is old state."""
@@ -61,10 +65,14 @@ class OwnAvailability:
         if msg == m.Availability.ONLINE:
             self._back = True
             return
+        self._reassert("offline")
+
+    def _reassert(self, found: str) -> None:
+        """Someone else's value (`found`: offline, unreadable or cleared) replaced our `online`."""
         if not self._back or self._withdrawn:
-            return
+            return  # old state (our `online` overwrites it), or our own stop
         self.reasserted += 1
         dropped = self._throttle.admit(self.event)  # someone repeating it must not fill the log
         if dropped is not None:
-            log.error(self.event, topic=self.topic, times=self.reasserted, hint=self.hint)
+            log.error(self.event, topic=self.topic, found=found, times=self.reasserted, hint=self.hint)
         self.bus.publish(self.topic, m.Availability.ONLINE.value, retain=True)

@@ -186,3 +186,36 @@ def test_a_node_reports_another_process_announcing_under_its_id(tmp_path, mqtt_b
     finally:
         errs.close()
         svc.shutdown()
+
+
+@pytest.mark.parametrize("who", ["node", "gateway"])
+def test_junk_or_an_emptied_availability_is_answered_too(tmp_path, mqtt_broker, base, who):
+    """Anything that replaces the running service's `online` — a payload that is neither value (Home
+    Assistant reads it as unavailable too) or an empty retained one (the state removed) — gets
+    `online` back; it used to be refused as bad input and left standing."""
+    settings = BrokerSettings(host=mqtt_broker.host, port=mqtt_broker.port)
+    if who == "node":
+        svc: Any = NodeService(NodeConfig(node_id="n0", broker=settings, base_topic=base, state_dir=tmp_path / "state",
+                                          allowed_dirs=[tmp_path], data_host="127.0.0.1", threads=1))
+        topic, event = TopicTable(base).build("node.availability", node_id="n0"), "node.availability_offline_while_running"
+    else:
+        svc = GatewayService(GatewayConfig(broker=settings, base_topic=base, state_dir=tmp_path / "gw"))
+        topic, event = TopicTable(base).build("gateway.availability"), "gateway.availability_offline_while_running"
+    watcher = Watcher(mqtt_broker, topic, "watcher")
+    try:
+        with capture_logs() as logs:
+            svc.start()
+            drive(svc, lambda: svc.availability.confirmed, "the service hears its own online")
+            for n, payload in enumerate((b"\xff\x00 not a state", b""), start=1):
+                watcher.payloads()
+                other = Watcher(mqtt_broker, topic, "other")
+                other.publish_retained(payload)
+                other.close()
+                seen: list[bytes] = []
+                drive(svc, lambda: seen.extend(watcher.payloads()) or seen[-2:] == [payload, b"online"],
+                      f"online published again after {payload!r}")
+                assert retained(mqtt_broker, topic) == b"online" and svc.availability.reasserted == n
+        assert [e["found"] for e in errors(logs, event)] == ["unreadable", "cleared"]
+    finally:
+        watcher.close()
+        svc.shutdown()
