@@ -19,7 +19,8 @@ from xronos.gateway.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S
 from xronos.gateway.costmodel import FITS, SEGMENTS
 from xronos.gateway.planner import MiB, STRATEGIES, PlanResult
 from xronos.protocol.layout import KINDS, NOUN
-from xronos.gateway.profiles import DEFAULT_RESERVE_MB, Loaded, load_report, plan_message, plan_reports
+from xronos.gateway.profiles import (DEFAULT_RESERVE_MB, Loaded, falling_times, load_report, plan_message,
+                                     plan_reports)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -67,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     if not (args.reserve_mb >= 0 and math.isfinite(args.reserve_mb)):
         raise ValueError(f"--reserve-mb must be a finite number >= 0, got {args.reserve_mb}")
     loaded = [Loaded(str(path), load_report(path)) for path in args.profiles]
+    for item in loaded:
+        for text in falling_times(item.report):
+            print(f"xronos plan: warning: {item.source}: {text}", file=sys.stderr)
     for item in loaded:  # a merged export is LoRA's; a full fine-tune's profile would plan another job
         s = item.report.settings
         if args.export_merged and s is not None and s.lora_r is None:

@@ -25,7 +25,7 @@ from typing import Any
 from xronos.gateway.commmodel import comm_per_node, tp_comm_volume
 from xronos.gateway.costmodel import layout_shares, node_cost, predict_time
 from xronos.gateway.planner import PlanResult
-from xronos.gateway.profiles import Loaded, collective_cost, load_report, node_profile, plan_reports
+from xronos.gateway.profiles import Loaded, collective_cost, falling_times, load_report, node_profile, plan_reports
 from xronos.protocol.layout import KINDS, NOUN, Layout
 from xronos.protocol.messages import ProfileReport, ProfileSettings
 
@@ -204,6 +204,8 @@ def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileRepo
                             cache_dir=args.profile_cache, lora_r=getattr(args, "lora_r", None),
                             lora_targets=getattr(args, "lora_targets", None),
                             lora_dropout=getattr(args, "lora_dropout", 0.0))
+    for text in (t for r in reports for t in falling_times(r)):
+        print(f"xronos run: warning: {text}", file=sys.stderr, flush=True)
     result = plan_units(reports, args.strategy, args.reserve_mb, batch_size=args.batch_size,
                         seq_len=args.seq_len, bandwidth_mbps=getattr(args, "bandwidth_mbps", 1000.0),
                         latency_ms=getattr(args, "latency_ms", 0.5),

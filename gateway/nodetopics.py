@@ -18,7 +18,7 @@ import structlog
 from xronos.gateway import homeassistant as ha
 from xronos.gateway import jobs as J
 from xronos.gateway import registry as R
-from xronos.gateway.profiles import refused_request_id, screen_report
+from xronos.gateway.profiles import falling_times, refused_request_id, screen_report
 from xronos.protocol import messages as m
 
 # The service's logger: these lines read as they did when the handlers lived in service.py.
@@ -81,7 +81,11 @@ class NodeTopics:
 
     def _on_profile(self, msg: m.ProfileReport, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
-        self._event(msg.job_id, J.Profiled(msg.node_id, msg.request_id, *screen_report(msg)))  # bad: node left out
+        report, why = screen_report(msg)
+        for text in falling_times(report) if report is not None else ():  # usable, but likely disturbed
+            self.dispatcher.warn_throttled("profile.time_falls_with_width", ("profile.falling", msg.node_id),
+                                           node=msg.node_id, job=msg.job_id, detail=text)
+        self._event(msg.job_id, J.Profiled(msg.node_id, msg.request_id, report, why))  # bad: node left out
 
     def _on_node_error(self, msg: m.ErrorResponse, params: dict[str, str]) -> None:
         self.dispatcher.warn_throttled("node reported an error", ("node.error", params["node_id"], msg.code),

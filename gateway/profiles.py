@@ -165,6 +165,43 @@ def check_report(r: ProfileReport, source: str) -> None:
                              f"{r.seq_len} x hidden {r.arch.hidden_size} (fp32) is {want} bytes")
 
 
+# A wider slice timed this much faster than a narrower one of the same layer: the profile was
+# disturbed (other work on the box, a throttled period), not a property of the layer.
+FALL_TOLERANCE = 0.2
+
+
+def falling_times(r: ProfileReport) -> list[str]:
+    """Partitioned layers whose time falls with width by more than FALL_TOLERANCE, as sentences
+    naming node, layer and samples. The affine fit flattens such a layer (its slope is clamped at 0),
+    so the plan may give the node more of that kind than its speed says. A warning, not a refusal: a
+    small layer's times are mostly fixed cost and noisy, and a refused profile leaves the node out."""
+    out = []
+    for lay in r.layers:
+        if not lay.partitioned or len(lay.time_samples) < 2:
+            continue
+        spread: dict[float, tuple[float, float]] = {}  # share -> (fastest, slowest) time there
+        for p, t in lay.time_samples:
+            lo, hi = spread.get(p, (t, t))
+            spread[p] = (min(lo, t), max(hi, t))
+        slow: tuple[float, float] | None = None  # the slowest sample at a narrower share so far
+        worst: tuple[float, float, float, float] | None = None  # the largest fall: p0, t0, p1, t1
+        for p in sorted(spread):
+            fast, slowest = spread[p]
+            if slow is not None and fast < (1 - FALL_TOLERANCE) * slow[1]:
+                if worst is None or fast / slow[1] < worst[3] / worst[1]:
+                    worst = (*slow, p, fast)
+            if slow is None or slowest > slow[1]:
+                slow = (p, slowest)
+        if worst is not None:
+            p0, t0, p1, t1 = worst
+            noun = NOUN.get(lay.segment or "", "of it")
+            out.append(f"node {r.node_id}: layer {lay.name!r} took {t0 * 1e3:.3f} ms at share {p0:g} but "
+                       f"{t1 * 1e3:.3f} ms at share {p1:g}: time falling with width is a disturbed profile, "
+                       f"which the fit flattens, so the plan may give this node more {noun} than its speed "
+                       f"warrants (profile it again on a quieter box)")
+    return out
+
+
 def screen_report(r: ProfileReport) -> tuple[ProfileReport | None, str | None]:
     """(r, None) for a report that arrived over the bus and the planner can use, else (None, why),
     the node and field named. The gateway checks it on arrival, so a bad report leaves its node out

@@ -167,3 +167,15 @@ def test_bad_options_and_missing_files(tmp_path, capsys):
     assert "nope.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # zero profiles: argparse refuses (nargs="+")
         main(["plan"])
+
+
+def test_a_profile_whose_time_falls_with_width_is_planned_with_a_warning(tmp_path, capsys):
+    path = write(tmp_path, "a")
+    data = json.loads(open(path).read())
+    i = next(i for i, lay in enumerate(data["layers"]) if lay["partitioned"] and lay["segment"] == "attn")
+    data["layers"][i]["time_samples"] = [[0.25, 0.02], [0.5, 0.012], [1.0, 0.01]]
+    open(path, "w").write(json.dumps(data))
+    assert main(["plan", path, write(tmp_path, "b")]) == 0
+    err = capsys.readouterr().err
+    assert "xronos plan: warning: " in err and "a.json: node a: layer" in err and "at share 1" in err
+    assert "b.json" not in err

@@ -222,3 +222,25 @@ def test_measured_collectives_enter_the_plans_communication():
     assert res.comm_s == pytest.approx(vol.count * (c.fixed_s + c.per_byte_s * per_call)) and res.comm_s > link
     assert plan_reports([fast, b], "segment", bandwidth_Bps=1e9, latency_s=1e-5).comm_s == pytest.approx(link)
     assert plan_reports([a, b], "segment", bandwidth_Bps=1e9, latency_s=1e-5).comm_s == pytest.approx(link)
+
+
+def test_time_falling_with_width_is_named_not_refused():
+    from xronos.gateway.profiles import falling_times
+
+    report = synthetic_report("n0", units=8, num_blocks=2)
+    assert falling_times(report) == []  # rising times, as every real profile's
+    i = next(i for i, lay in enumerate(report.layers) if lay.partitioned and lay.segment == "mlp")
+    lay = report.layers[i]
+    # 4 ms at a quarter, 3 ms at the whole: 25 % faster at four times the width. A 10 % dip is noise.
+    disturbed = lay.model_copy(update={"time_samples": [(0.25, 0.004), (0.5, 0.0036), (1.0, 0.003)]})
+    noisy = lay.model_copy(update={"time_samples": [(0.25, 0.004), (0.5, 0.0037), (1.0, 0.0036)]})
+    for bad, want in ((disturbed, 1), (noisy, 0)):
+        layers = list(report.layers)
+        layers[i] = bad
+        got = falling_times(report.model_copy(update={"layers": layers}))
+        assert len(got) == want
+    check_report(report.model_copy(update={"layers": [*report.layers[:i], disturbed, *report.layers[i + 1:]]}), "x")
+    (text,) = falling_times(report.model_copy(update={"layers": [*report.layers[:i], disturbed,
+                                                                 *report.layers[i + 1:]]}))
+    assert f"layer {lay.name!r} took 4.000 ms at share 0.25 but 3.000 ms at share 1" in text
+    assert "node n0" in text and "MLP columns" in text

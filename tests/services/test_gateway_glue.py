@@ -336,3 +336,25 @@ def test_an_order_the_owner_refused_is_dropped_and_the_policy_starts_again_from_
                                    compute_rest_s=0.0), a.node_id)
     h.pump()
     assert h.gw.rebal.by_job[job_id][1].policy.layout == old
+
+
+def test_a_profile_whose_time_falls_with_width_is_used_and_logged(tmp_path):
+    from structlog.testing import capture_logs
+
+    h = Harness(tmp_path)
+    announce(h)
+    insp = submit_to_inspection(h)
+    h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=True, arch=ARCH,
+                                train_rows=40, eval_rows=4, total_steps=10), "a")
+    h.pump()
+    i = next(i for i, lay in enumerate(LAYERS) if lay.partitioned and lay.segment == "mlp")
+    odd = [*LAYERS[:i], LAYERS[i].model_copy(update={"time_samples": [(0.5, 0.02), (1.0, 0.01)]}), *LAYERS[i + 1:]]
+    with capture_logs() as logs:
+        for params, req in h.seen("node.profile_request"):
+            r = report(params["node_id"], req.request_id, req.job_id)
+            h.node_says(r.model_copy(update={"layers": odd}) if params["node_id"] == "b" else r, params["node_id"])
+        h.pump()
+    (warn,) = [e for e in logs if e["event"] == "profile.time_falls_with_width"]
+    assert warn["node"] == "b" and "20.000 ms at share 0.5 but 10.000 ms at share 1" in warn["detail"]
+    resp = [decode(t, p) for t, p in h.client.drain() if t.endswith("response/job/submit")]
+    assert resp[0].status == "ok"  # planned with it: a warning, not a refusal
