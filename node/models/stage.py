@@ -28,10 +28,16 @@ STAGE_PREFIX = ".xronos-stage-"
 def staged(out_dir: str | Path) -> Iterator[Path]:
     """Yield a private directory to write files in; on a normal exit each file there replaces the
     entry of the same name in `out_dir` (created if missing). On an error nothing is moved and the
-    private directory is removed. Sub-directories are not staged (an export is flat)."""
+    private directory is removed. Sub-directories are not staged (an export is flat). `out_dir`
+    itself must not be a symbolic link (its parents may be)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dfd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:  # the directory itself as it was checked (callers pass it resolved): not a link swapped in since
+        dfd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if out.is_symlink():
+            raise OSError(f"export directory {out} is a symbolic link: refused (write to its target)") from exc
+        raise
     try:
         name = STAGE_PREFIX + secrets.token_hex(8)
         os.mkdir(name, 0o700, dir_fd=dfd)  # fails rather than reuse anything already there

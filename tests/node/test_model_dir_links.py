@@ -101,3 +101,15 @@ def test_a_failed_export_moves_nothing_and_leaves_no_private_directory(tmp_path)
             (stage / "config.json").write_text("half")
             raise RuntimeError("disk full")
     assert os.listdir(out) == ["config.json"] and (out / "config.json").read_text() == "old"
+
+
+def test_an_export_directory_swapped_for_a_link_is_refused(tmp_path):
+    from xronos.node.models.stage import staged
+
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "out"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, out)  # e.g. a LoRA export's `merged` planted before the merged model is written
+    with pytest.raises(OSError, match="is a symbolic link"):
+        with staged(out) as stage:
+            (stage / "config.json").write_text("new")
+    assert os.listdir(elsewhere) == []
