@@ -248,6 +248,9 @@ def _on_profiled(job: Job, ev: Profiled, ctx: Ctx) -> Out:
     error = ev.error if ev.report is None else profile_mismatch(job, ev.report)
     if ev.report is not None and error is None:
         job = replace(job, profiles={**job.profiles, ev.node_id: ev.report}, waiting=waiting, requests=requests)
+        if ev.warnings:  # on the timeline, where the user looks when a plan seems off
+            more = f" (and {len(ev.warnings) - 1} more layers)" if len(ev.warnings) > 1 else ""
+            job = note(job, ctx.now, f"warning: {ev.warnings[0]}{more}")
     else:
         job, out = _drop_node(job, ctx, ev.node_id, f"could not profile: {error}")
         if out is not None:

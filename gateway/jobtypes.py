@@ -213,6 +213,7 @@ class Profiled:
     request_id: str
     report: m.ProfileReport | None  # None = the node could not (or went offline)
     error: str | None = None
+    warnings: tuple[str, ...] = ()  # a usable report that looks disturbed (profiles.falling_times)
 
 
 @dataclass(frozen=True)

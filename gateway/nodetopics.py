@@ -82,10 +82,11 @@ class NodeTopics:
     def _on_profile(self, msg: m.ProfileReport, params: dict[str, str]) -> None:
         self._same_node(msg.node_id, params)
         report, why = screen_report(msg)
-        for text in falling_times(report) if report is not None else ():  # usable, but likely disturbed
+        warnings = tuple(falling_times(report)) if report is not None else ()  # usable, but likely disturbed
+        for text in warnings:
             self.dispatcher.warn_throttled("profile.time_falls_with_width", ("profile.falling", msg.node_id),
                                            node=msg.node_id, job=msg.job_id, detail=text)
-        self._event(msg.job_id, J.Profiled(msg.node_id, msg.request_id, report, why))  # bad: node left out
+        self._event(msg.job_id, J.Profiled(msg.node_id, msg.request_id, report, why, warnings))  # bad: node left out
 
     def _on_node_error(self, msg: m.ErrorResponse, params: dict[str, str]) -> None:
         self.dispatcher.warn_throttled("node reported an error", ("node.error", params["node_id"], msg.code),

@@ -358,3 +358,7 @@ def test_a_profile_whose_time_falls_with_width_is_used_and_logged(tmp_path):
     assert warn["node"] == "b" and "20.000 ms at share 0.5 but 10.000 ms at share 1" in warn["detail"]
     resp = [decode(t, p) for t, p in h.client.drain() if t.endswith("response/job/submit")]
     assert resp[0].status == "ok"  # planned with it: a warning, not a refusal
+    h.gw._flush(force=True)
+    topic = T.build("job.state", job_id=insp.job_id)
+    events = decode(topic, h.broker.retained[topic]).events  # what `xronos job status` and HA show
+    assert any("warning: node b: layer" in e and "time falling with width" in e for e in events), events
