@@ -37,7 +37,7 @@ from dataclasses import replace
 
 from xronos.protocol import messages as m
 
-from .jobnote import note, short
+from .jobnote import note, profile_warnings, short
 from .jobtypes import (
     TERMINAL, Assign, Command, Control, Ctx, Event, Job, Metrics, NodeDown, NodeUp, Out, Profile, Profiled, Status,
     profile_mismatch,
@@ -137,6 +137,7 @@ def _on_profiled(job: Job, ev: Profiled, ctx: Ctx) -> Job:
     error = ev.error if ev.report is None else profile_mismatch(job, ev.report)
     if ev.report is None or error is not None:
         return _not_taken(job, ctx, f"node {ev.node_id!r} not taken: could not profile: {error}")
+    job = profile_warnings(job, ctx.now, ev.warnings)
     return _consider(replace(job, profiles={**job.profiles, ev.node_id: ev.report}), ctx)
 
 

@@ -31,7 +31,7 @@ from xronos.protocol import messages as m
 
 from .jobjoin import after as join_after
 from .jobjoin import rejoin
-from .jobnote import MAX_EVENT_CHARS, MAX_EVENTS, note, short
+from .jobnote import MAX_EVENT_CHARS, MAX_EVENTS, note, profile_warnings, short
 from .jobreplan import on_rebalanced, owner_reshard_status
 from .jobtypes import (
     ACTIVE, TERMINAL, Acked, Agg, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job, JoinPolicy,
@@ -248,9 +248,7 @@ def _on_profiled(job: Job, ev: Profiled, ctx: Ctx) -> Out:
     error = ev.error if ev.report is None else profile_mismatch(job, ev.report)
     if ev.report is not None and error is None:
         job = replace(job, profiles={**job.profiles, ev.node_id: ev.report}, waiting=waiting, requests=requests)
-        if ev.warnings:  # on the timeline, where the user looks when a plan seems off
-            more = f" (and {len(ev.warnings) - 1} more layers)" if len(ev.warnings) > 1 else ""
-            job = note(job, ctx.now, f"warning: {ev.warnings[0]}{more}")
+        job = profile_warnings(job, ctx.now, ev.warnings)
     else:
         job, out = _drop_node(job, ctx, ev.node_id, f"could not profile: {error}")
         if out is not None:

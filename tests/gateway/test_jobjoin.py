@@ -280,3 +280,12 @@ def test_the_gateway_config_bounds_the_join_settings(tmp_path):
     path.write_text("join_restart_s = -1\n")
     with pytest.raises(ConfigError, match="join_restart_s"):
         load_config(path, env={})
+
+
+def test_a_newcomer_whose_profile_looks_disturbed_says_so_on_the_timeline():
+    job, _ = J.handle(running(), J.NodeUp("c"), ctx(20))
+    (rid, _), = job.join_requests
+    warnings = ("node c: layer 'blk.mlp' took 4.000 ms at share 0.25 but 3.000 ms at share 1: ...", "second")
+    job, _ = J.handle(job, J.Profiled("c", rid, report("c", rid), warnings=warnings), ctx(21))
+    assert any(e.endswith(f"warning: {warnings[0]} (and 1 more layers)") for e in job.events), job.events
+    assert job.join_plan is not None  # still used
