@@ -71,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
     for item in loaded:
         for text in falling_times(item.report):
             print(f"xronos plan: warning: {item.source}: {text}", file=sys.stderr)
-    for item in loaded:  # a merged export is LoRA's; a full fine-tune's profile would plan another job
-        s = item.report.settings
+        s = item.report.settings  # a merged export is LoRA's; a full fine-tune's profile would plan another job
         if args.export_merged and s is not None and s.lora_r is None:
             raise ValueError(f"{item.source}: field settings.lora_r: --export-merged is for LoRA profiles, but node "
                              f"{item.report.node_id} was profiled for full fine-tuning")

@@ -9,14 +9,15 @@ and then renamed into place: a rename replaces whatever entry is there, link or 
 follows it. A reader also never sees a half-written file, and after a power cut either the old file
 or the new one is there (each file and the directory are synced); a process killed while writing
 leaves its private directory (`.xronos-stage-*`, safe to delete), never half a file in place.
-Linux: the private directory is
-handed to the libraries that write (safetensors, peft) as its /proc/self/fd path.
+Linux: the private directory is handed to the libraries that write (safetensors, peft) as its
+/proc/self/fd path.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,7 +46,7 @@ def staged(out_dir: str | Path) -> Iterator[Path]:
         try:
             yield Path(f"/proc/self/fd/{tfd}")  # our directory's inode, whatever its name becomes
             files = sorted(f for f in os.listdir(tfd)
-                           if os.stat(f, dir_fd=tfd, follow_symlinks=False).st_mode & 0o170000 == 0o100000)
+                           if stat.S_ISREG(os.stat(f, dir_fd=tfd, follow_symlinks=False).st_mode))
             for f in files:
                 fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=tfd)
                 try:
