@@ -92,10 +92,13 @@ def test_node_killed_mid_job_is_survived_from_the_last_checkpoint(stack):
     assert [e.node_id for e in final.plan.entries] != [e["node_id"] for e in accepted["plan"]["entries"]]
     assert victim not in {e.node_id for e in final.plan.entries}
     recovered = [e for e in final.events if "recovering" in e]
-    resumed = [e for e in final.events if "resume from step" in e and "plan v2" in e]
+    # The plan that replaced the one the victim was in (not "plan v2": under load a rank may fail
+    # at the job's start, and that earlier recovery's plan resumes from step 0; seen in a CI run).
+    replaced = f"plan v{state.plan.version + 1} ("
+    resumed = [e for e in final.events if "resume from step" in e and replaced in e]
     assert recovered and resumed, final.events
     resume_step = int(resumed[0].rsplit("resume from step ", 1)[1])
     # At most one checkpoint interval lost — or two when the kill lands while the owner writes the
     # newest checkpoint: the gateway then names the one before it, which the owner keeps
     # (`checkpoint.prev`; seen once in a clean-clone CI: resumed from 20 at step 30).
-    assert resume_step >= (state.step // 10) * 10 - 10
+    assert resume_step >= (state.step // 10) * 10 - 10, final.events
