@@ -8,21 +8,28 @@ a rename on one file system) that is reached only through a descriptor, never th
 and then renamed into place: a rename replaces whatever entry is there, link or file, and never
 follows it. A reader also never sees a half-written file, and after a power cut either the old file
 or the new one is there (each file and the directory are synced); a process killed while writing
-leaves its private directory (`.xronos-stage-*`, safe to delete), never half a file in place.
+leaves its private directory (`.xronos-stage-*`), never half a file in place; the next export into
+that directory removes it (a model's worth of disk on an SD card is not left to a person to find).
+A writer holds a lock on its private directory while it writes, which the kernel drops when the
+process dies, so only a directory nobody holds — and not one made in the last minute, between its
+writer's mkdir and lock — is swept, and only one of ours (our uid, a real directory, not a link).
 Linux: the private directory is handed to the libraries that write (safetensors, peft) as its
 /proc/self/fd path.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 STAGE_PREFIX = ".xronos-stage-"
+SWEEP_MIN_AGE_S = 60.0  # a directory younger than this may be one whose writer is about to lock it
 
 
 @contextmanager
@@ -40,10 +47,12 @@ def staged(out_dir: str | Path) -> Iterator[Path]:
             raise OSError(f"export directory {out} is a symbolic link: refused (write to its target)") from exc
         raise
     try:
+        sweep(dfd)
         name = STAGE_PREFIX + secrets.token_hex(8)
         os.mkdir(name, 0o700, dir_fd=dfd)  # fails rather than reuse anything already there
         tfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         try:
+            fcntl.flock(tfd, fcntl.LOCK_EX)  # ours while we write: not swept by another export
             yield Path(f"/proc/self/fd/{tfd}")  # our directory's inode, whatever its name becomes
             files = sorted(f for f in os.listdir(tfd)
                            if stat.S_ISREG(os.stat(f, dir_fd=tfd, follow_symlinks=False).st_mode))
@@ -69,3 +78,37 @@ def staged(out_dir: str | Path) -> Iterator[Path]:
                 pass
     finally:
         os.close(dfd)
+
+
+def sweep(dfd: int) -> list[str]:
+    """Remove the private directories that killed exports left in the directory open as `dfd`
+    (module docstring); return their names. Anything else with the prefix is left alone."""
+    removed = []
+    for name in os.listdir(dfd):
+        if not name.startswith(STAGE_PREFIX):
+            continue
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError:  # a link, a file, gone meanwhile: not one of ours
+            continue
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or time.time() - st.st_ctime < SWEEP_MIN_AGE_S:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # its writer is alive
+                continue
+            for f in os.listdir(fd):
+                try:
+                    os.unlink(f, dir_fd=fd)  # unlink never follows a link
+                except OSError:
+                    pass
+            try:
+                os.rmdir(name, dir_fd=dfd)
+                removed.append(name)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+    return removed

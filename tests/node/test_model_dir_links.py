@@ -113,3 +113,40 @@ def test_an_export_directory_swapped_for_a_link_is_refused(tmp_path):
         with staged(out) as stage:
             (stage / "config.json").write_text("new")
     assert os.listdir(elsewhere) == []
+
+
+def test_an_export_sweeps_what_a_killed_export_left_and_nothing_else(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    from xronos.node.models import stage as stage_mod
+
+    out, keep = tmp_path / "out", tmp_path / "keep"
+    keep.mkdir()
+    (keep / "model.safetensors").write_text("someone's")
+    out.mkdir()
+    os.symlink(keep, out / (stage_mod.STAGE_PREFIX + "planted"))  # a link with our prefix: not ours
+    # An export killed mid-write (SIGKILL: no clean-up runs) leaves its private directory, half a file in it.
+    code = ("import os, signal, sys; from xronos.node.models.stage import staged\n"
+            "with staged(sys.argv[1]) as s:\n"
+            "    (s / 'model.safetensors').write_text('half')\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(out)])
+    assert proc.returncode == -signal.SIGKILL
+    left = [n for n in os.listdir(out) if n.startswith(stage_mod.STAGE_PREFIX) and not n.endswith("planted")]
+    assert len(left) == 1 and os.listdir(out / left[0]) == ["model.safetensors"]
+
+    with stage_mod.staged(out) as s:  # younger than a minute: not swept yet (its writer may be about to lock it)
+        (s / "a").write_text("1")
+    assert left[0] in os.listdir(out)
+
+    monkeypatch.setattr(stage_mod, "SWEEP_MIN_AGE_S", 0.0)
+    with stage_mod.staged(out) as outer:
+        (outer / "config.json").write_text("outer")
+        with stage_mod.staged(out) as inner:  # a second export meanwhile: the outer's directory is locked
+            (inner / "b").write_text("2")
+        assert (outer / "config.json").read_text() == "outer"
+    assert left[0] not in os.listdir(out)
+    assert sorted(os.listdir(out)) == [stage_mod.STAGE_PREFIX + "planted", "a", "b", "config.json"]
+    assert (keep / "model.safetensors").read_text() == "someone's"
