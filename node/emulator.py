@@ -64,8 +64,8 @@ POLL_ENV = "XRONOS_EMULATOR_POLL_S"  # for measuring the poller's effect: second
 CPU_MODES = ("quota", "pace")
 CPU_MODE_ENV = "XRONOS_EMULATOR_CPU"
 
-# XRONOS_EMULATOR_PIN=1 pins quota-mode ranks as paced ones are (`assign_cores`): a quota group sharing
-# a core gets less than its quota (bench/results/demo-idle.md §5). Off by default: two runs so far.
+# XRONOS_EMULATOR_PIN=1 pins quota-mode ranks as paced ones are (`assign_cores`). Off by default: 3+3
+# demos ran 9 % faster pinned, no better predicted or balanced, the comm probe worse (demo-idle.md §5-6).
 PIN_ENV = "XRONOS_EMULATOR_PIN"
 
 
