@@ -53,12 +53,14 @@ def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
     file (the config's directory, `mqtt_password`) when it can read it, and says so when not,
     instead of connecting without a password and being refused.
     """
-    from xronos.protocol.configfile import credential_password_file, read_toml, validate_config
+    from xronos.protocol.configfile import check_broker_files, credential_password_file, read_toml, validate_config
 
     fields: dict[str, Any] = {}
     base = "xronos"
     if args.config:  # refused as the services refuse it: file, key and reason
         part = validate_config(_BrokerPart, read_toml(args.config), args.config)
+        # The TLS files too, before any connection is tried (the password file is checked below).
+        check_broker_files(part.broker, args.config, names=("tls_ca", "tls_cert", "tls_key"))
         fields = part.broker.model_dump(exclude_unset=True)
         base = part.base_topic
     for opt, key in (("host", "host"), ("port", "port"), ("username", "username"), ("password_file", "password_file")):

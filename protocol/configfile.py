@@ -129,7 +129,14 @@ def finish_broker(broker: B, path: str | os.PathLike[str], key: str = "broker",
         found = credential_password_file(env)
         if found is not None:
             broker = broker.model_copy(update={"password_file": found})
-    for name in _BROKER_FILES:
+    check_broker_files(broker, path, key)
+    return broker
+
+
+def check_broker_files(broker: pydantic.BaseModel, path: str | os.PathLike[str], key: str = "broker",
+                       names: tuple[str, ...] = _BROKER_FILES) -> None:
+    """ConfigError naming the config file and field of the first of `names` that cannot be read."""
+    for name in names:
         value = getattr(broker, name, None)
         if value is None:
             continue
@@ -139,4 +146,3 @@ def finish_broker(broker: B, path: str | os.PathLike[str], key: str = "broker",
         except OSError as exc:
             raise ConfigError(f"{os.fspath(path)}: {key}.{name}: cannot read {os.fspath(value)!r}: "
                               f"{exc.strerror}") from None
-    return broker

@@ -26,6 +26,8 @@ def nothing_connects(monkeypatch):
     ("broker = 5\n", "broker: Input should be a valid dictionary"),
     ("base_topic = 5\n", "base_topic: Input should be a valid string (got 5)"),
     ('base_topic = "a/+/b"\n', "base_topic: 'a/+/b' is not a usable topic prefix"),
+    ('[broker]\ntls_ca = "/nonexistent/ca.pem"\n',
+     "broker.tls_ca: cannot read '/nonexistent/ca.pem': No such file or directory"),
 ])
 @pytest.mark.parametrize("command", [["nodes"], ["job", "status"], ["job", "cancel", "j1"]])
 def test_bad_broker_config_is_refused_naming_file_key_and_reason(tmp_path, capsys, nothing_connects, body, message,
