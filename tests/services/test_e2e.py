@@ -92,8 +92,9 @@ def test_node_killed_mid_job_is_survived_from_the_last_checkpoint(stack):
     assert [e.node_id for e in final.plan.entries] != [e["node_id"] for e in accepted["plan"]["entries"]]
     assert victim not in {e.node_id for e in final.plan.entries}
     recovered = [e for e in final.events if "recovering" in e]
-    # The plan that replaced the one the victim was in (not "plan v2": under load a rank may fail
-    # at the job's start, and that earlier recovery's plan resumes from step 0; seen in a CI run).
+    # The plan that replaced the one the victim was in, not "plan v2": a clean-clone CI run found a
+    # "plan v2 ... resume from step 0" in a job killed at step 30 — most likely an earlier recovery
+    # at the job's start (under load a rank may fail there), whose plan resumed from step 0.
     replaced = f"plan v{state.plan.version + 1} ("
     resumed = [e for e in final.events if "resume from step" in e and replaced in e]
     assert recovered and resumed, final.events
