@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from xronos.node.emulator import (
-    Confinement, EmulatorError, RankLimits, find_controller, leftover_groups, validate_limits,
-)
+from xronos.node.cgroupfs import find_controller
+from xronos.node.emulator import Confinement, EmulatorError, RankLimits, leftover_groups, validate_limits
 
 CPU = find_controller("cpu")
 needs_cgroup = pytest.mark.skipif(CPU is None, reason="no writable cgroup cpu controller here")
@@ -177,7 +176,7 @@ def test_v2_hierarchy_detected(tmp_path: Path) -> None:
     own.write_text("0::/svc\n")
     ctl = find_controller("cpu", mounts_file=mounts, proc_cgroup=own)
     assert ctl is not None and ctl.version == 2 and ctl.base == root / "svc"
-    from xronos.node.emulator import cpu_limit_of
+    from xronos.node.cgroupfs import cpu_limit_of
     assert cpu_limit_of(ctl) == 0.5
     (root / "svc" / "cgroup.controllers").write_text("pids\n")
     assert find_controller("cpu", mounts_file=mounts, proc_cgroup=own) is None

@@ -11,8 +11,9 @@ import pytest
 
 from tests.node.test_emulator import confined_output
 from xronos.node import pacer
+from xronos.node.cgroupfs import find_controller
 from xronos.node.emulator import (
-    CPU_MODE_ENV, Confinement, EmulatorError, RankLimits, assign_cores, default_cpu_mode, find_controller,
+    CPU_MODE_ENV, Confinement, EmulatorError, RankLimits, assign_cores, default_cpu_mode,
 )
 from xronos.node.pacer import (
     PACE_CORE_LOAD, Pacer, heaviest_core, pace_dilation, read_share, share_file, share_path,
