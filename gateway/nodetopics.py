@@ -18,6 +18,7 @@ import structlog
 from xronos.gateway import homeassistant as ha
 from xronos.gateway import jobs as J
 from xronos.gateway import registry as R
+from xronos.gateway.offline import OfflineGrace
 from xronos.gateway.profiles import falling_times, refused_request_id, screen_report
 from xronos.protocol import messages as m
 
@@ -33,6 +34,10 @@ class NodeTopics:
     dispatcher: Any
     ha: ha.HAContext | None
     rebal: Any
+    offline: OfflineGrace | None  # None: a node's "offline" reaches its jobs at once
+    _connected_at: float | None  # the bus's latest connect, as the connect hook saw it
+    _connect_seen: float | None
+    _seen_disconnected: bool
 
     @staticmethod
     def _same_node(claimed: str, params: dict[str, str]) -> None:
@@ -51,9 +56,34 @@ class NodeTopics:
         if node not in self.reg:
             log.warning("gateway.registry_full", node=node, known=len(self.reg),
                         hint="every known node is online: this one is not recorded")
+        if msg == m.Availability.ONLINE and self.offline is not None:
+            self.offline.online(node)
         if change == "down":
-            self._to_jobs(J.NodeDown(node))
+            if self.offline is None:
+                self._to_jobs(J.NodeDown(node))
+            else:
+                self.offline.offline(node, time.monotonic())
         self._newly_usable(before)
+
+    def _offline_due(self) -> None:
+        """Tell the jobs of the nodes whose "offline" has stood through its grace (gateway/offline.py)."""
+        if self.offline is None:
+            return
+        now = time.monotonic()
+        if not self.bus.connected:
+            self._seen_disconnected = True
+            return
+        # Back (this loop saw the bus down, or the connect hook ran since): the nodes get their settle
+        # time from now. Both signs, because the bus says "connected" a moment before its hook runs.
+        if self._seen_disconnected or self._connected_at != self._connect_seen:
+            self._seen_disconnected, self._connect_seen = False, self._connected_at
+            self.offline.reconnected(now)
+        for node in self.offline.due(now, True):
+            info = self.reg.get(node)
+            if info is not None and info.online:  # back meanwhile (the registry heard it)
+                continue
+            log.info("node.offline", node=node, hint="its last will stood through the grace: its jobs re-plan")
+            self._to_jobs(J.NodeDown(node))
 
     def _availability_cleared(self, params: dict[str, str]) -> None:
         """A node's retained availability removed (an operator cleaning the broker of what a flood or

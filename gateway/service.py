@@ -38,6 +38,7 @@ from xronos.gateway.effects import messages as effect_messages
 from xronos.gateway.jobrebal import Rebalancers
 from xronos.gateway.jobviews import current, milestone, nodes_of, summary
 from xronos.gateway.nodetopics import NodeTopics
+from xronos.gateway.offline import OfflineGrace
 from xronos.gateway.planning import plan_job
 from xronos.gateway.rebalance import PolicyConfig
 from xronos.gateway.progress import state_view
@@ -84,6 +85,13 @@ class GatewayService(NodeTopics):
         self.jobs: dict[str, J.Job] = self.store.load()
         self.previews: dict[str, J.Job] = {}
         self.reg: R.Registry = {}
+        # After a reconnect the nodes get a reconnect back-off and a keepalive to say "online" again.
+        self.offline = OfflineGrace(short_s=cfg.offline_grace_s,
+                                    settle_s=float(cfg.broker.reconnect_max_s + cfg.broker.keepalive)) \
+            if cfg.offline_grace_s > 0 else None
+        self._connected_at: float | None = None  # set by the connect hook (network thread)
+        self._connect_seen: float | None = None
+        self._seen_disconnected = False
         self.ha = ha.HAContext(cfg.base_topic, cfg.gateway_id, cfg.homeassistant.discovery_prefix) \
             if cfg.homeassistant.enabled else None
         self.habridge = ha.HABridge(self.ha, self.bus, cfg.homeassistant.job_dir, ha.Actions(
@@ -125,6 +133,7 @@ class GatewayService(NodeTopics):
             self._run(job_id, out)
 
     def _announce(self) -> None:
+        self._connected_at = time.monotonic()  # read by the control loop (`step`)
         self.availability.announce()
         self._discovery()
 
@@ -150,6 +159,10 @@ class GatewayService(NodeTopics):
     def step(self, timeout: float) -> None:
         """One turn of the control loop. Each part is guarded: nothing raises out of it."""
         self.dispatcher.run_once(timeout)  # never raises
+        try:
+            self._offline_due()
+        except Exception as exc:
+            self._internal("offline nodes", None, exc)
         if self.habridge is not None:
             try:
                 self.habridge.tick()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -29,10 +30,14 @@ SPEC = m.JobSpec(name="Glue Test", owner="a", model_dir="/m", data_path="/d.csv"
 
 
 class Harness:
-    def __init__(self, tmp: Path, broker: FakeBroker | None = None):
+    # offline_grace_s 0: a node's "offline" reaches its jobs at once (the grace has its own tests below).
+    def __init__(self, tmp: Path, broker: FakeBroker | None = None, offline_grace_s: float = 0.0,
+                 reconnect_max_s: int = 30):
         self.broker = broker or FakeBroker()
         self.cfg = GatewayConfig(state_dir=tmp / "gw", homeassistant={"enabled": True},
-                                 rendezvous_port_min=40000, rendezvous_port_max=40009)
+                                 rendezvous_port_min=40000, rendezvous_port_max=40009,
+                                 offline_grace_s=offline_grace_s,
+                                 broker={"reconnect_max_s": reconnect_max_s, "keepalive": 1})
         self.gw = GatewayService(self.cfg, self.broker.bus("gw", will=(T.build("gateway.availability"),
                                                                         "offline", True)),
                                  timeouts=J.Timeouts(inspect_s=5, ack_s=5, stall_s=60, recover_s=60, retry_s=0.0))
@@ -203,6 +208,61 @@ def test_node_loss_then_gateway_restart(tmp_path):
     assert job.phase in ("recovering", "assigning") and job.recoveries == 1
     again = [a for _, a in h2.seen("node.assignment")]
     assert again and all(a.plan_version == 2 and a.resume_step == 5 and a.node_id != victim for a in again)
+
+
+def _running(h: Harness) -> tuple[str, list[m.Assignment]]:
+    announce(h)
+    job_id, assigned = submit_until_assigned(h)
+    for a in assigned:
+        h.node_says(m.AssignmentAck(job_id=job_id, plan_version=1, node_id=a.node_id, accepted=True), a.node_id)
+    h.pump()
+    h.node_says(m.NodeJobStatus(node_id="a", job_id=job_id, plan_version=1, rank=0, status="running", step=5,
+                                checkpoint_step=5, sent_at=1.0), "a")
+    h.pump()
+    assert h.gw.jobs[job_id].phase == "running" and len(assigned) >= 2
+    return job_id, assigned
+
+
+def test_the_wills_of_a_broker_shutting_down_do_not_re_plan_a_running_job(tmp_path):
+    """Mosquitto publishes every client's last will when it shuts down: the gateway hears every
+    node go offline, then loses the broker itself. Back, the nodes say online again: the job runs on."""
+    h = Harness(tmp_path, offline_grace_s=0.5, reconnect_max_s=1)  # nodes get 1 + 1 s after a reconnect
+    job_id, assigned = _running(h)
+    for n in NODES:  # the wills, then the gateway's own connection closes
+        h.client.publish(T.build("node.availability", node_id=n), "offline", retain=True)
+    h.pump()
+    h.gw.bus.kill()
+    time.sleep(0.7)  # past the short grace: still nothing while the gateway is disconnected
+    h.pump()
+    assert h.gw.jobs[job_id].phase == "running" and h.gw.jobs[job_id].plan_version == 1
+    h.gw.bus.reconnect()  # the broker is back; the nodes are not yet (their back-off)
+    h.pump()
+    time.sleep(0.7)
+    h.pump()
+    assert h.gw.jobs[job_id].phase == "running", h.gw.jobs[job_id].events
+    for n in NODES:
+        h.client.publish(T.build("node.availability", node_id=n), "online", retain=True)
+    h.pump()
+    time.sleep(1.5)  # past the settle time too: the withdrawn "offline"s never count
+    h.pump()
+    job = h.gw.jobs[job_id]
+    assert job.phase == "running" and job.plan_version == 1 and job.recoveries == 0, job.events
+    assert not [c for _, c in h.seen("node.control") if c.action != "start"]  # no plan was cancelled
+
+
+def test_an_offline_that_stands_through_the_grace_re_plans(tmp_path):
+    h = Harness(tmp_path, offline_grace_s=0.3, reconnect_max_s=1)
+    job_id, assigned = _running(h)
+    time.sleep(2.1)  # past the settle time after the gateway's first connect
+    victim = assigned[-1].node_id
+    h.client.publish(T.build("node.availability", node_id=victim), "offline", retain=True)
+    h.pump()
+    assert h.gw.jobs[job_id].phase == "running"  # within the grace
+    time.sleep(0.4)
+    h.pump()
+    job = h.gw.jobs[job_id]
+    assert job.phase in ("recovering", "assigning") and job.recoveries == 1, job.events
+    assert f"node {victim!r} went offline" in "\n".join(job.events)
 
 
 BAD = {
