@@ -12,6 +12,10 @@ own last will from the previous one): it is not news. Only once our own `online`
 this connection is a later `offline` someone else's doing. So is anything else that replaces our
 `online` there: a payload that is neither value (Home Assistant reads it as "not available" too)
 and an empty retained one (our state removed from the broker).
+
+One `offline` is nobody's mistake: Mosquitto publishes every client's last will when it shuts
+down, ours included, a moment before it closes our connection (a broker restart). Handled once our
+connection is gone, it is logged as that, not as an error; the `online` of the reconnect answers it.
 """
 
 from __future__ import annotations
@@ -71,6 +75,11 @@ class OwnAvailability:
         """Someone else's value (`found`: offline, unreadable or cleared) replaced our `online`."""
         if not self._back or self._withdrawn:
             return  # old state (our `online` overwrites it), or our own stop
+        if found == "offline" and not self.bus.connected:
+            log.info("availability.own_will_on_broker_shutdown", topic=self.topic,
+                     hint="the broker published our last will as it went away (a broker restart): "
+                          "'online' is published again on reconnect")
+            return
         self.reasserted += 1
         dropped = self._throttle.admit(self.event)  # someone repeating it must not fill the log
         if dropped is not None:
