@@ -4,11 +4,22 @@ broker's restart: tests/services/test_e2e_broker_restart.py)."""
 
 from __future__ import annotations
 
+import pytest
+import structlog
 from structlog.testing import capture_logs
 
 from xronos.protocol.dispatch import Dispatcher
 from xronos.protocol.fakebus import FakeBroker
 from xronos.protocol.ownavail import OwnAvailability
+
+
+@pytest.fixture(autouse=True)
+def every_level():
+    """An earlier test may have configured a level filter (logsetup): the info line must pass here."""
+    saved = structlog.get_config()
+    structlog.reset_defaults()
+    yield
+    structlog.configure(**saved)
 
 
 def _running() -> tuple[FakeBroker, object, OwnAvailability, Dispatcher]:
