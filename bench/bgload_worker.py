@@ -6,14 +6,13 @@ boundary (the other ranks wait for rank 0 in their next collective)."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 from xronos.cli.liverank import make_policy
 from xronos.node.relayout import LiveRebalance
 from xronos.node.runconfig import RunConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, NoControl, exit_process, read_settings, run
+from xronos.node.runtime import LocalFiles, MetricsFile, NoControl, main_process, read_settings, run
 from xronos.node.trainer import TPEngine
 
 
@@ -46,4 +45,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main(sys.argv))
+    main_process(main)

@@ -13,7 +13,6 @@ derives a CPU-utilisation idle estimate from the recorded CPU time instead.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Literal
 
 import torch
@@ -23,7 +22,7 @@ from xronos.bench.baseline import Baseline
 from xronos.node.data import Batch
 from xronos.node.optim import adamw
 from xronos.node.runconfig import RankConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, Rank, WeightSource, exit_process, read_settings, run
+from xronos.node.runtime import LocalFiles, MetricsFile, Rank, WeightSource, main_process, read_settings, run
 
 FIELDS = ("iteration_s", "cpu_s", "data_s", "loss", "voluntary_ctx_switches", "involuntary_ctx_switches",
           "peak_rss")
@@ -78,4 +77,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main(sys.argv))
+    main_process(main)

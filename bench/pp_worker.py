@@ -15,7 +15,6 @@ switches and peak RSS; rank 0 gathers them (as tensors) and writes the metrics J
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Literal
@@ -30,7 +29,7 @@ from xronos.node.data import Batch
 from xronos.node.optim import adamw
 from xronos.node.runconfig import RankConfig
 from xronos.node.runtime import (
-    LocalFiles, MetricsFile, Rank, RankResult, WeightSource, exit_process, read_settings, run,
+    LocalFiles, MetricsFile, Rank, RankResult, WeightSource, main_process, read_settings, run,
 )
 from xronos.node.tp.group import TPGroup
 
@@ -173,4 +172,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main(sys.argv))
+    main_process(main)

@@ -8,14 +8,13 @@ measured per-kind compute alone) and no memory caps (a local run states none).
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from xronos.gateway.rebalance import NO_CAP, Rebalancer
 from xronos.gateway.rebalmodel import unit_costs
 from xronos.node.relayout import LiveRebalance, unit_bytes
 from xronos.node.runconfig import RunConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, exit_process, read_settings, run
+from xronos.node.runtime import LocalFiles, MetricsFile, main_process, read_settings, run
 from xronos.node.trainer import TPEngine
 
 
@@ -37,4 +36,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main(sys.argv))
+    main_process(main)

@@ -35,7 +35,7 @@ from xronos.node.models.loading import SafetensorsSource, ShardSource
 from xronos.node.models.registry import family_for
 from xronos.node.runconfig import JobRankConfig
 from xronos.node.runtime import (Checkpoints, EvalResult, FromOwner, Rank, RankResult, Reshard, Sink, Word,
-                                 exit_process, run)
+                                 main_process, run)
 from xronos.node.tp.group import TPGroup
 from xronos.node.trainer import TPEngine
 from xronos.protocol.layout import Layout
@@ -228,4 +228,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main(sys.argv))
+    main_process(main)

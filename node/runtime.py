@@ -39,10 +39,11 @@ import enum
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -415,7 +416,30 @@ def read_settings(argv: list[str], cls: type[RankConfig], module: str):
     return cls.read(Path(argv[1]))
 
 
-def exit_process(code: int) -> None:
+def main_process(main: Callable[[list[str]], int]) -> NoReturn:
+    """Run a rank entry's `main(sys.argv)` and end with `exit_process`, on every path: a failure
+    prints its traceback and exits 1 (a wrong command line keeps its `SystemExit` status). A rank
+    that failed still has Gloo's threads alive (its group never left); finalised by the
+    interpreter, it would abort now and then instead of exiting 1, and the launcher would report
+    SIGABRT without the error."""
+    try:
+        code = main(sys.argv)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 130
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, then a clean exit
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
+
+
+def exit_process(code: int) -> NoReturn:
     """End a rank process without the interpreter's finalisation: stdio flushed, then `os._exit`.
     Gloo's C++ threads and the store outlive `destroy_process_group` by a little; torn down with
     the interpreter's static destructors they abort the process now and then ("terminate called

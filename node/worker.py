@@ -9,11 +9,10 @@ and writes the metrics JSON (`--metrics`) and the export. (`--rebalance` runs th
 
 from __future__ import annotations
 
-import sys
 
 from xronos.node.relayout import ScheduledReshards
 from xronos.node.runconfig import RunConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, exit_process, read_settings, run
+from xronos.node.runtime import LocalFiles, MetricsFile, main_process, read_settings, run
 from xronos.node.trainer import TPEngine
 
 
@@ -27,4 +26,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main(sys.argv))
+    main_process(main)
