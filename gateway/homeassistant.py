@@ -391,6 +391,10 @@ class HABridge:
     def refused(self, reason: str | None) -> None:
         self.refusal = (time.time(), reason or "refused")
 
+    def forget_published(self) -> None:
+        """The next `publish_state` publishes even an unchanged state (the broker lost it)."""
+        self._published = None
+
     def publish_state(self, job: JobState | None, job_created_at: float | None, nodes_online: int,
                       force: bool = False, spec: JobSpec | None = None) -> bool:
         """Publish gateway/state if it changed (or force); True if published. `spec`: the job's."""
@@ -414,7 +418,7 @@ class HABridge:
         if msg == hastate.HAStatus.ONLINE:  # Home Assistant (re)started: it forgot the devices
             self.rescan()
             self.publish_discovery()
-            self._published = None  # and show it the current state again
+            self.forget_published()  # and show it the current state again
             self.actions.publish()
 
     def _on_command(self, cmd: hastate.GatewayCommand, _params: dict[str, str]) -> None:

@@ -91,6 +91,7 @@ class GatewayService(NodeTopics):
             if cfg.offline_grace_s > 0 else None
         self._connected_at: float | None = None  # set by the connect hook (network thread)
         self._connect_seen: float | None = None
+        self._republished_for: float | None = None  # the connect whose retained states went out again
         self._seen_disconnected = False
         self.ha = ha.HAContext(cfg.base_topic, cfg.gateway_id, cfg.homeassistant.discovery_prefix) \
             if cfg.homeassistant.enabled else None
@@ -160,6 +161,10 @@ class GatewayService(NodeTopics):
         """One turn of the control loop. Each part is guarded: nothing raises out of it."""
         self.dispatcher.run_once(timeout)  # never raises
         try:
+            self._republish_after_connect()
+        except Exception as exc:
+            self._internal("republish", None, exc)
+        try:
             self._offline_due()
         except Exception as exc:
             self._internal("offline nodes", None, exc)
@@ -175,6 +180,20 @@ class GatewayService(NodeTopics):
             self._flush()
         except Exception as exc:
             self._internal("flush", None, exc)
+
+    def _republish_after_connect(self) -> None:
+        """After every (re)connect, every job's retained state and Home Assistant's gateway state
+        again, as the connect hook does for availability and discovery: a broker restarted without
+        persistence (Mosquitto's default) has forgotten them, and a finished job's state would never
+        change again to bring them back (the CLI and Home Assistant would show nothing for it)."""
+        connected_at = self._connected_at
+        if connected_at is None or connected_at == self._republished_for or not self.bus.connected:
+            return
+        self._republished_for = connected_at
+        self._dirty.update(job_id for job_id, job in self.jobs.items() if job.accepted)
+        if self.habridge is not None:
+            self.habridge.forget_published()
+        self._flush(force=True)
 
     def shutdown(self) -> None:
         try:

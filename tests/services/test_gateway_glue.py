@@ -256,6 +256,27 @@ def test_an_offline_that_stands_through_the_grace_re_plans(tmp_path):
     assert f"node {victim!r} went offline" in "\n".join(job.events)
 
 
+def test_retained_states_come_back_after_a_broker_that_forgot_them(tmp_path):
+    """Mosquitto without persistence (its default) restarts with no retained message: a finished
+    job's state would never change again to come back, and Home Assistant would show nothing."""
+    h = Harness(tmp_path)
+    job_id, _ = _running(h)
+    h.node_says(m.NodeJobStatus(node_id="a", job_id=job_id, plan_version=1, rank=0, status="completed", step=10,
+                                epoch=0, export_dir="/out", sent_at=1.0), "a")
+    h.pump()
+    state_topic = T.build("job.state", job_id=job_id)
+    assert json.loads(h.broker.retained[state_topic])["phase"] == "completed"
+    h.gw.bus.kill()
+    h.broker.retained.clear()  # the broker restarted empty
+    h.pump()
+    h.gw.bus.reconnect()
+    h.pump()
+    assert json.loads(h.broker.retained[state_topic])["phase"] == "completed"
+    ha_state = json.loads(h.broker.retained["xronos/gateway/state"])
+    assert ha_state["phase"] == "completed" and ha_state["job_id"] == job_id
+    assert h.broker.retained["xronos/gateway/availability"] == b"online"
+
+
 BAD = {
     "malformed": b"{not json",
     "unknown field": json.dumps({"transaction": "b1", "bogus": 1}).encode(),
