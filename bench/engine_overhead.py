@@ -75,7 +75,7 @@ def step_comparison(task: str, dropout: float, layers: int, batch: int, seq: int
     with tempfile.TemporaryDirectory() as tmp:
         _save_checkpoint(Path(tmp), "gpt2-small", layers, task, dropout)
         cls = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
-        hf = cls.from_pretrained(tmp)
+        hf = cls.from_pretrained(tmp, use_safetensors=True)
         eng = _engine_model(Path(tmp), task, (12,), 0, TPGroup.single())
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 50256, (batch, seq), generator=g)

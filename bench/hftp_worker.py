@@ -58,7 +58,7 @@ class HFTP(Baseline):
                           LOCAL_WORLD_SIZE=str(cfg.world_size))
         self.model = AutoModelForSequenceClassification.from_pretrained(
             weights.model_dir, distributed_config=DistributedConfig(tp_size=cfg.world_size), dtype=torch.float32,
-            pad_token_id=rank.facts.pad_token_id)
+            pad_token_id=rank.facts.pad_token_id, use_safetensors=True)
         self.model.train()
         self.opt = adamw(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 

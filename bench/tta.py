@@ -70,7 +70,7 @@ def reference_curve(model_dir: Path, data: Path, *, steps: int, eval_every: int,
     for key in DROPOUT_KEYS:  # no dropout: every strategy then computes the very same updates
         if hasattr(cfg, key):
             setattr(cfg, key, 0.0)
-    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), config=cfg)
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), config=cfg, use_safetensors=True)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def accuracy() -> float:

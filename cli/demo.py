@@ -117,7 +117,7 @@ def check_export(export: Path, rows: list[dict[str, object]], n_train: int) -> f
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    model = AutoModelForSequenceClassification.from_pretrained(str(export)).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(str(export), use_safetensors=True).eval()
     tok = AutoTokenizer.from_pretrained(str(export))
     tail = rows[n_train:]
     correct = 0
