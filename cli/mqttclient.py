@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 import uuid
@@ -105,6 +106,27 @@ def _refusal_text(reason: Any) -> str | None:
     return None
 
 
+class BrokerUnreachable(TimeoutError):
+    """Nothing answers at the broker's address (refused, unknown host): said at once, not after the
+    wait. A TimeoutError, so a caller that retries until the broker is up still does."""
+
+
+def unreachable(host: str, port: int, timeout: float = 2.0) -> str | None:
+    """Why a TCP connection to the broker's address fails for certain, or None (it connects, or only
+    times out: a slow network or a broker still starting is waited for as before)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except ConnectionRefusedError:
+        return f"connection refused: nothing listens on port {port} there (is the broker running, on this port?)"
+    except socket.gaierror as exc:
+        return f"unknown host {host!r} ({exc.strerror})"
+    except OSError as exc:
+        if isinstance(exc, TimeoutError) or exc.errno is None:
+            return None
+        return exc.strerror or str(exc)
+
+
 class GatewayClient:
     """Requests on {base}/gateway/request/<name>, answers matched by transaction."""
 
@@ -121,6 +143,14 @@ class GatewayClient:
             inner(client, userdata, flags, reason, props)
 
         self.bus.client.on_connect = on_connect
+        # paho retries a failed socket connect in the background and says no more than that it failed
+        self._connect_failed = False
+        self._ever_connected = False
+
+        def on_connect_fail(_client: Any, _userdata: Any) -> None:
+            self._connect_failed = True
+
+        self.bus.client.on_connect_fail = on_connect_fail
         self.bus.subscribe(self.table.filter("gateway.response"))
         self.bus.start()
 
@@ -141,8 +171,16 @@ class GatewayClient:
             if self.refused:
                 who = f" as user {user!r}" if user else " without a user name"
                 raise NotAuthorised(f"MQTT broker at {where}{who}: {self.refused}")
+            # Before the first connection only: a client that was connected waits out a broker restart.
+            if self._connect_failed and not self._ever_connected:
+                self._connect_failed = False
+                why = unreachable(self.bus.settings.host, self.bus.settings.port,
+                                  timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+                if why is not None:
+                    raise BrokerUnreachable(f"cannot reach the MQTT broker at {where}: {why}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cannot reach the MQTT broker at {where} (no answer within {timeout:.0f} s)")
+        self._ever_connected = True
 
     def request(self, name: str, timeout: float, **fields: Any) -> dict[str, Any] | list[Any]:
         """The response's data; ValueError with the gateway's error text, TimeoutError if silent."""

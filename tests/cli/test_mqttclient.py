@@ -55,3 +55,30 @@ def test_config_keys_of_the_service_are_not_the_clients_business(tmp_path, monke
     with pytest.raises(TimeoutError):
         main(["nodes", "--config", str(conf), "--port", "1885"])
     assert (seen["settings"].host, seen["settings"].port, seen["base"]) == ("10.0.0.2", 1885, "lab")
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, never listening, then closed: a port nothing answers on
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("where, words", [
+    (["--port", "CLOSED"], "connection refused: nothing listens on port"),
+    (["--host", "no-such-broker.invalid"], "unknown host 'no-such-broker.invalid'"),
+])
+def test_a_broker_address_nothing_answers_on_is_said_at_once(capsys, where, words):
+    # Said with its reason, not as "no answer within 10 s" after the wait (the other message).
+    where = [str(_closed_port()) if w == "CLOSED" else w for w in where]
+    assert main(["nodes", *where, "--timeout", "30"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "xronos nodes: error: cannot reach the MQTT broker at" in err[0] and words in err[0], err
+
+
+def test_an_unreachable_broker_is_a_timeout_to_callers_that_retry():
+    from xronos.cli.mqttclient import BrokerUnreachable, unreachable
+
+    assert issubclass(BrokerUnreachable, TimeoutError)  # LocalStack.wait_nodes retries on TimeoutError
+    assert "connection refused" in unreachable("127.0.0.1", _closed_port())
