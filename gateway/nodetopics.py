@@ -35,9 +35,6 @@ class NodeTopics:
     ha: ha.HAContext | None
     rebal: Any
     offline: OfflineGrace | None  # None: a node's "offline" reaches its jobs at once
-    _connected_at: float | None  # the bus's latest connect, as the connect hook saw it
-    _connect_seen: float | None
-    _seen_disconnected: bool
 
     @staticmethod
     def _same_node(claimed: str, params: dict[str, str]) -> None:
@@ -67,18 +64,9 @@ class NodeTopics:
 
     def _offline_due(self) -> None:
         """Tell the jobs of the nodes whose "offline" has stood through its grace (gateway/offline.py)."""
-        if self.offline is None:
+        if self.offline is None or not self.bus.connected:
             return
-        now = time.monotonic()
-        if not self.bus.connected:
-            self._seen_disconnected = True
-            return
-        # Back (this loop saw the bus down, or the connect hook ran since): the nodes get their settle
-        # time from now. Both signs, because the bus says "connected" a moment before its hook runs.
-        if self._seen_disconnected or self._connected_at != self._connect_seen:
-            self._seen_disconnected, self._connect_seen = False, self._connected_at
-            self.offline.reconnected(now)
-        for node in self.offline.due(now, True):
+        for node in self.offline.due(time.monotonic(), True):
             info = self.reg.get(node)
             if info is not None and info.online:  # back meanwhile (the registry heard it)
                 continue

@@ -90,8 +90,7 @@ class GatewayService(NodeTopics):
                                     settle_s=float(cfg.broker.reconnect_max_s + cfg.broker.keepalive)) \
             if cfg.offline_grace_s > 0 else None
         self._connected_at: float | None = None  # set by the connect hook (network thread)
-        self._connect_seen: float | None = None
-        self._republished_for: float | None = None  # the connect whose retained states went out again
+        self._connect_seen: float | None = None  # the latest connect the control loop has handled
         self._seen_disconnected = False
         self.ha = ha.HAContext(cfg.base_topic, cfg.gateway_id, cfg.homeassistant.discovery_prefix) \
             if cfg.homeassistant.enabled else None
@@ -161,9 +160,10 @@ class GatewayService(NodeTopics):
         """One turn of the control loop. Each part is guarded: nothing raises out of it."""
         self.dispatcher.run_once(timeout)  # never raises
         try:
-            self._republish_after_connect()
+            if self._reconnected():
+                self._after_connect()
         except Exception as exc:
-            self._internal("republish", None, exc)
+            self._internal("reconnect", None, exc)
         try:
             self._offline_due()
         except Exception as exc:
@@ -181,15 +181,26 @@ class GatewayService(NodeTopics):
         except Exception as exc:
             self._internal("flush", None, exc)
 
-    def _republish_after_connect(self) -> None:
-        """After every (re)connect, every job's retained state and Home Assistant's gateway state
-        again, as the connect hook does for availability and discovery: a broker restarted without
-        persistence (Mosquitto's default) has forgotten them, and a finished job's state would never
-        change again to bring them back (the CLI and Home Assistant would show nothing for it)."""
-        connected_at = self._connected_at
-        if connected_at is None or connected_at == self._republished_for or not self.bus.connected:
-            return
-        self._republished_for = connected_at
+    def _reconnected(self) -> bool:
+        """Whether the bus (re)connected since the last turn: this loop saw it down, or the connect
+        hook ran since. Both signs, because the bus says "connected" a moment before its hook runs
+        (so one reconnect may count twice: what follows it is idempotent)."""
+        if not self.bus.connected:
+            self._seen_disconnected = True
+            return False
+        if self._seen_disconnected or self._connected_at != self._connect_seen:
+            self._seen_disconnected, self._connect_seen = False, self._connected_at
+            return True
+        return False
+
+    def _after_connect(self) -> None:
+        """The nodes get their settle time from now (gateway/offline.py). And every job's retained
+        state and Home Assistant's gateway state go out again, as the connect hook does for
+        availability and discovery: a broker restarted without persistence (Mosquitto's default)
+        has forgotten them, and a finished job's state would never change again to bring them back
+        (the CLI and Home Assistant would show nothing for it)."""
+        if self.offline is not None:
+            self.offline.reconnected(time.monotonic())
         self._dirty.update(job_id for job_id, job in self.jobs.items() if job.accepted)
         if self.habridge is not None:
             self.habridge.forget_published()

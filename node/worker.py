@@ -9,7 +9,6 @@ and writes the metrics JSON (`--metrics`) and the export. (`--rebalance` runs th
 
 from __future__ import annotations
 
-
 from xronos.node.relayout import ScheduledReshards
 from xronos.node.runconfig import RunConfig
 from xronos.node.runtime import LocalFiles, MetricsFile, main_process, read_settings, run
