@@ -9,7 +9,8 @@ rank's layout and its whole-run resident high-water mark (`raw.memory[r].peak_rs
 prediction is what the bench's planner computes for that rank (`bench/strategies.tp_plan`: rank 0
 the owner, no export: the timed runs export nothing), recomputed with the cost model of this
 checkout, so a change to the model can be checked against every measured cell without re-running
-it. `--terms` adds the prediction's terms per rank (MiB): the process R, the model's tensors M,
+it. `--terms` adds the prediction's terms per rank (MiB): the process R, the model's tensors M
+(Eq. 9 less the smaller of the activations and the gradients),
 the temporary T, loading's buffer L, the heap's holes H and the owner's data stack O.
 
 `--remeasured DIR` takes the fields whose measurement changed with profiler version 8 (each
@@ -20,6 +21,14 @@ speed, so the cell's measured peaks stay comparable. Version 9 measures the same
 probes' depths drawn three times, medians): `bench/results/mem-profiles-v9`, from the cells'
 1-block checkpoints (`bench.workloads.write_checkpoint`: dropout 0, which `--arch` shapes do not
 have and which shifts the holes), `mem-peak-v9.md`.
+
+`--rerun OUT.json` measures the peaks afresh instead: every distinct layout of every cell's TP
+strategies trained by real `xronos run` ranks of this checkout (`bench/mem_peak.measure`: the
+cell's shape, depth, batch and sequence length, 6 steps, no clipping, as the grid's ranks), each
+rank's highest resident set outside the export (the grid's timed runs export nothing) kept in
+OUT.json; `--measured OUT.json` then compares the predictions with those peaks, not the cell's
+recorded ones — for a change of what a rank holds (mem-peak-v10.md: the loader's file maps), which
+the cells' recorded peaks predate. A few minutes per cell.
 """
 
 from __future__ import annotations
@@ -50,9 +59,59 @@ def remeasured(report: dict, fresh: dict) -> dict:
         "heap_slack_bytes", "heap_slack_block_bytes", "heap_slack_small_bytes", "heap_slack_small_counts")}}
 
 
-def cell_rows(doc: dict, fresh: dict | None = None) -> list[dict]:
+def tp_layouts(doc: dict) -> dict[str, str]:
+    """Each TP strategy of a cell with measured peaks -> its layout as `xronos run --layout` text."""
+    from xronos.protocol.layout import KINDS
+
+    out = {}
+    for strategy, res in doc["strategies"].items():
+        raw = res.get("raw") if isinstance(res, dict) else None
+        if isinstance(raw, dict) and "memory" in raw and "ranks" in raw and strategy not in LORA_STRATEGIES:
+            out[strategy] = ";".join(f"{k}=" + ",".join(str(r[k]) for r in raw["ranks"]) for k in KINDS)
+    return out
+
+
+def rerun(paths: list[Path], out: Path) -> dict:
+    """Measure every distinct TP layout of each cell on real ranks (see the module docstring)."""
+    import tempfile
+
+    from xronos.bench.mem_peak import measure
+    from xronos.bench.workloads import get_shape, shape_config, write_checkpoint, write_dataset
+
+    steps = 6
+    found = json.loads(out.read_text()) if out.is_file() else {}
+    for path in paths:
+        doc = json.loads(path.read_text())
+        spec, cell = doc["spec"], path.stem
+        batch, seq = spec["batch_size"], spec["seq_len"]
+        layouts = tp_layouts(doc)
+        if not layouts or cell in found:
+            continue
+        with tempfile.TemporaryDirectory(prefix="xronos-memgrid-") as tmp:
+            work = Path(tmp)
+            model_dir = write_checkpoint(work / "model", shape_config(spec["model"], spec.get("blocks")))
+            data = write_dataset(work / "data.jsonl", batch * (steps + 2), seq, get_shape(spec["model"])["vocab_size"])
+            done: dict[str, list[int]] = {}
+            peaks = {}
+            for strategy, text in layouts.items():
+                if text not in done:
+                    run = work / f"run{len(done)}"
+                    run.mkdir()
+                    res = measure(model_dir, data, "classify", text, len(text.split(";")[0].split(",")),
+                                  batch=batch, seq=seq, steps=steps, work=run, clip=False,
+                                  profile_json=RESULTS / "mem-profiles-v9" / f"{spec['model']}_s{seq}.json")
+                    done[text] = [row["train_peak"] for row in res["rows"]]
+                    print(f"{cell} {strategy}: {[round(p / MiB) for p in done[text]]} MiB "
+                          f"(load {res['loadavg'][0]:.1f})", file=sys.stderr, flush=True)
+                peaks[strategy] = done[text]
+        found[cell] = peaks
+        out.write_text(json.dumps(found, indent=1))  # a cell at a time: a long run keeps what it measured
+    return found
+
+
+def cell_rows(doc: dict, fresh: dict | None = None, peaks: dict | None = None) -> list[dict]:
     """One row per (TP strategy, rank) of a cell with measured peaks: predicted, measured, terms."""
-    from xronos.gateway.costmodel import KINDS, heap_slack, node_cost, predict_memory
+    from xronos.gateway.costmodel import KINDS, heap_slack, node_cost, not_coexisting, predict_memory
     from xronos.gateway.profiles import node_profile
     from xronos.protocol.messages import ProfileReport
 
@@ -67,7 +126,7 @@ def cell_rows(doc: dict, fresh: dict | None = None) -> list[dict]:
         counts = {k: [raw["ranks"][r][k] for r in range(n)] for k in KINDS}
         sizes = {k: sum(v) for k, v in counts.items()}
         for r in range(n):
-            measured = (raw["memory"][r] or {}).get("peak_rss_bytes")
+            measured = (raw["memory"][r] or {}).get("peak_rss_bytes") if peaks is None else peaks[strategy][r]
             if not measured:
                 continue
             raw_report = doc["profiles"][names[r]][key]
@@ -77,7 +136,7 @@ def cell_rows(doc: dict, fresh: dict | None = None) -> list[dict]:
             pred = predict_memory(node, shares)
             temp = max([node.temp_repl] + [node.kind(k).temp_slope * shares[k] for k in KINDS])
             load = max([node.load_repl] + [node.kind(k).load_slope * shares[k] for k in KINDS])
-            model = node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS)
+            model = node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS) - not_coexisting(node, shares)
             rows.append(dict(cell=doc["spec"].get("cell_name"), strategy=strategy, rank=r, device=names[r],
                              layout={k: counts[k][r] for k in KINDS}, predicted=pred, measured=measured,
                              error=100 * (pred - measured) / measured,
@@ -106,9 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--terms", action="store_true", help="print the prediction's terms per rank")
     ap.add_argument("--remeasured", help="a directory of fresh profiles (<model>_s<seq>.json) for the "
                     "fields profiler version 8 measures differently; cells without one are skipped")
+    ap.add_argument("--rerun", metavar="OUT.json", help="measure every cell's TP layouts afresh on real ranks "
+                    "into OUT.json (cells already in it are kept), then compare with those peaks")
+    ap.add_argument("--measured", metavar="OUT.json", help="compare with the peaks a --rerun measured")
     args = ap.parse_args(argv)
     errs = []
+    measured = None
+    if args.rerun:
+        measured = rerun(cell_files(args.cells), Path(args.rerun))
+    elif args.measured:
+        measured = json.loads(Path(args.measured).read_text())
     for path in cell_files(args.cells):
+        if measured is not None and path.stem not in measured:
+            print(f"## {path.stem}: skipped (not re-measured)")
+            continue
         doc = json.loads(path.read_text())
         fresh = None
         if args.remeasured:
@@ -119,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"## {path.stem}: skipped (no {fp.name})")
                 continue
             fresh = json.loads(fp.read_text())
-        rows = cell_rows(doc, fresh)
+        rows = cell_rows(doc, fresh, None if measured is None else measured[path.stem])
         if not rows:
             continue
         e = [row["error"] for row in rows]

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from xronos.gateway.costmodel import node_cost
+from xronos.gateway.costmodel import node_cost, not_coexisting, tied
 from xronos.gateway.planner import STRATEGIES, plan
 from xronos.protocol.layout import KINDS
 from xronos.gateway.profiles import memory_cap, node_profile
@@ -99,8 +99,10 @@ def tight_reports(n: int, seed: int, units: int = 16) -> list[ProfileReport]:
     """Nodes whose memory is about their fair share of the model, the fast ones the tightest."""
     rng = random.Random(seed)
     probe = node_cost(node_profile(synthetic_report("probe", units=units)))
-    model = sum(probe.kind(k).mem_slope for k in KINDS)
-    fixed = probe.mem_repl + 2 * max(probe.temp_repl, *(probe.kind(k).temp_slope for k in KINDS))
+    # the partitioned model's bytes at share 1, as predict_memory counts them (less what never coexists)
+    model = sum(probe.kind(k).mem_slope for k in KINDS) - (
+        not_coexisting(probe, tied(1.0)) - not_coexisting(probe, tied(0.0)))
+    fixed = probe.mem_repl - not_coexisting(probe, tied(0.0)) + 2 * max(probe.temp_repl, *(probe.kind(k).temp_slope for k in KINDS))
     out = []
     for d in range(n):
         slow = rng.uniform(1, 4)

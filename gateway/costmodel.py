@@ -46,7 +46,7 @@ largest partitioned temporary buffer at share 1 — Eq. 10's max over layers, ne
 **Peak memory.** What the kernel counts (and a cgroup caps) is the rank's resident set, which
 holds more than Eq. 8's tensors; `predict_memory` predicts that peak:
 
-    peak = R + M + max(L, H)    L = max(L_repl, max_k l_k * s_k)
+    peak = R + M - min(A, G) + max(L, H)    L = max(L_repl, max_k l_k * s_k)
 
 `R` = the profile's `runtime_bytes`, the process without any model once warm (Python, torch,
 its kernels and thread pools; measured, not assumed); `l_k` = the kind's largest single
@@ -69,6 +69,15 @@ vocabulary's layers left out), one block each: linear between them, flat below t
 Loading's buffer and training's holes are the same free space — training's blocks fill the
 loading buffer's gap where they fit — hence the max, not a sum: a GPT-2-medium rank's heap held
 49 MiB free at the end of its steps, with L = 49 and H = 51 MiB predicted.
+`A` and `G` are the rank's saved activations and its gradients (the M_a and the gradient part of
+M_w above, summed at its shares): Eq. 9 counts both, but they are not resident together — backward
+frees each block's saved activations as it makes that block's gradients, so the live set runs from
+all of A (backward's start) to all of G (its end, the step) and its peak is the larger, the
+smaller never being added. Measured on the trainer's iteration (`node/heapprobe.py`, in use at its
+peak, 1/4/6 blocks at the smallest profiled width): each further block added exactly its M_w, 48.2
+MiB per GPT-2-medium block (M_w 48.1, M_a 7.0) and 27.1 per RoBERTa-base block at seq 64 (M_w 27.1,
+M_a 10.5, larger than its gradients: the embedding's and the head's gradients make G the larger
+in total); bench/results/mem-peak-v10.md.
 Measured on real `xronos run` ranks (`python -m xronos.bench.mem_peak`), this is within
 a few percent of VmHWM; the optimizer state is allocated at build (`node/optstate.py`) and the
 clipping pass is chunked (`node/gradnorm.py`), without which neither term would hold.
@@ -131,6 +140,8 @@ class KindCost:
     temp_slope: float  # largest M_t of the kind's partitioned layers at share 1
     load_slope: float = 0.0  # largest single partitioned parameter of the kind at share 1
     work_slope: float = 0.0  # M_a + M_t + gradients of the kind's partitioned layers at share 1, one block (holes' scale)
+    act_slope: float = 0.0  # the M_a in mem_slope (A's slope)
+    grad_slope: float = 0.0  # the gradients in mem_slope (G's slope)
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,8 @@ class NodeCost:
     # every weight in full fine-tuning, the adapters and a head in LoRA's adapter-only export
     # (`node.models.adapters.exported`). Both give the same peak for full fine-tuning.
     export_all: bool = True
+    act_repl: float = 0.0  # the M_a in mem_repl (A's replicated part)
+    grad_repl: float = 0.0  # the gradients in mem_repl (G's replicated part)
 
     def kind(self, kind: str) -> KindCost:
         if kind not in KINDS:
@@ -240,8 +253,8 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
     """Fold a profile into per-kind coefficients (Eq. 6, 7, 9, 10 grouped by kind)."""
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
-    acc = {k: [0.0] * 7 for k in KINDS}  # fixed, icpt, slope, mem, temp, load, work
-    const = mem_repl = temp_repl = load_repl = weights_full = largest_full = work_repl = 0.0
+    acc = {k: [0.0] * 9 for k in KINDS}  # fixed, icpt, slope, mem, temp, load, work, act, grad
+    const = mem_repl = temp_repl = load_repl = weights_full = largest_full = work_repl = act_repl = grad_repl = 0.0
     measured = all(layer.param_bytes > 0 for layer in profile.layers)
     trained_full = resident_all = acts_all = 0.0
     for layer in profile.layers:
@@ -276,8 +289,12 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
             a[4] = max(a[4], layer.temp_bytes)  # Eq. 10: a max, not a sum
             a[5] = max(a[5], layer.load_bytes)
             a[6] += work
+            a[7] += mult * layer.activation_bytes
+            a[8] += mult * trained
             continue
         mem_repl += mult * resident
+        act_repl += mult * layer.activation_bytes
+        grad_repl += mult * trained
         temp_repl = max(temp_repl, layer.temp_bytes)
         load_repl = max(load_repl, layer.load_bytes)
         work_repl += work
@@ -301,7 +318,8 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
                     trained_full, trained_full / resident_all if resident_all > 0 else 0.25,
                     act_fraction=acts_all / resident_all if resident_all > 0 else 0.0,
                     heap_slack=profile.heap_slack + depth * profile.heap_slack_block,
-                    work_repl=work_repl, small_slack=small_slack, small_work=small_work)
+                    work_repl=work_repl, small_slack=small_slack, small_work=small_work,
+                    act_repl=act_repl, grad_repl=grad_repl)
 
 
 def kind_time(kc: KindCost, s: float) -> float:
@@ -331,14 +349,23 @@ def predict_time(node: NodeCost, shares: Shares) -> float:
 
 def predict_memory(node: NodeCost, shares: Shares) -> float:
     """The rank's peak resident set, in bytes: M_total (Eq. 8) = M_w + M_a (Eq. 9, per kind) +
-    M_t (Eq. 10's max), plus the process without its model and loading's largest buffer (see
-    the module docstring, "Peak memory")."""
+    M_t (Eq. 10's max), less what never coexists (the smaller of the activations and the
+    gradients), plus the process without its model and loading's largest buffer (see the module
+    docstring, "Peak memory")."""
     _check_shares(shares)
     temp = max([node.temp_repl] + [node.kind(k).temp_slope * shares[k] for k in KINDS])
     load = max([node.load_repl] + [node.kind(k).load_slope * shares[k] for k in KINDS])
     model = node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS)
-    train = node.mem_runtime + model + temp + max(load, heap_slack(node, shares))
+    train = node.mem_runtime + model - not_coexisting(node, shares) + temp + max(load, heap_slack(node, shares))
     return owner_peak(node, model, train, shares) if node.owner else train
+
+
+def not_coexisting(node: NodeCost, shares: Shares) -> float:
+    """min(A, G): the smaller of the rank's saved activations and its gradients, which Eq. 9
+    counts beside the larger but which is never resident with all of it (module docstring)."""
+    acts = node.act_repl + sum(node.kind(k).act_slope * shares[k] for k in KINDS)
+    grads = node.grad_repl + sum(node.kind(k).grad_slope * shares[k] for k in KINDS)
+    return min(acts, grads)
 
 
 HOLE_KINDS = ("attn", "mlp")  # the kinds whose transient bytes scale the heap's holes (not the vocabulary's)

@@ -52,7 +52,12 @@ class KindModel:
         self.f = [kc.fixed_s for kc in kcs]
         self.c = [kc.fixed_s + kc.icpt_s for kc in kcs]  # time of the first share above 0
         self.b = [kc.slope_s for kc in kcs]
-        self.ms = [kc.mem_slope for kc in kcs]
+        # M_w alone (weights, gradients, moments): with the activations' part apart, the linear
+        # memory the relaxations and room estimates use is a lower bound of costmodel.predict_memory
+        # (which adds max(0, A - G), see Problem.mem), so the bounds stay bounds.
+        self.ms = [kc.mem_slope - kc.act_slope for kc in kcs]
+        self.ma = [kc.act_slope for kc in kcs]
+        self.mg = [kc.grad_slope for kc in kcs]
         self.mt = [kc.temp_slope for kc in kcs]
         self.lim = [self.W] * len(nodes)  # alone caps, set by the problem
         self.floor = max(self.f)
@@ -150,7 +155,7 @@ class Problem(IntegerTest):
         self.nodes, self.sizes, self.caps, self.quanta = list(nodes), sizes, list(caps), quanta
         self.n = len(nodes)
         self.kinds = [KindModel(k, sizes, nodes, quanta) for k in KINDS]
-        self.base = [nd.mem_runtime + nd.mem_repl for nd in nodes]
+        self.base = [nd.mem_runtime + nd.mem_repl - nd.act_repl for nd in nodes]
         # loading's largest buffer: replicated, then per kind at share 1 (a max, like M_t)
         self.load = [(nd.load_repl, *(nd.kind(k).load_slope for k in KINDS)) for nd in nodes]
         self.t0 = [nd.temp_repl for nd in nodes]
@@ -159,6 +164,9 @@ class Problem(IntegerTest):
         self._qt = [(kd.q, kd.total) for kd in self.kinds]
         self._row = [(self.base[d], ka.ms[d], km.ms[d], kv.ms[d], ka.mt[d], km.mt[d], kv.mt[d], self.t0[d],
                       self.caps[d]) for d in range(self.n)]
+        # the activations' and the gradients' (repl, attn, mlp, vocab) coefficients: A and G
+        self._ag = [((nd.act_repl, ka.ma[d], km.ma[d], kv.ma[d]), (nd.grad_repl, ka.mg[d], km.mg[d], kv.mg[d]))
+                    for d, nd in enumerate(nodes)]
         # Nodes that cannot even hold the replicated layers make every plan infeasible.
         self.short = [d for d in range(self.n) if self.mem(d, (0, 0, 0)) > self.caps[d]]
         if not self.short:
@@ -180,14 +188,18 @@ class Problem(IntegerTest):
         a, m, v = w
         sa, sm, sv = min(a * qa, ta) / ta, min(m * qm, tm) / tm, min(v * qv, tv) / tv
         part = ma * sa + mm * sm + mv * sv
+        (a0, aa, am, av), (g0, ga, gm, gv) = self._ag[d]
+        acts = a0 + aa * sa + am * sm + av * sv
+        grads = g0 + ga * sa + gm * sm + gv * sv
         temp = max(t0, xa * sa, xm * sm, xv * sv)
         l0, la, lm, lv = self.load[d]
         nd = self.nodes[d]
         shares = {"attn": sa, "mlp": sm, "vocab": sv}
-        train = base + part + temp + max(l0, la * sa, lm * sm, lv * sv, heap_slack(nd, shares))
+        # base + part + A - min(A, G): predict_memory's model term
+        train = base + part + max(0.0, acts - grads) + temp + max(l0, la * sa, lm * sm, lv * sv, heap_slack(nd, shares))
         if not nd.owner:
             return train
-        return owner_peak(nd, nd.mem_repl + part, train, shares)
+        return owner_peak(nd, nd.mem_repl - a0 + part + acts, train, shares)
 
     def fits(self, d: int, w: Sequence[int]) -> bool:
         return self.mem(d, w) <= self._row[d][8]

@@ -206,14 +206,20 @@ def _check(nodes: Sequence[NodeCost], sizes: Sizes, strategy: str, caps: Sequenc
         raise ValueError(f"comm_s must be finite and >= 0, got {comm_s}")
     for n in nodes:
         values = {"const_s": n.const_s, "mem_repl": n.mem_repl, "temp_repl": n.temp_repl,
-                  "mem_runtime": n.mem_runtime, "load_repl": n.load_repl}
+                  "mem_runtime": n.mem_runtime, "load_repl": n.load_repl, "act_repl": n.act_repl,
+                  "grad_repl": n.grad_repl}
         for k in KINDS:
             kc = n.kind(k)
-            for f in ("fixed_s", "icpt_s", "slope_s", "mem_slope", "temp_slope", "load_slope"):
+            for f in ("fixed_s", "icpt_s", "slope_s", "mem_slope", "temp_slope", "load_slope", "act_slope",
+                      "grad_slope"):
                 values[f"{k}.{f}"] = getattr(kc, f)
         for f, v in values.items():
             if not (v >= 0 and math.isfinite(v)):  # monotone costs are what make the search exact
                 raise ValueError(f"node {n.node_id}: {f} must be finite and >= 0, got {v}")
+        for f, part, whole in [("act_repl", n.act_repl, n.mem_repl), ("grad_repl", n.grad_repl, n.mem_repl)] + [
+                (f"{k}.{f}", getattr(n.kind(k), f), n.kind(k).mem_slope) for k in KINDS for f in ("act_slope", "grad_slope")]:
+            if part > whole:  # parts of Eq. 9's M_w + M_a: the planner's M_w alone must stay >= 0
+                raise ValueError(f"node {n.node_id}: {f} ({part}) exceeds the memory it is part of ({whole})")
     for n, c in zip(nodes, caps):
         if not (c >= 0 and math.isfinite(c)):
             raise ValueError(f"node {n.node_id}: memory cap must be finite and >= 0, got {c}")

@@ -1,7 +1,12 @@
 """Filling a meta-device TPModel: slice reads from safetensors, or seeded random weights.
 
 A rank reads only its own slices (`safe_open(...).get_slice(name)[...]`), so its peak memory is its
-shard plus the replicated layers. The loader sits behind `ShardSource.read(spec)`, so the owner
+shard plus the replicated layers. Each read maps the file only for that read: safetensors reads
+through a memory map of the whole file, and the pages a read touches count in the process's
+resident set for as long as the map lives — a column slice touches every page of its tensor, so one
+map held over the whole load made every rank resident in the whole checkpoint's blocks (a GPT-2-
+medium rank without vocabulary rows: 317 MiB of file pages at the end of its build, its peak,
+against 396 MiB of its own tensors; bench/results/mem-peak-v10.md). The loader sits behind `ShardSource.read(spec)`, so the owner
 can stream slices over Gloo instead (a second source with the same protocol).
 """
 
@@ -83,18 +88,19 @@ class SafetensorsSource:
             files = checkpoint_files(self.model_dir, allowed_dirs)
         except FileNotFoundError:
             raise ValueError(f"no model.safetensors or model.safetensors.index.json in {self.model_dir}") from None
-        self._handles: dict[str, Any] = {}
         self._where: dict[str, str] = {}
         for fname in files:
-            path = self.model_dir / fname
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except Exception as e:  # safetensors raises its own error types
-                raise ValueError(f"unreadable safetensors file {path}: {e}") from e
-            self._handles[fname] = handle
-            self._where.update((k, fname) for k in handle.keys())
+            with self._open(fname) as handle:
+                self._where.update((k, fname) for k in handle.keys())
         self.slice_reads = 0  # counters let tests prove no whole partitioned tensor is read
         self.full_reads = 0
+
+    def _open(self, fname: str) -> Any:
+        path = self.model_dir / fname
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"unreadable safetensors file {path}: {e}") from e
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -115,7 +121,10 @@ class SafetensorsSource:
         key = self.resolve(spec.hf_name)
         if key is None:
             raise MissingTensorError(f"tensor {spec.hf_name} not found in {self.model_dir}")
-        sl = self._handles[self._where[key]].get_slice(key)
+        with self._open(self._where[key]) as handle:  # the map, and its touched pages, go at the end
+            return self._read(handle.get_slice(key), key, spec)
+
+    def _read(self, sl: Any, key: str, spec: TensorSpec) -> torch.Tensor:
         shape = tuple(sl.get_shape())
         if shape != spec.full_shape:
             raise ValueError(f"tensor {key} in {self.model_dir} has shape {list(shape)}, "

@@ -35,11 +35,12 @@ def test_segments_by_hand():
     node = node_cost(PROFILE, fit="affine")
     # The block remainder (2 x 0.05) splits between the attention and the MLP segment.
     # no load_bytes; transient bytes of one block, M_a + M_t + gradients (no param_bytes: M_w / 4):
-    # 40 + 80 + 50
-    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80, 0, 170))
+    # 40 + 80 + 50; then the activations (M_a) and the gradients in M_w (M_w / 4), B = 2 blocks
+    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80, 0, 170, 2 * 40, 2 * 50))
     assert node.mlp.fixed_s == pytest.approx(0.05) and node.mlp.icpt_s == pytest.approx(0.1)
     assert node.mlp.slope_s == pytest.approx(1.0) and node.mlp.mem_slope == 2 * 460
-    assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50, 0, 85))  # exactly linear: intercept 0
+    assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50, 0, 85, 10, 25))  # exactly linear: intercept 0
+    assert (node.act_repl, node.grad_repl) == pytest.approx((2 * 4 + 6, 2 * 2 + 15))
     assert (node.const_s, node.mem_repl, node.temp_repl) == (0.2, 2 * 12 + 66, 70)
     seg = segment_times(node, SH)
     assert seg["attn"] == pytest.approx(0.05 + 0.05 + 0.6 * 0.25)
@@ -65,10 +66,33 @@ def test_eq8_9_10_memory_by_hand():
     # Per kind: M_w + M_a scale with the kind's own share; M_t is the largest buffer, not a sum.
     # attn 0.25: 2*240*0.25 = 120; mlp 0.5: 2*460*0.5 = 460; vocab 0.75: 110*0.75 = 82.5;
     # replicated: 2*(8+4) + 66 = 90; M_t = max(70, 30, 80*0.25, 90*0.5, 50*0.75) = 70.
-    assert predict_memory(node, SH) == pytest.approx(120 + 460 + 82.5 + 90 + 70)
-    # Whole model: M_t = max(70, 80, 90, 50) = 90.
-    assert memory_at(node, 1.0) == pytest.approx(480 + 920 + 110 + 90 + 90)
-    assert memory_at(node, 0.0) == pytest.approx(90 + 70)
+    # Less the smaller of the activations A and the gradients G (M_w / 4), never resident together:
+    # A = 2*4 + 6 + 2*40*0.25 + 2*60*0.5 + 10*0.75 = 101.5; G = 2*2 + 15 + 100*0.25 + 200*0.5 + 25*0.75 = 162.75
+    assert predict_memory(node, SH) == pytest.approx(120 + 460 + 82.5 + 90 + 70 - 101.5)
+    # Whole model: M_t = max(70, 80, 90, 50) = 90; A = 14 + 80 + 120 + 10 = 224 < G = 19 + 100 + 200 + 25
+    assert memory_at(node, 1.0) == pytest.approx(480 + 920 + 110 + 90 + 90 - 224)
+    assert memory_at(node, 0.0) == pytest.approx(90 + 70 - 14)
+
+
+def test_activations_and_gradients_count_the_larger_not_both():
+    """Backward frees each block's activations as it makes its gradients: the peak holds all of
+    the larger, never both (heapprobe's in-use peaks grew by M_w per block, mem-peak-v10.md)."""
+    from dataclasses import replace
+
+    grads_heavy = node_cost(PROFILE)  # G > A at any share
+    acts_heavy = replace(grads_heavy, attn=replace(grads_heavy.attn, act_slope=400.0, mem_slope=2 * 200 + 400))
+    for node in (grads_heavy, acts_heavy):
+        for sh in (SH, {"attn": 1.0, "mlp": 0.0, "vocab": 0.0}, {"attn": 0.0, "mlp": 1.0, "vocab": 1.0}):
+            acts = node.act_repl + sum(node.kind(k).act_slope * sh[k] for k in SH)
+            grads = node.grad_repl + sum(node.kind(k).grad_slope * sh[k] for k in SH)
+            both = predict_memory(replace(node, act_repl=0, grad_repl=0, **{
+                k: replace(node.kind(k), act_slope=0.0, grad_slope=0.0) for k in SH}), sh)
+            assert predict_memory(node, sh) == pytest.approx(both - min(acts, grads))
+    # An activation-heavy attention at full share: A (14 + 400) > G (19 + 100): G is what is dropped.
+    full_attn = {"attn": 1.0, "mlp": 0.0, "vocab": 0.0}
+    assert predict_memory(acts_heavy, full_attn) == pytest.approx(
+        predict_memory(replace(acts_heavy, act_repl=0, grad_repl=0, attn=replace(acts_heavy.attn, act_slope=0, grad_slope=0)),
+                       full_attn) - (19 + 100))
 
 
 def test_affine_time_pays_intercept_only_with_a_share():

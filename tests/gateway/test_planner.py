@@ -1,6 +1,7 @@
 """Planner: `segment` == exhaustive search over every per-kind split (binding caps included), the
 proven lower bound, `paper` == the head-tied optimum, `uniform`, infeasibility, bad input."""
 
+from dataclasses import replace
 import itertools
 import math
 import random
@@ -89,6 +90,48 @@ def test_segment_equals_exhaustive_search_on_random_instances():
         seen["coupled" if res.search.coupled else "separable"] += 1
     # The generator exercises every outcome, binding caps (coupled search) included.
     assert min(seen.values()) >= 40, seen
+
+
+def with_activations(rng, nd):
+    """`nd` with part of each memory term its activations and part its gradients (never both
+    resident: costmodel.not_coexisting), in random proportions, so A > G on some and A < G on others."""
+    def split(kc_):
+        act = rng.uniform(0, kc_.mem_slope)
+        return replace(kc_, act_slope=act, grad_slope=rng.uniform(0, kc_.mem_slope - act))
+    act = rng.uniform(0, nd.mem_repl)
+    return replace(nd, attn=split(nd.attn), mlp=split(nd.mlp), vocab=split(nd.vocab), act_repl=act,
+                   grad_repl=rng.uniform(0, nd.mem_repl - act))
+
+
+def test_segment_equals_exhaustive_search_with_activations_apart_from_gradients():
+    """The memory is then S + max(A, G): not linear per kind; the planner's linear part is only a
+    lower bound of it, and its exact test must still match the exhaustive search."""
+    from xronos.gateway.costmodel import predict_memory
+
+    rng = random.Random(4321)
+    seen = {"infeasible": 0, "coupled": 0, "separable": 0}
+    for _ in range(150):
+        nodes, sizes, caps = random_instance(rng)
+        nodes = [with_activations(rng, nd) for nd in nodes]
+        pb = PM.Problem(nodes, sizes, caps, Q)
+        for d, nd in enumerate(nodes):
+            w = tuple(rng.randint(0, kd.W) for kd in pb.kinds)
+            sh = {k: pb.kinds[i].share(w[i]) for i, k in enumerate(KINDS)}
+            assert pb.mem(d, w) == pytest.approx(predict_memory(nd, sh), rel=1e-12)
+        best = brute_force(nodes, sizes, caps)
+        if best == math.inf:
+            seen["infeasible"] += 1
+            with pytest.raises(InfeasiblePlan):
+                plan(nodes, sizes, "segment", caps, quanta=Q)
+            continue
+        res = plan(nodes, sizes, "segment", caps, quanta=Q)
+        assert res.search.objective_s == pytest.approx(best, rel=1e-12, abs=1e-15)
+        assert res.lower_bound_s <= res.bottleneck_s * (1 + 1e-12) + 1e-15
+        assert res.search.separable_s <= best * (1 + 1e-12) + 1e-15
+        assert res.ideal_compute_s <= best * (1 + 1e-9) + 1e-15
+        assert res.feasible and all(r.predicted_memory <= r.memory_cap for r in res.rows)
+        seen["coupled" if res.search.coupled else "separable"] += 1
+    assert min(seen.values()) >= 20, seen
 
 
 def test_constructive_test_never_invents_a_plan(monkeypatch):
@@ -283,13 +326,17 @@ SZ = Sizes(attn=4, mlp=64, vocab=64)
     (dict(nodes=[node(0, const=math.nan)], sizes=SZ, strategy="segment", caps=[1.0]), "const_s"),
     (dict(nodes=[node(0)], sizes=SZ, strategy="segment", caps=[math.nan]), "memory cap"),
     (dict(nodes=[node(0)], sizes=SZ, strategy="segment", caps=[1.0], comm_s=-1.0), "comm_s"),
+    (dict(nodes=[node(0, attn=KindCost(0.0, 0.0, 1.0, 10.0, 0.0, act_slope=11.0))], sizes=SZ, strategy="segment",
+          caps=[1.0]), r"attn.act_slope \(11.0\) exceeds the memory it is part of \(10.0\)"),
+    (dict(nodes=[replace(node(0, mem_repl=5.0), grad_repl=6.0)], sizes=SZ, strategy="segment", caps=[1.0]),
+     "grad_repl"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan(**kwargs)
 
 
-@pytest.mark.parametrize("n, seed", [(3, 1), (5, 2), (16, 0), (16, 1)])
+@pytest.mark.parametrize("n, seed", [(3, 1), (5, 2), (16, 1), (16, 2)])
 def test_binding_caps_at_model_scale_are_planned_within_half_a_percent(n, seed):
     """GPT-2-Medium-sized kinds (16 heads, 128 MLP quanta, 1563 vocabulary quanta), memory about
     each node's fair share with the fast nodes the tightest (bench/plan_speed's instances)."""
