@@ -382,10 +382,15 @@ def heap_slack(node: NodeCost, shares: Shares) -> float:
     kind (W ratio 0.35). The vocabulary's transient bytes (a full fine-tune's dense embedding
     gradient: 200 of the 270 MiB of W(1) on GPT-2-medium) are left out of W: a rank without
     vocabulary rows kept 67 MiB of holes where its peers with half the rows kept 79-87 (2 blocks)."""
-    full = node.work_repl + sum(node.kind(k).work_slope for k in HOLE_KINDS)
+    return holes_at_work(node, node.work_repl + sum(node.kind(k).work_slope * shares[k] for k in HOLE_KINDS))
+
+
+def holes_at_work(node: NodeCost, w: float) -> float:
+    """`heap_slack` as a function of the rank's transient bytes W(s) (the planner computes W
+    itself, linear in the shares, without building a shares mapping per test)."""
+    full = node.work_repl + node.attn.work_slope + node.mlp.work_slope
     if node.heap_slack <= 0 or full <= 0:
         return 0.0
-    w = node.work_repl + sum(node.kind(k).work_slope * shares[k] for k in HOLE_KINDS)
     if not 0 < node.small_work < full:
         return node.heap_slack * w / full
     if w <= node.small_work:

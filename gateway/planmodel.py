@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from xronos.gateway.costmodel import NodeCost, heap_slack, owner_peak, predict_memory
+from xronos.gateway.costmodel import HOLE_KINDS, NodeCost, holes_at_work, owner_peak, predict_memory
 from xronos.gateway.planinteger import IntegerTest
 from xronos.protocol.layout import KINDS, NOUN, Sizes
 
@@ -165,7 +165,11 @@ class Problem(IntegerTest):
         self._row = [(self.base[d], ka.ms[d], km.ms[d], kv.ms[d], ka.mt[d], km.mt[d], kv.mt[d], self.t0[d],
                       self.caps[d]) for d in range(self.n)]
         # the activations' and the gradients' (repl, attn, mlp, vocab) coefficients: A and G
-        self._ag = [((nd.act_repl, ka.ma[d], km.ma[d], kv.ma[d]), (nd.grad_repl, ka.mg[d], km.mg[d], kv.mg[d]))
+        # the heap holes' transient bytes W(s) = work_repl + attn's and mlp's work_slope x share
+        assert HOLE_KINDS == ("attn", "mlp")
+        self._work = [(nd.work_repl, nd.attn.work_slope, nd.mlp.work_slope) for nd in nodes]
+        self._ag = [((nd.act_repl, ka.ma[d], km.ma[d], kv.ma[d]),  # A's, then A - G's
+                     (nd.act_repl - nd.grad_repl, ka.ma[d] - ka.mg[d], km.ma[d] - km.mg[d], kv.ma[d] - kv.mg[d]))
                     for d, nd in enumerate(nodes)]
         # Nodes that cannot even hold the replicated layers make every plan infeasible.
         self.short = [d for d in range(self.n) if self.mem(d, (0, 0, 0)) > self.caps[d]]
@@ -188,18 +192,19 @@ class Problem(IntegerTest):
         a, m, v = w
         sa, sm, sv = min(a * qa, ta) / ta, min(m * qm, tm) / tm, min(v * qv, tv) / tv
         part = ma * sa + mm * sm + mv * sv
-        (a0, aa, am, av), (g0, ga, gm, gv) = self._ag[d]
-        acts = a0 + aa * sa + am * sm + av * sv
-        grads = g0 + ga * sa + gm * sm + gv * sv
+        (a0, aa, am, av), (e0, ea, em, ev) = self._ag[d]
+        excess = e0 + ea * sa + em * sm + ev * sv  # A - G
         temp = max(t0, xa * sa, xm * sm, xv * sv)
         l0, la, lm, lv = self.load[d]
         nd = self.nodes[d]
-        shares = {"attn": sa, "mlp": sm, "vocab": sv}
+        w0, wa, wm = self._work[d]
         # base + part + A - min(A, G): predict_memory's model term
-        train = base + part + max(0.0, acts - grads) + temp + max(l0, la * sa, lm * sm, lv * sv, heap_slack(nd, shares))
+        train = (base + part + (excess if excess > 0.0 else 0.0) + temp
+                 + max(l0, la * sa, lm * sm, lv * sv, holes_at_work(nd, w0 + wa * sa + wm * sm)))
         if not nd.owner:
             return train
-        return owner_peak(nd, nd.mem_repl - a0 + part + acts, train, shares)
+        acts = a0 + aa * sa + am * sm + av * sv
+        return owner_peak(nd, nd.mem_repl - a0 + part + acts, train, {"attn": sa, "mlp": sm, "vocab": sv})
 
     def fits(self, d: int, w: Sequence[int]) -> bool:
         return self.mem(d, w) <= self._row[d][8]
