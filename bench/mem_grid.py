@@ -136,7 +136,8 @@ def cell_rows(doc: dict, fresh: dict | None = None, peaks: dict | None = None) -
             pred = predict_memory(node, shares)
             temp = max([node.temp_repl] + [node.kind(k).temp_slope * shares[k] for k in KINDS])
             load = max([node.load_repl] + [node.kind(k).load_slope * shares[k] for k in KINDS])
-            model = node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS) - not_coexisting(node, shares)
+            model = (node.mem_repl + sum(node.kind(k).mem_slope * shares[k] for k in KINDS)
+                     - not_coexisting(node, shares))
             rows.append(dict(cell=doc["spec"].get("cell_name"), strategy=strategy, rank=r, device=names[r],
                              layout={k: counts[k][r] for k in KINDS}, predicted=pred, measured=measured,
                              error=100 * (pred - measured) / measured,

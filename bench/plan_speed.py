@@ -102,7 +102,8 @@ def tight_reports(n: int, seed: int, units: int = 16) -> list[ProfileReport]:
     # the partitioned model's bytes at share 1, as predict_memory counts them (less what never coexists)
     model = sum(probe.kind(k).mem_slope for k in KINDS) - (
         not_coexisting(probe, tied(1.0)) - not_coexisting(probe, tied(0.0)))
-    fixed = probe.mem_repl - not_coexisting(probe, tied(0.0)) + 2 * max(probe.temp_repl, *(probe.kind(k).temp_slope for k in KINDS))
+    fixed = (probe.mem_repl - not_coexisting(probe, tied(0.0))
+             + 2 * max(probe.temp_repl, *(probe.kind(k).temp_slope for k in KINDS)))
     out = []
     for d in range(n):
         slow = rng.uniform(1, 4)

@@ -388,7 +388,7 @@ def heap_slack(node: NodeCost, shares: Shares) -> float:
 def holes_at_work(node: NodeCost, w: float) -> float:
     """`heap_slack` as a function of the rank's transient bytes W(s) (the planner computes W
     itself, linear in the shares, without building a shares mapping per test)."""
-    full = node.work_repl + node.attn.work_slope + node.mlp.work_slope
+    full = node.work_repl + sum(node.kind(k).work_slope for k in HOLE_KINDS)
     if node.heap_slack <= 0 or full <= 0:
         return 0.0
     if not 0 < node.small_work < full:

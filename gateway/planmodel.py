@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from xronos.gateway.costmodel import HOLE_KINDS, NodeCost, holes_at_work, owner_peak, predict_memory
+from xronos.gateway.costmodel import NodeCost, holes_at_work, owner_peak, predict_memory
 from xronos.gateway.planinteger import IntegerTest
 from xronos.protocol.layout import KINDS, NOUN, Sizes
 
@@ -164,10 +164,10 @@ class Problem(IntegerTest):
         self._qt = [(kd.q, kd.total) for kd in self.kinds]
         self._row = [(self.base[d], ka.ms[d], km.ms[d], kv.ms[d], ka.mt[d], km.mt[d], kv.mt[d], self.t0[d],
                       self.caps[d]) for d in range(self.n)]
-        # the activations' and the gradients' (repl, attn, mlp, vocab) coefficients: A and G
-        # the heap holes' transient bytes W(s) = work_repl + attn's and mlp's work_slope x share
-        assert HOLE_KINDS == ("attn", "mlp")
+        # the heap holes' transient bytes W(s) = work_repl + work_slope x share of each HOLE_KINDS
+        # kind (attention and MLP: costmodel.heap_slack)
         self._work = [(nd.work_repl, nd.attn.work_slope, nd.mlp.work_slope) for nd in nodes]
+        # (repl, attn, mlp, vocab) coefficients of the activations A, and of A - G
         self._ag = [((nd.act_repl, ka.ma[d], km.ma[d], kv.ma[d]),  # A's, then A - G's
                      (nd.act_repl - nd.grad_repl, ka.ma[d] - ka.mg[d], km.ma[d] - km.mg[d], kv.ma[d] - kv.mg[d]))
                     for d, nd in enumerate(nodes)]

@@ -216,8 +216,9 @@ def _check(nodes: Sequence[NodeCost], sizes: Sizes, strategy: str, caps: Sequenc
         for f, v in values.items():
             if not (v >= 0 and math.isfinite(v)):  # monotone costs are what make the search exact
                 raise ValueError(f"node {n.node_id}: {f} must be finite and >= 0, got {v}")
-        for f, part, whole in [("act_repl", n.act_repl, n.mem_repl), ("grad_repl", n.grad_repl, n.mem_repl)] + [
-                (f"{k}.{f}", getattr(n.kind(k), f), n.kind(k).mem_slope) for k in KINDS for f in ("act_slope", "grad_slope")]:
+        parts = [("act_repl", n.act_repl, n.mem_repl), ("grad_repl", n.grad_repl, n.mem_repl)] + [
+            (f"{k}.{f}", getattr(n.kind(k), f), n.kind(k).mem_slope) for k in KINDS for f in ("act_slope", "grad_slope")]
+        for f, part, whole in parts:
             if part > whole:  # parts of Eq. 9's M_w + M_a: the planner's M_w alone must stay >= 0
                 raise ValueError(f"node {n.node_id}: {f} ({part}) exceeds the memory it is part of ({whole})")
     for n, c in zip(nodes, caps):

@@ -3,11 +3,13 @@
 A rank reads only its own slices (`safe_open(...).get_slice(name)[...]`), so its peak memory is its
 shard plus the replicated layers. Each read maps the file only for that read: safetensors reads
 through a memory map of the whole file, and the pages a read touches count in the process's
-resident set for as long as the map lives — a column slice touches every page of its tensor, so one
-map held over the whole load made every rank resident in the whole checkpoint's blocks (a GPT-2-
-medium rank without vocabulary rows: 317 MiB of file pages at the end of its build, its peak,
-against 396 MiB of its own tensors; bench/results/mem-peak-v10.md). The loader sits behind `ShardSource.read(spec)`, so the owner
-can stream slices over Gloo instead (a second source with the same protocol).
+resident set for as long as the map lives — a column slice touches every page of its tensor, so
+one map held over the whole load made every rank resident in the whole checkpoint's blocks (a
+GPT-2-medium rank without vocabulary rows: 317 MiB of file pages at the end of its build, its
+peak, against 396 MiB of its own tensors; bench/results/mem-peak-v10.md).
+
+The loader sits behind `ShardSource.read(spec)`, so the owner can stream slices over Gloo instead
+(a second source with the same protocol).
 """
 
 from __future__ import annotations

@@ -90,9 +90,8 @@ def test_activations_and_gradients_count_the_larger_not_both():
             assert predict_memory(node, sh) == pytest.approx(both - min(acts, grads))
     # An activation-heavy attention at full share: A (14 + 400) > G (19 + 100): G is what is dropped.
     full_attn = {"attn": 1.0, "mlp": 0.0, "vocab": 0.0}
-    assert predict_memory(acts_heavy, full_attn) == pytest.approx(
-        predict_memory(replace(acts_heavy, act_repl=0, grad_repl=0, attn=replace(acts_heavy.attn, act_slope=0, grad_slope=0)),
-                       full_attn) - (19 + 100))
+    plain = replace(acts_heavy, act_repl=0, grad_repl=0, attn=replace(acts_heavy.attn, act_slope=0, grad_slope=0))
+    assert predict_memory(acts_heavy, full_attn) == pytest.approx(predict_memory(plain, full_attn) - (19 + 100))
 
 
 def test_affine_time_pays_intercept_only_with_a_share():
