@@ -35,3 +35,21 @@ def test_remeasured_takes_the_version_8_fields_only_and_refuses_another_shape():
     other = json.loads((FRESH / "roberta-base_s64.json").read_text())
     with pytest.raises(ValueError, match="differs"):
         remeasured(report, other)
+
+
+def test_the_re_measured_peaks_replace_the_recorded_ones_per_strategy_and_rank():
+    """`--measured`: the peaks of a `--rerun` (bench/results/mem-rerun-v10.json), the prediction
+    the same."""
+    from xronos.bench.mem_grid import tp_layouts
+
+    doc = json.loads(CELL.read_text())
+    peaks = json.loads((RESULTS / "mem-rerun-v10.json").read_text())[CELL.stem]
+    layouts = tp_layouts(doc)
+    assert set(layouts) == set(peaks) == {"xronos", "xronos-paper", "uniform"}
+    assert layouts["uniform"].startswith("attn=") and layouts["uniform"].count(";") == 2
+    recorded, rerun = cell_rows(doc), cell_rows(doc, peaks=peaks)
+    for old, new in zip(recorded, rerun):
+        assert (old["strategy"], old["rank"], old["predicted"]) == (new["strategy"], new["rank"], new["predicted"])
+        assert new["measured"] == peaks[new["strategy"]][new["rank"]]
+    # the loader's file maps are gone from the re-measured peaks: every rank lower, none higher
+    assert all(new["measured"] < old["measured"] for old, new in zip(recorded, rerun))
