@@ -64,30 +64,33 @@ def random_instance(rng):
     return nodes, sizes, caps
 
 
+def check_against_exhaustive(nodes, sizes, caps) -> str:
+    """`segment` on one instance against brute force: its outcome (infeasible, coupled, separable)."""
+    best = brute_force(nodes, sizes, caps)
+    if best == math.inf:
+        with pytest.raises(InfeasiblePlan):
+            plan(nodes, sizes, "segment", caps, quanta=Q)
+        return "infeasible"
+    res = plan(nodes, sizes, "segment", caps, quanta=Q)
+    assert res.search.objective_s == pytest.approx(best, rel=1e-12, abs=1e-15)
+    assert res.optimal
+    # the bound is on the layout's real compute: the model counts a remainder quantum as whole
+    assert res.lower_bound_s <= res.bottleneck_s * (1 + 1e-12) + 1e-15
+    if all(sizes.total(k) % Q[k] == 0 for k in Q):
+        assert res.lower_bound_s == pytest.approx(best, rel=1e-12, abs=1e-15) and res.gap == pytest.approx(0, abs=1e-12)
+    assert res.search.separable_s <= best * (1 + 1e-12) + 1e-15  # a lower bound
+    assert res.ideal_compute_s <= best * (1 + 1e-9) + 1e-15  # the continuous relaxation too
+    assert res.feasible and all(r.predicted_memory <= r.memory_cap for r in res.rows)
+    res.layout.check(sizes, world_size=len(nodes), quanta=Q)
+    assert res.bottleneck_s <= res.search.objective_s + 1e-12  # the remainder only helps
+    return "coupled" if res.search.coupled else "separable"
+
+
 def test_segment_equals_exhaustive_search_on_random_instances():
     rng = random.Random(1234)
     seen = {"infeasible": 0, "coupled": 0, "separable": 0}
     for _ in range(250):
-        nodes, sizes, caps = random_instance(rng)
-        best = brute_force(nodes, sizes, caps)
-        if best == math.inf:
-            seen["infeasible"] += 1
-            with pytest.raises(InfeasiblePlan):
-                plan(nodes, sizes, "segment", caps, quanta=Q)
-            continue
-        res = plan(nodes, sizes, "segment", caps, quanta=Q)
-        assert res.search.objective_s == pytest.approx(best, rel=1e-12, abs=1e-15)
-        assert res.optimal
-        # the bound is on the layout's real compute: the model counts a remainder quantum as whole
-        assert res.lower_bound_s <= res.bottleneck_s * (1 + 1e-12) + 1e-15
-        if all(sizes.total(k) % Q[k] == 0 for k in Q):
-            assert res.lower_bound_s == pytest.approx(best, rel=1e-12, abs=1e-15) and res.gap == pytest.approx(0, abs=1e-12)
-        assert res.search.separable_s <= best * (1 + 1e-12) + 1e-15  # a lower bound
-        assert res.ideal_compute_s <= best * (1 + 1e-9) + 1e-15  # the continuous relaxation too
-        assert res.feasible and all(r.predicted_memory <= r.memory_cap for r in res.rows)
-        res.layout.check(sizes, world_size=len(nodes), quanta=Q)
-        assert res.bottleneck_s <= res.search.objective_s + 1e-12  # the remainder only helps
-        seen["coupled" if res.search.coupled else "separable"] += 1
+        seen[check_against_exhaustive(*random_instance(rng))] += 1
     # The generator exercises every outcome, binding caps (coupled search) included.
     assert min(seen.values()) >= 40, seen
 
@@ -118,19 +121,7 @@ def test_segment_equals_exhaustive_search_with_activations_apart_from_gradients(
             w = tuple(rng.randint(0, kd.W) for kd in pb.kinds)
             sh = {k: pb.kinds[i].share(w[i]) for i, k in enumerate(KINDS)}
             assert pb.mem(d, w) == pytest.approx(predict_memory(nd, sh), rel=1e-12)
-        best = brute_force(nodes, sizes, caps)
-        if best == math.inf:
-            seen["infeasible"] += 1
-            with pytest.raises(InfeasiblePlan):
-                plan(nodes, sizes, "segment", caps, quanta=Q)
-            continue
-        res = plan(nodes, sizes, "segment", caps, quanta=Q)
-        assert res.search.objective_s == pytest.approx(best, rel=1e-12, abs=1e-15)
-        assert res.lower_bound_s <= res.bottleneck_s * (1 + 1e-12) + 1e-15
-        assert res.search.separable_s <= best * (1 + 1e-12) + 1e-15
-        assert res.ideal_compute_s <= best * (1 + 1e-9) + 1e-15
-        assert res.feasible and all(r.predicted_memory <= r.memory_cap for r in res.rows)
-        seen["coupled" if res.search.coupled else "separable"] += 1
+        seen[check_against_exhaustive(nodes, sizes, caps)] += 1
     assert min(seen.values()) >= 20, seen
 
 
