@@ -97,7 +97,7 @@ def rerun(paths: list[Path], out: Path) -> dict:
                 if text not in done:
                     run = work / f"run{len(done)}"
                     run.mkdir()
-                    res = measure(model_dir, data, "classify", text, len(text.split(";")[0].split(",")),
+                    res = measure(model_dir, data, "classify", text, len(doc["strategies"][strategy]["raw"]["ranks"]),
                                   batch=batch, seq=seq, steps=steps, work=run, clip=False,
                                   profile_json=RESULTS / "mem-profiles-v9" / f"{spec['model']}_s{seq}.json")
                     done[text] = [row["train_peak"] for row in res["rows"]]

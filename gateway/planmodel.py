@@ -56,8 +56,6 @@ class KindModel:
         # memory the relaxations and room estimates use is a lower bound of costmodel.predict_memory
         # (which adds max(0, A - G), see Problem.mem), so the bounds stay bounds.
         self.ms = [kc.mem_slope - kc.act_slope for kc in kcs]
-        self.ma = [kc.act_slope for kc in kcs]
-        self.mg = [kc.grad_slope for kc in kcs]
         self.mt = [kc.temp_slope for kc in kcs]
         self.lim = [self.W] * len(nodes)  # alone caps, set by the problem
         self.floor = max(self.f)
@@ -168,9 +166,9 @@ class Problem(IntegerTest):
         # kind (attention and MLP: costmodel.heap_slack)
         self._work = [(nd.work_repl, nd.attn.work_slope, nd.mlp.work_slope) for nd in nodes]
         # (repl, attn, mlp, vocab) coefficients of the activations A, and of A - G
-        self._ag = [((nd.act_repl, ka.ma[d], km.ma[d], kv.ma[d]),  # A's, then A - G's
-                     (nd.act_repl - nd.grad_repl, ka.ma[d] - ka.mg[d], km.ma[d] - km.mg[d], kv.ma[d] - kv.mg[d]))
-                    for d, nd in enumerate(nodes)]
+        self._ag = [((nd.act_repl, *(nd.kind(k).act_slope for k in KINDS)),  # A's, then A - G's
+                     (nd.act_repl - nd.grad_repl, *(nd.kind(k).act_slope - nd.kind(k).grad_slope for k in KINDS)))
+                    for nd in nodes]
         # Nodes that cannot even hold the replicated layers make every plan infeasible.
         self.short = [d for d in range(self.n) if self.mem(d, (0, 0, 0)) > self.caps[d]]
         if not self.short:
