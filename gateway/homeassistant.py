@@ -305,6 +305,7 @@ SPEC_SUFFIXES = (".toml", ".yaml", ".yml")
 _SPEC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_SPECS = 50  # a select with more options is no longer a menu
 RESCAN_S = 30.0
+MAX_STARTED = 16  # starts from Home Assistant awaiting their answer
 
 
 def _spec_file(job_dir: Path, path: Path) -> bool:
@@ -334,12 +335,16 @@ def list_specs(job_dir: Path | None) -> tuple[str, ...]:
 
 
 
+class Refused(ValueError):
+    """A start the gateway refused at once (the job was never kept): the reason, for Last command."""
+
+
 @dataclass
 class Actions:
     """What the bridge asks of the gateway service (each raises ValueError with a reason)."""
 
     job_command: Callable[[str], str]  # pause|resume|cancel the current job -> result text
-    start: Callable[[Any, str], str]  # (JobSpec, spec name) -> job id
+    start: Callable[[Any, str], str]  # (JobSpec, spec name) -> job id; Refused(reason) if refused at once
     remove_node: Callable[[str], None]
     nodes: Callable[[], list[Capabilities]]  # for discovery
     publish: Callable[[], None] = lambda: None  # publish gateway/state now (after a command)
@@ -356,6 +361,9 @@ class HABridge:
         self.selected: str | None = self.specs[0] if self.specs else None
         self.last_command: str | None = None
         self.refusal: tuple[float, str] | None = None  # (when, why) of the newest refused submit
+        # Jobs started from Home Assistant and not yet answered (job id -> what Last command names):
+        # their acceptance or refusal replaces "submitted" there.
+        self.started: dict[str, str] = {}
         self._published: hastate.GatewayHAState | None = None
         self._scanned_at = time.monotonic()
 
@@ -391,6 +399,19 @@ class HABridge:
     def refused(self, reason: str | None) -> None:
         self.refusal = (time.time(), reason or "refused")
 
+    def answered(self, job_id: str | None, ok: bool, reason: str | None) -> None:
+        """The answer to a submit: for a job started here, Last command turns from "submitted" to
+        "accepted" or "refused" with the reason (the owner's inspection, the plan that cannot fit)."""
+        name = self.started.pop(job_id, None) if job_id else None
+        if name is None:
+            return
+        if ok:
+            self.last_command = f"start: accepted {name} as {job_id}"
+        else:
+            self.last_command = _text(f"start: refused {name} ({job_id}): {reason or 'refused'}")
+            log.warning("Home Assistant start refused", job=job_id, spec=name, reason=reason)
+        self.actions.publish()
+
     def forget_published(self) -> None:
         """The next `publish_state` publishes even an unchanged state (the broker lost it)."""
         self._published = None
@@ -424,6 +445,9 @@ class HABridge:
     def _on_command(self, cmd: hastate.GatewayCommand, _params: dict[str, str]) -> None:
         try:
             self.last_command = f"{cmd.action}: {self._do(cmd)}"
+        except Refused as exc:
+            self.last_command = _text(f"{cmd.action}: refused {exc}")
+            log.warning("Home Assistant start refused", reason=str(exc))
         except ValueError as exc:
             self.last_command = f"{cmd.action}: error: {exc}"
             log.warning("Home Assistant command refused", action=cmd.action, reason=str(exc))
@@ -453,7 +477,17 @@ class HABridge:
                 spec = load_spec(path)
             except FileNotFoundError as exc:
                 raise ValueError(str(exc)) from None
-            return f"submitted {name} as {self.actions.start(spec, name)}"
+            return self._submit(spec, name)
         assert cmd.action == "remove_node" and cmd.node_id is not None
         self.actions.remove_node(cmd.node_id)
         return f"removed node {cmd.node_id}"
+
+    def _submit(self, spec: JobSpec, name: str) -> str:
+        try:
+            job_id = self.actions.start(spec, name)
+        except Refused as exc:
+            raise Refused(f"{name}: {exc}") from None
+        self.started[job_id] = name
+        while len(self.started) > MAX_STARTED:  # answers that never came (a gateway restart between)
+            self.started.pop(next(iter(self.started)))
+        return f"submitted {name} as {job_id}"

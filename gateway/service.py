@@ -334,8 +334,10 @@ class GatewayService(NodeTopics):
 
     # --- effects -------------------------------------------------------------------------------
     def _do(self, e: J.Effect) -> None:
-        if isinstance(e, J.Respond) and self.habridge is not None and e.name == "job/submit" and not e.ok:
-            self.habridge.refused(e.error)  # Home Assistant's "Last error" shows why
+        if isinstance(e, J.Respond) and self.habridge is not None and e.name == "job/submit":
+            if not e.ok:
+                self.habridge.refused(e.error)  # Home Assistant's "Last error" shows why
+            self.habridge.answered((e.data or {}).get("job_id"), e.ok, e.error)  # and Last command
         job = self._job(e.job_id) if not isinstance(e, J.Respond) else None
         ports = (self.cfg.rendezvous_port_min, self.cfg.rendezvous_port_max)
         for msg, params in effect_messages(e, job, self.reg, ports):
@@ -404,10 +406,18 @@ class GatewayService(NodeTopics):
         return self.jobs[job.job_id].phase
 
     def _ha_start(self, spec: m.JobSpec, name: str) -> str:
+        """Submit a job from Home Assistant; ha.Refused with the reason when it is refused at once
+        (then no job exists: nothing may say it was submitted or started)."""
+        try:
+            self._room_for_one_more()
+        except RequestError as exc:
+            raise ha.Refused(str(exc)) from None
         job_id = self._new_id(spec.name)
-        log.info("job started from Home Assistant", spec=name, job=job_id)
-        self._room_for_one_more()
-        self._run(job_id, J.new_job(job_id, spec, None, self._ctx(job_id)))
+        job, effects = J.new_job(job_id, spec, None, self._ctx(job_id))
+        self._run(job_id, (job, effects))
+        if J.refused(J.finished(job)):
+            raise ha.Refused(job.error or "refused")
+        log.info("job submitted from Home Assistant", spec=name, job=job_id)
         return job_id
 
     def _remove_node(self, node_id: str) -> None:

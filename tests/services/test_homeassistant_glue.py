@@ -331,3 +331,29 @@ def test_node_refuses_bad_switch_payloads(tmp_path, payload):
         assert json.loads(err)["topic"] == "xronos/node/n0/set"
     finally:
         svc.work.shutdown(wait=True)
+
+
+def test_a_refused_start_shows_refused_where_it_said_submitted(tmp_path, caplog):
+    """Refused at once (the owner is offline): Last command says refused and why, not "submitted
+    as <id>" of a job that does not exist. Refused later (the owner's inspection): the same entity
+    turns from "submitted" to "refused" with the owner's reason."""
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "reviews.toml").write_text(SPEC_TOML)
+    h = HAHarness(tmp_path)
+    announce(h, ("b",))  # the owner "a" is offline
+    state = h.ha({"action": "start", "spec": "reviews"})
+    assert state["last_command"].startswith("start: refused reviews: owner node 'a' is offline"), state
+    assert "submitted" not in state["last_command"] and h.gw.jobs == {}
+    announce(h)
+    h.client.drain()
+    state = h.ha({"action": "start", "spec": "reviews"})
+    assert state["last_command"].startswith("start: submitted reviews as reviews-"), state
+    job_id = state["last_command"].rsplit(" ", 1)[1]
+    (_, insp), = h.seen("node.inspect_request")
+    h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=False,
+                                error="spec.model_dir '/m' is outside the allowed directories: /srv/xronos"), "a")
+    h.pump()
+    state = h.state()
+    assert state["last_command"] == (f"start: refused reviews ({job_id}): owner 'a' cannot run it: spec.model_dir "
+                                     "'/m' is outside the allowed directories: /srv/xronos"), state
+    assert job_id not in h.gw.jobs
