@@ -8,6 +8,7 @@ carry, in:
 - `msgnode`: a node about itself: availability, capabilities, profile request and report;
 - `msgjob`: a job's life: spec, inspection, plan, assignment and ack, the controls (`JobControl`);
 - `msgstate`: a running job's state: iteration metrics, a node's job status, the job state;
+- `msgcatalog`: what an owner holds in its allowed directories (Home Assistant's job form);
 - `msgrequest`: requests and answers: a node's `ErrorResponse`, the gateway's requests and response.
 """
 
@@ -29,6 +30,9 @@ from .msgnode import (
 from .msgjob import (
     JobSpec, PlanEntry, Plan, Assignment, AssignmentAck, JobStart, JobPause, JobResume, JobCancel,
     JobReshard, JobControl, JobControlAdapter, InspectRequest, InspectReport, STORED,
+)
+from .msgcatalog import (
+    CATALOG_PATH_MAX, MAX_ALLOWED_DIRS, MAX_CATALOG_ENTRIES, CatalogPath, CatalogRequest, NodeCatalog,
 )
 from .msgstate import (
     IterationMetrics, NodeFloats, NodeBytes, JobState, NodeJobStatus,
@@ -54,5 +58,7 @@ __all__ = [
     "JobControlAdapter", "InspectRequest", "InspectReport", "STORED", "IterationMetrics", "NodeFloats",
     "NodeBytes", "JobState", "NodeJobStatus", "ErrorResponse", "Transaction", "GatewayRequest",
     "JobSubmitRequest", "JobStatusRequest", "JobPauseRequest", "JobResumeRequest", "JobCancelRequest",
-    "NodesListRequest", "PlanPreviewRequest", "GatewayResponse", "REQUEST_MODELS"
+    "NodesListRequest", "PlanPreviewRequest", "GatewayResponse", "REQUEST_MODELS",
+    "NodeCatalog", "CatalogRequest", "CATALOG_PATH_MAX", "MAX_CATALOG_ENTRIES",
+    "MAX_ALLOWED_DIRS", "CatalogPath",
 ]

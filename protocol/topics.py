@@ -95,6 +95,10 @@ ENTRIES: tuple[TopicEntry, ...] = (
                "msgpack", False, "node → gateway"),
     TopicEntry("node.job", "node/{node_id}/job", m.NodeJobStatus, "json", True,
                "node → gateway, HA"),
+    # The owner's model directories and data files (protocol/msgcatalog.py), for HA's job form.
+    TopicEntry("node.catalog", "node/{node_id}/catalog", m.NodeCatalog, "json", True, "node → gateway"),
+    TopicEntry("node.catalog_request", "node/{node_id}/catalog/request", m.CatalogRequest, "json", False,
+               "gateway → node"),
     TopicEntry("job.state", "job/{job_id}/state", m.JobState, "json", True, "gateway → HA, CLI"),
     TopicEntry("gateway.availability", "gateway/availability", m.Availability, "text", True,
                "gateway → all (last-will offline)"),

@@ -62,8 +62,8 @@ case "$BASE" in /*|*/|*//*) die "--base '$BASE': no leading, trailing or empty l
 # A node's own topics (protocol/topics.py), by direction: node → others, and others → node.
 # availability and capabilities are in both: the node answers an `offline` left by another process
 # under its name, and reports another process announcing itself under it (a duplicate node id).
-NODE_WRITES="availability capabilities profile/report ack metrics error inspect/report job state"
-NODE_READS="availability capabilities profile/request assignment control inspect/request set"
+NODE_WRITES="availability capabilities profile/report ack metrics error inspect/report job catalog state"
+NODE_READS="availability capabilities profile/request assignment control inspect/request catalog/request set"
 
 block() {
     case "$ROLE" in

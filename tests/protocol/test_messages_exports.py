@@ -13,7 +13,7 @@ import pytest
 from xronos.protocol import messages as m
 from xronos.protocol.topics import ENTRIES, _classes
 
-PARTS = ("msgtypes", "msgnode", "msgjob", "msgstate", "msgrequest")
+PARTS = ("msgtypes", "msgnode", "msgjob", "msgstate", "msgrequest", "msgcatalog")
 
 
 def _defined(path: Path) -> list[str]:
