@@ -36,6 +36,7 @@ from typing import Any
 import structlog
 
 from xronos.node import participation
+from xronos.node.catalog import CatalogPublisher
 from xronos.node.config import NodeConfig, detect_data_host
 from xronos.node.jobcheck import assignment_problem
 from xronos.node.owncaps import OwnCapabilities
@@ -95,6 +96,8 @@ class NodeService:
         self.state_dir = Path(cfg.state_dir)
         self._caps_at = 0.0
         self._ha_published: hastate.NodeHAState | None = None
+        # What allowed_dirs holds, for Home Assistant's job form (node/catalog.py).
+        self.catalog = CatalogPublisher(self.bus, self.node_id, cfg.allowed_dirs, skip=self._reserved_dirs())
 
     # --- wiring --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,6 +109,7 @@ class NodeService:
         self.dispatcher.on("node.set", self._on_ha_command, **own)  # Home Assistant's switch
         self.availability.register(self.dispatcher)
         self.owncaps.register(self.dispatcher)
+        self.catalog.register(self.dispatcher)
         self.bus.on_connect(self._announce)
         self.bus.start()
         self.work.submit(_warm_up)
@@ -118,6 +122,7 @@ class NodeService:
         if self.status is not None:
             self.bus.publish_message(self.status, node_id=self.node_id)
         self._publish_ha(force=True)
+        self.catalog.announce()
 
     def _publish_caps(self) -> None:
         from xronos.node.capabilities import probe
@@ -175,6 +180,7 @@ class NodeService:
             self._pump_child()
         except Exception as exc:
             self._internal("rank process", exc)
+        self.catalog.tick()  # guarded inside
         if time.monotonic() - self._caps_at > CAPS_EVERY_S:
             try:
                 self._publish_caps()

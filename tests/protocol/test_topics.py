@@ -20,7 +20,7 @@ def test_table_values_match_the_contract():
     assert t.build("gateway.request.job/submit") == "xronos/gateway/request/job/submit"
     assert t.build("gateway.response", name="plan/preview") == "xronos/gateway/response/plan/preview"
     retained = {e.key for e in ENTRIES if e.retained}
-    assert retained == {"node.availability", "node.capabilities", "node.job", "job.state",
+    assert retained == {"node.availability", "node.capabilities", "node.job", "node.catalog", "job.state",
                         "gateway.availability", "gateway.ha_state", "node.ha_state", "ha.status"}
     assert {e.key for e in ENTRIES if e.command} == {"gateway.set", "node.set"}
     assert t.build("ha.status") == "homeassistant/status"

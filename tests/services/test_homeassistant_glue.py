@@ -357,3 +357,30 @@ def test_a_refused_start_shows_refused_where_it_said_submitted(tmp_path, caplog)
     assert state["last_command"] == (f"start: refused reviews ({job_id}): owner 'a' cannot run it: spec.model_dir "
                                      "'/m' is outside the allowed directories: /srv/xronos"), state
     assert job_id not in h.gw.jobs
+
+
+def test_the_node_publishes_its_catalog_and_rescans_on_request(tmp_path):
+    from xronos.node import catalog
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.csv").write_text("x")
+    broker = FakeBroker()
+    cfg = NodeConfig(node_id="n0", state_dir=tmp_path / "state", allowed_dirs=[tmp_path], data_host="127.0.0.1",
+                     threads=1)
+    svc = NodeService(cfg, broker.bus("n0", will=(T.build("node.availability", node_id="n0"), "offline", True)))
+    svc.start()
+    try:
+        pump(svc, until=lambda: "xronos/node/n0/catalog" in broker.retained)
+        cat = decode("xronos/node/n0/catalog", broker.retained["xronos/node/n0/catalog"])
+        assert cat.data == [str(data / "a.csv")] and cat.models == [] and cat.allowed_dirs == [str(tmp_path)]
+        (data / "b.jsonl").write_text("x")
+        svc.catalog._scanned_at -= catalog.MIN_RESCAN_S  # the last scan is not just now
+        client = broker.bus("gw")
+        client.start()
+        client.publish("xronos/node/n0/catalog/request", json.dumps({"schema_version": 2, "request_id": "c1"}).encode())
+        pump(svc, until=lambda: b"b.jsonl" in broker.retained["xronos/node/n0/catalog"])
+        cat = decode("xronos/node/n0/catalog", broker.retained["xronos/node/n0/catalog"])
+        assert cat.data == [str(data / "a.csv"), str(data / "b.jsonl")]
+    finally:
+        svc.work.shutdown(wait=True)
