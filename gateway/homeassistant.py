@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, get_args
 
-import structlog
-
+from xronos.gateway import haform
 from xronos.protocol import hastate
-from xronos.protocol.messages import Capabilities, JobSpec, JobState, Phase
+from xronos.protocol.messages import Capabilities, JobSpec, JobState, NodeCatalog, Phase
 from xronos.protocol.topics import TopicTable
-
-log = structlog.get_logger(__name__)
 
 try:
     SW_VERSION = version("xronos")
@@ -71,96 +65,121 @@ class HAContext:
         return f"{self.discovery_prefix}/device/{device_id}/config"
 
 
-def _avail(*topics: str) -> dict[str, Any]:
-    return {"availability": [{"topic": t, "payload_available": "online",
-                              "payload_not_available": "offline"} for t in topics],
-            "availability_mode": "all"}
+def _avail(topic: str) -> dict[str, Any]:
+    """Availability, declared once per device at the root of its discovery payload (a shared option
+    of device-based discovery); a component that follows another topic overrides it."""
+    return {"availability": [{"topic": topic, "payload_available": "online", "payload_not_available": "offline"}]}
 
 
-def _sensor(uid: str, name: str, state_topic: str, field: str, avail: dict[str, Any],
-            **extra: Any) -> dict[str, Any]:
-    return {"p": "sensor", "unique_id": uid, "name": name, "state_topic": state_topic,
-            "value_template": f"{{{{ value_json.{field} }}}}", **avail, **extra}
+DIAG = {"entity_category": "diagnostic"}
 
 
-def gateway_discovery(ctx: HAContext, specs: Iterable[str] = ()) -> tuple[str, dict[str, Any]]:
-    """(topic, payload) of the gateway device: the current job's sensors and control buttons;
-    with job specs in the gateway's job_dir, a "Job spec" select and a "Start job" button."""
+def _slug(text: str) -> str:
+    """An entity id's object part: lower-case letters, digits and single underscores."""
+    return re.sub(r"_+", "_", re.sub(r"[^a-z0-9]", "_", text.lower())).strip("_")
+
+
+def _ids(platform: str, uid: str) -> dict[str, str]:
+    """unique_id and the entity id Home Assistant gives it (`default_entity_id`, which replaced
+    `object_id` in Home Assistant 2025.10): `sensor.xronos_gateway_job_phase`, not one derived from
+    the device and entity names."""
+    return {"unique_id": uid, "default_entity_id": f"{platform}.{_slug(uid)}"}
+
+
+def _sensor(uid: str, name: str, state_topic: str, field: str, **extra: Any) -> dict[str, Any]:
+    return {"p": "sensor", **_ids("sensor", uid), "name": name, "state_topic": state_topic,
+            "value_template": f"{{{{ value_json.{field} }}}}", **extra}
+
+
+def gateway_discovery(ctx: HAContext, specs: Iterable[str] = (), form: hastate.JobForm | None = None,
+                      catalogs: Mapping[str, NodeCatalog] | None = None) -> tuple[str, dict[str, Any]]:
+    """(topic, payload) of the gateway device: the current job's sensors and control buttons; the
+    job form (`haform.components`: the owners' model directories and data files, the numbers,
+    Start training); with job specs in the gateway's job_dir, a "Job spec" select and "Start job"."""
     specs = tuple(specs)
     dev = ctx.gateway_device_id
     state = ctx.topic(hastate.GATEWAY_STATE)
-    avail = _avail(ctx.gateway_availability)
     measure = {"state_class": "measurement"}
     pct = {"unit_of_measurement": "%", "state_class": "measurement",
            "suggested_display_precision": 1}
     secs = {"device_class": "duration", "unit_of_measurement": "s", "state_class": "measurement"}
     sensors = {
-        "job_phase": _sensor(f"{dev}_job_phase", "Job phase", state, "phase", avail,
+        "job_phase": _sensor(f"{dev}_job_phase", "Job phase", state, "phase",
                              device_class="enum", options=PHASE_OPTIONS, icon="mdi:state-machine"),
-        "job_name": _sensor(f"{dev}_job_name", "Job", state, "job_name", avail, icon="mdi:brain"),
-        "progress": _sensor(f"{dev}_progress", "Progress", state, "progress_pct", avail,
+        "job_name": _sensor(f"{dev}_job_name", "Job", state, "job_name", icon="mdi:brain"),
+        "progress": _sensor(f"{dev}_progress", "Progress", state, "progress_pct",
                             icon="mdi:progress-clock", **pct),
-        "loss": _sensor(f"{dev}_loss", "Loss", state, "loss", avail,
+        "loss": _sensor(f"{dev}_loss", "Loss", state, "loss",
                         suggested_display_precision=4, icon="mdi:chart-bell-curve", **measure),
         "eval_metric": _sensor(
-            f"{dev}_eval_metric", "Eval metric", state, "eval_metric", avail,
+            f"{dev}_eval_metric", "Eval metric", state, "eval_metric",
             suggested_display_precision=4, json_attributes_topic=state,
             json_attributes_template="{{ {'metric': value_json.eval_metric_name} | tojson }}",
             icon="mdi:target", **measure),
         "iteration_time": _sensor(f"{dev}_iteration_time", "Iteration time", state, "iteration_s",
-                                  avail, suggested_display_precision=2, **secs),
-        "eta": _sensor(f"{dev}_eta", "Time remaining", state, "eta_s", avail,
+                                  suggested_display_precision=2, **secs, **DIAG),
+        "eta": _sensor(f"{dev}_eta", "Time remaining", state, "eta_s",
                        suggested_display_precision=0, **secs),
         "slowest_node": _sensor(f"{dev}_slowest_node", "Slowest node", state, "slowest_node",
-                                avail, icon="mdi:tortoise"),
-        "idle_ratio": _sensor(f"{dev}_idle_ratio", "Idle ratio", state, "idle_ratio_pct", avail,
-                              icon="mdi:timer-sand", **pct),
+                                icon="mdi:tortoise", **DIAG),
+        "idle_ratio": _sensor(f"{dev}_idle_ratio", "Idle ratio", state, "idle_ratio_pct",
+                              icon="mdi:timer-sand", **pct, **DIAG),
         "nodes_online": _sensor(f"{dev}_nodes_online", "Nodes online", state, "nodes_online",
-                                avail, icon="mdi:lan-connect", **measure),
+                                icon="mdi:lan-connect", **measure, **DIAG),
         "last_command": _sensor(f"{dev}_last_command", "Last command", state, "last_command",
-                                avail, entity_category="diagnostic", icon="mdi:console"),
-        "steps": _sensor(f"{dev}_steps", "Step", state, "steps", avail, icon="mdi:counter",
+                                icon="mdi:console", **DIAG),
+        "steps": _sensor(f"{dev}_steps", "Step", state, "steps", icon="mdi:counter",
                          json_attributes_topic=state,
                          json_attributes_template=(
                              "{{ {'step': value_json.step, 'total_steps': value_json.total_steps} | tojson }}")),
-        "finish_time": _sensor(f"{dev}_finish_time", "Finish time", state, "finish_at", avail,
+        "finish_time": _sensor(f"{dev}_finish_time", "Finish time", state, "finish_at",
                                device_class="timestamp", icon="mdi:flag-checkered"),
-        "error": _sensor(f"{dev}_error", "Last error", state, "error", avail, icon="mdi:alert-circle-outline"),
+        "error": _sensor(f"{dev}_error", "Last error", state, "error", icon="mdi:alert-circle-outline"),
         # How the job trains (hastate.job_setup): what it learns, how its rows become text, and
         # whether it trains LoRA adapters on a frozen base.
-        "task": _sensor(f"{dev}_task", "Task", state, "task", avail, icon="mdi:school-outline"),
-        "data_format": _sensor(f"{dev}_data_format", "Data format", state, "data_format", avail,
+        "task": _sensor(f"{dev}_task", "Task", state, "task", icon="mdi:school-outline"),
+        "data_format": _sensor(f"{dev}_data_format", "Data format", state, "data_format",
                                icon="mdi:message-text-outline"),
         # Unknown (None) for full fine-tuning; the adapted modules as an attribute.
-        "lora_rank": _sensor(f"{dev}_lora_rank", "LoRA rank", state, "lora_r", avail, icon="mdi:matrix",
+        "lora_rank": _sensor(f"{dev}_lora_rank", "LoRA rank", state, "lora_r", icon="mdi:matrix",
                              json_attributes_topic=state,
                              json_attributes_template="{{ {'targets': value_json.lora_targets} | tojson }}"),
         # Live re-balancing: how often the plan followed the boxes, and the last decision's reason.
-        "replans": _sensor(f"{dev}_replans", "Re-plans", state, "replans", avail, icon="mdi:scale-balance",
-                           state_class="total_increasing"),
-        "last_replan": _sensor(f"{dev}_last_replan", "Last re-plan", state, "last_replan", avail,
-                               icon="mdi:swap-horizontal"),
+        "replans": _sensor(f"{dev}_replans", "Re-plans", state, "replans", icon="mdi:scale-balance",
+                           state_class="total_increasing", **DIAG),
+        "last_replan": _sensor(f"{dev}_last_replan", "Last re-plan", state, "last_replan",
+                               icon="mdi:swap-horizontal", **DIAG),
+        # What the job made: the metric before training (after: Eval metric) and where the export
+        # is (the GGUF type asked for, as an attribute: the .gguf file is beside it).
+        "metric_before": _sensor(f"{dev}_metric_before", "Metric before", state, "eval_initial",
+                                 suggested_display_precision=4, icon="mdi:target-variant", **measure),
+        "export": _sensor(f"{dev}_export", "Export", state, "export_dir", icon="mdi:folder-download",
+                          json_attributes_topic=state,
+                          json_attributes_template="{{ {'gguf': value_json.export_gguf} | tojson }}"),
     }
     icons = {"pause": "mdi:pause", "resume": "mdi:play", "cancel": "mdi:stop", "start": "mdi:rocket-launch"}
     actions = BUTTONS + (("start",) if specs else ())
     buttons = {
-        action: {"p": "button", "unique_id": f"{dev}_{action}", "name": f"{action.title()} job",
+        action: {"p": "button", **_ids("button", f"{dev}_{action}"), "name": f"{action.title()} job",
                  "command_topic": ctx.topic(hastate.GATEWAY_SET),
-                 "payload_press": json.dumps({"action": action}), "icon": icons[action], **avail}
+                 "payload_press": json.dumps({"action": action}), "icon": icons[action]}
         for action in actions
     }
     if specs:  # Home Assistant refuses a select without options
         buttons["job_spec"] = {
-            "p": "select", "unique_id": f"{dev}_job_spec", "name": "Job spec", "options": list(specs),
+            "p": "select", **_ids("select", f"{dev}_job_spec"), "name": "Job spec", "options": list(specs),
             "command_topic": ctx.topic(hastate.GATEWAY_SET),
             "command_template": '{"action": "select", "spec": {{ value | tojson }}}',
             "state_topic": state, "value_template": "{{ value_json.selected_spec }}",
-            "icon": "mdi:file-cog-outline", **avail}
+            "icon": "mdi:file-cog-outline"}
+    form_cmps = haform.components(dev, form or hastate.JobForm(), catalogs or {}, state,
+                                  ctx.topic(hastate.GATEWAY_SET))
     payload = {
         "dev": {"identifiers": [dev], "name": f"Xronos gateway {ctx.gateway_id}",
                 "manufacturer": "Xronos", "model": "Gateway", "sw_version": SW_VERSION},
         "o": ORIGIN,
-        "cmps": {**sensors, **buttons},
+        **_avail(ctx.gateway_availability),
+        "cmps": {**sensors, **buttons, **form_cmps},
         "qos": 1,
     }
     return ctx.discovery_topic(dev), payload
@@ -171,41 +190,40 @@ def node_discovery(ctx: HAContext, node: Capabilities) -> tuple[str, dict[str, A
     node_id = node.node_id
     dev = ctx.node_device_id(node_id)
     state = ctx.topic(hastate.NODE_STATE, node_id=node_id)
-    avail = _avail(ctx.node_availability(node_id))
     pct = {"unit_of_measurement": "%", "state_class": "measurement",
            "suggested_display_precision": 1}
     cmps: dict[str, dict[str, Any]] = {
         # Reachable while the node is down, so HA can show it as disconnected.
-        "online": {"p": "binary_sensor", "unique_id": f"{dev}_online", "name": "Online",
+        "online": {"p": "binary_sensor", **_ids("binary_sensor", f"{dev}_online"), "name": "Online",
                    "device_class": "connectivity", "state_topic": ctx.node_availability(node_id),
                    "payload_on": "online", "payload_off": "offline",
                    **_avail(ctx.gateway_availability)},
-        "attn_units": _sensor(f"{dev}_attn_units", "Attention units", state, "attn", avail,
-                              state_class="measurement", icon="mdi:view-split-vertical",
+        "attn_units": _sensor(f"{dev}_attn_units", "Attention units", state, "attn",
+                              state_class="measurement", icon="mdi:view-split-vertical", **DIAG,
                               json_attributes_topic=state,
                               json_attributes_template=(
                                   "{{ {'attn_total': value_json.attn_total,"
                                   " 'job_id': value_json.job_id} | tojson }}")),
-        "attn_share": _sensor(f"{dev}_attn_share", "Attention share", state, "attn_pct", avail,
-                              icon="mdi:chart-pie", **pct),
-        "mlp_share": _sensor(f"{dev}_mlp_share", "MLP share", state, "mlp_pct", avail,
-                             icon="mdi:chart-pie", **pct),
-        "vocab_share": _sensor(f"{dev}_vocab_share", "Vocabulary share", state, "vocab_pct", avail,
-                               icon="mdi:chart-pie", **pct),
+        "attn_share": _sensor(f"{dev}_attn_share", "Attention share", state, "attn_pct",
+                              icon="mdi:chart-pie", **pct, **DIAG),
+        "mlp_share": _sensor(f"{dev}_mlp_share", "MLP share", state, "mlp_pct",
+                             icon="mdi:chart-pie", **pct, **DIAG),
+        "vocab_share": _sensor(f"{dev}_vocab_share", "Vocabulary share", state, "vocab_pct",
+                               icon="mdi:chart-pie", **pct, **DIAG),
         "compute_share": _sensor(f"{dev}_compute_share", "Compute share", state, "compute_pct",
-                                 avail, icon="mdi:cpu-64-bit", **pct),
-        "idle_share": _sensor(f"{dev}_idle_share", "Idle share", state, "idle_pct", avail,
-                              icon="mdi:timer-sand", **pct),
-        "participate": {"p": "switch", "unique_id": f"{dev}_participate", "name": "Participate",
+                                 icon="mdi:cpu-64-bit", **pct, **DIAG),
+        "idle_share": _sensor(f"{dev}_idle_share", "Idle share", state, "idle_pct",
+                              icon="mdi:timer-sand", **pct, **DIAG),
+        "participate": {"p": "switch", **_ids("switch", f"{dev}_participate"), "name": "Participate",
                         "state_topic": state,
                         "value_template": "{{ 'ON' if value_json.participate else 'OFF' }}",
                         "state_on": "ON", "state_off": "OFF",
                         "command_topic": ctx.topic(hastate.NODE_SET, node_id=node_id),
                         "payload_on": json.dumps({"participate": True}),
                         "payload_off": json.dumps({"participate": False}),
-                        "icon": "mdi:account-hard-hat", **avail},
+                        "icon": "mdi:account-hard-hat"},
         # Pressable while the node is offline (that is when it makes sense): the gateway's availability.
-        "remove": {"p": "button", "unique_id": f"{dev}_remove", "name": "Remove node",
+        "remove": {"p": "button", **_ids("button", f"{dev}_remove"), "name": "Remove node",
                    "command_topic": ctx.topic(hastate.GATEWAY_SET),
                    "payload_press": json.dumps({"action": "remove_node", "node_id": node_id}),
                    "entity_category": "config", "icon": "mdi:delete-outline",
@@ -213,24 +231,26 @@ def node_discovery(ctx: HAContext, node: Capabilities) -> tuple[str, dict[str, A
     }
     if node.cpu_temp_c is not None:
         cmps["cpu_temperature"] = _sensor(
-            f"{dev}_cpu_temperature", "CPU temperature", state, "cpu_temp_c", avail,
+            f"{dev}_cpu_temperature", "CPU temperature", state, "cpu_temp_c",
             device_class="temperature", unit_of_measurement="°C", state_class="measurement",
-            suggested_display_precision=1, entity_category="diagnostic")
+            suggested_display_precision=1, **DIAG)
     payload = {
         "dev": {"identifiers": [dev], "name": f"Xronos node {node_id}", "manufacturer": "Xronos",
                 "model": node.cpu_model or "CPU node", "hw_version": node.arch,
                 "sw_version": SW_VERSION, "via_device": ctx.gateway_device_id},
         "o": ORIGIN,
+        **_avail(ctx.node_availability(node_id)),  # Online and Remove node: the gateway's (above)
         "cmps": cmps,
         "qos": 1,
     }
     return ctx.discovery_topic(dev), payload
 
 
-def discovery_messages(ctx: HAContext, nodes: Iterable[Capabilities],
-                       specs: Iterable[str] = ()) -> list[tuple[str, bytes]]:
+def discovery_messages(ctx: HAContext, nodes: Iterable[Capabilities], specs: Iterable[str] = (),
+                       form: hastate.JobForm | None = None,
+                       catalogs: Mapping[str, NodeCatalog] | None = None) -> list[tuple[str, bytes]]:
     """Every discovery message to publish, retained: the gateway first, then each node."""
-    built = [gateway_discovery(ctx, specs), *(node_discovery(ctx, n) for n in nodes)]
+    built = [gateway_discovery(ctx, specs, form, catalogs), *(node_discovery(ctx, n) for n in nodes)]
     return [(topic, json.dumps(payload).encode()) for topic, payload in built]
 
 
@@ -253,7 +273,7 @@ def _nonneg(x: float | None) -> float | None:
     return x if x is not None and x >= 0 else None
 
 
-def _text(x: str | None) -> str | None:
+def state_text(x: str | None) -> str | None:
     """Home Assistant refuses a state longer than 255 characters."""
     if x is None:
         return None
@@ -271,13 +291,17 @@ def finish_time(now: float, eta_s: float | None) -> str | None:
 
 def gateway_state(job: JobState | None, *, nodes_online: int, now: float,
                   last_command: str | None = None, error: str | None = None,
-                  selected_spec: str | None = None, spec: JobSpec | None = None) -> hastate.GatewayHAState:
+                  selected_spec: str | None = None, spec: JobSpec | None = None,
+                  form: hastate.JobForm | None = None) -> hastate.GatewayHAState:
     """The gateway's HA state for the current (or last) job; None = no job yet ("idle").
     `error`: a refusal newer than the job; else the job's own error is shown. `spec`: the job's
-    spec (JobState does not carry it), for the sensors that say how the job trains."""
+    spec (JobState does not carry it), for the sensors that say how the job trains. `form`: the
+    job form's values, for its selects and numbers."""
+    form = form or hastate.JobForm()
     if job is None:
-        return hastate.GatewayHAState(nodes_online=nodes_online, last_command=_text(last_command),
-                                      error=_text(error), selected_spec=selected_spec, updated_at=now)
+        return hastate.GatewayHAState(nodes_online=nodes_online, last_command=state_text(last_command),
+                                      error=state_text(error), selected_spec=selected_spec, form=form, updated_at=now)
+    gguf = getattr(spec, haform.GGUF_FIELD, None) if spec is not None else None
     progress = None
     if job.total_steps:
         progress = min(100.0, 100.0 * job.step / job.total_steps)
@@ -288,206 +312,14 @@ def gateway_state(job: JobState | None, *, nodes_online: int, now: float,
     return hastate.GatewayHAState(
         job_id=job.job_id, job_name=job.name, phase=job.phase, step=job.step,
         total_steps=job.total_steps, progress_pct=progress, loss=_finite(job.loss),
-        eval_metric=_finite(job.eval_metric), eval_metric_name=_text(job.eval_metric_name),
+        eval_metric=_finite(job.eval_metric), eval_metric_name=state_text(job.eval_metric_name),
         iteration_s=_nonneg(job.iteration_s), eta_s=_nonneg(job.eta_s),
-        slowest_node=_text(max(measured, key=measured.__getitem__)) if measured else None,
+        slowest_node=state_text(max(measured, key=measured.__getitem__)) if measured else None,
         idle_ratio_pct=min(100.0, max(0.0, 100.0 * sum(idle) / len(idle))) if idle else None,
-        nodes_online=nodes_online, last_command=_text(last_command), updated_at=now,
-        steps=steps, finish_at=finish, error=_text(error or job.error), selected_spec=selected_spec,
-        replans=job.replans, last_replan=_text(job.last_replan_reason),
+        nodes_online=nodes_online, last_command=state_text(last_command), updated_at=now,
+        steps=steps, finish_at=finish, error=state_text(error or job.error), selected_spec=selected_spec,
+        replans=job.replans, last_replan=state_text(job.last_replan_reason),
+        eval_initial=_finite(job.eval_initial), export_dir=state_text(job.export_dir),
+        export_gguf=gguf if gguf in get_args(hastate.GGUFChoice) else None, form=form,
         **hastate.job_setup(spec),
     )
-
-
-# --- the gateway's Home Assistant side, as one object the service drives ----------------------
-
-SPEC_SUFFIXES = (".toml", ".yaml", ".yml")
-_SPEC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-MAX_SPECS = 50  # a select with more options is no longer a menu
-RESCAN_S = 30.0
-MAX_STARTED = 16  # starts from Home Assistant awaiting their answer
-
-
-def _spec_file(job_dir: Path, path: Path) -> bool:
-    """A regular file that is in job_dir once links are resolved: a button in Home Assistant must
-    not make the gateway read (and quote the parse errors of) a file elsewhere through a link."""
-    try:
-        return path.is_file() and path.resolve().is_relative_to(job_dir.resolve())
-    except OSError:
-        return False
-
-
-def list_specs(job_dir: Path | None) -> tuple[str, ...]:
-    """Job spec names in job_dir: file names without suffix, usable as select options."""
-    if job_dir is None:
-        return ()
-    try:
-        entries = sorted(os.scandir(job_dir), key=lambda e: e.name)
-    except OSError:
-        return ()
-    names: list[str] = []
-    for e in entries:
-        stem, suffix = os.path.splitext(e.name)
-        if suffix in SPEC_SUFFIXES and _spec_file(job_dir, Path(e.path)) and _SPEC_NAME.fullmatch(stem) \
-                and stem not in names:
-            names.append(stem)
-    return tuple(names[:MAX_SPECS])
-
-
-
-class Refused(ValueError):
-    """A start the gateway refused at once (the job was never kept): the reason, for Last command."""
-
-
-@dataclass
-class Actions:
-    """What the bridge asks of the gateway service (each raises ValueError with a reason)."""
-
-    job_command: Callable[[str], str]  # pause|resume|cancel the current job -> result text
-    start: Callable[[Any, str], str]  # (JobSpec, spec name) -> job id; Refused(reason) if refused at once
-    remove_node: Callable[[str], None]
-    nodes: Callable[[], list[Capabilities]]  # for discovery
-    publish: Callable[[], None] = lambda: None  # publish gateway/state now (after a command)
-
-
-class HABridge:
-    """Home Assistant for the gateway: discovery, commands from `gateway/set` and HA's birth
-    message (both through the dispatcher), and the `gateway/state` it publishes — only when
-    something other than its timestamp changed."""
-
-    def __init__(self, ctx: HAContext, bus: Any, job_dir: Path | None, actions: Actions) -> None:
-        self.ctx, self.bus, self.job_dir, self.actions = ctx, bus, job_dir, actions
-        self.specs: tuple[str, ...] = list_specs(job_dir)
-        self.selected: str | None = self.specs[0] if self.specs else None
-        self.last_command: str | None = None
-        self.refusal: tuple[float, str] | None = None  # (when, why) of the newest refused submit
-        # Jobs started from Home Assistant and not yet answered (job id -> what Last command names):
-        # their acceptance or refusal replaces "submitted" there.
-        self.started: dict[str, str] = {}
-        self._published: hastate.GatewayHAState | None = None
-        self._scanned_at = time.monotonic()
-
-    # --- wiring ---------------------------------------------------------------------------
-    def register(self, dispatcher: Any) -> None:
-        dispatcher.on("gateway.set", self._on_command, on_error=self._on_bad)
-        dispatcher.on("ha.status", self._on_status)
-
-    def discovery(self) -> list[tuple[str, bytes]]:
-        return discovery_messages(self.ctx, self.actions.nodes(), self.specs)
-
-    def publish_discovery(self) -> None:
-        for topic, payload in self.discovery():
-            self.bus.publish(topic, payload, retain=True)
-
-    def tick(self) -> None:
-        """Every turn of the loop: re-read job_dir now and then; new specs = new discovery."""
-        if time.monotonic() - self._scanned_at < RESCAN_S:
-            return
-        self.rescan()
-
-    def rescan(self) -> None:
-        self._scanned_at = time.monotonic()
-        specs = list_specs(self.job_dir)
-        if specs != self.specs:
-            self.specs = specs
-            if self.selected not in specs:
-                self.selected = specs[0] if specs else None
-            topic, payload = gateway_discovery(self.ctx, specs)
-            self.bus.publish(topic, json.dumps(payload).encode(), retain=True)
-
-    # --- state ----------------------------------------------------------------------------
-    def refused(self, reason: str | None) -> None:
-        self.refusal = (time.time(), reason or "refused")
-
-    def answered(self, job_id: str | None, ok: bool, reason: str | None) -> None:
-        """The answer to a submit: for a job started here, Last command turns from "submitted" to
-        "accepted" or "refused" with the reason (the owner's inspection, the plan that cannot fit)."""
-        name = self.started.pop(job_id, None) if job_id else None
-        if name is None:
-            return
-        if ok:
-            self.last_command = f"start: accepted {name} as {job_id}"
-        else:
-            self.last_command = _text(f"start: refused {name} ({job_id}): {reason or 'refused'}")
-            log.warning("Home Assistant start refused", job=job_id, spec=name, reason=reason)
-        self.actions.publish()
-
-    def forget_published(self) -> None:
-        """The next `publish_state` publishes even an unchanged state (the broker lost it)."""
-        self._published = None
-
-    def publish_state(self, job: JobState | None, job_created_at: float | None, nodes_online: int,
-                      force: bool = False, spec: JobSpec | None = None) -> bool:
-        """Publish gateway/state if it changed (or force); True if published. `spec`: the job's."""
-        error = None
-        if self.refusal and (job_created_at is None or self.refusal[0] >= job_created_at):
-            error = self.refusal[1]
-        st = gateway_state(job, nodes_online=nodes_online, now=time.time(), last_command=self.last_command,
-                           error=error, selected_spec=self.selected, spec=spec)
-        if not force and hastate.same_state(st, self._published):
-            return False
-        self.bus.publish_message(st)
-        self._published = st
-        return True
-
-    # --- commands -------------------------------------------------------------------------
-    def _on_bad(self, text: str) -> None:
-        self.last_command = f"error: {text}"
-        self.actions.publish()
-
-    def _on_status(self, msg: hastate.HAStatus, _params: dict[str, str]) -> None:
-        if msg == hastate.HAStatus.ONLINE:  # Home Assistant (re)started: it forgot the devices
-            self.rescan()
-            self.publish_discovery()
-            self.forget_published()  # and show it the current state again
-            self.actions.publish()
-
-    def _on_command(self, cmd: hastate.GatewayCommand, _params: dict[str, str]) -> None:
-        try:
-            self.last_command = f"{cmd.action}: {self._do(cmd)}"
-        except Refused as exc:
-            self.last_command = _text(f"{cmd.action}: refused {exc}")
-            log.warning("Home Assistant start refused", reason=str(exc))
-        except ValueError as exc:
-            self.last_command = f"{cmd.action}: error: {exc}"
-            log.warning("Home Assistant command refused", action=cmd.action, reason=str(exc))
-        self.actions.publish()
-
-    def _do(self, cmd: hastate.GatewayCommand) -> str:
-        if cmd.action in BUTTONS:
-            return self.actions.job_command(cmd.action)
-        if cmd.action == "select":
-            self.rescan()
-            if cmd.spec not in self.specs:
-                raise ValueError(f"no job spec {cmd.spec!r} in {self.job_dir}")
-            self.selected = cmd.spec
-            return f"selected {cmd.spec}"
-        if cmd.action == "start":
-            name = cmd.spec or self.selected
-            if name is None:
-                raise ValueError(f"no job spec to start: put one in {self.job_dir}")
-            from xronos.protocol.specfile import load_spec
-
-            self.rescan()
-            path = next((self.job_dir / f"{name}{sfx}" for sfx in SPEC_SUFFIXES
-                         if self.job_dir and _spec_file(self.job_dir, self.job_dir / f"{name}{sfx}")), None)
-            if path is None:
-                raise ValueError(f"no job spec {name!r} in {self.job_dir}")
-            try:
-                spec = load_spec(path)
-            except FileNotFoundError as exc:
-                raise ValueError(str(exc)) from None
-            return self._submit(spec, name)
-        assert cmd.action == "remove_node" and cmd.node_id is not None
-        self.actions.remove_node(cmd.node_id)
-        return f"removed node {cmd.node_id}"
-
-    def _submit(self, spec: JobSpec, name: str) -> str:
-        try:
-            job_id = self.actions.start(spec, name)
-        except Refused as exc:
-            raise Refused(f"{name}: {exc}") from None
-        self.started[job_id] = name
-        while len(self.started) > MAX_STARTED:  # answers that never came (a gateway restart between)
-            self.started.pop(next(iter(self.started)))
-        return f"submitted {name} as {job_id}"

@@ -71,7 +71,8 @@ def state_view(job: Job) -> m.JobState:
     return m.JobState(
         job_id=job.job_id, name=job.spec.name, phase=job.phase, step=job.step,
         total_steps=job.total_steps or None, epoch=job.epoch, loss=job.loss,
-        eval_metric=job.eval_metric, eval_metric_name=job.eval_metric_name, iteration_s=iteration_s,
+        eval_metric=job.eval_metric, eval_metric_name=job.eval_metric_name, eval_initial=job.eval_initial,
+        export_dir=job.export_dir, iteration_s=iteration_s,
         idle_ratio={n: min(max(a.idle_s / a.iteration_s, 0.0), 1.0) for n, a in job.agg.items()
                     if a.iteration_s > 0},
         predicted_s=predicted,

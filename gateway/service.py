@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 
 from xronos.gateway import homeassistant as ha
+from xronos.gateway.habridge import Actions, HABridge, Refused
 from xronos.gateway import jobs as J
 from xronos.gateway import registry as R
 from xronos.gateway.config import GatewayConfig
@@ -94,7 +95,7 @@ class GatewayService(NodeTopics):
         self._seen_disconnected = False
         self.ha = ha.HAContext(cfg.base_topic, cfg.gateway_id, cfg.homeassistant.discovery_prefix) \
             if cfg.homeassistant.enabled else None
-        self.habridge = ha.HABridge(self.ha, self.bus, cfg.homeassistant.job_dir, ha.Actions(
+        self.habridge = HABridge(self.ha, self.bus, cfg.homeassistant.job_dir, Actions(
             job_command=self._ha_job_command, start=self._ha_start, remove_node=self._remove_node,
             nodes=self._known_caps, publish=self._publish_ha_state)) if self.ha is not None else None
         self.internal_errors = 0  # unexpected exceptions caught by a guard (each logged with its traceback)
@@ -406,17 +407,17 @@ class GatewayService(NodeTopics):
         return self.jobs[job.job_id].phase
 
     def _ha_start(self, spec: m.JobSpec, name: str) -> str:
-        """Submit a job from Home Assistant; ha.Refused with the reason when it is refused at once
+        """Submit a job from Home Assistant; Refused with the reason when it is refused at once
         (then no job exists: nothing may say it was submitted or started)."""
         try:
             self._room_for_one_more()
         except RequestError as exc:
-            raise ha.Refused(str(exc)) from None
+            raise Refused(str(exc)) from None
         job_id = self._new_id(spec.name)
         job, effects = J.new_job(job_id, spec, None, self._ctx(job_id))
         self._run(job_id, (job, effects))
         if J.refused(J.finished(job)):
-            raise ha.Refused(job.error or "refused")
+            raise Refused(job.error or "refused")
         log.info("job submitted from Home Assistant", spec=name, job=job_id)
         return job_id
 
@@ -432,10 +433,11 @@ class GatewayService(NodeTopics):
         if users:
             raise ValueError(f"node {node_id!r} is in unfinished job {users[0]}")
         self.reg = {k: v for k, v in self.reg.items() if k != node_id}
-        for key in ("node.availability", "node.capabilities", "node.job", "node.ha_state"):
+        for key in ("node.availability", "node.capabilities", "node.job", "node.ha_state", "node.catalog"):
             self.bus.publish(self.table.build(key, node_id=node_id), b"", retain=True)
-        if self.ha is not None:
+        if self.ha is not None and self.habridge is not None:
             self.bus.publish(*ha.node_removal(self.ha, node_id), retain=True)
+            self.habridge.forget_node(node_id)
         log.info("node removed", node=node_id)
 
     def _on_job_state(self, _msg: m.JobState, params: dict[str, str]) -> None:

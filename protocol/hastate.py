@@ -58,6 +58,48 @@ class _HAModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# --- the job form (gateway/haform.py): what Home Assistant's selects and numbers hold ---------
+GGUFChoice = Literal["none", "f32", "f16", "q8_0"]  # the GGUF file to write beside the export
+FormField = Literal["owner", "model", "data", "task", "data_format", "steps", "epochs", "lora_r", "batch_size",
+                    "seq_len", "lr", "gguf"]
+FormPath = Annotated[str, Field(min_length=1, max_length=STATE_TEXT_MAX)]  # a select option (HA: <= 255)
+FormValue = Annotated[str, Field(max_length=STATE_TEXT_MAX)] | int | float  # strict: no "3" for 3
+# The numbers' ranges: the form's bounds and Home Assistant's number entities' min/max/step.
+FORM_NUMBERS: dict[str, tuple[float, float, float]] = {
+    "steps": (0, 1_000_000, 1),  # 0: by epochs only
+    "epochs": (0, 1000, 1),  # 0: by steps only
+    "lora_r": (0, 1024, 1),  # 0: full fine-tune
+    "batch_size": (1, 512, 1),
+    "seq_len": (16, 8192, 16),
+    "lr": (1e-7, 1.0, 1e-6),
+}
+
+
+def _rng(name: str, kind: type) -> Any:
+    lo, hi, _ = FORM_NUMBERS[name]
+    return Annotated[kind, Field(ge=kind(lo), le=kind(hi), allow_inf_nan=False) if kind is float
+                     else Field(ge=int(lo), le=int(hi))]
+
+
+class JobForm(_HAModel):
+    """The job Home Assistant's Start training button submits (gateway/haform.py makes the JobSpec).
+    `owner`, `model` and `data` must be among what the owner reports (NodeCatalog): checked there,
+    at every change and again at Start."""
+
+    owner: NodeId | None = None
+    model: FormPath | None = None
+    data: FormPath | None = None
+    task: Task = "causal-lm"
+    data_format: DataFormat = "text"
+    steps: _rng("steps", int) = 100
+    epochs: _rng("epochs", int) = 0
+    lora_r: _rng("lora_r", int) = 8
+    batch_size: _rng("batch_size", int) = 4
+    seq_len: _rng("seq_len", int) = 128
+    lr: _rng("lr", float) = 2e-4
+    gguf: GGUFChoice = "none"
+
+
 class GatewayHAState(_HAModel):
     """The current (or last) job as Home Assistant shows it on the gateway device."""
 
@@ -88,6 +130,12 @@ class GatewayHAState(_HAModel):
     # Live re-balancing (JobState.replans, .last_replan_reason): the Re-plans and Last re-plan sensors.
     replans: Annotated[int, Field(ge=0)] | None = None
     last_replan: Text | None = None
+    # The job's eval metric before training (after: eval_metric) and where the owner wrote its
+    # export (the GGUF file, when asked for, beside it): the Metric before and Export sensors.
+    eval_initial: Finite | None = None
+    export_dir: Text | None = None
+    export_gguf: GGUFChoice | None = None
+    form: JobForm = JobForm()  # the job form's values (its selects and numbers read them)
     updated_at: Finite
 
 
@@ -109,7 +157,8 @@ class NodeHAState(_HAModel):
     updated_at: Finite
 
 
-GatewayAction = Literal["pause", "resume", "cancel", "start", "select", "remove_node"]
+GatewayAction = Literal["pause", "resume", "cancel", "start", "select", "remove_node", "set", "start_form",
+                        "refresh"]
 
 
 class GatewayCommand(_HAModel):
@@ -119,11 +168,18 @@ class GatewayCommand(_HAModel):
     - `start`: submit the job spec `spec` from the gateway's job_dir (default: the selected one).
     - `select`: choose the spec the Start button starts (`spec` required).
     - `remove_node`: forget the offline node `node_id` (its retained state and HA device).
+    - `set`: one field of the job form (`field`, `value`), checked before it is kept.
+    - `start_form`: submit the job form, with `form`'s values over it (an automation's one-message
+      start); every value checked again, nothing submitted if any is refused.
+    - `refresh`: ask every online node for its catalog (model directories and data files) now.
     """
 
     action: GatewayAction
     spec: SpecName | None = None
     node_id: NodeId | None = None
+    field: FormField | None = None
+    value: FormValue | None = None
+    form: Annotated[dict[FormField, FormValue], Field(max_length=12)] | None = None
 
     @model_validator(mode="after")
     def _fields_fit_action(self) -> GatewayCommand:
@@ -135,6 +191,12 @@ class GatewayCommand(_HAModel):
             raise ValueError(f"{self.action}: takes no 'spec'")
         if self.node_id is not None and self.action != "remove_node":
             raise ValueError(f"{self.action}: takes no 'node_id'")
+        if self.action == "set" and (self.field is None or self.value is None):
+            raise ValueError("set: needs 'field' and 'value'")
+        if (self.field is not None or self.value is not None) and self.action != "set":
+            raise ValueError(f"{self.action}: takes no 'field' or 'value'")
+        if self.form is not None and self.action != "start_form":
+            raise ValueError(f"{self.action}: takes no 'form'")
         return self
 
 

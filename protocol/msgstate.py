@@ -52,6 +52,8 @@ class JobState(Message):
     loss: Metric | None = None
     eval_metric: Metric | None = None
     eval_metric_name: Text256 | None = None
+    eval_initial: Metric | None = None  # the eval metric before training (eval_metric: after)
+    export_dir: PathText | None = None  # where the owner wrote the export (once completed)
     iteration_s: Seconds | None = None
     idle_ratio: NodeFloats = Field(default_factory=dict)
     predicted_s: NodeFloats = Field(default_factory=dict)  # compute seconds per iteration, per node

@@ -14,11 +14,11 @@ import pytest
 
 from xronos.gateway import homeassistant as ha
 from xronos.protocol import hastate
-from xronos.protocol.messages import Capabilities, JobSpec, JobState
+from xronos.protocol.messages import Capabilities, JobSpec, JobState, NodeCatalog
 from xronos.protocol.transport import BrokerSettings, MqttBus
 
 CTX = ha.HAContext(base_topic="xronos", gateway_id="gw1", discovery_prefix="homeassistant")
-PLATFORMS = {"sensor", "binary_sensor", "button", "switch", "select"}
+PLATFORMS = {"sensor", "binary_sensor", "button", "switch", "select", "number"}
 JINJA = jinja2.Environment(undefined=jinja2.StrictUndefined)  # a missing field fails loudly
 
 
@@ -44,7 +44,8 @@ def spec(**kw) -> JobSpec:
 
 def states() -> dict[str, list[dict]]:
     """Sample payloads for every state topic: a full one and an all-unknown one."""
-    gw_full = ha.gateway_state(job(), nodes_online=2, now=11.0, last_command="pause: ok", spec=spec())
+    gw_full = ha.gateway_state(job(eval_initial=0.5, export_dir="/srv/xronos/exports/x"), nodes_online=2, now=11.0,
+                               last_command="pause: ok", spec=spec(), form=FORM)
     gw_idle = ha.gateway_state(None, nodes_online=0, now=11.0)
     node_full = hastate.NodeHAState(participate=True, job_id="j1", attn=5, attn_total=12,
                                     attn_pct=41.7, mlp_pct=40.0, vocab_pct=38.5, compute_pct=80.0, idle_pct=15.0,
@@ -56,9 +57,14 @@ def states() -> dict[str, list[dict]]:
     return {t: [json.loads(s.model_dump_json()) for s in v] for t, v in out.items()}
 
 
+CATALOGS = {"pi5": NodeCatalog(node_id="pi5", allowed_dirs=["/srv/xronos"], models=["/srv/xronos/models/qwen"],
+                               data=["/srv/xronos/data/chat.jsonl"], scanned_at=1.0)}
+FORM = hastate.JobForm(owner="pi5", model="/srv/xronos/models/qwen")
+
+
 def all_configs(specs=("reviews", "sst2-small")) -> list[tuple[str, dict]]:
     return [(t, json.loads(p)) for t, p in
-            ha.discovery_messages(CTX, [caps("pi5", 61.5), caps("n100", None)], specs)]
+            ha.discovery_messages(CTX, [caps("pi5", 61.5), caps("n100", None)], specs, FORM, CATALOGS)]
 
 
 def render(template: str, value_json: dict) -> str:
@@ -73,15 +79,25 @@ def test_discovery_matches_the_documented_schema():
     sample = states()
     availability_topics = {"xronos/gateway/availability", "xronos/node/pi5/availability",
                            "xronos/node/n100/availability"}
-    uids = set()
+    uids, entity_ids = set(), set()
     for topic, cfg in configs:
         assert re.fullmatch(r"homeassistant/device/[A-Za-z0-9_-]+/config", topic)
         assert cfg["dev"]["identifiers"] and cfg["dev"]["name"] and cfg["o"]["name"] == "xronos"
+        # Availability once per device (a shared option of device-based discovery); only a
+        # component meant for a node that is down overrides it with the gateway's.
+        (device_avail,) = cfg["availability"]
+        assert device_avail["topic"] in availability_topics
         for key, c in cfg["cmps"].items():
             assert c["p"] in PLATFORMS, key
             assert c["unique_id"] not in uids
             uids.add(c["unique_id"])
-            assert c["availability"] and {a["topic"] for a in c["availability"]} <= availability_topics
+            if "availability" in c:
+                assert key in ("online", "remove") and c["availability"][0]["topic"] == "xronos/gateway/availability"
+            # Entity ids that read well, set with default_entity_id (object_id is deprecated).
+            assert "object_id" not in c and re.fullmatch(rf"{c['p']}\.xronos_gw1_[a-z0-9_]+", c["default_entity_id"])
+            assert c["default_entity_id"] not in entity_ids
+            entity_ids.add(c["default_entity_id"])
+            assert c.get("entity_category", "config") in ("config", "diagnostic")
             if "state_topic" in c and c["state_topic"] in sample:
                 for value_json in sample[c["state_topic"]]:
                     rendered = render(c["value_template"], value_json)
@@ -89,6 +105,10 @@ def test_discovery_matches_the_documented_schema():
                         assert rendered == "None" or isinstance(float(rendered), float), (key, rendered)
                     if c.get("device_class") == "enum":
                         assert rendered in c["options"]
+                    if c["p"] == "select":  # an option, or "None" (Home Assistant: unknown)
+                        assert rendered in c["options"] or rendered == "None", (key, rendered)
+                    if c["p"] == "number":
+                        assert c["min"] <= float(rendered) <= c["max"], (key, rendered)
                     if c["p"] == "switch":
                         assert rendered in (c["state_on"], c["state_off"])
                     if "json_attributes_template" in c:
@@ -103,7 +123,16 @@ def test_discovery_matches_the_documented_schema():
                 for option in c["options"]:
                     sent = JINJA.from_string(c["command_template"]).render(value=option)
                     cmd = hastate.parse_command(hastate.GatewayCommand, sent.encode(), "t")
-                    assert cmd.action == "select" and cmd.spec == option
+                    if key == "job_spec":
+                        assert cmd.action == "select" and cmd.spec == option
+                    else:  # the job form's: sets its field
+                        assert (cmd.action, cmd.field, cmd.value) == ("set", key.removeprefix("form_"), option)
+            if c["p"] == "number":  # Home Assistant renders an integral value as an int
+                for value in (c["min"], c["max"]):
+                    value = int(value) if float(value).is_integer() else value
+                    sent = JINJA.from_string(c["command_template"]).render(value=value)
+                    cmd = hastate.parse_command(hastate.GatewayCommand, sent.encode(), "t")
+                    assert (cmd.action, cmd.field, cmd.value) == ("set", key.removeprefix("form_"), value)
             if c["p"] == "switch":
                 assert c["command_topic"] == c["state_topic"].replace("/state", "/set")
                 for payload, want in ((c["payload_on"], True), (c["payload_off"], False)):
@@ -112,14 +141,26 @@ def test_discovery_matches_the_documented_schema():
 
 def test_entities_present():
     (_, gw), (_, pi5), (_, n100) = all_configs()
+    form = {"form_owner", "form_model", "form_data", "form_task", "form_data_format", "form_gguf", "form_steps",
+            "form_epochs", "form_lora_r", "form_batch_size", "form_seq_len", "form_lr", "start_form", "refresh"}
     assert set(gw["cmps"]) == {"job_phase", "job_name", "progress", "loss", "eval_metric",
                                "iteration_time", "eta", "slowest_node", "idle_ratio",
                                "nodes_online", "last_command", "pause", "resume", "cancel",
                                "steps", "finish_time", "error", "task", "data_format", "lora_rank", "replans",
-                               "last_replan", "start", "job_spec"}
+                               "last_replan", "metric_before", "export", "start", "job_spec"} | form
     assert gw["cmps"]["finish_time"]["device_class"] == "timestamp"
-    (_, bare), *_ = all_configs(specs=())  # no job specs: no select (HA refuses an empty one), no Start
+    assert gw["cmps"]["form_model"]["options"] == ["/srv/xronos/models/qwen"]
+    assert gw["cmps"]["form_data"]["options"] == ["/srv/xronos/data/chat.jsonl"]
+    assert gw["cmps"]["form_gguf"]["options"] == ["none", "f32", "f16", "q8_0"]
+    diagnostic = {k for k, c in gw["cmps"].items() if c.get("entity_category") == "diagnostic"}
+    assert diagnostic == {"iteration_time", "slowest_node", "idle_ratio", "nodes_online", "last_command", "replans",
+                          "last_replan"}
+    assert gw["cmps"]["job_phase"]["default_entity_id"] == "sensor.xronos_gw1_job_phase"
+    assert gw["cmps"]["start_form"]["default_entity_id"] == "button.xronos_gw1_start_form"
+    (_, bare), *_ = ha.discovery_messages(CTX, [], ())  # no specs, no catalogs: no empty selects
+    bare = json.loads(bare)
     assert "job_spec" not in bare["cmps"] and "start" not in bare["cmps"]
+    assert not {"form_owner", "form_model", "form_data"} & set(bare["cmps"]) and "start_form" in bare["cmps"]
     node_keys = {"online", "attn_units", "attn_share", "mlp_share", "vocab_share", "compute_share", "idle_share", "participate", "remove"}
     assert set(pi5["cmps"]) == node_keys | {"cpu_temperature"}  # the Pi reports a temperature
     assert set(n100["cmps"]) == node_keys  # this one does not

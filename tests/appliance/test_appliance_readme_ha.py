@@ -10,24 +10,24 @@ from pathlib import Path
 import yaml
 
 from xronos.gateway import homeassistant as ha
+from xronos.gateway.habridge import list_specs
 from xronos.protocol import hastate
 from xronos.protocol.codec import decode
-from xronos.protocol.messages import Capabilities
+from xronos.protocol.messages import Capabilities, NodeCatalog
 from xronos.protocol.specfile import load_spec
 from xronos.protocol.topics import TopicTable
 
 REPO = Path(__file__).resolve().parents[2]
+CATALOGS = {"pi5": NodeCatalog(node_id="pi5", allowed_dirs=["/srv/xronos"], models=["/srv/xronos/models/m"],
+                               data=["/srv/xronos/data/d.jsonl"], scanned_at=1.0)}
+CATALOG_FORM = hastate.JobForm(owner="pi5")
 SECTION = (REPO / "README.md").read_text().split("\n## Home Assistant\n", 1)[1].split("\n## ", 1)[0]
 
 
-def _slug(text: str) -> str:
-    """Home Assistant's entity id from "<device name> <entity name>"."""
-    return re.sub(r"_+", "_", re.sub(r"[^a-z0-9]", "_", text.lower())).strip("_")
-
-
 def _entity_ids(ctx: ha.HAContext, specs=("reviews",)) -> set[str]:
-    _, gw = ha.gateway_discovery(ctx, specs)
-    return {f"{c['p']}.{_slug(gw['dev']['name'] + ' ' + c['name'])}" for c in gw["cmps"].values()}
+    """The entity ids Home Assistant gives the gateway's entities (their default_entity_id)."""
+    _, gw = ha.gateway_discovery(ctx, specs, CATALOG_FORM, CATALOGS)
+    return {c["default_entity_id"] for c in gw["cmps"].values()}
 
 
 def _walk(node):
@@ -65,8 +65,8 @@ def test_every_documented_command_is_accepted():
 def test_the_example_job_spec_goes_into_job_dir(tmp_path):
     assert "sudo cp examples/job.toml /etc/xronos/jobs/reviews.toml" in SECTION
     (tmp_path / "reviews.toml").write_bytes((REPO / "examples/job.toml").read_bytes())
-    assert ha.list_specs(tmp_path) == ("reviews",) and load_spec(tmp_path / "reviews.toml").name
-    assert json.loads(json.dumps(ha.gateway_discovery(ha.HAContext(), ha.list_specs(tmp_path))[1]))
+    assert list_specs(tmp_path) == ("reviews",) and load_spec(tmp_path / "reviews.toml").name
+    assert json.loads(json.dumps(ha.gateway_discovery(ha.HAContext(), list_specs(tmp_path))[1]))
 
 
 def test_every_entity_is_listed_and_the_state_example_has_real_fields():
