@@ -96,9 +96,9 @@ class HABridge:
         self.selected: str | None = self.specs[0] if self.specs else None
         self.last_command: str | None = None
         self.refusal: tuple[float, str] | None = None  # (when, why) of the newest refused submit
-        # Jobs started from Home Assistant and not yet answered (job id -> what Last command names):
-        # their acceptance or refusal replaces "submitted" there.
-        self.started: dict[str, str] = {}
+        # Jobs started from Home Assistant and not yet answered (job id -> the command's action and
+        # the name Last command gave): their acceptance or refusal replaces "submitted" there.
+        self.started: dict[str, tuple[str, str]] = {}
         self._published: hastate.GatewayHAState | None = None
         self._scanned_at = time.monotonic()
 
@@ -173,13 +173,14 @@ class HABridge:
     def answered(self, job_id: str | None, ok: bool, reason: str | None) -> None:
         """The answer to a submit: for a job started here, Last command turns from "submitted" to
         "accepted" or "refused" with the reason (the owner's inspection, the plan that cannot fit)."""
-        name = self.started.pop(job_id, None) if job_id else None
-        if name is None:
+        started = self.started.pop(job_id, None) if job_id else None
+        if started is None:
             return
+        action, name = started
         if ok:
-            self.last_command = f"start: accepted {name} as {job_id}"
+            self.last_command = f"{action}: accepted {name} as {job_id}"
         else:
-            self.last_command = state_text(f"start: refused {name} ({job_id}): {reason or 'refused'}")
+            self.last_command = state_text(f"{action}: refused {name} ({job_id}): {reason or 'refused'}")
             log.warning("Home Assistant start refused", job=job_id, spec=name, reason=reason)
         self.actions.publish()
 
@@ -238,7 +239,7 @@ class HABridge:
                 spec = haform.form_spec(form, self.catalogs, time.time())
             except ValueError as exc:
                 raise Refused(f"the job form: {exc}") from None
-            return self._submit(spec, spec.name)
+            return self._submit(spec, spec.name, cmd.action)
         if cmd.action == "refresh":
             return self._refresh()
         if cmd.action == "select":
@@ -274,12 +275,12 @@ class HABridge:
             self.bus.publish_message(CatalogRequest(request_id=f"ha-{uuid.uuid4().hex[:8]}"), node_id=node_id)
         return f"asked {len(nodes)} node(s) for their files"
 
-    def _submit(self, spec: JobSpec, name: str) -> str:
+    def _submit(self, spec: JobSpec, name: str, action: str = "start") -> str:
         try:
             job_id = self.actions.start(spec, name)
         except Refused as exc:
             raise Refused(f"{name}: {exc}") from None
-        self.started[job_id] = name
+        self.started[job_id] = (action, name)
         while len(self.started) > MAX_STARTED:  # answers that never came (a gateway restart between)
             self.started.pop(next(iter(self.started)))
         return f"submitted {name} as {job_id}"
