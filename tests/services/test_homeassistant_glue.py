@@ -384,3 +384,45 @@ def test_the_node_publishes_its_catalog_and_rescans_on_request(tmp_path):
         assert cat.data == [str(data / "a.csv"), str(data / "b.jsonl")]
     finally:
         svc.work.shutdown(wait=True)
+
+
+def _catalog(node: str, **kw) -> m.NodeCatalog:
+    base = dict(node_id=node, allowed_dirs=["/srv/xronos"], models=["/srv/xronos/models/qwen"],
+                data=["/srv/xronos/data/chat.jsonl"], scanned_at=1.0)
+    return m.NodeCatalog(**{**base, **kw})
+
+
+def test_the_form_follows_the_owners_catalogs_and_refresh_asks_them(tmp_path):
+    """Catalogs become the selects' options (discovery re-published when they change); a catalog
+    on another node's topic is refused; Refresh files asks every known node; a removed node's
+    catalog goes with it; the form starts a job whose spec the owner is asked to inspect."""
+    h = HAHarness(tmp_path)
+    announce(h)
+    assert "form_model" not in h.discovery()["cmps"] and h.state()["form"]["owner"] is None
+    h.node_says(_catalog("a"), "a")
+    h.pump()
+    cmps = h.discovery()["cmps"]
+    assert cmps["form_model"]["options"] == ["/srv/xronos/models/qwen"] and h.state()["form"]["owner"] == "a"
+    h.client.publish(T.build("node.catalog", node_id="b"), _catalog("a", models=["/etc"]).model_dump_json().encode(),
+                     retain=True)  # b speaking for a
+    h.pump()
+    assert h.discovery()["cmps"]["form_model"]["options"] == ["/srv/xronos/models/qwen"]
+    h.client.drain()
+    assert h.ha({"action": "refresh"})["last_command"] == "refresh: asked 3 node(s) for their files"
+    assert sorted(p["node_id"] for p, _ in h.seen("node.catalog_request")) == ["a", "b", "c"]
+    state = h.ha({"action": "start_form", "form": {"model": "/srv/xronos/models/qwen",
+                                                   "data": "/srv/xronos/data/chat.jsonl", "steps": 7}})
+    assert state["last_command"].startswith("start_form: submitted qwen-chat as qwen-chat-"), state
+    (_, insp), = h.seen("node.inspect_request")
+    assert (insp.spec.model_dir, insp.spec.max_steps, insp.spec.export_dir[:27]) == (
+        "/srv/xronos/models/qwen", 7, "/srv/xronos/exports/qwen-ch")
+    assert h.state()["form"]["steps"] == 100  # an automation's values are its start's, not the form's
+    # A node retired for good: its catalog goes with it (the retained one and the Owner option).
+    h.node_says(_catalog("c"), "c")
+    h.pump()
+    assert h.discovery()["cmps"]["form_owner"]["options"] == ["a", "c"]
+    h.client.publish(T.build("node.availability", node_id="c"), "offline", retain=True)
+    h.pump()
+    assert h.ha({"action": "remove_node", "node_id": "c"})["last_command"] == "remove_node: removed node c"
+    assert "xronos/node/c/catalog" not in h.broker.retained
+    assert h.discovery()["cmps"]["form_owner"]["options"] == ["a"]

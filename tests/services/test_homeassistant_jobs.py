@@ -16,11 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jinja2
+import pytest
 import paho.mqtt.client as mqtt
 
 from jobkit import runkit
 
 JINJA = jinja2.Environment(undefined=jinja2.StrictUndefined)
+pytestmark = pytest.mark.slow  # a training process (profile and two steps)
 
 
 class HomeAssistant:
