@@ -133,7 +133,7 @@ def form_spec(form: hastate.JobForm, catalogs: Catalogs, now: float) -> m.JobSpe
 # --- discovery of the form's entities ----------------------------------------------------------
 
 _LABELS = {"steps": ("Steps", "mdi:counter"), "epochs": ("Epochs", "mdi:repeat"),
-           "lora_r": ("LoRA rank (0 = full)", "mdi:matrix"), "batch_size": ("Batch size", "mdi:format-list-numbered"),
+           "lora_r": ("LoRA rank to train", "mdi:matrix"), "batch_size": ("Batch size", "mdi:format-list-numbered"),
            "seq_len": ("Sequence length", "mdi:ruler"), "lr": ("Learning rate", "mdi:speedometer")}
 
 
@@ -156,8 +156,8 @@ def components(dev: str, form: hastate.JobForm, catalogs: Catalogs, state_topic:
         cmps["form_model"] = select("model", "Model", list(cat.models), "mdi:brain")
     if cat is not None and cat.data:
         cmps["form_data"] = select("data", "Data file", list(cat.data), "mdi:database")
-    cmps["form_task"] = select("task", "Task", list(get_args(m.Task)), "mdi:school-outline")
-    cmps["form_data_format"] = select("data_format", "Data format", list(get_args(m.DataFormat)),
+    cmps["form_task"] = select("task", "Job task", list(get_args(m.Task)), "mdi:school-outline")
+    cmps["form_data_format"] = select("data_format", "Job data format", list(get_args(m.DataFormat)),
                                       "mdi:message-text-outline")
     cmps["form_gguf"] = select("gguf", "GGUF export", list(get_args(hastate.GGUFChoice)), "mdi:package-down")
     for key, (lo, hi, step) in hastate.FORM_NUMBERS.items():

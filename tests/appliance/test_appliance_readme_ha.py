@@ -42,7 +42,7 @@ def _walk(node):
 
 def test_the_automations_send_valid_commands_and_name_real_entities():
     blocks = re.findall(r"```yaml\n(.*?)```", SECTION, re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3  # two automations and the dashboard card
     docs = [yaml.safe_load(b) for b in blocks]
     publishes = [d["data"] for doc in docs for d in _walk(doc) if d.get("action") == "mqtt.publish"]
     assert {p["topic"] for p in publishes} == {"xronos/gateway/set"}
@@ -50,7 +50,7 @@ def test_the_automations_send_valid_commands_and_name_real_entities():
     actions = {decode(p["topic"], p["payload"].encode(), table=table).action for p in publishes}
     assert actions == {"pause", "resume"}
     known = _entity_ids(ha.HAContext())
-    named = set(re.findall(r"sensor\.xronos_[a-z0-9_]+", "\n".join(blocks)))
+    named = set(re.findall(r"(?:sensor|select|number|button)\.xronos_[a-z0-9_]+", "\n".join(blocks)))
     assert named and named <= known, named - known
     phase = next(t for d in docs for t in _walk(d) if t.get("trigger") == "state" and "to" in t)
     assert set(phase["to"]) <= set(ha.PHASE_OPTIONS)
@@ -59,7 +59,22 @@ def test_the_automations_send_valid_commands_and_name_real_entities():
 def test_every_documented_command_is_accepted():
     for payload in re.findall(r"`(\{\"action\": [^`]+\})`", SECTION):
         cmd = hastate.parse_command(hastate.GatewayCommand, payload.encode(), "xronos/gateway/set")
-        assert cmd.action in ("pause", "resume", "cancel", "start", "select", "remove_node")
+        assert cmd.action in ("pause", "resume", "cancel", "start", "select", "remove_node", "set", "start_form",
+                              "refresh")
+
+
+def test_the_dashboard_card_shows_the_form_and_the_job():
+    """The card is Lovelace YAML of real entities: every form entity, Start training, the job's
+    metrics before and after and its export."""
+    (card,) = [d for d in map(yaml.safe_load, re.findall(r"```yaml\n(.*?)```", SECTION, re.S)) if "type" in d]
+    assert card["type"] == "vertical-stack" and all(c["type"] == "entities" for c in card["cards"])
+    shown = {e for c in card["cards"] for e in c["entities"]}
+    _, gw = ha.gateway_discovery(ha.HAContext(), (), CATALOG_FORM, CATALOGS)
+    form = {c["default_entity_id"] for k, c in gw["cmps"].items() if k.startswith("form_")} - {
+        "number.xronos_gateway_form_batch_size", "number.xronos_gateway_form_seq_len"}  # defaults do
+    assert form <= shown and {"button.xronos_gateway_start_form", "sensor.xronos_gateway_metric_before",
+                              "sensor.xronos_gateway_eval_metric", "sensor.xronos_gateway_export"} <= shown
+    assert shown <= _entity_ids(ha.HAContext())
 
 
 def test_the_example_job_spec_goes_into_job_dir(tmp_path):
@@ -78,7 +93,7 @@ def test_every_entity_is_listed_and_the_state_example_has_real_fields():
     gateway_part = SECTION.split("**Xronos gateway** device", 1)[1].split("**Xronos node", 1)[0]
     node_part = SECTION.split("**Xronos node", 1)[1].split("\n\n", 1)[0]
     gateway_part, node_part = (" ".join(p.split()) for p in (gateway_part, node_part))  # line breaks
-    for part, (_, cfg) in ((gateway_part, ha.gateway_discovery(ha.HAContext(), ("reviews",))),
+    for part, (_, cfg) in ((gateway_part, ha.gateway_discovery(ha.HAContext(), ("reviews",), CATALOG_FORM, CATALOGS)),
                            (node_part, ha.node_discovery(ha.HAContext(), node))):
         names = [c["name"] for c in cfg["cmps"].values()]
         missing = [n for n in names if not re.search(rf"\b{re.escape(n)}\b", part)]
