@@ -1,8 +1,10 @@
 """What the node holds in its `allowed_dirs`, for Home Assistant's job form (protocol/msgcatalog.py).
 
 `scan` walks the allowed directories (pure but for reading them): a directory with a config.json
-and `*.safetensors` weights is a model directory (its files are not data, its subfolders not
-entered); a file the data loader reads (`DATA_SUFFIXES`, as `xronos.node.data`) is a data file.
+and `*.safetensors` weights is a model directory; one of Hugging Face files without them (a PEFT
+adapter, a tokenizer, a download under way) is not listed; neither's files are data, nor are their
+subfolders entered. A file the data loader reads (`DATA_SUFFIXES`, as `xronos.node.data`) is a
+data file.
 It is bounded and confined: hidden entries and the node's own job and profile directories are
 skipped, nothing is listed whose real location (links followed) is outside the allowed
 directories, no directory is entered twice (a link loop ends), at most `MAX_DEPTH` levels deep
@@ -47,6 +49,14 @@ class Found:
 
 def _inside(real: Path, roots: Iterable[Path]) -> bool:
     return any(real == r or real.is_relative_to(r) for r in roots)
+
+
+_MODEL_FILES = {"config.json", "adapter_config.json", "tokenizer_config.json"}
+
+
+def _model_like(names: list[str]) -> bool:
+    """A directory of Hugging Face files: its json files are configs and tokenizers, not data."""
+    return any(n in _MODEL_FILES or n.endswith(".safetensors") for n in names)
 
 
 def _weights_inside(d: Path, names: Iterable[str], roots: list[Path]) -> bool:
@@ -94,8 +104,8 @@ def scan(allowed_dirs: Iterable[str | os.PathLike[str]], skip: Iterable[str | os
             entries, left_out = entries[:budget], left_out + 1
         visits += len(entries)
         names = [e.name for e in entries]
-        if "config.json" in names:  # a model directory (or a half-downloaded one): never data
-            if _weights_inside(d, names, roots):
+        if _model_like(names):  # a model, an adapter, a tokenizer, a half download: never data
+            if "config.json" in names and _weights_inside(d, names, roots):
                 models.append(str(d))
             continue
         for e in entries:

@@ -29,6 +29,10 @@ def test_models_and_data_files(tmp_path):
         (root / "data" / name).write_text("x")
     (root / ".cache").mkdir()
     (root / ".cache" / "x.csv").write_text("x")
+    adapter = root / "exports" / "lora"  # a PEFT adapter export: neither a model nor data
+    adapter.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (adapter / name).write_text("{}")
     jobs = root / "jobs"  # the node's own job directories (checkpoints) are not offered
     _model(jobs / "j1" / "checkpoint")
     found = catalog.scan([root], skip=[jobs])
@@ -37,7 +41,7 @@ def test_models_and_data_files(tmp_path):
                                                                 "rows.parquet"))
     assert found.left_out == 0
     # A model directory's own json files are never data, nor is anything below it.
-    assert not any("/models/" in p for p in found.data)
+    assert not any("/models/" in p or "/exports/" in p for p in found.data)
 
 
 def test_data_suffixes_are_the_loaders():
