@@ -67,6 +67,31 @@ def list_specs(job_dir: Path | None) -> tuple[str, ...]:
 
 
 
+def load_form(path: Path | None) -> hastate.JobForm:
+    """The form as last saved; the defaults without a file, or with one that is not a JobForm (a
+    form from another version: logged, not fatal)."""
+    if path is None or not path.exists():
+        return hastate.JobForm()
+    try:
+        return hastate.JobForm.model_validate_json(path.read_bytes()[:65536], strict=True)
+    except (OSError, ValueError) as exc:
+        log.warning("homeassistant.form_unreadable", path=str(path), error=str(exc)[:300])
+        return hastate.JobForm()
+
+
+def save_form(path: Path | None, form: hastate.JobForm) -> None:
+    """Atomically (a crash leaves the old file or the new one); a full disk is logged, not fatal."""
+    if path is None:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(form.model_dump_json())
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("homeassistant.form_not_saved", path=str(path), error=str(exc)[:300])
+
+
 class Refused(ValueError):
     """A start the gateway refused at once (the job was never kept): the reason, for Last command."""
 
@@ -87,10 +112,12 @@ class HABridge:
     message (both through the dispatcher), and the `gateway/state` it publishes — only when
     something other than its timestamp changed."""
 
-    def __init__(self, ctx: HAContext, bus: Any, job_dir: Path | None, actions: Actions) -> None:
+    def __init__(self, ctx: HAContext, bus: Any, job_dir: Path | None, actions: Actions,
+                 form_file: Path | None = None) -> None:
         self.ctx, self.bus, self.job_dir, self.actions = ctx, bus, job_dir, actions
         self.catalogs: dict[str, NodeCatalog] = {}  # node id -> its model directories and data files
-        self.form = hastate.JobForm()
+        self.form_file = form_file  # the form's values, kept across restarts of the gateway
+        self.form = load_form(form_file)
         self._gateway_config: bytes | None = None  # the gateway device's discovery as last published
         self.specs: tuple[str, ...] = list_specs(job_dir)
         self.selected: str | None = self.specs[0] if self.specs else None
@@ -231,6 +258,7 @@ class HABridge:
         if cmd.action == "set":
             assert cmd.field is not None
             self.form = haform.set_field(self.form, cmd.field, cmd.value, self.catalogs)
+            save_form(self.form_file, self.form)
             self._rediscover()  # another owner: its files are the Model and Data options
             return f"{cmd.field} = {getattr(self.form, cmd.field)}"
         if cmd.action == "start_form":

@@ -97,7 +97,8 @@ class GatewayService(NodeTopics):
             if cfg.homeassistant.enabled else None
         self.habridge = HABridge(self.ha, self.bus, cfg.homeassistant.job_dir, Actions(
             job_command=self._ha_job_command, start=self._ha_start, remove_node=self._remove_node,
-            nodes=self._known_caps, publish=self._publish_ha_state)) if self.ha is not None else None
+            nodes=self._known_caps, publish=self._publish_ha_state),
+            form_file=cfg.state_dir / "homeassistant-form.json") if self.ha is not None else None
         self.internal_errors = 0  # unexpected exceptions caught by a guard (each logged with its traceback)
         self._dirty: set[str] = set()
         self._unsaved = False

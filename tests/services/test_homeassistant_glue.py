@@ -426,3 +426,24 @@ def test_the_form_follows_the_owners_catalogs_and_refresh_asks_them(tmp_path):
     assert h.ha({"action": "remove_node", "node_id": "c"})["last_command"] == "remove_node: removed node c"
     assert "xronos/node/c/catalog" not in h.broker.retained
     assert h.discovery()["cmps"]["form_owner"]["options"] == ["a"]
+
+
+def test_the_form_survives_a_gateway_restart(tmp_path):
+    h = HAHarness(tmp_path)
+    announce(h)
+    h.node_says(_catalog("a"), "a")
+    h.pump()
+    for field, value in (("model", "/srv/xronos/models/qwen"), ("steps", 250), ("lr", 5e-5), ("gguf", "q8_0")):
+        assert h.ha({"action": "set", "field": field, "value": value})["last_command"] == f"set: {field} = {value}"
+    h.gw.bus.stop()
+    h2 = HAHarness(tmp_path, h.broker)
+    h2.pump()
+    h2.gw._flush(force=True)
+    form = h2.state()["form"]
+    assert (form["owner"], form["model"], form["steps"], form["lr"], form["gguf"]) == (
+        "a", "/srv/xronos/models/qwen", 250, 5e-5, "q8_0")
+    (tmp_path / "gw" / "homeassistant-form.json").write_text('{"steps": "x"}')  # not a form: the defaults
+    h2.gw.bus.stop()
+    h3 = HAHarness(tmp_path, h.broker)
+    h3.pump()
+    assert h3.gw.habridge.form.steps == 100 and h3.gw.internal_errors == 0
