@@ -35,7 +35,8 @@ from typing import Any
 
 import structlog
 
-from xronos.node import participation
+from xronos.node import limits, participation
+from xronos.node.boxcheck import Box, assignment_problem_on_box, owner_arch, profile_problem, resident_bytes
 from xronos.node.config import NodeConfig, detect_data_host
 from xronos.node.jobcheck import assignment_problem
 from xronos.node.owncaps import OwnCapabilities
@@ -50,6 +51,7 @@ from xronos.protocol.transport import BusBase, MqttBus
 log = structlog.get_logger(__name__)
 CAPS_EVERY_S = 60.0  # refresh memory_available and temperature for the planner and HA
 MAX_PENDING_WORK = 4  # inspections and profiles queued or running on the worker thread
+STOP_GRACE_S = 1.0  # a rank's time to stop at its iteration boundary when the node stops
 
 
 def job_dir(state_dir: Path, job_id: str) -> Path:
@@ -95,6 +97,8 @@ class NodeService:
         self.state_dir = Path(cfg.state_dir)
         self._caps_at = 0.0
         self._ha_published: hastate.NodeHAState | None = None
+        self._archs: dict[str, tuple[m.ArchSpec, str]] = {}  # job id -> the shape its profile named
+        self._leaving: list[Any] = []  # RankProcesses told to stop, not yet gone
 
     # --- wiring --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -107,6 +111,7 @@ class NodeService:
         self.availability.register(self.dispatcher)
         self.owncaps.register(self.dispatcher)
         self.bus.on_connect(self._announce)
+        limits.sweep(limits.group_bases())  # empty child groups a killed run of the node left
         self.bus.start()
         self.work.submit(_warm_up)
 
@@ -175,6 +180,11 @@ class NodeService:
             self._pump_child()
         except Exception as exc:
             self._internal("rank process", exc)
+        self._leaving = [c for c in self._leaving if c.poll() is None]
+        try:
+            self.owncaps.tick()
+        except Exception as exc:
+            self._internal("re-assert capabilities", exc)
         if time.monotonic() - self._caps_at > CAPS_EVERY_S:
             try:
                 self._publish_caps()
@@ -188,10 +198,14 @@ class NodeService:
         log.error("node.internal_error", where=where, error=f"{type(exc).__name__}: {exc}"[:300], exc_info=exc)
 
     def shutdown(self) -> None:
-        if self.child is not None:
-            self.child.kill(grace_s=1.0)
-            self._set_status("cancelled", detail="node service stopped")
+        """Within a few seconds at any point: the rank gets `STOP_GRACE_S` to stop at its boundary
+        (a checkpoint it is writing is abandoned: the previous one stays whole), every other child
+        (a profile and its heap probes) is killed at once, so the worker thread is free."""
         self.work.shutdown(wait=False, cancel_futures=True)
+        if self.child is not None:
+            self.child.kill(grace_s=STOP_GRACE_S)
+            self._set_status("cancelled", detail="node service stopped")
+        limits.LIVE.kill_all()
         self.availability.withdraw()
         self.bus.stop()
 
@@ -249,6 +263,14 @@ class NodeService:
         self.outbox.put(report)
 
     def _on_profile(self, req: m.ProfileRequest, _params: dict[str, str]) -> None:
+        why = self._profile_bounds(req)
+        if why is not None:
+            log.info("profile refused", job=req.job_id, reason=why)
+            self._profile_failed(req, why)
+            return
+        if len(self._archs) >= 64:  # the shapes of recent jobs only
+            self._archs.pop(next(iter(self._archs)))
+        self._archs[req.job_id] = (req.arch, req.task)  # what an assignment of that job is checked with
         why = self._queue_work(req.request_id, self._profile, req)
         if why is not None and why != "duplicate":
             self._profile_failed(req, why)
@@ -272,12 +294,27 @@ class NodeService:
                              request_id=req.request_id, job_id=req.job_id,
                              capabilities=probe(self.node_id, self.data_host, self.participate),
                              cache_dir=str(self.state_dir / "profiles"))
-            report = profile_in_child(job)
+            report = profile_in_child(job, limits=self._child_limits())
         except Exception as exc:
             log.warning("profiling failed", job=req.job_id, reason=str(exc))
             self._profile_failed(req, str(exc))
             return
         self.outbox.put(report)
+
+    # --- the box's bounds (node/boxcheck.py, node/limits.py) ----------------------------------
+    def _child_limits(self) -> limits.ChildLimits:
+        return Box.now(self.cfg.reserve_mb).child_limits()
+
+    def _profile_bounds(self, req: m.ProfileRequest) -> str | None:
+        return profile_problem(req, Box.now(self.cfg.reserve_mb))
+
+    def _assignment_bounds(self, a: m.Assignment, spec: m.JobSpec) -> str | None:
+        """The rank's size against the box; the model's shape from the owner's checkpoint or from the
+        job's profile request (a rank of a job this node has neither for is bounded by its limits alone)."""
+        shape = (owner_arch(spec) if a.rank == 0 else None) or self._archs.get(a.job_id)
+        mine = self.child is not None and self.assignment is not None and self.assignment.job_id == a.job_id
+        freed = resident_bytes(self.child.proc.pid) if mine else 0  # a re-plan's old rank makes way
+        return assignment_problem_on_box(a, spec, shape, Box.now(self.cfg.reserve_mb), freed)
 
     def _threads(self) -> int:
         """Torch threads of this node's profiles and training ranks (the same, so the one predicts the other)."""
@@ -303,7 +340,8 @@ class NodeService:
         reason = f"busy with job {cur.job_id}" if busy and cur else self._check(a)
         if reason is None:
             if self.child is not None:  # the same job re-planned: the old rank makes way
-                self.child.kill()
+                self._leaving.append(self.child)
+                self.child.stop()
                 self.child = None
             self.assignment = a
             self._set_status("accepted", job=a, step=a.resume_step)
@@ -337,7 +375,8 @@ class NodeService:
                     return f"rendezvous port {a.rendezvous_port} is not free: {exc.strerror}"
         else:
             self.spec = a.spec
-        return assignment_problem(a, self.spec)  # the layout: refused before any rank starts
+        # the layout, then the rank's size: refused before any rank starts
+        return assignment_problem(a, self.spec) or self._assignment_bounds(a, self.spec)
 
     def _on_control(self, c: Any, _params: dict[str, str]) -> None:
         a = self.assignment
@@ -349,8 +388,9 @@ class NodeService:
             if self.child is None and self.status is not None and self.status.status == "accepted":
                 self._start_child(a)  # once per assignment: a repeated start never re-runs a rank
         elif c.action == "cancel":
-            if self.child is not None:
-                self.child.kill()
+            if self.child is not None:  # stopped on a thread of its own: the loop goes on
+                self._leaving.append(self.child)
+                self.child.stop()
                 self.child = None
             self._set_status("cancelled")
             self.assignment = None
@@ -382,7 +422,10 @@ class NodeService:
                                checkpoint_dir=str(jobdir / "checkpoint") if a.rank == 0 else None,
                                allowed_dirs=[str(d) for d in self.cfg.allowed_dirs])
         ifname = self.cfg.data_interface or ("lo" if a.rendezvous_host.startswith("127.") else None)
-        self.child = RankProcess(jobdir / f"v{a.plan_version}", config, child_env(threads, ifname))
+        for old in self._leaving:  # a rank still in its grace holds memory and ports the new one needs
+            old.box.kill()
+        self.child = RankProcess(jobdir / f"v{a.plan_version}", config, child_env(threads, ifname),
+                                 limits=self._child_limits())
 
     # --- child events --------------------------------------------------------------------------
     def _set_status(self, status: str, job: m.Assignment | None = None, **fields: Any) -> None:
@@ -408,9 +451,8 @@ class NodeService:
             except Exception as exc:  # one malformed event is logged, the next ones still count
                 self._internal(f"rank process event {str(ev)[:100]}", exc)
         if child.finished():
-            code = child.poll()
             if self.status is None or self.status.status not in ("completed", "failed", "cancelled"):
-                self._set_status("failed", detail=f"rank process exited with code {code}: {child.tail(600)}")
+                self._set_status("failed", detail=f"rank process ended ({child.why()}): {child.tail(600)}")
             child.kill(0)
             self.child = None
 
