@@ -37,14 +37,17 @@ def node(tmp_path, mqtt_broker):
     svc.shutdown()
 
 
-def own_after(svc, watcher, within: float) -> m.Capabilities:
-    """The node's own announcement that follows what a test published, stepping the node meanwhile."""
+def own_after(svc, watcher, since: float, within: float) -> m.Capabilities:
+    """The node's own announcement made after `since` (wall clock), stepping the node meanwhile (the
+    retained one the watcher was handed on subscribing may arrive late: it is older)."""
     got: list[m.Capabilities] = []
 
     def ours() -> bool:
         for p in watcher.payloads():
             if p and b'"forged"' not in p and b"junk" not in p:
-                got.append(m.Capabilities.model_validate_json(p))
+                caps = m.Capabilities.model_validate_json(p)
+                if caps.sent_at >= since:
+                    got.append(caps)
         return bool(got)
 
     t0 = time.monotonic()
@@ -60,18 +63,20 @@ def test_what_replaces_its_capabilities_is_replaced_at_once(node, payload):
     svc, watcher = node
     watcher.payloads()
     time.sleep(REASSERT_EVERY_S)  # the first answer is never held back by an earlier one
+    since = time.time()
     watcher.publish_retained(payload)
-    caps = own_after(svc, watcher, within=2.0)  # at once: one turn of the loop, plus the broker's round trips
+    caps = own_after(svc, watcher, since, within=2.0)  # at once: one turn of the loop, plus the broker's round trips
     assert caps.hostname != "forged" and caps.node_id == "n0" and svc.owncaps.reasserted == 1
 
 
 def test_a_second_process_under_the_id_is_answered_at_most_once_a_second(node):
     svc, watcher = node
     time.sleep(REASSERT_EVERY_S)
+    since = time.time()
     for i in range(5):  # a burst of another box's announcements
         watcher.publish_retained(FORGED.model_copy(update={"sent_at": 10.0 + i}).model_dump_json().encode())
     drive(svc, lambda: svc.owncaps.seen == 5, "the other process's announcements heard")
-    own_after(svc, watcher, within=5.0)
+    own_after(svc, watcher, since, within=5.0)
     assert svc.owncaps.reasserted <= 2  # the first at once, the rest folded into one a second later
     for _ in range(int(REASSERT_EVERY_S / 0.05) + 10):
         svc.step(0.05)
