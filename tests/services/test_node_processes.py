@@ -184,3 +184,25 @@ def test_sigterm_in_the_middle_of_a_profile_stops_the_node_promptly(node):
     # Measured 0.3-0.6 s (load ~3 on 2 cores); before, the service waited for the profile to end (~20 s).
     assert took < 5.0, f"the node took {took:.1f} s to stop"
     assert node.proc.returncode == 0
+
+
+def test_a_burst_of_schema_maximum_requests_starts_nothing_and_is_answered(node):
+    """The issue's hostile requests at the schema's new ceilings (threads 256, batch 4096): each is
+    refused with its numbers before any process starts, and the node answers every one."""
+    answers: list[m.ErrorResponse] = []
+    node.client.message_callback_add(node.table.build("node.error", node_id="n0"),
+                                     lambda c, u, msg: answers.append(m.ErrorResponse.model_validate_json(msg.payload)))
+    node.client.subscribe(node.table.build("node.error", node_id="n0"), qos=1)
+    wide = TINY.model_copy(update={"vocab_size": 50257, "max_positions": 2**17})
+    asks = [dict(threads=256, batch_size=8, seq_len=16), dict(batch_size=4096, seq_len=2**17),
+            dict(batch_size=4096, seq_len=1024, threads=1)]
+    for i in range(30):
+        node.send("node.profile_request", m.ProfileRequest(request_id=f"h{i}", job_id="j", arch=wide,
+                                                           task="causal-lm", **asks[i % 3]))
+    deadline = time.monotonic() + 60
+    while len(answers) < 30 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(a.message.split(":")[0] for a in answers) == sorted(f"h{i}" for i in range(30))
+    assert all("usable cores" in a.message or "the profile needs about" in a.message for a in answers)
+    assert node.tree.seen == {}  # not one process started
+    assert node.proc.poll() is None
