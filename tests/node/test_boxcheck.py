@@ -42,13 +42,16 @@ def test_a_batch_whose_activations_exceed_the_box_is_refused_with_need_and_capac
 
 
 def test_the_estimate_counts_what_a_profile_surely_allocates():
-    need = profile_estimate(TINY, "causal-lm", 4096, 128, lora=False)
+    need = estimate(TINY, "causal-lm", 4096, 128, blocks=1)
     tokens = 4096 * 128
     assert need.runtime == RUNTIME_BYTES
     assert need.logits == 4 * 2 * tokens * TINY.vocab_size  # logits and their gradient, fp32
     # One block: its input, norms, Q, K, V, output, the scores and probabilities, the MLP's two widths.
     per_token = 4 * 64 + (2 * 64 + 2 * 64 + 2 * 4 * 128) + 2 * 256
     assert need.activations == 4 * (tokens * per_token + 2 * tokens * 64)
+    # A profile's child keeps three widths' transient blocks and runs its heap probes beside it.
+    prof = profile_estimate(TINY, "causal-lm", 4096, 128, lora=False)
+    assert (prof.activations, prof.logits, prof.states) == (3 * need.activations, 3 * need.logits, need.states)
     lora = profile_estimate(TINY, "causal-lm", 1, 1, lora=True)
     full = profile_estimate(TINY, "causal-lm", 1, 1, lora=False)
     assert full.states == 4 * lora.states  # gradients and both AdamW moments, unless the base is frozen
