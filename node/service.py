@@ -18,7 +18,10 @@ the rank process's events, the capabilities refresh), at most `MAX_PENDING_WORK`
 profiles wait for the worker thread (more are answered "busy"), a repeated request id is done
 once, a job's directory is `state_dir/jobs/<job id>` with the id checked as one plain path
 component, and an owner's paths are confined (`jobcheck.confined_spec`: inside `allowed_dirs`,
-an export that overwrites neither the base model nor the node's job directories).
+an export that overwrites neither the base model nor the node's job directories). No request can
+take the box down: a profile or an assignment over its cores or memory is refused with the numbers
+(`node/boxcheck.py`); every child runs boxed — memory and task limits, dying with the node
+(`node/limits.py`); a stop takes seconds at any point, a cancel does not hold the loop.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class NodeService:
         self._caps_at = 0.0
         self._ha_published: hastate.NodeHAState | None = None
         self._archs: dict[str, tuple[m.ArchSpec, str]] = {}  # job id -> the shape its profile named
-        self._leaving: list[Any] = []  # RankProcesses told to stop, not yet gone
+        self._leaving: list[Any] = []  # RankProcesses told to stop, not yet gone (killed at a new start)
 
     # --- wiring --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -198,9 +201,8 @@ class NodeService:
         log.error("node.internal_error", where=where, error=f"{type(exc).__name__}: {exc}"[:300], exc_info=exc)
 
     def shutdown(self) -> None:
-        """Within a few seconds at any point: the rank gets `STOP_GRACE_S` to stop at its boundary
-        (a checkpoint it is writing is abandoned: the previous one stays whole), every other child
-        (a profile and its heap probes) is killed at once, so the worker thread is free."""
+        """Seconds at any point: the rank gets STOP_GRACE_S (a checkpoint it writes is abandoned, the
+        previous one stays whole), every other child (a profile, its heap probes) is killed at once."""
         self.work.shutdown(wait=False, cancel_futures=True)
         if self.child is not None:
             self.child.kill(grace_s=STOP_GRACE_S)
@@ -263,7 +265,7 @@ class NodeService:
         self.outbox.put(report)
 
     def _on_profile(self, req: m.ProfileRequest, _params: dict[str, str]) -> None:
-        why = self._profile_bounds(req)
+        why = profile_problem(req, Box.now(self.cfg.reserve_mb))  # threads and memory, before it starts
         if why is not None:
             log.info("profile refused", job=req.job_id, reason=why)
             self._profile_failed(req, why)
@@ -304,9 +306,6 @@ class NodeService:
     # --- the box's bounds (node/boxcheck.py, node/limits.py) ----------------------------------
     def _child_limits(self) -> limits.ChildLimits:
         return Box.now(self.cfg.reserve_mb).child_limits()
-
-    def _profile_bounds(self, req: m.ProfileRequest) -> str | None:
-        return profile_problem(req, Box.now(self.cfg.reserve_mb))
 
     def _assignment_bounds(self, a: m.Assignment, spec: m.JobSpec) -> str | None:
         """The rank's size against the box; the model's shape from the owner's checkpoint or from the
