@@ -215,8 +215,13 @@ class Child:
                     self.groups = Groups(limits, f"{name}-{os.getpid()}-{next(_SEQ)}", bases)
                 except OSError as exc:
                     log.warning("limits.no_cgroup", error=str(exc)[:200], fallback="setrlimit")
-        self.proc = subprocess.Popen(argv, env=box_env(env, limits, self.groups), start_new_session=True,
-                                     **popen)  # type: ignore[call-overload]
+        try:
+            self.proc = subprocess.Popen(argv, env=box_env(env, limits, self.groups), start_new_session=True,
+                                         **popen)  # type: ignore[call-overload]
+        except BaseException:
+            if self.groups is not None:
+                self.groups.remove()
+            raise
         LIVE.add(self)
 
     @property
