@@ -58,7 +58,9 @@ def assignment_problem_on_box(a: m.Assignment, spec: m.JobSpec, shape: tuple[m.A
         return None
     arch, task = shape
     shares = {k: a.layout.share(k, a.rank) for k in ("attn", "mlp", "vocab")}
-    need = estimate(arch, task, spec.batch_size, spec.seq_len, lora=spec.lora_r is not None, **shares)
+    # dropout None is the checkpoint's own (usually on): counted as the explicit attention path
+    need = estimate(arch, task, spec.batch_size, spec.seq_len, lora=spec.lora_r is not None,
+                    scores=spec.dropout != 0.0, **shares)
     return box.over(f"rank {a.rank} of {a.job_id} (batch_size {spec.batch_size} x seq_len {spec.seq_len}, "
                     f"{shares['attn']:.0%} of the attention, {shares['mlp']:.0%} of the MLP, {shares['vocab']:.0%} "
                     f"of the vocabulary)", need, freed)

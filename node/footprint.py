@@ -12,8 +12,8 @@ batch-dependent bytes are scaled by what one measured (`profile_estimate`). What
            + the output logits and their gradient (causal LM: batch x seq x vocabulary rows x 8 bytes)
 
 Per token and block the saved activations are the block's input and its norms' (4 h), Q, K, V and
-the attention output (2 h + 2 kv), the attention scores and probabilities (2 x heads x seq: eager
-attention) and the MLP's up/activation (2 f, gated families 3 f). A rank holds its shares of
+the attention output (2 h + 2 kv), the attention scores and probabilities (2 x heads x seq: the
+explicit path attention takes under dropout) and the MLP's up/activation (2 f, gated families 3 f). A rank holds its shares of
 each kind (attention heads, MLP columns, vocabulary rows); the replicated parts in full.
 """
 
@@ -55,17 +55,19 @@ def _block_params(arch: ArchSpec, attn: float, mlp: float) -> float:
     return attention + (3 if arch.family in GATED else 2) * h * f * mlp + 4 * h
 
 
-def _block_acts_per_token(arch: ArchSpec, seq: int, attn: float, mlp: float) -> float:
+def _block_acts_per_token(arch: ArchSpec, seq: int, attn: float, mlp: float, scores: bool) -> float:
     h, f = arch.hidden_size, arch.intermediate_size
     kv = arch.num_kv_heads * (h // arch.num_heads)
-    attention = (2 * h + 2 * kv + 2 * arch.num_heads * seq) * attn
+    attention = (2 * h + 2 * kv + (2 * arch.num_heads * seq if scores else 0)) * attn
     return 4 * h + attention + (3 if arch.family in GATED else 2) * f * mlp
 
 
 def estimate(arch: ArchSpec, task: str, batch: int, seq: int, *, blocks: int | None = None, attn: float = 1.0,
-             mlp: float = 1.0, vocab: float = 1.0, lora: bool = False) -> Footprint:
+             mlp: float = 1.0, vocab: float = 1.0, lora: bool = False, scores: bool = True) -> Footprint:
     """The peak of a process training `blocks` (None: all) blocks of `arch` holding these shares of
-    each kind, at `batch` x `seq` (see the module docstring)."""
+    each kind, at `batch` x `seq` (see the module docstring). `scores` False: attention without
+    dropout, which runs fused (torch's scaled_dot_product_attention, node/models/common.attend) and
+    keeps no seq x seq matrices."""
     for name, share in (("attn", attn), ("mlp", mlp), ("vocab", vocab)):
         if not 0 <= share <= 1:
             raise ValueError(f"{name} share must be in [0, 1], got {share}")
@@ -79,7 +81,7 @@ def estimate(arch: ArchSpec, task: str, batch: int, seq: int, *, blocks: int | N
     if task == "classify":
         params += h * h + h * (arch.num_labels or 2)
     tokens = batch * seq
-    acts = n_blocks * tokens * _block_acts_per_token(arch, seq, attn, mlp) + 2 * tokens * h
+    acts = n_blocks * tokens * _block_acts_per_token(arch, seq, attn, mlp, scores) + 2 * tokens * h
     logits = 2 * tokens * V * vocab if task == "causal-lm" else 0
     return Footprint(runtime=RUNTIME_BYTES, states=int(params * (4 if lora else 16)), activations=int(4 * acts),
                      logits=int(4 * logits))

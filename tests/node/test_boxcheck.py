@@ -62,6 +62,8 @@ def test_a_rank_needs_its_shares_only():
     half = estimate(TINY, "causal-lm", 8, 128, attn=0.5, mlp=0.5, vocab=0.5)
     assert half.logits * 2 == whole.logits
     assert whole.states / 2 < half.states < whole.states  # the replicated parts in full
+    fused = estimate(TINY, "causal-lm", 8, 128, scores=False)  # no dropout: no seq x seq matrices kept
+    assert whole.activations - fused.activations == 4 * 2 * 8 * 128 * (2 * 4 * 128)
     with pytest.raises(ValueError, match="attn share"):
         estimate(TINY, "causal-lm", 8, 128, attn=1.5)
 
