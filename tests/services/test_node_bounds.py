@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from nodekit import msgs, pump, replies
+from nodekit import pump, replies
 from xronos.node import limits
 from xronos.node.capabilities import memory, usable_cores
 from xronos.node.config import NodeConfig
 from xronos.node.launch import free_port
 from xronos.node.service import NodeService
 from xronos.protocol import messages as m
-from xronos.protocol.codec import encode
+from xronos.protocol.codec import decode, encode
 from xronos.protocol.fakebus import FakeBroker
 from xronos.protocol.layout import Layout
 from xronos.protocol.topics import TopicTable
@@ -60,7 +60,6 @@ def ask_profile(svc, client, rid: str, timeout: float = 60.0, arch: m.ArchSpec =
         for topic, payload in client.drain():
             found = T.match(topic)
             if found and found[0].key in ("node.error", "node.profile_report") and payload:
-                from xronos.protocol.codec import decode
                 msg = decode(topic, payload)
                 if isinstance(msg, m.ProfileReport) or rid in msg.message:
                     got.append(msg)
