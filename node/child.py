@@ -3,8 +3,9 @@
 The child gets its config (a `JobRankConfig`) as a JSON file, its controls as JSON lines on stdin, and writes events
 as JSON lines on an inherited pipe, which a reader thread turns into a queue the control loop
 drains without blocking. stdout/stderr go to a log file next to the config, whose tail explains a
-failure. `kill()` ends the child's whole process group, so a cancel leaves nothing behind and
-returns all of its memory.
+failure. The child runs boxed (`node/limits.py`): under the box's memory and task limits, dying
+with the node. `kill()` ends the child's whole process group, so a cancel leaves nothing behind
+and returns all of its memory; `stop()` does that on a thread of its own.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import structlog
 
 from xronos.node.launch import rank_env
+from xronos.node.limits import Child, ChildLimits, boxed_argv
 from xronos.node.runconfig import JobRankConfig
 
 log = structlog.get_logger(__name__)
@@ -39,8 +39,9 @@ def child_env(threads: int, gloo_ifname: str | None) -> dict[str, str]:
 
 
 class RankProcess:
-    def __init__(self, workdir: Path, config: JobRankConfig, env: dict[str, str]) -> None:
-        """Start the child with `config` (its `events_fd` is set here)."""
+    def __init__(self, workdir: Path, config: JobRankConfig, env: dict[str, str],
+                 limits: ChildLimits | None = None) -> None:
+        """Start the child with `config` (its `events_fd` is set here), boxed by `limits`."""
         workdir.mkdir(parents=True, exist_ok=True)
         read_fd, write_fd = os.pipe()
         cfg_path = workdir / "rank.json"
@@ -48,10 +49,9 @@ class RankProcess:
         self.log_path = workdir / "rank.log"
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "xronos.node.jobproc", str(cfg_path)], stdin=subprocess.PIPE,
-                stdout=logf, stderr=subprocess.STDOUT, pass_fds=(write_fd,), env=env,
-                start_new_session=True)
+            self.box = Child(boxed_argv("xronos.node.jobproc", str(cfg_path)), env, limits, f"rank-{config.job_id}",
+                             stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT, pass_fds=(write_fd,))
+        self.proc = self.box.proc
         os.close(write_fd)
         self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
         self._reader.start()
@@ -95,6 +95,18 @@ class RankProcess:
         except OSError:
             return ""
 
+    def why(self) -> str:
+        """How it ended: its exit code or signal, and whether its memory limit ended it."""
+        code = self.proc.poll()
+        return "still running" if code is None else self.box.why(code)
+
+    def stop(self, grace_s: float = 3.0) -> threading.Thread:
+        """`kill(grace_s)` on a thread of its own, so that the control loop does not wait out the
+        grace: a cancel is answered at once, the process gone within the grace."""
+        t = threading.Thread(target=self.kill, args=(grace_s,), name=f"rank-stop-{self.proc.pid}", daemon=True)
+        t.start()
+        return t
+
     def kill(self, grace_s: float = 3.0) -> None:
         """Ask it to stop, then end its process group; returns once it is gone."""
         if self.proc.poll() is None:
@@ -102,11 +114,9 @@ class RankProcess:
             deadline = time.monotonic() + grace_s
             while self.proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self.box.kill()
         self.proc.wait()
+        self.box.reaped()
         if self.proc.stdin is not None:
             try:
                 self.proc.stdin.close()

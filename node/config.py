@@ -110,3 +110,16 @@ def detect_data_host(cfg: NodeConfig) -> str:
             raise ValueError(f"broker.host {cfg.broker.host!r}: cannot find a route to it to pick "
                              f"data_host ({exc}); set data_host explicitly") from None
         return sock.getsockname()[0]
+
+
+def job_dir(state_dir: Path, job_id: str) -> Path:
+    """`state_dir/jobs/<job_id>`, refusing an id that is not one plain path component (the protocol's
+    Id pattern already is; this holds even for a caller that skipped it)."""
+    if not job_id or job_id in (".", "..") or "/" in job_id or "\\" in job_id or "\0" in job_id \
+            or Path(job_id).name != job_id:
+        raise ValueError(f"job_id {job_id[:40]!r}: not usable as a directory name")
+    root = (state_dir / "jobs").resolve()
+    path = (root / job_id).resolve()
+    if path.parent != root:
+        raise ValueError(f"job_id {job_id[:40]!r}: resolves outside {root}")
+    return path

@@ -26,7 +26,7 @@ do not level off with depth (medians at 1, 4, 6 blocks of the grid's RoBERTa sha
 38, 74, 104 MiB; the line through the first two gives 98 at six), so no cap is put on the growth
 (bench/results/mem-peak-v9.md).
 
-    python -m xronos.node.heapprobe REQUEST.json     # a child: prints {"slack": bytes, ...}
+    python -m xronos.node.boxed xronos.node.heapprobe REQUEST.json     # a child: prints {"slack": bytes, ...}
 
 The profiler (`node/profiler.py`) measures one block at full width (once: the costliest probe) and
 at its smallest width, and the growth with depth at the smallest width (cheap there, and the
@@ -130,16 +130,27 @@ def measure_in_child(job: dict[str, Any], threads: int, timeout_s: float = 1800.
     import tempfile
 
     from xronos.node.launch import rank_env
+    from xronos.node.limits import Child, boxed_argv
 
     with tempfile.TemporaryDirectory(prefix="xronos-heapprobe-") as tmp:
         req = Path(tmp) / "request.json"
         req.write_text(json.dumps(job))
-        proc = subprocess.run([sys.executable, "-m", "xronos.node.heapprobe", str(req)], env=rank_env(threads),
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        tail = "\n".join([ln for ln in proc.stderr.splitlines() if ln.strip()][-15:])
-        raise RuntimeError(f"the heap probe ({job.get('blocks')} blocks) failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        # Boxed without limits of its own: it dies with the profile child and is inside that
+        # child's cgroups and rlimits, which it inherits (node/limits.py).
+        child = Child(boxed_argv("xronos.node.heapprobe", str(req)), rank_env(threads), None, "heapprobe",
+                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = child.proc.communicate(timeout=timeout_s)
+        finally:
+            if child.proc.poll() is None:
+                child.kill()
+                child.proc.wait()
+            child.reaped()
+    code = child.proc.returncode
+    if code != 0:
+        tail = "\n".join([ln for ln in err.splitlines() if ln.strip()][-15:])
+        raise RuntimeError(f"the heap probe ({job.get('blocks')} blocks) failed ({child.why(code)}):\n{tail}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 DEPTH = 4  # the second depth: three more blocks than one, so that each block's growth is the

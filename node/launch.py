@@ -25,6 +25,7 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from xronos.node import allocator
+from xronos.node.limits import box_env, boxed_argv
 from xronos.node.runconfig import RunConfig
 from xronos.node.tp.groupkey import new_key
 
@@ -139,9 +140,11 @@ def spawn_ranks(module: str, configs: Sequence[BaseModel], wrap: Wrap | None = N
                 path = Path(tmp) / f"rank{rank}.json"
                 mine = type(cfg).model_validate({**cfg.model_dump(), **update, "rank": rank, "rendezvous_port": port})
                 path.write_text(mine.model_dump_json(indent=1))
+                # Boxed without limits (a run the user started, confined by `wrap` if at all): each
+                # rank dies with this launcher, even killed (node/limits.py).
                 proc = subprocess.Popen(
-                    [*(placement.argv_prefix(rank) if placement else []), sys.executable, "-m", module, str(path)],
-                    env={**env, **placement.env(rank)} if placement else env,
+                    [*(placement.argv_prefix(rank) if placement else []), *boxed_argv(module, str(path))],
+                    env=box_env({**env, **placement.env(rank)} if placement else env, None),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL if quiet else None,
                     stderr=subprocess.PIPE,

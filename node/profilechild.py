@@ -4,15 +4,15 @@ The service is long-lived and small; a profile allocates a full-width block, its
 AdamW state. Running it in a child (a) measures under the allocator setting the training ranks use
 (`xronos.node.allocator`), which a running process cannot take on without keeping its peak heap
 for life, (b) hands every byte back to the box when it ends, and (c) keeps a crash or the OOM
-killer away from the service. The child dies with its parent (PR_SET_PDEATHSIG).
+killer away from the service. The child runs boxed (`node/limits.py`): under the box's memory and
+task limits, in its own process group, dying with its parent (PR_SET_PDEATHSIG), as its heap
+probes do.
 
-    python -m xronos.node.profilechild REQUEST.json REPORT.json
+    python -m xronos.node.boxed xronos.node.profilechild REQUEST.json REPORT.json
 """
 
 from __future__ import annotations
 
-import ctypes
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from xronos.node.limits import ChildLimits
 from xronos.protocol.messages import Capabilities, ProfileReport
 
 _TAIL_LINES = 15
@@ -48,34 +49,36 @@ class ProfileJob(BaseModel):
     cache_dir: str | None = None
 
 
-def profile_in_child(job: ProfileJob, timeout_s: float = 3600.0) -> ProfileReport:
-    """Run `job` in a fresh process with the ranks' environment; its report, or RuntimeError with
-    the tail of what it printed."""
+def profile_in_child(job: ProfileJob, timeout_s: float = 3600.0, limits: ChildLimits | None = None) -> ProfileReport:
+    """Run `job` in a fresh process with the ranks' environment, boxed by `limits` (node/limits.py);
+    its report, or RuntimeError with the tail of what it printed (and the limit, if it ended it)."""
     from xronos.node.launch import rank_env
+    from xronos.node.limits import Child, boxed_argv
 
     with tempfile.TemporaryDirectory(prefix="xronos-profile-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "report.json"
         req.write_text(job.model_dump_json())
-        proc = subprocess.Popen([sys.executable, "-m", "xronos.node.profilechild", str(req), str(out)],
-                                env=rank_env(job.threads), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        child = Child(boxed_argv("xronos.node.profilechild", str(req), str(out)), rank_env(job.threads), limits,
+                      "profile", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                      text=True)
+        proc = child.proc
         try:
             _, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
             raise RuntimeError(f"profiling did not finish within {timeout_s:.0f} s") from None
         finally:
             if proc.poll() is None:
-                proc.kill()
+                child.kill()
                 proc.wait()
+            why = child.why(proc.returncode)
+            child.reaped()
         if proc.returncode == REFUSED:
             raise RuntimeError(err.strip()[-2000:])
         if proc.returncode != 0:
-            how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
             tail = "\n".join([ln for ln in err.splitlines() if ln.strip()][-_TAIL_LINES:])
-            raise RuntimeError(f"the profiling process failed ({how}; signal 9 is usually the OOM killer):\n{tail}")
+            hint = "" if limits is None or "limit" in why else \
+                f"; it ran limited to {limits.describe()}, and signal 9 is usually the OOM killer"
+            raise RuntimeError(f"the profiling process failed ({why}{hint}):\n{tail}")
         return ProfileReport.model_validate_json(out.read_text())
 
 
@@ -83,10 +86,6 @@ def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print("usage: python -m xronos.node.profilechild REQUEST.json REPORT.json", file=sys.stderr)
         return 2
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
     from xronos.node.profiler import profile
     from xronos.node.profset import ProfileTooLarge
 

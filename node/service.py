@@ -18,7 +18,10 @@ the rank process's events, the capabilities refresh), at most `MAX_PENDING_WORK`
 profiles wait for the worker thread (more are answered "busy"), a repeated request id is done
 once, a job's directory is `state_dir/jobs/<job id>` with the id checked as one plain path
 component, and an owner's paths are confined (`jobcheck.confined_spec`: inside `allowed_dirs`,
-an export that overwrites neither the base model nor the node's job directories).
+an export that overwrites neither the base model nor the node's job directories). No request can
+take the box down: a profile or an assignment over its cores or memory is refused with the numbers
+(`node/boxcheck.py`); every child runs boxed — memory and task limits, dying with the node
+(`node/limits.py`); a stop takes seconds at any point, a cancel does not hold the loop.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from typing import Any
 
 import structlog
 
-from xronos.node import participation
+from xronos.node import limits, participation
+from xronos.node.boxcheck import Box, assignment_problem_on_box, owner_arch, profile_problem, resident_bytes
 from xronos.node.catalog import CatalogPublisher
-from xronos.node.config import NodeConfig, detect_data_host
+from xronos.node.config import NodeConfig, detect_data_host, job_dir
 from xronos.node.jobcheck import assignment_problem
 from xronos.node.owncaps import OwnCapabilities
 from xronos.protocol import hastate, sdnotify
@@ -51,19 +55,7 @@ from xronos.protocol.transport import BusBase, MqttBus
 log = structlog.get_logger(__name__)
 CAPS_EVERY_S = 60.0  # refresh memory_available and temperature for the planner and HA
 MAX_PENDING_WORK = 4  # inspections and profiles queued or running on the worker thread
-
-
-def job_dir(state_dir: Path, job_id: str) -> Path:
-    """`state_dir/jobs/<job_id>`, refusing an id that is not one plain path component (the protocol's
-    Id pattern already is; this holds even for a caller that skipped it)."""
-    if not job_id or job_id in (".", "..") or "/" in job_id or "\\" in job_id or "\0" in job_id \
-            or Path(job_id).name != job_id:
-        raise ValueError(f"job_id {job_id[:40]!r}: not usable as a directory name")
-    root = (state_dir / "jobs").resolve()
-    path = (root / job_id).resolve()
-    if path.parent != root:
-        raise ValueError(f"job_id {job_id[:40]!r}: resolves outside {root}")
-    return path
+STOP_GRACE_S = 1.0  # a rank's time to stop at its iteration boundary when the node stops
 
 
 class NodeService:
@@ -98,6 +90,8 @@ class NodeService:
         self._ha_published: hastate.NodeHAState | None = None
         # What allowed_dirs holds, for Home Assistant's job form (node/catalog.py).
         self.catalog = CatalogPublisher(self.bus, self.node_id, cfg.allowed_dirs, skip=self._reserved_dirs())
+        self._archs: dict[str, tuple[m.ArchSpec, str]] = {}  # job id -> the shape its profile named
+        self._leaving: list[Any] = []  # RankProcesses told to stop, not yet gone (killed at a new start)
 
     # --- wiring --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -111,6 +105,7 @@ class NodeService:
         self.owncaps.register(self.dispatcher)
         self.catalog.register(self.dispatcher)
         self.bus.on_connect(self._announce)
+        limits.sweep(limits.group_bases())  # empty child groups a killed run of the node left
         self.bus.start()
         self.work.submit(_warm_up)
 
@@ -181,6 +176,11 @@ class NodeService:
         except Exception as exc:
             self._internal("rank process", exc)
         self.catalog.tick()  # guarded inside
+        self._leaving = [c for c in self._leaving if c.poll() is None]
+        try:
+            self.owncaps.tick()
+        except Exception as exc:
+            self._internal("re-assert capabilities", exc)
         if time.monotonic() - self._caps_at > CAPS_EVERY_S:
             try:
                 self._publish_caps()
@@ -194,10 +194,13 @@ class NodeService:
         log.error("node.internal_error", where=where, error=f"{type(exc).__name__}: {exc}"[:300], exc_info=exc)
 
     def shutdown(self) -> None:
-        if self.child is not None:
-            self.child.kill(grace_s=1.0)
-            self._set_status("cancelled", detail="node service stopped")
+        """Seconds at any point: the rank gets STOP_GRACE_S (a checkpoint it writes is abandoned, the
+        previous one stays whole), every other child (a profile, its heap probes) is killed at once."""
         self.work.shutdown(wait=False, cancel_futures=True)
+        if self.child is not None:
+            self.child.kill(grace_s=STOP_GRACE_S)
+            self._set_status("cancelled", detail="node service stopped")
+        limits.LIVE.kill_all()
         self.availability.withdraw()
         self.bus.stop()
 
@@ -255,6 +258,14 @@ class NodeService:
         self.outbox.put(report)
 
     def _on_profile(self, req: m.ProfileRequest, _params: dict[str, str]) -> None:
+        why = profile_problem(req, Box.now(self.cfg.reserve_mb))  # threads and memory, before it starts
+        if why is not None:
+            log.info("profile refused", job=req.job_id, reason=why)
+            self._profile_failed(req, why)
+            return
+        if len(self._archs) >= 64:  # the shapes of recent jobs only
+            self._archs.pop(next(iter(self._archs)))
+        self._archs[req.job_id] = (req.arch, req.task)  # what an assignment of that job is checked with
         why = self._queue_work(req.request_id, self._profile, req)
         if why is not None and why != "duplicate":
             self._profile_failed(req, why)
@@ -278,12 +289,24 @@ class NodeService:
                              request_id=req.request_id, job_id=req.job_id,
                              capabilities=probe(self.node_id, self.data_host, self.participate),
                              cache_dir=str(self.state_dir / "profiles"))
-            report = profile_in_child(job)
+            report = profile_in_child(job, limits=self._child_limits())
         except Exception as exc:
             log.warning("profiling failed", job=req.job_id, reason=str(exc))
             self._profile_failed(req, str(exc))
             return
         self.outbox.put(report)
+
+    # --- the box's bounds (node/boxcheck.py, node/limits.py) ----------------------------------
+    def _child_limits(self) -> limits.ChildLimits:
+        return Box.now(self.cfg.reserve_mb).child_limits()
+
+    def _assignment_bounds(self, a: m.Assignment, spec: m.JobSpec) -> str | None:
+        """The rank's size against the box; the model's shape from the owner's checkpoint or from the
+        job's profile request (a rank of a job this node has neither for is bounded by its limits alone)."""
+        shape = (owner_arch(spec) if a.rank == 0 else None) or self._archs.get(a.job_id)
+        mine = self.child is not None and self.assignment is not None and self.assignment.job_id == a.job_id
+        freed = resident_bytes(self.child.proc.pid) if mine else 0  # a re-plan's old rank makes way
+        return assignment_problem_on_box(a, spec, shape, Box.now(self.cfg.reserve_mb), freed)
 
     def _threads(self) -> int:
         """Torch threads of this node's profiles and training ranks (the same, so the one predicts the other)."""
@@ -309,7 +332,8 @@ class NodeService:
         reason = f"busy with job {cur.job_id}" if busy and cur else self._check(a)
         if reason is None:
             if self.child is not None:  # the same job re-planned: the old rank makes way
-                self.child.kill()
+                self._leaving.append(self.child)
+                self.child.stop()
                 self.child = None
             self.assignment = a
             self._set_status("accepted", job=a, step=a.resume_step)
@@ -343,7 +367,8 @@ class NodeService:
                     return f"rendezvous port {a.rendezvous_port} is not free: {exc.strerror}"
         else:
             self.spec = a.spec
-        return assignment_problem(a, self.spec)  # the layout: refused before any rank starts
+        # the layout, then the rank's size: refused before any rank starts
+        return assignment_problem(a, self.spec) or self._assignment_bounds(a, self.spec)
 
     def _on_control(self, c: Any, _params: dict[str, str]) -> None:
         a = self.assignment
@@ -355,8 +380,9 @@ class NodeService:
             if self.child is None and self.status is not None and self.status.status == "accepted":
                 self._start_child(a)  # once per assignment: a repeated start never re-runs a rank
         elif c.action == "cancel":
-            if self.child is not None:
-                self.child.kill()
+            if self.child is not None:  # stopped on a thread of its own: the loop goes on
+                self._leaving.append(self.child)
+                self.child.stop()
                 self.child = None
             self._set_status("cancelled")
             self.assignment = None
@@ -388,7 +414,10 @@ class NodeService:
                                checkpoint_dir=str(jobdir / "checkpoint") if a.rank == 0 else None,
                                allowed_dirs=[str(d) for d in self.cfg.allowed_dirs])
         ifname = self.cfg.data_interface or ("lo" if a.rendezvous_host.startswith("127.") else None)
-        self.child = RankProcess(jobdir / f"v{a.plan_version}", config, child_env(threads, ifname))
+        for old in self._leaving:  # a rank still in its grace holds memory and ports the new one needs
+            old.box.kill()
+        self.child = RankProcess(jobdir / f"v{a.plan_version}", config, child_env(threads, ifname),
+                                 limits=self._child_limits())
 
     # --- child events --------------------------------------------------------------------------
     def _set_status(self, status: str, job: m.Assignment | None = None, **fields: Any) -> None:
@@ -414,9 +443,8 @@ class NodeService:
             except Exception as exc:  # one malformed event is logged, the next ones still count
                 self._internal(f"rank process event {str(ev)[:100]}", exc)
         if child.finished():
-            code = child.poll()
             if self.status is None or self.status.status not in ("completed", "failed", "cancelled"):
-                self._set_status("failed", detail=f"rank process exited with code {code}: {child.tail(600)}")
+                self._set_status("failed", detail=f"rank process ended ({child.why()}): {child.tail(600)}")
             child.kill(0)
             self.child = None
 

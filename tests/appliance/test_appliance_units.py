@@ -166,3 +166,17 @@ def test_install_refuses_bad_arguments(tmp_path):
         res = subprocess.run(["bash", str(SYSTEMD / "install.sh"), "--root", str(tmp_path), *args],
                              capture_output=True, text=True, timeout=30)
         assert res.returncode == 2 and msg in res.stderr, res.stderr
+
+
+def test_the_node_units_stop_timeout_matches_the_nodes_own_stop():
+    """The node stops within seconds at any point (a rank's grace STOP_GRACE_S, then its process
+    group killed; a profile at once: tests/services/test_node_processes.py), so systemd need not
+    wait a minute before it kills what is left; the whole service's tasks are capped besides the
+    node's own per-child limits."""
+    from xronos.node.service import STOP_GRACE_S
+
+    d = directives(SYSTEMD / "xronos-node.service")
+    (timeout,) = d["TimeoutStopSec"]
+    assert timeout.endswith("s") and STOP_GRACE_S + 5 <= float(timeout[:-1]) <= 20
+    (tasks,) = d["TasksMax"]
+    assert int(tasks) >= 512
