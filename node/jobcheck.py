@@ -85,6 +85,9 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     family.hf_class(spec.task)
     check_checkpoint(s.model_dir, config, spec.task, allowed_dirs=allowed)
     check_lora(config, spec.task, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
+    if spec.export_gguf is not None:  # refused here, before any training, naming the family
+        from xronos.node.models.gguf import check_gguf
+        check_gguf(s.model_dir, config, spec.task)
     load_tokenizer(s.model_dir)
     data = DataConfig(**s.model_dump(include=set(DataConfig.model_fields)))
     source = check_dataset(data, config, allowed)
