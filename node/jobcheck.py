@@ -79,15 +79,15 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
         raise FileNotFoundError(f"spec.data_path {spec.data_path!r}: no such file on the owner")
     config = read_config(s.model_dir)
     family = family_for(config)
+    if spec.export_gguf is not None:  # refused here, before any training, naming the family
+        from xronos.node.models.gguf import check_gguf
+        check_gguf(s.model_dir, config, spec.task)
     if spec.seq_len > family.max_positions(config):
         raise ValueError(f"spec.seq_len {spec.seq_len} exceeds the model's maximum of "
                          f"{family.max_positions(config)} positions")
     family.hf_class(spec.task)
     check_checkpoint(s.model_dir, config, spec.task, allowed_dirs=allowed)
     check_lora(config, spec.task, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
-    if spec.export_gguf is not None:  # refused here, before any training, naming the family
-        from xronos.node.models.gguf import check_gguf
-        check_gguf(s.model_dir, config, spec.task)
     load_tokenizer(s.model_dir)
     data = DataConfig(**s.model_dump(include=set(DataConfig.model_fields)))
     source = check_dataset(data, config, allowed)

@@ -153,6 +153,11 @@ def preflight(cfg: RunConfig, nodes: int) -> Preflight:
 
     config = read_config(cfg.model_dir)
     family = family_for(config)
+    if cfg.export_gguf is not None:  # before training, not after it: the family, task and tokenizer
+        try:
+            check_gguf(cfg.model_dir, config, cfg.task)
+        except ValueError as exc:
+            raise ValueError(f"--export-gguf {cfg.export_gguf}: {str(exc).removeprefix('export_gguf: ')}") from None
     sizes = family.sizes(config)
     cfg.layout.check(sizes, world_size=nodes)
     for r in cfg.reshard_at:
@@ -166,11 +171,6 @@ def preflight(cfg: RunConfig, nodes: int) -> Preflight:
     family.hf_class(cfg.task)
     check_checkpoint(cfg.model_dir, config, cfg.task)
     check_lora(config, cfg.task, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
-    if cfg.export_gguf is not None:  # before training, not after it: the family, task and tokenizer
-        try:
-            check_gguf(cfg.model_dir, config, cfg.task)
-        except ValueError as exc:
-            raise ValueError(f"--export-gguf {cfg.export_gguf}: {str(exc).removeprefix('export_gguf: ')}") from None
     load_tokenizer(cfg.model_dir)
     source = check_dataset(cfg, config)
     labels = source.label_space
