@@ -132,10 +132,12 @@ def hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
 
 
 def llama_cpp(gguf_path: Path):
-    """llama.cpp's model (llama-cpp-python), every position's logits kept."""
-    from llama_cpp import Llama
+    """llama.cpp's model (llama-cpp-python), every position's logits kept. Its KV cache in f32
+    (llama.cpp's default is f16, which alone moves these logits by ~5e-4 of their scale)."""
+    from llama_cpp import GGML_TYPE_F32, Llama
 
-    return Llama(model_path=str(gguf_path), n_ctx=128, logits_all=True, n_threads=1, verbose=False, seed=0)
+    return Llama(model_path=str(gguf_path), n_ctx=128, logits_all=True, n_threads=1, verbose=False, seed=0,
+                 type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, flash_attn=False)
 
 
 def llama_logits(llm, ids: list[int]) -> np.ndarray:
