@@ -28,6 +28,7 @@ SPLIT_REGEXES = {
         "qwen2",  # Qwen2, 2.5, 3
 }
 GPT2_PRE = "gpt-2"  # ByteLevel with its own regex: GPT-2's
+SMOLLM_PRE = "smollm"  # single digits first, then GPT-2's (SmolLM, SmolLM2)
 MAX_TOKENIZER_BYTES = 64 << 20
 PROBE = "probe"
 
@@ -49,9 +50,17 @@ def _read_tokenizer_json(model_dir: Path) -> dict[str, Any] | str:
 def pre_tokenizer_name(tok: dict[str, Any]) -> str | None:
     """llama.cpp's name for this byte-level BPE tokenizer's pre-tokenizer, or None."""
     pre = tok.get("pre_tokenizer") or {}
+    if not isinstance(pre, dict):
+        return None
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    byte_level = [s for s in steps if isinstance(s, dict) and s.get("type") == "ByteLevel"]
-    splits = [s for s in steps if isinstance(s, dict) and s.get("type") == "Split"]
+    if not isinstance(steps, list) or not all(isinstance(s, dict) for s in steps):
+        return None
+    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
+    splits = [s for s in steps if s.get("type") == "Split"]
+    if len(steps) == 2 and steps[0].get("type") == "Digits" and steps[0].get("individual_digits") \
+            and byte_level == steps[1:] and byte_level[0].get("use_regex", True) \
+            and not byte_level[0].get("add_prefix_space"):
+        return SMOLLM_PRE
     if len(byte_level) != 1 or len(steps) != len(byte_level) + len(splits) or byte_level[0].get("add_prefix_space"):
         return None
     if not splits:
@@ -67,14 +76,15 @@ def tokenizer_refusal(model_dir: Path) -> str | None:
     tok = _read_tokenizer_json(model_dir)
     if isinstance(tok, str):
         return tok
-    model = tok.get("model") or {}
+    model = tok.get("model") if isinstance(tok.get("model"), dict) else {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         return (f"export_gguf: the tokenizer in {model_dir} is a {model.get('type')} "
                 f"{'(SentencePiece-style, byte fallback) ' if model.get('byte_fallback') else ''}model; "
-                "GGUF export carries byte-level BPE tokenizers (GPT-2's, Llama 3's, Qwen's)")
+                "GGUF export carries byte-level BPE tokenizers (GPT-2's, SmolLM's, Llama 3's, Qwen's)")
     if pre_tokenizer_name(tok) is None:
         return (f"export_gguf: the tokenizer in {model_dir} splits text with a pre-tokenizer llama.cpp is not "
-                "known to share (known: GPT-2's byte-level regex, Llama 3's and Qwen2's Split regexes); "
+                "known to share (known: GPT-2's byte-level regex, SmolLM's digits and GPT-2's, Llama 3's and "
+                "Qwen2's Split regexes); "
                 "its GGUF file would tokenize differently")
     return None
 

@@ -40,6 +40,7 @@ SPECIALS = {
     "qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
     "qwen3": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
     "gpt2": ["<|endoftext|>"],
+    "smollm": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],  # SmolLM2: a LLaMA with GPT-2-like BPE
 }
 PROMPTS = ["the cat sat on the mat", "a big red dog ran under the old tree", "quiet river stone light",
            "happy bird fish sky sea", "the small blue box is cold and dark"]
@@ -61,6 +62,9 @@ def make_bpe_tokenizer(out: Path, family: str, chat: bool = True):
     tk = Tokenizer(models.BPE())
     if family == "gpt2":
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif family == "smollm":
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     else:
         split = LLAMA3_SPLIT if family == "llama" else QWEN2_SPLIT
         tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -71,11 +75,12 @@ def make_bpe_tokenizer(out: Path, family: str, chat: bool = True):
     tk.train_from_iterator(corpus(), trainer)
     kw: dict = {}
     if family == "llama":
-        tk.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
-                                                          special_tokens=[("<|begin_of_text|>", 0)])
+        tk.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|>:1 $B:1",
+            special_tokens=[("<|begin_of_text|>", 0)])
         kw = dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>" if chat else "<|end_of_text|>",
                   chat_template=LLAMA3_TEMPLATE if chat else None)
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "smollm"):
         kw = dict(eos_token="<|im_end|>" if chat else "<|endoftext|>", pad_token="<|endoftext|>",
                   chat_template=(QWEN25_TEMPLATE if family == "qwen2" else runkit.CHAT_TEMPLATE) if chat else None)
     else:
@@ -87,7 +92,8 @@ def make_bpe_tokenizer(out: Path, family: str, chat: bool = True):
 
 def make_chat_model(out: Path, family: str, chat: bool = True, seed: int = 0, gqa: bool = True) -> Path:
     """A tiny random causal LM of `family` (hidden 64, 2 blocks, MLP 128; 4 heads, 2 KV heads with
-    `gqa`; Qwen3 with head_dim 32 != 64 / 4) with `make_bpe_tokenizer`'s tokenizer, in `out`.
+    `gqa`; Qwen3 with head_dim 32 != 64 / 4; "smollm": a LLaMA with tied embeddings and SmolLM2's
+    tokenizer) with `make_bpe_tokenizer`'s tokenizer, in `out`.
     The vocabulary is padded to a multiple of 32 with rows no token uses, as published models do."""
     import transformers as tf
 
@@ -100,9 +106,10 @@ def make_chat_model(out: Path, family: str, chat: bool = True, seed: int = 0, gq
     if family == "gpt2":
         cfg = tf.GPT2Config(n_positions=128, n_embd=64, n_layer=2, n_head=4, n_inner=128, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0, **common)
-    elif family == "llama":
+    elif family in ("llama", "smollm"):  # SmolLM2 ties its embeddings
         cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=kv, max_position_embeddings=128, tie_word_embeddings=False,
+                             num_key_value_heads=kv, max_position_embeddings=128,
+                             tie_word_embeddings=family == "smollm",
                              rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **common)
     elif family == "qwen2":
         cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -122,11 +129,14 @@ def make_chat_model(out: Path, family: str, chat: bool = True, seed: int = 0, gq
     return out
 
 
-def hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
-    """transformers' logits [S, V] (float32) for the token ids."""
+def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    """transformers' logits [S, V] (float32) for the token ids."""
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float().numpy()
 

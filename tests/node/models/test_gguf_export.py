@@ -27,7 +27,7 @@ from xronos.node.models.gguf import save_gguf_export  # noqa: E402
 
 TOL_F32 = 1e-4
 TOL_F16 = 2e-2
-FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "smollm")  # smollm: a LLaMA with SmolLM2's tokenizer
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -41,7 +41,7 @@ def exported(request, tmp_path_factory):
     config = json.loads((model / "config.json").read_text())
     state = load_file(str(model / "model.safetensors"))
     paths = {t: save_gguf_export(root / t, config, state, model, t) for t in ("f32", "f16", "q8_0")}
-    return family, model, paths
+    return family, model, paths, ggufkit.hf_model(model)
 
 
 def _tokenizer(model: Path):
@@ -51,7 +51,7 @@ def _tokenizer(model: Path):
 
 
 def test_llama_cpp_tokenizes_as_transformers(exported) -> None:
-    family, model, paths = exported
+    family, model, paths, hf = exported
     tok, llm = _tokenizer(model), ggufkit.llama_cpp(paths["f32"])
     texts = ggufkit.PROMPTS + ["Numbers 12345 and punctuation, here!", "  two  spaces\nand a newline"]
     for text in texts:
@@ -60,24 +60,24 @@ def test_llama_cpp_tokenizes_as_transformers(exported) -> None:
 
 @pytest.mark.parametrize("out_type, tol", [("f32", TOL_F32), ("f16", TOL_F16)])
 def test_logits_agree_with_transformers(exported, out_type, tol) -> None:
-    family, model, paths = exported
+    family, model, paths, hf = exported
     tok, llm = _tokenizer(model), ggufkit.llama_cpp(paths[out_type])
     for prompt in ggufkit.PROMPTS:
         ids = tok(prompt)["input_ids"]
-        ref, got = ggufkit.hf_logits(model, ids), ggufkit.llama_logits(llm, ids)
+        ref, got = ggufkit.hf_logits(hf, ids), ggufkit.llama_logits(llm, ids)
         assert got.shape == ref.shape
         err = float(np.abs(got - ref).max() / np.abs(ref).max())
         assert err <= tol, (family, out_type, prompt, err)
 
 
 def test_q8_0_picks_the_same_next_token(exported) -> None:
-    family, model, paths = exported
+    family, model, paths, hf = exported
     tok, llm = _tokenizer(model), ggufkit.llama_cpp(paths["q8_0"])
     f32 = ggufkit.llama_cpp(paths["f32"])
     assert paths["q8_0"].stat().st_size < 0.6 * paths["f32"].stat().st_size  # it did quantise
     for prompt in ggufkit.PROMPTS:
         ids = tok(prompt)["input_ids"]
-        ref = ggufkit.hf_logits(model, ids)[-1]
+        ref = ggufkit.hf_logits(hf, ids)[-1]
         assert int(np.argmax(ggufkit.llama_logits(llm, ids)[-1])) == int(np.argmax(ref)), (family, prompt)
         assert not np.allclose(ggufkit.llama_logits(llm, ids), ggufkit.llama_logits(f32, ids))
 
@@ -87,9 +87,8 @@ def test_a_chat_prompt_rendered_by_the_template_generates_as_transformers(export
     greedily with the same tokens as transformers (f32)."""
     import torch
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM
 
-    family, model, paths = exported
+    family, model, paths, hf = exported
     tok = _tokenizer(model)
     meta = GGUFReader(str(paths["f32"])).fields
     if family == "gpt2":
@@ -103,7 +102,6 @@ def test_a_chat_prompt_rendered_by_the_template_generates_as_transformers(export
     ids = tok(prompt, add_special_tokens=False)["input_ids"]  # Llama 3's template writes BOS itself
     llm = ggufkit.llama_cpp(paths["f32"])
     assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
     want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
                        pad_token_id=tok.pad_token_id or tok.eos_token_id)[0, len(ids):].tolist()
     got: list[int] = []
