@@ -44,6 +44,8 @@ SPECIALS = {
 }
 PROMPTS = ["the cat sat on the mat", "a big red dog ran under the old tree", "quiet river stone light",
            "happy bird fish sky sea", "the small blue box is cold and dark"]
+# Their beginnings: the next word is one the models learnt (`_memorise`), predicted with a margin.
+NEXT = [" ".join(p.split()[:-1]) for p in PROMPTS]
 
 
 def corpus() -> list[str]:
@@ -90,7 +92,8 @@ def make_bpe_tokenizer(out: Path, family: str, chat: bool = True):
     return tok
 
 
-def make_chat_model(out: Path, family: str, chat: bool = True, seed: int = 0, gqa: bool = True) -> Path:
+def make_chat_model(out: Path, family: str, chat: bool = True, seed: int = 0, gqa: bool = True,
+                    pretrain: bool = True) -> Path:
     """A tiny random causal LM of `family` (hidden 64, 2 blocks, MLP 128; 4 heads, 2 KV heads with
     `gqa`; Qwen3 with head_dim 32 != 64 / 4; "smollm": a LLaMA with tied embeddings and SmolLM2's
     tokenizer) with `make_bpe_tokenizer`'s tokenizer, in `out`.
@@ -125,8 +128,28 @@ def make_chat_model(out: Path, family: str, chat: bool = True, seed: int = 0, gq
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    if pretrain:
+        _memorise(model, tok)
     model.save_pretrained(str(out))
     return out
+
+
+def _memorise(model, tok, steps: int = 40) -> None:
+    """A few AdamW steps on PROMPTS, so that the model predicts their words with a clear margin as
+    a trained model does (a random one's next-token logits are nearly tied, and any rounding, Q8_0's
+    included, flips their order)."""
+    batch = tok(PROMPTS, padding=True, return_tensors="pt") if tok.pad_token else None
+    if batch is None:
+        tok.pad_token = tok.eos_token
+        batch = tok(PROMPTS, padding=True, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        model(**batch, labels=labels).loss.backward()
+        opt.step()
+    model.eval()
 
 
 def hf_model(model_dir: Path):

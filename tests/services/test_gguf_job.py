@@ -23,7 +23,7 @@ import ggufkit  # noqa: E402
 pytestmark = pytest.mark.slow
 
 SEQ_LEN = 64
-TOL = {"f32": 1e-4, "f16": 2e-2}
+TOL = {"f32": 1e-3, "f16": 5e-3}  # f32: GPT-2's (llama.cpp's 16-bit GELU table); test_gguf_export.py
 
 
 def _chats(n: int) -> list[dict]:
@@ -78,12 +78,15 @@ def _check(export: Path, base: Path, out_type: str, lora: bool, merged: bool = F
         ref, got = _logits(trained, ids), ggufkit.llama_logits(llm, ids)
         scale = float(np.abs(ref).max())
         moved = float(np.abs(_logits(start, ids) - ref).max()) / scale
-        if out_type == "q8_0":
-            assert int(np.argmax(got[-1])) == int(np.argmax(ref[-1])), prompt
-            assert moved > 1e-2, moved  # it trained: the base's logits are not the trained ones
-        else:
+        if out_type != "q8_0":
             err = float(np.abs(got - ref).max()) / scale
             assert err <= TOL[out_type] and moved > 10 * TOL[out_type], (prompt, err, moved)
+        else:
+            assert moved > 1e-2, moved  # it trained: the base's logits are not the trained ones
+    for prompt in ggufkit.NEXT if out_type == "q8_0" else ():
+        ids = tok(prompt)["input_ids"]
+        got = ggufkit.llama_logits(llm, ids)[-1]
+        assert int(np.argmax(got)) == int(np.argmax(_logits(trained, ids)[-1])), prompt
     if tok.chat_template:  # llama.cpp continues the chat prompt the template renders
         prompt = tok.apply_chat_template([{"role": "user", "content": "the cat sat"}], tokenize=False,
                                          add_generation_prompt=True)

@@ -3,12 +3,14 @@ file, splits text into the same tokens as the Hugging Face tokenizer, computes t
 transformers computes (f32 and f16 within the tolerances below, Q8_0 with the same next token),
 and continues a chat prompt that the chat template rendered as transformers does.
 
-Tolerances (measured on these models: logits of spread ~1, hidden 64, 2 blocks): f32 differs
-from transformers by at most ~2e-6 (summation order; TOL_F32 = 1e-4 leaves a factor of 50); f16
-rounds every weight to 11 significant bits (relative 2^-11 = 4.9e-4), giving at most ~3e-3 on
-these logits (TOL_F16 = 2e-2, relative to the largest logit's magnitude). A wrong tensor layout
-(an unpermuted LLaMA q/k, a missing bias or norm, untransposed GPT-2 weights) moves logits by
-O(1), which both bounds catch.
+Tolerances, as the largest difference over every position's logits divided by the largest logit
+(~9.5 on these models), measured on the five families here: f32 differs from transformers by at
+most 4e-7 (summation order; TOL_F32 = 1e-5), except GPT-2 by 1.2e-4 because llama.cpp computes GELU
+from a table of 16-bit values (TOL_F32_GPT2 = 1e-3); f16 rounds every weight to 11 significant bits
+(2^-11 = 4.9e-4 relative) and differs by at most 5.1e-4 (TOL_F16 = 5e-3); Q8_0 by at most 1.0e-2,
+against a top-1 margin of at least 0.63 on the NEXT prompts. A wrong layout is far outside these:
+LLaMA's q/k not permuted for llama.cpp's RoPE gives 0.57, Qwen2 without its q/k/v biases 0.21, and
+GPT-2 with untransposed weights or Qwen3 without its q/k norms does not load at all.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import ggufkit  # noqa: E402
 
 from xronos.node.models.gguf import save_gguf_export  # noqa: E402
 
-TOL_F32 = 1e-4
-TOL_F16 = 2e-2
+TOL_F32 = 1e-5
+TOL_F32_GPT2 = 1e-3
+TOL_F16 = 5e-3
 FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "smollm")  # smollm: a LLaMA with SmolLM2's tokenizer
 
 
@@ -58,9 +61,10 @@ def test_llama_cpp_tokenizes_as_transformers(exported) -> None:
         assert llm.tokenize(text.encode(), add_bos=True, special=True) == tok(text)["input_ids"], (family, text)
 
 
-@pytest.mark.parametrize("out_type, tol", [("f32", TOL_F32), ("f16", TOL_F16)])
-def test_logits_agree_with_transformers(exported, out_type, tol) -> None:
+@pytest.mark.parametrize("out_type", ["f32", "f16"])
+def test_logits_agree_with_transformers(exported, out_type) -> None:
     family, model, paths, hf = exported
+    tol = TOL_F16 if out_type == "f16" else TOL_F32_GPT2 if family == "gpt2" else TOL_F32
     tok, llm = _tokenizer(model), ggufkit.llama_cpp(paths[out_type])
     for prompt in ggufkit.PROMPTS:
         ids = tok(prompt)["input_ids"]
@@ -75,7 +79,7 @@ def test_q8_0_picks_the_same_next_token(exported) -> None:
     tok, llm = _tokenizer(model), ggufkit.llama_cpp(paths["q8_0"])
     f32 = ggufkit.llama_cpp(paths["f32"])
     assert paths["q8_0"].stat().st_size < 0.6 * paths["f32"].stat().st_size  # it did quantise
-    for prompt in ggufkit.PROMPTS:
+    for prompt in ggufkit.NEXT:
         ids = tok(prompt)["input_ids"]
         ref = ggufkit.hf_logits(hf, ids)[-1]
         assert int(np.argmax(ggufkit.llama_logits(llm, ids)[-1])) == int(np.argmax(ref)), (family, prompt)
