@@ -40,5 +40,6 @@ def test_a_lora_run_exports_the_merged_model_as_gguf(tmp_path, capsys) -> None:
         ids = tok(prompt)["input_ids"]
         ref = ggufkit.hf_logits(merged, ids)
         scale = float(np.abs(ref).max())
-        assert float(np.abs(ggufkit.llama_logits(llm, ids) - ref).max()) / scale <= 2e-2
-        assert float(np.abs(ggufkit.hf_logits(base, ids) - ref).max()) / scale > 0.2  # the adapters trained
+        err = float(np.abs(ggufkit.llama_logits(llm, ids) - ref).max()) / scale
+        moved = float(np.abs(ggufkit.hf_logits(base, ids) - ref).max()) / scale
+        assert err <= 5e-3 and moved > 10 * err and moved > 1e-2, (prompt, err, moved)  # f16; the adapters trained
