@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 
@@ -21,8 +22,9 @@ def using_lines(export_dir: str | Path, task: str, lora: bool = False, gguf: str
     else:
         lines.append(f"load it: from transformers import {cls}; model = {cls}.from_pretrained('{out}')")
     if gguf is not None:
-        lines.append(f"Ollama: cd {out} && ollama create {_name(out)} -f Modelfile && ollama run {_name(out)}")
-        lines.append(f"llama.cpp: llama-cli -m {out / f'model-{gguf}.gguf'} -cnv")
+        lines.append(f"Ollama: cd {shlex.quote(str(out))} && ollama create {_name(out)} -f Modelfile && "
+                     f"ollama run {_name(out)}")
+        lines.append(f"llama.cpp: llama-cli -m {shlex.quote(str(out / f'model-{gguf}.gguf'))} -cnv")
     return lines
 
 

@@ -26,8 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xronos.protocol.layout import Layout
-from xronos.protocol.messages import DataFormat, JobSpec
-from xronos.protocol.msgtypes import GGUFType
+from xronos.protocol.messages import DataFormat, GGUFType, JobSpec
 
 Task = Literal["classify", "causal-lm"]
 
