@@ -198,4 +198,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"accuracy of the exported model loaded by plain transformers: "
           f"{check_export(root / 'export', rows, n_train):.3f}")
     print(f"exported model: {root / 'export'}  ({time.monotonic() - t0:.0f} s in all)")
+    from xronos.cli.usemodel import using_lines
+
+    print(using_lines(root / "export", "classify")[1])  # the one line that loads it
+    print("a causal LM (task causal-lm: LLaMA, Qwen2/2.5/3, GPT-2) exported with --export-gguf / export_gguf also "
+          "gets model-<type>.gguf and a Modelfile: `ollama create NAME -f Modelfile` in its directory")
     return 0

@@ -44,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
             data = client.request("job/submit", args.timeout, spec=spec)
             print(f"job {data['job_id']} accepted: {data['total_steps']} steps")
             print(format_plan(data["plan"]))
-            return _follow(client, data["job_id"]) if args.follow else 0
+            return _follow(client, data["job_id"], spec) if args.follow else 0
         if args.job_command == "status":
             return _status(client, args)
         data = client.request(f"job/{args.job_command}", args.timeout, job_id=args.job_id)
@@ -80,9 +80,16 @@ def _status(client: GatewayClient, args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow(client: GatewayClient, job_id: str) -> int:
+def _follow(client: GatewayClient, job_id: str, spec=None) -> int:
     on_state, bar = progress_bar()
     final = client.follow(job_id, on_state)
     bar.close()
     print(format_state(final.model_dump(mode="json")))
+    if spec is not None and final.phase == "completed":  # what to do with it, on the owner's disk
+        from xronos.cli.usemodel import using_lines
+
+        print(f"on the owner {spec.owner}:")
+        for line in using_lines(spec.export_dir, spec.task, lora=spec.lora_r is not None, gguf=spec.export_gguf,
+                                merged=spec.export_merged):
+            print(f"  {line}")
     return 0 if final.phase == "completed" else 1

@@ -14,6 +14,7 @@ import re
 import sys
 from pathlib import Path
 
+from xronos.cli.usemodel import using_lines
 from xronos.protocol.errtext import reason
 
 # RunConfig field -> the flag a user typed (for error messages).
@@ -22,6 +23,7 @@ _FLAGS = {
     "metrics_path": "--metrics", "export_dir": "--export", "gloo_timeout_s": "--gloo-timeout",
     "shuffle": "--no-shuffle", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
     "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets", "export_merged": "--export-merged",
+    "export_gguf": "--export-gguf",
 }
 # The planner's settings and their defaults: a run without --strategy is not planned, so one of
 # them set there would be silently ignored.
@@ -112,6 +114,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "default: the family's (peft's defaults)")
     p.add_argument("--export-merged", action="store_true",
                    help="with --lora-r: also export the merged model (W + scale B A) to OUT/merged")
+    p.add_argument("--export-gguf", choices=["f32", "f16", "q8_0"], metavar="{f32,f16,q8_0}",
+                   help="also write OUT/model-TYPE.gguf for llama.cpp (with --lora-r: of the merged model) and "
+                   "an Ollama Modelfile beside it (causal LMs of the llama, qwen2, qwen3, gpt2 families)")
     p.set_defaults(func=handle)
 
 
@@ -179,6 +184,9 @@ def config_from_args(args: argparse.Namespace, layout):
             raise ValueError(f"{', '.join(given)} require --lora-r (without it the run fine-tunes every weight)")
     if args.data_format != "text" and args.task != "causal-lm":
         raise ValueError(f"--data-format {args.data_format} is for --task causal-lm (its loss covers the answers)")
+    if args.export_gguf is not None and args.task != "causal-lm":
+        raise ValueError(f"--export-gguf {args.export_gguf} is for --task causal-lm: llama.cpp runs language models, "
+                         f"not a {args.task} head")
     export = Path(args.export).resolve()
     if export == Path(args.model).resolve():
         raise ValueError(f"--export {args.export} would overwrite the input model directory")
@@ -204,7 +212,7 @@ def config_from_args(args: argparse.Namespace, layout):
         reshard_at=parse_reshard_at(args.reshard_at), rebalance=args.rebalance,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
         lora_targets=[t.strip() for t in args.lora_targets.split(",")] if args.lora_targets else None,
-        export_merged=args.export_merged,
+        export_merged=args.export_merged, export_gguf=args.export_gguf,
     )
     try:
         return RunConfig(**fields)
@@ -292,4 +300,7 @@ def _launch(args: argparse.Namespace, layout, wrap, planned=None) -> int:
         if planned is not None:
             report_run(*planned, cfg.metrics_path, keep=args.metrics is not None)
     print(f"xronos run: exported to {cfg.export_dir}", file=sys.stderr)
+    for line in using_lines(cfg.export_dir, cfg.task, lora=cfg.lora_r is not None, gguf=cfg.export_gguf,
+                            merged=cfg.export_merged):
+        print(f"xronos run: {line}", file=sys.stderr)
     return 0

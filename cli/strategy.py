@@ -209,7 +209,8 @@ def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileRepo
     result = plan_units(reports, args.strategy, args.reserve_mb, batch_size=args.batch_size,
                         seq_len=args.seq_len, bandwidth_mbps=getattr(args, "bandwidth_mbps", 1000.0),
                         latency_ms=getattr(args, "latency_ms", 0.5),
-                        export_merged=getattr(args, "export_merged", False), settings=run_settings(args))
+                        export_merged=getattr(args, "export_merged", False) or getattr(args, "export_gguf", None) is not None,
+                        settings=run_settings(args))
     if not result.feasible:  # uniform ignores memory (and a run would OOM the box): refuse before launching
         over = "; ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of its {r.memory_cap / 2**20:.0f} "
                          f"MiB cap holding " + ", ".join(f"{r.count(k)} {NOUN[k]}" for k in KINDS)

@@ -30,7 +30,7 @@ def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan
                           batch_size=job.spec.batch_size, seq_len=job.spec.seq_len, task=job.spec.task,
                           settings=job_settings(job.spec),
                           checkpoints=True,  # a job's owner gathers consolidated checkpoints
-                          export_merged=job.spec.export_merged)
+                          export_merged=job.spec.export_merged or job.spec.export_gguf is not None)
     if not result.feasible:
         over = "; ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of its {r.memory_cap / 2**20:.0f} "
                          f"MiB cap holding " + ", ".join(f"{r.count(k)} {NOUN[k]}" for k in KINDS)

@@ -79,6 +79,9 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
         raise FileNotFoundError(f"spec.data_path {spec.data_path!r}: no such file on the owner")
     config = read_config(s.model_dir)
     family = family_for(config)
+    if spec.export_gguf is not None:  # refused here, before any training, naming the family
+        from xronos.node.models.gguf import check_gguf
+        check_gguf(s.model_dir, config, spec.task)
     if spec.seq_len > family.max_positions(config):
         raise ValueError(f"spec.seq_len {spec.seq_len} exceeds the model's maximum of "
                          f"{family.max_positions(config)} positions")

@@ -26,7 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xronos.protocol.layout import Layout
-from xronos.protocol.messages import DataFormat, JobSpec
+from xronos.protocol.messages import DataFormat, GGUFType, JobSpec
 
 Task = Literal["classify", "causal-lm"]
 
@@ -146,6 +146,8 @@ class RunConfig(RankConfig):
     lora_dropout: float = Field(default=0.0, ge=0, lt=1)
     lora_targets: list[str] | None = None
     export_merged: bool = False
+    # Also a GGUF file (llama.cpp, Ollama) and its Modelfile in export_dir (xronos.node.models.gguf).
+    export_gguf: GGUFType | None = None
 
     @model_validator(mode="after")
     def _reshards(self) -> RunConfig:

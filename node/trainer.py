@@ -26,6 +26,7 @@ from xronos.node.gradnorm import squared_norm
 from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
 from xronos.node.models.adapters import exported, save_lora_exports
 from xronos.node.models.export import gather_full, save_hf_dir
+from xronos.node.models.gguf import save_gguf_export
 from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
 from xronos.node.optstate import allocate_state
@@ -214,7 +215,7 @@ class TPEngine(Engine):
         if cfg.export_dir is None:
             return
         specs = self.specs
-        if self.lora is not None and not cfg.export_merged:
+        if self.lora is not None and not (cfg.export_merged or cfg.export_gguf):
             # An adapter-only export writes the adapters (and a classifier's head): gathering the
             # frozen base as well put the whole model on the owner for nothing (1.2 GiB of a
             # qwen2.5-1.5b 2-block LoRA run, bench/results/mem-peak-lora.md).
@@ -225,6 +226,8 @@ class TPEngine(Engine):
                               cfg.model_dir, merged=cfg.export_merged)
         elif rank.owner:
             save_hf_dir(cfg.export_dir, rank.facts.config, cfg.task, state, cfg.model_dir)
+        if rank.owner and cfg.export_gguf:  # llama.cpp / Ollama: model-<type>.gguf + Modelfile (merged under LoRA)
+            save_gguf_export(cfg.export_dir, rank.facts.config, state, cfg.model_dir, cfg.export_gguf, self.lora)
         del state
         memwatch.phase("export")
         rank.group.drain_timings()

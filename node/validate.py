@@ -148,10 +148,16 @@ def check_dataset(cfg: DataConfig, config: dict, allowed_dirs: list | None = Non
 
 
 def preflight(cfg: RunConfig, nodes: int) -> Preflight:
+    from xronos.node.models.gguf import check_gguf
     from xronos.node.models.registry import family_for
 
     config = read_config(cfg.model_dir)
     family = family_for(config)
+    if cfg.export_gguf is not None:  # before training, not after it: the family, task and tokenizer
+        try:
+            check_gguf(cfg.model_dir, config, cfg.task)
+        except ValueError as exc:
+            raise ValueError(f"--export-gguf {cfg.export_gguf}: {str(exc).removeprefix('export_gguf: ')}") from None
     sizes = family.sizes(config)
     cfg.layout.check(sizes, world_size=nodes)
     for r in cfg.reshard_at:

@@ -15,7 +15,7 @@ carry, in:
 from __future__ import annotations
 
 from .msgtypes import (
-    SCHEMA_VERSION, Task, Strategy, DataFormat, Phase, MAX_INT, MAX_NODES, MAX_ID, MAX_TEXT, MAX_PATH,
+    SCHEMA_VERSION, Task, Strategy, DataFormat, GGUFType, Phase, MAX_INT, MAX_NODES, MAX_ID, MAX_TEXT, MAX_PATH,
     MAX_SECONDS, MAX_PERCENT, MAX_TIMESTAMP, MAX_BYTES, MAX_EVENTS, valid_text, Text, Int, Float,
     NonNegInt, PosInt, Count, NonNegFloat, Seconds, Timestamp, Bytes, ByteFloat, Rank, WorldSize, Ratio,
     Metric, Id, Name, Label, Host, PathText, Dim, Text256, Text4k, Event, Temperature, Layers, Threads,
@@ -44,7 +44,7 @@ from .msgrequest import (
 )
 
 __all__ = [
-    "SCHEMA_VERSION", "Task", "Strategy", "DataFormat", "Phase", "MAX_INT", "MAX_NODES", "MAX_ID",
+    "SCHEMA_VERSION", "Task", "Strategy", "DataFormat", "GGUFType", "Phase", "MAX_INT", "MAX_NODES", "MAX_ID",
     "MAX_TEXT", "MAX_PATH", "MAX_SECONDS", "MAX_PERCENT", "MAX_TIMESTAMP", "MAX_BYTES", "MAX_EVENTS",
     "valid_text", "Text", "Int", "Float", "NonNegInt", "PosInt", "Count", "NonNegFloat", "Seconds",
     "Timestamp", "Bytes", "ByteFloat", "Rank", "WorldSize", "Ratio", "Metric", "Id", "Name", "Label",

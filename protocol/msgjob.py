@@ -11,7 +11,7 @@ from pydantic import Field, TypeAdapter, ValidationInfo, model_validator
 from .layout import Layout, LayoutError, Sizes
 from .msgnode import ArchSpec
 from .msgtypes import (
-    MAX_NODES, BatchSize, ByteFloat, Column, Count, DataFormat, Decay, Epochs, Fraction, GradNorm, HostName, Id,
+    MAX_NODES, BatchSize, ByteFloat, Column, Count, DataFormat, Decay, Epochs, Fraction, GGUFType, GradNorm, HostName, Id,
     LearningRate, LoraAlpha, LoraRank, LoraTarget, Megabytes, Message, Name, NonNegInt, PathText, Rank, Seconds,
     Seed, SeqLen, StepCount, Steps, Strategy, Task, Text4k, Text256, UnitCount, WorldSize,
 )
@@ -63,6 +63,10 @@ class JobSpec(Message):
     lora_dropout: Fraction = 0.0
     lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
     export_merged: bool = False
+    # GGUF for llama.cpp / Ollama (causal LMs of the llama, qwen2, qwen3 and gpt2 families): the
+    # owner also writes <export_dir>/model-<type>.gguf (under LoRA: of the merged model) and an
+    # Ollama Modelfile beside it (xronos.node.models.gguf). The family is checked at inspection.
+    export_gguf: GGUFType | None = None
     # Live re-balancing (issue 14): the gateway re-plans from the ranks' measured per-kind compute
     # and re-shards the running job at an iteration boundary when the predicted gain repays the move.
     # On by default: a job runs on boxes whose other work changes their speed, the case it is for.
@@ -86,6 +90,9 @@ class JobSpec(Message):
                                  "fine-tunes every weight and trains no adapters")
         if self.data_format != "text" and self.task != "causal-lm":
             raise ValueError(f"data_format: {self.data_format!r} is a causal-lm format, not one for task {self.task!r}")
+        if self.export_gguf is not None and self.task != "causal-lm":
+            raise ValueError(f"export_gguf: {self.export_gguf!r} asked of task {self.task!r}; llama.cpp runs language "
+                             "models, so GGUF export is for task 'causal-lm'")
         return self
 
 

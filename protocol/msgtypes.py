@@ -29,6 +29,7 @@ SCHEMA_VERSION = 2
 Task = Literal["classify", "causal-lm"]
 Strategy = Literal["segment", "paper", "uniform"]
 DataFormat = Literal["text", "chat", "prompt-completion"]
+GGUFType = Literal["f32", "f16", "q8_0"]  # a GGUF export's tensor type (xronos.node.models.gguf)
 Phase = Literal[
     "queued", "profiling", "planning", "assigning", "running",
     "paused", "recovering", "completed", "failed", "cancelled",

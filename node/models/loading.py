@@ -73,7 +73,12 @@ def checkpoint_files(model_dir: str | Path, allowed_dirs: Iterable[str | Path] |
     elif (model_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise FileNotFoundError(f"model dir {model_dir} has no model.safetensors (or sharded index)")
+        # A repository downloaded without its safetensors often has PyTorch's pickles instead: say so.
+        pickles = sorted(p.name for p in model_dir.glob("*.bin"))[:3] if model_dir.is_dir() else []
+        raise FileNotFoundError(
+            f"model dir {model_dir} has no model.safetensors (or model.safetensors.index.json and its shards)"
+            + (f"; it has {', '.join(pickles)}: PyTorch pickle files, which are never loaded (download the "
+               "model's .safetensors files instead)" if pickles else ""))
     if allowed_dirs is not None:
         allowed = list(allowed_dirs)
         for fname in files:
