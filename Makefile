@@ -10,12 +10,17 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench venv system-deps clean
 
+# torch without CUDA: on x86_64 Linux `torch==<locked>+cpu` from the CPU-only index when it answers,
+# else from pip's own index/find-links, never PyPI's CUDA build (tools/cputorch.py; README "Install").
+# XRONOS_TORCH_INDEX=<mirror>|none as for systemd/install.sh. Expanded only when the venv is built.
+TORCH_PIP = $(shell $(PYTHON) tools/cputorch.py $(if $(MACHINE),--machine $(MACHINE)))
+
 # A venv with pinned installs; redone when the project's requirements change.
 $(STAMP): pyproject.toml requirements.lock
 	@[ -n "$(PYTHON)" ] || { echo "need Python >= 3.11 on PATH (python3.11 ... python3), or PYTHON=/path/to/python"; exit 1; }
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "$(PYTHON) is older than Python 3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c requirements.lock -e '.[node,broker,bench,test]'
+	$(PY) -m pip install --quiet -c requirements.lock $(TORCH_PIP) -e '.[node,broker,bench,test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
