@@ -11,9 +11,10 @@ STAMP  := $(VENV)/.installed
 .PHONY: demo test bench venv system-deps clean
 
 # torch without CUDA: on x86_64 Linux `torch==<locked>+cpu` from the CPU-only index when it answers,
-# else from pip's own index/find-links, never PyPI's CUDA build (tools/cputorch.py; README "Install").
-# XRONOS_TORCH_INDEX=<mirror>|none as for systemd/install.sh. Expanded only when the venv is built.
-TORCH_PIP = $(shell $(PYTHON) tools/cputorch.py $(if $(MACHINE),--machine $(MACHINE)))
+# else from pip's own index/find-links, never PyPI's CUDA build (tools/cputorch.py; README "The two commands").
+# XRONOS_TORCH_INDEX=<mirror>|none as for systemd/install.sh; XRONOS_UNAME_M=aarch64 etc. stands in for
+# `uname -m` (the tests' make -n). Expanded only when the venv is built.
+TORCH_PIP = $(shell $(PYTHON) tools/cputorch.py $(if $(XRONOS_UNAME_M),--machine $(XRONOS_UNAME_M)))
 
 # A venv with pinned installs; redone when the project's requirements change.
 $(STAMP): pyproject.toml requirements.lock

@@ -68,7 +68,7 @@ def _pip_line(index: str, machine: str) -> tuple[str, str]:
     if shutil.which("make") is None:
         pytest.skip("no make on PATH")
     env = {**os.environ, "XRONOS_TORCH_INDEX": index}
-    done = subprocess.run(["make", "-n", "-B", ".venv/.installed", f"MACHINE={machine}"], cwd=ROOT, env=env,
+    done = subprocess.run(["make", "-n", "-B", ".venv/.installed", f"XRONOS_UNAME_M={machine}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60, check=True)
     lines = [ln for ln in done.stdout.splitlines() if " -m pip install " in ln]
     assert len(lines) == 1, done.stdout
