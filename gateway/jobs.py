@@ -334,6 +334,10 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
         job = replace(job, eval_metric=s.eval_metric, eval_metric_name=s.eval_metric_name)
     if is_owner:
         job = owner_reshard_status(job, ctx, s)
+    if s.status == "failed" and s.job_fault and job.phase in ACTIVE:
+        # Not a node's failure: any plan would meet it again from the same checkpoint (and in
+        # "recovering" too: a peer's broken connection may have arrived before the cause).
+        return _fail(job, ctx, f"rank {s.rank} on {s.node_id!r}: {s.detail}")
     if s.status == "failed" and job.phase in ("assigning", "running", "paused"):
         return _recover(job, ctx, f"rank {s.rank} on {s.node_id!r} failed: {s.detail}")
     # "recovering" too: the owner may finish just as a peer's last-will arrives.

@@ -33,9 +33,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from xronos.node.gradnorm import all_finite
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.loading import MissingTensorError, SafetensorsSource, ShardSource
 from xronos.node.models.specs import TensorSpec
+from xronos.node.models.stage import ordinary_mode, umask
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.protocol.layout import Layout, LayoutError, Sizes
@@ -69,14 +71,21 @@ def save_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, specs: dict[st
         moments.update({f"{m}.{k}": v for k, v in gather_full(local, trained, layout, group, dst=0).items()})
     if layout.rank != 0:
         return None
+    if not all_finite(weights.values()):  # the step's update overflowed: keep the last good checkpoint
+        from xronos.node.runtime import JobFault
+
+        raise JobFault(f"step {meta.get('step')}: the weights are not finite (inf or nan): checkpoint not "
+                       "written, the previous one kept")
     final = Path(ckpt_dir)
     tmp, old, prev = (final.with_name(final.name + s) for s in (".tmp", ".old", ".prev"))
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_dir(tmp, config, task, weights)
     save_file({k: v.contiguous() for k, v in moments.items()}, str(tmp / OPTIMIZER_FILE))
     (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **meta}, indent=1))
+    mode = 0o666 & ~umask()
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
+            ordinary_mode(fh.fileno(), mode)  # optimizer.safetensors too: not save_file's 0600
             os.fsync(fh.fileno())
     if old.exists():  # a swap cut short: `old` is the newest complete one, or the previous one
         if final.exists():

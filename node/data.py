@@ -104,6 +104,20 @@ def load_tokenizer(model_dir: str | Path):
         tok.pad_token = tok.eos_token
     return tok
 
+
+def check_vocabulary(tok, config: dict[str, Any], model_dir: str | Path) -> None:
+    """Every id the tokenizer can produce has a row in the model's embedding. A tokenizer with more
+    tokens (another model's, or special tokens added without resizing the embeddings) trains on
+    ids the vocabulary-parallel embedding and loss have no row for: loss nan, weights unchanged."""
+    from xronos.node.models.registry import family_for
+
+    rows = family_for(config).sizes(config).vocab
+    top = max(max(tok.get_vocab().values(), default=-1), len(tok) - 1)
+    if top >= rows:
+        raise ValueError(f"model dir {model_dir}: the tokenizer has {len(tok)} tokens (ids up to {top}, added "
+                         f"special tokens included) but config.json vocab_size is {rows}: ids from {rows} on have "
+                         "no embedding row (use the model's own tokenizer, or resize its embeddings)")
+
 # --- rows and batches ---------------------------------------------------------------------------
 
 def data_columns(cfg: DataConfig) -> list[str]:
@@ -296,7 +310,9 @@ def owner_batches(cfg: DataConfig, config: dict[str, Any], allowed_dirs: list | 
     """The owner's BatchSource for the checkpoint in cfg.model_dir (config.json `config`): the
     classes decided from the data and whether the checkpoint holds a classification head."""
     head = cfg.task == "classify" and label_head_in_checkpoint(cfg.model_dir, config, allowed_dirs)
-    return BatchSource(cfg, config=config, head=head)
+    source = BatchSource(cfg, config=config, head=head)
+    check_vocabulary(source.tokenizer, config, cfg.model_dir)  # the inspection, `xronos run` and the owner rank
+    return source
 
 
 def eval_row_groups(n_train: int, n_eval: int, batch_size: int) -> list[list[int]]:

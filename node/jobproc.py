@@ -34,8 +34,8 @@ from xronos.node.checkpoint import CheckpointSource, check_saved_layout, find_ch
 from xronos.node.models.loading import SafetensorsSource, ShardSource
 from xronos.node.models.registry import family_for
 from xronos.node.runconfig import JobRankConfig
-from xronos.node.runtime import (Checkpoints, EvalResult, FromOwner, Rank, RankResult, Reshard, Sink, Word,
-                                 main_process, run)
+from xronos.node.runtime import (Checkpoints, EvalResult, FromOwner, JobFault, Rank, RankResult, Reshard, Sink,
+                                 Word, main_process, run)
 from xronos.node.tp.group import TPGroup
 from xronos.node.trainer import TPEngine
 from xronos.protocol.layout import Layout
@@ -222,7 +222,8 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # reported to the node service, which tells the gateway
         traceback.print_exc()
         if not sink.ended:  # a failure leaving the group after the end changes nothing reported
-            events.emit("failed", detail=f"{type(exc).__name__}: {exc}"[:2000])
+            # job_fault: the training itself failed (JobFault), which re-planning would only repeat
+            events.emit("failed", detail=f"{type(exc).__name__}: {exc}"[:2000], job_fault=isinstance(exc, JobFault))
         return 1
     return 0
 

@@ -62,6 +62,13 @@ from xronos.protocol.layout import Layout, LayoutError
 MAX_ROWS = 2**40
 
 
+class JobFault(RuntimeError):
+    """A failure of the training itself, which any nodes running the same job from the same
+    checkpoint would meet again: a non-finite loss or gradient (a learning rate that diverges,
+    data the model cannot take). A job's gateway fails the job on it instead of re-planning it on
+    other nodes (`NodeJobStatus.job_fault`); `xronos run` exits non-zero, and nothing is exported."""
+
+
 class Facts(BaseModel):
     """What only the owner knows when a run starts, shared with every rank once (`share_facts`)."""
 

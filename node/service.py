@@ -463,7 +463,8 @@ class NodeService:
         elif kind == "completed":
             self._set_status("completed", step=ev["step"], epoch=ev["epoch"], export_dir=ev["export_dir"])
         elif kind in ("failed", "cancelled"):
-            self._set_status(kind, detail=(ev.get("detail") or "")[:2000] or None)
+            self._set_status(kind, detail=(ev.get("detail") or "")[:2000] or None,
+                             job_fault=ev.get("job_fault") is True)
         elif kind == "resharded":  # the owner's: the gateway hears the step the ranks moved at
             log.info(kind, job_id=a.job_id, **ev)
             self._set_status(self.status.status if self.status else "running", reshard_step=ev["step"],

@@ -22,7 +22,7 @@ import torch
 from xronos.node import memwatch
 from xronos.node.checkpoint import load_moments, save_checkpoint
 from xronos.node.data import Batch, BatchChannel
-from xronos.node.gradnorm import squared_norm
+from xronos.node.gradnorm import all_finite, squared_norm
 from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
 from xronos.node.models.adapters import exported, save_lora_exports
 from xronos.node.models.export import gather_full, save_hf_dir
@@ -31,7 +31,7 @@ from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
 from xronos.node.optstate import allocate_state
 from xronos.node.runconfig import RunConfig
-from xronos.node.runtime import Engine, EvalResult, Rank, RankResult, Reshard, WeightSource
+from xronos.node.runtime import Engine, EvalResult, JobFault, Rank, RankResult, Reshard, WeightSource
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import add_lora
@@ -62,6 +62,16 @@ def clip_global_grad_norm(model: torch.nn.Module, replicated: set[str], max_norm
             g.mul_(coef)
     return total
 
+
+def stop_unless_finite(what: str, value: float, step: int) -> None:
+    """End the run at this step, before the optimizer steps, when the loss or the gradient norm is
+    not finite: nothing of it reaches the weights, the last checkpoint stays the newest, nothing is
+    exported. The loss is the same on every rank (the model all-reduces it) and so is the clipped
+    gradient's norm (all-reduced in `clip_global_grad_norm`): every rank stops at the same step with
+    no collective of its own."""
+    if not math.isfinite(value):
+        raise JobFault(f"step {step + 1}: the {what} is {value}, not finite: training diverged (learning rate too "
+                       "high?) or the data is bad; stopped before the optimizer step, nothing exported")
 
 
 @torch.no_grad()
@@ -106,12 +116,18 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
     epoch, batch = next(batches)
     loss = model(batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids)
     memwatch.phase("forward")
+    stop_unless_finite("loss", float(loss.detach()), step)
     loss.backward()
     memwatch.phase("backward")
     if cfg.max_grad_norm is not None:
         with group.segment("rest"):
-            clip_global_grad_norm(model, replicated, cfg.max_grad_norm, group)
+            norm = clip_global_grad_norm(model, replicated, cfg.max_grad_norm, group)
+        stop_unless_finite("gradient norm", norm, step)
         memwatch.phase("clip")
+    else:  # no norm to read: each rank looks at its own gradients (a non-finite one reaches all ranks'
+        with group.segment("rest"):  # replicated gradients through the backward all-reduces)
+            finite = all_finite(p.grad for p in model.parameters() if p.grad is not None)
+        stop_unless_finite("gradient", 0.0 if finite else math.nan, step)
     lr = opt.param_groups[0]["lr"]
     opt.step()
     memwatch.phase("step")
@@ -221,6 +237,8 @@ class TPEngine(Engine):
             # qwen2.5-1.5b 2-block LoRA run, bench/results/mem-peak-lora.md).
             specs = {n: s for n, s in specs.items() if exported(s.hf_name, cfg.task)}
         state = gather_full(self.model, specs, self.layout, rank.group, dst=0)
+        if rank.owner and not all_finite(state.values()):  # the last step's update overflowed
+            raise JobFault("the trained weights are not finite (inf or nan): nothing exported")
         if rank.owner and self.lora is not None:  # a PEFT adapter directory (+ the merged model)
             save_lora_exports(cfg.export_dir, rank.facts.config, cfg.task, state, self.lora, self.lora_modules,
                               cfg.model_dir, merged=cfg.export_merged)

@@ -94,6 +94,9 @@ class NodeJobStatus(Message):
     eval_initial: Metric | None = None
     export_dir: PathText | None = None
     detail: Text4k | None = None
+    # failed: by the training itself (a non-finite loss or gradient), which the same job meets on any
+    # nodes: the gateway fails the job rather than re-planning it (a node's failure is re-planned).
+    job_fault: bool = False
     # The owner's latest live re-shard (a JobReshard it applied): the boundary (before this 0-based
     # step), the layout every rank moved to, the owner's wall time at that boundary and the bytes moved.
     reshard_step: Count | None = None

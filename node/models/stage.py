@@ -15,6 +15,12 @@ process dies, so only a directory nobody holds — and not one made in the last 
 writer's mkdir and lock — is swept, and only one of ours (our uid, a real directory, not a link).
 Linux: the private directory is handed to the libraries that write (safetensors, peft) as its
 /proc/self/fd path.
+
+Every file moved into place gets the mode an ordinary new file gets, 0666 less the umask
+(`ordinary_mode`): safetensors' `save_file` creates its file 0600 (through a private temporary file),
+and an export or a checkpoint is for the user, who reads it as a member of the service's group
+(the unit's UMask=0027 makes that 0640). Whatever else writes a file for the user (a checkpoint's
+own files, a GGUF written elsewhere) calls `ordinary_mode` on it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,35 @@ from pathlib import Path
 
 STAGE_PREFIX = ".xronos-stage-"
 SWEEP_MIN_AGE_S = 60.0  # a directory younger than this may be one whose writer is about to lock it
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask can only set it, and setting and
+    restoring it races with any other thread creating a file meanwhile)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)  # no /proc (not Linux, or a kernel before 4.7): the racy way
+    os.umask(old)
+    return old
+
+
+def ordinary_mode(target: int | str | Path, mode: int | None = None) -> None:
+    """Give a file we wrote (an open descriptor or a path) the mode `open(path, "w")` would have
+    created it with: 0666 less the umask (`mode`, when the caller has already computed it)."""
+    mode = 0o666 & ~umask() if mode is None else mode
+    if isinstance(target, int):
+        os.fchmod(target, mode)
+        return
+    fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a link is refused, not followed
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 @contextmanager
@@ -56,9 +91,11 @@ def staged(out_dir: str | Path) -> Iterator[Path]:
             yield Path(f"/proc/self/fd/{tfd}")  # our directory's inode, whatever its name becomes
             files = sorted(f for f in os.listdir(tfd)
                            if stat.S_ISREG(os.stat(f, dir_fd=tfd, follow_symlinks=False).st_mode))
+            mode = 0o666 & ~umask()
             for f in files:
                 fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=tfd)
                 try:
+                    ordinary_mode(fd, mode)  # not safetensors' 0600: the group reads the export
                     os.fsync(fd)
                 finally:
                     os.close(fd)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from xronos.node.gradnorm import CHUNK, squared_norm
+from xronos.node.gradnorm import CHUNK, all_finite, squared_norm
 from xronos.node.optim import adamw
 from xronos.node.optstate import allocate_state
 
@@ -48,3 +50,17 @@ def test_chunked_squared_norm_matches_the_whole_tensor_sum() -> None:
     assert float(squared_norm(g)) == pytest.approx(float(whole), rel=1e-14)
     small = torch.randn(7, 5)
     assert float(squared_norm(small)) == float(small.double().pow(2).sum())
+
+
+@pytest.mark.parametrize("values, finite", [
+    ([1.0, -2.0], True),
+    ([3e38] * 8, True),  # the sum overflows, no element does: the elementwise look says finite
+    ([1.0, float("nan")], False),
+    ([float("inf"), float("-inf")], False),  # a sum of nan, as any non-finite element gives
+    ([-3e38, float("-inf")], False),
+])
+def test_all_finite_is_exact(values, finite):
+    assert all_finite([torch.ones(3), torch.tensor(values)]) is finite
+    big = torch.zeros(CHUNK + 5)  # a non-finite element in the second chunk
+    big[-1:] = torch.tensor(values[-1:])
+    assert all_finite([big]) is math.isfinite(values[-1])

@@ -299,6 +299,25 @@ def test_too_many_recoveries_fail_the_job():
     assert job.phase == "failed" and "gave up after 3" in job.error and kinds(eff) == ["Control"]
 
 
+def test_a_training_failure_fails_the_job_instead_of_re_planning_it():
+    """A rank whose training failed by itself (a non-finite loss: `job_fault`) fails the job at once:
+    any plan would resume from the same checkpoint and meet it again."""
+    detail = "JobFault: step 7: the loss is nan, not finite: training diverged"
+    job = submit_to_running()
+    job, eff = J.handle(job, status("a", 0, "failed", detail=detail, job_fault=True), ctx(5))
+    assert job.phase == "failed" and job.recoveries == 0 and detail in job.error
+    assert eff == [J.Control("j", 1, ("a", "b", "c"), "cancel")]
+    assert f"failed: rank 0 on 'a': {detail}" in job.events[-1]
+    # A peer's broken connection may arrive first (a node failure: recovering); the cause then fails it.
+    job = submit_to_running()
+    job, _ = J.handle(job, status("b", 1, "failed", detail="Gloo: connection closed by peer"), ctx(5))
+    assert job.phase == "recovering" and job.recoveries == 1
+    job, _ = J.handle(job, status("a", 0, "failed", detail=detail, job_fault=True), ctx(5.5))
+    assert job.phase == "failed" and detail in job.error
+    job, eff = J.handle(job, J.Tick(), ctx(60))
+    assert job.phase == "failed" and eff == []  # no re-plan after all
+
+
 def test_pause_resume_cancel():
     job = submit_to_running()
     job, eff = J.handle(job, J.Command("pause", "p1"), ctx(5))
