@@ -42,7 +42,7 @@ from pathlib import Path
 
 from xronos.bench.results import _balance, _balance_integer, _fits
 from xronos.bench.workloads import kind_parameters, shape_config, write_checkpoint, write_dataset
-from xronos.node.emulator import Confinement, RankLimits
+from xronos.node.emulate.confinement import Confinement, RankLimits
 from xronos.node.launch import spawn_ranks
 from xronos.protocol.layout import QUANTA, Layout, Sizes
 

@@ -25,8 +25,8 @@ import structlog
 
 from xronos.bench import netem
 from xronos.bench import strategies as st
-from xronos.node.cgroupfs import find_controller, usable_cores
-from xronos.node.emulator import Confinement, RankLimits, default_cpu_mode, validate_limits
+from xronos.node.emulate.cgroupfs import find_controller, usable_cores
+from xronos.node.emulate.confinement import Confinement, RankLimits, default_cpu_mode, validate_limits
 from xronos.bench.scenarios import DEFAULT_MEM_SCALE, KEPT, PI5_SHARE, Scenario, get_scenario
 from xronos.bench.workloads import (
     PAPER_BLOCKS, get_shape, kept_fraction, kind_parameters, lora_parameters, parameter_count, shape_config,
@@ -135,7 +135,7 @@ def validate(spec: CellSpec) -> tuple[Scenario, dict]:
     cpu = find_controller("cpu")
     if cpu is None:
         Confinement(lims)  # raises the emulator's own "no writable controller" message
-    from xronos.node.cgroupfs import cpu_limit_of
+    from xronos.node.emulate.cgroupfs import cpu_limit_of
 
     validate_limits(lims, usable_cores(), cpu_limit_of(cpu))
     if any(c is not None for c in caps) and find_controller("memory") is None:

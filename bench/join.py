@@ -228,7 +228,7 @@ def _progress(text: str) -> None:
 def run_one(args, model: Path, data: Path, root: Path, *, join: bool) -> dict:
     """One deployment, one job; returns the collector's records and the job's final state."""
     from xronos.cli.localstack import LocalStack
-    from xronos.node.emulator import Confinement, RankLimits
+    from xronos.node.emulate.confinement import Confinement, RankLimits
     from xronos.protocol import hastate
     from xronos.protocol.broker import EmbeddedBroker
     from xronos.protocol.messages import JobSpec
@@ -469,7 +469,7 @@ def _cpu_model() -> str:
 
 def _require_cgroups(shares: list[float]) -> None:
     """A bench of emulated boxes without the emulation measures nothing: refuse, saying why."""
-    from xronos.node.emulator import Confinement, EmulatorError, RankLimits
+    from xronos.node.emulate.confinement import Confinement, EmulatorError, RankLimits
 
     try:
         with Confinement([RankLimits(s) for s in shares], top_weight=True):

@@ -304,9 +304,9 @@ def network(doc: dict) -> str:
 
 
 def cpu_emulation(env: dict) -> str:
-    """How the devices' CPU shares were made (`xronos.node.emulator`); results from before the
+    """How the devices' CPU shares were made (`xronos.node.emulate.confinement`); results from before the
     mode existed were all CFS quotas."""
-    from xronos.node.pacer import PACE_CORE_LOAD
+    from xronos.node.emulate.pacer import PACE_CORE_LOAD
 
     mode = env.get("cpu_emulation", "quota")
     return ("CPU shares paced, one pinned core per rank, all scaled by one factor so no core carries "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import structlog
 
-from xronos.node.emulator import Confinement, RankLimits
+from xronos.node.emulate.confinement import Confinement, RankLimits
 from xronos.bench.scenarios import RUNTIME_RESERVE
 
 log = structlog.get_logger(__name__)

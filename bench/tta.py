@@ -159,8 +159,8 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
 
     from xronos.bench import netem
     from xronos.bench import strategies as st
-    from xronos.node.cgroupfs import cpu_limit_of, find_controller, usable_cores
-    from xronos.node.emulator import RankLimits, validate_limits
+    from xronos.node.emulate.cgroupfs import cpu_limit_of, find_controller, usable_cores
+    from xronos.node.emulate.confinement import RankLimits, validate_limits
     from xronos.bench.harness import CellSpec, check_bandwidth, environment, network_suffix, run_strategies
     from xronos.bench.results import summarize
     from xronos.bench.scenarios import KEPT, PI5_SHARE, get_scenario

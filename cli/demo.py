@@ -80,7 +80,7 @@ PROFILE_TIMEOUT_S = 900.0
 
 def confine(nodes) -> tuple[object | None, str]:
     """cgroup CPU quotas per node where possible; else different thread counts. Says which."""
-    from xronos.node.emulator import CPU_MODE_ENV, Confinement, EmulatorError, RankLimits
+    from xronos.node.emulate.confinement import CPU_MODE_ENV, Confinement, EmulatorError, RankLimits
 
     try:
         # The top CFS weight, as every other emulated run (`xronos run --cpu-shares`, the bench): a

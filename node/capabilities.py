@@ -204,8 +204,8 @@ def probe(node_id: str, data_host: str, participate: bool = True) -> Capabilitie
 def fingerprint(caps: Capabilities, threads: int | None) -> str:
     """Hardware identity for the profile cache: what makes a profile reusable on this box.
     The live CPU quota is part of it: the same host under a 0.45-core cgroup is another node; so
-    is the emulator's paced share (`xronos.node.pacer`)."""
-    from xronos.node.pacer import share_of_process
+    is the emulator's paced share (`xronos.node.emulate.pacer`)."""
+    from xronos.node.emulate.pacer import share_of_process
 
     quota, paced = cgroup_cpu_limit(), share_of_process()
     parts = [caps.hostname, caps.arch, caps.cpu_model, f"cores={caps.cores}",

@@ -159,7 +159,7 @@ def collective_pause_s() -> float:
 
     from xronos.node.capabilities import cgroup_cpu_period_s
 
-    from xronos.node import pacer
+    from xronos.node.emulate import pacer
 
     if pacer.current() is not None:
         return 0.0  # a paced rank banks nothing while it waits: there is nothing to mimic

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from xronos.node import pacer
+from xronos.node.emulate import pacer
 from xronos.node.gradnorm import squared_norm
 from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.loading import init_random
@@ -201,7 +201,7 @@ class ProfilingSet:
 
     def clock(self) -> float:
         """perf_counter without the pauses at skipped collectives. Under the emulator's paced CPU
-        every reading first waits out the compute before it (`xronos.node.pacer`): each layer the
+        every reading first waits out the compute before it (`xronos.node.emulate.pacer`): each layer the
         hooks split off then takes what it takes on a core of the rank's share, as in training."""
         p = pacer.current()
         if p is not None:

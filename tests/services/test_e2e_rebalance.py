@@ -17,7 +17,7 @@ from jobkit import job_spec, runkit
 from stack import Stack
 from test_e2e import _load, _wait_step
 from xronos.cli.main import main as xronos
-from xronos.node.emulator import Confinement, EmulatorError, RankLimits
+from xronos.node.emulate.confinement import Confinement, EmulatorError, RankLimits
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Layout
 

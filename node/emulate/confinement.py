@@ -18,7 +18,7 @@ than the quota run at full speed and the debt is paid later, often inside a coll
 
 So there is a second way (`cpu_mode="pace"`, or XRONOS_EMULATOR_CPU=pace): no quota; each rank is
 pinned to a core and paced — before every collective it sleeps until its wall time is its CPU time
-over its share (`xronos.node.pacer`), which is what a slow core takes for the same work, with nothing
+over its share (`xronos.node.emulate.pacer`), which is what a slow core takes for the same work, with nothing
 banked and no stall inside a collective. The shares are scaled by one factor so that no core carries
 more than PACE_CORE_LOAD of them (time dilation: the ratios between devices stay).
 
@@ -39,10 +39,10 @@ from pathlib import Path
 
 import structlog
 
-from xronos.node import pacer
-from xronos.node.cgroupfs import Controller, cpu_limit_of, find_controller, usable_cores
-from xronos.node.pacer import assign_cores, heaviest_core, pace_dilation
-from xronos.node.emupoll import POLL_S, Poller
+from xronos.node.emulate import pacer
+from xronos.node.emulate.cgroupfs import Controller, cpu_limit_of, find_controller, usable_cores
+from xronos.node.emulate.pacer import assign_cores, heaviest_core, pace_dilation
+from xronos.node.emulate.poller import POLL_S, Poller
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +60,7 @@ MIN_QUOTA_US = 1_000  # the kernel's lower bound for cfs_quota_us
 POLL_ENV = "XRONOS_EMULATOR_POLL_S"  # for measuring the poller's effect: seconds, or "none"
 
 # How a rank's CPU share is made: "quota" (CFS bandwidth control, the poller) or "pace" (each rank
-# pinned to a core and paced at its collectives, `xronos.node.pacer`). XRONOS_EMULATOR_CPU picks the
+# pinned to a core and paced at its collectives, `xronos.node.emulate.pacer`). XRONOS_EMULATOR_CPU picks the
 # default, so every bench and the demo can be run either way.
 CPU_MODES = ("quota", "pace")
 CPU_MODE_ENV = "XRONOS_EMULATOR_CPU"

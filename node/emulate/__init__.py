@@ -1,0 +1,34 @@
+"""The emulator: one machine standing in for a set of edge boxes.
+
+- `confinement`: per-rank cgroups (CPU quota, memory cap) and the files a rank finds its box in;
+- `pacer`: pace mode (a rank sleeps to its share's speed at every collective);
+- `poller`: quota mode's fine-grained quota enforcement;
+- `cgroupfs`: where this process can drive cgroup controllers (read-only).
+
+A rank process asks `process_clock()` once, when it starts, and gives the answer to its `TPGroup`
+(the one hook: `xronos.node.tp.clock`); `node/tp` never imports this package.
+"""
+
+from __future__ import annotations
+
+from xronos.node.tp.clock import Clock
+
+_UNSET = object()
+_clock: object = _UNSET
+
+
+def process_clock() -> Clock | None:
+    """This process's emulated clock, None on a real box (wall time); resolved once. A process is
+    emulated when the emulator placed it (or its parent) in a rank's group: pace mode's share file."""
+    global _clock
+    if _clock is _UNSET:
+        from xronos.node.emulate import pacer
+
+        p = pacer.current()
+        _clock = None if p is None else pacer.PacedClock(p)
+    return _clock  # type: ignore[return-value]
+
+
+def reset_for_tests(clock: Clock | None | object = _UNSET) -> None:
+    global _clock
+    _clock = clock
