@@ -1,6 +1,9 @@
 """The emulator: one machine standing in for a set of edge boxes.
 
 - `confinement`: per-rank cgroups (CPU quota, memory cap) and the files a rank finds its box in;
+- `vclock`: virtual mode (the default): a rank's clock advances by its compute over its box's speed,
+  every collective resolved from the ranks' virtual arrivals (`arrivals`) and a modelled link
+  (`link`), bursts smoothed by `estimator`;
 - `pacer`: pace mode (a rank sleeps to its share's speed at every collective);
 - `poller`: quota mode's fine-grained quota enforcement;
 - `cgroupfs`: where this process can drive cgroup controllers (read-only).
@@ -19,13 +22,23 @@ _clock: object = _UNSET
 
 def process_clock() -> Clock | None:
     """This process's emulated clock, None on a real box (wall time); resolved once. A process is
-    emulated when the emulator placed it (or its parent) in a rank's group: pace mode's share file."""
+    emulated when the emulator placed it (or its parent) in a rank's group: virtual mode's box file
+    or pace mode's share file. A virtual clock counts one thread's CPU time: the process gets one
+    intra-op thread."""
     global _clock
     if _clock is _UNSET:
-        from xronos.node.emulate import pacer
+        from xronos.node.emulate import pacer, vclock
 
-        p = pacer.current()
-        _clock = None if p is None else pacer.PacedClock(p)
+        path = pacer.share_file(root=vclock.VCLOCK_ROOT)
+        box = vclock.read_box(path)
+        if box is not None:
+            import torch
+
+            torch.set_num_threads(1)
+            _clock = vclock.VirtualClock(box, path=path)
+        else:
+            p = pacer.current()
+            _clock = None if p is None else pacer.PacedClock(p)
     return _clock  # type: ignore[return-value]
 
 

@@ -196,3 +196,6 @@ class PacedClock(Clock):
     def settle(self) -> None:
         """A paced rank pays for its last compute (the optimizer step) within the iteration."""
         self.pacer.pace()
+
+    def describe(self) -> dict[str, object]:
+        return {"clock": self.name, "cpu_mode": "pace", "paced_share": self.pacer.share}

@@ -70,5 +70,9 @@ class Clock:
     def forget(self) -> None:
         """This rank's work changed shape (a live re-shard): nothing learnt of it holds."""
 
+    def describe(self) -> dict[str, object]:
+        """What a result file says about the clock that made its figures."""
+        return {"clock": self.name}
+
 
 WALL = Clock()

@@ -1,4 +1,5 @@
-"""The emulator really confines CPU and memory, cleans up after itself, and refuses bad input."""
+"""The emulator really confines CPU and memory, cleans up after itself, and refuses bad input
+(quota mode here, unless a test says otherwise; virtual mode: test_vclock*.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,17 @@ from pathlib import Path
 import pytest
 
 from xronos.node.emulate.cgroupfs import find_controller
-from xronos.node.emulate.confinement import Confinement, EmulatorError, RankLimits, leftover_groups, validate_limits
+from xronos.node.emulate.confinement import CPU_MODE_ENV, Confinement, EmulatorError, RankLimits, leftover_groups, validate_limits
 
 CPU = find_controller("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _quota_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about CFS quotas: the emulator's default mode is virtual."""
+    monkeypatch.setenv(CPU_MODE_ENV, "quota")
+
+
 needs_cgroup = pytest.mark.skipif(CPU is None, reason="no writable cgroup cpu controller here")
 
 # A busy process with a second thread: the quota must hold for all threads of the process.

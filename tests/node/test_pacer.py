@@ -160,11 +160,11 @@ def test_cores_are_assigned_and_shares_dilated_to_leave_every_core_headroom() ->
 
 def test_cpu_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CPU_MODE_ENV, raising=False)
-    assert default_cpu_mode() == "quota"
+    assert default_cpu_mode() == "virtual"
     monkeypatch.setenv(CPU_MODE_ENV, "Pace")
     assert default_cpu_mode() == "pace"
     monkeypatch.setenv(CPU_MODE_ENV, "turbo")
-    with pytest.raises(EmulatorError, match="XRONOS_EMULATOR_CPU must be one of quota, pace, got 'turbo'"):
+    with pytest.raises(EmulatorError, match="XRONOS_EMULATOR_CPU must be one of virtual, quota, pace, got 'turbo'"):
         default_cpu_mode()
     with pytest.raises(EmulatorError, match="cpu_mode must be one of"):
         Confinement([RankLimits(0.2)], cpu_mode="turbo")

@@ -46,7 +46,7 @@ def make_case(tmp, rows=80):
 @pytest.fixture
 def boxes():
     try:
-        conf = Confinement([RankLimits(0.9), RankLimits(0.9)], top_weight=True)
+        conf = Confinement([RankLimits(0.9), RankLimits(0.9)], top_weight=True, cpu_mode="quota")
         conf.__enter__()
     except EmulatorError as exc:
         pytest.skip(f"no writable cgroup cpu controller here: {exc}")
