@@ -6,9 +6,12 @@ the CLI never imports the bench, and an installation without it simply has no `x
     xronos bench --scenario set-a --model gpt2-medium --strategies xronos,uniform,pp --iters 6 \\
         --seq-len 32 --blocks 2
 
-Needs root (cgroup CPU quotas; network namespaces + tc for the emulated 1 Gbit/s links, or
---bandwidth-mbit 0 for plain loopback). Writes bench/results/<name>.json (+ .md, plots) atomically;
-bad input is refused before anything is written or spawned.
+Needs root (cgroups). The devices run on the virtual clock by default (`--cpu-mode virtual`: each
+rank's compute over its device's speed, the link modelled at --bandwidth-mbit); `--cpu-mode quota`
+or `pace` run them on the wall clock under CFS quotas or pacing (network namespaces + tc for the
+emulated links, or --bandwidth-mbit 0 for plain loopback): a stress test of the host's scheduler.
+Writes bench/results/<name>.json (+ .md, plots) atomically, naming the clock; bad input is refused
+before anything is written or spawned.
 """
 
 from __future__ import annotations
@@ -77,6 +80,12 @@ def register(subparsers) -> None:
     p.add_argument("--target", type=float, default=0.9, help="--tta: target held-out accuracy")
     p.add_argument("--eval-every", type=int, default=5, help="--tta: reference evaluation interval (steps)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-5; 5e-5 with --tta)")
+    p.add_argument("--cpu-mode", choices=("virtual", "quota", "pace"), default="virtual",
+                   help="how the devices' speeds are made: virtual clock (default) or wall clock under CFS "
+                        "quotas / pacing (XRONOS_EMULATOR_CPU)")
+    p.add_argument("--estimator", default="min",
+                   help="virtual clock: a burst's CPU time estimate over its last 32 samples: min (default), "
+                        "med, mean, raw or qNN (XRONOS_EMULATOR_ESTIMATOR)")
     p.set_defaults(func=handler)
 
 
@@ -85,6 +94,7 @@ def handler(args) -> int:
     from xronos.bench.harness import CellSpec, run_cell, validate
 
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    set_cpu_mode(args.cpu_mode, args.estimator)
     if args.tta:
         from xronos.bench.tta import run_tta
 
@@ -106,6 +116,16 @@ def handler(args) -> int:
                     lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
     validate(spec)  # refuse before any work
     return _finish(results, results.summarize(run_cell(spec)), args)
+
+
+def set_cpu_mode(mode: str, estimator: str = "min") -> None:
+    """The emulator's mode and estimator for everything this process confines (and its children)."""
+    import os
+
+    from xronos.node.emulate.confinement import CPU_MODE_ENV, ESTIMATOR_ENV, default_cpu_mode, default_estimator
+
+    os.environ[CPU_MODE_ENV], os.environ[ESTIMATOR_ENV] = mode, estimator
+    default_cpu_mode(), default_estimator()  # refuse a bad one now, naming it
 
 
 def _finish(results, doc: dict, args) -> int:

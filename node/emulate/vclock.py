@@ -110,7 +110,9 @@ class VirtualClock(Clock):
         self.base = 0.0  # the last group-wide departure: the same on every rank
         self.account = Account()
         self.link_free = 0.0  # until when this rank's link carries earlier sends
-        self._n = 0  # bursts since the last settle: with the burst's end, its key
+        # A burst's key: where it ends and every end before it since the last settle (an iteration
+        # recurs as the same path; a first pass that differs, a re-planned one, get keys of their own)
+        self._path = 0
         self._checked = wall()
         self._mark = thread_time()
 
@@ -119,8 +121,8 @@ class VirtualClock(Clock):
         """A compute burst ends here: the clock advances by its estimate over the box's speed."""
         cpu = max(0.0, self._thread() - self._mark)
         self._recheck()
-        v = self.est.add((self._n, *end), cpu) / self.box.host_cores
-        self._n += 1
+        self._path = hash((self._path, end))
+        v = self.est.add(self._path, cpu) / self.box.host_cores
         self.t += v
         self.account.compute += v
 
@@ -146,7 +148,7 @@ class VirtualClock(Clock):
 
     def settle(self) -> None:
         self._burst(("settle",))
-        self._n = 0  # an iteration ends: the next one's bursts recur with the same keys
+        self._path = 0  # an iteration ends: the next one's bursts recur with the same keys
         self._resume()
 
     def forget(self) -> None:
