@@ -17,6 +17,9 @@ before anything is written or spawned.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -90,11 +93,15 @@ def register(subparsers) -> None:
 
 
 def handler(args) -> int:
+    with cpu_mode(args.cpu_mode, args.estimator):
+        return _handle(args)
+
+
+def _handle(args) -> int:
     from xronos.bench import results
     from xronos.bench.harness import CellSpec, run_cell, validate
 
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
-    set_cpu_mode(args.cpu_mode, args.estimator)
     if args.tta:
         from xronos.bench.tta import run_tta
 
@@ -118,14 +125,23 @@ def handler(args) -> int:
     return _finish(results, results.summarize(run_cell(spec)), args)
 
 
-def set_cpu_mode(mode: str, estimator: str = "min") -> None:
-    """The emulator's mode and estimator for everything this process confines (and its children)."""
-    import os
-
+@contextlib.contextmanager
+def cpu_mode(mode: str, estimator: str = "min") -> Iterator[None]:
+    """The emulator's mode and estimator for everything confined inside (children inherit them);
+    the environment as it was afterwards."""
     from xronos.node.emulate.confinement import CPU_MODE_ENV, ESTIMATOR_ENV, default_cpu_mode, default_estimator
 
+    saved = {k: os.environ.get(k) for k in (CPU_MODE_ENV, ESTIMATOR_ENV)}
     os.environ[CPU_MODE_ENV], os.environ[ESTIMATOR_ENV] = mode, estimator
-    default_cpu_mode(), default_estimator()  # refuse a bad one now, naming it
+    try:
+        default_cpu_mode(), default_estimator()  # refuse a bad one now, naming it
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _finish(results, doc: dict, args) -> int:
