@@ -320,6 +320,9 @@ def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc:
             else:
                 from xronos.bench.hftp_worker import supported
 
+                if st.virtual():
+                    raise _NotRun("wall clock only: transformers' tp_plan calls torch.distributed past the "
+                                  "virtual clock (run it with --cpu-mode quota or pace)")
                 reason = supported(config, sc.n)
                 if reason:
                     raise _NotRun(reason)

@@ -311,7 +311,7 @@ def cpu_emulation(env: dict) -> str:
     mode = env.get("cpu_emulation", "quota")
     if mode == "virtual":
         return (f"**virtual clock** (each rank's compute bursts at its device's speed, estimator "
-                f"`{env.get('estimator') or 'min'}`; collectives resolved from virtual arrivals over the "
+                f"`{env.get('estimator') or 'med'}`; collectives resolved from virtual arrivals over the "
                 "modelled link; wall seconds kept beside)")
     return ("**wall clock**, CPU shares paced, one pinned core per rank, all scaled by one factor so no core carries "
             f"over {PACE_CORE_LOAD:g} (each run's `dilation`)" if mode == "pace"

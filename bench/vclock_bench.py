@@ -55,12 +55,11 @@ def worker(a: argparse.Namespace) -> None:
             torch.mm(m, m)
 
     burn(300)
-    c0 = time.thread_time()
-    burn(3000)
-    per_ms = 3 / (time.thread_time() - c0)  # reps per CPU millisecond on this thread
     speeds = [float(s) for s in a.speeds.split(",")]
     work = [float(w) for w in a.work.split(",")]
-    reps = max(1, round(per_ms * a.segment_ms * work[a.rank]))
+    # the same reps per unit of work on every rank (calibrated once by the parent: a rank calibrating
+    # itself under contention would get less work per nominal millisecond than its peers)
+    reps = max(1, round(a.per_ms * a.segment_ms * work[a.rank]))
     link = Link(1e15, 0.0) if a.free_link else Link()
     clock = VirtualClock(Box(speeds[a.rank], link, a.estimator, a.window))
     group = TPGroup.join(a.rank, len(speeds), "127.0.0.1", a.port, 300, clock=clock)
@@ -100,18 +99,33 @@ def worker(a: argparse.Namespace) -> None:
                                            rows=rows)))
 
 
+def calibrate() -> float:
+    """Small GEMMs per CPU millisecond of this thread (the best of five tries)."""
+    import torch
+
+    torch.set_num_threads(1)
+    m = torch.randn(96, 96)
+    best = 0.0
+    for _ in range(5):
+        c0 = time.thread_time()
+        for _ in range(2000):
+            torch.mm(m, m)
+        best = max(best, 2 / (time.thread_time() - c0))
+    return best
+
+
 def run_case(speeds: list[float], work: list[float], *, segment_ms: float, barriers: int, iters: int, warmup: int,
              estimator: str, pin: bool, free_link: bool, window: int = 32) -> list[dict]:
     from xronos.node.launch import free_port
 
-    port = free_port()
+    port, per_ms = free_port(), calibrate()
     with tempfile.TemporaryDirectory(prefix="xronos-vclock-") as tmp:
         outs = [Path(tmp) / f"r{r}.json" for r in range(len(speeds))]
         procs = [subprocess.Popen(
             [sys.executable, "-m", "xronos.bench.vclock_bench", "worker", "--rank", str(r), "--port", str(port),
              "--speeds", ",".join(map(repr, speeds)), "--work", ",".join(map(repr, work)),
              "--segment-ms", repr(segment_ms), "--barriers", str(barriers), "--iters", str(iters),
-             "--warmup", str(warmup), "--estimator", estimator, "--window", str(window), "--out", str(outs[r]),
+             "--warmup", str(warmup), "--estimator", estimator, "--per-ms", repr(per_ms), "--window", str(window), "--out", str(outs[r]),
              *(["--pin"] if pin else []), *(["--free-link"] if free_link else [])],
             env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(len(speeds))]
         for p in procs:
@@ -197,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("worker")
-    for k, t in (("rank", int), ("port", int), ("speeds", str), ("work", str), ("segment-ms", float),
+    for k, t in (("rank", int), ("port", int), ("speeds", str), ("work", str), ("segment-ms", float), ("per-ms", float),
                  ("barriers", int), ("iters", int), ("warmup", int), ("estimator", str), ("window", int),
                  ("out", str)):
         w.add_argument(f"--{k}", type=t, required=True)
@@ -209,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--barriers", type=int, default=24)
         p.add_argument("--iters", type=int, default=20)
         p.add_argument("--warmup", type=int, default=4)
-        p.add_argument("--estimators", default="min,med", help="virtual clock estimators to compare")
+        p.add_argument("--estimators", default="med,min", help="virtual clock estimators to compare")
         p.add_argument("--out", type=Path, default=RESULTS)
         p.add_argument("--name", default=None)
     fl = sub.choices["floor"]

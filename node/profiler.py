@@ -173,13 +173,14 @@ def collective_pause_s() -> float:
     return DEFAULT_PAUSE_S if period is None else period
 
 
-def _virtual_cpu_scale() -> float | None:
-    """1 / the box's speed on the virtual clock (the probe's CPU at the box's speed), else None."""
+def _virtual_cpu_scale() -> tuple[float | None, str]:
+    """1 / the box's speed on the virtual clock and its estimator (the probe's CPU as the clock
+    charges it), else (None, "min")."""
     from xronos.node.emulate import process_clock
 
     clock = process_clock()
     box = getattr(clock, "box", None)
-    return None if box is None else 1.0 / box.host_cores
+    return (None, "min") if box is None else (1.0 / box.host_cores, box.estimator)
 
 
 def without_hook_overhead(med: dict[str, float], hooked: list[tuple[float, float]],
@@ -347,7 +348,8 @@ def profile(
             del ps
         if progress is not None:
             progress("all-reduce probe")
-        collectives = probe_collectives(batch_size, seq_len, arch.hidden_size, cpu_scale=_virtual_cpu_scale())
+        scale, stat = _virtual_cpu_scale()
+        collectives = probe_collectives(batch_size, seq_len, arch.hidden_size, cpu_scale=scale, cpu_stat=stat)
         runtime = runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
         owner = owner_rss()
         # The heap's holes of one block at full width and at the smallest profiled one, and their

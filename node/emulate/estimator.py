@@ -8,10 +8,10 @@ where its wall time varied 4-5x (`../shared/emulation/REPORT.md`, E1). So, as Si
 `SMPI_SAMPLE` reuses a benchmarked block, a burst is charged a statistic of its key's last
 `window` samples instead of its own noisy sample:
 
-- `min`: the uncontended cost. The lowest floor of balanced work (1-5 % idle under load 2-9), but
-  it sits under the mean burst (~30 % for short, memory-bound bursts), so absolute virtual times
-  read low, and a real box's own jitter is hidden;
-- `med`: the window median: closer to the mean burst in absolute terms, noisier under contention;
+- `min`: the uncontended cost (the prototype's choice: 1-5 % idle floor under load 2-9), but it
+  sits under the mean burst (~30 % for short, memory-bound bursts), so absolute virtual times read
+  low, and it depends on how finely the work is cut into bursts (see DEFAULT_MODE);
+- `med` (the default): the window median: the typical burst, additive across a split;
 - `qNN`: the NN-th percentile (q25: between the two);
 - `mean`, `raw` (the burst's own sample: no smoothing, as bad as quotas under load).
 What a window statistic hides: any drift inside the window (a burst that became more expensive is
@@ -27,7 +27,12 @@ from collections import deque
 from collections.abc import Hashable
 
 MODES = ("min", "med", "mean", "raw")  # and qNN, 0 <= NN <= 100
-DEFAULT_MODE = "min"
+# The window median, chosen by measurement (bench/results/vclock-*.md, a Set-A cell): with the
+# minimum, a profile (a burst per layer hook) read 7-25 % under the run (a burst per collective) —
+# the sum of the parts' minima is below the minimum of their sum — while the median of the parts
+# sums to the median of the whole; the median also gave the lower idle floor under load here
+# (1.7/0.7/0.2 % against 2.9/2.4/1.2 % at load 15) and reads closer to wall time on a quiet core.
+DEFAULT_MODE = "med"
 DEFAULT_WINDOW = 32
 
 

@@ -15,7 +15,7 @@ WORKER = Path(__file__).with_name("vclock_worker.py")
 
 
 def _run(tmp_path: Path, speeds: list[float], **kw: object) -> list[dict]:
-    job = {"speeds": speeds, "bandwidth_Bps": 1e9 / 8, "latency_s": 0.5e-3, "estimator": "min", "gemms": 6,
+    job = {"speeds": speeds, "bandwidth_Bps": 1e9 / 8, "latency_s": 0.5e-3, "estimator": "med", "gemms": 6,
            "iters": 6, "sleep_rank": -1, "sleep_s": 0.0, **kw}
     run_world(WORKER, len(speeds), job, tmp_path, timeout=180)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(len(speeds))]
