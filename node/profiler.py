@@ -174,13 +174,13 @@ def collective_pause_s() -> float:
 
 
 def _virtual_cpu_scale() -> tuple[float | None, str]:
-    """1 / the box's speed on the virtual clock and its estimator (the probe's CPU as the clock
-    charges it), else (None, "min")."""
+    """1 / the box's speed on the virtual clock and the statistic the clock takes of a call's CPU
+    (the window minimum, `VirtualClock.call_est`), else (None, "min")."""
     from xronos.node.emulate import process_clock
 
     clock = process_clock()
     box = getattr(clock, "box", None)
-    return (None, "min") if box is None else (1.0 / box.host_cores, box.estimator)
+    return (None, "min") if box is None else (1.0 / box.host_cores, "min")  # as VirtualClock.call_est
 
 
 def without_hook_overhead(med: dict[str, float], hooked: list[tuple[float, float]],
