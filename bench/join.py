@@ -336,7 +336,8 @@ def report(meta: dict, res: dict) -> str:
              f"three emulated boxes at {', '.join(f'{s:g}' for s in meta['shares'])} cores (cgroup quotas, "
              f"top weight), {NEWCOMER} switched on at step {meta['switch_at']}; gateway `join_restart_s` unset. "
              f"Load average {meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after "
-             f"(provisional: a shared machine). Machine: {meta['machine']}.\n",
+             f"(provisional: a shared machine). Machine: {meta['machine']}. Clock: "
+             f"{meta.get('clock', 'wall (CFS quotas)')}.\n",
              f"Command: `{meta['command']}`\n",
              f"Decision: {d['text'] or d.get('why')}\n"]
     if not j.get("joined"):
@@ -438,8 +439,17 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": args.batch_size, "seq_len": args.seq_len, "eval_fraction": args.eval_fraction,
             "command": "python -m xronos.bench.join " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or _cpu_model()}",
-            **load}
+            "clock": _clock_note(), **load}
     return _write(Path(args.out), meta, res, raw)
+
+
+def _clock_note() -> str:
+    """What the ranks' seconds are on (the emulator's mode, XRONOS_EMULATOR_CPU)."""
+    from xronos.node.emulate.confinement import default_cpu_mode
+
+    mode = default_cpu_mode()
+    return ("virtual (iteration times, profiles and the gateway's predictions; the restart and the runs' "
+            "durations are wall seconds)" if mode == "virtual" else f"wall ({mode})")
 
 
 def _write(out: Path, meta: dict, res: dict, raw: dict) -> int:

@@ -189,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
                        eval_fraction=0.2, strategy="segment", checkpoint_interval=max(args.steps // 2, 1),
                        export_dir=str(root / "export"), reserve_mb=256, seed=0, warmup_steps=4,
                        max_grad_norm=1.0)
-        print("submitting: the owner inspects model and data, every node profiles MiniLM, the gateway plans "
-              "(the emulated Pi 4 profiles for 2-5 minutes) ...")
+        slow = "" if conf is not None and conf.cpu_mode == "virtual" else " (the emulated Pi 4 profiles for 2-5 minutes)"
+        print(f"submitting: the owner inspects model and data, every node profiles MiniLM, the gateway plans{slow} ...")
         accepted = stack.client.request("job/submit", PROFILE_TIMEOUT_S + 120.0, spec=spec)
         job_id = accepted["job_id"]
         print(f"job {job_id} accepted, {accepted['total_steps']} steps")

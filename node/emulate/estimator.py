@@ -14,6 +14,9 @@ where its wall time varied 4-5x (`../shared/emulation/REPORT.md`, E1). So, as Si
 - `med` (the default): the window median: the typical burst, additive across a split;
 - `qNN`: the NN-th percentile (q25: between the two);
 - `mean`, `raw` (the burst's own sample: no smoothing, as bad as quotas under load).
+A key's first sample is dropped when its second arrives: the first run of a recurring burst pays
+one-time costs (allocating its tensors, lazy initialisation: the first training step ran 1.5-2.5x
+slow), and a median over the few samples of a short run would carry it for several iterations.
 What a window statistic hides: any drift inside the window (a burst that became more expensive is
 charged its old minimum until the old samples leave the window); a change of the work's shape
 (a live re-shard) therefore clears the history (`forget`).
@@ -66,6 +69,7 @@ class Estimator:
             raise ValueError(f"estimator window must be an integer >= 1, got {window!r}")
         self.window = window
         self._hist: dict[Hashable, deque[float]] = {}
+        self._first: set[Hashable] = set()  # keys whose first sample is still in the window
 
     def add(self, key: Hashable, seconds: float) -> float:
         """Record a sample of `key` and return the key's estimate with it."""
@@ -74,6 +78,10 @@ class Estimator:
         h = self._hist.get(key)
         if h is None:
             h = self._hist[key] = deque(maxlen=self.window)
+            self._first.add(key)
+        elif key in self._first:  # the second sample: the first (a warm-up) goes
+            self._first.discard(key)
+            h.popleft()
         h.append(seconds)
         return statistic(list(h), self.mode)
 
@@ -84,6 +92,7 @@ class Estimator:
 
     def forget(self) -> None:
         self._hist.clear()
+        self._first.clear()
 
     def __len__(self) -> int:
         return len(self._hist)
