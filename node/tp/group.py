@@ -1,8 +1,10 @@
 """The one door to the network for the TP engine: every collective goes through a TPGroup.
 
-Gloo collectives on CPU block until every rank has joined, so the wall time of a call is this
-rank's compute imbalance (waiting for the slowest rank) plus the transfer itself. The trainer drains
+Gloo collectives on CPU block until every rank has joined, so the time of a call is this rank's
+compute imbalance (waiting for the slowest rank) plus the transfer itself. The trainer drains
 `timings` every iteration and compares them across ranks to split idle time from communication.
+Times are read from the group's clock (`xronos.node.tp.clock`): wall time on a real box, the
+emulator's virtual or paced clock on an emulated one, given when the rank process starts.
 
 Each timed collective is also a `Span` (name, tag, start, seconds) on a timeline: the engine's
 layers say which segment kind they belong to (`with group.segment("mlp"): ...`), so the time
