@@ -99,10 +99,13 @@ class VirtualClock(Clock):
     RECHECK_S = 0.5  # how often (wall) the box file is looked at again
 
     def __init__(self, box: Box, *, path: Path | None = None, thread_time: Callable[[], float] = time.thread_time,
-                 process_time: Callable[[], float] = time.process_time, wall: Callable[[], float] = time.perf_counter,
+                 wall: Callable[[], float] = time.perf_counter,
                  slots: Callable[[list[float]], object] | None = None) -> None:
+        """`path`: the box file, re-read every RECHECK_S of `wall`; `slots`: list -> what a runner
+        carries (a float64 tensor; a list in the pure tests). A run's boxes share one link (the
+        emulator writes the same to every rank): each rank computes the link's time itself."""
         self.box, self.path = box, path
-        self._thread, self._process, self._wall = thread_time, process_time, wall
+        self._thread, self._wall = thread_time, wall
         self._slots = slots or _float64  # list -> what a runner carries (a float64 tensor)
         self.est = Estimator(box.estimator, box.window)  # compute bursts (thread CPU)
         # The calls' own process CPU: its window minimum whatever the bursts' estimator. A call's
@@ -205,9 +208,9 @@ class VirtualClock(Clock):
     # -- the record ------------------------------------------------------------------------
     def describe(self) -> dict[str, object]:
         """What a result file says about this clock."""
-        return {"clock": self.name, "cpu_mode": "virtual", "host_cores": self.box.host_cores, "estimator": self.box.estimator,
-                "window": self.box.window, "bandwidth_Bps": self.box.link.bandwidth_Bps,
-                "latency_s": self.box.link.latency_s}
+        return {"clock": self.name, "cpu_mode": "virtual", "host_cores": self.box.host_cores,
+                "estimator": self.box.estimator, "window": self.box.window,
+                "bandwidth_Bps": self.box.link.bandwidth_Bps, "latency_s": self.box.link.latency_s}
 
 
 def _float64(values: list[float]):

@@ -173,7 +173,7 @@ class Fake:
 
     def clock(self, cores: float, link: Link = Link(1e9, 0.0), est: str = "min") -> VirtualClock:
         return VirtualClock(Box(cores, link, est), thread_time=lambda: self.thread,
-                            process_time=lambda: 0.0, wall=lambda: self.wall, slots=list)
+                            wall=lambda: self.wall, slots=list)
 
 
 def _exchange(clocks: list[VirtualClock], computes: list[float], fake: list[Fake], op: str = "all_reduce_sum",
@@ -238,7 +238,7 @@ def test_a_speed_change_in_the_box_file_is_picked_up(tmp_path: Path) -> None:
     f, path = Fake(), tmp_path / "rank0"
     write_box(path, Box(1.0, Link(), "raw"))
     c = VirtualClock(Box(1.0, Link(), "raw"), path=path, thread_time=lambda: f.thread,
-                     process_time=lambda: 0.0, wall=lambda: f.wall, slots=list)
+                     wall=lambda: f.wall, slots=list)
     f.thread += 0.01
     c.settle()
     write_box(path, Box(0.5, Link(), "raw"))
