@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from xronos.node.tp.clock import Clock
 
+SERIALIZE_ENV = "XRONOS_EMULATOR_SERIALIZE"
 _UNSET = object()
 _clock: object = _UNSET
 
@@ -32,10 +33,14 @@ def process_clock() -> Clock | None:
         path = pacer.share_file(root=vclock.VCLOCK_ROOT)
         box = vclock.read_box(path)
         if box is not None:
+            import os
+
             import torch
 
             torch.set_num_threads(1)
-            _clock = vclock.VirtualClock(box, path=path)
+            # XRONOS_EMULATOR_SERIALIZE=1: the run's ranks compute one at a time (`VirtualClock`)
+            serialize = path.parent / "serialize.lock" if os.environ.get(SERIALIZE_ENV) == "1" else None
+            _clock = vclock.VirtualClock(box, path=path, serialize=serialize)
         else:
             p = pacer.current()
             _clock = None if p is None else pacer.PacedClock(p)

@@ -20,6 +20,7 @@ thermal throttling, one box's own jitter (the estimator hides it), compute/comm 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -100,11 +101,18 @@ class VirtualClock(Clock):
 
     def __init__(self, box: Box, *, path: Path | None = None, thread_time: Callable[[], float] = time.thread_time,
                  wall: Callable[[], float] = time.perf_counter,
-                 slots: Callable[[list[float]], object] | None = None) -> None:
+                 slots: Callable[[list[float]], object] | None = None, serialize: Path | None = None) -> None:
         """`path`: the box file, re-read every RECHECK_S of `wall`; `slots`: list -> what a runner
         carries (a float64 tensor; a list in the pure tests). A run's boxes share one link (the
-        emulator writes the same to every rank): each rank computes the link's time itself."""
+        emulator writes the same to every rank): each rank computes the link's time itself.
+        `serialize`: a lock file shared by the run's ranks; a rank computes only while it holds it,
+        so no two ranks' bursts run at once (as SimGrid SMPI runs its ranks one at a time): no
+        co-located rank inflates another's CPU time, at the price of wall time. Never taken when the
+        clock is made (the ranks are still joining), first at the end of its first reading or
+        meeting; released at the start of every meeting."""
         self.box, self.path = box, path
+        self._lock = os.open(serialize, os.O_RDWR | os.O_CREAT, 0o600) if serialize is not None else None
+        self._held = False
         self._thread, self._wall = thread_time, wall
         self._slots = slots or _float64  # list -> what a runner carries (a float64 tensor)
         self.est = Estimator(box.estimator, box.window)  # compute bursts (thread CPU)
@@ -126,6 +134,9 @@ class VirtualClock(Clock):
     def _burst(self, end: tuple) -> None:
         """A compute burst ends here: the clock advances by its estimate over the box's speed."""
         cpu = max(0.0, self._thread() - self._mark)
+        if self._held:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)  # type: ignore[arg-type]
+            self._held = False
         self._recheck()
         self._path = hash((self._path, end))
         v = self.est.add(self._path, cpu) / self.box.host_cores
@@ -133,6 +144,9 @@ class VirtualClock(Clock):
         self.account.compute += v
 
     def _resume(self) -> None:
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            self._held = True
         self._mark = self._thread()
 
     def _recheck(self) -> None:
@@ -159,6 +173,12 @@ class VirtualClock(Clock):
 
     def forget(self) -> None:
         self.est.forget()
+
+    def close(self) -> None:
+        """Let go of the serializing lock for good (the process's end does it too)."""
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor releases its flock
+            self._lock, self._held = None, False
 
     # -- collectives -----------------------------------------------------------------------
     def meet(self, meet: Meet, run: Runner, rank: int, world: int) -> tuple[float, float]:

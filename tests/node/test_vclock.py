@@ -247,3 +247,28 @@ def test_a_speed_change_in_the_box_file_is_picked_up(tmp_path: Path) -> None:
     f.thread += 0.01
     c.settle()
     assert c.t - t0 == pytest.approx(0.02)
+
+
+def test_serialized_clocks_compute_one_at_a_time(tmp_path: Path) -> None:
+    """With a shared lock file, a clock between two meetings holds it: another cannot start a burst
+    until the first meets its peers."""
+    lock = tmp_path / "serialize.lock"
+    a, b = (VirtualClock(Box(1.0), serialize=lock, slots=list) for _ in range(2))
+    a.now()  # a computes from here
+    resumed = threading.Event()
+
+    def other() -> None:
+        b.now()  # b computes from here...
+        resumed.set()
+        b.meet(Meet("barrier", None, 0, False), lambda slots: (slots, 0.0), 0, 1)  # ...until it meets
+        b.close()
+
+    t = threading.Thread(target=other, daemon=True)
+    t.start()
+    assert not resumed.wait(0.3)  # b cannot start computing while a does
+    # a meets its peers: while it waits in the collective, b computes
+    a.meet(Meet("barrier", None, 0, False), lambda slots: (slots, 0.0) if resumed.wait(5) else (slots, 0.0), 0, 1)
+    assert resumed.is_set()
+    a.close()  # whichever resumes first after its meeting, the other follows once it ends
+    t.join(5)
+    assert not t.is_alive()
