@@ -42,7 +42,7 @@ from pathlib import Path
 
 from xronos.bench.results import _balance, _balance_integer, _fits
 from xronos.bench.workloads import kind_parameters, shape_config, write_checkpoint, write_dataset
-from xronos.node.emulator import Confinement, RankLimits
+from xronos.node.emulate.confinement import Confinement, RankLimits
 from xronos.node.launch import spawn_ranks
 from xronos.protocol.layout import QUANTA, Layout, Sizes
 
@@ -220,8 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--variant", choices=["quota", "hog", "both"], default="both")
+    p.add_argument("--cpu-mode", choices=("virtual", "quota", "pace"), default="virtual",
+                   help="virtual clock (default: box 0's speed halves; no 'hog', which takes host CPU, not the "
+                        "box's virtual time) or the wall clock under quotas or pacing")
     p.add_argument("--out", default="bench/results/background_load")
     args = p.parse_args(argv)
+    from xronos.bench.command import cpu_mode
+
+    with cpu_mode(args.cpu_mode):
+        return _main(args)
+
+
+def _main(args) -> int:
+    if args.cpu_mode == "virtual" and args.variant == "hog":
+        raise SystemExit("--variant hog: a process in box 0's cgroup takes host CPU, not box 0's virtual time; on "
+                         "the virtual clock the change is box 0's speed (--variant quota), or use --cpu-mode quota")
     if not 1 <= args.change_at < args.steps - 5:
         raise SystemExit(f"--change-at must be in [1, {args.steps - 6}]")
     config = shape_config("gpt2-medium", args.blocks)
@@ -236,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         load = {"loadavg_before": os.getloadavg()}
         results, bounds = {}, {}
         params = kind_parameters(config)
-        for variant in (["quota", "hog"] if args.variant == "both" else [args.variant]):
+        both = ["quota"] if args.cpu_mode == "virtual" else ["quota", "hog"]
+        for variant in (both if args.variant == "both" else [args.variant]):
             docs = {}
             for live in (False, True):  # side by side: the same cell, static then live
                 docs[live] = run_one(model, data, layout, args, live=live, variant=variant, work=work)
@@ -251,14 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": "gpt2-medium", "blocks": args.blocks, "ranks": RANKS, "share": args.share,
             "change_at": args.change_at, "steps": args.steps, "batch_size": args.batch_size,
-            "seq_len": args.seq_len, "start_layout": layout.to_text(), **load}
+            "seq_len": args.seq_len, "start_layout": layout.to_text(), "cpu_mode": args.cpu_mode,
+            "clock": "virtual" if args.cpu_mode == "virtual" else "wall", **load}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "bounds": bounds, "results": results}, indent=1))
     bound_text = ", ".join(f"{v} {b['compute_whole_heads_s']:.3f} s" for v, b in bounds.items())
     text = (f"# Background load: box 0 loses half its CPU at step {args.change_at}\n\n"
             f"GPT-2-Medium shapes ({args.blocks} blocks, classify), {RANKS} ranks at {args.share} cores each, "
             f"batch {args.batch_size} x {args.seq_len}, start layout {layout.describe()}; "
             f"load average {load['loadavg_before'][0]:.1f} before, {load['loadavg_after'][0]:.1f} after "
-            f"(provisional: a shared machine).\n\nIdeal after: the measured bound (per-rank, per-kind compute after "
+            f"(provisional: a shared machine). Clock: **{meta['clock']}** (`--cpu-mode {args.cpu_mode}`"
+            f"{': box 0 at half its speed' if args.cpu_mode == 'virtual' else ''}).\n\nIdeal after: the measured bound (per-rank, per-kind compute after "
             f"the change fitted over the static and live runs' layouts, balanced in whole heads: {bound_text}) plus "
             f"each run's median communication and data time after the change.\n\n{table(results)}\n")
     out.with_suffix(".md").write_text(text)

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from xronos.node.emulator import POLL_S
+from xronos.node.emulate.confinement import POLL_S
 
 ELEMENTS = 8 * 16 * 384  # the demo's activation: batch 8 x seq 16 x hidden 384
 
@@ -52,7 +52,7 @@ def worker(rank: int, world: int, port: int, share: float, seg_s: float, barrier
     reps = max(1, round(per_s * share * seg_s))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     x = torch.ones(ELEMENTS)
-    from xronos.node import pacer
+    from xronos.node.emulate import pacer
 
     paced = pacer.current()  # the emulator's paced CPU (cpu mode "pace"), else None
     rows = []
@@ -107,7 +107,7 @@ def start_eaters(conf, cores: list[int]) -> list:
 def run(shares: list[float], seg_s: float, period_us: int, barriers: int, iters: int, warmup: int,
         tmp: Path, pin: bool = False, poll_s: float | None = POLL_S, eat: bool = False,
         cpu_mode: str = "quota") -> list[dict]:
-    from xronos.node.emulator import DEFAULT_PERIOD_US, Confinement, RankLimits, assign_cores
+    from xronos.node.emulate.confinement import DEFAULT_PERIOD_US, Confinement, RankLimits, assign_cores
     from xronos.node.launch import free_port
 
     port = free_port()

@@ -6,14 +6,20 @@ the CLI never imports the bench, and an installation without it simply has no `x
     xronos bench --scenario set-a --model gpt2-medium --strategies xronos,uniform,pp --iters 6 \\
         --seq-len 32 --blocks 2
 
-Needs root (cgroup CPU quotas; network namespaces + tc for the emulated 1 Gbit/s links, or
---bandwidth-mbit 0 for plain loopback). Writes bench/results/<name>.json (+ .md, plots) atomically;
-bad input is refused before anything is written or spawned.
+Needs root (cgroups). The devices run on the virtual clock by default (`--cpu-mode virtual`: each
+rank's compute over its device's speed, the link modelled at --bandwidth-mbit); `--cpu-mode quota`
+or `pace` run them on the wall clock under CFS quotas or pacing (network namespaces + tc for the
+emulated links, or --bandwidth-mbit 0 for plain loopback): a stress test of the host's scheduler.
+Writes bench/results/<name>.json (+ .md, plots) atomically, naming the clock; bad input is refused
+before anything is written or spawned.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -77,10 +83,21 @@ def register(subparsers) -> None:
     p.add_argument("--target", type=float, default=0.9, help="--tta: target held-out accuracy")
     p.add_argument("--eval-every", type=int, default=5, help="--tta: reference evaluation interval (steps)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-5; 5e-5 with --tta)")
+    p.add_argument("--cpu-mode", choices=("virtual", "quota", "pace"), default="virtual",
+                   help="how the devices' speeds are made: virtual clock (default) or wall clock under CFS "
+                        "quotas / pacing (XRONOS_EMULATOR_CPU)")
+    p.add_argument("--estimator", default="med",
+                   help="virtual clock: a burst's CPU time estimate over its last 32 samples: med (default), "
+                        "min, mean, raw or qNN (XRONOS_EMULATOR_ESTIMATOR)")
     p.set_defaults(func=handler)
 
 
 def handler(args) -> int:
+    with cpu_mode(args.cpu_mode, args.estimator):
+        return _handle(args)
+
+
+def _handle(args) -> int:
     from xronos.bench import results
     from xronos.bench.harness import CellSpec, run_cell, validate
 
@@ -106,6 +123,25 @@ def handler(args) -> int:
                     lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
     validate(spec)  # refuse before any work
     return _finish(results, results.summarize(run_cell(spec)), args)
+
+
+@contextlib.contextmanager
+def cpu_mode(mode: str, estimator: str = "med") -> Iterator[None]:
+    """The emulator's mode and estimator for everything confined inside (children inherit them);
+    the environment as it was afterwards."""
+    from xronos.node.emulate.confinement import CPU_MODE_ENV, ESTIMATOR_ENV, default_cpu_mode, default_estimator
+
+    saved = {k: os.environ.get(k) for k in (CPU_MODE_ENV, ESTIMATOR_ENV)}
+    os.environ[CPU_MODE_ENV], os.environ[ESTIMATOR_ENV] = mode, estimator
+    try:
+        default_cpu_mode(), default_estimator()  # refuse a bad one now, naming it
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _finish(results, doc: dict, args) -> int:

@@ -14,6 +14,13 @@ greedy) and uniform side by side, with the pipeline, and transformers' own TP wh
 1 Gbit/s link, the paper's LAN (network namespaces + tc, `bench/netem.py`; needs root, like the
 cgroup quotas). The grid's summary (grid.md, grid-iteration.png, grid-predicted.png) collects the
 per-cell ratios; a cell that fails is reported, not fatal.
+
+On the virtual clock (the default, `--cpu-mode`; the link is then modelled at the cell's rate, not
+shaped) `--repeats N` runs every cell N times, repeats interleaved (all cells, then all again), and
+`--estimators min,med` each repeat under each burst estimator in turn; grid-repeats.md tables per
+cell and estimator xronos/uniform of every repeat, its spread ((max - min) / mean), and the
+product's figures (xronos/ideal, worst idle, compute MAPE, xronos/pp) as means. The first
+estimator's first repeat is the cell's result file; the others are `<cell>_<estimator>_r<k>`.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from pathlib import Path
 from xronos.bench.harness import CellSpec
 from xronos.bench.netem import PAPER_RATE_MBIT
 from xronos.bench.workloads import realistic_blocks
-from xronos.node.emulator import CPU_MODE_ENV
+from xronos.node.emulate.confinement import CPU_MODE_ENV
 
 TP = ("xronos", "xronos-paper", "uniform", "pp")  # every cell: CellSpec's default network, the paper's 1 Gbit/s
 # Iterations per strategy, the first WARMUP excluded: the first step runs 1.5-2.5x slow (allocation),
@@ -35,7 +42,10 @@ TP = ("xronos", "xronos-paper", "uniform", "pp")  # every cell: CellSpec's defau
 # within a few per cent (the sd every table gives: 2-4 % of a step on GPT-2-Medium at 6 blocks, measured
 # under load). 8 measured steps where a step takes ~3 s, 6 on the 4-8 s TinyLlama cell; the grid's time
 # goes mostly into fixed costs (profiling, ~60-110 s a cell; ~30-40 s to start each run).
-ITERS, WARMUP = 10, 2
+# On the virtual clock the first iterations also fill the estimator's windows (a median over two or
+# three samples per burst still follows the host's noise): 4 warm-up steps of 12, and the measured
+# steps then agree within ~1-2 % (a Set-A GPT-2-Medium cell at load 11-14, bench/results/vclock.md).
+ITERS, WARMUP = 12, 4
 
 
 def _cell(scenario: str, model: str, strategies: tuple[str, ...] = TP, **kw) -> CellSpec:
@@ -132,26 +142,85 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--rerender", action="store_true",
                     help="run nothing: re-summarize the cells' JSON already in --out, rewrite tables and plots")
+    ap.add_argument("--cpu-mode", choices=("virtual", "quota", "pace"), default="virtual")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every cell, interleaved (3 for stability)")
+    ap.add_argument("--estimators", default="med", help="virtual clock: burst estimators, each repeat under each")
+    ap.add_argument("--cells", default="", help="only these cells (names, comma-separated)")
     args = ap.parse_args(argv)
     cells = QUICK if args.quick else STANDARD
+    if args.cells:
+        cells = [c for c in STANDARD if c.cell_name in args.cells.split(",")]
+        if not cells:
+            raise SystemExit(f"no cell named {args.cells!r}; known: {', '.join(c.cell_name for c in STANDARD)}")
     if args.rerender:
         return rerender(cells, args.out, with_tta=True)
-    for spec in cells:
-        validate(spec)  # refuse the whole grid before spending time on any cell
+    from xronos.bench.command import cpu_mode
+
+    estimators = [e for e in args.estimators.split(",") if e] if args.cpu_mode == "virtual" else ["med"]
+    if args.repeats < 1 or not estimators:
+        raise SystemExit("--repeats must be >= 1 and --estimators name at least one")
+    for est in estimators:
+        with cpu_mode(args.cpu_mode, est):
+            for spec in cells:
+                validate(spec)  # refuse the whole grid before spending time on any cell
     t0 = time.time()
     docs: list[dict] = []
-    for spec in cells:
-        print(f"== {spec.cell_name}", flush=True)
-        doc = results.summarize(run_cell(spec))
-        results.write(doc, args.out)
-        print(results.markdown(doc), flush=True)
-        docs.append(doc)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for rep in range(args.repeats):
+        for spec in cells:
+            for est in estimators:
+                first = rep == 0 and est == estimators[0]
+                print(f"== {spec.cell_name} ({args.cpu_mode}, {est}, repeat {rep + 1}/{args.repeats})", flush=True)
+                with cpu_mode(args.cpu_mode, est):
+                    doc = results.summarize(run_cell(spec))
+                if not first:
+                    doc["spec"]["cell_name"] = f"{spec.cell_name}_{est}_r{rep}"
+                results.write(doc, args.out, plots=first)
+                print(results.markdown(doc), flush=True)
+                runs.setdefault((spec.cell_name, est), []).append(doc)
+                if first:
+                    docs.append(doc)
     tta = None
-    if not args.quick:
-        tta = run_tta(TTA["scenario"], TTA["strategies"], steps=TTA["steps"], bandwidth_mbit=TTA["bandwidth_mbit"])
+    if not args.quick and not args.cells:
+        with cpu_mode(args.cpu_mode, estimators[0]):
+            tta = run_tta(TTA["scenario"], TTA["strategies"], steps=TTA["steps"], bandwidth_mbit=TTA["bandwidth_mbit"])
         results.write(tta, args.out)
     write_summary(docs, tta, args.out, time.time() - t0)
+    if args.repeats > 1 or len(estimators) > 1:
+        md = repeats_markdown(runs, args)
+        results.atomic_write(args.out / "grid-repeats.md", md.encode())
+        print(md)
     return 0
+
+
+def repeats_markdown(runs: dict[tuple[str, str], list[dict]], args) -> str:
+    """Per cell and estimator: xronos/uniform of every repeat, its spread, the product's figures."""
+    import statistics
+
+    def mean(xs: list) -> str:
+        xs = [x for x in xs if x is not None]
+        return "–" if not xs else f"{statistics.mean(xs):.3f}"
+
+    lines = ["# Grid, repeated", "",
+             f"`python -m xronos.bench.grid --cpu-mode {args.cpu_mode} --repeats {args.repeats} --estimators "
+             f"{args.estimators}{' --quick' if args.quick else ''}{f' --cells {args.cells}' if args.cells else ''}`. "
+             f"Clock: **{'virtual' if args.cpu_mode == 'virtual' else 'wall'}**. Repeats interleaved (every cell, "
+             "then every cell again); spread = (max - min) / mean of xronos/uniform over the repeats; the other "
+             "figures are means over the repeats. Load: each run's at start.", "",
+             "| cell | estimator | xronos/uniform per repeat | mean | spread % | xronos/ideal (measured) | "
+             "worst idle xronos % | MAPE xronos % | xronos/pp | load |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (cell, est), docs in runs.items():
+        xu = [d["ratios"].get("xronos/uniform") for d in docs]
+        ok = [x for x in xu if x is not None]
+        spread = f"{100 * (max(ok) - min(ok)) / statistics.mean(ok):.1f}" if len(ok) > 1 else "–"
+        idle = [100 * d["summary"]["xronos"]["max_idle_ratio"] for d in docs if "xronos" in d["summary"]]
+        mape = [d["summary"]["xronos"].get("mape_pct") for d in docs if "xronos" in d["summary"]]
+        lines.append(f"| {cell} | {est} | " + ", ".join("–" if x is None else f"{x:.3f}" for x in xu)
+                     + f" | {mean(xu)} | {spread} | {mean([d['ratios'].get('xronos/ideal (measured fit)') for d in docs])} | "
+                     f"{'–' if not idle else f'{max(idle):.1f}'} | {mean(mape)} | "
+                     f"{mean([d['ratios'].get('xronos/pp') for d in docs])} | "
+                     + ", ".join(f"{d['environment']['loadavg_start'][0]:.1f}" for d in docs) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def rerender(cells: list[CellSpec], out: Path, with_tta: bool) -> int:

@@ -25,8 +25,10 @@ import structlog
 
 from xronos.bench import netem
 from xronos.bench import strategies as st
-from xronos.node.cgroupfs import find_controller, usable_cores
-from xronos.node.emulator import Confinement, RankLimits, default_cpu_mode, validate_limits
+from xronos.node.emulate.cgroupfs import find_controller, usable_cores
+from xronos.node.emulate.confinement import (
+    Confinement, RankLimits, default_cpu_mode, default_estimator, host_memory_bytes, validate_limits, validate_virtual,
+)
 from xronos.bench.scenarios import DEFAULT_MEM_SCALE, KEPT, PI5_SHARE, Scenario, get_scenario
 from xronos.bench.workloads import (
     PAPER_BLOCKS, get_shape, kept_fraction, kind_parameters, lora_parameters, parameter_count, shape_config,
@@ -131,16 +133,24 @@ def validate(spec: CellSpec) -> tuple[Scenario, dict]:
     check_bandwidth(spec.bandwidth_mbit)
     # Can this machine enforce the shares and caps? (EmulatorError is a ValueError.)
     caps = cell_caps(spec, sc)
-    lims = [RankLimits(s, c) for s, c in zip(sc.shares(spec.unit_share), caps)]
+    lims = [RankLimits(s, c, d.name) for s, c, d in zip(sc.shares(spec.unit_share), caps, sc.devices)]
+    virtual = default_cpu_mode() == "virtual"
+    if virtual:
+        # speeds, and the caps against this host's memory (they are real), before the cgroup check
+        validate_virtual(lims, host_memory_bytes())
+        if not spec.bandwidth_mbit:
+            raise ValueError("--bandwidth-mbit 0 (plain loopback) means nothing on the virtual clock, which "
+                             "models the link: give the link's rate (Mbit/s > 0)")
     cpu = find_controller("cpu")
     if cpu is None:
         Confinement(lims)  # raises the emulator's own "no writable controller" message
-    from xronos.node.cgroupfs import cpu_limit_of
+    from xronos.node.emulate.cgroupfs import cpu_limit_of
 
-    validate_limits(lims, usable_cores(), cpu_limit_of(cpu))
+    if not virtual:
+        validate_limits(lims, usable_cores(), cpu_limit_of(cpu))
     if any(c is not None for c in caps) and find_controller("memory") is None:
         raise ValueError("memory caps asked for (--mem-scale) but no writable cgroup memory controller")
-    if spec.bandwidth_mbit:
+    if spec.bandwidth_mbit and not virtual:
         netem.check_available()  # builds and removes a one-rank network: refuses naming what failed
     return sc, config
 
@@ -203,14 +213,18 @@ def environment(cpu_version: int | None) -> dict:
     return {"cpu_model": model, "cores": usable_cores(), "machine": platform.machine(),
             "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "cgroup_version": cpu_version,
-            "cpu_emulation": default_cpu_mode(), "loadavg_start": os.getloadavg(), "started_at": time.time()}
+            "cpu_emulation": default_cpu_mode(), "clock": "virtual" if default_cpu_mode() == "virtual" else "wall",
+            "estimator": default_estimator() if default_cpu_mode() == "virtual" else None,
+            "loadavg_start": os.getloadavg(), "started_at": time.time()}
 
 
 def run_cell(spec: CellSpec, scratch: str | None = None) -> dict:
     sc, config = validate(spec)
     cpu = find_controller("cpu")
     env = environment(cpu.version if cpu else None)
-    env["network"] = netem.describe(spec.bandwidth_mbit)
+    env["network"] = (f"modelled on the virtual clock: {spec.bandwidth_mbit:g} Mbit/s, "
+                      f"{st.NOMINAL_LATENCY_S * 1e3:g} ms a call" if env["clock"] == "virtual"
+                      else netem.describe(spec.bandwidth_mbit))
     scale, caps = mem_scale_of(spec), cell_caps(spec, sc)
     doc: dict = {"spec": asdict(spec) | {"cell_name": spec.cell_name}, "environment": env,
                  "scenario": {"name": sc.name, "note": sc.note, "devices": [asdict(d) for d in sc.devices],
@@ -306,6 +320,9 @@ def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc:
             else:
                 from xronos.bench.hftp_worker import supported
 
+                if st.virtual():
+                    raise _NotRun("wall clock only: transformers' tp_plan calls torch.distributed past the "
+                                  "virtual clock (run it with --cpu-mode quota or pace)")
                 reason = supported(config, sc.n)
                 if reason:
                     raise _NotRun(reason)

@@ -228,7 +228,7 @@ def _progress(text: str) -> None:
 def run_one(args, model: Path, data: Path, root: Path, *, join: bool) -> dict:
     """One deployment, one job; returns the collector's records and the job's final state."""
     from xronos.cli.localstack import LocalStack
-    from xronos.node.emulator import Confinement, RankLimits
+    from xronos.node.emulate.confinement import Confinement, RankLimits
     from xronos.protocol import hastate
     from xronos.protocol.broker import EmbeddedBroker
     from xronos.protocol.messages import JobSpec
@@ -336,7 +336,8 @@ def report(meta: dict, res: dict) -> str:
              f"three emulated boxes at {', '.join(f'{s:g}' for s in meta['shares'])} cores (cgroup quotas, "
              f"top weight), {NEWCOMER} switched on at step {meta['switch_at']}; gateway `join_restart_s` unset. "
              f"Load average {meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after "
-             f"(provisional: a shared machine). Machine: {meta['machine']}.\n",
+             f"(provisional: a shared machine). Machine: {meta['machine']}. Clock: "
+             f"{meta.get('clock', 'wall (CFS quotas)')}.\n",
              f"Command: `{meta['command']}`\n",
              f"Decision: {d['text'] or d.get('why')}\n"]
     if not j.get("joined"):
@@ -438,8 +439,17 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": args.batch_size, "seq_len": args.seq_len, "eval_fraction": args.eval_fraction,
             "command": "python -m xronos.bench.join " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or _cpu_model()}",
-            **load}
+            "clock": _clock_note(), **load}
     return _write(Path(args.out), meta, res, raw)
+
+
+def _clock_note() -> str:
+    """What the ranks' seconds are on (the emulator's mode, XRONOS_EMULATOR_CPU)."""
+    from xronos.node.emulate.confinement import default_cpu_mode
+
+    mode = default_cpu_mode()
+    return ("virtual (iteration times, profiles and the gateway's predictions; the restart and the runs' "
+            "durations are wall seconds)" if mode == "virtual" else f"wall ({mode})")
 
 
 def _write(out: Path, meta: dict, res: dict, raw: dict) -> int:
@@ -469,7 +479,7 @@ def _cpu_model() -> str:
 
 def _require_cgroups(shares: list[float]) -> None:
     """A bench of emulated boxes without the emulation measures nothing: refuse, saying why."""
-    from xronos.node.emulator import Confinement, EmulatorError, RankLimits
+    from xronos.node.emulate.confinement import Confinement, EmulatorError, RankLimits
 
     try:
         with Confinement([RankLimits(s) for s in shares], top_weight=True):

@@ -94,6 +94,8 @@ def rows(doc: dict) -> list[dict]:
 
 
 def markdown(docs: list[dict], seconds: float) -> str:
+    from xronos.bench.results import cpu_emulation
+
     env = docs[0]["environment"]
     loads = ", ".join(f"{d['spec']['cell_name']} {d['environment']['loadavg_start'][0]:.2f} → "
                       f"{d['environment']['loadavg_end'][0]:.2f}" for d in docs)
@@ -102,7 +104,8 @@ def markdown(docs: list[dict], seconds: float) -> str:
              f"(each cell's own scale), 1 Gbit/s links; random weights, fp32, batch {docs[0]['spec']['batch_size']}, "
              f"sequence length {docs[0]['spec']['seq_len']}, classification; {docs[0]['spec']['iters']} iterations, "
              f"first {docs[0]['spec']['warmup']} excluded. Machine: {env['cpu_model']}, {env['cores']} cores, "
-             f"load average {loads} (shared machine). {seconds / 60:.1f} min in all.", "",
+             f"load average {loads} (shared machine). {seconds / 60:.1f} min in all. Clock: "
+             f"{cpu_emulation(env)}.", "",
              "| model (blocks) | training | training state (necessary) | caps GiB per node | planned GiB per node "
              "| iteration s ± sd | peak RSS MiB per node |",
              "|---|---|---|---|---|---|---|"]

@@ -15,7 +15,7 @@ number.
 
 `--memcap M1,...,MN` (MiB) is the memory-cap cell: the planner (`segment`) plans for exactly
 those caps (no reserve: the cap it respects is the one the kernel enforces), and each rank
-trains inside its own cgroup with that memory cap (`xronos.node.emulator`, swap off) and a CPU
+trains inside its own cgroup with that memory cap (`xronos.node.emulate.confinement`, swap off) and a CPU
 share of 1.8/N cores; the table then adds per rank the cap, the group's peak charge as the
 kernel counted it and its OOM kills. Needs root and a cgroup memory controller.
 """
@@ -58,7 +58,7 @@ def run_capped(cmd: list[str], caps: list[int], phases_dir: Path) -> list[dict]:
     import argparse as _ap
 
     from xronos.cli import run as run_cli
-    from xronos.node.emulator import Confinement, RankLimits
+    from xronos.node.emulate.confinement import Confinement, RankLimits
     from xronos.node.launch import launch_local
     from xronos.node.memwatch import ENV
 

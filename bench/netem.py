@@ -37,7 +37,7 @@ from pathlib import Path
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from xronos.node.emulator import EmulatorError
+from xronos.node.emulate.confinement import EmulatorError
 
 log = structlog.get_logger(__name__)
 

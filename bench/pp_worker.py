@@ -8,9 +8,10 @@ rank's `TPGroup` (sends are asynchronous, receives block, which is what makes th
 deadlock-free). Gradients accumulate over the micro-batches, then every stage takes its own AdamW
 step.
 
-Per iteration and rank we record the wall time, the time blocked in receives (pipeline bubbles
-plus transfers: PP cannot separate the two), the time waiting for sends to drain, context
-switches and peak RSS; rank 0 gathers them (as tensors) and writes the metrics JSON.
+Per iteration and rank we record the time on the group's clock (virtual on the virtual clock, whose
+point-to-point model is eager: a send goes on at once, a receive waits for the bytes), the time
+blocked in receives (pipeline bubbles plus transfers: PP cannot separate the two), the time waiting
+for sends to drain, context switches, peak RSS and the wall time; rank 0 gathers them (as tensors) and writes the metrics JSON.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class PPRankConfig(RankConfig):
 
 
 FIELDS = ("iteration_s", "cpu_s", "recv_wait_s", "send_wait_s", "data_s", "loss",
-          "voluntary_ctx_switches", "involuntary_ctx_switches", "peak_rss")
+          "voluntary_ctx_switches", "involuntary_ctx_switches", "peak_rss", "wall_s")
 
 
 class Pipe:
@@ -64,9 +65,9 @@ class Pipe:
 
     def _recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
         buf = torch.empty(shape)
-        t0 = time.perf_counter()
+        t0 = self.group.now()
         self.group.recv(buf, src)
-        self.recv_wait += time.perf_counter() - t0
+        self.recv_wait += self.group.now() - t0
         return buf
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
@@ -113,9 +114,9 @@ class Pipe:
             backward(j)
         for j in range(self.M - warmup, self.M):
             backward(j)
-        t0 = time.perf_counter()
+        t0 = self.group.now()
         self.group.wait_all(self.pending)
-        self.send_wait += time.perf_counter() - t0
+        self.send_wait += self.group.now() - t0
         self.pending.clear()
         return loss_sum
 

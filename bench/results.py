@@ -304,14 +304,18 @@ def network(doc: dict) -> str:
 
 
 def cpu_emulation(env: dict) -> str:
-    """How the devices' CPU shares were made (`xronos.node.emulator`); results from before the
+    """How the devices' CPU shares were made (`xronos.node.emulate.confinement`); results from before the
     mode existed were all CFS quotas."""
-    from xronos.node.pacer import PACE_CORE_LOAD
+    from xronos.node.emulate.pacer import PACE_CORE_LOAD
 
     mode = env.get("cpu_emulation", "quota")
-    return ("CPU shares paced, one pinned core per rank, all scaled by one factor so no core carries "
+    if mode == "virtual":
+        return (f"**virtual clock** (each rank's compute bursts at its device's speed, estimator "
+                f"`{env.get('estimator') or 'med'}`; collectives resolved from virtual arrivals over the "
+                "modelled link; wall seconds kept beside)")
+    return ("**wall clock**, CPU shares paced, one pinned core per rank, all scaled by one factor so no core carries "
             f"over {PACE_CORE_LOAD:g} (each run's `dilation`)" if mode == "pace"
-            else "CPU shares as CFS quotas")
+            else "**wall clock**, CPU shares as CFS quotas")
 
 
 def memory_note(doc: dict) -> str:

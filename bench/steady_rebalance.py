@@ -34,6 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from xronos.bench.background_load import run_one
+from xronos.node.emulate.confinement import default_cpu_mode
 from xronos.bench.workloads import kind_parameters, shape_config, write_checkpoint, write_dataset
 from xronos.gateway.planner import plan
 from xronos.gateway.rebalance import NO_CAP, PolicyConfig, Rebalancer
@@ -115,7 +116,7 @@ def report(r: dict, meta: dict) -> str:
             f"{meta['calibrate']} static iterations at {meta['proportional_layout']}, then as many at the layout "
             f"that called for); load average "
             f"{meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after "
-            "(provisional when not 0).\n\n"
+            f"(provisional when not 0). Clock: **{meta.get('clock', 'wall (quota)')}** (`XRONOS_EMULATOR_CPU`).\n\n"
             "| re-plans | median iteration off s | on s | on / off | policy per boundary | whole boundary (gather too) "
             "| boundaries decided |\n|---|---|---|---|---|---|---|\n"
             f"| {len(r['replans'])} | {r['median_off_s']:.4f} | {r['median_on_s']:.4f} | {r['on_over_off']:.4f} "
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     result = compare(docs[False], docs[True])
     meta = {"model": "gpt2-medium", "blocks": args.blocks, "shares": shares, "steps": args.steps,
             "calibrate": args.calibrate, "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "proportional_layout": prop.to_text(), "start_layout": start.to_text(), **load}
+            "proportional_layout": prop.to_text(), "start_layout": start.to_text(),
+            "clock": "virtual" if default_cpu_mode() == "virtual" else f"wall ({default_cpu_mode()})", **load}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(

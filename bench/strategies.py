@@ -13,8 +13,11 @@ rank confined to its device's CPU share and memory cap:
   adapters and the head only);
 - `pp`: the Asteroid-style pipeline (stages from the DP over the devices' layer profiles);
 - `hf-tp`: transformers' own even TP, where the model's sizes divide the rank count.
-With `Ctx.bandwidth_mbit` set, every launch runs its ranks in the network emulator (one namespace
-per rank behind a link of that rate, `bench/netem.py`) and planning assumes that rate.
+On the virtual clock (the emulator's default mode) the link is modelled at `Ctx.bandwidth_mbit`
+(`xronos.node.emulate.link`); on the wall clock (quota, pace), with `Ctx.bandwidth_mbit` set, every
+launch runs its ranks in the network emulator (one namespace per rank behind a link of that rate,
+`bench/netem.py`). Planning assumes that rate either way. transformers' TP (`hf-tp`) calls
+torch.distributed itself, past our clock: it runs on the wall clock only.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from pathlib import Path
 
 import structlog
 
-from xronos.node.emulator import Confinement, RankLimits
+from xronos.node.emulate.confinement import Confinement, RankLimits, default_cpu_mode
+from xronos.node.emulate.link import Link
 from xronos.bench.scenarios import RUNTIME_RESERVE
 
 log = structlog.get_logger(__name__)
@@ -68,7 +72,17 @@ class Ctx:
 
 
 def limits(ctx: Ctx, order: list[int]) -> list[RankLimits]:
-    return [RankLimits(ctx.shares[d], ctx.caps[d]) for d in order]
+    return [RankLimits(ctx.shares[d], ctx.caps[d], ctx.device_names[d]) for d in order]
+
+
+def virtual() -> bool:
+    """Do the cell's ranks run on the virtual clock (`XRONOS_EMULATOR_CPU`, virtual by default)?"""
+    return default_cpu_mode() == "virtual"
+
+
+def confine(ctx: Ctx, lims: list[RankLimits]) -> Confinement:
+    """The ranks' groups in the emulator's mode; on the virtual clock, with the cell's link."""
+    return Confinement(lims, top_weight=True, link=Link(planning_bw_bps(ctx), NOMINAL_LATENCY_S))
 
 
 def planning_bw_bps(ctx: Ctx) -> float:
@@ -78,8 +92,9 @@ def planning_bw_bps(ctx: Ctx) -> float:
 
 @contextlib.contextmanager
 def network(ctx: Ctx, n: int) -> Iterator[object | None]:
-    """The ranks' placement for one launch: an emulated LAN of n links, or None (loopback)."""
-    if not ctx.bandwidth_mbit:
+    """The ranks' placement for one launch: an emulated LAN of n links, or None (loopback; on the
+    virtual clock, whose link is modelled)."""
+    if not ctx.bandwidth_mbit or virtual():
         yield None
         return
     from xronos.bench.netem import Network
@@ -88,9 +103,14 @@ def network(ctx: Ctx, n: int) -> Iterator[object | None]:
         yield net
 
 
-def network_record(net) -> dict:
+def network_record(net, ctx: Ctx | None = None) -> dict:
     from xronos.bench.netem import LOOPBACK
 
+    if net is None and ctx is not None and virtual():
+        bw = planning_bw_bps(ctx)
+        return {"kind": "modelled", "rate_mbit": bw * 8 / 1e6, "latency_s": NOMINAL_LATENCY_S,
+                "description": f"modelled on the virtual clock: {bw * 8 / 1e6:g} Mbit/s, "
+                               f"{NOMINAL_LATENCY_S * 1e3:g} ms a call (alpha-beta per collective)"}
     return net.describe() if net is not None else {"kind": "loopback", "description": LOOPBACK}
 
 
@@ -100,12 +120,17 @@ def planning_caps(ctx: Ctx) -> list[float]:
 
 
 # -- profiling ------------------------------------------------------------------------------------
-def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int = 3,
+def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int | None = None,
                     want_lora: bool = False) -> dict[str, dict]:
     """Profile each distinct device once, inside its own cgroup, all devices at the same time (their
     shares fit the machine together): {device name: {"tp": ProfileReport JSON, "pp": layer profile,
-    "tp-lora": the ProfileReport of the LoRA job (`want_lora`)}}."""
+    "tp-lora": the ProfileReport of the LoRA job (`want_lora`)}}. `iters`: 3 on the wall clock; 8 on
+    the virtual clock, whose estimator needs samples (a median of 2-3 under load 17 put a Set-A
+    MiniPC at 2.0 Pi 5s, the run at 1.4), and which profiles at host speed (~40 s a device)."""
     from xronos.bench.profile_device import ProfileJob
+
+    if iters is None:
+        iters = 8 if virtual() else 3
 
     first = {name: d for d, name in reversed(list(enumerate(ctx.device_names)))}
     jobs = {}
@@ -121,7 +146,7 @@ def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int = 3,
     log.info("bench.profile", devices=list(first))
     # CPU share only: the memory caps emulate the training budget; the profiler's own transient
     # footprint (several widths, memory instrumentation) is not scaled down like the caps are.
-    with Confinement([RankLimits(ctx.shares[d]) for d in first.values()], top_weight=True) as conf:
+    with confine(ctx, [RankLimits(ctx.shares[d], None, name) for name, d in first.items()]) as conf:
         procs = {}
         for r, (name, d) in enumerate(first.items()):
             procs[name] = subprocess.Popen(
@@ -216,9 +241,9 @@ def run_tp(ctx: Ctx, layout, tag: str) -> dict:
                             lora_targets=list(ctx.lora_targets) if ctx.lora_targets else None)
                        if tag in LORA_STRATEGIES else {}))
     n = layout.world_size
-    with Confinement(limits(ctx, list(range(n))), top_weight=True) as conf, network(ctx, n) as net:
+    with confine(ctx, limits(ctx, list(range(n)))) as conf, network(ctx, n) as net:
         launch_local(cfg, n, wrap=conf.wrap, echo_rank0=False, placement=net)
-        quotas, link = conf.quotas(), network_record(net)
+        quotas, link = conf.quotas(), network_record(net, ctx)
         # What the kernel enforced and counted per rank (cap, peak charge, OOM kills), beside the
         # rank's own whole-life peak resident set: the memory half of the prediction check.
         kernel = [conf.memory_stats(r) if ctx.caps[r] is not None else None for r in range(n)]
@@ -268,9 +293,9 @@ def run_pp(ctx: Ctx, plan) -> dict:
                        micro_batches=ctx.micro_batches, spans=[(s.start, s.stop) for s in plan.stages],
                        metrics_path=str(metrics), gloo_timeout_s=600, eval_fraction=ctx.eval_fraction,
                        dropout=ctx.dropout)
-    with Confinement(limits(ctx, order), top_weight=True) as conf, network(ctx, len(order)) as net:
+    with confine(ctx, limits(ctx, order)) as conf, network(ctx, len(order)) as net:
         spawn_ranks("xronos.bench.pp_worker", [cfg] * len(order), conf.wrap, placement=net)
-        quotas, link = conf.quotas(), network_record(net)
+        quotas, link = conf.quotas(), network_record(net, ctx)
     doc = json.loads(metrics.read_text())
     return {"ranks": [{"device": d, "span": r["span"], "iterations": r["iterations"]}
                       for d, r in zip(order, doc["ranks"])], "quotas": quotas, "network": link,
@@ -287,9 +312,12 @@ def run_hftp(ctx: Ctx) -> dict:
     cfg = HFTPRankConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), batch_size=ctx.batch_size,
                          seq_len=ctx.seq_len, lr=ctx.lr, max_steps=ctx.iters, seed=ctx.seed, world_size=n,
                          metrics_path=str(metrics))
-    with Confinement(limits(ctx, list(range(n))), top_weight=True) as conf, network(ctx, n) as net:
+    if virtual():
+        raise ValueError("hf-tp runs on the wall clock only (transformers' tp_plan calls torch.distributed "
+                         "past our clock): run it with --cpu-mode quota or pace")
+    with confine(ctx, limits(ctx, list(range(n)))) as conf, network(ctx, n) as net:
         spawn_ranks("xronos.bench.hftp_worker", [cfg] * n, conf.wrap, placement=net)
-        quotas, link = conf.quotas(), network_record(net)
+        quotas, link = conf.quotas(), network_record(net, ctx)
     doc = json.loads(metrics.read_text())
     return {"ranks": [{"device": d, "iterations": r["iterations"]} for d, r in enumerate(doc["ranks"])],
             "quotas": quotas, "network": link}

@@ -159,8 +159,8 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
 
     from xronos.bench import netem
     from xronos.bench import strategies as st
-    from xronos.node.cgroupfs import cpu_limit_of, find_controller, usable_cores
-    from xronos.node.emulator import RankLimits, validate_limits
+    from xronos.node.emulate.cgroupfs import cpu_limit_of, find_controller, usable_cores
+    from xronos.node.emulate.confinement import RankLimits, host_memory_bytes, validate_limits, validate_virtual
     from xronos.bench.harness import CellSpec, check_bandwidth, environment, network_suffix, run_strategies
     from xronos.bench.results import summarize
     from xronos.bench.scenarios import KEPT, PI5_SHARE, get_scenario
@@ -181,9 +181,17 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
     cpu = find_controller("cpu")
     if cpu is None:
         raise ValueError("no writable cgroup cpu controller: the emulator cannot confine ranks here")
-    validate_limits([RankLimits(s, c) for s, c in zip(shares, caps)], usable_cores(), cpu_limit_of(cpu))
+    lims = [RankLimits(s, c, d.name) for s, c, d in zip(shares, caps, sc.devices)]
+    virtual = st.virtual()
+    if virtual:  # any speed; the caps against the host's memory; the link is modelled
+        validate_virtual(lims, host_memory_bytes())
+        if not bandwidth_mbit:
+            raise ValueError("--bandwidth-mbit 0 (plain loopback) means nothing on the virtual clock, which "
+                             "models the link: give the link's rate (Mbit/s > 0)")
+    else:
+        validate_limits(lims, usable_cores(), cpu_limit_of(cpu))
     check_bandwidth(bandwidth_mbit)
-    if bandwidth_mbit:
+    if bandwidth_mbit and not virtual:
         netem.check_available()
     model_dir = minilm_dir()
     config = json.loads((model_dir / "config.json").read_text())
@@ -192,7 +200,9 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
                     name=f"tta_{scenario}{network_suffix(bandwidth_mbit)}")
     started = time.time()
     doc: dict = {"spec": asdict(spec) | {"cell_name": spec.cell_name},
-                 "environment": environment(cpu.version) | {"network": netem.describe(bandwidth_mbit)},
+                 "environment": environment(cpu.version) | {"network": (
+                     f"modelled on the virtual clock: {bandwidth_mbit:g} Mbit/s" if virtual
+                     else netem.describe(bandwidth_mbit))},
                  "scenario": {"name": sc.name, "note": sc.note, "devices": [asdict(d) for d in sc.devices],
                               "shares": shares, "memory_caps": caps, "mem_scale": mem_scale,
                               "mem_scale_basis": "the whole model, so the devices' RAM" if mem_scale == 1.0

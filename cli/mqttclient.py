@@ -249,7 +249,8 @@ def format_state(s: dict[str, Any]) -> str:
         lines.append(f"  {s['eval_metric_name']}: {s['eval_metric']:.4f}")
     if s.get("iteration_s") is not None:
         eta = f", ETA {s['eta_s']:.0f} s" if s.get("eta_s") is not None else ""
-        lines.append(f"  iteration {s['iteration_s']:.3f} s{eta}")
+        clock = f" ({s['clock']} clock)" if s.get("clock") else ""
+        lines.append(f"  iteration {s['iteration_s']:.3f} s{eta}{clock}")
     nodes = sorted(set(s.get("predicted_s", {})) | set(s.get("measured_s", {})))
     if nodes:
         pc, mc = s.get("predicted_comm_s", {}), s.get("measured_comm_s", {})

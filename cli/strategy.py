@@ -179,7 +179,7 @@ def confinement(shares: str | None, n: int) -> Iterator[Wrap | None]:
     if shares is None:
         yield None
         return
-    from xronos.node.emulator import Confinement, RankLimits
+    from xronos.node.emulate.confinement import Confinement, RankLimits
 
     # Top CPU weight: a quota is only a ceiling, and on a busy machine a rank at the default
     # weight gets its neighbours' leftovers instead, so every emulated device would be equally slow.

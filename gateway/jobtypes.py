@@ -93,6 +93,7 @@ class Job:
     agg: dict[str, Agg] = field(default_factory=dict)
     peak_rss: dict[str, int] = field(default_factory=dict)  # per node, the current plan version's highest
     last_iteration_s: float | None = None
+    clock: Literal["wall", "virtual"] | None = None  # what the ranks' seconds are on (IterationMetrics)
     export_dir: str | None = None
     events: tuple[str, ...] = ()
     error: str | None = None

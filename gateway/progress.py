@@ -32,6 +32,8 @@ def apply_metrics(job: Job, x: m.IterationMetrics, now: float, stall_s: float) -
         n, compute, idle, iteration, comm = job.agg.get(x.node_id, Agg(0, 0.0, 0.0, 0.0, 0.0))
         changes["agg"] = {**job.agg, x.node_id: Agg(n + 1, compute + x.compute_s, idle + x.idle_s,
                                                     iteration + x.iteration_s, comm + x.comm_s)}
+    if x.clock is not None and x.clock != job.clock:
+        changes["clock"] = x.clock
     if x.rank == 0:
         step = min(x.step, job.total_steps) if job.total_steps else x.step
         changes.update(step=step, epoch=x.epoch, loss=x.loss, last_iteration_s=x.iteration_s)
@@ -72,7 +74,7 @@ def state_view(job: Job) -> m.JobState:
         job_id=job.job_id, name=job.spec.name, phase=job.phase, step=job.step,
         total_steps=job.total_steps or None, epoch=job.epoch, loss=job.loss,
         eval_metric=job.eval_metric, eval_metric_name=job.eval_metric_name, eval_initial=job.eval_initial,
-        export_dir=job.export_dir, iteration_s=iteration_s,
+        export_dir=job.export_dir, iteration_s=iteration_s, clock=job.clock,
         idle_ratio={n: min(max(a.idle_s / a.iteration_s, 0.0), 1.0) for n, a in job.agg.items()
                     if a.iteration_s > 0},
         predicted_s=predicted,

@@ -204,8 +204,9 @@ def probe(node_id: str, data_host: str, participate: bool = True) -> Capabilitie
 def fingerprint(caps: Capabilities, threads: int | None) -> str:
     """Hardware identity for the profile cache: what makes a profile reusable on this box.
     The live CPU quota is part of it: the same host under a 0.45-core cgroup is another node; so
-    is the emulator's paced share (`xronos.node.pacer`)."""
-    from xronos.node.pacer import share_of_process
+    is the emulator's paced share (`xronos.node.emulate.pacer`) or virtual box (`vclock`)."""
+    from xronos.node.emulate.pacer import share_file, share_of_process
+    from xronos.node.emulate.vclock import VCLOCK_ROOT, read_box
 
     quota, paced = cgroup_cpu_limit(), share_of_process()
     parts = [caps.hostname, caps.arch, caps.cpu_model, f"cores={caps.cores}",
@@ -213,6 +214,9 @@ def fingerprint(caps: Capabilities, threads: int | None) -> str:
              f"torch={caps.torch_version}"]
     if paced is not None:  # only then: the fingerprints of every profile cached before stay the same
         parts.append(f"paced={paced:.3f}")
+    box = read_box(share_file(root=VCLOCK_ROOT))  # an emulated box on the virtual clock
+    if box is not None:
+        parts.append(f"virtual={box.host_cores:.3f},{box.estimator}")
     # Pinned to some of the machine's CPUs (XRONOS_EMULATOR_PIN, taskset): a quota group alone on a
     # core runs otherwise than one the scheduler moves among others (bench/results/demo-idle.md §5).
     pinned = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

@@ -51,21 +51,29 @@ def _groups() -> list[dist.ProcessGroup]:
     return pgs  # type: ignore[return-value]
 
 
-def _time(pgs: list[dist.ProcessGroup], elements: int, repeats: int, warmup: int) -> float:
+def _time(pgs: list[dist.ProcessGroup], elements: int, repeats: int, warmup: int,
+          cpu_scale: float | None = None, cpu_stat: str = "min") -> float:
     """Mean seconds of one all-reduce of `elements` fp32, the slower of the two ranks. The mean,
     not the median: under a CFS quota a call either fits in the period's quota or waits for the
     next one, and the median of that two-valued distribution flips between them (4 B: 0.1 vs 8.7
-    ms at share 0.3); a training rank pays the mean."""
+    ms at share 0.3); a training rank pays the mean. With `cpu_scale` (an emulated box on the
+    virtual clock: 1 / its speed in host cores) the process CPU time of one rank's call instead
+    (both ranks' calls run at once in this process: half the process's CPU over rank 0's call), its
+    `cpu_stat` over the repeats (the clock's estimator: `xronos.node.emulate.estimator`), at the
+    box's speed: what the virtual clock charges a call."""
     times: list[list[float]] = [[], []]
+    cpus: list[float] = []
     errors: list[BaseException] = []
 
     def run(rank: int) -> None:
         x = torch.ones(elements)
         try:
             for _ in range(warmup + repeats):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 pgs[rank].allreduce([x]).wait()
                 times[rank].append(time.perf_counter() - t0)
+                if rank == 0:
+                    cpus.append((time.process_time() - c0) / 2)
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
 
@@ -76,19 +84,24 @@ def _time(pgs: list[dist.ProcessGroup], elements: int, repeats: int, warmup: int
         t.join()
     if errors:
         raise RuntimeError(f"the collective probe failed: {errors[0]}")
+    if cpu_scale is not None:
+        from xronos.node.emulate.estimator import statistic
+
+        return statistic(cpus[warmup:], cpu_stat) * cpu_scale
     return max(statistics.fmean(ts[warmup:]) for ts in times)
 
 
 def probe_collectives(batch_size: int, seq_len: int, hidden_size: int, *, repeats: int = 30,
-                      warmup: int = 3) -> CollectiveProfile:
-    """All-reduce cost on this node's CPU at the job's activation size and at 4 bytes."""
+                      warmup: int = 3, cpu_scale: float | None = None, cpu_stat: str = "min") -> CollectiveProfile:
+    """All-reduce cost on this node's CPU at the job's activation size and at 4 bytes (`cpu_scale`:
+    see `_time`)."""
     elements = batch_size * seq_len * hidden_size
     if elements <= SMALL_ELEMENTS:
         raise ValueError(f"activation of {elements} elements is too small to probe")
     pgs = _groups()
     try:
-        small = _time(pgs, SMALL_ELEMENTS, repeats, warmup)
-        big = _time(pgs, elements, repeats, warmup)
+        small = _time(pgs, SMALL_ELEMENTS, repeats, warmup, cpu_scale, cpu_stat)
+        big = _time(pgs, elements, repeats, warmup, cpu_scale, cpu_stat)
     finally:
         for pg in pgs:
             shutdown = getattr(pg, "shutdown", None)

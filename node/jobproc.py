@@ -149,7 +149,8 @@ class JobEvents(Sink):
                          compute_vocab_s=rec.compute_vocab_s, compute_rest_s=rec.compute_rest_s,
                          comm_s=rec.comm_s, idle_s=rec.idle_s, iteration_s=rec.iteration_s,
                          voluntary_ctx_switches=rec.voluntary_ctx_switches,
-                         involuntary_ctx_switches=rec.involuntary_ctx_switches, peak_rss=rec.peak_rss)
+                         involuntary_ctx_switches=rec.involuntary_ctx_switches, peak_rss=rec.peak_rss,
+                         clock=rank.group.clock.name, wall_s=rec.wall_s)
 
     def resharded(self, rank: Rank, step: int, word: Reshard) -> None:
         if rank.owner:

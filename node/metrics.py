@@ -109,6 +109,9 @@ class IterationRecord:
     # seconds this rank spent re-sharding at the boundary just before this iteration (not in
     # iteration_s; 0 when the layout stayed)
     reshard_s: float = 0.0
+    # The seconds above are on the rank's clock (`TPGroup.now`: virtual on an emulated box in virtual
+    # mode, else wall); this is the iteration's wall time beside them, whatever the clock.
+    wall_s: float = 0.0
 
     def as_row(self) -> list[float]:
         return [float(v) for v in asdict(self).values()]

@@ -159,10 +159,10 @@ def collective_pause_s() -> float:
 
     from xronos.node.capabilities import cgroup_cpu_period_s
 
-    from xronos.node import pacer
+    from xronos.node.emulate import process_clock
 
-    if pacer.current() is not None:
-        return 0.0  # a paced rank banks nothing while it waits: there is nothing to mimic
+    if process_clock() is not None:
+        return 0.0  # a paced or virtual rank banks nothing while it waits: there is nothing to mimic
     forced = os.environ.get("XRONOS_PROFILE_PAUSE_S")  # for measuring the pause's effect (0: none)
     if forced is not None:
         value = float(forced)
@@ -171,6 +171,16 @@ def collective_pause_s() -> float:
         return value
     period = cgroup_cpu_period_s()
     return DEFAULT_PAUSE_S if period is None else period
+
+
+def _virtual_cpu_scale() -> tuple[float | None, str]:
+    """1 / the box's speed on the virtual clock and the statistic the clock takes of a call's CPU
+    (the window minimum, `VirtualClock.call_est`), else (None, "min")."""
+    from xronos.node.emulate import process_clock
+
+    clock = process_clock()
+    box = getattr(clock, "box", None)
+    return (None, "min") if box is None else (1.0 / box.host_cores, "min")  # as VirtualClock.call_est
 
 
 def without_hook_overhead(med: dict[str, float], hooked: list[tuple[float, float]],
@@ -338,7 +348,8 @@ def profile(
             del ps
         if progress is not None:
             progress("all-reduce probe")
-        collectives = probe_collectives(batch_size, seq_len, arch.hidden_size)
+        scale, stat = _virtual_cpu_scale()
+        collectives = probe_collectives(batch_size, seq_len, arch.hidden_size, cpu_scale=scale, cpu_stat=stat)
         runtime = runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
         owner = owner_rss()
         # The heap's holes of one block at full width and at the smallest profiled one, and their

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from xronos.node import pacer
+from xronos.node.emulate import pacer, process_clock
 from xronos.node.gradnorm import squared_norm
 from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.loading import init_random
@@ -161,7 +161,13 @@ class ProfilingSet:
         family = family_for(config)
         layout.check(family.sizes(config), world_size=2, quanta=None)
         self.layout = layout
-        self.group = TPGroup.alone(2, pause_s=pause_s)
+        # An emulated box's clock (`process_clock`): on the virtual clock a layer's time is its CPU
+        # time over the box's speed, estimated per recurring burst as in training: the same ruler.
+        self._clock = process_clock()
+        self.virtual = self._clock is not None and self._clock.name == "virtual"
+        self.group = TPGroup.alone(2, pause_s=pause_s, clock=self._clock if self.virtual else None)
+        self.group.clock.forget()  # the process's clock may have estimated another width's bursts
+        self._plain = False
         self.model = family.build(config, task, ShardLayout.of(layout, 0), self.group)
         if lora is not None:
             add_lora(self.model, lora)
@@ -201,8 +207,11 @@ class ProfilingSet:
 
     def clock(self) -> float:
         """perf_counter without the pauses at skipped collectives. Under the emulator's paced CPU
-        every reading first waits out the compute before it (`xronos.node.pacer`): each layer the
-        hooks split off then takes what it takes on a core of the rank's share, as in training."""
+        every reading first waits out the compute before it (`xronos.node.emulate.pacer`): each layer the
+        hooks split off then takes what it takes on a core of the rank's share, as in training.
+        On the virtual clock: its time (every reading ends a burst; `iteration` settles it)."""
+        if self.virtual:
+            return self.group.now()
         p = pacer.current()
         if p is not None:
             p.pace()
@@ -299,6 +308,7 @@ class ProfilingSet:
         for key, n in self.numel.items():
             secs[key] = secs.get(key, 0.0) + step_s * n / total
         self.last = (self.clock() - w0, time.process_time() - c0)
+        self.group.settle()  # virtual: the next iteration's bursts recur with the same keys
         return secs
 
     def param_bytes(self, key: str) -> int:
@@ -313,6 +323,9 @@ class ProfilingSet:
     def plain_iteration(self) -> tuple[float, float]:
         """The same iteration with the timeline's hooks removed: (wall, CPU) seconds."""
         self.timeline.remove()
+        if not self._plain:  # its bursts are not the hooked iteration's (the same keys on the clock)
+            self.group.clock.forget()
+            self._plain = True
         w0, c0 = self.clock(), time.process_time()
         loss = self.model(self.ids, self.mask, self.labels)
         loss.backward()
@@ -321,7 +334,9 @@ class ProfilingSet:
         self.group.pause()
         self.opt_all.step()
         self.opt_all.zero_grad(set_to_none=True)
-        return self.clock() - w0, time.process_time() - c0
+        out = self.clock() - w0, time.process_time() - c0
+        self.group.settle()
+        return out
 
     def memory(self) -> dict[str, tuple[int, int, int]]:
         """(M_w, M_a, M_t) per layer key, measured on one iteration."""

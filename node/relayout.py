@@ -79,8 +79,8 @@ class SpecCache:
 def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     """Collective: `engine` (a TPEngine: model, opt, layout, specs, replicated) goes on under
     `word.layout`. A layout of another world or model is refused on every rank alike."""
-    t0 = time.perf_counter()
     group, cfg = rank.group, rank.cfg
+    t0 = group.now()  # the group's clock: an emulated box's virtual time, else wall
     old = engine.layout.layout()
     new = word.layout
     if new.world_size != group.world_size:
@@ -105,10 +105,10 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     engine.layout = shard
     engine.specs = engine.model.tensor_specs()
     engine.replicated = {name for name, s in engine.specs.items() if s.dim is None}
-    group.barrier(timed=False)  # everyone leaves the boundary together: the move's cost is its wall time
+    group.barrier(timed=False)  # everyone leaves the boundary together: the move's cost is its time
     group.drain_timings()
     group.drain_spans()
-    return Move(step, word.reason, old.to_text(), new.to_text(), time.perf_counter() - t0, sent)
+    return Move(step, word.reason, old.to_text(), new.to_text(), group.now() - t0, sent)
 
 
 MARK_ENV, HOLD_ENV = "XRONOS_RESHARD_MARK", "XRONOS_RESHARD_HOLD"

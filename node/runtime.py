@@ -54,6 +54,7 @@ from xronos.node.labels import LabelSpace
 from xronos.node.models.loading import SafetensorsSource, ShardSource, materialize
 from xronos.node.runconfig import RankConfig
 from xronos.node.streaming import load_shard, share_json
+from xronos.node.emulate import process_clock
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.groupkey import prove
 from xronos.node.validate import read_config
@@ -353,7 +354,8 @@ def run(cfg: RankConfig, engine: Engine, *, weights: WeightSource, control: Cont
     control = control or NoControl()
     sink = sink or Sink()
     torch.set_num_threads(cfg.threads)
-    group = TPGroup.join(cfg.rank, cfg.world_size, cfg.rendezvous_host, cfg.rendezvous_port, cfg.gloo_timeout_s)
+    group = TPGroup.join(cfg.rank, cfg.world_size, cfg.rendezvous_host, cfg.rendezvous_port, cfg.gloo_timeout_s,
+                         clock=process_clock())  # an emulated box's clock (node/emulate), else wall time
     if cfg.group_key is not None:
         prove(group, cfg.group_key)  # before anything of the job's goes out
     memwatch.phase("join")

@@ -112,7 +112,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
     """One training iteration on this rank and its measurements (the engine's step)."""
     group.drain_timings()  # whatever ran since the last step (evaluation, checkpoint) is not this step's
     group.drain_spans()
-    t0 = time.perf_counter()
+    t0, w0 = group.now(), time.perf_counter()  # the group's clock (virtual on an emulated box); wall beside
     epoch, batch = next(batches)
     loss = model(batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids)
     memwatch.phase("forward")
@@ -135,7 +135,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
     opt.zero_grad(set_to_none=True)
     loss_v = float(loss.detach())
     group.settle()
-    t1 = time.perf_counter()
+    t1, wall_s = group.now(), time.perf_counter() - w0
     iteration_s = t1 - t0
     group.drain_timings()
     spans = group.drain_spans()
@@ -148,7 +148,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
         step=step, epoch=epoch, loss=loss_v, lr=lr, iteration_s=iteration_s,
         compute_s=sum(per_kind.values()), comm_s=comm_s, idle_s=idle_s, data_s=data_s,
         voluntary_ctx_switches=vol, involuntary_ctx_switches=invol, peak_rss=memwatch.watch().peak(),
-        **{f"compute_{k}_s": v for k, v in per_kind.items()},
+        **{f"compute_{k}_s": v for k, v in per_kind.items()}, wall_s=wall_s,
     )
 
 
@@ -264,6 +264,7 @@ class TPEngine(Engine):
             print(f"re-sharded before step {m.step} ({m.reason}): {m.old} -> {m.new}, {m.moved_bytes} bytes, "
                   f"{m.seconds:.3f} s", flush=True)
         return {
+            "clock": rank.group.clock.describe(),  # what the seconds below are: virtual or wall
             "config": cfg.model_dump(exclude={"rank", "rendezvous_host", "rendezvous_port", "group_key"}),
             "eval_before": asdict(result.eval_before) if result.eval_before else None,
             "eval_after": asdict(result.eval_after) if result.eval_after else None,

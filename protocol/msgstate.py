@@ -36,6 +36,10 @@ class IterationMetrics(Message):
     compute_mlp_s: Seconds | None = None
     compute_vocab_s: Seconds | None = None
     compute_rest_s: Seconds | None = None
+    # The clock the seconds above are on: "virtual" (an emulated box, node/emulate) or "wall"; the
+    # iteration's wall seconds beside them. None: a node from before the clock was reported.
+    clock: Literal["wall", "virtual"] | None = None
+    wall_s: Seconds | None = None
 
 
 NodeFloats = Annotated[dict[Id, Seconds], Field(max_length=MAX_NODES)]  # per node: seconds or a ratio
@@ -55,6 +59,7 @@ class JobState(Message):
     eval_initial: Metric | None = None  # the eval metric before training (eval_metric: after)
     export_dir: PathText | None = None  # where the owner wrote the export (once completed)
     iteration_s: Seconds | None = None
+    clock: Literal["wall", "virtual"] | None = None  # what the seconds are on (the ranks' IterationMetrics)
     idle_ratio: NodeFloats = Field(default_factory=dict)
     predicted_s: NodeFloats = Field(default_factory=dict)  # compute seconds per iteration, per node
     measured_s: NodeFloats = Field(default_factory=dict)

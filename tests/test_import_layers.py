@@ -119,3 +119,22 @@ def test_no_import_cycle_inside_a_plane(plane: str) -> None:
 
 def test_the_cycle_finder_finds_cycles() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_tp_engine_does_not_know_the_emulator() -> None:
+    """node/tp meets an emulated box only through the clock it is given (`xronos.node.tp.clock`):
+    no module of node/tp imports node/emulate, directly or through another module of ours."""
+    graph = _graph()
+    assert "xronos.node.emulate.pacer" in graph and "xronos.node.tp.group" in graph
+    reach: dict[str, set[str]] = {}
+
+    def reachable(m: str) -> set[str]:
+        if m not in reach:
+            reach[m] = set()
+            for b in graph[m]:
+                reach[m] |= {b} | reachable(b)
+        return reach[m]
+
+    bad = sorted(f"{m} reaches {b}" for m in graph if m.startswith("xronos.node.tp")
+                 for b in reachable(m) if b.startswith("xronos.node.emulate"))
+    assert bad == [], "\n".join(bad)

@@ -1,8 +1,10 @@
 """The one door to the network for the TP engine: every collective goes through a TPGroup.
 
-Gloo collectives on CPU block until every rank has joined, so the wall time of a call is this
-rank's compute imbalance (waiting for the slowest rank) plus the transfer itself. The trainer drains
+Gloo collectives on CPU block until every rank has joined, so the time of a call is this rank's
+compute imbalance (waiting for the slowest rank) plus the transfer itself. The trainer drains
 `timings` every iteration and compares them across ranks to split idle time from communication.
+Times are read from the group's clock (`xronos.node.tp.clock`): wall time on a real box, the
+emulator's virtual or paced clock on an emulated one, given when the rank process starts.
 
 Each timed collective is also a `Span` (name, tag, start, seconds) on a timeline: the engine's
 layers say which segment kind they belong to (`with group.segment("mlp"): ...`), so the time
@@ -20,7 +22,7 @@ world of n run by itself (the profiler, build-only tests): every collective is s
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import NamedTuple
@@ -28,9 +30,28 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from xronos.node import pacer
+from xronos.node.tp.clock import WALL, Clock, Meet, Runner
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_SLOT_DTYPES = (torch.float32, torch.float64)  # tensors whose all-reduce can carry a clock's slots
+
+
+def _cpu(call: Callable[[], object]) -> float:
+    """Process CPU seconds of `call` (every thread: Gloo's own do the copying and summing)."""
+    c0 = time.process_time()
+    call()
+    return time.process_time() - c0
+
+
+class _Works:
+    """What `isend` returns: its sends (the payload, and a clock's slots where it has any)."""
+
+    def __init__(self) -> None:
+        self.items: list[dist.Work] = []
+
+    def wait(self) -> None:
+        for w in self.items:
+            w.wait()
 
 
 class Span(NamedTuple):
@@ -38,7 +59,7 @@ class Span(NamedTuple):
 
     name: str  # all_reduce_sum|all_reduce_max|broadcast|send|recv|barrier|all_gather|mark
     tag: str | None  # the segment kind ("attn", "mlp", "vocab"), "data", "rest", or None
-    start: float  # time.perf_counter() when it began
+    start: float  # on the group's clock (`xronos.node.tp.clock`; wall: time.perf_counter()) when it began
     seconds: float
 
 
@@ -46,7 +67,8 @@ class TPGroup:
     """A torch.distributed ProcessGroup (or None for a world of one) plus per-collective timings."""
 
     def __init__(self, pg: dist.ProcessGroup | None, rank: int, world_size: int, *,
-                 trace: bool | None = None, alone: bool = False, pause_s: float = 0.0) -> None:
+                 trace: bool | None = None, alone: bool = False, pause_s: float = 0.0,
+                 clock: Clock | None = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"invalid rank {rank} for world size {world_size}")
         if pg is None and world_size != 1 and not alone:
@@ -55,6 +77,9 @@ class TPGroup:
         self.rank = rank
         self.world_size = world_size
         self.alone = alone  # the peers' collectives are skipped: this rank runs by itself
+        # What the group's times are read from and its collectives are told to: wall time, or an
+        # emulated box's clock given to the rank when its process starts (`xronos.node.tp.clock`).
+        self.clock = WALL if clock is None else clock
         # Alone: sleep this long at every skipped timed collective, as a training rank waits in it
         # (under a CFS quota the next segment then starts with a full quota: the profiler must see
         # that too); `paused_s` sums the sleeps so that the profiler's clock can leave them out.
@@ -70,16 +95,16 @@ class TPGroup:
         self._joined = False  # this group set up the default process group (join) and ends it (leave)
 
     @classmethod
-    def single(cls, *, trace: bool = False) -> TPGroup:
+    def single(cls, *, trace: bool = False, clock: Clock | None = None) -> TPGroup:
         """World of one: every collective is the identity; nothing is recorded unless `trace`."""
-        return cls(None, 0, 1, trace=trace)
+        return cls(None, 0, 1, trace=trace, clock=clock)
 
     @classmethod
-    def alone(cls, world_size: int, rank: int = 0, pause_s: float = 0.0) -> TPGroup:
+    def alone(cls, world_size: int, rank: int = 0, pause_s: float = 0.0, clock: Clock | None = None) -> TPGroup:
         """Rank `rank` of a world of `world_size` run by itself: the peers' collectives are skipped,
         so its time is its own compute only (the profiler), and nothing is recorded; with
         `pause_s`, each skipped collective is a sleep of that long instead (see `pause`)."""
-        return cls(None, rank, world_size, trace=False, alone=True, pause_s=pause_s)
+        return cls(None, rank, world_size, trace=False, alone=True, pause_s=pause_s, clock=clock)
 
     def pause(self) -> None:
         """Alone: wait `pause_s` where a training rank would wait in a collective (summed in
@@ -90,20 +115,22 @@ class TPGroup:
             self.paused_s += time.perf_counter() - t0
 
     @classmethod
-    def from_default(cls) -> TPGroup:
+    def from_default(cls, clock: Clock | None = None) -> TPGroup:
         """The default group set up by `dist.init_process_group`."""
-        return cls(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+        return cls(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), clock=clock)
 
     @classmethod
-    def join(cls, rank: int, world_size: int, host: str, port: int, timeout_s: float) -> TPGroup:
+    def join(cls, rank: int, world_size: int, host: str, port: int, timeout_s: float,
+             clock: Clock | None = None) -> TPGroup:
         """This process's rank of a Gloo world meeting at tcp://host:port (collectives give up after
         `timeout_s`); a world of one needs no Gloo and traces its would-be collectives, so a lone
-        rank still splits its compute by kind. End it with `leave()`."""
+        rank still splits its compute by kind. End it with `leave()`. `clock`: an emulated box's
+        (`xronos.node.emulate.process_clock()`), else wall time."""
         if world_size == 1:
-            return cls.single(trace=True)
+            return cls.single(trace=True, clock=clock)
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-        group = cls(dist.group.WORLD, rank, world_size)
+        group = cls(dist.group.WORLD, rank, world_size, clock=clock)
         group._joined = True
         return group
 
@@ -138,72 +165,68 @@ class TPGroup:
     def mark(self, tag: str) -> None:
         """A segment ends here without a collective (zero-length span; only when tracing)."""
         if self.trace:
-            self.spans.append(Span("mark", tag, time.perf_counter(), 0.0))
+            self.spans.append(Span("mark", tag, self.clock.skipped(Meet("mark", tag, 0, True)), 0.0))
 
-    @contextmanager
-    def _timed(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        yield
-        dt = time.perf_counter() - t0
-        self.timings.append((name, dt))
-        self.spans.append(Span(name, self._tag, t0, dt))
+    def now(self) -> float:
+        """The time on this group's clock (wall time unless an emulator gave it another)."""
+        return self.clock.now()
 
-    @staticmethod
-    @contextmanager
-    def _paced() -> Iterator[None]:
-        """Under the emulator's paced CPU (`xronos.node.pacer`), the rank first waits out what a
-        core of its share would still be computing, then meets its peers; the wait for them is not
-        compute. Elsewhere nothing."""
-        p = pacer.current()
-        if p is not None:
-            p.pace()
-        try:
-            yield
-        finally:
-            if p is not None:
-                p.restart()
-
-    def settle(self) -> None:
-        """Where an iteration ends without a collective: a paced rank pays for its last compute
-        (the optimizer step) within the iteration that did it."""
-        p = pacer.current()
-        if p is not None:
-            p.pace()
-
-    @contextmanager
-    def _call(self, name: str, timed: bool) -> Iterator[bool]:
-        """Yields whether to communicate; times it (or, in a traced world of one, marks it)."""
-        with self._paced(), self._call_unpaced(name, timed) as go:
-            yield go
-
-    @contextmanager
-    def _call_unpaced(self, name: str, timed: bool) -> Iterator[bool]:
+    def _meet(self, op: str, timed: bool, nbytes: int, run: Runner, peer: int | None = None) -> None:
+        """One collective through the clock; timed ones are recorded (in a traced world of one, or
+        alone, the skipped ones are marks)."""
+        meet = Meet(op, self._tag, nbytes, timed, peer)
         if self.world_size == 1 or self.alone:
             if timed:
                 self.pause()
-            if timed and self.trace and self._tag is not None:
-                self.spans.append(Span("mark", self._tag, time.perf_counter(), 0.0))
-            yield False
-        elif timed:
-            with self._timed(name):
-                yield True
-        else:
-            yield True
+                at = self.clock.skipped(meet)
+                if self.trace and self._tag is not None:
+                    self.spans.append(Span("mark", self._tag, at, 0.0))
+            return
+        start, end = self.clock.meet(meet, run, self.rank, self.world_size)
+        if timed:
+            self.timings.append((op, end - start))
+            self.spans.append(Span(op, self._tag, start, end - start))
+
+    def settle(self) -> None:
+        """Where an iteration ends without a collective (after the optimizer step): the clock books
+        the last compute within the iteration that did it."""
+        self.clock.settle()
+
+    def _carry(self, slots: torch.Tensor | None) -> torch.Tensor | None:
+        """A clock's slots on their own (an all-reduce of a few float64s) where the collective
+        itself cannot carry them."""
+        if slots is not None:
+            dist.all_reduce(slots, group=self.pg)
+        return slots
 
     def _global(self, r: int) -> int:
         return r if self.pg in (None, dist.group.WORLD) else dist.get_global_rank(self.pg, r)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", *, timed: bool = True) -> torch.Tensor:
         """In place; returns `t`. `t` must be contiguous."""
-        with self._call(f"all_reduce_{op}", timed) as go:
-            if go:
-                dist.all_reduce(t, op=_OPS[op], group=self.pg)
+        n = t.numel()
+
+        def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+            if slots is not None and t.dtype in _SLOT_DTYPES:
+                # The slots ride in the same call (one Gloo round, not two). Every rank fills only its
+                # own, non-negative entries, so a max-reduce gives them back as a sum would.
+                flat = t.view(-1)
+                buf = torch.cat([flat, slots.to(t.dtype)])
+                cpu = _cpu(lambda: dist.all_reduce(buf, op=_OPS[op], group=self.pg))
+                flat.copy_(buf[:n])
+                return buf[n:].to(torch.float64), cpu
+            back = self._carry(slots)
+            return back, _cpu(lambda: dist.all_reduce(t, op=_OPS[op], group=self.pg))
+
+        self._meet(f"all_reduce_{op}", timed, n * t.element_size(), run)
         return t
 
     def broadcast(self, t: torch.Tensor, src: int, *, timed: bool = True) -> torch.Tensor:
-        with self._call("broadcast", timed) as go:
-            if go:
-                dist.broadcast(t, src=self._global(src), group=self.pg)
+        def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+            back = self._carry(slots)
+            return back, _cpu(lambda: dist.broadcast(t, src=self._global(src), group=self.pg))
+
+        self._meet("broadcast", timed, t.numel() * t.element_size(), run, peer=src)
         return t
 
     def all_gather(self, t: torch.Tensor, *, timed: bool = True) -> list[torch.Tensor]:
@@ -211,8 +234,12 @@ class TPGroup:
         if self.world_size == 1 or self.alone:
             return [t] * self.world_size
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        with self._call("all_gather", timed):
-            dist.all_gather(parts, t.contiguous(), group=self.pg)
+
+        def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+            back = self._carry(slots)
+            return back, _cpu(lambda: dist.all_gather(parts, t.contiguous(), group=self.pg))
+
+        self._meet("all_gather", timed, t.numel() * t.element_size(), run)
         return parts
 
     def _p2p(self, t: torch.Tensor) -> bool:
@@ -220,37 +247,65 @@ class TPGroup:
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         if self._p2p(t):
-            with self._paced(), self._timed("send"):
-                dist.send(t.contiguous(), dst=self._global(dst), group=self.pg)
+            def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+                if slots is not None:
+                    dist.send(slots, dst=self._global(dst), group=self.pg)
+                return slots, _cpu(lambda: dist.send(t.contiguous(), dst=self._global(dst), group=self.pg))
 
-    def isend(self, t: torch.Tensor, dst: int) -> dist.Work | None:
-        """A send that returns at once (`wait()` the result before reusing `t`); untimed: its
-        wall time says nothing (the pipeline baseline times the wait itself)."""
-        if self._p2p(t):
-            return dist.isend(t.contiguous(), dst=self._global(dst), group=self.pg)
-        return None
+            self._meet("send", True, t.numel() * t.element_size(), run, peer=dst)
 
-    def wait_all(self, works: list[dist.Work]) -> None:
-        """Wait for `isend`s: a wait for peers like any other (paced; untimed, as `isend`)."""
-        with self._paced():
-            for w in works:
-                w.wait()
+    def isend(self, t: torch.Tensor, dst: int) -> _Works | None:
+        """A send that returns at once (`wait()` the result, or `wait_all`, before reusing `t`);
+        untimed: its wall time says nothing (the pipeline baseline times the wait itself)."""
+        if not self._p2p(t):
+            return None
+        works = _Works()
+
+        def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+            if slots is not None:
+                works.items.append(dist.isend(slots, dst=self._global(dst), group=self.pg))
+            c0 = time.process_time()
+            works.items.append(dist.isend(t.contiguous(), dst=self._global(dst), group=self.pg))
+            return slots, time.process_time() - c0
+
+        self._meet("isend", False, t.numel() * t.element_size(), run, peer=dst)
+        return works
+
+    def wait_all(self, works: list[_Works]) -> None:
+        """Wait for `isend`s: a wait for peers like any other (untimed, as `isend`)."""
+        def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+            return slots, _cpu(lambda: [w.wait() for w in works])
+
+        if self.world_size > 1 and not self.alone:
+            self._meet("wait", False, 0, run)
 
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if self._p2p(t):
-            with self._paced(), self._timed("recv"):
-                dist.recv(t, src=self._global(src), group=self.pg)
+            def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+                if slots is not None:
+                    dist.recv(slots, src=self._global(src), group=self.pg)
+                return slots, _cpu(lambda: dist.recv(t, src=self._global(src), group=self.pg))
+
+            self._meet("recv", True, t.numel() * t.element_size(), run, peer=src)
         return t
 
     def exchange(self, sends: dict[int, list[torch.Tensor]], recvs: dict[int, list[torch.Tensor]]) -> None:
-        """Point to point with many peers at once (a live re-shard): `sends[peer]` go to `peer`,
-        `recvs[peer]` are filled from it, in list order on both sides; returns when all are done.
-        Every send is posted with its receives, so no order of peers can deadlock. Untimed: the
-        re-shard is timed as a whole by its caller, between two iterations."""
+        """Point to point with many peers at once (a live re-shard; every rank calls it): `sends[peer]`
+        go to `peer`, `recvs[peer]` are filled from it, in list order on both sides; returns when all
+        are done. Every send is posted with its receives, so no order of peers can deadlock. Untimed:
+        the re-shard is timed as a whole by its caller, between two iterations. The clock forgets
+        what it learnt of this rank's work: its shape changes."""
         if self.world_size == 1 or self.alone:
             return
-        with self._paced():
-            self._exchange(sends, recvs)
+        self.clock.forget()
+        out = sum(t.numel() * t.element_size() for ts in sends.values() for t in ts)
+        into = sum(t.numel() * t.element_size() for ts in recvs.values() for t in ts)
+
+        def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+            back = self._carry(slots)
+            return back, _cpu(lambda: self._exchange(sends, recvs))
+
+        self._meet("exchange", False, max(out, into), run)
 
     def _exchange(self, sends: dict[int, list[torch.Tensor]], recvs: dict[int, list[torch.Tensor]]) -> None:
         works = [dist.irecv(t, src=self._global(peer), group=self.pg)
@@ -261,6 +316,9 @@ class TPGroup:
             w.wait()
 
     def barrier(self, *, timed: bool = True) -> None:
-        with self._call("barrier", timed) as go:
-            if go:
-                dist.barrier(group=self.pg)
+        def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+            if slots is not None:  # an all-reduce of the slots is a barrier itself
+                return slots, _cpu(lambda: dist.all_reduce(slots, group=self.pg))
+            return None, _cpu(lambda: dist.barrier(group=self.pg))
+
+        self._meet("barrier", timed, 0, run)

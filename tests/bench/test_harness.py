@@ -20,7 +20,11 @@ GOOD = ["bench", "--scenario", "set-a", "--model", "gpt2-medium", "--blocks", "1
     ({"--iters": "2", "--warmup": "2"}, "must exceed the 2 warm-up"),
     ({"--seq-len": "5000"}, "exceeds what gpt2-medium can take"),
     ({"--blocks": "99"}, "--blocks must be an integer in [1, 24]"),
-    ({"--unit-share": "1.0"}, "exceeds the 2 cores"),  # 1.5 cores for the MiniPC + 2 Pis = 3.5
+    # 1.5 cores for the MiniPC + 2 Pis = 3.5: more than a quota can give; a virtual box may be any speed
+    ({"--unit-share": "1.0", "--cpu-mode": "quota"}, "exceeds the 2 cores"),
+    ({"--unit-share": "nan"}, "unit share must be > 0"),
+    ({"--bandwidth-mbit": "0"}, "means nothing on the virtual clock, which models the link"),
+    ({"--estimator": "q200"}, "estimator must be one of min, med, mean, raw or qNN"),
     ({"--mem-scale": "2"}, "--mem-scale must be a number in (0, 1]"),
     ({"--bandwidth-mbit": "-5"}, "--bandwidth-mbit must be a number >= 0 (0 = loopback)"),
     ({"--bandwidth-mbit": "nan"}, "--bandwidth-mbit must be a number >= 0 (0 = loopback)"),
@@ -41,9 +45,10 @@ def test_bad_input_refused_before_anything_is_written(tmp_path: Path, capsys, ch
 def test_a_cell_nothing_fits_is_reported_infeasible_without_running(tmp_path: Path, capsys) -> None:
     # 1.3 B parameters (21 GiB of weights, grads and AdamW state) against 1/8 of Set-A's RAM.
     args = ["bench", "--scenario", "set-a", "--model", "mobilellama-1.4b", "--blocks", "24", "--iters", "3",
-            "--mem-scale", "1/8", "--bandwidth-mbit", "0", "--no-plots", "--out", str(tmp_path)]
+            "--mem-scale", "1/8", "--no-plots", "--out", str(tmp_path)]
     assert main(args) == 0  # a result, not an error
-    doc = json.loads((tmp_path / "set-a_mobilellama-1.4b_s32_b24_loopback.json").read_text())
+    doc = json.loads((tmp_path / "set-a_mobilellama-1.4b_s32_b24.json").read_text())
+    assert doc["environment"]["clock"] == "virtual" and doc["environment"]["estimator"] == "med"
     assert set(doc["strategies"]) == {"xronos", "uniform", "pp", "hf-tp"}
     assert all("needs at least" in e["infeasible"] for e in doc["strategies"].values())
     assert "| xronos | INFEASIBLE: mobilellama-1.4b with 24 blocks needs at least" in capsys.readouterr().out

@@ -13,7 +13,7 @@ import pytest
 
 from benchkit import TINY, _data, _reference
 from xronos.bench import netem
-from xronos.node.emulator import EmulatorError
+from xronos.node.emulate.confinement import EmulatorError
 from xronos.bench.netem import Network, allreduce_bandwidth, leftover_namespaces
 
 

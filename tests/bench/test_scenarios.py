@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from xronos.node.emulator import RankLimits, validate_limits
+from xronos.node.emulate.confinement import RankLimits, validate_limits
 from xronos.bench.scenarios import SCENARIOS, get_scenario
 
 

@@ -165,7 +165,7 @@ def test_run_with_strategy_reports_prediction(tiny: tuple[Path, Path], tmp_path:
 
 
 def test_confinement_prioritizes_groups() -> None:
-    from xronos.node.emulator import EmulatorError
+    from xronos.node.emulate.confinement import EmulatorError
 
     try:
         ctx = strategy.confinement("0.2,0.1", 2)

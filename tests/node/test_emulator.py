@@ -1,4 +1,5 @@
-"""The emulator really confines CPU and memory, cleans up after itself, and refuses bad input."""
+"""The emulator really confines CPU and memory, cleans up after itself, and refuses bad input
+(quota mode here, unless a test says otherwise; virtual mode: test_vclock*.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from xronos.node.cgroupfs import find_controller
-from xronos.node.emulator import Confinement, EmulatorError, RankLimits, leftover_groups, validate_limits
+from xronos.node.emulate.cgroupfs import find_controller
+from xronos.node.emulate.confinement import CPU_MODE_ENV, Confinement, EmulatorError, RankLimits, leftover_groups, validate_limits
 
 CPU = find_controller("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _quota_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about CFS quotas: the emulator's default mode is virtual."""
+    monkeypatch.setenv(CPU_MODE_ENV, "quota")
+
+
 needs_cgroup = pytest.mark.skipif(CPU is None, reason="no writable cgroup cpu controller here")
 
 # A busy process with a second thread: the quota must hold for all threads of the process.
@@ -176,14 +185,14 @@ def test_v2_hierarchy_detected(tmp_path: Path) -> None:
     own.write_text("0::/svc\n")
     ctl = find_controller("cpu", mounts_file=mounts, proc_cgroup=own)
     assert ctl is not None and ctl.version == 2 and ctl.base == root / "svc"
-    from xronos.node.cgroupfs import cpu_limit_of
+    from xronos.node.emulate.cgroupfs import cpu_limit_of
     assert cpu_limit_of(ctl) == 0.5
     (root / "svc" / "cgroup.controllers").write_text("pids\n")
     assert find_controller("cpu", mounts_file=mounts, proc_cgroup=own) is None
 
 
 def test_period_is_the_shortest_with_a_one_millisecond_quota() -> None:
-    from xronos.node.emulator import DEFAULT_PERIOD_US, MIN_QUOTA_US, period_for
+    from xronos.node.emulate.confinement import DEFAULT_PERIOD_US, MIN_QUOTA_US, period_for
 
     for share in (0.01, 0.05, 0.3, 0.405, 0.45, 1.0, 1.5):
         period = period_for(share)
@@ -241,7 +250,7 @@ def test_poll_interval_out_of_range_is_refused(poll_s: float) -> None:
 
 
 def test_poll_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from xronos.node.emulator import POLL_ENV, POLL_S, default_poll_s
+    from xronos.node.emulate.confinement import POLL_ENV, POLL_S, default_poll_s
 
     monkeypatch.delenv(POLL_ENV, raising=False)
     assert default_poll_s() == POLL_S
@@ -260,7 +269,7 @@ def test_pinned_quota_ranks_get_a_core_each_and_a_later_share_must_fit_it(monkey
     """XRONOS_EMULATOR_PIN=1 (or pin=True): quota-mode ranks pinned largest share first, the quota
     still the CFS one; a share that would overload its core is refused; shares that cannot fit
     the cores at one core each stay unpinned; unpinned is the default."""
-    from xronos.node.emulator import PIN_ENV, default_pin
+    from xronos.node.emulate.confinement import PIN_ENV, default_pin
 
     monkeypatch.delenv(PIN_ENV, raising=False)
     assert default_pin() is False

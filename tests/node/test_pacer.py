@@ -1,4 +1,4 @@
-"""The emulator's paced CPU (`xronos.node.pacer`): pure logic with fake clocks, the share files'
+"""The emulator's paced CPU (`xronos.node.emulate.pacer`): pure logic with fake clocks, the share files'
 lookup through /proc/<pid>/cgroup, and a real paced process under `Confinement(cpu_mode="pace")`."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from tests.node.test_emulator import confined_output
-from xronos.node import pacer
-from xronos.node.cgroupfs import find_controller
-from xronos.node.emulator import (
+from xronos.node.emulate import pacer
+from xronos.node.emulate.cgroupfs import find_controller
+from xronos.node.emulate.confinement import (
     CPU_MODE_ENV, Confinement, EmulatorError, RankLimits, assign_cores, default_cpu_mode,
 )
-from xronos.node.pacer import (
-    PACE_CORE_LOAD, Pacer, heaviest_core, pace_dilation, read_share, share_file, share_path,
+from xronos.node.emulate.pacer import (
+    PACE_CORE_LOAD, PacedClock, Pacer, heaviest_core, pace_dilation, read_share, share_file, share_path,
 )
 
 
@@ -160,11 +160,11 @@ def test_cores_are_assigned_and_shares_dilated_to_leave_every_core_headroom() ->
 
 def test_cpu_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CPU_MODE_ENV, raising=False)
-    assert default_cpu_mode() == "quota"
+    assert default_cpu_mode() == "virtual"
     monkeypatch.setenv(CPU_MODE_ENV, "Pace")
     assert default_cpu_mode() == "pace"
     monkeypatch.setenv(CPU_MODE_ENV, "turbo")
-    with pytest.raises(EmulatorError, match="XRONOS_EMULATOR_CPU must be one of quota, pace, got 'turbo'"):
+    with pytest.raises(EmulatorError, match="XRONOS_EMULATOR_CPU must be one of virtual, quota, pace, got 'turbo'"):
         default_cpu_mode()
     with pytest.raises(EmulatorError, match="cpu_mode must be one of"):
         Confinement([RankLimits(0.2)], cpu_mode="turbo")
@@ -173,7 +173,7 @@ def test_cpu_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 # A paced process reports its share, its core, and the wall time of 40 ms of CPU paced at the share.
 PACED_CHILD = """
 import json, os, time
-from xronos.node import pacer
+from xronos.node.emulate import pacer
 p = pacer.current()
 cpu0 = time.process_time(); t0 = time.perf_counter()
 while time.process_time() - cpu0 < 0.04:
@@ -232,17 +232,13 @@ def test_every_collective_paces_before_and_restarts_after() -> None:
 
     c = FakeClocks()
     p = c.pacer(0.5)
-    pacer.reset_for_tests(p)
-    try:
-        group = TPGroup.alone(3)
-        c.compute(0.002)
-        group.all_reduce(torch.ones(4))
-        assert c.slept == [pytest.approx(0.002)]
-        c.wait(0.050)  # idle after the collective: nothing computed, nothing owed
-        group.settle()
-        assert len(c.slept) == 1
-        c.compute(0.001)
-        group.settle()
-        assert c.slept[-1] == pytest.approx(0.001)
-    finally:
-        pacer.reset_for_tests()
+    group = TPGroup.alone(3, clock=PacedClock(p))  # the hook a paced rank's process sets
+    c.compute(0.002)
+    group.all_reduce(torch.ones(4))
+    assert c.slept == [pytest.approx(0.002)]
+    c.wait(0.050)  # idle after the collective: nothing computed, nothing owed
+    group.settle()
+    assert len(c.slept) == 1
+    c.compute(0.001)
+    group.settle()
+    assert c.slept[-1] == pytest.approx(0.001)

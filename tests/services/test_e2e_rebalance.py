@@ -17,7 +17,7 @@ from jobkit import job_spec, runkit
 from stack import Stack
 from test_e2e import _load, _wait_step
 from xronos.cli.main import main as xronos
-from xronos.node.emulator import Confinement, EmulatorError, RankLimits
+from xronos.node.emulate.confinement import Confinement, EmulatorError, RankLimits
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Layout
 
@@ -46,7 +46,7 @@ def make_case(tmp, rows=80):
 @pytest.fixture
 def boxes():
     try:
-        conf = Confinement([RankLimits(0.9), RankLimits(0.9)], top_weight=True)
+        conf = Confinement([RankLimits(0.9), RankLimits(0.9)], top_weight=True, cpu_mode="quota")
         conf.__enter__()
     except EmulatorError as exc:
         pytest.skip(f"no writable cgroup cpu controller here: {exc}")

@@ -436,3 +436,19 @@ def test_job_state_shows_predicted_and_measured_peak_memory_per_node():
     assert set(view.predicted_peak_bytes) == {"a", "b", "c"}
     job, _ = J.handle(job, metric("a", 0, 3, version=2, peak_rss=999 << 20), ctx(9))  # another plan's
     assert state_view(job).peak_rss_bytes["a"] == 300 << 20
+
+
+def test_job_state_says_which_clock_its_seconds_are_on():
+    """The ranks' IterationMetrics name their clock (an emulated box's virtual one, else wall): the
+    job state carries it, and a job from nodes that do not say stays None."""
+    job = submit_to_running()
+    for r, n in enumerate(job.plan_nodes):
+        job, _ = J.handle(job, metric(n, r, 1), ctx(6))
+    assert state_view(job).clock is None
+    for r, n in enumerate(job.plan_nodes):
+        job, _ = J.handle(job, metric(n, r, 2, clock="virtual", wall_s=0.9), ctx(7))
+    view = state_view(job)
+    assert view.clock == "virtual"
+    assert m.JobState.model_validate_json(view.model_dump_json()).clock == "virtual"
+    with pytest.raises(ValueError):
+        m.IterationMetrics(**{**metric("a", 0, 3).m.model_dump(), "clock": "sundial"})

@@ -1,7 +1,7 @@
 """The emulator's paced CPU: a rank runs at full core speed and then waits out the rest of what a
 core of its share would have taken, at every point where it meets its peers.
 
-Why: a CFS quota is not a slow core (`xronos.node.emulator`, `bench/results/demo-idle.md`). A rank
+Why: a CFS quota is not a slow core (`xronos.node.emulate.confinement`, `bench/results/demo-idle.md`). A rank
 that waited in a collective comes back with quota in hand and runs its next segment at full speed
 (measured: the share-0.3 rank ran its segments at 1.7-2.5x its share's speed), and a rank whose quota
 is spent stalls inside the next all-reduce, whose ring needs every rank's CPU. A slow core banks
@@ -30,6 +30,8 @@ import ctypes
 import os
 import time
 from pathlib import Path
+
+from xronos.node.tp.clock import Clock, Meet, Runner
 
 PACE_ROOT = Path("/run/xronos-pace")  # emulator's share files: <run group>/<rank group>
 _PR_SET_TIMERSLACK = 29
@@ -169,3 +171,31 @@ def pace_dilation(shares: list[float], cores: list[int]) -> float:
     """The factor (<= 1) every paced share is scaled by so that no core carries more than
     PACE_CORE_LOAD (e.g. 0.9, 0.5, 0.3, 0.3 on 2 cores: heaviest core 0.5 + 0.3 + 0.3, factor 0.77)."""
     return min(1.0, PACE_CORE_LOAD / heaviest_core(shares, cores))
+
+
+class PacedClock(Clock):
+    """Pace mode's clock (`xronos.node.tp.clock`): wall time, the rank sleeping to its share's speed
+    before it meets its peers (`Pacer.pace`) and restarting the count once the meeting is over."""
+
+    def __init__(self, pacer: Pacer) -> None:
+        self.pacer = pacer
+
+    def meet(self, meet: Meet, run: Runner, rank: int, world: int) -> tuple[float, float]:
+        self.pacer.pace()
+        try:
+            return super().meet(meet, run, rank, world)
+        finally:
+            self.pacer.restart()
+
+    def skipped(self, meet: Meet) -> float:
+        """Alone (the profiler): where a training rank would meet its peers, it pays as there."""
+        self.pacer.pace()
+        self.pacer.restart()
+        return self.now()
+
+    def settle(self) -> None:
+        """A paced rank pays for its last compute (the optimizer step) within the iteration."""
+        self.pacer.pace()
+
+    def describe(self) -> dict[str, object]:
+        return {"clock": self.name, "cpu_mode": "pace", "paced_share": self.pacer.share}

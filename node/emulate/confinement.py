@@ -18,7 +18,7 @@ than the quota run at full speed and the debt is paid later, often inside a coll
 
 So there is a second way (`cpu_mode="pace"`, or XRONOS_EMULATOR_CPU=pace): no quota; each rank is
 pinned to a core and paced — before every collective it sleeps until its wall time is its CPU time
-over its share (`xronos.node.pacer`), which is what a slow core takes for the same work, with nothing
+over its share (`xronos.node.emulate.pacer`), which is what a slow core takes for the same work, with nothing
 banked and no stall inside a collective. The shares are scaled by one factor so that no core carries
 more than PACE_CORE_LOAD of them (time dilation: the ratios between devices stay).
 
@@ -39,10 +39,13 @@ from pathlib import Path
 
 import structlog
 
-from xronos.node import pacer
-from xronos.node.cgroupfs import Controller, cpu_limit_of, find_controller, usable_cores
-from xronos.node.pacer import assign_cores, heaviest_core, pace_dilation
-from xronos.node.emupoll import POLL_S, Poller
+from xronos.node.emulate import pacer
+from xronos.node.emulate.estimator import DEFAULT_MODE, check_mode
+from xronos.node.emulate.link import Link
+from xronos.node.emulate.vclock import Box, box_path, write_box
+from xronos.node.emulate.cgroupfs import Controller, cpu_limit_of, find_controller, usable_cores
+from xronos.node.emulate.pacer import assign_cores, heaviest_core, pace_dilation
+from xronos.node.emulate.poller import POLL_S, Poller
 
 log = structlog.get_logger(__name__)
 
@@ -54,16 +57,22 @@ log = structlog.get_logger(__name__)
 # than their profile said. Each rank gets the shortest period at which its quota is the kernel's
 # 1 ms minimum, and never below DEFAULT_PERIOD_US.
 DEFAULT_PERIOD_US = 2_000
-MIN_QUOTA_US = 1_000  # the kernel's lower bound for cfs_quota_us
+from xronos.node.emulate.limits import (  # noqa: F401  (importers take them from here too)
+    MIN_MEMORY_BYTES, MIN_QUOTA_US, EmulatorError, RankLimits, check_memory_fits, host_memory_bytes,
+    validate_limits, validate_virtual,
+)
 
 
 POLL_ENV = "XRONOS_EMULATOR_POLL_S"  # for measuring the poller's effect: seconds, or "none"
 
-# How a rank's CPU share is made: "quota" (CFS bandwidth control, the poller) or "pace" (each rank
-# pinned to a core and paced at its collectives, `xronos.node.pacer`). XRONOS_EMULATOR_CPU picks the
-# default, so every bench and the demo can be run either way.
-CPU_MODES = ("quota", "pace")
+# How a rank's CPU share is made: "virtual" (the default: no quota; the rank's clock advances by its
+# CPU time over its share, `xronos.node.emulate.vclock`), "quota" (CFS bandwidth control, the
+# poller) or "pace" (each rank pinned to a core and paced at its collectives,
+# `xronos.node.emulate.pacer`). XRONOS_EMULATOR_CPU picks the default, so every bench and the demo
+# can be run any way; quota and pace are wall clocks, a stress test of the host's scheduler.
+CPU_MODES = ("virtual", "quota", "pace")
 CPU_MODE_ENV = "XRONOS_EMULATOR_CPU"
+ESTIMATOR_ENV = "XRONOS_EMULATOR_ESTIMATOR"  # virtual mode's burst estimator (`estimator.MODES`, qNN; default med)
 
 # XRONOS_EMULATOR_PIN=1 pins quota-mode ranks as paced ones are (`assign_cores`). Off by default: 3+3
 # demos ran 9 % faster pinned, no better predicted or balanced, the comm probe worse (demo-idle.md §5-6).
@@ -71,10 +80,18 @@ PIN_ENV = "XRONOS_EMULATOR_PIN"
 
 
 def default_cpu_mode() -> str:
-    mode = os.environ.get(CPU_MODE_ENV, "quota").strip().lower()
+    mode = os.environ.get(CPU_MODE_ENV, "virtual").strip().lower()
     if mode not in CPU_MODES:
         raise EmulatorError(f"{CPU_MODE_ENV} must be one of {', '.join(CPU_MODES)}, got {mode!r}")
     return mode
+
+
+def default_estimator() -> str:
+    text = os.environ.get(ESTIMATOR_ENV, DEFAULT_MODE).strip().lower()
+    try:
+        return check_mode(text)
+    except ValueError as exc:
+        raise EmulatorError(f"{ESTIMATOR_ENV}: {exc}") from None
 
 
 def default_pin() -> bool:
@@ -100,57 +117,31 @@ def default_poll_s() -> float | None:
 def period_for(share: float, shortest_us: int = DEFAULT_PERIOD_US) -> int:
     """The CFS period of a rank with this share (its quota is then share x period >= 1 ms)."""
     return max(shortest_us, math.ceil(MIN_QUOTA_US / share))
-MIN_MEMORY_BYTES = 64 << 20
-
-
-class EmulatorError(ValueError):
-    """The requested confinement cannot be enforced on this machine (or the request is bad)."""
-
-
-@dataclass(frozen=True)
-class RankLimits:
-    cpu_share: float  # cores, e.g. 0.3 = 30% of one core
-    memory_bytes: int | None = None
-
-
-def validate_limits(limits: list[RankLimits], cores: int, parent_limit: float | None) -> None:
-    """Refuse what a CFS quota cannot deliver: the shares must fit the cores we actually have."""
-    if not limits:
-        raise EmulatorError("no ranks to confine")
-    capacity = float(cores) if parent_limit is None else min(float(cores), parent_limit)
-    for r, lim in enumerate(limits):
-        if isinstance(lim.cpu_share, bool) or not isinstance(lim.cpu_share, (int, float)):
-            raise TypeError(f"rank {r}: cpu_share must be a number, got {lim.cpu_share!r}")
-        if not lim.cpu_share * 1_000_000 >= MIN_QUOTA_US * 100:  # also rejects NaN
-            raise EmulatorError(f"rank {r}: cpu_share {lim.cpu_share} is below 0.1% of a core")
-        if lim.cpu_share > capacity:
-            raise EmulatorError(
-                f"rank {r}: cpu_share {lim.cpu_share} exceeds the {capacity:g} cores this "
-                "machine can give one process; a quota above that cannot be enforced")
-        if lim.memory_bytes is not None and lim.memory_bytes < MIN_MEMORY_BYTES:
-            raise EmulatorError(f"rank {r}: memory cap {lim.memory_bytes} B is below 64 MiB")
-    total = sum(lim.cpu_share for lim in limits)
-    if total > capacity + 1e-9:
-        # Each quota alone would hold, but together the ranks would contend for cores and the
-        # speed *ratios* — the point of the emulation — would no longer be the quotas' ratios.
-        raise EmulatorError(
-            f"total cpu share {total:.3g} exceeds the {capacity:g} cores available; "
-            "scale the shares down")
-
-
 class Confinement:
     """Per-run cgroups, one per rank. A context manager: groups exist only inside `with`."""
 
     def __init__(self, limits: list[RankLimits], *, period_us: int = DEFAULT_PERIOD_US,
                  cpu: Controller | None = None, memory: Controller | None = None,
                  top_weight: bool = False, poll_s: float | None | str = "default",
-                 cpu_mode: str | None = None, pin: bool | None = None) -> None:
+                 cpu_mode: str | None = None, pin: bool | None = None, link: Link | None = None,
+                 estimator: str | None = None, window: int | None = None) -> None:
+        """`link`, `estimator`, `window`: virtual mode's modelled network (1 Gbit/s by default) and
+        burst estimator (XRONOS_EMULATOR_ESTIMATOR, else the window minimum over 32 samples)."""
         self.limits = list(limits)
         self.period_us = period_us
         self.cpu_mode = default_cpu_mode() if cpu_mode is None else cpu_mode
         if self.cpu_mode not in CPU_MODES:
             raise EmulatorError(f"cpu_mode must be one of {', '.join(CPU_MODES)}, got {self.cpu_mode!r}")
-        if self.cpu_mode == "pace":
+        self.link = link or Link()
+        self.estimator = default_estimator() if estimator is None else estimator
+        self.window = window
+        if self.cpu_mode == "virtual":
+            validate_virtual(self.limits, host_memory_bytes())  # before any group or process exists
+            try:
+                self._box(self.limits[0].cpu_share)  # the estimator and window are checked here
+            except ValueError as exc:
+                raise EmulatorError(str(exc)) from None
+        if self.cpu_mode in ("pace", "virtual"):
             poll_s = None  # no quota to enforce
         # poll_s: the `Poller`'s interval (None: quotas enforced at the scheduler tick only).
         if poll_s == "default":
@@ -169,10 +160,12 @@ class Confinement:
                 "no writable cgroup cpu controller (neither v1 cpu.cfs_quota_us nor v2 cpu.max); "
                 "run as root on a machine with the cpu controller mounted")
         self.parent_limit = cpu_limit_of(self.cpu)
-        validate_limits(self.limits, usable_cores(), self.parent_limit)
+        if self.cpu_mode != "virtual":
+            validate_limits(self.limits, usable_cores(), self.parent_limit)
         shares, cores = [lim.cpu_share for lim in self.limits], sorted(os.sched_getaffinity(0))
         pin = default_pin() if pin is None else pin  # honoured where no core gets over one core of quota
-        pinned = self.cpu_mode == "pace" or (pin and heaviest_core(shares, cores) <= 1.0)
+        # (virtual time does not depend on the cores' load: a pinned virtual run is the validation's)
+        pinned = self.cpu_mode == "pace" or (pin and (self.cpu_mode == "virtual" or heaviest_core(shares, cores) <= 1.0))
         if pin and not pinned:
             log.warning("confinement.not_pinned", shares=shares, cores=cores, reason="a core would be overloaded")
         self.cores = assign_cores(shares, cores) if pinned else None
@@ -186,7 +179,7 @@ class Confinement:
                                     "controller exists (v1 memory.limit_in_bytes or v2 memory.max)")
         self.name = f"xronos-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._dirs: list[Path] = []  # created groups, parents first
-        self._pace_dir: Path | None = None  # the paced shares' files (pace mode)
+        self._pace_dir: Path | None = None  # the paced shares' files (pace mode), the boxes' (virtual)
         self._rank_dirs: dict[int, list[Path]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -225,6 +218,8 @@ class Confinement:
             self._rank_dirs[rank] = dirs
             if self.cpu_mode == "quota":
                 self._write_cpu(self._dir_for(rank, self.cpu), lim.cpu_share)
+            elif self.cpu_mode == "virtual":
+                self._write_box(rank, lim.cpu_share)
             else:
                 self._write_pace(rank, lim.cpu_share * self.dilation)
             if self.top_weight:
@@ -280,6 +275,22 @@ class Confinement:
         except OSError as exc:
             raise EmulatorError(f"cannot write the paced share file {path}: {exc.strerror}") from exc
 
+    def _box(self, share: float) -> Box:
+        if self.window is None:
+            return Box(share, self.link, self.estimator)
+        return Box(share, self.link, self.estimator, self.window)
+
+    def _write_box(self, rank: int, share: float) -> None:
+        """The box a virtual-mode rank's processes find through their cgroup (`process_clock`)."""
+        path = box_path(self.name, f"rank{rank}")
+        try:
+            if not path.parent.is_dir():
+                path.parent.mkdir(parents=True)
+                self._pace_dir = path.parent
+            write_box(path, self._box(share))
+        except OSError as exc:
+            raise EmulatorError(f"cannot write the box file {path}: {exc.strerror}") from exc
+
     def _write_weight(self, group: Path) -> None:
         name, value = ("cpu.shares", "262144") if self.cpu.version == 1 else ("cpu.weight", "10000")  # type: ignore[union-attr]
         try:
@@ -319,7 +330,13 @@ class Confinement:
         bench's background-load scenario). Checked like the starting shares."""
         if rank not in self._rank_dirs:
             raise EmulatorError(f"rank {rank} has no group (run has {len(self.limits)} ranks)")
-        limits = [RankLimits(cpu_share, lim.memory_bytes) if r == rank else lim for r, lim in enumerate(self.limits)]
+        limits = [RankLimits(cpu_share, lim.memory_bytes, lim.box) if r == rank else lim
+                  for r, lim in enumerate(self.limits)]
+        if self.cpu_mode == "virtual":  # a box's speed: any finite number of host cores > 0
+            validate_virtual(limits, None)
+            self._write_box(rank, cpu_share)
+            self.limits = limits
+            return
         validate_limits(limits, usable_cores(), self.parent_limit)
         if self.cores is not None:
             # the run's cores and dilation stay: the new share must still fit its core at them
@@ -341,6 +358,12 @@ class Confinement:
 
     def quotas(self) -> list[dict[str, object]]:
         """What was enforced, for the result file's environment block."""
+        if self.cpu_mode == "virtual":
+            return [{"rank": r, "box": lim.box, "cpu_share": lim.cpu_share, "cpu_mode": "virtual", "clock": "virtual",
+                     "estimator": self.estimator, "bandwidth_Bps": self.link.bandwidth_Bps,
+                     "latency_s": self.link.latency_s, "core": None if self.cores is None else self.cores[r],
+                     "memory_bytes": lim.memory_bytes, "cgroup_version": self.cpu.version}  # type: ignore[union-attr]
+                    for r, lim in enumerate(self.limits)]
         if self.cpu_mode == "pace":
             return [{"rank": r, "cpu_share": lim.cpu_share, "cpu_mode": "pace", "core": self.cores[r],  # type: ignore[index]
                      "paced_share": round(lim.cpu_share * self.dilation, 6), "dilation": round(self.dilation, 6),

@@ -1,6 +1,6 @@
 """Where this process can drive cgroup controllers: the mounted hierarchies (v1 or v2), its own
 group in each, and the CPU bandwidth that group already has. Read-only; the emulator
-(`node/emulator.py`) creates its run groups below what this finds."""
+(`node/emulate/confinement.py`) creates its run groups below what this finds."""
 
 from __future__ import annotations
 

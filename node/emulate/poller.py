@@ -1,5 +1,5 @@
 """The emulator's poller: CFS quotas enforced at a 0.5 ms grain instead of the scheduler tick
-(`Poller`; used by `xronos.node.emulator.Confinement` in its quota mode)."""
+(`Poller`; used by `xronos.node.emulate.confinement.Confinement` in its quota mode)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class Poller:
         import sys
 
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from xronos.node.emupoll import poll_main; poll_main()", repr(interval_s),
+            [sys.executable, "-c", "from xronos.node.emulate.poller import poll_main; poll_main()", repr(interval_s),
              *map(str, dirs)], stdin=subprocess.DEVNULL)
 
     def stop(self) -> None:
