@@ -80,13 +80,13 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     """Collective: `engine` (a TPEngine: model, opt, layout, specs, replicated) goes on under
     `word.layout`. A layout of another world or model is refused on every rank alike."""
     group, cfg = rank.group, rank.cfg
-    t0 = group.now()  # the group's clock: an emulated box's virtual time, else wall
     old = engine.layout.layout()
     new = word.layout
     if new.world_size != group.world_size:
         raise LayoutError(f"re-shard at step {step}: layout has {new.world_size} ranks, the world {group.world_size}")
     # The kinds' quanta too, as for an Assignment: every layout a plan or the policy makes cuts on them.
     new.check(engine.family.sizes(rank.facts.config))
+    t0 = group.now()  # the group's clock (an emulated box's virtual time, else wall), once the order holds
     plan = transfer_plan(engine.spec_cache(old), engine.spec_cache(new))
     shard = ShardLayout.of(new, group.rank)
     sent = moved_bytes(plan, engine.model, engine.opt)
