@@ -255,10 +255,12 @@ class _Live:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._children: set[Child] = set()
+        self.started = 0  # boxed children ever started by this process (a refusal starts none)
 
     def add(self, c: Child) -> None:
         with self._lock:
             self._children.add(c)
+            self.started += 1
 
     def discard(self, c: Child) -> None:
         with self._lock:
