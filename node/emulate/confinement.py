@@ -57,7 +57,7 @@ log = structlog.get_logger(__name__)
 # than their profile said. Each rank gets the shortest period at which its quota is the kernel's
 # 1 ms minimum, and never below DEFAULT_PERIOD_US.
 DEFAULT_PERIOD_US = 2_000
-from xronos.node.emulate.limits import (  # noqa: F401  (importers take them from here too)
+from xronos.node.emulate.request import (  # noqa: F401  (importers take them from here too)
     MIN_MEMORY_BYTES, MIN_QUOTA_US, EmulatorError, RankLimits, check_memory_fits, host_memory_bytes,
     validate_limits, validate_virtual,
 )
