@@ -12,7 +12,7 @@ TEST_STAMP := $(VENV)/.installed-test
 .PHONY: demo test bench venv system-deps clean
 
 # torch without CUDA: on x86_64 Linux `torch==<locked>+cpu` from the CPU-only index when it answers,
-# else from pip's own index/find-links, never PyPI's CUDA build (tools/cputorch.py; README "The two commands").
+# else from pip's own index/find-links, never PyPI's CUDA build (tools/cputorch.py; docs/install.md).
 # XRONOS_TORCH_INDEX=<mirror>|none as for systemd/install.sh; XRONOS_UNAME_M=aarch64 etc. stands in for
 # `uname -m` (the tests' make -n). Expanded only when the venv is built.
 TORCH_PIP = $(shell $(PYTHON) tools/cputorch.py $(if $(XRONOS_UNAME_M),--machine $(XRONOS_UNAME_M)))
@@ -54,7 +54,7 @@ test: $(TEST_STAMP) system-deps
 demo: $(STAMP)
 	$(VENV)/bin/xronos demo
 
-# The benchmark grid (not part of `make test`; needs root for cgroup CPU quotas): README "Benchmarks".
+# The benchmark grid (not part of `make test`; needs root for cgroup CPU quotas): docs/benchmarks.md.
 bench: $(STAMP)
 	$(PY) -m xronos.bench.grid
 

@@ -21,7 +21,7 @@ def headings(text: str) -> list[tuple[int, str]]:
     """(level, title) of every markdown heading outside fenced code blocks."""
     found, fenced = [], False
     for line in text.splitlines():
-        if line.startswith("```"):
+        if line.lstrip().startswith("```"):
             fenced = not fenced
         elif not fenced and (m := re.match(r"(#{1,6}) (.+?)\s*$", line)):
             found.append((len(m.group(1)), m.group(2)))
