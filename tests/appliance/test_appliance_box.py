@@ -2,7 +2,7 @@
 on a debootstrap tree), set up by the README's commands, word for word where a person would type
 them, runs a job under the shipped units' sandbox.
 
-Every README command the test types is checked to be in the README verbatim (`readme(...)`);
+Every command the test types is checked to be in the README or a docs page verbatim (`readme(...)`);
 where the test must differ from a person, the comment says how. Interactive editors (sudoedit,
 `systemctl edit`) get a scripted /usr/bin/editor that makes the edit the README describes; the
 checkout is copied in instead of `git clone`d; pip finds this machine's CPU torch wheel through
@@ -27,9 +27,10 @@ from pathlib import Path
 import pytest
 
 import box as B
+import doctext
 
 REPO = Path(__file__).resolve().parents[2]
-README = (REPO / "README.md").read_text()
+README = doctext.all_text()  # the README and docs/ (install.md has the rest of the steps)
 HOST = "xbox"  # the box's host name, so install.sh pre-fills node_id = "xbox"
 PASSWORDS = {"box": "box-pw-1", "homeassistant": "ha-pw-2", "xronos-cli": "cli-pw-3"}
 
@@ -45,10 +46,10 @@ exec(open("/root/next-edit").read())
 
 
 def readme(cmd: str) -> str:
-    """A README command, checked to be in the README as written: a line of a code block, or a
-    command in backquotes in the text."""
+    """A documented command, checked to be in the README or a docs page as written: a line of a
+    code block, or a command in backquotes in the text."""
     lines = any(line.strip().startswith(cmd) for line in README.splitlines())
-    assert lines or f"`{cmd}`" in README, f"not in the README: {cmd!r}"
+    assert lines or f"`{cmd}`" in README, f"not in the README or docs/: {cmd!r}"
     return cmd
 
 

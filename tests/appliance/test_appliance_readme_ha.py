@@ -1,13 +1,14 @@
-"""The README's Home Assistant section: its automations send commands the gateway accepts, name
-entities the discovery creates, and the job spec it copies into job_dir is valid."""
+"""The Home Assistant docs (docs/home-assistant.md, and what the README and the other pages say of
+it): the automations send commands the gateway accepts, every entity and command named is one the
+gateway makes or accepts, and the job spec copied into job_dir is valid."""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
-
 import yaml
+
+import doctext
 
 from xronos.gateway import homeassistant as ha
 from xronos.gateway.habridge import list_specs
@@ -17,11 +18,14 @@ from xronos.protocol.messages import Capabilities, NodeCatalog
 from xronos.protocol.specfile import load_spec
 from xronos.protocol.topics import TopicTable
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = doctext.REPO
 CATALOGS = {"pi5": NodeCatalog(node_id="pi5", allowed_dirs=["/srv/xronos"], models=["/srv/xronos/models/m"],
                                data=["/srv/xronos/data/d.jsonl"], scanned_at=1.0)}
 CATALOG_FORM = hastate.JobForm(owner="pi5")
-SECTION = (REPO / "README.md").read_text().split("\n## Home Assistant\n", 1)[1].split("\n## ", 1)[0]
+SECTION = (doctext.DOCS / "home-assistant.md").read_text()
+NODE = Capabilities(node_id="pi5", hostname="pi5", arch="aarch64", cpu_model="Cortex-A76", cores=4,
+                    memory_total=8 << 30, memory_available=6 << 30, torch_version="2.13.0",
+                    data_host="10.0.0.5", cpu_temp_c=50.0, sent_at=1.0)
 
 
 def _entity_ids(ctx: ha.HAContext, specs=("reviews",)) -> set[str]:
@@ -87,9 +91,7 @@ def test_the_example_job_spec_goes_into_job_dir(tmp_path):
 def test_every_entity_is_listed_and_the_state_example_has_real_fields():
     """Each entity the discovery creates is named in the section (under its device's paragraph),
     and the gateway/state example shows fields GatewayHAState has."""
-    node = Capabilities(node_id="pi5", hostname="pi5", arch="aarch64", cpu_model="Cortex-A76", cores=4,
-                        memory_total=8 << 30, memory_available=6 << 30, torch_version="2.13.0",
-                        data_host="10.0.0.5", cpu_temp_c=50.0, sent_at=1.0)
+    node = NODE
     gateway_part = SECTION.split("**Xronos gateway** device", 1)[1].split("**Xronos node", 1)[0]
     node_part = SECTION.split("**Xronos node", 1)[1].split("\n\n", 1)[0]
     gateway_part, node_part = (" ".join(p.split()) for p in (gateway_part, node_part))  # line breaks
@@ -101,3 +103,60 @@ def test_every_entity_is_listed_and_the_state_example_has_real_fields():
     example = re.search(r"\| `xronos/gateway/state` \| `(\{.*?\})` \|", SECTION).group(1)
     fields, known = set(re.findall(r'"([a-z_]+)":', example)), set(hastate.GatewayHAState.model_fields)
     assert fields and fields <= known, fields - known
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _alternatives(span: str) -> list[str]:
+    """`{"action": "pause"|"resume"}` as the commands it stands for."""
+    m = re.search(r'"[^"]*"(?:\|"[^"]*")+', span)
+    if not m:
+        return [span]
+    return [span[:m.start()] + alt + span[m.end():] for alt in m.group().split("|")]
+
+
+def test_every_command_the_docs_name_is_accepted():
+    """A command for the gateway or a node shown anywhere in the docs (the README's first job too)."""
+    seen = 0
+    for path in doctext.FILES:
+        for span in doctext.spans(doctext.text(path)):
+            if path.name == "interfaces.md" and not all(_is_json(s) for s in _alternatives(span)):
+                continue  # the contracts' notation (`"spec"?: name`), not a command to send
+            if span.startswith('{"action": '):
+                for one in _alternatives(span):
+                    hastate.parse_command(hastate.GatewayCommand, one.encode(), "xronos/gateway/set")
+                seen += 1
+            elif span.startswith('{"participate": ') and span.endswith(", ...}"):  # a node's state, elided
+                fields = set(re.findall(r'"([a-z_]+)":', span))
+                assert fields <= set(hastate.NodeHAState.model_fields), fields - set(hastate.NodeHAState.model_fields)
+                seen += 1
+            elif span.startswith('{"participate": '):
+                hastate.parse_command(hastate.NodeCommand, span.encode(), "xronos/node/pi5/set")
+                seen += 1
+    assert seen >= 10
+
+
+def test_every_entity_id_the_docs_name_exists():
+    _, gw = ha.gateway_discovery(ha.HAContext(), ("reviews",), CATALOG_FORM, CATALOGS)
+    _, node = ha.node_discovery(ha.HAContext(), NODE)
+    known = {c["default_entity_id"] for cfg in (gw, node) for c in cfg["cmps"].values()}
+    named = {(doctext.name(p), e) for p in doctext.FILES
+             for e in re.findall(r"\b(?:sensor|select|number|button|switch|binary_sensor)\.xronos_[a-z0-9_]+",
+                                 doctext.text(p))}
+    assert len(named) > 20 and {n for n in named if n[1] not in known} == set()
+
+
+def test_the_readme_names_real_entities():
+    """The README's first job from Home Assistant names the entities in bold, as the devices show them."""
+    part = doctext.text(doctext.README).split("\n## A first job from Home Assistant\n", 1)[1].split("\n## ", 1)[0]
+    _, gw = ha.gateway_discovery(ha.HAContext(), ("reviews",), CATALOG_FORM, CATALOGS)
+    _, node = ha.node_discovery(ha.HAContext(), NODE)
+    names = {c["name"] for cfg in (gw, node) for c in cfg["cmps"].values()}
+    bold = set(re.findall(r"\*\*([^*]+)\*\*", " ".join(part.split()))) - {"Xronos gateway", "Xronos node"}
+    assert len(bold) > 10 and bold - names == set()
