@@ -122,3 +122,21 @@ def test_every_module_the_docs_name_exists():
             if dotted not in ENTRY_POINT_GROUPS and not _resolves(dotted):
                 missing.append(f"{doctext.name(path)}: {dotted}")
     assert seen > 60 and missing == []
+
+
+def test_every_job_spec_the_docs_show_is_valid(tmp_path):
+    """A TOML block in the docs is a job spec a person copies: it must load, and say what
+    examples/job.toml says for the keys it shares with it."""
+    import tomllib
+
+    from xronos.protocol.specfile import load_spec
+
+    example = tomllib.loads((REPO / "examples" / "job.toml").read_text())
+    blocks = [(p, b) for p in doctext.FILES for b in re.findall(r"```toml\n(.*?)```", p.read_text(), re.S)]
+    assert blocks
+    for i, (path, block) in enumerate(blocks):
+        spec = tmp_path / f"spec{i}.toml"
+        spec.write_text(block)
+        assert load_spec(spec).name, doctext.name(path)
+        shown = tomllib.loads(block)
+        assert {k: v for k, v in shown.items() if example.get(k, v) != v} == {}, doctext.name(path)
