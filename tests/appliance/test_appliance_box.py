@@ -239,7 +239,8 @@ def test_home_assistant_starts_a_job_from_job_dir(box):
         lambda s: s["job_name"] == "box-ha" and s["phase"] in ("completed", "failed", "cancelled") and s)(state()),
         timeout=600, every=3)
     assert done["phase"] == "completed" and done["steps"] == "6 / 6", done
-    assert done["last_command"].startswith("start: submitted box-tiny as box-ha-")
+    # "submitted" until the gateway answers, then "accepted" (or "refused ...: reason")
+    assert done["last_command"].startswith("start: accepted box-tiny as box-ha-"), done["last_command"]
     assert box.path("/srv/xronos/exports/box-ha/model.safetensors").exists()
 
 
