@@ -20,9 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from xronos.cli.service import config_or_exit
+    from xronos.common import cachedirs
+    from xronos.common.logsetup import configure_logging
     from xronos.node.config import load_config
-    from xronos.protocol import cachedirs
-    from xronos.protocol.logsetup import configure_logging
 
     cfg = config_or_exit("node", load_config, args.config)  # a bad file: one line, exit 78
     configure_logging(cfg.log_level)

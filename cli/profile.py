@@ -59,7 +59,7 @@ def id_arg(text: str) -> str:
     plan` and the gateway read back; a plan's job_id): refused as the user typed it, in one line."""
     from pydantic import TypeAdapter, ValidationError
 
-    from xronos.protocol.errtext import reason
+    from xronos.common.errtext import reason
     from xronos.protocol.messages import Id
 
     try:

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
 
-from xronos.protocol.configfile import (
+from xronos.common.configfile import (
     STRICT_CONFIG,
     AbsPath,
     ConfigError,

@@ -20,9 +20,9 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
+from xronos.common.errtext import problems
 from xronos.protocol import hastate
 from xronos.protocol import messages as m
-from xronos.protocol.errtext import problems
 
 # The job spec's GGUF field (the GGUF export of issue 34). Until JobSpec has it, a form asking for
 # a GGUF file is refused (naming why) rather than submitted without one.

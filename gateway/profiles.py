@@ -20,14 +20,14 @@ from typing import Sequence
 
 from pydantic import TypeAdapter, ValidationError
 
+from xronos.common.errtext import reason, where
 from xronos.gateway.commmodel import (
     DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, NodeComm, comm_time, node_comm, tp_comm_volume,
 )
 from xronos.gateway.costmodel import Fit, LayerCost, NodeProfile, node_cost
 from xronos.gateway.planner import InfeasiblePlan, MiB, PlanResult, Strategy, plan
-from xronos.protocol.layout import KINDS, NOUN
 from xronos.protocol.codec import MAX_PAYLOAD
-from xronos.protocol.errtext import reason, where
+from xronos.protocol.layout import KINDS, NOUN
 from xronos.protocol.messages import (
     MAX_ID, SCHEMA_VERSION, Id, JobSpec, Plan, PlanEntry, ProfileReport, ProfileSettings,
 )

@@ -30,21 +30,21 @@ from typing import Any
 
 import structlog
 
+from xronos.common import sdnotify
 from xronos.gateway import homeassistant as ha
-from xronos.gateway.habridge import Actions, HABridge, Refused
 from xronos.gateway import jobs as J
 from xronos.gateway import registry as R
 from xronos.gateway.config import GatewayConfig
 from xronos.gateway.effects import messages as effect_messages
+from xronos.gateway.habridge import Actions, HABridge, Refused
 from xronos.gateway.jobrebal import Rebalancers
 from xronos.gateway.jobviews import current, milestone, nodes_of, summary
 from xronos.gateway.nodetopics import NodeTopics
 from xronos.gateway.offline import OfflineGrace
 from xronos.gateway.planning import plan_job
-from xronos.gateway.rebalance import PolicyConfig
 from xronos.gateway.progress import state_view
+from xronos.gateway.rebalance import PolicyConfig
 from xronos.gateway.store import JobStore
-from xronos.protocol import sdnotify
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import DEFER, Dispatcher, RequestError
 from xronos.protocol.ownavail import OwnAvailability

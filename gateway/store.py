@@ -25,7 +25,7 @@ from typing import Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from xronos.protocol.errtext import reason, where
+from xronos.common.errtext import reason, where
 from xronos.protocol.messages import STORED
 
 from .jobtypes import Job

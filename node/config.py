@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from xronos.protocol.configfile import (
+from xronos.common.configfile import (
     STRICT_CONFIG,
     AbsPath,
     ConfigError,
@@ -62,7 +62,7 @@ class NodeConfig(BaseModel):
     # NIC Gloo binds to (exported as GLOO_SOCKET_IFNAME to the ranks); None = Gloo's choice.
     data_interface: InterfaceName | None = None
     # A job's model_dir, data_path and export_dir must resolve under one of these (see
-    # xronos.protocol.paths.confine_path). Default: [state_dir].
+    # xronos.common.paths.confine_path). Default: [state_dir].
     allowed_dirs: list[AbsPath] = Field(min_length=1)
     threads: Annotated[int, Field(gt=0)] | None = None
     reserve_mb: Annotated[int, Field(ge=0)] = 512  # memory left to the device's day job

@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from xronos.common.paths import confine_path
 from xronos.protocol.layout import KINDS, NOUN, QUANTA, Layout, LayoutError
 from xronos.protocol.messages import Assignment, JobSpec
-from xronos.protocol.paths import confine_path
 
 
 def _overlap(a: Path, b: Path) -> bool:

@@ -26,8 +26,8 @@ from typing import Any
 
 import structlog
 
+from xronos.common.throttle import LogThrottle
 from xronos.protocol import messages as m
-from xronos.protocol.throttle import LogThrottle
 
 log = structlog.get_logger(__name__)
 

@@ -38,13 +38,14 @@ from typing import Any
 
 import structlog
 
+from xronos.common import sdnotify
 from xronos.node import limits, participation
 from xronos.node.boxcheck import Box, assignment_problem_on_box, owner_arch, profile_problem, resident_bytes
 from xronos.node.catalog import CatalogPublisher
 from xronos.node.config import NodeConfig, detect_data_host, job_dir
 from xronos.node.jobcheck import assignment_problem
 from xronos.node.owncaps import OwnCapabilities
-from xronos.protocol import hastate, sdnotify
+from xronos.protocol import hastate
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import Dispatcher
 from xronos.protocol.layout import Layout

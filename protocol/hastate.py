@@ -25,7 +25,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errtext import reason
+from xronos.common.errtext import reason
+
 from .messages import DataFormat, Phase, Task
 
 GATEWAY_STATE = "gateway/state"  # GatewayHAState, retained, gateway → HA

@@ -16,7 +16,7 @@ from xronos.node.launch import free_port
 from xronos.node.service import NodeService
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 from xronos.protocol.layout import Layout, LayoutError, Sizes
 from xronos.protocol.topics import TopicTable
 

@@ -19,7 +19,7 @@ from xronos.gateway.config import GatewayConfig  # noqa: E402
 from xronos.gateway.service import GatewayService  # noqa: E402
 from xronos.protocol import messages as m  # noqa: E402
 from xronos.protocol.codec import decode, encode  # noqa: E402
-from xronos.protocol.fakebus import FakeBroker  # noqa: E402
+from fakebus import FakeBroker  # noqa: E402
 from xronos.protocol.topics import TopicTable  # noqa: E402
 
 T = TopicTable()

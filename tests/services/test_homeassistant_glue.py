@@ -18,7 +18,7 @@ from xronos.node.config import NodeConfig
 from xronos.node.service import NodeService
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 
 from protocol_samples import ARCH  # noqa: E402
 

@@ -28,7 +28,7 @@ from xronos.node.launch import free_port
 from xronos.protocol import messages as m
 from xronos.protocol.codec import encode
 from xronos.protocol.layout import Layout
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 from xronos.protocol.topics import TopicTable
 
 T = TopicTable()

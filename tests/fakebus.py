@@ -13,9 +13,9 @@ import threading
 
 from paho.mqtt.client import topic_matches_sub
 
-from .codec import MAX_PAYLOAD
-from .topics import TopicTable
-from .transport import BusBase, OutgoingQueue, Will
+from xronos.protocol.codec import MAX_PAYLOAD
+from xronos.protocol.topics import TopicTable
+from xronos.protocol.transport import BusBase, OutgoingQueue, Will
 
 
 class FakeBroker:
