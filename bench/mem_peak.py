@@ -43,7 +43,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
 
 def plan_for_caps(report, nodes: int, caps: list[int]):
     """The segment planner's layout for `nodes` copies of one profile under exactly `caps` bytes."""
-    from xronos.gateway.profiles import Loaded, plan_reports
+    from xronos.gateway.plan.profiles import Loaded, plan_reports
 
     loaded = []
     for r, cap in enumerate(caps):
@@ -84,8 +84,8 @@ def run_capped(cmd: list[str], caps: list[int], phases_dir: Path) -> list[dict]:
 def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nodes: int, *, batch: int, seq: int,
             steps: int, work: Path, profile_json: Path | None = None, memcap: list[int] | None = None,
             lora_r: int | None = None, clip: bool = True) -> dict:
-    from xronos.gateway.costmodel import heap_slack, layout_shares, node_cost, predict_memory
-    from xronos.gateway.profiles import load_report, node_profile
+    from xronos.gateway.plan.costmodel import heap_slack, layout_shares, node_cost, predict_memory
+    from xronos.gateway.plan.profiles import load_report, node_profile
     from xronos.node.launch import rank_env
     from xronos.node.memwatch import ENV
     from xronos.protocol.layout import Layout

@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from xronos.gateway.costmodel import node_cost, time_at
-    from xronos.gateway.profiles import node_profile
+    from xronos.gateway.plan.costmodel import node_cost, time_at
+    from xronos.gateway.plan.profiles import node_profile
     from xronos.node.models.shapes import shape_config
     from xronos.node.profiler import profile
 

@@ -140,3 +140,34 @@ def test_the_tp_engine_does_not_know_the_emulator() -> None:
     bad = sorted(f"{m} reaches {b}" for m in graph if m.startswith("xronos.node.tp")
                  for b in reachable(m) if b.startswith("xronos.node.emulate"))
     assert bad == [], "\n".join(bad)
+
+
+# Rooms inside a plane: module prefix -> the prefixes of that plane it may import (besides itself).
+ROOMS = {
+    "xronos.gateway.plan": (),  # planning is pure over profiles: it knows no job
+    "xronos.gateway.job": ("xronos.gateway.plan", "xronos.gateway.registry"),
+}
+
+
+def _in(mod: str, prefix: str) -> bool:
+    return mod == prefix or mod.startswith(prefix + ".")
+
+
+def test_the_rooms_of_a_plane_import_only_downwards() -> None:
+    graph = _graph()
+    assert "xronos.gateway.plan.planner" in graph and "xronos.gateway.job.machine" in graph
+    bad = []
+    for room, allowed in ROOMS.items():
+        plane = room.rsplit(".", 1)[0]
+        for a in (m for m in graph if _in(m, room)):
+            bad += [f"{a} imports {b}" for b in graph[a] if _in(b, plane) and not _in(b, room)
+                    and not any(_in(b, ok) for ok in allowed)]
+    assert sorted(bad) == [], "\n".join(sorted(bad))
+
+
+def test_no_gateway_module_is_named_for_a_room_it_stands_beside() -> None:
+    """Planning and job modules live in their rooms (gateway/plan/, gateway/job/), not beside them
+    under a prefix (`planner.py`, `jobtypes.py`, `rebalmodel.py` at gateway/ were what the rooms
+    replaced)."""
+    stray = sorted(f.name for f in (ROOT / "gateway").glob("*.py") if f.stem.startswith(("plan", "job", "rebal")))
+    assert stray == [], stray

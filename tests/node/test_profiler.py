@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from xronos.gateway.profiles import Loaded, parse_report, plan_reports
+from xronos.gateway.plan.profiles import Loaded, parse_report, plan_reports
 from xronos.node import profiler as prof
 from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.shapes import shape

@@ -11,8 +11,8 @@ import pytest
 
 from nodekit import pump
 from test_gateway_glue import NODES, SPEC, T, Harness, announce, report  # noqa: F401  (tests/services)
-from xronos.gateway import jobs as J
 from xronos.gateway.config import GatewayConfig
+from xronos.gateway.job import machine as J
 from xronos.gateway.service import GatewayService
 from xronos.node.config import NodeConfig
 from xronos.node.service import NodeService
