@@ -272,7 +272,7 @@ def pp_plan(ctx: Ctx, profiles: dict[str, dict]):
     boundary = [2 * (NOMINAL_LATENCY_S + msg / planning_bw_bps(ctx))] * len(weights)
     # On top of 16 B per parameter: two fp32 copies of a stage's largest layer, held briefly (the
     # checkpoint tensor while it is copied in, the embedding's dense per-micro-batch gradient before it
-    # is accumulated, the per-tensor AdamW temporaries; freed heap stays resident, node/allocator.py).
+    # is accumulated, the per-tensor AdamW temporaries; freed heap stays resident, node/measure/allocator.py).
     # Without it a Pi 5 stage holding the TinyLlama embedding and two blocks was planned at 2.31 GiB
     # of its 2.41 GiB budget and OOM-killed at 2.84 GiB resident; an embedding-only stage peaked at
     # ~2.9 GiB RSS with 1.0 GiB of weights, gradients and AdamW state.

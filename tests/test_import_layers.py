@@ -5,7 +5,9 @@ statement of every module, those inside functions included (a lazy import is sti
   only common; gateway and node only protocol and common; cli every plane but never the bench; the
   bench everything;
 - no import cycle between modules of common, protocol, gateway, node or cli (so none between cli,
-  bench and node either, by the first rule).
+  bench and node either, by the first rule);
+- inside a plane, its rooms (ROOMS) import only the rooms below them, and its top rooms
+  (TOP_ROOMS) nothing else of the plane imports.
 """
 
 from __future__ import annotations
@@ -146,7 +148,11 @@ def test_the_tp_engine_does_not_know_the_emulator() -> None:
 ROOMS = {
     "xronos.gateway.plan": (),  # planning is pure over profiles: it knows no job
     "xronos.gateway.job": ("xronos.gateway.plan", "xronos.gateway.registry"),
+    "xronos.node.box": ("xronos.node.emulate",),  # this box and the bounds of its children: low
+    "xronos.node.data": ("xronos.node.models", "xronos.node.tp", "xronos.node.runconfig"),
 }
+# Rooms at the top of their plane: nothing else in the plane imports them.
+TOP_ROOMS = ("xronos.node.agent",)
 
 
 def _in(mod: str, prefix: str) -> bool:
@@ -155,13 +161,18 @@ def _in(mod: str, prefix: str) -> bool:
 
 def test_the_rooms_of_a_plane_import_only_downwards() -> None:
     graph = _graph()
-    assert "xronos.gateway.plan.planner" in graph and "xronos.gateway.job.machine" in graph
+    assert {"xronos.gateway.plan.planner", "xronos.gateway.job.machine", "xronos.node.agent.service",
+            "xronos.node.box.limits", "xronos.node.data.batches"} <= graph.keys()
     bad = []
     for room, allowed in ROOMS.items():
         plane = room.rsplit(".", 1)[0]
         for a in (m for m in graph if _in(m, room)):
             bad += [f"{a} imports {b}" for b in graph[a] if _in(b, plane) and not _in(b, room)
                     and not any(_in(b, ok) for ok in allowed)]
+    for room in TOP_ROOMS:
+        plane = room.rsplit(".", 1)[0]
+        bad += [f"{a} imports {b}" for a, bs in graph.items() if _in(a, plane) and not _in(a, room)
+                for b in bs if _in(b, room)]
     assert sorted(bad) == [], "\n".join(sorted(bad))
 
 

@@ -57,7 +57,7 @@ DEFAULT_LATENCY_S = 0.5e-3
 @dataclass(frozen=True)
 class NodeComm:
     """One node's CPU cost of an all-reduce, from its profile's loopback probe
-    (`xronos.node.commprobe`, two local ranks): `fixed_s` per ring step pair, `per_byte_s` per byte
+    (`xronos.node.measure.commprobe`, two local ranks): `fixed_s` per ring step pair, `per_byte_s` per byte
     of the tensor as one rank of a two-rank ring pays it. Gloo's all-reduce is a ring: reduce-scatter
     then all-gather, 2(N-1) steps, each rank sending and receiving 2(N-1)/N of the tensor. So one
     rank of a ring of N pays `fixed * (N-1) + per_byte * 2(N-1)/N * bytes`."""

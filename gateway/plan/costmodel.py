@@ -54,7 +54,7 @@ parameter at share 1 — loading reads each parameter's slice into a buffer and 
 under the training ranks' allocator setting (freed blocks stay in the heap) that buffer stays
 resident. `H` = the heap's free holes during training (`heap_slack`): under the same setting
 the heap keeps every block it spread to, and blocks of mixed sizes leave free gaps they do not
-fit. The profile measures them on the trainer's own iteration (`node/heapprobe.py`: the heap's
+fit. The profile measures them on the trainer's own iteration (`node/measure/heapprobe.py`: the heap's
 span minus its in-use peak, settled) with one block at full width and at its smallest width, and
 with four blocks at the smallest width (the smallest width's two depths the medians of three
 fresh processes, profiler version 9: one draw's growth was off by half); `H` counts the one-block
@@ -73,7 +73,7 @@ loading buffer's gap where they fit — hence the max, not a sum: a GPT-2-medium
 M_w above, summed at its shares): Eq. 9 counts both, but they are not resident together — backward
 frees each block's saved activations as it makes that block's gradients, so the live set runs from
 all of A (backward's start) to all of G (its end, the step) and its peak is the larger, the
-smaller never being added. Measured on the trainer's iteration (`node/heapprobe.py`, in use at its
+smaller never being added. Measured on the trainer's iteration (`node/measure/heapprobe.py`, in use at its
 peak, 1/4/6 blocks at the smallest profiled width): each further block added exactly its M_w, 48.2
 MiB per GPT-2-medium block (M_w 48.1, M_a 7.0) and 27.1 per RoBERTa-base block at seq 64 (M_w 27.1,
 M_a 10.5, larger than its gradients: the embedding's and the head's gradients make G the larger

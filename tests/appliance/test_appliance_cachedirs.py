@@ -12,7 +12,7 @@ from xronos.common import cachedirs
 
 READ = """
 import sys
-from xronos.node.data import load_columns
+from xronos.node.data.batches import load_columns
 if sys.argv[2] == "apply":
     from xronos.common import cachedirs
     cachedirs.apply(sys.argv[1])

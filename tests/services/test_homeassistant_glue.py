@@ -14,8 +14,8 @@ from test_gateway_glue import NODES, SPEC, T, Harness, announce, report  # noqa:
 from xronos.gateway.config import GatewayConfig
 from xronos.gateway.job import machine as J
 from xronos.gateway.service import GatewayService
-from xronos.node.config import NodeConfig
-from xronos.node.service import NodeService
+from xronos.node.agent.config import NodeConfig
+from xronos.node.agent.service import NodeService
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode
 from fakebus import FakeBroker
@@ -360,7 +360,7 @@ def test_a_refused_start_shows_refused_where_it_said_submitted(tmp_path, caplog)
 
 
 def test_the_node_publishes_its_catalog_and_rescans_on_request(tmp_path):
-    from xronos.node import catalog
+    from xronos.node.agent import catalog
 
     data = tmp_path / "data"
     data.mkdir()

@@ -11,11 +11,11 @@ import time
 import pytest
 
 from nodekit import pump, replies
-from xronos.node import limits
-from xronos.node.capabilities import memory, usable_cores
-from xronos.node.config import NodeConfig
+from xronos.node.agent.config import NodeConfig
+from xronos.node.agent.service import NodeService
+from xronos.node.box import limits
+from xronos.node.box.capabilities import memory, usable_cores
 from xronos.node.launch import free_port
-from xronos.node.service import NodeService
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
 from fakebus import FakeBroker

@@ -1,6 +1,6 @@
 """The heap's free holes of real training iterations at two depths, each in a fresh process.
 
-Under the training ranks' allocator setting (`xronos.node.allocator`: no mmap, no trimming) the
+Under the training ranks' allocator setting (`xronos.node.measure.allocator`: no mmap, no trimming) the
 heap keeps every block it spread to, and blocks of mixed sizes leave free gaps they do not fit:
 resident bytes no tensor holds (`memprobe`, "Heap slack"). Those holes grow with the model's
 depth — every block's saved activations and gradients cycle through the heap once per iteration
@@ -26,9 +26,9 @@ do not level off with depth (medians at 1, 4, 6 blocks of the grid's RoBERTa sha
 38, 74, 104 MiB; the line through the first two gives 98 at six), so no cap is put on the growth
 (bench/results/mem-peak-v9.md).
 
-    python -m xronos.node.boxed xronos.node.heapprobe REQUEST.json     # a child: prints {"slack": bytes, ...}
+    python -m xronos.node.box.boxed xronos.node.measure.heapprobe REQUEST.json  # a child: prints {"slack": bytes, ...}
 
-The profiler (`node/profiler.py`) measures one block at full width (once: the costliest probe) and
+The profiler (`node/measure/profiler.py`) measures one block at full width (once: the costliest probe) and
 at its smallest width, and the growth with depth at the smallest width (cheap there, and the
 ranks of a plan are rarely wide), the smallest width's two depths three times each.
 """
@@ -67,9 +67,9 @@ def measure(config: dict[str, Any], task: str, layout: dict[str, tuple[int, int]
     module docstring); {} without glibc's mallinfo2."""
     import torch
 
-    from xronos.node import memwatch
     from xronos.node.gradnorm import squared_norm
-    from xronos.node.memprobe import AllocTrace
+    from xronos.node.measure import memwatch
+    from xronos.node.measure.memprobe import AllocTrace
     from xronos.node.models.loading import init_random
     from xronos.node.models.registry import family_for
     from xronos.node.optim import adamw
@@ -129,15 +129,15 @@ def measure_in_child(job: dict[str, Any], threads: int, timeout_s: float = 1800.
     """`measure(**job)` in a fresh process under the ranks' environment; RuntimeError if it fails."""
     import tempfile
 
+    from xronos.node.box.limits import Child, boxed_argv
     from xronos.node.launch import rank_env
-    from xronos.node.limits import Child, boxed_argv
 
     with tempfile.TemporaryDirectory(prefix="xronos-heapprobe-") as tmp:
         req = Path(tmp) / "request.json"
         req.write_text(json.dumps(job))
         # Boxed without limits of its own: it dies with the profile child and is inside that
-        # child's cgroups and rlimits, which it inherits (node/limits.py).
-        child = Child(boxed_argv("xronos.node.heapprobe", str(req)), rank_env(threads), None, "heapprobe",
+        # child's cgroups and rlimits, which it inherits (node/box/limits.py).
+        child = Child(boxed_argv("xronos.node.measure.heapprobe", str(req)), rank_env(threads), None, "heapprobe",
                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             out, err = child.proc.communicate(timeout=timeout_s)
@@ -178,7 +178,7 @@ def slack_per_depth(job: dict[str, Any], threads: int, depth: int = DEPTH,
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m xronos.node.heapprobe REQUEST.json", file=sys.stderr)
+        print("usage: python -m xronos.node.measure.heapprobe REQUEST.json", file=sys.stderr)
         return 2
     import torch
 

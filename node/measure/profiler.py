@@ -49,8 +49,9 @@ holes a training rank keeps resident under the ranks' allocator setting — is m
 trainer's own iteration of the model with one block at full width (`heap_slack_bytes`) and at the
 smallest profiled width (`heap_slack_small_bytes`), and with four blocks at the smallest width for
 what each further block adds (`heap_slack_block_bytes`), each in a fresh process, the smallest
-width's two depths three times each and their medians taken (`node/heapprobe.py`; with XRONOS_MALLOC=glibc the ranks and the probe both run glibc's default,
-whose big blocks are mmapped apart).
+width's two depths three times each and their medians taken (`node/measure/heapprobe.py`; with
+XRONOS_MALLOC=glibc the ranks and the probe both run glibc's default, whose big blocks are mmapped
+apart).
 """
 
 from __future__ import annotations
@@ -70,12 +71,12 @@ from typing import Any
 import structlog
 import torch
 
-from xronos.node import allocator, memwatch
-from xronos.node.capabilities import fingerprint, probe
-from xronos.node.commprobe import probe_collectives
-from xronos.node.heapprobe import blocks_config, measure_in_child, slack_per_depth
+from xronos.node.box.capabilities import fingerprint, probe
+from xronos.node.measure import allocator, memwatch
+from xronos.node.measure.commprobe import probe_collectives
+from xronos.node.measure.heapprobe import blocks_config, measure_in_child, slack_per_depth
+from xronos.node.measure.profset import ProfileTooLarge, ProfilingSet, floor_bytes
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
-from xronos.node.profset import ProfileTooLarge, ProfilingSet, floor_bytes
 from xronos.node.tp.lora import LoraSettings
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
 from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport, ProfileSettings
@@ -157,7 +158,7 @@ def collective_pause_s() -> float:
     (MAPE; 5.5-13.5 % with the pause, bench/results/prediction-error.md). One period is the longest a wait can matter: the quota refills every period."""
     import os
 
-    from xronos.node.capabilities import cgroup_cpu_period_s
+    from xronos.node.box.capabilities import cgroup_cpu_period_s
 
     from xronos.node.emulate import process_clock
 
@@ -354,7 +355,7 @@ def profile(
         owner = owner_rss()
         # The heap's holes of one block at full width and at the smallest profiled one, and their
         # growth with depth (1 and 4 blocks at the smallest, medians of three), each in a fresh process
-        # (node/heapprobe.py); after runtime_rss, which handed this process's freed heap back,
+        # (node/measure/heapprobe.py); after runtime_rss, which handed this process's freed heap back,
         # so the box holds one model at a time.
         heap_job = dict(config=config, task=task, batch=batch_size, seq=seq_len, seed=seed, clip=clip,
                      weight_decay=weight_decay,

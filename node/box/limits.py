@@ -1,6 +1,6 @@
 """Every process the node starts is bounded by the box and dies with the node.
 
-A request is checked before it starts (`node/footprint.py`, `NodeService`), but a prediction can be
+A request is checked before it starts (`node/box/footprint.py`, `NodeService`), but a prediction can be
 wrong. So every child — a training rank, a profile child and the heap probes it starts — runs under
 a memory limit and a task (threads and processes) limit derived from the box when it starts:
 
@@ -19,7 +19,7 @@ a memory limit and a task (threads and processes) limit derived from the box whe
   `TasksMax=` is the backstop of the whole service). Root is exempt from `RLIMIT_NPROC`; each
   process (the profile child and its heap probe) gets `RLIMIT_DATA` alone.
 
-Every child is started through `python -m xronos.node.boxed MODULE ARGS...` (`boxed_argv`), which
+Every child is started through `python -m xronos.node.box.boxed MODULE ARGS...` (`boxed_argv`), which
 sets PR_SET_PDEATHSIG (SIGKILL) on itself, checks that its parent is still the one that started it
 (the parent may have died before the call), joins its cgroups and applies its rlimits before the
 module runs — so the limits hold from its first allocation and a grandchild inherits all of it.
@@ -185,7 +185,7 @@ def user_tasks(uid: int | None = None) -> int:
 
 # --- starting children --------------------------------------------------------------------------
 def boxed_argv(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "xronos.node.boxed", module, *args]
+    return [sys.executable, "-m", "xronos.node.box.boxed", module, *args]
 
 
 def box_env(env: dict[str, str], limits: ChildLimits | None, groups: Groups | None = None) -> dict[str, str]:

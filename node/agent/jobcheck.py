@@ -68,7 +68,7 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
                 reserved: Iterable[str | Path] = ()) -> dict[str, Any]:
     """InspectReport fields (without ids) for a job this node would own; ValueError/FileNotFoundError
     naming the problem otherwise."""
-    from xronos.node.data import load_tokenizer
+    from xronos.node.data.batches import load_tokenizer
     from xronos.node.models.registry import arch_spec, family_for
     from xronos.node.runconfig import DataConfig, total_steps
     from xronos.node.validate import check_checkpoint, check_dataset, check_lora, read_config

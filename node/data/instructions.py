@@ -1,5 +1,5 @@
 """Instruction data for a causal LM: rendering a row and the labels of its answer tokens
-(`xronos.node.data` reads the rows and batches them).
+(`xronos.node.data.batches` reads the rows and batches them).
 
 Files: CSV, JSON, JSONL or Parquet (read with `datasets`). Formats (`DataConfig.data_format`):
 - "text": a text column (and a pair column); classify reads a label column, a causal LM learns
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from xronos.node.labels import short_repr
+from xronos.node.data.labels import short_repr
 from xronos.node.runconfig import DataConfig
 
 

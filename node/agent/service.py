@@ -20,8 +20,8 @@ once, a job's directory is `state_dir/jobs/<job id>` with the id checked as one 
 component, and an owner's paths are confined (`jobcheck.confined_spec`: inside `allowed_dirs`,
 an export that overwrites neither the base model nor the node's job directories). No request can
 take the box down: a profile or an assignment over its cores or memory is refused with the numbers
-(`node/boxcheck.py`); every child runs boxed — memory and task limits, dying with the node
-(`node/limits.py`); a stop takes seconds at any point, a cancel does not hold the loop.
+(`node/agent/boxcheck.py`); every child runs boxed — memory and task limits, dying with the node
+(`node/box/limits.py`); a stop takes seconds at any point, a cancel does not hold the loop.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ from typing import Any
 import structlog
 
 from xronos.common import sdnotify
-from xronos.node import limits, participation
-from xronos.node.boxcheck import Box, assignment_problem_on_box, owner_arch, profile_problem, resident_bytes
-from xronos.node.catalog import CatalogPublisher
-from xronos.node.config import NodeConfig, detect_data_host, job_dir
-from xronos.node.jobcheck import assignment_problem
-from xronos.node.owncaps import OwnCapabilities
+from xronos.node.agent import participation
+from xronos.node.agent.boxcheck import Box, assignment_problem_on_box, owner_arch, profile_problem, resident_bytes
+from xronos.node.agent.catalog import CatalogPublisher
+from xronos.node.agent.config import NodeConfig, detect_data_host, job_dir
+from xronos.node.agent.jobcheck import assignment_problem
+from xronos.node.agent.owncaps import OwnCapabilities
+from xronos.node.box import limits
 from xronos.protocol import hastate
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import Dispatcher
@@ -73,7 +74,7 @@ class NodeService:
             self.bus, "node.availability", node_id=self.node_id, event="node.availability_offline_while_running",
             hint="another process with this node_id (a copied node.toml?) ran and stopped, or an 'offline' "
                  "was published by hand: every box needs its own node_id; 'online' published again")
-        self.owncaps = OwnCapabilities(self.bus, self.node_id)  # another box under this id (node/owncaps.py)
+        self.owncaps = OwnCapabilities(self.bus, self.node_id)  # another box under this id (node/agent/owncaps.py)
         self.participate = participation.load(cfg.state_dir, cfg.participate)  # HA's last choice wins
         self.work = ThreadPoolExecutor(1, thread_name_prefix="node-work")
         self.outbox: queue.Queue[Any] = queue.Queue()  # messages the worker thread wants published
@@ -89,7 +90,7 @@ class NodeService:
         self.state_dir = Path(cfg.state_dir)
         self._caps_at = 0.0
         self._ha_published: hastate.NodeHAState | None = None
-        # What allowed_dirs holds, for Home Assistant's job form (node/catalog.py).
+        # What allowed_dirs holds, for Home Assistant's job form (node/agent/catalog.py).
         self.catalog = CatalogPublisher(self.bus, self.node_id, cfg.allowed_dirs, skip=self._reserved_dirs())
         self._archs: dict[str, tuple[m.ArchSpec, str]] = {}  # job id -> the shape its profile named
         self._leaving: list[Any] = []  # RankProcesses told to stop, not yet gone (killed at a new start)
@@ -121,14 +122,14 @@ class NodeService:
         self.catalog.announce()
 
     def _publish_caps(self) -> None:
-        from xronos.node.capabilities import probe
+        from xronos.node.box.capabilities import probe
 
         self._caps_at = time.monotonic()
         self.owncaps.publish(probe(self.node_id, self.data_host, self.participate))
 
     def _publish_ha(self, force: bool = False) -> None:
         """node/<id>/state for Home Assistant, only when something but its timestamp changed."""
-        from xronos.node.capabilities import cpu_temperature
+        from xronos.node.box.capabilities import cpu_temperature
 
         a = self.assignment if self.status and self.status.status in ("accepted", "running", "paused") else None
         compute, idle = self.last_shares or (None, None)
@@ -245,7 +246,7 @@ class NodeService:
         return [self.state_dir / "jobs", self.state_dir / "profiles"]
 
     def _inspect(self, req: m.InspectRequest) -> None:
-        from xronos.node.jobcheck import inspect_job
+        from xronos.node.agent.jobcheck import inspect_job
 
         ids = {"node_id": self.node_id, "request_id": req.request_id, "job_id": req.job_id}
         try:
@@ -276,13 +277,13 @@ class NodeService:
         self.outbox.put(m.ErrorResponse(code="profile_failed", message=f"{req.request_id}: {why}"[:2000], topic=topic))
 
     def _profile(self, req: m.ProfileRequest) -> None:
-        from xronos.node.capabilities import probe
-        from xronos.node.profilechild import ProfileJob, profile_in_child
-        from xronos.node.profiler import config_for
+        from xronos.node.box.capabilities import probe
+        from xronos.node.measure.profilechild import ProfileJob, profile_in_child
+        from xronos.node.measure.profiler import config_for
 
         try:
             # In a child process: measured under the training ranks' allocator setting, and the
-            # service does not keep a full-width block's memory afterwards (node/profilechild.py).
+            # service does not keep a full-width block's memory afterwards (node/measure/profilechild.py).
             job = ProfileJob(config=config_for(arch=req.arch), task=req.task, batch_size=req.batch_size,
                              seq_len=req.seq_len, threads=req.threads or self._threads(),
                              weight_decay=req.weight_decay, clip=req.clip, lora_r=req.lora_r,
@@ -297,7 +298,7 @@ class NodeService:
             return
         self.outbox.put(report)
 
-    # --- the box's bounds (node/boxcheck.py, node/limits.py) ----------------------------------
+    # --- the box's bounds (node/agent/boxcheck.py, node/box/limits.py) ----------------------------------
     def _child_limits(self) -> limits.ChildLimits:
         return Box.now(self.cfg.reserve_mb).child_limits()
 
@@ -355,7 +356,7 @@ class NodeService:
         except ValueError as exc:
             return str(exc)
         if a.rank == 0:
-            from xronos.node.jobcheck import confined_spec
+            from xronos.node.agent.jobcheck import confined_spec
 
             try:
                 self.spec = confined_spec(a.spec, self.cfg.allowed_dirs, reserved=self._reserved_dirs())
@@ -491,4 +492,4 @@ def _warm_up() -> None:
     import datasets  # noqa: F401
     import transformers  # noqa: F401
 
-    import xronos.node.jobcheck  # noqa: F401
+    import xronos.node.agent.jobcheck  # noqa: F401

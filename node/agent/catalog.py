@@ -3,7 +3,7 @@
 `scan` walks the allowed directories (pure but for reading them): a directory with a config.json
 and `*.safetensors` weights is a model directory; one of Hugging Face files without them (a PEFT
 adapter, a tokenizer, a download under way) is not listed; neither's files are data, nor are their
-subfolders entered. A file the data loader reads (`DATA_SUFFIXES`, as `xronos.node.data`) is a
+subfolders entered. A file the data loader reads (`DATA_SUFFIXES`, as `xronos.node.data.batches`) is a
 data file.
 It is bounded and confined: hidden entries and the node's own job and profile directories are
 skipped, nothing is listed whose real location (links followed) is outside the allowed
@@ -33,7 +33,7 @@ from xronos.protocol import messages as m
 
 log = structlog.get_logger(__name__)
 
-DATA_SUFFIXES = (".csv", ".json", ".jsonl", ".parquet")  # xronos.node.data's readers (a test keeps them equal)
+DATA_SUFFIXES = (".csv", ".json", ".jsonl", ".parquet")  # xronos.node.data.batches's readers (a test keeps them equal)
 MAX_DEPTH = 4  # levels below an allowed directory
 MAX_VISITS = 20_000  # directory entries looked at per scan: a huge tree cannot stall the node
 CATALOG_EVERY_S = 60.0

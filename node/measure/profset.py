@@ -1,6 +1,6 @@
 """The profiling set: the engine's one-block model at one width, split into layers by hooks.
 
-See `xronos.node.profiler` for the method; this module holds the machinery: rank 0 of a TP world
+See `xronos.node.measure.profiler` for the method; this module holds the machinery: rank 0 of a TP world
 profiled alone (`TPGroup.alone`: the peers' collectives are skipped, so the time is this rank's
 compute only, what the cost model predicts; communication is a separate term), the block's
 partitioned regions, the hook timeline, and the set that runs one fine-tuning iteration (or one
@@ -20,7 +20,7 @@ from torch.autograd.profiler import record_function
 
 from xronos.node.emulate import pacer, process_clock
 from xronos.node.gradnorm import squared_norm
-from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
+from xronos.node.measure.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.loading import init_random
 from xronos.node.models.registry import family_for
 from xronos.node.optim import adamw
@@ -157,7 +157,7 @@ class ProfilingSet:
         """`layout`: a two-rank layout; this process is rank 0 and holds its counts of each kind.
         `lora`: the job's adapters on a frozen base, so the measured backward has no weight-gradient
         GEMMs for frozen weights and the optimizer state is the adapters' only.
-        `pause_s`: a sleep where training waits in a collective (`xronos.node.profiler`)."""
+        `pause_s`: a sleep where training waits in a collective (`xronos.node.measure.profiler`)."""
         family = family_for(config)
         layout.check(family.sizes(config), world_size=2, quanta=None)
         self.layout = layout

@@ -2,13 +2,13 @@
 
 The service is long-lived and small; a profile allocates a full-width block, its gradients and
 AdamW state. Running it in a child (a) measures under the allocator setting the training ranks use
-(`xronos.node.allocator`), which a running process cannot take on without keeping its peak heap
+(`xronos.node.measure.allocator`), which a running process cannot take on without keeping its peak heap
 for life, (b) hands every byte back to the box when it ends, and (c) keeps a crash or the OOM
-killer away from the service. The child runs boxed (`node/limits.py`): under the box's memory and
+killer away from the service. The child runs boxed (`node/box/limits.py`): under the box's memory and
 task limits, in its own process group, dying with its parent (PR_SET_PDEATHSIG), as its heap
 probes do.
 
-    python -m xronos.node.boxed xronos.node.profilechild REQUEST.json REPORT.json
+    python -m xronos.node.box.boxed xronos.node.measure.profilechild REQUEST.json REPORT.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from xronos.node.limits import ChildLimits
+from xronos.node.box.limits import ChildLimits
 from xronos.protocol.messages import Capabilities, ProfileReport
 
 _TAIL_LINES = 15
@@ -50,15 +50,15 @@ class ProfileJob(BaseModel):
 
 
 def profile_in_child(job: ProfileJob, timeout_s: float = 3600.0, limits: ChildLimits | None = None) -> ProfileReport:
-    """Run `job` in a fresh process with the ranks' environment, boxed by `limits` (node/limits.py);
+    """Run `job` in a fresh process with the ranks' environment, boxed by `limits` (node/box/limits.py);
     its report, or RuntimeError with the tail of what it printed (and the limit, if it ended it)."""
+    from xronos.node.box.limits import Child, boxed_argv
     from xronos.node.launch import rank_env
-    from xronos.node.limits import Child, boxed_argv
 
     with tempfile.TemporaryDirectory(prefix="xronos-profile-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "report.json"
         req.write_text(job.model_dump_json())
-        child = Child(boxed_argv("xronos.node.profilechild", str(req), str(out)), rank_env(job.threads), limits,
+        child = Child(boxed_argv("xronos.node.measure.profilechild", str(req), str(out)), rank_env(job.threads), limits,
                       "profile", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                       text=True)
         proc = child.proc
@@ -84,10 +84,10 @@ def profile_in_child(job: ProfileJob, timeout_s: float = 3600.0, limits: ChildLi
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print("usage: python -m xronos.node.profilechild REQUEST.json REPORT.json", file=sys.stderr)
+        print("usage: python -m xronos.node.measure.profilechild REQUEST.json REPORT.json", file=sys.stderr)
         return 2
-    from xronos.node.profiler import profile
-    from xronos.node.profset import ProfileTooLarge
+    from xronos.node.measure.profiler import profile
+    from xronos.node.measure.profset import ProfileTooLarge
 
     job = ProfileJob.model_validate_json(Path(argv[1]).read_text())
     try:

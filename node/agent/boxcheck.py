@@ -1,14 +1,14 @@
 """Work bounded by the box before it starts: a profile request or an assignment is checked against
 this box's usable cores and the memory it has now less the node's reserve, and refused with the
-field, the value asked and the box's capacity named (`node/footprint.py` predicts the need; the
-child's hard limits, `node/limits.py`, catch a prediction that was wrong)."""
+field, the value asked and the box's capacity named (`node/box/footprint.py` predicts the need; the
+child's hard limits, `node/box/limits.py`, catch a prediction that was wrong)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xronos.node import limits
-from xronos.node.footprint import Footprint, estimate, profile_estimate
+from xronos.node.box import limits
+from xronos.node.box.footprint import Footprint, estimate, profile_estimate
 from xronos.protocol import messages as m
 
 MiB = limits.MiB
@@ -22,7 +22,7 @@ class Box:
 
     @classmethod
     def now(cls, reserve_mb: int) -> Box:
-        from xronos.node.capabilities import memory, usable_cores
+        from xronos.node.box.capabilities import memory, usable_cores
 
         return cls(usable_cores(), memory()[1], reserve_mb)
 

@@ -1,4 +1,4 @@
-"""Class labels of a classification run (`xronos.node.data` reads the rows).
+"""Class labels of a classification run (`xronos.node.data.batches` reads the rows).
 
 Class labels (classify) are integer ids or strings (names). Names get ids in sorted (code point)
 order of the distinct names of the training rows — unless config.json names its labels

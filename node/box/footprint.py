@@ -1,5 +1,5 @@
 """What a profile or a training rank will ask of this box, predicted from the model's shape before
-anything is started: the node refuses work that cannot fit (`node/limits.py` caps what it starts).
+anything is started: the node refuses work that cannot fit (`node/box/limits.py` caps what it starts).
 
 Pure arithmetic over an `ArchSpec`; no torch, no I/O. It is a prediction from the shape, not the
 gateway's cost model (which needs a profile: the profile is what is being checked here). For a
@@ -93,7 +93,7 @@ PROFILE_TRANSIENT = 3  # a profile's batch-dependent bytes over one iteration's 
 def profile_estimate(arch: ArchSpec, task: str, batch: int, seq: int, lora: bool) -> Footprint:
     """A profile's child: the one-block profiling set at full width (its widest run), its activations
     and logits `PROFILE_TRANSIENT` times over. The child keeps the freed blocks of its three widths'
-    runs in its heap (the ranks' allocator setting, node/allocator.py), times under torch's memory
+    runs in its heap (the ranks' allocator setting, node/measure/allocator.py), times under torch's memory
     profiler, and its heap probes run beside it: a 64-wide GPT-2 shape (vocabulary 1000) at batch
     256 x seq 128 peaked at 1,870 MiB (the child and its probe, resident), 1,614 above the runtime,
     where one iteration's activations and logits are 523 MiB (3.1x; load ~8 on 2 cores). The weights'

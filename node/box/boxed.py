@@ -1,5 +1,5 @@
-"""`python -m xronos.node.boxed MODULE ARGS...`: run MODULE as `__main__` inside the box the node gave
-it (`node/limits.py`): dies with its parent, joins its cgroups, takes its rlimits — all before the
+"""`python -m xronos.node.box.boxed MODULE ARGS...`: run MODULE as `__main__` inside the box the node gave
+it (`node/box/limits.py`): dies with its parent, joins its cgroups, takes its rlimits — all before the
 module's first import, so its limits hold from its first allocation and bind what it starts.
 
 The box comes in the environment (`XRONOS_BOX`, JSON): `parent` (the pid that started it),
@@ -38,7 +38,7 @@ def enter(box: dict) -> None:
 
 def main() -> None:
     if len(sys.argv) < 2:
-        print("usage: python -m xronos.node.boxed MODULE ARGS...", file=sys.stderr)
+        print("usage: python -m xronos.node.box.boxed MODULE ARGS...", file=sys.stderr)
         sys.exit(2)
     enter(json.loads(os.environ.pop("XRONOS_BOX", "{}")))  # not inherited: a grandchild gets its own
     module = sys.argv[1]

@@ -22,9 +22,9 @@ Three instruments, all measured on the real tensors of a real fine-tuning iterat
   rank's heap held 515-635 MiB of free holes beside 526 MiB in use (bench/results/mem-peak-lora.md).
 - **Heap slack** — glibc's heap span (`memwatch.heap()`) after the iteration minus its in-use
   peak during it (bytes in use before + c10's peak above that level, `AllocTrace.peak_bytes`):
-  the free holes that stay resident under the ranks' allocator setting (`node/allocator.py`).
+  the free holes that stay resident under the ranks' allocator setting (`node/measure/allocator.py`).
   The heap grows for a few iterations before it is flat, so the iteration is repeated until its
-  span stops growing, then run once more under the profiler (`node/heapprobe.py`, at one and
+  span stops growing, then run once more under the profiler (`node/measure/heapprobe.py`, at one and
   two blocks, each in a fresh process).
 - **Resident state (M_w)** — the bytes of the unique storages of every parameter, its gradient
   and its optimizer state tensors, read after a real optimizer step (so AdamW's exp_avg and

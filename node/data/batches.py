@@ -9,8 +9,8 @@ always of exactly `batch_size` rows (the last incomplete batch of an epoch is dr
 evaluation set is the held-out tail of the file.
 
 Files: CSV, JSON, JSONL or Parquet (read with `datasets`). Formats (`DataConfig.data_format`):
-"text" (a text column and a pair column), "chat" and "prompt-completion" (`xronos.node.instructions`,
-which also says how their loss covers the answers only); class labels: `xronos.node.labels`.
+"text" (a text column and a pair column), "chat" and "prompt-completion" (`xronos.node.data.instructions`,
+which also says how their loss covers the answers only); class labels: `xronos.node.data.labels`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from xronos.node.instructions import (
+from xronos.node.data.instructions import (
     IGNORE_INDEX, answer_labels, as_messages, check_instruction_tokenizer, render_chat, render_prompt_completion,
 )
-from xronos.node.labels import LabelSpace, decide_labels, default_label_names, label_head_in_checkpoint
+from xronos.node.data.labels import LabelSpace, decide_labels, default_label_names, label_head_in_checkpoint
 from xronos.node.runconfig import DataConfig
 from xronos.node.tp.group import TPGroup
 
