@@ -1,2 +1,2 @@
-"""Coordinator: node registry, planning (`plan/`), jobs (`job/`), Home Assistant, the service. Never imports
-torch."""
+"""Coordinator: node registry, planning (`plan/`), jobs (`job/`), Home Assistant (`homeassistant/`), the
+service. Never imports torch."""

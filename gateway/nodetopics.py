@@ -15,8 +15,8 @@ from typing import Any
 
 import structlog
 
-from xronos.gateway import homeassistant as ha
 from xronos.gateway import registry as R
+from xronos.gateway.homeassistant import discovery as ha
 from xronos.gateway.job import machine as J
 from xronos.gateway.job.offline import OfflineGrace
 from xronos.gateway.plan.profiles import falling_times, refused_request_id, screen_report

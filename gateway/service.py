@@ -31,10 +31,10 @@ from typing import Any
 import structlog
 
 from xronos.common import sdnotify
-from xronos.gateway import homeassistant as ha
 from xronos.gateway import registry as R
 from xronos.gateway.config import GatewayConfig
-from xronos.gateway.habridge import Actions, HABridge, Refused
+from xronos.gateway.homeassistant import discovery as ha
+from xronos.gateway.homeassistant.bridge import Actions, HABridge, Refused
 from xronos.gateway.job import machine as J
 from xronos.gateway.job.effects import messages as effect_messages
 from xronos.gateway.job.offline import OfflineGrace

@@ -177,8 +177,9 @@ def test_the_rooms_of_a_plane_import_only_downwards() -> None:
 
 
 def test_no_gateway_module_is_named_for_a_room_it_stands_beside() -> None:
-    """Planning and job modules live in their rooms (gateway/plan/, gateway/job/), not beside them
-    under a prefix (`planner.py`, `jobtypes.py`, `rebalmodel.py` at gateway/ were what the rooms
-    replaced)."""
-    stray = sorted(f.name for f in (ROOT / "gateway").glob("*.py") if f.stem.startswith(("plan", "job", "rebal")))
+    """Planning, job and Home Assistant modules live in their rooms (gateway/plan/, gateway/job/,
+    gateway/homeassistant/), not beside them under a prefix (`planner.py`, `jobtypes.py`,
+    `rebalmodel.py`, `habridge.py` at gateway/ were what the rooms replaced)."""
+    prefixes = ("plan", "job", "rebal", "ha")
+    stray = sorted(f.name for f in (ROOT / "gateway").glob("*.py") if f.stem.startswith(prefixes))
     assert stray == [], stray

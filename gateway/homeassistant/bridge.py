@@ -24,8 +24,8 @@ from typing import Any
 
 import structlog
 
-from xronos.gateway import haform
-from xronos.gateway.homeassistant import (
+from xronos.gateway.homeassistant import form as haform
+from xronos.gateway.homeassistant.discovery import (
     BUTTONS, HAContext, discovery_messages, gateway_discovery, gateway_state, state_text,
 )
 from xronos.protocol import hastate

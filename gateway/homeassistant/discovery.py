@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, get_args
 
-from xronos.gateway import haform
+from xronos.gateway.homeassistant import form as haform
 from xronos.protocol import hastate
 from xronos.protocol.messages import Capabilities, JobSpec, JobState, NodeCatalog, Phase
 from xronos.protocol.topics import TopicTable

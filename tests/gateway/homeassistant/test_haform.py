@@ -1,11 +1,11 @@
-"""Home Assistant's job form (gateway/haform.py), pure: each value checked where it arrives, the
+"""Home Assistant's job form (gateway/homeassistant/form.py), pure: each value checked where it arrives, the
 whole form again into a JobSpec, and every refusal naming the field, the value and the limit."""
 
 from __future__ import annotations
 
 import pytest
 
-from xronos.gateway import haform
+from xronos.gateway.homeassistant import form as haform
 from xronos.protocol import hastate
 from xronos.protocol import messages as m
 
