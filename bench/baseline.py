@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from xronos.node.data import Batch
+from xronos.node.data.batches import Batch
 from xronos.node.metrics import Rusage
 from xronos.node.runtime import Engine, Rank, RankResult
 

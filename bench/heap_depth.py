@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from xronos.bench.workloads import shape_config, write_checkpoint
-    from xronos.node.heapprobe import measure_in_child
+    from xronos.node.measure.heapprobe import measure_in_child
+    from xronos.node.measure.profiler import widths
     from xronos.node.models.registry import family_for
-    from xronos.node.profiler import widths
     from xronos.protocol.layout import KINDS
 
     with tempfile.TemporaryDirectory(prefix="xronos-heapdepth-") as tmp:

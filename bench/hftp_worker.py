@@ -19,7 +19,7 @@ import torch
 from pydantic import Field
 
 from xronos.bench.baseline import Baseline
-from xronos.node.data import Batch
+from xronos.node.data.batches import Batch
 from xronos.node.optim import adamw
 from xronos.node.runconfig import RankConfig
 from xronos.node.runtime import LocalFiles, MetricsFile, Rank, WeightSource, main_process, read_settings, run

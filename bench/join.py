@@ -228,9 +228,9 @@ def _progress(text: str) -> None:
 def run_one(args, model: Path, data: Path, root: Path, *, join: bool) -> dict:
     """One deployment, one job; returns the collector's records and the job's final state."""
     from xronos.cli.localstack import LocalStack
+    from xronos.common.broker import EmbeddedBroker
     from xronos.node.emulate.confinement import Confinement, RankLimits
     from xronos.protocol import hastate
-    from xronos.protocol.broker import EmbeddedBroker
     from xronos.protocol.messages import JobSpec
 
     name = "join" if join else "static"

@@ -111,8 +111,8 @@ def rerun(paths: list[Path], out: Path) -> dict:
 
 def cell_rows(doc: dict, fresh: dict | None = None, peaks: dict | None = None) -> list[dict]:
     """One row per (TP strategy, rank) of a cell with measured peaks: predicted, measured, terms."""
-    from xronos.gateway.costmodel import KINDS, heap_slack, node_cost, not_coexisting, predict_memory
-    from xronos.gateway.profiles import node_profile
+    from xronos.gateway.plan.costmodel import KINDS, heap_slack, node_cost, not_coexisting, predict_memory
+    from xronos.gateway.plan.profiles import node_profile
     from xronos.protocol.messages import ProfileReport
 
     names = [d["name"] for d in doc["scenario"]["devices"]]

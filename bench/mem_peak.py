@@ -8,7 +8,7 @@ profile's prediction.
 Writes a random-weight checkpoint of a bench shape (`bench/workloads.py`) or takes a real one,
 profiles it once (`xronos profile`, the training ranks' allocator setting), runs `xronos run` with
 `XRONOS_MEM_PHASES` set (each rank resets its high-water mark after every phase and writes its
-phases' peaks: `xronos.node.memwatch`), and prints per rank the peak of every phase (join, facts,
+phases' peaks: `xronos.node.measure.memwatch`), and prints per rank the peak of every phase (join, facts,
 load, build, eval, forward, backward, clip, step, export), the overall peak, the prediction
 (`costmodel.predict_memory`, rank 0 as the owner) and their difference. `--json FILE` keeps every
 number.
@@ -43,7 +43,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
 
 def plan_for_caps(report, nodes: int, caps: list[int]):
     """The segment planner's layout for `nodes` copies of one profile under exactly `caps` bytes."""
-    from xronos.gateway.profiles import Loaded, plan_reports
+    from xronos.gateway.plan.profiles import Loaded, plan_reports
 
     loaded = []
     for r, cap in enumerate(caps):
@@ -60,7 +60,7 @@ def run_capped(cmd: list[str], caps: list[int], phases_dir: Path) -> list[dict]:
     from xronos.cli import run as run_cli
     from xronos.node.emulate.confinement import Confinement, RankLimits
     from xronos.node.launch import launch_local
-    from xronos.node.memwatch import ENV
+    from xronos.node.measure.memwatch import ENV
 
     parser = _ap.ArgumentParser()
     run_cli.register(parser.add_subparsers())
@@ -84,10 +84,10 @@ def run_capped(cmd: list[str], caps: list[int], phases_dir: Path) -> list[dict]:
 def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nodes: int, *, batch: int, seq: int,
             steps: int, work: Path, profile_json: Path | None = None, memcap: list[int] | None = None,
             lora_r: int | None = None, clip: bool = True) -> dict:
-    from xronos.gateway.costmodel import heap_slack, layout_shares, node_cost, predict_memory
-    from xronos.gateway.profiles import load_report, node_profile
+    from xronos.gateway.plan.costmodel import heap_slack, layout_shares, node_cost, predict_memory
+    from xronos.gateway.plan.profiles import load_report, node_profile
     from xronos.node.launch import rank_env
-    from xronos.node.memwatch import ENV
+    from xronos.node.measure.memwatch import ENV
     from xronos.protocol.layout import Layout
 
     env = rank_env(1)
@@ -175,7 +175,7 @@ def table(res: dict) -> str:
         lines.append(f"rank {row['rank']} in order: " + ", ".join(
             f"{n} {p / MiB:.0f}" for n, p, _ in row["events"][:12]))
     lines.append("glibc heap at the end of the last training step (MiB): span = used + free; the free holes stay "
-                 "resident under the ranks' allocator setting (node/allocator.py)")
+                 "resident under the ranks' allocator setting (node/measure/allocator.py)")
     for row in res["rows"]:
         last = next((h for n, h in reversed(row.get("heaps", [])) if n == "step" and h), None)
         if last:

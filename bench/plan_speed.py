@@ -27,10 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from xronos.gateway.costmodel import node_cost, not_coexisting, tied
-from xronos.gateway.planner import STRATEGIES, plan
+from xronos.gateway.plan.costmodel import node_cost, not_coexisting, tied
+from xronos.gateway.plan.planner import STRATEGIES, plan
+from xronos.gateway.plan.profiles import memory_cap, node_profile
 from xronos.protocol.layout import KINDS
-from xronos.gateway.profiles import memory_cap, node_profile
 from xronos.protocol.layout import Sizes
 from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport
 

@@ -26,7 +26,7 @@ from pydantic import Field
 
 from xronos.bench.baseline import Baseline
 from xronos.bench.pp_model import Stage, StageSpan, num_blocks
-from xronos.node.data import Batch
+from xronos.node.data.batches import Batch
 from xronos.node.optim import adamw
 from xronos.node.runconfig import RankConfig
 from xronos.node.runtime import (

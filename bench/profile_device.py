@@ -34,13 +34,13 @@ class ProfileJob(BaseModel):
 def main(argv: list[str]) -> int:
     import torch
 
-    from xronos.node import allocator
+    from xronos.node.measure import allocator
 
-    allocator.tune()  # as the ranks run (node/allocator.py): both profiles must predict them
+    allocator.tune()  # as the ranks run (node/measure/allocator.py): both profiles must predict them
     job = ProfileJob.model_validate_json(Path(argv[1]).read_text())
     torch.set_num_threads(job.threads)
     if job.tp_out is not None:
-        from xronos.node.profiler import profile
+        from xronos.node.measure.profiler import profile
 
         config = json.loads((Path(job.model_dir) / "config.json").read_text())
         # As the cell's TP runs train: no clipping and no weight decay (RunConfig's defaults, and
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
                          iters=job.iters, warmup=1, clip=False, weight_decay=0.0)
         Path(job.tp_out).write_text(json.dumps(report.model_dump(mode="json")))
     if job.tp_lora_out is not None:
-        from xronos.node.profiler import profile
+        from xronos.node.measure.profiler import profile
 
         config = json.loads((Path(job.model_dir) / "config.json").read_text())
         report = profile(config, "classify", job.batch_size, job.seq_len, threads=job.threads,

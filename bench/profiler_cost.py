@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from xronos.gateway.costmodel import node_cost, time_at
-    from xronos.gateway.profiles import node_profile
+    from xronos.gateway.plan.costmodel import node_cost, time_at
+    from xronos.gateway.plan.profiles import node_profile
+    from xronos.node.measure.profiler import profile
     from xronos.node.models.shapes import shape_config
-    from xronos.node.profiler import profile
 
     torch.set_num_threads(args.threads)
     config = shape_config(args.arch, args.task)

@@ -7,7 +7,7 @@ Three emulated boxes of different speeds (cgroup CPU quotas `--shares`, one thre
 fine-tune a GPT-2-Medium-shaped classifier (`--blocks` of its 24 blocks, the full vocabulary).
 The start layout is the one their measured speeds call for: a short static calibration run
 (`--calibrate` iterations at the layout proportional to the shares) feeds the policy's own
-estimate (`xronos.gateway.rebalance`, unit cost model), a second one at the segment planner's
+estimate (`xronos.gateway.plan.rebalance`, unit cost model), a second one at the segment planner's
 layout over it gives the estimate a second share per kind (its intercepts), and the planner's
 layout over both is the start (`calibrated_layout`) — what a profile would have planned. Then the same cell runs
 `--steps` iterations twice, side by side: static (no control) and live (`--rebalance`'s policy on
@@ -34,11 +34,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from xronos.bench.background_load import run_one
-from xronos.node.emulate.confinement import default_cpu_mode
 from xronos.bench.workloads import kind_parameters, shape_config, write_checkpoint, write_dataset
-from xronos.gateway.planner import plan
-from xronos.gateway.rebalance import NO_CAP, PolicyConfig, Rebalancer
-from xronos.gateway.rebalmodel import unit_costs
+from xronos.gateway.plan.planner import plan
+from xronos.gateway.plan.rebalance import NO_CAP, PolicyConfig, Rebalancer
+from xronos.gateway.plan.refit import unit_costs
+from xronos.node.emulate.confinement import default_cpu_mode
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
 
 WARMUP = 3  # iterations left out of the medians (allocator and caches settle)

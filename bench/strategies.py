@@ -37,7 +37,7 @@ from xronos.node.emulate.link import Link
 from xronos.bench.scenarios import RUNTIME_RESERVE
 
 log = structlog.get_logger(__name__)
-# Bench strategy -> planner strategy (`xronos.gateway.planner.STRATEGIES`).
+# Bench strategy -> planner strategy (`xronos.gateway.plan.planner.STRATEGIES`).
 TP_STRATEGIES = {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform", "xronos-lora": "segment"}
 LORA_STRATEGIES = ("xronos-lora",)  # TP strategies that train LoRA adapters (Ctx.lora) on a frozen base
 STRATEGIES = (*TP_STRATEGIES, "pp", "hf-tp")
@@ -178,15 +178,15 @@ def planner_strategy(strategy: str) -> str:
 
 def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
     """The planner's PlanResult for this strategy over the devices' Xronos profiles: the one place
-    the bench calls the planner (`xronos.gateway.profiles.plan_reports`, what `xronos plan` runs).
+    the bench calls the planner (`xronos.gateway.plan.profiles.plan_reports`, what `xronos plan` runs).
 
     Each rank's report is the profile of its device with the node id made unique and the memory the
     planner may use set to the emulated cap (`plan_reports` subtracts `RUNTIME_RESERVE`); the
     communication term assumes the emulated link rate. Raises `Infeasible` when the planner finds
     no plan within the caps; a plan over a cap (uniform ignores memory) is returned with
     `feasible=False` (see `over_cap`)."""
-    from xronos.gateway.planner import InfeasiblePlan
-    from xronos.gateway.profiles import Loaded, plan_reports
+    from xronos.gateway.plan.planner import InfeasiblePlan
+    from xronos.gateway.plan.profiles import Loaded, plan_reports
     from xronos.protocol.messages import ProfileReport
 
     loaded = []
@@ -272,7 +272,7 @@ def pp_plan(ctx: Ctx, profiles: dict[str, dict]):
     boundary = [2 * (NOMINAL_LATENCY_S + msg / planning_bw_bps(ctx))] * len(weights)
     # On top of 16 B per parameter: two fp32 copies of a stage's largest layer, held briefly (the
     # checkpoint tensor while it is copied in, the embedding's dense per-micro-batch gradient before it
-    # is accumulated, the per-tensor AdamW temporaries; freed heap stays resident, node/allocator.py).
+    # is accumulated, the per-tensor AdamW temporaries; freed heap stays resident, node/measure/allocator.py).
     # Without it a Pi 5 stage holding the TinyLlama embedding and two blocks was planned at 2.31 GiB
     # of its 2.41 GiB budget and OOM-killed at 2.84 GiB resident; an embedding-only stage peaked at
     # ~2.9 GiB RSS with 1.0 GiB of weights, gradients and AdamW state.

@@ -57,7 +57,7 @@ def reference_curve(model_dir: Path, data: Path, *, steps: int, eval_every: int,
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from xronos.node.data import BatchSource
+    from xronos.node.data.batches import BatchSource
     from xronos.node.runconfig import DataConfig
 
     data_cfg = DataConfig(model_dir=str(model_dir), data_path=str(data), task="classify", batch_size=batch_size,
@@ -159,11 +159,11 @@ def run_tta(scenario: str, strategies: tuple[str, ...], *, steps: int = 40, eval
 
     from xronos.bench import netem
     from xronos.bench import strategies as st
-    from xronos.node.emulate.cgroupfs import cpu_limit_of, find_controller, usable_cores
-    from xronos.node.emulate.confinement import RankLimits, host_memory_bytes, validate_limits, validate_virtual
     from xronos.bench.harness import CellSpec, check_bandwidth, environment, network_suffix, run_strategies
     from xronos.bench.results import summarize
     from xronos.bench.scenarios import KEPT, PI5_SHARE, get_scenario
+    from xronos.node.emulate.cgroupfs import cpu_limit_of, find_controller, usable_cores
+    from xronos.node.emulate.confinement import RankLimits, host_memory_bytes, validate_limits, validate_virtual
 
     sc = get_scenario(scenario)
     allowed = (*st.TP_STRATEGIES, "pp")

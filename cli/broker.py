@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from xronos.protocol.broker import EmbeddedBroker
+    from xronos.common.broker import EmbeddedBroker
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port {args.port}: must be 0..65535")

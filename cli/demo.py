@@ -141,7 +141,7 @@ def check_export(export: Path, rows: list[dict[str, object]], n_train: int) -> f
 def run(args: argparse.Namespace) -> int:
     from xronos.cli.localstack import LocalStack
     from xronos.cli.mqttclient import format_plan, format_state, progress_bar
-    from xronos.protocol.broker import EmbeddedBroker
+    from xronos.common.broker import EmbeddedBroker
     from xronos.protocol.messages import JobSpec
 
     if args.rows < 50 or args.steps < 1:

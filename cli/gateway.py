@@ -26,11 +26,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from xronos.cli.service import config_or_exit
+    from xronos.common import cachedirs
+    from xronos.common.logsetup import configure_logging
     from xronos.gateway.config import load_config
+    from xronos.gateway.job.store import JobStore
     from xronos.gateway.service import GatewayService
-    from xronos.gateway.store import JobStore
-    from xronos.protocol import cachedirs
-    from xronos.protocol.logsetup import configure_logging
 
     cfg = config_or_exit("gateway", load_config, args.config)  # a bad file: one line, exit 78
     if args.restore_previous:
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 def restore_previous(cfg) -> int:
     """`--restore-previous`: the one command that recovers from a damaged job table."""
-    from xronos.gateway.store import JobStore
+    from xronos.gateway.job.store import JobStore
 
     store = JobStore(cfg.state_dir)
     n, kept = store.restore_previous()  # ValueError (one line, exit 2) if there is nothing good to restore

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from xronos.gateway.rebalance import NO_CAP, Rebalancer
-from xronos.gateway.rebalmodel import unit_costs
+from xronos.gateway.plan.rebalance import NO_CAP, Rebalancer
+from xronos.gateway.plan.refit import unit_costs
 from xronos.node.relayout import LiveRebalance, unit_bytes
 from xronos.node.runconfig import RunConfig
 from xronos.node.runtime import LocalFiles, MetricsFile, main_process, read_settings, run

@@ -15,10 +15,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from xronos.common.configfile import TopicPrefix
+from xronos.common.errtext import problems
 from xronos.protocol import messages as m
 from xronos.protocol.codec import DecodeError, decode
-from xronos.protocol.configfile import TopicPrefix
-from xronos.protocol.errtext import problems
 from xronos.protocol.specfile import load_spec  # noqa: F401  (re-exported: the CLI's spec files)
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BrokerSettings, MqttBus
@@ -54,7 +54,7 @@ def broker_from_args(args: argparse.Namespace) -> tuple[BrokerSettings, str]:
     file (the config's directory, `mqtt_password`) when it can read it, and says so when not,
     instead of connecting without a password and being refused.
     """
-    from xronos.protocol.configfile import check_broker_files, credential_password_file, read_toml, validate_config
+    from xronos.common.configfile import check_broker_files, credential_password_file, read_toml, validate_config
 
     fields: dict[str, Any] = {}
     base = "xronos"

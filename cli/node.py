@@ -20,14 +20,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from xronos.cli.service import config_or_exit
-    from xronos.node.config import load_config
-    from xronos.protocol import cachedirs
-    from xronos.protocol.logsetup import configure_logging
+    from xronos.common import cachedirs
+    from xronos.common.logsetup import configure_logging
+    from xronos.node.agent.config import load_config
 
     cfg = config_or_exit("node", load_config, args.config)  # a bad file: one line, exit 78
     configure_logging(cfg.log_level)
     cachedirs.apply(cfg.state_dir)  # before datasets/transformers are imported
-    from xronos.node.service import NodeService
+    from xronos.node.agent.service import NodeService
 
     service = NodeService(cfg)
     signal.signal(signal.SIGTERM, lambda *_: service.stopping.set())

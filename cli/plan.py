@@ -15,12 +15,12 @@ import math
 import sys
 
 from xronos.cli.profile import id_arg, positive_int
-from xronos.gateway.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S
-from xronos.gateway.costmodel import FITS, SEGMENTS
-from xronos.gateway.planner import MiB, STRATEGIES, PlanResult
-from xronos.protocol.layout import KINDS, NOUN
-from xronos.gateway.profiles import (DEFAULT_RESERVE_MB, Loaded, falling_times, load_report, plan_message,
+from xronos.gateway.plan.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S
+from xronos.gateway.plan.costmodel import FITS, SEGMENTS
+from xronos.gateway.plan.planner import MiB, STRATEGIES, PlanResult
+from xronos.gateway.plan.profiles import (DEFAULT_RESERVE_MB, Loaded, falling_times, load_report, plan_message,
                                      plan_reports)
+from xronos.protocol.layout import KINDS, NOUN
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -59,7 +59,7 @@ def id_arg(text: str) -> str:
     plan` and the gateway read back; a plan's job_id): refused as the user typed it, in one line."""
     from pydantic import TypeAdapter, ValidationError
 
-    from xronos.protocol.errtext import reason
+    from xronos.common.errtext import reason
     from xronos.protocol.messages import Id
 
     try:
@@ -85,11 +85,11 @@ def handle(args: argparse.Namespace) -> int:
         # Without --lora-r the profile is full fine-tuning's, which a LoRA job would be planned with.
         raise ValueError("--lora-targets / --lora-dropout need --lora-r (a LoRA profile)")
 
-    from xronos.node import allocator
+    from xronos.node.measure import allocator
+    from xronos.node.measure.profiler import config_for, profile
     from xronos.node.models.shapes import shape_config
-    from xronos.node.profiler import config_for, profile
 
-    allocator.tune()  # measure under the training ranks' malloc setting (see node/allocator.py)
+    allocator.tune()  # measure under the training ranks' malloc setting (see node/measure/allocator.py)
 
     if args.model is not None:
         config = config_for(model_dir=args.model)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from xronos.cli.usemodel import using_lines
-from xronos.protocol.errtext import reason
+from xronos.common.errtext import reason
 
 # RunConfig field -> the flag a user typed (for error messages).
 _FLAGS = {

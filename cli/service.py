@@ -19,7 +19,7 @@ class ConfigExit(SystemExit):
 
 def config_or_exit(command: str, load: Callable[[str], C], path: str) -> C:
     """Load the service's config; on any ConfigError print its one line and exit 78."""
-    from xronos.protocol.configfile import ConfigError
+    from xronos.common.configfile import ConfigError
 
     try:
         return load(path)

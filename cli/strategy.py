@@ -22,10 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from xronos.gateway.commmodel import comm_per_node, tp_comm_volume
-from xronos.gateway.costmodel import layout_shares, node_cost, predict_time
-from xronos.gateway.planner import PlanResult
-from xronos.gateway.profiles import Loaded, collective_cost, falling_times, load_report, node_profile, plan_reports
+from xronos.gateway.plan.commmodel import comm_per_node, tp_comm_volume
+from xronos.gateway.plan.costmodel import layout_shares, node_cost, predict_time
+from xronos.gateway.plan.planner import PlanResult
+from xronos.gateway.plan.profiles import Loaded, collective_cost, falling_times, load_report, node_profile, plan_reports
 from xronos.protocol.layout import KINDS, NOUN, Layout
 from xronos.protocol.messages import ProfileReport, ProfileSettings
 

@@ -1,1 +1,2 @@
-"""Coordinator: node registry, cost model, planner, job state machine. Never imports torch."""
+"""Coordinator: node registry, planning (`plan/`), jobs (`job/`), Home Assistant (`homeassistant/`), the
+service. Never imports torch."""

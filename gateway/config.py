@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
 
-from xronos.protocol.configfile import (
+from xronos.common.configfile import (
     STRICT_CONFIG,
     AbsPath,
     ConfigError,
@@ -51,7 +51,7 @@ class GatewayConfig(BaseModel):
     ack_timeout_s: PosFloat = 30.0
     # A node's "offline" (its last will) reaches its jobs only if it still stands this long, and
     # after a reconnect of the gateway only once broker.reconnect_max_s + broker.keepalive have
-    # passed: a broker that shuts down publishes every client's will (gateway/offline.py). 0: at once.
+    # passed: a broker that shuts down publishes every client's will (gateway/job/offline.py). 0: at once.
     offline_grace_s: Annotated[float, Field(ge=0, le=600)] = 2.0
     # TCP ports the owner node's Gloo rendezvous may use; each plan version takes the next one.
     rendezvous_port_min: Annotated[int, Field(gt=1023, lt=65536)] = 29600

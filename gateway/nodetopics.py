@@ -15,11 +15,11 @@ from typing import Any
 
 import structlog
 
-from xronos.gateway import homeassistant as ha
-from xronos.gateway import jobs as J
 from xronos.gateway import registry as R
-from xronos.gateway.offline import OfflineGrace
-from xronos.gateway.profiles import falling_times, refused_request_id, screen_report
+from xronos.gateway.homeassistant import discovery as ha
+from xronos.gateway.job import machine as J
+from xronos.gateway.job.offline import OfflineGrace
+from xronos.gateway.plan.profiles import falling_times, refused_request_id, screen_report
 from xronos.protocol import messages as m
 
 # The service's logger: these lines read as they did when the handlers lived in service.py.
@@ -63,7 +63,7 @@ class NodeTopics:
         self._newly_usable(before)
 
     def _offline_due(self) -> None:
-        """Tell the jobs of the nodes whose "offline" has stood through its grace (gateway/offline.py)."""
+        """Tell the jobs of the nodes whose "offline" has stood through its grace (gateway/job/offline.py)."""
         if self.offline is None or not self.bus.connected:
             return
         for node in self.offline.due(time.monotonic(), True):

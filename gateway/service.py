@@ -1,6 +1,6 @@
 """The gateway service (`xronos gateway --config gateway.toml`): thin glue around the pure parts.
 
-One control loop: bus messages become events of the job state machine (`jobs.handle`, which also
+One control loop: bus messages become events of the job state machine (`job.machine.handle`, which also
 plans); the effects it returns are carried out here, as the messages `effects` makes of them (an
 inspection or profile request, assignments, controls, a re-shard order, a request's answer);
 every change is persisted (`store`) and published as the job's retained JobState (and Home
@@ -30,21 +30,21 @@ from typing import Any
 
 import structlog
 
-from xronos.gateway import homeassistant as ha
-from xronos.gateway.habridge import Actions, HABridge, Refused
-from xronos.gateway import jobs as J
+from xronos.common import sdnotify
 from xronos.gateway import registry as R
 from xronos.gateway.config import GatewayConfig
-from xronos.gateway.effects import messages as effect_messages
-from xronos.gateway.jobrebal import Rebalancers
-from xronos.gateway.jobviews import current, milestone, nodes_of, summary
+from xronos.gateway.homeassistant import discovery as ha
+from xronos.gateway.homeassistant.bridge import Actions, HABridge, Refused
+from xronos.gateway.job import machine as J
+from xronos.gateway.job.effects import messages as effect_messages
+from xronos.gateway.job.offline import OfflineGrace
+from xronos.gateway.job.planning import plan_job
+from xronos.gateway.job.progress import state_view
+from xronos.gateway.job.rebalancers import Rebalancers
+from xronos.gateway.job.store import JobStore
+from xronos.gateway.job.views import current, milestone, nodes_of, summary
 from xronos.gateway.nodetopics import NodeTopics
-from xronos.gateway.offline import OfflineGrace
-from xronos.gateway.planning import plan_job
-from xronos.gateway.rebalance import PolicyConfig
-from xronos.gateway.progress import state_view
-from xronos.gateway.store import JobStore
-from xronos.protocol import sdnotify
+from xronos.gateway.plan.rebalance import PolicyConfig
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import DEFER, Dispatcher, RequestError
 from xronos.protocol.ownavail import OwnAvailability
@@ -66,7 +66,7 @@ class GatewayService(NodeTopics):
         self.cfg = cfg
         # Live re-balancing: per running job, its plan version's policy (None: it could not start).
         self.policy = policy or PolicyConfig()
-        # A node that joins a running job (`jobjoin`): the bar is the live policy's unless configured.
+        # A node that joins a running job (`job.join`): the bar is the live policy's unless configured.
         self.join = J.JoinPolicy(min_gain=self.policy.threshold if cfg.join_min_gain is None else cfg.join_min_gain,
                                  restart_s=cfg.join_restart_s)
         self.rebal = Rebalancers(self.policy)
@@ -196,7 +196,7 @@ class GatewayService(NodeTopics):
         return False
 
     def _after_connect(self) -> None:
-        """The nodes get their settle time from now (gateway/offline.py). And every job's retained
+        """The nodes get their settle time from now (gateway/job/offline.py). And every job's retained
         state and Home Assistant's gateway state go out again, as the connect hook does for
         availability and discovery: a broker restarted without persistence (Mosquitto's default)
         has forgotten them, and a finished job's state would never change again to bring them back

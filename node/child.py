@@ -3,7 +3,7 @@
 The child gets its config (a `JobRankConfig`) as a JSON file, its controls as JSON lines on stdin, and writes events
 as JSON lines on an inherited pipe, which a reader thread turns into a queue the control loop
 drains without blocking. stdout/stderr go to a log file next to the config, whose tail explains a
-failure. The child runs boxed (`node/limits.py`): under the box's memory and task limits, dying
+failure. The child runs boxed (`node/box/limits.py`): under the box's memory and task limits, dying
 with the node. `kill()` ends the child's whole process group, so a cancel leaves nothing behind
 and returns all of its memory; `stop()` does that on a thread of its own.
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 import structlog
 
+from xronos.node.box.limits import Child, ChildLimits, boxed_argv
 from xronos.node.launch import rank_env
-from xronos.node.limits import Child, ChildLimits, boxed_argv
 from xronos.node.runconfig import JobRankConfig
 
 log = structlog.get_logger(__name__)

@@ -3,7 +3,7 @@
 `g.double().pow(2).sum()` makes two float64 copies of g (four times its fp32 bytes) at once: for a
 rank holding 37,696 of GPT-2-Medium's vocabulary rows that was 590 MiB at the clipping pass, the
 largest transient of the iteration, and — with the training ranks' allocator keeping freed blocks
-(`xronos.node.allocator`) — a permanent part of the rank's resident set. Chunks of `CHUNK`
+(`xronos.node.measure.allocator`) — a permanent part of the rank's resident set. Chunks of `CHUNK`
 elements bound the copies at 2 x 8 x CHUNK bytes; the sum is still accumulated in float64, so the
 norm differs from the whole-tensor sum only in float64 rounding (~1e-16 relative).
 

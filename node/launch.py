@@ -24,8 +24,8 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from xronos.node import allocator
-from xronos.node.limits import box_env, boxed_argv
+from xronos.node.box.limits import box_env, boxed_argv
+from xronos.node.measure import allocator
 from xronos.node.runconfig import RunConfig
 from xronos.node.tp.groupkey import new_key
 
@@ -77,7 +77,7 @@ def rank_env(threads: int) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
     )
     # Big freed blocks stay in the heap instead of being page-faulted in afresh every iteration
-    # (node/allocator.py has the measurements); XRONOS_MALLOC=glibc keeps glibc's behaviour.
+    # (node/measure/allocator.py has the measurements); XRONOS_MALLOC=glibc keeps glibc's behaviour.
     if allocator.wanted():
         for var, value in allocator.ENV.items():
             env.setdefault(var, value)
@@ -141,7 +141,7 @@ def spawn_ranks(module: str, configs: Sequence[BaseModel], wrap: Wrap | None = N
                 mine = type(cfg).model_validate({**cfg.model_dump(), **update, "rank": rank, "rendezvous_port": port})
                 path.write_text(mine.model_dump_json(indent=1))
                 # Boxed without limits (a run the user started, confined by `wrap` if at all): each
-                # rank dies with this launcher, even killed (node/limits.py).
+                # rank dies with this launcher, even killed (node/box/limits.py).
                 proc = subprocess.Popen(
                     [*(placement.argv_prefix(rank) if placement else []), *boxed_argv(module, str(path))],
                     env=box_env({**env, **placement.env(rank)} if placement else env, None),

@@ -2,7 +2,7 @@
 
 torch creates each parameter's `exp_avg` and `exp_avg_sq` lazily inside the first `step()`, while
 that iteration's gradients are alive and after its activations were freed. Under the training
-ranks' allocator setting (`xronos.node.allocator`: freed blocks stay in the heap) those 2 x the
+ranks' allocator setting (`xronos.node.measure.allocator`: freed blocks stay in the heap) those 2 x the
 parameters' bytes then land above the space the activations and gradients cycle through, and the
 next iteration's gradients no longer fit the holes they left: a GPT-2-Medium rank grew by another
 150 MiB in its second backward pass. Allocated up front, the long-lived state sits below the

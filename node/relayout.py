@@ -153,7 +153,7 @@ def unit_bytes(family: Any, config: dict[str, Any], task: str, dropout: float | 
 
 
 class Policy(Protocol):
-    """What `LiveRebalance` asks of a re-balancing policy (`xronos.gateway.rebalance.Rebalancer`)."""
+    """What `LiveRebalance` asks of a re-balancing policy (`xronos.gateway.plan.rebalance.Rebalancer`)."""
 
     last_reason: str
     replans: list

@@ -51,7 +51,7 @@ class DataConfig(BaseModel):
     text_column: str = "text"
     text_pair_column: str | None = None
     label_column: str = "label"
-    # How rows become training text (xronos.node.data): the text column (and pair); a messages
+    # How rows become training text (xronos.node.data.batches): the text column (and pair); a messages
     # column rendered with the tokenizer's chat template ("chat"); or prompt/completion columns
     # ("prompt-completion"). The last two are causal-LM formats whose loss covers the answers only.
     data_format: DataFormat = "text"

@@ -48,13 +48,13 @@ from typing import Any, NoReturn, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from xronos.node.data import Batch, BatchChannel, BatchSource, owner_batches
-from xronos.node import memwatch
-from xronos.node.labels import LabelSpace
+from xronos.node.data.batches import Batch, BatchChannel, BatchSource, owner_batches
+from xronos.node.data.labels import LabelSpace
+from xronos.node.emulate import process_clock
+from xronos.node.measure import memwatch
 from xronos.node.models.loading import SafetensorsSource, ShardSource, materialize
 from xronos.node.runconfig import RankConfig
 from xronos.node.streaming import load_shard, share_json
-from xronos.node.emulate import process_clock
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.groupkey import prove
 from xronos.node.validate import read_config

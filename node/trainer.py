@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from xronos.node import memwatch
 from xronos.node.checkpoint import load_moments, save_checkpoint
-from xronos.node.data import Batch, BatchChannel
+from xronos.node.data.batches import Batch, BatchChannel
 from xronos.node.gradnorm import all_finite, squared_norm
+from xronos.node.measure import memwatch
 from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
 from xronos.node.models.adapters import exported, save_lora_exports
 from xronos.node.models.export import gather_full, save_hf_dir

@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from xronos.node.data import BatchSource, load_tokenizer, owner_batches
-from xronos.node.labels import LabelSpace
+from xronos.node.data.batches import BatchSource, load_tokenizer, owner_batches
+from xronos.node.data.labels import LabelSpace
 from xronos.node.runconfig import DataConfig, RunConfig
 from xronos.protocol.layout import Sizes
 

@@ -1,1 +1,2 @@
-"""Wire contract: message types, topic table, codec and MQTT transport. Imports nothing of ours."""
+"""Wire contract: message types, topic table, codec and MQTT transport. Imports only xronos.common
+(the plumbing below the wire)."""

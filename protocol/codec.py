@@ -8,8 +8,9 @@ from typing import Any
 import msgpack
 from pydantic import ValidationError
 
+from xronos.common.errtext import reason
+
 from . import messages as m
-from .errtext import reason
 from .topics import TopicEntry, TopicTable, encoding_for
 
 MAX_PAYLOAD = 256 * 1024

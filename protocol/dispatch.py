@@ -21,9 +21,10 @@ from typing import Any, Callable
 import structlog
 from pydantic_core import to_jsonable_python
 
+from xronos.common.throttle import LogThrottle
+
 from . import messages as m
 from .codec import MAX_PAYLOAD, DecodeError, decode
-from .throttle import LogThrottle
 from .topics import BY_KEY, TopicEntry
 
 log = structlog.get_logger(__name__)

@@ -1,6 +1,6 @@
 """The JSON states and commands Home Assistant reads and writes (INTERFACES.md §7).
 
-The gateway publishes discovery for every device (gateway/homeassistant.py); the states behind
+The gateway publishes discovery for every device (gateway/homeassistant/discovery.py); the states behind
 those entities are published by whoever owns the data: the gateway for the job, each node for
 itself (a node may only publish under its own topics). Commands from Home Assistant are small
 JSON objects; the effect of a command shows up on the matching state topic.
@@ -25,7 +25,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errtext import reason
+from xronos.common.errtext import reason
+
 from .messages import DataFormat, Phase, Task
 
 GATEWAY_STATE = "gateway/state"  # GatewayHAState, retained, gateway → HA
@@ -58,7 +59,7 @@ class _HAModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-# --- the job form (gateway/haform.py): what Home Assistant's selects and numbers hold ---------
+# --- the job form (gateway/homeassistant/form.py): what Home Assistant's selects and numbers hold ---------
 GGUFChoice = Literal["none", "f32", "f16", "q8_0"]  # the GGUF file to write beside the export
 FormField = Literal["owner", "model", "data", "task", "data_format", "steps", "epochs", "lora_r", "batch_size",
                     "seq_len", "lr", "gguf"]
@@ -82,7 +83,7 @@ def _rng(name: str, kind: type) -> Any:
 
 
 class JobForm(_HAModel):
-    """The job Home Assistant's Start training button submits (gateway/haform.py makes the JobSpec).
+    """The job Home Assistant's Start training button submits (gateway/homeassistant/form.py makes the JobSpec).
     `owner`, `model` and `data` must be among what the owner reports (NodeCatalog): checked there,
     at every change and again at Start."""
 

@@ -24,7 +24,7 @@ from typing import Annotated, Literal, Sequence
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from .errtext import reason, where
+from xronos.common.errtext import reason, where
 
 Kind = Literal["attn", "mlp", "vocab"]
 KINDS: tuple[Kind, ...] = ("attn", "mlp", "vocab")

@@ -2,7 +2,7 @@
 directories (a config.json with safetensors weights) and the data files the data loader reads.
 Re-exported by `xronos.protocol.messages`.
 
-The node scans (`xronos.node.catalog`) and publishes a `NodeCatalog` retained on
+The node scans (`xronos.node.agent.catalog`) and publishes a `NodeCatalog` retained on
 `node/<id>/catalog`: at start, when its files change (a rescan every minute) and when asked by a
 `CatalogRequest` (Home Assistant's Refresh files button, through the gateway). The gateway offers
 these paths as the options of its Model and Data selects, and checks a form's paths against them

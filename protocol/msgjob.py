@@ -33,7 +33,7 @@ class JobSpec(Message):
     label_column: Column = "label"
     # How rows become training text: a text column (and pair), or for causal-lm a messages column
     # rendered with the tokenizer's chat template ("chat") or prompt/completion columns, the loss
-    # on the answer tokens only (xronos.node.data).
+    # on the answer tokens only (xronos.node.data.batches).
     data_format: DataFormat = "text"
     messages_column: Column = "messages"
     prompt_column: Column = "prompt"

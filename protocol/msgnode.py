@@ -107,7 +107,7 @@ class LayerProfile(Message):
 
 
 class CollectiveProfile(Message):
-    """What one all-reduce costs this node's CPU (`xronos.node.commprobe`): two Gloo ranks in the
+    """What one all-reduce costs this node's CPU (`xronos.node.measure.commprobe`): two Gloo ranks in the
     profiling process over loopback, under the node's own CPU quota and threads, each all-reducing
     `nbytes` (the job's [batch, seq, hidden] activation) and `small_bytes`; means of `repeats`."""
 
@@ -185,11 +185,11 @@ class ProfileReport(Message):
     owner_bytes: Bytes = 0
     # glibc's heap span minus its in-use peak over the trainer's settled iteration of the model with
     # one block at full width: the free holes that stay resident under the training ranks'
-    # allocator setting (xronos.node.allocator); 0 = not measured (before profiler version 7, or
+    # allocator setting (xronos.node.measure.allocator); 0 = not measured (before profiler version 7, or
     # not glibc). The cost model scales it to a rank's width.
     heap_slack_bytes: Bytes = 0
     # What each further block adds to those holes: their growth from one to four blocks at the
-    # smallest width over three, each depth in a fresh process (xronos.node.heapprobe); 0 = not
+    # smallest width over three, each depth in a fresh process (xronos.node.measure.heapprobe); 0 = not
     # measured (before profiler version 8). The cost model counts (blocks - 1) x this on top.
     heap_slack_block_bytes: Bytes = 0
     # One block's holes at the profile's smallest width (the rank's counts per kind in

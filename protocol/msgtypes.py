@@ -114,7 +114,7 @@ Text4k = Text(MAX_TEXT)
 Event = Text(1024)
 Temperature = Float(ge=-273.15, le=1000)
 Layers = Int(gt=0, le=1024)
-# What any supported box can do (a node refuses more than its own usable cores, node/boxcheck.py):
+# What any supported box can do (a node refuses more than its own usable cores, node/agent/boxcheck.py):
 # no edge CPU has 256 cores, no CPU fine-tune a batch of 4096 rows or a sequence of 2**17 tokens.
 Threads = Int(gt=0, le=256)
 Heads = Int(gt=0, le=4096)

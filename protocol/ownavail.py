@@ -24,8 +24,9 @@ from typing import Any
 
 import structlog
 
+from xronos.common.throttle import LogThrottle
+
 from . import messages as m
-from .throttle import LogThrottle
 
 log = structlog.get_logger(__name__)
 

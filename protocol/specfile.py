@@ -9,8 +9,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from xronos.common.errtext import reason
+
 from . import messages as m
-from .errtext import reason
 
 MAX_SPEC_BYTES = 64 * 1024
 # YAML 1.1 (PyYAML) reads `lr: 1e-4` as the string "1e-4"; YAML 1.2 and TOML read a number.

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xronos.protocol.broker import EmbeddedBroker, free_port
+from xronos.common.broker import EmbeddedBroker, free_port
 
 FALLBACK_NOTES: list[str] = []  # printed in pytest's terminal summary by conftest
 

@@ -1,10 +1,13 @@
 """Who may import whom (ARCHITECTURE.md, "The house"), read from the source itself: every import
 statement of every module, those inside functions included (a lazy import is still a dependency).
 
-- the planes import only downwards: protocol nothing of ours; gateway and node only protocol; cli
-  every plane but never the bench; the bench everything;
-- no import cycle between modules of protocol, gateway, node or cli (so none between cli, bench
-  and node either, by the first rule).
+- the planes import only downwards: common (the plumbing below the wire) nothing of ours; protocol
+  only common; gateway and node only protocol and common; cli every plane but never the bench; the
+  bench everything;
+- no import cycle between modules of common, protocol, gateway, node or cli (so none between cli,
+  bench and node either, by the first rule);
+- inside a plane, its rooms (ROOMS) import only the rooms below them, and its top rooms
+  (TOP_ROOMS) nothing else of the plane imports.
 """
 
 from __future__ import annotations
@@ -15,15 +18,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("protocol", "gateway", "node", "cli", "bench")
+PACKAGES = ("common", "protocol", "gateway", "node", "cli", "bench")
 MAY_IMPORT = {
-    "protocol": set(),
-    "gateway": {"protocol"},
-    "node": {"protocol"},
-    "cli": {"protocol", "gateway", "node"},
-    "bench": {"protocol", "gateway", "node", "cli"},
+    "common": set(),
+    "protocol": {"common"},
+    "gateway": {"common", "protocol"},
+    "node": {"common", "protocol"},
+    "cli": {"common", "protocol", "gateway", "node"},
+    "bench": {"common", "protocol", "gateway", "node", "cli"},
 }
-ACYCLIC = ("protocol", "gateway", "node", "cli")
+ACYCLIC = ("common", "protocol", "gateway", "node", "cli")
 
 
 def _modules() -> dict[str, Path]:
@@ -70,7 +74,7 @@ def _plane(mod: str) -> str:
 
 def test_the_planes_import_only_what_the_house_allows() -> None:
     graph = _graph()
-    assert "xronos.node.runtime" in graph and "xronos.cli.main" in graph
+    assert "xronos.node.runtime" in graph and "xronos.cli.main" in graph and "xronos.common.configfile" in graph
     bad = sorted(f"{a} imports {b}" for a, bs in graph.items() for b in bs
                  if _plane(b) != _plane(a) and _plane(b) not in MAY_IMPORT[_plane(a)])
     assert bad == [], "\n".join(bad)
@@ -138,3 +142,44 @@ def test_the_tp_engine_does_not_know_the_emulator() -> None:
     bad = sorted(f"{m} reaches {b}" for m in graph if m.startswith("xronos.node.tp")
                  for b in reachable(m) if b.startswith("xronos.node.emulate"))
     assert bad == [], "\n".join(bad)
+
+
+# Rooms inside a plane: module prefix -> the prefixes of that plane it may import (besides itself).
+ROOMS = {
+    "xronos.gateway.plan": (),  # planning is pure over profiles: it knows no job
+    "xronos.gateway.job": ("xronos.gateway.plan", "xronos.gateway.registry"),
+    "xronos.node.box": ("xronos.node.emulate",),  # this box and the bounds of its children: low
+    "xronos.node.data": ("xronos.node.models", "xronos.node.tp", "xronos.node.runconfig"),
+}
+# Rooms at the top of their plane: nothing else in the plane imports them.
+TOP_ROOMS = ("xronos.node.agent",)
+
+
+def _in(mod: str, prefix: str) -> bool:
+    return mod == prefix or mod.startswith(prefix + ".")
+
+
+def test_the_rooms_of_a_plane_import_only_downwards() -> None:
+    graph = _graph()
+    assert {"xronos.gateway.plan.planner", "xronos.gateway.job.machine", "xronos.node.agent.service",
+            "xronos.node.box.limits", "xronos.node.data.batches"} <= graph.keys()
+    bad = []
+    for room, allowed in ROOMS.items():
+        plane = room.rsplit(".", 1)[0]
+        for a in (m for m in graph if _in(m, room)):
+            bad += [f"{a} imports {b}" for b in graph[a] if _in(b, plane) and not _in(b, room)
+                    and not any(_in(b, ok) for ok in allowed)]
+    for room in TOP_ROOMS:
+        plane = room.rsplit(".", 1)[0]
+        bad += [f"{a} imports {b}" for a, bs in graph.items() if _in(a, plane) and not _in(a, room)
+                for b in bs if _in(b, room)]
+    assert sorted(bad) == [], "\n".join(sorted(bad))
+
+
+def test_no_gateway_module_is_named_for_a_room_it_stands_beside() -> None:
+    """Planning, job and Home Assistant modules live in their rooms (gateway/plan/, gateway/job/,
+    gateway/homeassistant/), not beside them under a prefix (`planner.py`, `jobtypes.py`,
+    `rebalmodel.py`, `habridge.py` at gateway/ were what the rooms replaced)."""
+    prefixes = ("plan", "job", "rebal", "ha")
+    stray = sorted(f.name for f in (ROOT / "gateway").glob("*.py") if f.stem.startswith(prefixes))
+    assert stray == [], stray

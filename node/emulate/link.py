@@ -2,7 +2,7 @@
 
 Virtual time cannot measure the boxes' network (loopback between ranks on one host is nothing
 like a LAN), so every collective costs what an alpha-beta model of the cell's link says, in the
-cost model's own form and with its parameters (`xronos.gateway.commmodel.comm_time`: one latency
+cost model's own form and with its parameters (`xronos.gateway.plan.commmodel.comm_time`: one latency
 per call, 1 Gbit/s by default), so that the bench compares plans, not two comm models:
 
 - all-reduce (Gloo's ring): latency + 2(N-1)/N x bytes / bandwidth;
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# The cost model's defaults (gateway/commmodel.py: DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S; node
+# The cost model's defaults (gateway/plan/commmodel.py: DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S; node
 # may not import the gateway, tests/node/test_vclock_pure.py checks they agree).
 DEFAULT_BANDWIDTH_BPS = 1e9 / 8  # 1 Gbit/s Ethernet, bytes per second
 DEFAULT_LATENCY_S = 0.5e-3

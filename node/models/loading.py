@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from xronos.protocol.paths import confine_path
+from xronos.common.paths import confine_path
 
 from .specs import TensorSpec
 

@@ -8,13 +8,13 @@ import os
 import subprocess
 import sys
 
-from xronos.protocol import cachedirs
+from xronos.common import cachedirs
 
 READ = """
 import sys
-from xronos.node.data import load_columns
+from xronos.node.data.batches import load_columns
 if sys.argv[2] == "apply":
-    from xronos.protocol import cachedirs
+    from xronos.common import cachedirs
     cachedirs.apply(sys.argv[1])
 print(load_columns(sys.argv[3], ["text", "label"])["label"])
 """

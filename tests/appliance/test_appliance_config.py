@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from xronos.common.configfile import ConfigError
 from xronos.gateway.config import GatewayConfig
 from xronos.gateway.config import load_config as load_gateway
-from xronos.node.config import NodeConfig, detect_data_host
-from xronos.node.config import load_config as load_node
-from xronos.protocol.configfile import ConfigError
+from xronos.node.agent.config import NodeConfig, detect_data_host
+from xronos.node.agent.config import load_config as load_node
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 

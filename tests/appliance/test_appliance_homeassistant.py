@@ -12,7 +12,7 @@ import jinja2
 import paho.mqtt.client as mqtt
 import pytest
 
-from xronos.gateway import homeassistant as ha
+from xronos.gateway.homeassistant import discovery as ha
 from xronos.protocol import hastate
 from xronos.protocol.messages import Capabilities, JobSpec, JobState, NodeCatalog
 from xronos.protocol.transport import BrokerSettings, MqttBus

@@ -10,7 +10,7 @@ import os
 import pytest
 import structlog
 
-from xronos.protocol.logsetup import configure_logging, is_secret_key, stream_is_journal
+from xronos.common.logsetup import configure_logging, is_secret_key, stream_is_journal
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from xronos.protocol.paths import confine_path
+from xronos.common.paths import confine_path
 
 
 def test_inside_is_accepted_and_resolved(tmp_path):

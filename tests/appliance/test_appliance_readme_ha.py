@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+
 import yaml
 
 import doctext
 
-from xronos.gateway import homeassistant as ha
-from xronos.gateway.habridge import list_specs
+from xronos.gateway.homeassistant import discovery as ha
+from xronos.gateway.homeassistant.bridge import list_specs
 from xronos.protocol import hastate
 from xronos.protocol.codec import decode
 from xronos.protocol.messages import Capabilities, NodeCatalog

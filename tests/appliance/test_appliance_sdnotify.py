@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from xronos.protocol import sdnotify
+from xronos.common import sdnotify
 
 
 @pytest.fixture(params=["path", "abstract"])

@@ -173,7 +173,7 @@ def test_the_node_units_stop_timeout_matches_the_nodes_own_stop():
     group killed; a profile at once: tests/services/test_node_processes.py), so systemd need not
     wait a minute before it kills what is left; the whole service's tasks are capped besides the
     node's own per-child limits."""
-    from xronos.node.service import STOP_GRACE_S
+    from xronos.node.agent.service import STOP_GRACE_S
 
     d = directives(SYSTEMD / "xronos-node.service")
     (timeout,) = d["TimeoutStopSec"]

@@ -35,7 +35,7 @@ def _data(path: Path, rows: int = 24) -> Path:
 def _reference(model_dir: Path, data: Path) -> tuple[float, dict[str, torch.Tensor]]:
     from transformers import AutoModelForSequenceClassification
 
-    from xronos.node.data import BatchSource
+    from xronos.node.data.batches import BatchSource
     from xronos.node.runconfig import RunConfig
     from xronos.protocol.layout import Layout
 

@@ -22,7 +22,7 @@ from xronos.protocol.layout import Layout, Sizes
 
 
 def test_strategy_names_and_planner_mapping(monkeypatch) -> None:
-    from xronos.gateway import planner
+    from xronos.gateway.plan import planner
 
     assert st.STRATEGIES == ("xronos", "xronos-paper", "uniform", "xronos-lora", "pp", "hf-tp")
     assert st.TP_STRATEGIES == {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform",

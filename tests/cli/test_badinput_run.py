@@ -116,7 +116,7 @@ def _file(tmp: Path) -> Path:
     (["--lora-targets", "c_attn"], "--lora-targets / --lora-dropout need --lora-r"),
 ])
 def test_profile_flags_refused_before_profiling(tmp_path, capsys, monkeypatch, flags, message):
-    monkeypatch.setattr("xronos.node.profiler.profile", lambda *a, **k: pytest.fail("profiled"))
+    monkeypatch.setattr("xronos.node.measure.profiler.profile", lambda *a, **k: pytest.fail("profiled"))
     argv = ["profile", "--arch", "tiny-gpt2", "--task", "causal-lm", "--batch-size", "2", "--seq-len", "8",
             "--out", str(tmp_path / "p.json"), *flags]
     # argparse refuses a bad --node-id itself (exit 2, its usage line first)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from xronos.cli.main import build_parser, main
-from xronos.gateway.profiles import load_report
+from xronos.gateway.plan.profiles import load_report
 
 ARGS = ["--task", "classify", "--batch-size", "2", "--seq-len", "8", "--iters", "2", "--threads", "1"]
 

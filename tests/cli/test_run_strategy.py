@@ -118,7 +118,7 @@ def test_an_over_cap_plan_is_refused_before_any_rank_starts(tiny: tuple[Path, Pa
     """uniform ignores memory: a plan over a rank's cap is refused with each rank's need, cap and
     counts per kind, as the gateway refuses it, instead of starting ranks the kernel would kill."""
     from xronos.cli import run
-    from xronos.gateway.planner import MiB
+    from xronos.gateway.plan.planner import MiB
 
     monkeypatch.setattr(strategy, "profile_ranks", lambda *a, **k: [
         synthetic_report("rank0", units=8, num_blocks=2, memory_available=300 * MiB, batch_size=4, seq_len=8),

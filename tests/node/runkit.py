@@ -2,7 +2,7 @@
 plain single-process transformers training loop the TP run must reproduce.
 
 Everything here is built independently of xronos' own data code: the reference batches come
-straight from the tokenizer, so a bug in xronos.node.data cannot hide in both sides.
+straight from the tokenizer, so a bug in xronos.node.data.batches cannot hide in both sides.
 """
 
 from __future__ import annotations

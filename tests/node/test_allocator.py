@@ -1,4 +1,4 @@
-"""The profiler and the ranks must run under one malloc setting (node/allocator.py): freed big
+"""The profiler and the ranks must run under one malloc setting (node/measure/allocator.py): freed big
 blocks stay in the heap instead of going back to the kernel to be page-faulted in again."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 # Allocate and touch 256 MiB, free it, and print the resident set before and after the free.
 _PROBE = r"""
 import ctypes, sys
-from xronos.node import allocator
+from xronos.node.measure import allocator
 print(allocator.tune(), file=sys.stderr)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -50,6 +50,6 @@ def test_tune_keeps_freed_blocks_resident() -> None:
 
 def test_opt_out() -> None:
     env = dict(os.environ, XRONOS_MALLOC="glibc")
-    out = subprocess.run([sys.executable, "-c", "from xronos.node import allocator; print(allocator.tune())"],
+    out = subprocess.run([sys.executable, "-c", "from xronos.node.measure import allocator; print(allocator.tune())"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,4 +1,4 @@
-"""Work bounded by the box before it starts (node/boxcheck.py, node/footprint.py): pure checks of a
+"""Work bounded by the box before it starts (node/agent/boxcheck.py, node/box/footprint.py): pure checks of a
 profile request's and an assignment's need against a box's cores and memory, and the schema's own
 ceilings."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from xronos.node.boxcheck import Box, assignment_problem_on_box, profile_problem
-from xronos.node.footprint import RUNTIME_BYTES, estimate, profile_estimate
+from xronos.node.agent.boxcheck import Box, assignment_problem_on_box, profile_problem
+from xronos.node.box.footprint import RUNTIME_BYTES, estimate, profile_estimate
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Layout
 

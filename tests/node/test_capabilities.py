@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from xronos.node import capabilities as cap
+from xronos.node.box import capabilities as cap
 from xronos.protocol.messages import Capabilities
 
 

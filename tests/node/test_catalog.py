@@ -1,4 +1,4 @@
-"""The owner's report of its allowed directories (node/catalog.py): model directories and data
+"""The owner's report of its allowed directories (node/agent/catalog.py): model directories and data
 files on a real temp tree, confined (links out are not listed, a link loop ends), bounded (count,
 path length, entries looked at). The node service's publishing: tests/services/test_homeassistant_glue.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from xronos.node import catalog
+from xronos.node.agent import catalog
 from xronos.protocol import messages as m
 
 
@@ -45,7 +45,7 @@ def test_models_and_data_files(tmp_path):
 
 
 def test_data_suffixes_are_the_loaders():
-    from xronos.node.data import _BUILDERS
+    from xronos.node.data.batches import _BUILDERS
 
     assert set(catalog.DATA_SUFFIXES) == set(_BUILDERS)
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import runkit
-from xronos.node.data import (BatchSource, as_int_labels, batch_order, eval_row_groups, load_columns, owner_batches,
-                              split_sizes)
-from xronos.node.labels import LabelSpace, decide_labels, label_head_in_checkpoint
+from xronos.node.data.batches import (BatchSource, as_int_labels, batch_order, eval_row_groups, load_columns,
+                                      owner_batches, split_sizes)
+from xronos.node.data.labels import LabelSpace, decide_labels, label_head_in_checkpoint
 from xronos.node.runconfig import RunConfig
 from xronos.node.tp.group import TPGroup
 from xronos.protocol.layout import Layout

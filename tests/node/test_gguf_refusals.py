@@ -13,7 +13,7 @@ from pydantic import ValidationError
 import ggufkit
 import runkit
 from xronos.cli.main import main
-from xronos.node.jobcheck import inspect_job
+from xronos.node.agent.jobcheck import inspect_job
 from xronos.node.models.gguf import check_gguf, gguf_refusal
 from xronos.protocol.messages import JobSpec
 

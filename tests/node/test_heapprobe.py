@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xronos.node import heapprobe
+from xronos.node.measure import heapprobe
 
 MiB = 1 << 20
 

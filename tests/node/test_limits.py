@@ -1,4 +1,4 @@
-"""A child cannot outgrow its box (node/limits.py, node/boxed.py): real child processes, started the
+"""A child cannot outgrow its box (node/box/limits.py, node/box/boxed.py): real child processes, started the
 way the node starts them, that go past their memory or task limit fail alone and say why."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from xronos.node import limits
-from xronos.node.limits import Child, ChildLimits, boxed_argv
+from xronos.node.box import limits
+from xronos.node.box.limits import Child, ChildLimits, boxed_argv
 
 MiB = 1 << 20
 CGROUPS = set(limits.group_bases()) == {"memory", "pids"}

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from xronos.node import memwatch
+from xronos.node.measure import memwatch
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 
 CHILD = """
 import ctypes, json, sys
-from xronos.node.memwatch import Watch
+from xronos.node.measure.memwatch import Watch
 w = Watch(sys.argv[1])
 w.phase("start")
 buf = bytearray(200 << 20)
@@ -51,7 +51,7 @@ def test_without_out_dir_the_mark_is_cumulative_and_nothing_is_written(tmp_path:
 
 HEAP_CHILD = """
 import ctypes, json, sys
-from xronos.node import memwatch
+from xronos.node.measure import memwatch
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from xronos.node.jobcheck import confined_spec
+from xronos.node.agent.jobcheck import confined_spec
 from xronos.node.models.export import save_hf_dir
 from xronos.protocol.messages import JobSpec
 

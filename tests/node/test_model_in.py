@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import runkit
-from xronos.node.jobcheck import inspect_job
+from xronos.node.agent.jobcheck import inspect_job
 from xronos.protocol.messages import JobSpec
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from xronos.gateway.profiles import Loaded, parse_report, plan_reports
-from xronos.node import profiler as prof
-from xronos.node.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
+from xronos.gateway.plan.profiles import Loaded, parse_report, plan_reports
+from xronos.node.measure import profiler as prof
+from xronos.node.measure.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
+from xronos.node.measure.profset import find_regions
 from xronos.node.models.shapes import shape
-from xronos.node.profset import find_regions
 from xronos.protocol.layout import Sizes
 from xronos.protocol.messages import ProfileReport, ProfileSettings
 
@@ -135,8 +135,8 @@ def test_cache_hit_does_not_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_a_box_too_small_for_the_profiling_set_is_refused_before_it_is_built() -> None:
     """A model whose one-block set alone exceeds the box would page it until the OOM killer picks
     something: refused with the figures, before a tensor is allocated."""
-    from xronos.node.capabilities import probe
-    from xronos.node.profset import ProfileTooLarge, floor_bytes
+    from xronos.node.box.capabilities import probe
+    from xronos.node.measure.profset import ProfileTooLarge, floor_bytes
 
     one_block = prof.one_block_config(prof.config_for(arch=TINY))
     n = sum(_params(name, "classify") for name in ("emb", "blk.attn", "blk.mlp", "blk.rest", "out"))
@@ -230,8 +230,8 @@ def test_state_bytes_after_adamw_step() -> None:
 def test_profile_in_child_process(tmp_path: Path) -> None:
     """The node service's path: the report comes from a child process, ids and capabilities kept,
     and a failing child is an error carrying what it printed."""
-    from xronos.node.capabilities import probe
-    from xronos.node.profilechild import ProfileJob, profile_in_child
+    from xronos.node.box.capabilities import probe
+    from xronos.node.measure.profilechild import ProfileJob, profile_in_child
 
     caps = probe("n7", "127.0.0.1")
     job = ProfileJob(config=prof.config_for(arch=TINY), task="classify", batch_size=B, seq_len=S, threads=1,
@@ -253,7 +253,7 @@ def test_profile_in_child_process(tmp_path: Path) -> None:
 def test_pause_at_skipped_collectives_is_left_out_of_layer_times() -> None:
     """The profiled rank sleeps where training waits in a collective (so that a CFS quota refills
     as it does for a training rank), and that sleep is not booked to any layer."""
-    from xronos.node.profset import ProfilingSet
+    from xronos.node.measure.profset import ProfilingSet
     from xronos.node.tp.group import TPGroup
     from xronos.protocol.layout import Layout
 
@@ -295,7 +295,7 @@ def test_report_carries_the_collective_probe(reports: dict[str, ProfileReport]) 
 def test_one_optimizer_step_over_every_parameter_shared_by_count() -> None:
     """Timing steps one AdamW over all parameters, as the trainer does, and books each layer its
     parameter-count share: every parameter once, shares summing to the model."""
-    from xronos.node.profset import ProfilingSet
+    from xronos.node.measure.profset import ProfilingSet
     from xronos.protocol.layout import Layout
 
     torch.set_num_threads(1)
@@ -364,7 +364,7 @@ def test_alloc_trace_peak_is_the_highest_level_above_the_start() -> None:
 
 _SLACK_CHILD = """
 import json, sys, torch
-from xronos.node import heapprobe, memwatch, profiler as prof
+from xronos.node.measure import heapprobe, memwatch, profiler as prof
 from xronos.node.models.shapes import shape
 torch.set_num_threads(1)
 config = prof.config_for(arch=shape("tiny-gpt2", "classify"))
@@ -384,8 +384,8 @@ def test_heap_slack_sees_a_free_hole_in_the_heap() -> None:
     import subprocess
     import sys
 
-    from xronos.node import allocator
     from xronos.node.launch import rank_env
+    from xronos.node.measure import allocator
 
     def child(env: dict[str, str], hole: bool) -> dict:
         out = subprocess.run([sys.executable, "-c", _SLACK_CHILD, "hole" if hole else "none"], env=env,
@@ -412,7 +412,7 @@ def test_memory_counts_no_temporary_for_adamws_moments() -> None:
     allocates them at build): created inside the traced step they made every trained layer's M_t
     exactly its parameters' bytes (the gradients freed after the moments arrived). Without the
     clipping pass (whose float64 chunks are a real temporary) the larger layers' M_t is below it."""
-    from xronos.node.profset import ProfilingSet
+    from xronos.node.measure.profset import ProfilingSet
     from xronos.protocol.layout import Layout
 
     config = prof.one_block_config(prof.config_for(arch=shape("tiny-gpt2", "classify")))

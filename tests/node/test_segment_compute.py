@@ -19,7 +19,7 @@ import torch
 
 import runkit
 from xronos.cli.main import main
-from xronos.node.data import Batch
+from xronos.node.data.batches import Batch
 from xronos.node.metrics import IterationRecord, Rusage, segment_compute, summarize
 from xronos.node.models.loading import init_random
 from xronos.node.models.registry import family_for

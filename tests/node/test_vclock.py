@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from xronos.gateway import commmodel
+from xronos.gateway.plan import commmodel
 from xronos.node.emulate.arrivals import Account, decode, encode, resolve, resolve_recv, send_delivery
 from xronos.node.emulate.estimator import Estimator, check_mode, statistic
-from xronos.node.emulate.request import EmulatorError, RankLimits, check_memory_fits, validate_virtual
 from xronos.node.emulate.link import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, Link
+from xronos.node.emulate.request import EmulatorError, RankLimits, check_memory_fits, validate_virtual
 from xronos.node.emulate.vclock import Box, VirtualClock, read_box, write_box
 from xronos.node.tp.clock import Meet
 

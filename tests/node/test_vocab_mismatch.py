@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runkit  # noqa: E402
 
 from xronos.cli.main import main  # noqa: E402
-from xronos.node.jobcheck import inspect_job  # noqa: E402
+from xronos.node.agent.jobcheck import inspect_job  # noqa: E402
 from xronos.protocol.messages import JobSpec  # noqa: E402
 
 

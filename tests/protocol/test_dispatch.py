@@ -7,7 +7,7 @@ from protocol_samples import SAMPLES
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
 from xronos.protocol.dispatch import Dispatcher, RequestError
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 
 
 @pytest.fixture

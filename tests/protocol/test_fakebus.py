@@ -3,7 +3,7 @@ import pytest
 from protocol_samples import SAMPLES
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 from xronos.protocol.transport import BrokerSettings, OutgoingQueue
 
 

@@ -9,7 +9,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from xronos.protocol.dispatch import Dispatcher
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 from xronos.protocol.ownavail import OwnAvailability
 
 

@@ -5,7 +5,7 @@ discovery) has."""
 import re
 
 import doctext
-from xronos.gateway.homeassistant import HAContext
+from xronos.gateway.homeassistant.discovery import HAContext
 from xronos.protocol.messages import REQUEST_MODELS
 from xronos.protocol.topics import ENTRIES, TopicTable
 

@@ -4,8 +4,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from xronos.protocol.dispatch import Dispatcher
-from xronos.protocol.fakebus import FakeBroker
-from xronos.protocol.throttle import LogThrottle
+from fakebus import FakeBroker
+from xronos.common.throttle import LogThrottle
 
 
 class Clock:

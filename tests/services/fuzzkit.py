@@ -9,7 +9,7 @@ plays three fake nodes that answer the gateway's requests — correctly, late, t
 so that jobs owned by them travel the whole state machine under fire.
 
 It also speaks on the services' own retained topics, which each service now listens to
-(protocol/ownavail.py, node/owncaps.py): anything on the gateway's availability (an `offline` it
+(protocol/ownavail.py, node/agent/owncaps.py): anything on the gateway's availability (an `offline` it
 must answer with `online`), and, on the real node's capabilities, schema-valid announcements of an
 impostor (another box under its id) with the longest and oddest host names the schema admits, and
 replays of the node's own.
@@ -81,7 +81,7 @@ class Fuzzer:
         self.answers: Counter[str] = Counter()  # the gateway's answers to the fuzzer's submits and previews
         self.own_caps: m.Capabilities | None = None  # the real node's latest announcement, as heard
         self.forged: set[bytes] = set()  # our impostor announcements on its topic (not the node's own)
-        self.impostor_reports = 0  # the real node's duplicate_node_id reports (node/owncaps.py)
+        self.impostor_reports = 0  # the real node's duplicate_node_id reports (node/agent/owncaps.py)
         self.templates = self._templates()
 
     # --- templates: one valid message per topic (or a tuple of shapes), in this deployment's names ---

@@ -9,14 +9,14 @@ import time
 import pytest
 
 from jobkit import job_spec, make_case
+from xronos.node.agent.config import NodeConfig
+from xronos.node.agent.jobcheck import assignment_problem, check_layout_cuts
+from xronos.node.agent.service import NodeService
 from xronos.node.checkpoint import check_saved_layout, saved_layout
-from xronos.node.config import NodeConfig
-from xronos.node.jobcheck import assignment_problem, check_layout_cuts
 from xronos.node.launch import free_port
-from xronos.node.service import NodeService
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 from xronos.protocol.layout import Layout, LayoutError, Sizes
 from xronos.protocol.topics import TopicTable
 

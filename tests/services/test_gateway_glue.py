@@ -14,12 +14,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "protocol"))
 from protocol_samples import ARCH, CAPS, LAYERS  # noqa: E402
 
-from xronos.gateway import jobs as J  # noqa: E402
 from xronos.gateway.config import GatewayConfig  # noqa: E402
+from xronos.gateway.job import machine as J  # noqa: E402
 from xronos.gateway.service import GatewayService  # noqa: E402
 from xronos.protocol import messages as m  # noqa: E402
 from xronos.protocol.codec import decode, encode  # noqa: E402
-from xronos.protocol.fakebus import FakeBroker  # noqa: E402
+from fakebus import FakeBroker  # noqa: E402
 from xronos.protocol.topics import TopicTable  # noqa: E402
 
 T = TopicTable()
@@ -322,7 +322,7 @@ def test_node_topics_claiming_another_node_are_ignored(tmp_path):
 def _until_ordered(h, slow_last=5.0):
     """A job assigned and started; per-kind metrics from every rank, its last rank slow, until the
     policy orders a re-shard. Returns (job id, assignments, the (node, JobReshard) orders seen)."""
-    from xronos.gateway.rebalance import PolicyConfig
+    from xronos.gateway.plan.rebalance import PolicyConfig
 
     h.gw.rebal.config = PolicyConfig(window=3, warmup=1, interval=1, confirm=2, cooldown=50, payback=1000)
     announce(h)
@@ -384,7 +384,7 @@ def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
 def test_an_order_the_owner_refused_is_dropped_and_the_policy_starts_again_from_the_plan(tmp_path):
     """The order is on disk as soon as it is sent (a restart knows it); the owner's refusal drops
     it, the JobState says why, and the gateway's policy goes back to the layout the ranks run."""
-    from xronos.gateway.store import JobStore
+    from xronos.gateway.job.store import JobStore
 
     h = Harness(tmp_path)
     job_id, assigned, orders = _until_ordered(h)

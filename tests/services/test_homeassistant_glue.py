@@ -11,14 +11,14 @@ import pytest
 
 from nodekit import pump
 from test_gateway_glue import NODES, SPEC, T, Harness, announce, report  # noqa: F401  (tests/services)
-from xronos.gateway import jobs as J
 from xronos.gateway.config import GatewayConfig
+from xronos.gateway.job import machine as J
 from xronos.gateway.service import GatewayService
-from xronos.node.config import NodeConfig
-from xronos.node.service import NodeService
+from xronos.node.agent.config import NodeConfig
+from xronos.node.agent.service import NodeService
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 
 from protocol_samples import ARCH  # noqa: E402
 
@@ -360,7 +360,7 @@ def test_a_refused_start_shows_refused_where_it_said_submitted(tmp_path, caplog)
 
 
 def test_the_node_publishes_its_catalog_and_rescans_on_request(tmp_path):
-    from xronos.node import catalog
+    from xronos.node.agent import catalog
 
     data = tmp_path / "data"
     data.mkdir()

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from test_gateway_glue import NODES, SPEC, Harness, T, announce, report, submit_to_inspection, submit_until_assigned
-from xronos.gateway import jobs as J
+from xronos.gateway.job import machine as J
 from xronos.gateway.service import STATE_EVERY_S
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode

@@ -17,18 +17,18 @@ import torch
 from jobkit import job_spec, make_case
 from nodekit import msgs, pump, replies
 from xronos.node import streaming
+from xronos.node.agent import service as S
+from xronos.node.agent.config import NodeConfig
+from xronos.node.agent.service import NodeService
 from xronos.node.checkpoint import read_meta
-from xronos.node.config import NodeConfig
+from xronos.node.launch import free_port
 from xronos.node.models.export import gather_full
 from xronos.node.models.specs import TensorSpec
-from xronos.node import service as S
-from xronos.node.service import NodeService
 from xronos.node.tp.layout import ShardLayout
-from xronos.node.launch import free_port
 from xronos.protocol import messages as m
 from xronos.protocol.codec import encode
 from xronos.protocol.layout import Layout
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 from xronos.protocol.topics import TopicTable
 
 T = TopicTable()

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from xronos.gateway import jobs as J
-from xronos.gateway.progress import state_view
+from xronos.gateway.job import machine as J
+from xronos.gateway.job.progress import state_view
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Sizes
 

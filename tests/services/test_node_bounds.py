@@ -11,14 +11,14 @@ import time
 import pytest
 
 from nodekit import pump, replies
-from xronos.node import limits
-from xronos.node.capabilities import memory, usable_cores
-from xronos.node.config import NodeConfig
+from xronos.node.agent.config import NodeConfig
+from xronos.node.agent.service import NodeService
+from xronos.node.box import limits
+from xronos.node.box.capabilities import memory, usable_cores
 from xronos.node.launch import free_port
-from xronos.node.service import NodeService
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 from xronos.protocol.layout import Layout
 from xronos.protocol.topics import TopicTable
 

@@ -9,13 +9,13 @@ import pytest
 
 from jobkit import job_spec, make_case
 from nodekit import msgs, pump, replies
-from xronos.node.config import NodeConfig
-from xronos.node.service import NodeService
+from xronos.node.agent.config import NodeConfig
+from xronos.node.agent.service import NodeService
 from xronos.node.launch import free_port
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
 from xronos.protocol.layout import Layout
-from xronos.protocol.fakebus import FakeBroker
+from fakebus import FakeBroker
 from xronos.protocol.topics import TopicTable
 
 T = TopicTable()

@@ -15,8 +15,8 @@ from structlog.testing import capture_logs
 
 from xronos.gateway.config import GatewayConfig
 from xronos.gateway.service import GatewayService
-from xronos.node.config import NodeConfig
-from xronos.node.service import NodeService
+from xronos.node.agent.config import NodeConfig
+from xronos.node.agent.service import NodeService
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BrokerSettings
 

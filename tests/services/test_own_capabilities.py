@@ -10,9 +10,9 @@ import time
 import pytest
 
 from test_own_availability import Watcher, drive
-from xronos.node.config import NodeConfig
-from xronos.node.owncaps import REASSERT_EVERY_S
-from xronos.node.service import NodeService
+from xronos.node.agent.config import NodeConfig
+from xronos.node.agent.owncaps import REASSERT_EVERY_S
+from xronos.node.agent.service import NodeService
 from xronos.protocol import messages as m
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BrokerSettings

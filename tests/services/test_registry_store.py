@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from test_jobs import SPEC, inspected
-from xronos.gateway import jobs as J
 from xronos.gateway import registry as R
-from xronos.gateway.store import JobStore, job_from_dict, job_to_dict
+from xronos.gateway.job import machine as J
+from xronos.gateway.job.store import JobStore, job_from_dict, job_to_dict
 from xronos.protocol import messages as m
 
 CAPS = m.Capabilities(node_id="a", hostname="h", arch="x86_64", cpu_model="cpu", cores=2,

@@ -17,8 +17,8 @@ doctoc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(doctoc)
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-TOP = ("protocol", "gateway", "node", "cli", "bench", "systemd", "tests", "tools", "examples", "docs")
-PACKAGES = {"protocol", "gateway", "node", "cli", "bench"}  # xronos.<name> is the folder <name>/
+TOP = ("common", "protocol", "gateway", "node", "cli", "bench", "systemd", "tests", "tools", "examples", "docs")
+PACKAGES = {"common", "protocol", "gateway", "node", "cli", "bench"}  # xronos.<name> is the folder <name>/
 ENTRY_POINT_GROUPS = {"xronos.commands"}  # pyproject.toml's, named like a module
 
 

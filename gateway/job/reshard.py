@@ -1,0 +1,112 @@
+"""The job state machine's live re-shard transitions (issue 14): pure, like `machine`, which
+dispatches to them. The policy's word (`Rebalanced`, from `rebalancers`) becomes an order to the
+owner (`Reshard`) with the plan it makes kept as `Job.pending_plan`, or the reason the plan is
+kept; the owner's status then makes that plan the job's (the ranks moved) or drops it (the owner
+refused the order)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from xronos.protocol import messages as m
+
+from .history import note, short
+from .types import Ctx, Job, Out, Rebalanced, Reshard
+
+MAX_REASON_CHARS = 256  # JobState.last_replan_reason, Home Assistant's text state
+
+
+def _ordered(job: Job) -> m.Plan | None:
+    """The plan the ranks run or have been ordered to: a re-shard not yet applied, else the plan."""
+    if job.pending_plan is not None and job.pending_plan.version == job.plan_version:
+        return job.pending_plan
+    return job.plan
+
+
+def on_rebalanced(job: Job, ev: Rebalanced, ctx: Ctx) -> Out:
+    """The re-balancing policy's decision: order the owner to re-shard (the plan takes the new
+    counts when the owner says the ranks moved: `owner_reshard_status`), or tell why the plan is kept."""
+    plan = _ordered(job)
+    if ev.plan_version != job.plan_version or plan is None or job.phase not in ("running", "paused") \
+            or ev.old != plan.layout():
+        return job, []
+    reason = short(ev.reason, MAX_REASON_CHARS)
+    if ev.layout is None:
+        if reason == job.last_replan_reason:
+            return job, []
+        # The event history hears of a re-plan refused by the memory caps (once in a row of them);
+        # the policy's every other word only updates the reason the state shows.
+        if "memory cap" in ev.reason and "memory cap" not in (job.last_replan_reason or ""):
+            return note(job, ctx.now, f"plan kept: {ev.reason}", last_replan_reason=reason), []
+        return replace(job, last_replan_reason=reason, updated_at=ctx.now), []
+    if job.total_steps and ev.at_step >= job.total_steps:  # no boundary left to move at
+        why = f"not ordered: the job ends before step {ev.at_step}; {ev.reason}"
+        return replace(job, last_replan_reason=short(why, MAX_REASON_CHARS), updated_at=ctx.now), []
+    try:
+        ev.layout.check(plan.sizes, world_size=len(plan.entries), quanta=None)
+    except ValueError as exc:  # never from the policy: it plans over the same sizes
+        return note(job, ctx.now, f"re-plan refused: {exc}"), []
+    over = [(e.node_id, mem, e.memory_cap) for e, mem in zip(plan.entries, ev.predicted_memory)
+            if mem > e.memory_cap]
+    if over:  # the policy checks the caps too; an order past them is never sent
+        node, mem, cap = over[0]
+        why = short(f"re-plan not applied, plan kept: node {node!r} would need {mem / 2**20:.0f} MiB, over its "
+                    f"cap of {cap / 2**20:.0f} MiB (memory cap)", MAX_REASON_CHARS)
+        if why == job.last_replan_reason:
+            return job, []
+        return note(job, ctx.now, why, last_replan_reason=why), []
+    entries = [e.model_copy(update={
+        "attn": ev.layout.attn[e.rank], "mlp": ev.layout.mlp[e.rank], "vocab": ev.layout.vocab[e.rank],
+        **({"predicted_compute_s": ev.predicted_compute_s[e.rank]} if ev.predicted_compute_s else {}),
+        **({"predicted_memory": ev.predicted_memory[e.rank]} if ev.predicted_memory else {}),
+    }) for e in plan.entries]
+    update: dict[str, Any] = {"entries": entries}
+    if ev.predicted_bottleneck_s:
+        update["predicted_iteration_s"] = ev.predicted_bottleneck_s + plan.comm_s
+    pending = m.Plan.model_validate({**plan.model_dump(), **update})
+    job = note(job, ctx.now, f"re-plan for step {ev.at_step}: {ev.old.to_text()} -> {ev.layout.to_text()}; "
+               f"{ev.reason}", pending_plan=pending, replans=job.replans + 1, last_replan_reason=reason)
+    return job, [Reshard(job.job_id, job.plan_version, job.rank0 or job.owner, ev.at_step, ev.layout, reason)]
+
+
+def owner_reshard_status(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
+    """The owner's status (already checked to be the owner's, for the current plan) on re-shards:
+    the ranks moved to a new layout, or the owner refused an order. Anything else: the job as is."""
+    if s.reshard_step is not None and s.reshard_step != job.last_reshard_step \
+            and s.reshard_layout is not None and job.plan is not None \
+            and s.reshard_layout.world_size == len(job.plan.entries):
+        try:
+            s.reshard_layout.check(job.plan.sizes, quanta=None)
+        except ValueError:
+            pass  # not a layout of this model: nothing the owner moved to
+        else:
+            job = _resharded(job, ctx, s)
+    if s.reshard_refused is not None and s.reshard_refused != job.reshard_refused:
+        job = _refused_reshard(job, ctx, s.reshard_refused)
+    return job
+
+
+def _refused_reshard(job: Job, ctx: Ctx, why: str) -> Job:
+    """The owner refused a re-shard order: it is not pending any more; the job goes on under its plan."""
+    job = replace(job, reshard_refused=why)
+    if job.pending_plan is None:
+        return job
+    reason = short(f"re-shard refused by the ranks, plan kept: {why}", MAX_REASON_CHARS)
+    return note(job, ctx.now, reason, pending_plan=None, last_replan_reason=reason)
+
+
+def _resharded(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
+    """The owner says every rank moved to `s.reshard_layout` before step `s.reshard_step`: the plan
+    is now that layout's (the ordered plan's predictions with it), and the measured sums restart."""
+    assert s.reshard_layout is not None and job.plan is not None
+    layout, pending = s.reshard_layout, _ordered(job)
+    if pending is not None and pending.layout() == layout:
+        plan = pending
+    else:  # not the ordered layout (never from our owner): its counts, the plan's predictions
+        plan = m.Plan.model_validate({**job.plan.model_dump(), "entries": [e.model_copy(update={
+            "attn": layout.attn[e.rank], "mlp": layout.mlp[e.rank], "vocab": layout.vocab[e.rank]})
+            for e in job.plan.entries]})
+    took = f" ({s.reshard_s:.2f} s at the boundary)" if s.reshard_s is not None else ""
+    return note(job, ctx.now, f"re-shard applied at step {s.reshard_step}: {layout.to_text()}{took}",
+                plan=plan, pending_plan=None, agg={}, peak_rss={}, last_reshard_step=s.reshard_step)

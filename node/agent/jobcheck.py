@@ -1,0 +1,145 @@
+"""The owner's checks of a job before anything runs: what the gateway's inspection request gets.
+
+Paths arrive over MQTT, so they are untrusted: each is confined to the node's allowed directories
+first. Then the same pre-flight checks `xronos run` does before spawning ranks: config.json names
+a supported family, the sequence fits its positions, the checkpoint holds every tensor in the
+right shape, the tokenizer loads, the data file has the columns and valid labels (their classes
+from the data when the checkpoint has no classification head) or valid instruction rows. The answer
+carries the architecture (for profiling on other nodes), H and the number of steps.
+`assignment_problem` is every node's check of an Assignment's layout before it starts a rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from xronos.common.paths import confine_path
+from xronos.protocol.layout import KINDS, NOUN, QUANTA, Layout, LayoutError
+from xronos.protocol.messages import Assignment, JobSpec
+
+
+def _overlap(a: Path, b: Path) -> bool:
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
+
+
+def _confine_symlinks(model_dir: Path, allowed: list) -> None:
+    """Every symlink directly in the model directory (config.json, tokenizer files, ... which
+    transformers reads and the export copies) must resolve inside the allowed directories too, as
+    the checkpoint's safetensors files must (`checkpoint_files`): a confined directory is no
+    confinement if its files may point anywhere (a credential, another job's checkpoint)."""
+    try:
+        entries = list(os.scandir(model_dir))
+    except OSError:
+        return  # a missing model dir is reported by the checks that read it
+    for e in entries:
+        if e.is_symlink():
+            confine_path(e.path, allowed, f"spec.model_dir entry {e.name!r}")
+
+
+def confined_spec(spec: JobSpec, allowed_dirs: Iterable[str | Path],
+                  reserved: Iterable[str | Path] = ()) -> JobSpec:
+    """The spec with model_dir, data_path and export_dir resolved inside allowed_dirs.
+
+    The export is written where the spec says, so it may not overwrite what it reads or what the
+    node keeps: export_dir may neither be nor contain nor lie inside the base model directory, the
+    data file, or any of `reserved` (the node's job directories, which hold every job's checkpoint).
+    """
+    allowed = list(allowed_dirs)
+    out = {field: str(confine_path(getattr(spec, field), allowed, f"spec.{field}"))
+           for field in ("model_dir", "data_path", "export_dir")}
+    _confine_symlinks(Path(out["model_dir"]), allowed)
+    export = Path(out["export_dir"])
+    for field in ("model_dir", "data_path"):
+        if _overlap(export, Path(out[field])):
+            raise ValueError(f"spec.export_dir {spec.export_dir!r} (resolves to {export}) would overwrite "
+                             f"spec.{field} {out[field]}: export somewhere else")
+    for d in reserved:
+        root = Path(d).resolve()
+        if _overlap(export, root):
+            raise ValueError(f"spec.export_dir {spec.export_dir!r} (resolves to {export}) overlaps {root}, "
+                             "where this node keeps its jobs' checkpoints and profiles: export somewhere else")
+    return spec.model_copy(update=out)
+
+
+def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
+                reserved: Iterable[str | Path] = ()) -> dict[str, Any]:
+    """InspectReport fields (without ids) for a job this node would own; ValueError/FileNotFoundError
+    naming the problem otherwise."""
+    from xronos.node.data.batches import load_tokenizer
+    from xronos.node.models.registry import arch_spec, family_for
+    from xronos.node.runconfig import DataConfig, total_steps
+    from xronos.node.validate import check_checkpoint, check_dataset, check_lora, read_config
+
+    allowed = list(allowed_dirs)
+    s = confined_spec(spec, allowed, reserved)
+    if not Path(s.data_path).is_file():
+        raise FileNotFoundError(f"spec.data_path {spec.data_path!r}: no such file on the owner")
+    config = read_config(s.model_dir)
+    family = family_for(config)
+    if spec.export_gguf is not None:  # refused here, before any training, naming the family
+        from xronos.node.models.gguf import check_gguf
+        check_gguf(s.model_dir, config, spec.task)
+    if spec.seq_len > family.max_positions(config):
+        raise ValueError(f"spec.seq_len {spec.seq_len} exceeds the model's maximum of "
+                         f"{family.max_positions(config)} positions")
+    family.hf_class(spec.task)
+    check_checkpoint(s.model_dir, config, spec.task, allowed_dirs=allowed)
+    check_lora(config, spec.task, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
+    load_tokenizer(s.model_dir)
+    data = DataConfig(**s.model_dump(include=set(DataConfig.model_fields)))
+    source = check_dataset(data, config, allowed)
+    n_train, n_eval = source.n_train, source.n_eval
+    config.update(source.config_fields())  # the head the job trains: its classes may come from the data
+    return {"arch": arch_spec(config, spec.task), "train_rows": n_train, "eval_rows": n_eval,
+            "total_steps": total_steps(s.max_steps, s.epochs, n_train, s.batch_size)}
+
+
+def check_layout_cuts(layout: Layout, quanta: dict[str, int] = QUANTA) -> None:
+    """What can be checked of a layout without the model: every cut between ranks falls on the
+    kind's quantum, except at the end of the kind (the counts' sum). LayoutError naming the kind."""
+    for k in KINDS:
+        counts, cut = layout.counts(k), 0
+        total = sum(counts)
+        if total == 0:
+            raise LayoutError(f"{k}: counts {list(counts)} assign no {NOUN[k]} at all")
+        for r, c in enumerate(counts[:-1]):
+            cut += c
+            if cut % quanta[k] and cut != total:
+                raise LayoutError(f"{k}: the cut after rank {r} falls at {cut}, not a multiple of the "
+                                  f"{NOUN[k]} quantum {quanta[k]} (only the last holder of a kind may "
+                                  f"hold a remainder)")
+
+
+def assignment_problem(a: Assignment, spec: JobSpec) -> str | None:
+    """Why a node must refuse Assignment `a`'s layout before starting its rank, or None.
+
+    Every node checks what it can without the model: one count per rank of the world, every kind
+    cut on its quantum. The owner (rank 0), which has the model (`spec` holds its confined
+    paths), also checks that each kind's counts sum to the model's size — so a job whose plan does
+    not fit its model is refused by its owner and never starts. (A model the owner cannot read is
+    not a layout problem: the gateway's inspection refuses it, and a rank reports it.)"""
+    layout = a.layout
+    try:
+        if layout.world_size != a.world_size:
+            raise LayoutError(f"layout has {layout.world_size} ranks but the world has {a.world_size}")
+        check_layout_cuts(layout)
+        sizes = _model_sizes(spec.model_dir) if a.rank == 0 else None
+        if sizes is not None:
+            layout.check(sizes, world_size=a.world_size)
+    except LayoutError as exc:
+        return f"layout {layout.to_text()}: {exc}"
+    return None
+
+
+def _model_sizes(model_dir: str):
+    from xronos.node.models.registry import family_for
+    from xronos.node.validate import read_config
+
+    try:
+        config = read_config(model_dir)
+        return family_for(config).sizes(config)
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,495 @@
+"""The node agent (`xronos node --config node.toml`): announce, profile, inspect, train on assignment.
+
+One control loop reads the bus and never blocks on work: inspections and profiles run on one
+worker thread, training runs in a child process (`node.child`). Everything the node tells the
+world goes out from this loop: retained availability (last-will `offline`) and capabilities,
+re-published on every reconnect; profile reports; inspection reports; assignment acks; per-
+iteration metrics; and the retained NodeJobStatus a restarted gateway reconciles from. An
+`offline` that another process leaves on this node's availability while it runs (a duplicate
+node_id's last will) is answered with `online` and an error in the log (`protocol.ownavail`).
+
+Assignments are two-phase: the node checks and acknowledges, and starts its rank only on the
+gateway's `start`, once every rank has accepted. A newer plan version of the same job replaces the
+running rank (that is how a recovery re-plans); another job while one runs is refused as busy.
+
+No message can break the service: every message is bounded where it arrives (the protocol's
+models), every turn of the loop is guarded part by part (dispatch, each outgoing message, each of
+the rank process's events, the capabilities refresh), at most `MAX_PENDING_WORK` inspections and
+profiles wait for the worker thread (more are answered "busy"), a repeated request id is done
+once, a job's directory is `state_dir/jobs/<job id>` with the id checked as one plain path
+component, and an owner's paths are confined (`jobcheck.confined_spec`: inside `allowed_dirs`,
+an export that overwrites neither the base model nor the node's job directories). No request can
+take the box down: a profile or an assignment over its cores or memory is refused with the numbers
+(`node/agent/boxcheck.py`); every child runs boxed — memory and task limits, dying with the node
+(`node/box/limits.py`); a stop takes seconds at any point, a cancel does not hold the loop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from xronos.common import sdnotify
+from xronos.node.agent import participation
+from xronos.node.agent.boxcheck import Box, assignment_problem_on_box, owner_arch, profile_problem, resident_bytes
+from xronos.node.agent.catalog import CatalogPublisher
+from xronos.node.agent.config import NodeConfig, detect_data_host, job_dir
+from xronos.node.agent.jobcheck import assignment_problem
+from xronos.node.agent.owncaps import OwnCapabilities
+from xronos.node.box import limits
+from xronos.protocol import hastate
+from xronos.protocol import messages as m
+from xronos.protocol.dispatch import Dispatcher
+from xronos.protocol.layout import Layout
+from xronos.protocol.ownavail import OwnAvailability
+from xronos.protocol.topics import TopicTable
+from xronos.protocol.transport import BusBase, MqttBus
+
+log = structlog.get_logger(__name__)
+CAPS_EVERY_S = 60.0  # refresh memory_available and temperature for the planner and HA
+MAX_PENDING_WORK = 4  # inspections and profiles queued or running on the worker thread
+STOP_GRACE_S = 1.0  # a rank's time to stop at its iteration boundary when the node stops
+
+
+class NodeService:
+    def __init__(self, cfg: NodeConfig, bus: BusBase | None = None, data_host: str | None = None) -> None:
+        self.cfg, self.node_id = cfg, cfg.node_id
+        self.table = TopicTable(cfg.base_topic)
+        self.data_host = data_host or detect_data_host(cfg)
+        will = (self.table.build("node.availability", node_id=self.node_id), "offline", True)
+        # A random part, so that the client id cannot be guessed (see the gateway).
+        self.bus = bus or MqttBus(cfg.broker, f"node-{self.node_id}-{os.urandom(4).hex()}", will=will,
+                                  table=self.table)
+        self.dispatcher = Dispatcher(self.bus, node_id=self.node_id)
+        self.availability = OwnAvailability(
+            self.bus, "node.availability", node_id=self.node_id, event="node.availability_offline_while_running",
+            hint="another process with this node_id (a copied node.toml?) ran and stopped, or an 'offline' "
+                 "was published by hand: every box needs its own node_id; 'online' published again")
+        self.owncaps = OwnCapabilities(self.bus, self.node_id)  # another box under this id (node/agent/owncaps.py)
+        self.participate = participation.load(cfg.state_dir, cfg.participate)  # HA's last choice wins
+        self.work = ThreadPoolExecutor(1, thread_name_prefix="node-work")
+        self.outbox: queue.Queue[Any] = queue.Queue()  # messages the worker thread wants published
+        self.assignment: m.Assignment | None = None
+        self.spec: m.JobSpec | None = None  # the assignment's spec, owner paths confined
+        self.child: Any = None  # RankProcess
+        self.status: m.NodeJobStatus | None = None
+        self.last_shares: tuple[float, float] | None = None
+        self._pending: set[str] = set()  # request ids queued or running on the worker thread
+        self._pending_lock = threading.Lock()
+        self.internal_errors = 0  # unexpected exceptions caught by a guard (each logged)
+        self.stopping = threading.Event()
+        self.state_dir = Path(cfg.state_dir)
+        self._caps_at = 0.0
+        self._ha_published: hastate.NodeHAState | None = None
+        # What allowed_dirs holds, for Home Assistant's job form (node/agent/catalog.py).
+        self.catalog = CatalogPublisher(self.bus, self.node_id, cfg.allowed_dirs, skip=self._reserved_dirs())
+        self._archs: dict[str, tuple[m.ArchSpec, str]] = {}  # job id -> the shape its profile named
+        self._leaving: list[Any] = []  # RankProcesses told to stop, not yet gone (killed at a new start)
+
+    # --- wiring --------------------------------------------------------------------------------
+    def start(self) -> None:
+        own = {"node_id": self.node_id}
+        self.dispatcher.on("node.profile_request", self._on_profile, **own)
+        self.dispatcher.on("node.inspect_request", self._on_inspect, **own)
+        self.dispatcher.on("node.assignment", self._on_assignment, **own)
+        self.dispatcher.on("node.control", self._on_control, **own)
+        self.dispatcher.on("node.set", self._on_ha_command, **own)  # Home Assistant's switch
+        self.availability.register(self.dispatcher)
+        self.owncaps.register(self.dispatcher)
+        self.catalog.register(self.dispatcher)
+        self.bus.on_connect(self._announce)
+        limits.sweep(limits.group_bases())  # empty child groups a killed run of the node left
+        self.bus.start()
+        self.work.submit(_warm_up)
+
+    def _announce(self) -> None:
+        """Runs after every (re)connect: the retained view of this node, afresh."""
+        self.availability.announce()
+        self.owncaps.connected()
+        self._publish_caps()
+        if self.status is not None:
+            self.bus.publish_message(self.status, node_id=self.node_id)
+        self._publish_ha(force=True)
+        self.catalog.announce()
+
+    def _publish_caps(self) -> None:
+        from xronos.node.box.capabilities import probe
+
+        self._caps_at = time.monotonic()
+        self.owncaps.publish(probe(self.node_id, self.data_host, self.participate))
+
+    def _publish_ha(self, force: bool = False) -> None:
+        """node/<id>/state for Home Assistant, only when something but its timestamp changed."""
+        from xronos.node.box.capabilities import cpu_temperature
+
+        a = self.assignment if self.status and self.status.status in ("accepted", "running", "paused") else None
+        compute, idle = self.last_shares or (None, None)
+        share = hastate.node_share(a)
+        temp = cpu_temperature()
+        st = hastate.NodeHAState(
+            participate=self.participate, job_id=a.job_id if a else None, **share,
+            compute_pct=compute if a else None, idle_pct=idle if a else None,
+            cpu_temp_c=round(temp, 1) if temp is not None and math.isfinite(temp) else None,
+            updated_at=time.time())
+        if not force and hastate.same_state(st, self._ha_published):
+            return
+        self.bus.publish_message(st, node_id=self.node_id)
+        self._ha_published = st
+
+    # --- the loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.start()
+        watchdog = sdnotify.Watchdog.from_env()
+        sdnotify.ready(f"node {self.node_id}")
+        try:
+            while not self.stopping.is_set():
+                self.step(0.2)
+                watchdog.maybe_ping()
+        finally:
+            sdnotify.stopping()
+            self.shutdown()
+
+    def step(self, timeout: float) -> None:
+        """One turn of the control loop (tests drive it directly). Each part is guarded: nothing
+        raises out of it."""
+        item = self.bus.get(timeout)
+        if item is not None:
+            self.dispatcher.dispatch(*item, retain=getattr(item, "retain", False))  # never raises
+        while True:
+            try:
+                msg = self.outbox.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                self.bus.publish_message(msg, node_id=self.node_id)
+            except Exception as exc:
+                self._internal(f"publish {type(msg).__name__}", exc)
+        try:
+            self._pump_child()
+        except Exception as exc:
+            self._internal("rank process", exc)
+        self.catalog.tick()  # guarded inside
+        self._leaving = [c for c in self._leaving if c.poll() is None]
+        try:
+            self.owncaps.tick()
+        except Exception as exc:
+            self._internal("re-assert capabilities", exc)
+        if time.monotonic() - self._caps_at > CAPS_EVERY_S:
+            try:
+                self._publish_caps()
+                self._publish_ha()
+            except Exception as exc:
+                self._caps_at = time.monotonic()
+                self._internal("publish capabilities", exc)
+
+    def _internal(self, where: str, exc: BaseException) -> None:
+        self.internal_errors += 1
+        log.error("node.internal_error", where=where, error=f"{type(exc).__name__}: {exc}"[:300], exc_info=exc)
+
+    def shutdown(self) -> None:
+        """Seconds at any point: the rank gets STOP_GRACE_S (a checkpoint it writes is abandoned, the
+        previous one stays whole), every other child (a profile, its heap probes) is killed at once."""
+        self.work.shutdown(wait=False, cancel_futures=True)
+        if self.child is not None:
+            self.child.kill(grace_s=STOP_GRACE_S)
+            self._set_status("cancelled", detail="node service stopped")
+        limits.LIVE.kill_all()
+        self.availability.withdraw()
+        self.bus.stop()
+
+    # --- Home Assistant switch -----------------------------------------------------------------
+    def _on_ha_command(self, cmd: hastate.NodeCommand, _params: dict[str, str]) -> None:
+        """A bad payload is answered on node/<id>/error by the dispatcher."""
+        self.participate = cmd.participate
+        participation.save(self.state_dir, cmd.participate)
+        log.info("participation switched", participate=self.participate)
+        self._publish_caps()
+        self._publish_ha()
+
+    # --- inspection and profiling (worker thread) ----------------------------------------------
+    def _queue_work(self, request_id: str, fn: Any, req: Any) -> str | None:
+        """Queue `fn(req)` on the worker thread once per request id; why not, if it cannot be."""
+        with self._pending_lock:
+            if request_id in self._pending:
+                return "duplicate"
+            if len(self._pending) >= MAX_PENDING_WORK:
+                return f"busy: {len(self._pending)} inspections or profiles are already waiting"
+            self._pending.add(request_id)
+
+        def run() -> None:
+            try:
+                fn(req)
+            finally:
+                with self._pending_lock:
+                    self._pending.discard(request_id)
+
+        self.work.submit(run)
+        return None
+
+    def _on_inspect(self, req: m.InspectRequest, _params: dict[str, str]) -> None:
+        why = self._queue_work(req.request_id, self._inspect, req)
+        if why is not None and why != "duplicate":
+            self.bus.publish_message(m.InspectReport(node_id=self.node_id, request_id=req.request_id,
+                                                     job_id=req.job_id, ok=False, error=why), node_id=self.node_id)
+
+    def _reserved_dirs(self) -> list[Path]:
+        """Directories of this node's own that no export may overwrite."""
+        return [self.state_dir / "jobs", self.state_dir / "profiles"]
+
+    def _inspect(self, req: m.InspectRequest) -> None:
+        from xronos.node.agent.jobcheck import inspect_job
+
+        ids = {"node_id": self.node_id, "request_id": req.request_id, "job_id": req.job_id}
+        try:
+            if req.spec.owner != self.node_id:
+                raise ValueError(f"spec.owner is {req.spec.owner!r}, not this node")
+            found = inspect_job(req.spec, self.cfg.allowed_dirs, reserved=self._reserved_dirs())
+            report = m.InspectReport(**ids, ok=True, arch=m.ArchSpec(**found.pop("arch")), **found)
+        except Exception as exc:  # every failure is an answer, never a silent drop
+            log.info("inspection refused", job=req.job_id, reason=str(exc))
+            report = m.InspectReport(**ids, ok=False, error=f"{exc}"[:2000])
+        self.outbox.put(report)
+
+    def _on_profile(self, req: m.ProfileRequest, _params: dict[str, str]) -> None:
+        why = profile_problem(req, Box.now(self.cfg.reserve_mb))  # threads and memory, before it starts
+        if why is not None:
+            log.info("profile refused", job=req.job_id, reason=why)
+            self._profile_failed(req, why)
+            return
+        if len(self._archs) >= 64:  # the shapes of recent jobs only
+            self._archs.pop(next(iter(self._archs)))
+        self._archs[req.job_id] = (req.arch, req.task)  # what an assignment of that job is checked with
+        why = self._queue_work(req.request_id, self._profile, req)
+        if why is not None and why != "duplicate":
+            self._profile_failed(req, why)
+
+    def _profile_failed(self, req: m.ProfileRequest, why: str) -> None:
+        topic = self.table.build("node.profile_request", node_id=self.node_id)
+        self.outbox.put(m.ErrorResponse(code="profile_failed", message=f"{req.request_id}: {why}"[:2000], topic=topic))
+
+    def _profile(self, req: m.ProfileRequest) -> None:
+        from xronos.node.box.capabilities import probe
+        from xronos.node.measure.profilechild import ProfileJob, profile_in_child
+        from xronos.node.measure.profiler import config_for
+
+        try:
+            # In a child process: measured under the training ranks' allocator setting, and the
+            # service does not keep a full-width block's memory afterwards (node/measure/profilechild.py).
+            job = ProfileJob(config=config_for(arch=req.arch), task=req.task, batch_size=req.batch_size,
+                             seq_len=req.seq_len, threads=req.threads or self._threads(),
+                             weight_decay=req.weight_decay, clip=req.clip, lora_r=req.lora_r,
+                             lora_targets=req.lora_targets, lora_dropout=req.lora_dropout, node_id=self.node_id,
+                             request_id=req.request_id, job_id=req.job_id,
+                             capabilities=probe(self.node_id, self.data_host, self.participate),
+                             cache_dir=str(self.state_dir / "profiles"))
+            report = profile_in_child(job, limits=self._child_limits())
+        except Exception as exc:
+            log.warning("profiling failed", job=req.job_id, reason=str(exc))
+            self._profile_failed(req, str(exc))
+            return
+        self.outbox.put(report)
+
+    # --- the box's bounds (node/agent/boxcheck.py, node/box/limits.py) ----------------------------------
+    def _child_limits(self) -> limits.ChildLimits:
+        return Box.now(self.cfg.reserve_mb).child_limits()
+
+    def _assignment_bounds(self, a: m.Assignment, spec: m.JobSpec) -> str | None:
+        """The rank's size against the box; the model's shape from the owner's checkpoint or from the
+        job's profile request (a rank of a job this node has neither for is bounded by its limits alone)."""
+        shape = (owner_arch(spec) if a.rank == 0 else None) or self._archs.get(a.job_id)
+        mine = self.child is not None and self.assignment is not None and self.assignment.job_id == a.job_id
+        freed = resident_bytes(self.child.proc.pid) if mine else 0  # a re-plan's old rank makes way
+        return assignment_problem_on_box(a, spec, shape, Box.now(self.cfg.reserve_mb), freed)
+
+    def _threads(self) -> int:
+        """Torch threads of this node's profiles and training ranks (the same, so the one predicts the other)."""
+        return self.cfg.threads or max(os.cpu_count() or 1, 1)
+
+    # --- assignment and control ----------------------------------------------------------------
+    def _ack(self, a: m.Assignment, reason: str | None) -> None:
+        self.bus.publish_message(m.AssignmentAck(job_id=a.job_id, plan_version=a.plan_version, node_id=self.node_id,
+                                                 accepted=reason is None, reason=reason), node_id=self.node_id)
+
+    def _on_assignment(self, a: m.Assignment, params: dict[str, str]) -> None:
+        if a.node_id != self.node_id:  # a payload claiming another node: not ours to act on
+            raise ValueError(f"assignment names node {a.node_id!r} but arrived on {params['node_id']!r}'s topic")
+        cur = self.assignment
+        if cur is not None and cur.job_id == a.job_id and cur.plan_version == a.plan_version:
+            if self.child is None:  # not started: the repeat's group key is the one the others hold now
+                self.assignment = a
+            self._ack(a, None)  # a repeat (the gateway restarted while waiting for acks)
+            return
+        if cur is not None and cur.job_id == a.job_id and cur.plan_version > a.plan_version:
+            raise ValueError(f"assignment v{a.plan_version} of {a.job_id} is older than v{cur.plan_version}")
+        busy = self.child is not None and cur is not None and cur.job_id != a.job_id
+        reason = f"busy with job {cur.job_id}" if busy and cur else self._check(a)
+        if reason is None:
+            if self.child is not None:  # the same job re-planned: the old rank makes way
+                self._leaving.append(self.child)
+                self.child.stop()
+                self.child = None
+            self.assignment = a
+            self._set_status("accepted", job=a, step=a.resume_step)
+        log.info("assignment", job=a.job_id, version=a.plan_version, rank=a.rank, accepted=reason is None,
+                 reason=reason)
+        self._ack(a, reason)
+
+    def _check(self, a: m.Assignment) -> str | None:
+        """Why this node cannot take the assignment, or None."""
+        if not self.participate:
+            return "participation is switched off"
+        if a.rank == 0 and a.spec.owner != self.node_id:
+            return f"rank 0 must be the owner {a.spec.owner!r}"
+        if a.rank != 0 and a.spec.owner == self.node_id:
+            return "the owner must be rank 0"
+        try:
+            job_dir(self.state_dir, a.job_id)
+        except ValueError as exc:
+            return str(exc)
+        if a.rank == 0:
+            from xronos.node.agent.jobcheck import confined_spec
+
+            try:
+                self.spec = confined_spec(a.spec, self.cfg.allowed_dirs, reserved=self._reserved_dirs())
+            except ValueError as exc:
+                return str(exc)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("", a.rendezvous_port))
+                except OSError as exc:
+                    return f"rendezvous port {a.rendezvous_port} is not free: {exc.strerror}"
+        else:
+            self.spec = a.spec
+        # the layout, then the rank's size: refused before any rank starts
+        return assignment_problem(a, self.spec) or self._assignment_bounds(a, self.spec)
+
+    def _on_control(self, c: Any, _params: dict[str, str]) -> None:
+        a = self.assignment
+        if a is None or a.job_id != c.job_id or a.plan_version != c.plan_version:
+            if c.action == "cancel":
+                return  # nothing of that plan runs here: already as asked
+            raise ValueError(f"{c.action} for {c.job_id} v{c.plan_version}: no such assignment here")
+        if c.action == "start":
+            if self.child is None and self.status is not None and self.status.status == "accepted":
+                self._start_child(a)  # once per assignment: a repeated start never re-runs a rank
+        elif c.action == "cancel":
+            if self.child is not None:  # stopped on a thread of its own: the loop goes on
+                self._leaving.append(self.child)
+                self.child.stop()
+                self.child = None
+            self._set_status("cancelled")
+            self.assignment = None
+        elif c.action == "reshard":
+            if a.rank != 0:
+                raise ValueError(f"reshard for {c.job_id} v{c.plan_version}: only the owner (rank 0) takes it, "
+                                 f"this node is rank {a.rank}")
+            if c.layout.world_size != a.world_size:
+                raise ValueError(f"reshard for {c.job_id}: layout has {c.layout.world_size} ranks, "
+                                 f"the job {a.world_size}")
+            if self.child is not None:  # the owner broadcasts it to every rank at the boundary
+                self.child.send("reshard", at_step=c.at_step, layout=c.layout.model_dump(mode="json"),
+                                reason=c.reason)
+        elif self.child is not None:
+            self.child.send(c.action)
+
+    def _start_child(self, a: m.Assignment) -> None:
+        from xronos.node.child import RankProcess, child_env
+        from xronos.node.runconfig import JobRankConfig, RunConfig
+
+        assert self.spec is not None
+        threads = self._threads()
+        run = RunConfig.for_job(self.spec, layout=a.layout, rank=a.rank, host=a.rendezvous_host,
+                                port=a.rendezvous_port, threads=threads, gloo_timeout_s=self.cfg.gloo_timeout_s,
+                                group_key=a.group_key)
+        jobdir = job_dir(self.state_dir, a.job_id)
+        config = JobRankConfig(job_id=a.job_id, plan_version=a.plan_version, node_id=self.node_id, run=run,
+                               checkpoint_interval=self.spec.checkpoint_interval, resume_step=a.resume_step,
+                               checkpoint_dir=str(jobdir / "checkpoint") if a.rank == 0 else None,
+                               allowed_dirs=[str(d) for d in self.cfg.allowed_dirs])
+        ifname = self.cfg.data_interface or ("lo" if a.rendezvous_host.startswith("127.") else None)
+        for old in self._leaving:  # a rank still in its grace holds memory and ports the new one needs
+            old.box.kill()
+        self.child = RankProcess(jobdir / f"v{a.plan_version}", config, child_env(threads, ifname),
+                                 limits=self._child_limits())
+
+    # --- child events --------------------------------------------------------------------------
+    def _set_status(self, status: str, job: m.Assignment | None = None, **fields: Any) -> None:
+        a = job or self.assignment
+        if a is None:
+            return
+        keep = self.status.model_dump() if self.status and self.status.job_id == a.job_id and job is None else {}
+        keep.update(node_id=self.node_id, job_id=a.job_id, plan_version=a.plan_version, rank=a.rank,
+                    status=status, sent_at=time.time(), **fields)
+        if status != "failed":
+            keep.setdefault("detail", None)
+        self.status = m.NodeJobStatus(**keep)
+        self.bus.publish_message(self.status, node_id=self.node_id)
+        self._publish_ha()
+
+    def _pump_child(self) -> None:
+        child, a = self.child, self.assignment
+        if child is None or a is None:
+            return
+        for ev in child.drain():
+            try:
+                self._child_event(a, ev)
+            except Exception as exc:  # one malformed event is logged, the next ones still count
+                self._internal(f"rank process event {str(ev)[:100]}", exc)
+        if child.finished():
+            if self.status is None or self.status.status not in ("completed", "failed", "cancelled"):
+                self._set_status("failed", detail=f"rank process ended ({child.why()}): {child.tail(600)}")
+            child.kill(0)
+            self.child = None
+
+    def _child_event(self, a: m.Assignment, ev: dict[str, Any]) -> None:
+        kind = ev.pop("type")
+        if kind == "metrics":
+            self._metrics(a, ev)
+        elif kind == "status":
+            self._set_status(ev["status"])
+        elif kind == "eval":
+            key = "eval_initial" if ev["when"] == "before" else "eval_metric"
+            self._set_status(self.status.status if self.status else "running",
+                             **{key: ev["metric"], "eval_metric_name": ev["name"]})
+        elif kind == "checkpoint":
+            self._set_status("running", checkpoint_step=ev["step"], step=ev["step"])
+        elif kind == "completed":
+            self._set_status("completed", step=ev["step"], epoch=ev["epoch"], export_dir=ev["export_dir"])
+        elif kind in ("failed", "cancelled"):
+            self._set_status(kind, detail=(ev.get("detail") or "")[:2000] or None,
+                             job_fault=ev.get("job_fault") is True)
+        elif kind == "resharded":  # the owner's: the gateway hears the step the ranks moved at
+            log.info(kind, job_id=a.job_id, **ev)
+            self._set_status(self.status.status if self.status else "running", reshard_step=ev["step"],
+                             reshard_layout=Layout.parse(ev["layout"]), reshard_s=ev.get("seconds"),
+                             reshard_bytes=ev.get("moved_bytes"))
+        elif kind == "reshard_refused":  # the owner's: the gateway drops the order it had pending
+            log.warning(kind, job_id=a.job_id, **ev)
+            self._set_status(self.status.status if self.status else "running",
+                             reshard_refused=str(ev.get("detail") or "refused")[:256])
+
+    def _metrics(self, a: m.Assignment, ev: dict[str, Any]) -> None:
+        self.bus.publish_message(m.IterationMetrics(job_id=a.job_id, plan_version=a.plan_version,
+                                                    node_id=self.node_id, rank=a.rank, **ev), node_id=self.node_id)
+        if ev["iteration_s"] > 0:
+            self.last_shares = hastate.iteration_shares(ev["compute_s"], ev["idle_s"], ev["iteration_s"])
+        if self.status is not None:
+            self.status = self.status.model_copy(update={"step": ev["step"], "epoch": ev["epoch"]})
+
+
+def _warm_up() -> None:
+    """Import the heavy libraries on the worker thread at start, so that the first inspection
+    (which the gateway times) does not pay for them. Profiles run in a child process."""
+    import datasets  # noqa: F401
+    import transformers  # noqa: F401
+
+    import xronos.node.agent.jobcheck  # noqa: F401

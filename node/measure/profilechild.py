@@ -1,0 +1,113 @@
+"""Profile in a child process: what the node service does on a profile request.
+
+The service is long-lived and small; a profile allocates a full-width block, its gradients and
+AdamW state. Running it in a child (a) measures under the allocator setting the training ranks use
+(`xronos.node.measure.allocator`), which a running process cannot take on without keeping its peak heap
+for life, (b) hands every byte back to the box when it ends, and (c) keeps a crash or the OOM
+killer away from the service. The child runs boxed (`node/box/limits.py`): under the box's memory and
+task limits, in its own process group, dying with its parent (PR_SET_PDEATHSIG), as its heap
+probes do.
+
+    python -m xronos.node.box.boxed xronos.node.measure.profilechild REQUEST.json REPORT.json
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from xronos.node.box.limits import ChildLimits
+from xronos.protocol.messages import Capabilities, ProfileReport
+
+_TAIL_LINES = 15
+REFUSED = 3  # the child's exit code when the profile refused to start (its reason on stderr)
+
+
+class ProfileJob(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: dict[str, Any]
+    task: str
+    batch_size: int
+    seq_len: int
+    threads: int
+    iters: int = 10
+    clip: bool = True
+    weight_decay: float = 0.0
+    lora_r: int | None = None
+    lora_targets: list[str] | None = None
+    lora_dropout: float = 0.0
+    node_id: str
+    request_id: str
+    job_id: str
+    capabilities: Capabilities
+    cache_dir: str | None = None
+
+
+def profile_in_child(job: ProfileJob, timeout_s: float = 3600.0, limits: ChildLimits | None = None) -> ProfileReport:
+    """Run `job` in a fresh process with the ranks' environment, boxed by `limits` (node/box/limits.py);
+    its report, or RuntimeError with the tail of what it printed (and the limit, if it ended it)."""
+    from xronos.node.box.limits import Child, boxed_argv
+    from xronos.node.launch import rank_env
+
+    with tempfile.TemporaryDirectory(prefix="xronos-profile-") as tmp:
+        req, out = Path(tmp) / "request.json", Path(tmp) / "report.json"
+        req.write_text(job.model_dump_json())
+        child = Child(boxed_argv("xronos.node.measure.profilechild", str(req), str(out)), rank_env(job.threads), limits,
+                      "profile", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                      text=True)
+        proc = child.proc
+        try:
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"profiling did not finish within {timeout_s:.0f} s") from None
+        finally:
+            if proc.poll() is None:
+                child.kill()
+                proc.wait()
+            why = child.why(proc.returncode)
+            child.reaped()
+        if proc.returncode == REFUSED:
+            raise RuntimeError(err.strip()[-2000:])
+        if proc.returncode != 0:
+            tail = "\n".join([ln for ln in err.splitlines() if ln.strip()][-_TAIL_LINES:])
+            hint = "" if limits is None or "limit" in why else \
+                f"; it ran limited to {limits.describe()}, and signal 9 is usually the OOM killer"
+            raise RuntimeError(f"the profiling process failed ({why}{hint}):\n{tail}")
+        return ProfileReport.model_validate_json(out.read_text())
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: python -m xronos.node.measure.profilechild REQUEST.json REPORT.json", file=sys.stderr)
+        return 2
+    from xronos.node.measure.profiler import profile
+    from xronos.node.measure.profset import ProfileTooLarge
+
+    job = ProfileJob.model_validate_json(Path(argv[1]).read_text())
+    try:
+        report = profile(job.config, job.task, job.batch_size, job.seq_len, threads=job.threads, iters=job.iters,
+                         clip=job.clip, weight_decay=job.weight_decay, lora_r=job.lora_r,
+                         lora_targets=job.lora_targets, lora_dropout=job.lora_dropout, node_id=job.node_id,
+                         request_id=job.request_id, job_id=job.job_id,
+                         capabilities=job.capabilities, cache_dir=job.cache_dir)
+    except ProfileTooLarge as exc:  # a refusal, not a crash: its sentence alone, no traceback
+        print(exc, file=sys.stderr)
+        return REFUSED
+    out = Path(argv[2])
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(report.model_dump_json())
+    tmp.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    # the loopback Gloo pair of the collective probe outlives its groups by a little: end as a rank does
+    from xronos.node.runtime import main_process  # not at the top: the service imports this module
+
+    main_process(main)

@@ -1,0 +1,412 @@
+"""The node's profiler (paper §IV-A): time and memory of each layer of the profiling set.
+
+The profiling set is the engine's own model with ONE transformer block: embedding, one
+representative block, output layer — random weights, synthetic batch, the same code that trains
+(`Family.build` + `init_random`), the same optimizer (AdamW, with the job's weight decay) and the
+same per-step work as the trainer (global-norm clipping pass, step, zero_grad). One fine-tuning iteration of that model is
+split into layers by module hooks on the block:
+
+    forward : [emb ....][blk: attn | rest | mlp | rest][out + loss]
+    backward: [out ....][blk: ...                     ][emb ......]
+    step    : the clipping norm pass per layer's gradients, timed per layer; then ONE AdamW step
+              over every parameter (as the trainer), its time shared out by parameter count
+
+so T_l = forward + backward + clipping + optimizer share of layer l. (One optimizer per layer
+paid the step call's fixed cost once per layer, and the cost model B times per block layer,
+where training pays it once.) Inside the block, "regions" are the
+largest submodules whose parameters are all (at least partly) partitioned — GPT-2's `attn` and
+`mlp` — and `blk.rest` (layer norms, residual adds) is replicated. Block-internal times come from
+module pre/post hooks (forward) and full backward pre/post hooks (backward).
+
+Widths: every layer is profiled inside a TP world of two ranks where this process is rank 0 and
+holds its own count of every segment kind; the peer's collectives are skipped (`TPGroup.alone`). The
+first run holds everything (share 1 of every kind: T_l at s = 1 on the same code path a
+multi-rank run takes, Megatron's copy/reduce clones included); the next two hold about 1/2 and 1/4
+of each kind — attention by whole units (ceil(H/2), ceil(H/4)), MLP columns and vocabulary rows at
+multiples of their quantum (`protocol.layout.QUANTA`), as a plan would cut them — which gives each
+partitioned layer the (share of its kind, seconds) samples the cost model's affine fit needs.
+Each layer's time depends only on its own kind's width, so one run samples every kind at once:
+three model builds, as when the kinds were tied. Statistic: the median over the measured
+iterations (robust to a neighbour's burst of work).
+
+Waits: where a training rank would block in a collective (every skipped timed collective, and
+before the optimizer step, which follows the clipping all-reduce) the profiled rank sleeps
+(`collective_pause_s`: one CFS period under a CPU quota, 1 ms without) and the sleep is left out
+of every layer's time. Under a quota a rank that waited starts with its whole quota at full core
+speed; the pause takes 22.7-33.8 % off the MiniLM one-block set's layer times at 0.3 core, and
+took the MiniLM's compute MAPE from 44.7 % to 5.5-13.5 % (bench/results/prediction-error.md).
+
+Communication: `commprobe` times all-reduces of the job's activation on this node's CPU (two Gloo
+ranks in this process over loopback, under its quota and threads); the planner's `comm_time`
+takes the longer of the link's time and the slowest node's CPU time per all-reduce.
+
+Memory, measured on one more full-width iteration (see `memprobe` for the instruments and their
+limits): M_w = unique bytes of params + grads + AdamW state after a real step; M_a = unique
+storages packed for backward by saved-tensor hooks, parameters excluded; M_t = peak allocator
+excess over the phase's start/end level, from torch's CPU memory profiler (AdamW's state exists
+before the step, as in training). The heap's slack — its span minus its in-use peak, the free
+holes a training rank keeps resident under the ranks' allocator setting — is measured on the
+trainer's own iteration of the model with one block at full width (`heap_slack_bytes`) and at the
+smallest profiled width (`heap_slack_small_bytes`), and with four blocks at the smallest width for
+what each further block adds (`heap_slack_block_bytes`), each in a fresh process, the smallest
+width's two depths three times each and their medians taken (`node/measure/heapprobe.py`; with
+XRONOS_MALLOC=glibc the ranks and the probe both run glibc's default, whose big blocks are mmapped
+apart).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from xronos.node.box.capabilities import fingerprint, probe
+from xronos.node.measure import allocator, memwatch
+from xronos.node.measure.commprobe import probe_collectives
+from xronos.node.measure.heapprobe import blocks_config, measure_in_child, slack_per_depth
+from xronos.node.measure.profset import ProfileTooLarge, ProfilingSet, floor_bytes
+from xronos.node.models.registry import arch_spec, config_from_arch, family_for
+from xronos.node.tp.lora import LoraSettings
+from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
+from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport, ProfileSettings
+
+log = structlog.get_logger(__name__)
+
+# Part of the cache key: bump when the method changes. 5: per-kind widths at quantum multiples.
+# 6: a pause at every skipped collective (and before the optimizer step), as training waits there;
+#    one AdamW step over every parameter, shared out by parameter count; the hooks' own CPU cost
+#    taken out of the block's layers; the node's CPU cost of an all-reduce (`commprobe`); the
+#    chunked clipping pass, AdamW state at build, the runtime's resident set and each layer's
+#    largest tensor (peak-memory prediction).
+# 7: the heap's slack (free holes above the in-use peak) at full width, one block, once the heap
+#    has settled.
+# 8: the slack measured in fresh processes at two widths and two depths, AdamW state allocated at build
+#    (as the trainer); each layer's M_t without the moments' lazy creation inside its step.
+# 9: the smallest width's heap probes at 1 and 4 blocks three times each, medians (one pair of
+#    draws gave 11 to 21 MiB per block on the same RoBERTa-base shape).
+# (ProfileReport.settings, the job settings a report was taken under, is not a change of method and
+# needs no bump: the key holds those settings, so a report cached before it was recorded is served
+# with this request's settings, which are the ones it was measured under.)
+PROFILER_VERSION = 9
+# The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
+# in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).
+DEFAULT_PAUSE_S = 0.001
+
+
+SHARES = (1.0, 0.5, 0.25)  # the widths profiled, as shares of each kind
+
+
+def widths(sizes: Sizes, quanta: dict[str, int] = QUANTA) -> list[dict[str, int]]:
+    """Per run, the profiled rank's count of each kind: everything, then about 1/2 and 1/4 of
+    each (attention in whole units, the others at multiples of their quantum, at least one);
+    runs that would repeat an earlier one are dropped."""
+    runs: list[dict[str, int]] = []
+    for s in SHARES:
+        run = {}
+        for k in KINDS:
+            total = sizes.total(k)
+            if s == 1 or k == "attn":
+                run[k] = math.ceil(total * s)
+            else:
+                q = quanta[k]
+                run[k] = min(total, q * max(1, round(total * s / q)))
+        if run not in runs:
+            runs.append(run)
+    return runs
+
+
+def runtime_rss() -> int:
+    """This process's resident set with every model gone: warm (torch's kernels, thread pools and
+    libraries initialised by the iterations just run), its freed heap handed back to the kernel
+    (`allocator.trim`), so what is left is what a training rank's process holds besides its
+    model. Measured: 353 MiB after profiling a GPT-2-Medium shape, 254 MiB right after the
+    imports; a rank's own process held ~100 MiB more than at its start once it had trained."""
+    gc.collect()
+    allocator.trim()
+    return memwatch.status()["VmRSS"]
+
+
+def owner_rss() -> int:
+    """What rank 0's data stack (`datasets`, with pyarrow and pandas; the trainer's owner imports it
+    to read the data) adds to the resident set: 86 MiB here. 0 when this process has it already
+    (then it is in `runtime_rss`). The tokenizer (21 MiB for a 50k-word vocabulary) and the
+    encoded rows are not measured."""
+    if "datasets" in sys.modules:
+        return 0
+    before = memwatch.status()["VmRSS"]
+    import datasets  # noqa: F401
+
+    return max(0, memwatch.status()["VmRSS"] - before)
+
+
+def collective_pause_s() -> float:
+    """How long the profiled rank waits at each skipped collective. A training rank blocks in every
+    collective; under a CFS quota (the emulator, a container's CPU limit) it comes back with its
+    whole quota for the period and runs it at full core speed. Measured on the real MiniLM at
+    shares 0.9/0.5/0.3 a profile taken back to back mispredicted the ranks' compute by 44.7 %
+    (MAPE; 5.5-13.5 % with the pause, bench/results/prediction-error.md). One period is the longest a wait can matter: the quota refills every period."""
+    import os
+
+    from xronos.node.box.capabilities import cgroup_cpu_period_s
+
+    from xronos.node.emulate import process_clock
+
+    if process_clock() is not None:
+        return 0.0  # a paced or virtual rank banks nothing while it waits: there is nothing to mimic
+    forced = os.environ.get("XRONOS_PROFILE_PAUSE_S")  # for measuring the pause's effect (0: none)
+    if forced is not None:
+        value = float(forced)
+        if not 0 <= value < 1:
+            raise ValueError(f"XRONOS_PROFILE_PAUSE_S must be in [0, 1) s, got {forced!r}")
+        return value
+    period = cgroup_cpu_period_s()
+    return DEFAULT_PAUSE_S if period is None else period
+
+
+def _virtual_cpu_scale() -> tuple[float | None, str]:
+    """1 / the box's speed on the virtual clock and the statistic the clock takes of a call's CPU
+    (the window minimum, `VirtualClock.call_est`), else (None, "min")."""
+    from xronos.node.emulate import process_clock
+
+    clock = process_clock()
+    box = getattr(clock, "box", None)
+    return (None, "min") if box is None else (1.0 / box.host_cores, "min")  # as VirtualClock.call_est
+
+
+def without_hook_overhead(med: dict[str, float], hooked: list[tuple[float, float]],
+                          plain: list[tuple[float, float]]) -> dict[str, float]:
+    """Layer medians with the hooks' own cost taken out of the block's layers. The module hooks
+    that split the iteration cost CPU (full backward hooks wrap the block's and its regions'
+    inputs and outputs): about 1 ms per iteration on the MiniLM block at 1/6 width, +11% of its
+    forward and backward, a cost the block's layers would be charged B times. It is measured as
+    the CPU time of the hooked iterations minus that of the same iterations without hooks (CPU
+    time: a shared machine's wall clock is noisier than the difference), turned into wall seconds
+    at the hooked iterations' wall-per-CPU ratio, and taken from the block's layers in proportion
+    to their times. (wall, CPU) pairs; nothing changes when the hooks cost nothing measurable."""
+    if not hooked or not plain:
+        return med
+    cpu_h = statistics.median(c for _, c in hooked)
+    cpu_p = statistics.median(c for _, c in plain)
+    wall_h = statistics.median(w for w, _ in hooked)
+    over = (cpu_h - cpu_p) * (wall_h / cpu_h if cpu_h > 0 else 1.0)
+    blk = {k: v for k, v in med.items() if k.startswith("blk.")}
+    total = sum(blk.values())
+    if over <= 0 or total <= 0:
+        return med
+    over = min(over, 0.5 * total)  # a bound against a noisy measurement, never the whole block
+    log.debug("profile.hook_overhead", seconds=round(over, 6), block_s=round(total, 6))
+    return {k: (v - over * v / total if k in blk else v) for k, v in med.items()}
+
+
+def one_block_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The same model with one transformer block (the profiling set), pad id defined."""
+    return blocks_config(config, 1)
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def cache_key(fp: str, arch: ArchSpec, task: str, batch: int, seq: int, iters: int, clip: bool,
+              weight_decay: float = 0.0, lora: LoraSettings | None = None, pause_s: float = 0.0) -> str:
+    fields: list[Any] = [PROFILER_VERSION, fp, arch.model_dump(mode="json"), task, batch, seq, iters, clip,
+                         weight_decay, pause_s]
+    if lora is not None:  # a LoRA job's profile is its own
+        fields.append(["lora", lora.r, sorted(lora.targets), lora.dropout])
+    doc = json.dumps(fields, sort_keys=True)
+    return hashlib.sha256(doc.encode()).hexdigest()[:24]
+
+
+def profile(
+    config: dict[str, Any],
+    task: str,
+    batch_size: int,
+    seq_len: int,
+    *,
+    threads: int | None = None,
+    iters: int = 10,
+    warmup: int = 2,
+    clip: bool = True,
+    weight_decay: float = 0.0,
+    lora_r: int | None = None,
+    lora_targets: list[str] | None = None,
+    lora_dropout: float = 0.0,
+    node_id: str = "local",
+    request_id: str = "local",
+    job_id: str = "local",
+    capabilities: Capabilities | None = None,
+    cache_dir: str | Path | None = None,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> ProfileReport:
+    """Profile the model described by `config` (a config.json dict; see `config_for`) on this node.
+
+    With `cache_dir`, a report measured earlier for the same hardware fingerprint, shape, task,
+    batch and sequence length is returned (with this request's ids and fresh capabilities).
+    With `lora_r`, the profiling set trains LoRA adapters (`lora_targets`, None: the family's
+    default) on a frozen base, as the job will; its cache entry is its own. The report records
+    these settings (`ProfileReport.settings`), so it is refused for a job run under others.
+    `progress(stage)` hears each stage as it begins (a person waits minutes on a slow box).
+    """
+    for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("iters", iters)):
+        _check_positive_int(name, v)
+    if not weight_decay >= 0:  # also NaN
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    if threads is not None:
+        _check_positive_int("threads", threads)
+    family = family_for(config)
+    # alpha scales the adapters' output and costs nothing: the profile does not depend on it.
+    lora = family.lora_settings(lora_r, 16.0, lora_dropout, lora_targets)
+    arch = ArchSpec(**arch_spec(config, task))
+    if seq_len > arch.max_positions:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's max_positions {arch.max_positions}")
+    # Echoed in the report (and onto a cached one: the key holds them), so the planner can refuse
+    # it for a job run under other settings.
+    settings = ProfileSettings.of(weight_decay=weight_decay, clip=clip, lora_r=lora_r, lora_targets=lora_targets,
+                                  lora_dropout=lora_dropout)
+    caps = capabilities or probe(node_id, "127.0.0.1")
+    threads = threads or torch.get_num_threads()
+    ids = dict(node_id=node_id, request_id=request_id, job_id=job_id, capabilities=caps, settings=settings)
+    path = None
+    pause = collective_pause_s()
+    if cache_dir is not None:
+        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay, lora,
+                        pause)
+        path = Path(cache_dir) / f"profile-{key}.json"
+        if path.is_file():
+            try:
+                cached = ProfileReport.model_validate_json(path.read_text())
+            except (OSError, ValueError) as exc:  # a damaged cache entry is measured again, not fatal
+                log.warning("profile.cache_unreadable", path=str(path), error=str(exc)[:200])
+            else:
+                log.info("profile.cache_hit", path=str(path))
+                return cached.model_copy(update=ids)
+
+    sizes = family.sizes(config)
+    H = sizes.attn
+    small = one_block_config(config)
+    # A model whose one-block set alone exceeds the box would page it until the OOM killer picks
+    # something (under the node's unit, this process first): refused with the figures instead.
+    need, n_params = floor_bytes(small, task, lora is not None)
+    if need > caps.memory_available:
+        what = "fp32 weights" if lora is not None else "fp32 weights, gradients and AdamW moments"
+        raise ProfileTooLarge(
+            f"profiling this model needs at least {need / 2**20:,.1f} MiB (its one-block profiling set's {what}: "
+            f"{n_params:,} parameters, the embedding's {sizes.vocab:,} x {arch.hidden_size} among them), but node "
+            f"{node_id} has {caps.memory_available / 2**20:,.1f} MiB available")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    t_start = time.perf_counter()
+    try:
+        samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        partitioned: dict[str, bool] = {}
+        segments: dict[str, str | None] = {}
+        mem: dict[str, tuple[int, int, int]] = {}
+        largest: dict[str, int] = {}
+        params: dict[str, int] = {}
+        steps = widths(sizes)
+        for i, run in enumerate(steps):
+            if progress is not None:
+                progress(f"timing width {i + 1}/{len(steps)} ({', '.join(f'{k} {run[k]}' for k in KINDS)})")
+            full = i == 0
+            layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
+            ps = ProfilingSet(small, task, layout, batch_size, seq_len, seed, clip, weight_decay, lora, pause)
+            try:
+                runs, hooked = [], []
+                for _ in range(warmup + iters):
+                    runs.append(ps.iteration())
+                    hooked.append(ps.last)
+                if full:
+                    partitioned = ps.partitioned
+                    segments = {k: ps.segment(k) for k in ps.groups}
+                    mem = ps.memory()
+                    largest = {k: ps.largest_tensor(k) for k in ps.groups}
+                    params = {k: ps.param_bytes(k) for k in ps.groups}
+                plain = [ps.plain_iteration() for _ in range(warmup + max(3, iters // 2))][warmup:]
+                med = {key: statistics.median(r.get(key, 0.0) for r in runs[warmup:]) for key in ps.groups}
+                med = without_hook_overhead(med, hooked[warmup:], plain)
+                for key in ps.groups:
+                    seg = ps.segment(key)
+                    share = ps.layout.share(seg, 0) if seg else 1.0
+                    samples[key].append((share, med[key]))
+            finally:
+                ps.close()
+            del ps
+        if progress is not None:
+            progress("all-reduce probe")
+        scale, stat = _virtual_cpu_scale()
+        collectives = probe_collectives(batch_size, seq_len, arch.hidden_size, cpu_scale=scale, cpu_stat=stat)
+        runtime = runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
+        owner = owner_rss()
+        # The heap's holes of one block at full width and at the smallest profiled one, and their
+        # growth with depth (1 and 4 blocks at the smallest, medians of three), each in a fresh process
+        # (node/measure/heapprobe.py); after runtime_rss, which handed this process's freed heap back,
+        # so the box holds one model at a time.
+        heap_job = dict(config=config, task=task, batch=batch_size, seq=seq_len, seed=seed, clip=clip,
+                     weight_decay=weight_decay,
+                     lora=None if lora is None else dict(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                                                         targets=list(lora.targets)))
+        if progress is not None:
+            progress("heap probes (7 fresh processes)")
+        small_counts = widths(sizes)[-1]
+        full_layout = {k: (sizes.total(k), 0) for k in KINDS}
+        small_layout = {k: (small_counts[k], sizes.total(k) - small_counts[k]) for k in KINDS}
+        slack = (measure_in_child(heap_job | {"layout": full_layout, "blocks": 1}, threads) or {}).get("slack", 0)
+        small, slack_block = slack_per_depth(heap_job | {"layout": small_layout}, threads)
+    finally:
+        torch.set_num_threads(before)
+    layers = []
+    for key, pts in samples.items():
+        kind = key.split(".")[0]
+        part = partitioned[key]
+        w, a, t = mem[key]
+        layers.append(LayerProfile(
+            name=key, kind=kind, partitioned=part, segment=segments[key], time_s=pts[0][1],
+            time_samples=pts if part else pts[:1], weight_bytes=w, activation_bytes=a, temp_bytes=t,
+            load_bytes=largest.get(key, 0), param_bytes=params.get(key, 0)))
+    report = ProfileReport(
+        **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
+        sizes=sizes, num_blocks=arch.num_layers, layers=layers, runtime_bytes=runtime,
+        owner_bytes=owner, heap_slack_bytes=slack, heap_slack_block_bytes=slack_block, heap_slack_small_bytes=small,
+        heap_slack_small_counts=Sizes(**small_counts) if small_counts != {k: sizes.total(k) for k in KINDS} else None,
+        collectives=collectives,
+        profile_seconds=time.perf_counter() - t_start, created_at=time.time())
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report.model_dump(mode="json"), indent=1))
+        tmp.replace(path)
+    log.info("profile.done", seconds=round(report.profile_seconds, 2), layers=len(layers), H=H)
+    return report
+
+
+def config_for(*, model_dir: str | Path | None = None, arch: dict[str, Any] | ArchSpec | None = None) -> dict[str, Any]:
+    """config.json of a checkpoint directory, or the config of an ArchSpec's shape."""
+    if (model_dir is None) == (arch is None):
+        raise ValueError("give exactly one of a model directory or an architecture")
+    if model_dir is not None:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no config.json (is {model_dir} a Hugging Face model directory?)")
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    fields = arch.model_dump() if isinstance(arch, ArchSpec) else dict(arch)  # type: ignore[union-attr]
+    ArchSpec(**fields)  # validates
+    return config_from_arch(fields)
