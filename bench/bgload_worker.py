@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     cfg = read_settings(argv, BgRankConfig, "xronos.bench.bgload_worker")
     engine = TPEngine()
     inner = LiveRebalance(engine, make_policy) if cfg.live else NoControl()
-    run(cfg, engine, weights=LocalFiles(cfg.model_dir), control=Marked(inner, cfg), sink=MetricsFile(progress=False))
+    run(cfg, engine, weights=LocalFiles(cfg.recipe.model_dir), control=Marked(inner, cfg), sink=MetricsFile(progress=False))
     return 0
 
 

@@ -60,7 +60,7 @@ class HFTP(Baseline):
             weights.model_dir, distributed_config=DistributedConfig(tp_size=cfg.world_size), dtype=torch.float32,
             pad_token_id=rank.facts.pad_token_id, use_safetensors=True)
         self.model.train()
-        self.opt = adamw(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt = adamw(self.model.parameters(), lr=cfg.recipe.lr, weight_decay=cfg.recipe.weight_decay)
 
     def train(self, rank: Rank, batch: Batch, step: int) -> tuple[float, dict[str, float]]:
         loss = self.model(**batch.inputs()).loss
@@ -72,7 +72,7 @@ class HFTP(Baseline):
 
 def main(argv: list[str]) -> int:
     cfg = read_settings(argv, HFTPRankConfig, "xronos.bench.hftp_worker")
-    run(cfg, HFTP(), weights=LocalFiles(cfg.model_dir), sink=MetricsFile())
+    run(cfg, HFTP(), weights=LocalFiles(cfg.recipe.model_dir), sink=MetricsFile())
     return 0
 
 

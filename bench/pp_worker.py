@@ -142,9 +142,9 @@ class PP(Baseline):
         B = num_blocks(rank.facts.config)
         start_l, stop_l = cfg.spans[cfg.rank]
         self.stage = Stage(weights.model_dir, StageSpan(start_l, stop_l, B), rank.facts.pad_token_id,
-                           dropout=cfg.dropout)
+                           dropout=cfg.recipe.dropout)
         self.stage.train()
-        self.opt = adamw([p for _, p in self.stage.owned_parameters()], lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt = adamw([p for _, p in self.stage.owned_parameters()], lr=cfg.recipe.lr, weight_decay=cfg.recipe.weight_decay)
         self.pipe = Pipe(self.stage, rank.group, cfg.micro_batches, self.stage.config.hidden_size)
 
     def train(self, rank: Rank, batch: Batch, step: int) -> tuple[float, dict[str, float]]:
@@ -152,7 +152,7 @@ class PP(Baseline):
         inputs = batch.inputs()
         micro = [dict(zip(inputs, parts)) for parts in zip(*(v.tensor_split(cfg.micro_batches) for v in inputs.values()))]
         pipe.recv_wait = pipe.send_wait = 0.0
-        loss = pipe.step(micro, cfg.batch_size)
+        loss = pipe.step(micro, cfg.recipe.batch_size)
         if cfg.grads_dir is not None and step == 0:
             _save_grads(self.stage, cfg.grads_dir, cfg.rank)
         self.opt.step()
@@ -168,7 +168,7 @@ class PP(Baseline):
 
 def main(argv: list[str]) -> int:
     cfg = read_settings(argv, PPRankConfig, "xronos.bench.pp_worker")
-    run(cfg, PP(), weights=LocalFiles(cfg.model_dir), sink=MetricsFile())
+    run(cfg, PP(), weights=LocalFiles(cfg.recipe.model_dir), sink=MetricsFile())
     return 0
 
 

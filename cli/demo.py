@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"job ended {final.phase}: {final.error}\n{stack.logs(1500)}")
             return 1
         status = owner_status(stack, owner)
-    n_train = len(rows) - max(1, round(len(rows) * spec.eval_fraction))
+    n_train = len(rows) - max(1, round(len(rows) * spec.recipe.eval_fraction))
     before = status.eval_initial if status else None
     print(f"accuracy before fine-tuning: {before:.3f}" if before is not None else "accuracy before: unknown")
     print(f"accuracy after fine-tuning:  {final.eval_metric:.3f} (on {len(rows) - n_train} held-out rows)")

@@ -89,7 +89,7 @@ def _follow(client: GatewayClient, job_id: str, spec=None) -> int:
         from xronos.cli.usemodel import using_lines
 
         print(f"on the owner {spec.owner}:")
-        for line in using_lines(spec.export_dir, spec.task, lora=spec.lora_r is not None, gguf=spec.export_gguf,
-                                merged=spec.export_merged):
+        r = spec.recipe
+        for line in using_lines(r.export_dir, r.task, lora=r.lora is not None, gguf=r.export_gguf, merged=r.export_merged):
             print(f"  {line}")
     return 0 if final.phase == "completed" else 1

@@ -30,7 +30,7 @@ def make_policy(engine: Any, world_size: int) -> Rebalancer:
 def main(argv: list[str]) -> int:
     cfg = read_settings(argv, RunConfig, "xronos.cli.liverank")
     engine = TPEngine()
-    run(cfg, engine, weights=LocalFiles(cfg.model_dir), control=LiveRebalance(engine, make_policy),
+    run(cfg, engine, weights=LocalFiles(cfg.recipe.model_dir), control=LiveRebalance(engine, make_policy),
         sink=MetricsFile(progress=cfg.progress))
     return 0
 

@@ -23,5 +23,6 @@ def where(loc: Sequence[Any], empty: str = "") -> str:
 
 
 def problems(errors: Sequence[Mapping[str, Any]], empty: str = "") -> str:
-    """Every error of a ValidationError (`exc.errors()`) on one line: `field: reason; field: reason`."""
-    return "; ".join(f"{where(e['loc'], empty)}: {reason(e)}" for e in errors)
+    """Every error of a ValidationError (`exc.errors()`) on one line: `field: reason; field: reason`.
+    A rule across fields (no location, `empty` "") names its fields itself: its reason alone."""
+    return "; ".join(f"{at}: {reason(e)}" if (at := where(e['loc'], empty)) else reason(e) for e in errors)

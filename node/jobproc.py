@@ -173,7 +173,7 @@ class JobEvents(Sink):
     def finish(self, rank: Rank, result: RankResult) -> None:
         self.ended = True
         self.events.emit("completed", step=rank.steps, epoch=max(rank.steps - 1, 0) // rank.per_epoch,
-                         export_dir=rank.cfg.export_dir if rank.owner else None)
+                         export_dir=rank.cfg.recipe.export_dir if rank.owner else None)
 
 
 def weights(job: JobRankConfig) -> FromOwner:
@@ -185,7 +185,7 @@ def weights(job: JobRankConfig) -> FromOwner:
 
     def open_source(model: Any) -> ShardSource:
         if k == 0:
-            return SafetensorsSource(job.run.model_dir, job.allowed_dirs)
+            return SafetensorsSource(job.run.recipe.model_dir, job.allowed_dirs)
         if not job.checkpoint_dir:
             raise ValueError(f"resume from step {k}: this rank has no checkpoint directory")
         # The gateway's resume point may be one checkpoint behind the newest (it decided before it
@@ -193,7 +193,7 @@ def weights(job: JobRankConfig) -> FromOwner:
         meta = find_checkpoint(job.checkpoint_dir, k)
         check_saved_layout(meta, family_for(model.config).sizes(model.config))
         # A LoRA checkpoint holds the trained tensors only: the frozen base comes from the base checkpoint.
-        return CheckpointSource(meta["dir"], base_dir=job.run.model_dir, allowed_dirs=job.allowed_dirs)
+        return CheckpointSource(meta["dir"], base_dir=job.run.recipe.model_dir, allowed_dirs=job.allowed_dirs)
 
     return FromOwner(open_source)
 

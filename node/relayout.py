@@ -95,7 +95,7 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     def build_new() -> Any:  # the engine's build at the new layout (adapters included), on the meta device
         from xronos.node.tp.lora import add_lora
 
-        model = engine.family.build(rank.facts.config, cfg.task, shard, group, dropout=cfg.dropout)
+        model = engine.family.build(rank.facts.config, cfg.recipe.task, shard, group, dropout=cfg.recipe.dropout)
         if lora is not None:
             engine.lora_modules = add_lora(model, lora)
         return model

@@ -1,15 +1,12 @@
-"""The settings of a training rank, typed once: what every rank is told before it starts.
+"""The settings of a training rank: a `Recipe` (what is trained and how, typed once in the
+protocol: `xronos.protocol.recipe`) plus where the rank runs. Frozen pydantic models, JSON on disk,
+one file per rank:
 
-Three layers, each a frozen pydantic model (JSON on disk, one file per rank):
-
-- `DataConfig`: what rank 0 reads and how it cuts it into batches (the data owner's part; every
-  rank knows the shapes from it);
-- `RankConfig(DataConfig)`: every training rank's settings — the data, the optimizer's rate and
-  decay, the run's length (`max_steps`, `epochs` or both: whichever ends first), the threads,
-  where to meet and where the numbers go. The baselines' rank configs (`xronos.bench`) extend it;
+- `RankConfig`: every training rank's (ours and the baselines', `xronos.bench`): the recipe plus
+  its placement — the threads, where to meet, the rank, where the numbers go;
 - `RunConfig(RankConfig)`: our TP engine's rank — the world's per-segment `layout` (world size =
-  `layout.world_size`), dropout, clipping, warm-up, export. `xronos run` writes one per rank;
-  `RunConfig.for_job(spec, ...)` is the one a job's rank takes from its JobSpec.
+  `layout.world_size`), forced or live re-shards. `xronos run` writes one per rank;
+  `RunConfig.for_job(spec, ...)` is the one a job's rank takes from its JobSpec;
 - `JobRankConfig`: a job's rank process (`xronos.node.jobproc`): its `RunConfig` plus what a job
   adds (ids, checkpoints, resume, the node's allowed directories, the events pipe).
 
@@ -21,65 +18,20 @@ model files) is not a setting: the runtime shares it at start (`xronos.node.runt
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xronos.protocol.layout import Layout
-from xronos.protocol.messages import DataFormat, GGUFType, JobSpec
-
-Task = Literal["classify", "causal-lm"]
+from xronos.protocol.messages import JobSpec, Recipe
 
 
-def total_steps(max_steps: int | None, epochs: int | None, n_train: int, batch_size: int) -> int:
-    """Steps of a run: max_steps, or epochs of full batches, whichever ends first."""
-    limits = [s for s in (max_steps, epochs * (n_train // batch_size) if epochs else None) if s is not None]
-    if not limits:
-        raise ValueError("a run needs max_steps or epochs")
-    return min(limits)
-
-
-class DataConfig(BaseModel):
-    """What the owner (rank 0) reads — checkpoint directory (tokenizer, config.json), data file, its
-    format and columns — and how it batches the rows."""
+class RankConfig(BaseModel):
+    """Every training rank's settings (ours and the baselines'): the recipe and the rank's
+    placement. Each subclass has `world_size` (a field, or a property of its own fields)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model_dir: str
-    data_path: str
-    task: Task
-    text_column: str = "text"
-    text_pair_column: str | None = None
-    label_column: str = "label"
-    # How rows become training text (xronos.node.data.batches): the text column (and pair); a messages
-    # column rendered with the tokenizer's chat template ("chat"); or prompt/completion columns
-    # ("prompt-completion"). The last two are causal-LM formats whose loss covers the answers only.
-    data_format: DataFormat = "text"
-    messages_column: str = "messages"
-    prompt_column: str = "prompt"
-    completion_column: str = "completion"
-    batch_size: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
-    seed: int = 0
-    shuffle: bool = True
-    eval_fraction: float = Field(default=0.0, ge=0, lt=1)
-
-    @model_validator(mode="after")
-    def _format_fits_task(self) -> DataConfig:
-        if self.data_format != "text" and self.task != "causal-lm":
-            raise ValueError(f"data_format {self.data_format!r} is a causal-lm format (the loss covers the "
-                             f"answer tokens), not one for task {self.task!r}")
-        return self
-
-
-class RankConfig(DataConfig):
-    """Every training rank's settings (ours and the baselines'). Each subclass has `world_size`
-    (a field, or a property of its own fields)."""
-
-    lr: float = Field(gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    max_steps: int | None = Field(default=None, gt=0)
-    epochs: int | None = Field(default=None, gt=0)
+    recipe: Recipe
     threads: int = Field(default=1, gt=0)
     gloo_timeout_s: float = Field(default=300.0, gt=0)
     metrics_path: str | None = None
@@ -93,14 +45,12 @@ class RankConfig(DataConfig):
 
     @model_validator(mode="after")
     def _check(self) -> RankConfig:
-        if self.max_steps is None and self.epochs is None:
-            raise ValueError("max_steps/epochs: at least one must be set")
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} outside a world of {self.world_size} ranks")
         return self
 
     def total_steps(self, n_train: int) -> int:
-        return total_steps(self.max_steps, self.epochs, n_train, self.batch_size)
+        return self.recipe.total_steps(n_train)
 
     def for_rank(self, rank: int, port: int | None = None):
         update: dict[str, object] = {"rank": rank}
@@ -130,24 +80,9 @@ class RunConfig(RankConfig):
     """A rank of our TP engine: `xronos run`'s, or a job's (`for_job`)."""
 
     layout: Layout
-    dropout: float | None = Field(default=None, ge=0, lt=1)
-    max_grad_norm: float | None = Field(default=None, gt=0)
-    warmup_steps: int = Field(default=0, ge=0)
-    export_dir: str | None = None
     progress: bool = True
     reshard_at: tuple[ReshardAt, ...] = ()  # in increasing step order, each of this world's size
     rebalance: bool = False  # rank 0 re-plans live from measured speeds (`relayout.LiveRebalance`)
-
-    # LoRA (lora_r None: full fine-tuning): adapters of rank lora_r on lora_targets (peft's module
-    # names; None: the family's default), scale lora_alpha / lora_r, the base frozen. The export is
-    # then a PEFT adapter directory, and with export_merged also the merged model in <export>/merged.
-    lora_r: int | None = Field(default=None, gt=0)
-    lora_alpha: float = Field(default=16.0, gt=0)
-    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
-    lora_targets: list[str] | None = None
-    export_merged: bool = False
-    # Also a GGUF file (llama.cpp, Ollama) and its Modelfile in export_dir (xronos.node.models.gguf).
-    export_gguf: GGUFType | None = None
 
     @model_validator(mode="after")
     def _reshards(self) -> RunConfig:
@@ -160,15 +95,9 @@ class RunConfig(RankConfig):
             if r.layout.world_size != self.layout.world_size:
                 raise ValueError(f"reshard_at step {r.step}: layout has {r.layout.world_size} ranks, the run "
                                  f"{self.layout.world_size}")
-            if self.max_steps is not None and r.step >= self.max_steps:
-                raise ValueError(f"reshard_at step {r.step}: the run has only {self.max_steps} steps (0.."
-                                 f"{self.max_steps - 1})")
-        return self
-
-    @model_validator(mode="after")
-    def _lora_options(self) -> RunConfig:
-        if self.lora_r is None and (self.lora_targets or self.export_merged):
-            raise ValueError("lora_targets / export_merged need lora_r (LoRA)")
+            last = self.recipe.max_steps
+            if last is not None and r.step >= last:
+                raise ValueError(f"reshard_at step {r.step}: the run has only {last} steps (0..{last - 1})")
         return self
 
     @property
@@ -178,10 +107,9 @@ class RunConfig(RankConfig):
     @classmethod
     def for_job(cls, spec: JobSpec, *, layout: Layout, rank: int, host: str, port: int, threads: int,
                 gloo_timeout_s: float, group_key: str | None = None) -> RunConfig:
-        """The rank settings a JobSpec means (a job always shuffles with its seed, like `xronos run`);
-        its length is the spec's own (max_steps and/or epochs), counted once the owner has the data."""
-        same = spec.model_dump(include=set(cls.model_fields))  # the fields both name alike
-        return cls(**same, layout=layout, shuffle=True, threads=threads, gloo_timeout_s=gloo_timeout_s,
+        """The rank settings a JobSpec means: its recipe, placed. (The job's live re-balancing is the
+        gateway's, not its rank 0's: `rebalance` stays off.)"""
+        return cls(recipe=spec.recipe, layout=layout, threads=threads, gloo_timeout_s=gloo_timeout_s,
                    progress=False, rank=rank, rendezvous_host=host, rendezvous_port=port, group_key=group_key)
 
 

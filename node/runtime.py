@@ -104,12 +104,12 @@ def share_facts(cfg: RankConfig, group: TPGroup, allowed_dirs: list[str] | None 
     must lie inside them); every rank gets the facts, checked field by field where they arrive."""
     if group.rank != 0:
         facts = Facts.model_validate(share_json(group, None))
-        if (facts.labels is None) != (cfg.task != "classify"):
+        if (facts.labels is None) != (cfg.recipe.task != "classify"):
             raise ValueError(f"the owner's data facts {'lack' if facts.labels is None else 'have'} classes, "
-                             f"but the task is {cfg.task!r}")
+                             f"but the task is {cfg.recipe.task!r}")
         return facts, None
-    config = read_config(cfg.model_dir)
-    source = owner_batches(cfg, config, allowed_dirs)
+    config = read_config(cfg.recipe.model_dir)
+    source = owner_batches(cfg.recipe, config, allowed_dirs)
     config.update(source.config_fields())
     facts = Facts(config=config, n_train=source.n_train, n_eval=source.n_eval, pad_token_id=source.pad_token_id,
                   token_types=source.has_token_types, labels=source.label_space)
@@ -226,7 +226,7 @@ class Rank:
 
     @property
     def per_epoch(self) -> int:
-        return self.facts.n_train // self.cfg.batch_size
+        return self.facts.n_train // self.cfg.recipe.batch_size
 
 
 class Engine:
@@ -360,10 +360,10 @@ def run(cfg: RankConfig, engine: Engine, *, weights: WeightSource, control: Cont
         prove(group, cfg.group_key)  # before anything of the job's goes out
     memwatch.phase("join")
     facts, source = share_facts(cfg, group, allowed_dirs)
-    rank = Rank(cfg, group, facts, BatchChannel(cfg, group, source, facts.token_types),
+    rank = Rank(cfg, group, facts, BatchChannel(cfg.recipe, group, source, facts.token_types),
                 cfg.total_steps(facts.n_train), engine)
     memwatch.phase("facts")
-    torch.manual_seed(cfg.seed)  # anything random outside the dropout streams agrees across ranks
+    torch.manual_seed(cfg.recipe.seed)  # anything random outside the dropout streams agrees across ranks
     engine.build(rank, weights, start)
     result = _loop(rank, control, sink, checkpoints, start)
     if result.completed:
@@ -404,7 +404,7 @@ def _loop(rank: Rank, control: Control, sink: Sink, checkpoints: Checkpoints | N
         done = step + 1
         if checkpoints is not None and checkpoints.due(done, rank.steps):
             engine.checkpoint(rank, checkpoints.dir, {**checkpoints.meta, "step": done, "epoch": done // rank.per_epoch,
-                                                      "seed": cfg.seed, "saved_at": time.time()})
+                                                      "seed": cfg.recipe.seed, "saved_at": time.time()})
             sink.checkpointed(rank, done)
     after = engine.evaluate(rank)
     sink.evaluated(rank, "after", after)

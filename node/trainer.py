@@ -82,7 +82,7 @@ def evaluate(model, cfg: RunConfig, channel: BatchChannel, n_train: int, n_eval:
     model.eval()
     loss_sum, weight, correct = 0.0, 0, 0
     for b in channel.eval(n_train, n_eval):
-        if cfg.task == "classify":
+        if cfg.recipe.task == "classify":
             logits = model.logits(b.input_ids, b.attention_mask, b.token_type_ids)  # [b, labels]
             loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), b.labels, reduction="sum"))
             correct += int((logits.argmax(-1) == b.labels).sum())
@@ -93,7 +93,7 @@ def evaluate(model, cfg: RunConfig, channel: BatchChannel, n_train: int, n_eval:
             weight += tokens
     model.train()
     loss = loss_sum / max(weight, 1)
-    if cfg.task == "classify":
+    if cfg.recipe.task == "classify":
         return EvalResult(loss, correct / weight, None, n_eval)
     return EvalResult(loss, None, math.exp(min(loss, 50.0)), n_eval)
 
@@ -119,9 +119,9 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.
     stop_unless_finite("loss", float(loss.detach()), step)
     loss.backward()
     memwatch.phase("backward")
-    if cfg.max_grad_norm is not None:
+    if cfg.recipe.max_grad_norm is not None:
         with group.segment("rest"):
-            norm = clip_global_grad_norm(model, replicated, cfg.max_grad_norm, group)
+            norm = clip_global_grad_norm(model, replicated, cfg.recipe.max_grad_norm, group)
         stop_unless_finite("gradient norm", norm, step)
         memwatch.phase("clip")
     else:  # no norm to read: each rank looks at its own gradients (a non-finite one reaches all ranks'
@@ -168,8 +168,8 @@ class TPEngine(Engine):
         config = rank.facts.config
         self.layout = ShardLayout.of(cfg.layout, cfg.rank)
         self.family = family_for(config)
-        self.model = self.family.build(config, cfg.task, self.layout, group, dropout=cfg.dropout)
-        self.lora = self.family.lora_settings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        self.model = self.family.build(config, cfg.recipe.task, self.layout, group, dropout=cfg.recipe.dropout)
+        self.lora = self.family.lora_settings(cfg.recipe.lora)
         if self.lora is not None:  # adapters on the target layers, the rest frozen (on the meta device)
             self.lora_modules = add_lora(self.model, self.lora)
         self.moves: list = []  # live re-shards (relayout.Move), in order
@@ -180,7 +180,7 @@ class TPEngine(Engine):
 
         def optimizer(source) -> None:  # the parameters exist now (materialized from meta)
             memwatch.phase("load")
-            self.opt = adamw(trainable(self.model), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            self.opt = adamw(trainable(self.model), lr=cfg.recipe.lr, weight_decay=cfg.recipe.weight_decay)
             if start > 0:
                 load_moments(self.opt, self.model, self.specs, source, start)
             allocate_state(self.opt)  # below the per-iteration working set (node/optstate.py)
@@ -189,7 +189,7 @@ class TPEngine(Engine):
         memwatch.phase("build")
         self.model.train()
         self.replicated = {name for name, s in self.specs.items() if s.dim is None}
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s + start, cfg.warmup_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s + start, cfg.recipe.warmup_steps))
 
     def evaluate(self, rank: Rank) -> EvalResult | None:
         result = evaluate(self.model, rank.cfg, rank.data, rank.facts.n_train, rank.facts.n_eval)
@@ -198,7 +198,7 @@ class TPEngine(Engine):
 
     def begin(self, rank: Rank, start: int) -> None:
         rank.group.drain_timings()
-        self.model.seed(rank.cfg.seed + start)  # dropout streams start from the same point on every rank
+        self.model.seed(rank.cfg.recipe.seed + start)  # dropout streams start from the same point on every rank
         self.rusage = Rusage()
 
     def step(self, rank: Rank, batches: Iterator[tuple[int, Batch]], step: int) -> IterationRecord:
@@ -214,7 +214,7 @@ class TPEngine(Engine):
         from xronos.node.relayout import SpecCache, move
 
         if not hasattr(self, "spec_cache"):
-            self.spec_cache = SpecCache(self.family, rank.facts.config, rank.cfg.task, rank.cfg.dropout, self.lora)
+            self.spec_cache = SpecCache(self.family, rank.facts.config, rank.cfg.recipe.task, rank.cfg.recipe.dropout, self.lora)
         m = move(self, rank, word, step)
         self.moves.append(m)
         self._reshard_s += m.seconds
@@ -222,30 +222,30 @@ class TPEngine(Engine):
     def checkpoint(self, rank: Rank, ckpt_dir: str | None, meta: dict[str, Any]) -> None:
         meta = {**meta, "layout": self.layout.layout().model_dump(mode="json")}  # the current one
         save_checkpoint(ckpt_dir or "", self.model, self.specs, self.layout, rank.group, self.opt,
-                        rank.facts.config, rank.cfg.task, meta)
+                        rank.facts.config, rank.cfg.recipe.task, meta)
         memwatch.phase("checkpoint")
         rank.group.drain_timings()
 
     def export(self, rank: Rank) -> None:
-        cfg = rank.cfg
-        if cfg.export_dir is None:
+        r = rank.cfg.recipe
+        if r.export_dir is None:
             return
         specs = self.specs
-        if self.lora is not None and not (cfg.export_merged or cfg.export_gguf):
+        if self.lora is not None and not (r.export_merged or r.export_gguf):
             # An adapter-only export writes the adapters (and a classifier's head): gathering the
             # frozen base as well put the whole model on the owner for nothing (1.2 GiB of a
             # qwen2.5-1.5b 2-block LoRA run, bench/results/mem-peak-lora.md).
-            specs = {n: s for n, s in specs.items() if exported(s.hf_name, cfg.task)}
+            specs = {n: s for n, s in specs.items() if exported(s.hf_name, r.task)}
         state = gather_full(self.model, specs, self.layout, rank.group, dst=0)
         if rank.owner and not all_finite(state.values()):  # the last step's update overflowed
             raise JobFault("the trained weights are not finite (inf or nan): nothing exported")
         if rank.owner and self.lora is not None:  # a PEFT adapter directory (+ the merged model)
-            save_lora_exports(cfg.export_dir, rank.facts.config, cfg.task, state, self.lora, self.lora_modules,
-                              cfg.model_dir, merged=cfg.export_merged)
+            save_lora_exports(r.export_dir, rank.facts.config, r.task, state, self.lora, self.lora_modules,
+                              r.model_dir, merged=r.export_merged)
         elif rank.owner:
-            save_hf_dir(cfg.export_dir, rank.facts.config, cfg.task, state, cfg.model_dir)
-        if rank.owner and cfg.export_gguf:  # llama.cpp / Ollama: model-<type>.gguf + Modelfile (merged under LoRA)
-            save_gguf_export(cfg.export_dir, rank.facts.config, state, cfg.model_dir, cfg.export_gguf, self.lora)
+            save_hf_dir(r.export_dir, rank.facts.config, r.task, state, r.model_dir)
+        if rank.owner and r.export_gguf:  # llama.cpp / Ollama: model-<type>.gguf + Modelfile (merged under LoRA)
+            save_gguf_export(r.export_dir, rank.facts.config, state, r.model_dir, r.export_gguf, self.lora)
         del state
         memwatch.phase("export")
         rank.group.drain_timings()

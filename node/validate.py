@@ -12,7 +12,8 @@ from pathlib import Path
 
 from xronos.node.data.batches import BatchSource, load_tokenizer, owner_batches
 from xronos.node.data.labels import LabelSpace
-from xronos.node.runconfig import DataConfig, RunConfig
+from xronos.node.runconfig import RunConfig
+from xronos.protocol.recipe import LoraSpec, Recipe
 from xronos.protocol.layout import Sizes
 
 
@@ -113,8 +114,7 @@ def check_checkpoint(model_dir: str | Path, config: dict, task: str, allowed_dir
                              f"config.json implies {list(spec.full_shape)}")
 
 
-def check_lora(config: dict, task: str, r: int | None, alpha: float, dropout: float,
-               targets: list[str] | None):
+def check_lora(config: dict, task: str, lora: LoraSpec | None):
     """A LoRA run's options on this model, before any process starts: the family supports LoRA,
     the targets are module names it has (the error names those it has), r fits every adapted
     layer (r <= min(in, out features)). Returns the LoraSettings (None: full fine-tuning)."""
@@ -124,13 +124,13 @@ def check_lora(config: dict, task: str, r: int | None, alpha: float, dropout: fl
     from xronos.node.tp.lora import add_lora
 
     family = family_for(config)
-    settings = family.lora_settings(r, alpha, dropout, targets)
+    settings = family.lora_settings(lora)
     if settings is not None:  # on the meta device: shapes only, no storage
         add_lora(family.build(config, task, ShardLayout.single(family.sizes(config)), TPGroup.single()), settings)
     return settings
 
 
-def check_dataset(cfg: DataConfig, config: dict, allowed_dirs: list | None = None) -> BatchSource:
+def check_dataset(cfg: Recipe, config: dict, allowed_dirs: list | None = None) -> BatchSource:
     """The data of a run on the checkpoint in cfg.model_dir (config.json `config`), read as its
     owner will read it (`owner_batches`, the runtime's own): columns, texts, the classes (from the
     data when the checkpoint has no classification head), instruction rows rendered and tokenised
@@ -151,28 +151,29 @@ def preflight(cfg: RunConfig, nodes: int) -> Preflight:
     from xronos.node.models.gguf import check_gguf
     from xronos.node.models.registry import family_for
 
-    config = read_config(cfg.model_dir)
+    r = cfg.recipe
+    config = read_config(r.model_dir)
     family = family_for(config)
-    if cfg.export_gguf is not None:  # before training, not after it: the family, task and tokenizer
+    if r.export_gguf is not None:  # before training, not after it: the family, task and tokenizer
         try:
-            check_gguf(cfg.model_dir, config, cfg.task)
+            check_gguf(r.model_dir, config, r.task)
         except ValueError as exc:
-            raise ValueError(f"--export-gguf {cfg.export_gguf}: {str(exc).removeprefix('export_gguf: ')}") from None
+            raise ValueError(f"--export-gguf {r.export_gguf}: {str(exc).removeprefix('export_gguf: ')}") from None
     sizes = family.sizes(config)
     cfg.layout.check(sizes, world_size=nodes)
-    for r in cfg.reshard_at:
+    for move in cfg.reshard_at:
         try:
-            r.layout.check(sizes, world_size=nodes)
+            move.layout.check(sizes, world_size=nodes)
         except ValueError as exc:
-            raise type(exc)(f"--reshard-at {r.step}: {exc}") from None
+            raise type(exc)(f"--reshard-at {move.step}: {exc}") from None
     max_pos = family.max_positions(config)
-    if cfg.seq_len > max_pos:
-        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of {max_pos} positions")
-    family.hf_class(cfg.task)
-    check_checkpoint(cfg.model_dir, config, cfg.task)
-    check_lora(config, cfg.task, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
-    load_tokenizer(cfg.model_dir)
-    source = check_dataset(cfg, config)
+    if r.seq_len > max_pos:
+        raise ValueError(f"--seq-len {r.seq_len} exceeds the model's maximum of {max_pos} positions")
+    family.hf_class(r.task)
+    check_checkpoint(r.model_dir, config, r.task)
+    check_lora(config, r.task, r.lora)
+    load_tokenizer(r.model_dir)
+    source = check_dataset(r, config)
     labels = source.label_space
     return Preflight(family.name, sizes, labels.num_labels if labels else None, source.n_train, source.n_eval,
                      labels)

@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     if cfg.rebalance:
         raise ValueError("rebalance: the live policy is composed by `python -m xronos.cli.liverank`, not this entry")
     control = ScheduledReshards(cfg.reshard_at) if cfg.reshard_at else None
-    run(cfg, TPEngine(), weights=LocalFiles(cfg.model_dir), control=control, sink=MetricsFile(progress=cfg.progress))
+    run(cfg, TPEngine(), weights=LocalFiles(cfg.recipe.model_dir), control=control, sink=MetricsFile(progress=cfg.progress))
     return 0
 
 

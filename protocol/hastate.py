@@ -245,9 +245,9 @@ def job_setup(spec: Any) -> dict[str, Any]:
     `homeassistant.gateway_discovery` reading that field."""
     if spec is None:
         return dict(task=None, data_format=None, lora_r=None, lora_targets=None)
-    lora = spec.lora_r is not None
-    targets = (",".join(spec.lora_targets) if spec.lora_targets else "default") if lora else None
-    return dict(task=spec.task, data_format=spec.data_format, lora_r=spec.lora_r, lora_targets=targets)
+    r = spec.recipe
+    targets = None if r.lora is None else ",".join(r.lora.targets) if r.lora.targets else "default"
+    return dict(task=r.task, data_format=r.data_format, lora_r=r.lora and r.lora.r, lora_targets=targets)
 
 
 def same_state(a: BaseModel | None, b: BaseModel | None) -> bool:

@@ -6,7 +6,8 @@ carry, in:
 - `msgtypes`: the bounded field types every message is built of, the bounds, the `Message` base
   (strict, frozen, `extra="forbid"`, `schema_version`) and why every field is bounded;
 - `msgnode`: a node about itself: availability, capabilities, profile request and report;
-- `msgjob`: a job's life: spec, inspection, plan, assignment and ack, the controls (`JobControl`);
+- `recipe`: the training recipe (`Recipe`, `LoraSpec`) and a profile's key (`ProfileKey`);
+- `msgjob`: a job's life: spec (a recipe plus the job's own fields), inspection, plan, assignment and ack, the controls (`JobControl`);
 - `msgstate`: a running job's state: iteration metrics, a node's job status, the job state;
 - `msgcatalog`: what an owner holds in its allowed directories (Home Assistant's job form);
 - `msgrequest`: requests and answers: a node's `ErrorResponse`, the gateway's requests and response.
@@ -29,8 +30,9 @@ from .msgnode import (
 )
 from .msgjob import (
     JobSpec, PlanEntry, Plan, Assignment, AssignmentAck, JobStart, JobPause, JobResume, JobCancel,
-    JobReshard, JobControl, JobControlAdapter, InspectRequest, InspectReport, STORED,
+    JobReshard, JobControl, JobControlAdapter, InspectRequest, InspectReport, SPEC_VERSION,
 )
+from .recipe import LoraSpec, ProfileKey, Recipe
 from .msgcatalog import (
     CATALOG_PATH_MAX, MAX_ALLOWED_DIRS, MAX_CATALOG_ENTRIES, CatalogPath, CatalogRequest, NodeCatalog,
 )
@@ -55,7 +57,7 @@ __all__ = [
     "LoraTarget", "Sample", "Message", "Availability", "ArchSpec", "Capabilities", "ProfileRequest",
     "LayerProfile", "CollectiveProfile", "ProfileSettings", "ProfileReport", "JobSpec", "PlanEntry", "Plan", "Assignment",
     "AssignmentAck", "JobStart", "JobPause", "JobResume", "JobCancel", "JobReshard", "JobControl",
-    "JobControlAdapter", "InspectRequest", "InspectReport", "STORED", "IterationMetrics", "NodeFloats",
+    "JobControlAdapter", "InspectRequest", "InspectReport", "SPEC_VERSION", "LoraSpec", "ProfileKey", "Recipe", "IterationMetrics", "NodeFloats",
     "NodeBytes", "JobState", "NodeJobStatus", "ErrorResponse", "Transaction", "GatewayRequest",
     "JobSubmitRequest", "JobStatusRequest", "JobPauseRequest", "JobResumeRequest", "JobCancelRequest",
     "NodesListRequest", "PlanPreviewRequest", "GatewayResponse", "REQUEST_MODELS",

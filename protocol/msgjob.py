@@ -6,93 +6,45 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, TypeAdapter, ValidationInfo, model_validator
+from pydantic import Field, TypeAdapter, model_validator
 
 from .layout import Layout, LayoutError, Sizes
 from .msgnode import ArchSpec
 from .msgtypes import (
-    MAX_NODES, BatchSize, ByteFloat, Column, Count, DataFormat, Decay, Epochs, Fraction, GGUFType, GradNorm, HostName, Id,
-    LearningRate, LoraAlpha, LoraRank, LoraTarget, Megabytes, Message, Name, NonNegInt, PathText, Rank, Seconds,
-    Seed, SeqLen, StepCount, Steps, Strategy, Task, Text4k, Text256, UnitCount, WorldSize,
+    MAX_NODES, ByteFloat, Count, HostName, Id, Megabytes, Message, Name, NonNegInt, Rank, Seconds, Steps, Strategy,
+    Text4k, Text256, UnitCount, WorldSize,
 )
+from .recipe import Recipe
 
 
-# Validation context key (`model_validate(..., context={STORED: True})`): the data comes from this
-# gateway's own job table, written by an earlier version, not from a sender.
-STORED = "stored"
+# The job spec's own schema version: 3 made it a `Recipe` plus the job's own fields. A spec file
+# of version 2 (every setting at top level) is mapped once, where files are read
+# (`xronos.protocol.specfile.upgrade_spec`); on the wire the gateway and the nodes speak one version.
+SPEC_VERSION = 3
 
 
 class JobSpec(Message):
+    """A job: its recipe (what is trained and how) plus what only a job has — its name and owner,
+    the planner's strategy and the memory it leaves each node, the nodes it may use, checkpoints,
+    live re-balancing."""
+
+    schema_version: Literal[3] = SPEC_VERSION  # type: ignore[assignment]  (the spec's own, see SPEC_VERSION)
     name: Name
     owner: Id
-    model_dir: PathText
-    data_path: PathText
-    task: Task
-    text_column: Column = "text"
-    text_pair_column: Column | None = None
-    label_column: Column = "label"
-    # How rows become training text: a text column (and pair), or for causal-lm a messages column
-    # rendered with the tokenizer's chat template ("chat") or prompt/completion columns, the loss
-    # on the answer tokens only (xronos.node.data.batches).
-    data_format: DataFormat = "text"
-    messages_column: Column = "messages"
-    prompt_column: Column = "prompt"
-    completion_column: Column = "completion"
-    batch_size: BatchSize
-    seq_len: SeqLen
-    lr: LearningRate
-    epochs: Epochs | None = None
-    max_steps: Steps | None = None
-    eval_fraction: Fraction = 0.1
+    recipe: Recipe
     strategy: Strategy = "segment"
     checkpoint_interval: Steps = 100
-    export_dir: PathText
     nodes: Annotated[list[Id], Field(min_length=1, max_length=MAX_NODES)] | None = None
     reserve_mb: Megabytes = 512
-    seed: Seed = 0
-    warmup_steps: StepCount = 0
-    weight_decay: Decay = 0.0
-    max_grad_norm: GradNorm | None = 1.0
-    dropout: Fraction | None = None
-    # LoRA (lora_r None: full fine-tuning): adapters of rank lora_r on lora_targets (peft's module
-    # names, e.g. q_proj; None: the family's default), scale lora_alpha / lora_r, dropout on their
-    # input; the base frozen. The export is a PEFT adapter directory (adapter_config.json,
-    # adapter_model.safetensors), and with export_merged also the merged model in <export_dir>/merged.
-    lora_r: LoraRank | None = None
-    lora_alpha: LoraAlpha = 16.0
-    lora_dropout: Fraction = 0.0
-    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
-    export_merged: bool = False
-    # GGUF for llama.cpp / Ollama (causal LMs of the llama, qwen2, qwen3 and gpt2 families): the
-    # owner also writes <export_dir>/model-<type>.gguf (under LoRA: of the merged model) and an
-    # Ollama Modelfile beside it (xronos.node.models.gguf). The family is checked at inspection.
-    export_gguf: GGUFType | None = None
     # Live re-balancing (issue 14): the gateway re-plans from the ranks' measured per-kind compute
     # and re-shards the running job at an iteration boundary when the predicted gain repays the move.
     # On by default: a job runs on boxes whose other work changes their speed, the case it is for.
     rebalance: bool = True
 
     @model_validator(mode="after")
-    def _has_length(self, info: ValidationInfo) -> JobSpec:
-        if self.epochs is None and self.max_steps is None:
-            raise ValueError("epochs/max_steps: at least one must be set")
-        if self.lora_r is None:
-            # By value, not by model_fields_set: every spec that crossed the wire or the job store has
-            # all its fields set, and the defaults are what a full fine-tune carries (as `xronos run`).
-            # A job table written before alpha and dropout were checked still loads (STORED): its jobs
-            # ran as full fine-tunes, and a gateway must not refuse to start over them.
-            fields = type(self).model_fields
-            checked = ("lora_targets", "export_merged") if (info.context or {}).get(STORED) else \
-                ("lora_alpha", "lora_dropout", "lora_targets", "export_merged")
-            given = [f for f in checked if getattr(self, f) != fields[f].default]
-            if given:
-                raise ValueError(f"{', '.join(given)}: set without lora_r (LoRA); without it the job "
-                                 "fine-tunes every weight and trains no adapters")
-        if self.data_format != "text" and self.task != "causal-lm":
-            raise ValueError(f"data_format: {self.data_format!r} is a causal-lm format, not one for task {self.task!r}")
-        if self.export_gguf is not None and self.task != "causal-lm":
-            raise ValueError(f"export_gguf: {self.export_gguf!r} asked of task {self.task!r}; llama.cpp runs language "
-                             "models, so GGUF export is for task 'causal-lm'")
+    def _has_export(self) -> JobSpec:
+        if self.recipe.export_dir is None:
+            raise ValueError("recipe.export_dir: a job must name where its export goes")
         return self
 
 

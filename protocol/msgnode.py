@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from .layout import Kind, Sizes
+from .recipe import ProfileKey
 from .msgtypes import (
     BatchSize, Bytes, Cores, Decay, Dim, Fraction, Heads, Host, Id, Int, Label, LayerName, Labels, Layers,
     LoraRank, LoraTarget, Message, Positions, Sample, SeqLen, Seconds, Task, Temperature, Threads, Timestamp,
@@ -60,18 +61,8 @@ class ProfileRequest(Message):
     request_id: Id
     job_id: Id
     arch: ArchSpec
-    task: Task
-    batch_size: BatchSize
-    seq_len: SeqLen
+    key: ProfileKey  # the job recipe's: what the profile depends on besides the model's shape
     threads: Threads | None = None
-    # The job's optimizer settings: decoupled weight decay and the clipping pass each add a pass
-    # over every parameter, which the profile must time as the trainer will run it.
-    weight_decay: Decay = 0.0
-    clip: bool = True
-    # A LoRA job (JobSpec.lora_*): the profile trains adapters on a frozen base, as the job will.
-    lora_r: LoraRank | None = None
-    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
-    lora_dropout: Fraction = 0.0
 
 
 class LayerProfile(Message):
@@ -146,21 +137,15 @@ class ProfileSettings(Message):
         return self
 
     @classmethod
-    def of(cls, *, weight_decay: float, clip: bool, lora_r: int | None, lora_targets: list[str] | None,
-           lora_dropout: float) -> ProfileSettings:
-        """The settings of a request or a job spec, in the one form every report records: the LoRA
-        fields dropped under full fine-tuning (a spec may carry a dropout it never uses), the targets
-        sorted and once each (their order trains nothing different)."""
-        if lora_r is None:
-            return cls(weight_decay=weight_decay, clip=clip, lora_r=None, lora_targets=None, lora_dropout=0.0)
-        targets = sorted(set(lora_targets)) if lora_targets else None
-        return cls(weight_decay=weight_decay, clip=clip, lora_r=lora_r, lora_targets=targets,
-                   lora_dropout=lora_dropout)
-
-    @classmethod
-    def of_request(cls, req: ProfileRequest) -> ProfileSettings:
-        return cls.of(weight_decay=req.weight_decay, clip=req.clip, lora_r=req.lora_r,
-                      lora_targets=req.lora_targets, lora_dropout=req.lora_dropout)
+    def of_key(cls, key: ProfileKey) -> ProfileSettings:
+        """A profile key's settings in the one form every report records: the targets sorted and
+        once each (their order trains nothing different); LoRA's alpha left out, since it only
+        scales the adapters' output and the profile does not depend on it."""
+        lora = key.lora
+        if lora is None:
+            return cls(weight_decay=key.weight_decay, clip=key.clip, lora_r=None, lora_targets=None, lora_dropout=0.0)
+        return cls(weight_decay=key.weight_decay, clip=key.clip, lora_r=lora.r,
+                   lora_targets=sorted(set(lora.targets)) if lora.targets else None, lora_dropout=lora.dropout)
 
 
 class ProfileReport(Message):

@@ -301,7 +301,7 @@ def gateway_state(job: JobState | None, *, nodes_online: int, now: float,
     if job is None:
         return hastate.GatewayHAState(nodes_online=nodes_online, last_command=state_text(last_command),
                                       error=state_text(error), selected_spec=selected_spec, form=form, updated_at=now)
-    gguf = getattr(spec, haform.GGUF_FIELD, None) if spec is not None else None
+    gguf = spec.recipe.export_gguf if spec is not None else None
     progress = None
     if job.total_steps:
         progress = min(100.0, 100.0 * job.step / job.total_steps)

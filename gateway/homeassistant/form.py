@@ -24,15 +24,12 @@ from xronos.common.errtext import problems
 from xronos.protocol import hastate
 from xronos.protocol import messages as m
 
-# The job spec's GGUF field (the GGUF export of issue 34). Until JobSpec has it, a form asking for
-# a GGUF file is refused (naming why) rather than submitted without one.
-GGUF_FIELD = "export_gguf"
 Catalogs = Mapping[str, m.NodeCatalog]
 _INTS = {k for k in hastate.FORM_NUMBERS if k != "lr"}
-
-
-def spec_has_gguf() -> bool:
-    return GGUF_FIELD in m.JobSpec.model_fields
+# The recipe's names of the form's fields, for the recipe's refusals as the form shows them.
+_FORM_NAMES = (("recipe.max_steps", "steps"), ("recipe.epochs", "epochs"), ("max_steps", "steps"),
+               ("recipe.export_gguf", "gguf"), ("export_gguf", "gguf"), ("recipe.lora.r", "lora_r"),
+               ("recipe.model_dir", "model"), ("recipe.data_path", "data"), ("recipe.", ""))
 
 
 def owners(catalogs: Catalogs) -> list[str]:
@@ -106,28 +103,22 @@ def form_spec(form: hastate.JobForm, catalogs: Catalogs, now: float) -> m.JobSpe
             raise ValueError(f"{field}: none chosen: pick one of what owner {form.owner!r} reported")
         _check_path(form, field, catalogs)
     assert form.owner is not None and form.model is not None and form.data is not None
-    if form.steps == 0 and form.epochs == 0:
-        raise ValueError("steps, epochs: both 0: set Steps or Epochs (or both: the job stops at the first)")
-    if form.task != "causal-lm" and form.data_format != "text":
-        raise ValueError(f"data_format: {form.data_format!r} is a causal-lm format, not one for task {form.task!r}")
-    extra: dict[str, Any] = {}
-    if form.gguf != "none":
-        if form.task != "causal-lm":
-            raise ValueError(f"gguf: {form.gguf!r}: GGUF (llama.cpp, Ollama) is for causal LMs, not task {form.task!r}")
-        if not spec_has_gguf():
-            raise ValueError(f"gguf: {form.gguf!r}: this gateway's job spec has no {GGUF_FIELD} field yet: choose none")
-        extra[GGUF_FIELD] = form.gguf
     name = _name(form.model, form.data)
     stamp = datetime.fromtimestamp(now, tz=timezone.utc).strftime("%Y%m%d-%H%M%S")
     root = catalogs[form.owner].allowed_dirs[0].rstrip("/") or "/"
     try:
-        return m.JobSpec(
-            name=name, owner=form.owner, model_dir=form.model, data_path=form.data, task=form.task,
-            data_format=form.data_format, batch_size=form.batch_size, seq_len=form.seq_len, lr=form.lr,
-            max_steps=form.steps or None, epochs=form.epochs or None,
-            export_dir=f"{root}/exports/{name}-{stamp}", lora_r=form.lora_r or None, **extra)
+        recipe = m.Recipe(
+            model_dir=form.model, data_path=form.data, task=form.task, data_format=form.data_format,
+            batch_size=form.batch_size, seq_len=form.seq_len, lr=form.lr, max_steps=form.steps or None,
+            epochs=form.epochs or None, export_dir=f"{root}/exports/{name}-{stamp}",
+            lora=m.LoraSpec(r=form.lora_r) if form.lora_r else None,
+            export_gguf=None if form.gguf == "none" else form.gguf)
+        return m.JobSpec(name=name, owner=form.owner, recipe=recipe)
     except ValidationError as exc:
-        raise ValueError(problems(exc.errors())) from None
+        text = problems(exc.errors())
+        for recipe_name, form_name in _FORM_NAMES:  # the recipe's rules, named as the form names them
+            text = text.replace(recipe_name, form_name)
+        raise ValueError(text) from None
 
 
 # --- discovery of the form's entities ----------------------------------------------------------

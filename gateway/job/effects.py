@@ -31,11 +31,7 @@ def messages(e: Effect, job: Job | None, reg: Registry, ports: tuple[int, int]) 
     elif isinstance(e, Profile):
         assert job is not None and job.arch is not None, e
         for rid, node in e.requests:
-            req = m.ProfileRequest(request_id=rid, job_id=e.job_id, arch=job.arch, task=job.spec.task,
-                                   batch_size=job.spec.batch_size, seq_len=job.spec.seq_len,
-                                   weight_decay=job.spec.weight_decay, clip=job.spec.max_grad_norm is not None,
-                                   lora_r=job.spec.lora_r, lora_targets=job.spec.lora_targets,
-                                   lora_dropout=job.spec.lora_dropout)
+            req = m.ProfileRequest(request_id=rid, job_id=e.job_id, arch=job.arch, key=job.spec.recipe.profile_key())
             yield req, {"node_id": node}
     elif isinstance(e, Assign):
         assert job is not None, e

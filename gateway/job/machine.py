@@ -347,7 +347,7 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
 
 
 def _complete(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
-    export = s.export_dir or job.spec.export_dir  # the owner's resolved path of the spec's export_dir
+    export = s.export_dir or job.spec.recipe.export_dir  # the owner's resolved path of the spec's export_dir
     step = min(s.step, job.total_steps) if job.total_steps else s.step
     return note(job, ctx.now, f"completed at step {step}; model exported to {export}",
                  phase="completed", step=step, epoch=s.epoch, export_dir=export,

@@ -25,12 +25,13 @@ def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan
         if caps is not None:  # plan with the node's memory now, not when it profiled
             report = report.model_copy(update={"capabilities": caps})
         loaded.append(Loaded(source=f"node {node}", report=report))
+    recipe = job.spec.recipe
     result = plan_reports(loaded, job.spec.strategy, reserve_mb=job.spec.reserve_mb,
                           bandwidth_Bps=ctx.net.bandwidth_Bps, latency_s=ctx.net.latency_s,
-                          batch_size=job.spec.batch_size, seq_len=job.spec.seq_len, task=job.spec.task,
+                          batch_size=recipe.batch_size, seq_len=recipe.seq_len, task=recipe.task,
                           settings=job_settings(job.spec),
                           checkpoints=True,  # a job's owner gathers consolidated checkpoints
-                          export_merged=job.spec.export_merged or job.spec.export_gguf is not None)
+                          export_merged=recipe.exports_whole_model)
     if not result.feasible:
         over = "; ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of its {r.memory_cap / 2**20:.0f} "
                          f"MiB cap holding " + ", ".join(f"{r.count(k)} {NOUN[k]}" for k in KINDS)

@@ -87,10 +87,11 @@ class JobRebalance:
             raise ValueError(f"job {job.job_id}: no profile for {missing}, nothing to re-balance from")
         # Rank 0 is the owner, as the planner marks it: its peak holds the data stack and the
         # export's gather, so a re-plan's memory for it is the plan's arithmetic, not a plain rank's.
+        recipe = job.spec.recipe
         base = [replace(node_cost(node_profile(job.profiles[n])), checkpoints=True,
-                        export_all=job.spec.export_merged or job.spec.export_gguf is not None, owner=d == 0) for d, n in enumerate(nodes)]
+                        export_all=recipe.exports_whole_model, owner=d == 0) for d, n in enumerate(nodes)]
         report = job.profiles[nodes[0]]
-        ub = unit_bytes(report.arch, report.num_blocks, job.spec.task, lora=job.spec.lora_r is not None)
+        ub = unit_bytes(report.arch, report.num_blocks, recipe.task, lora=recipe.lora is not None)
         policy = Rebalancer(job.plan.sizes, job.plan.layout(), base, [e.memory_cap for e in job.plan.entries],
                             ub, config=config)
         return cls(job.plan_version, nodes, policy, base, lead)

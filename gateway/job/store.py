@@ -16,6 +16,7 @@ puts the previous table in place (`restore_previous`).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from xronos.common.errtext import reason, where
-from xronos.protocol.messages import STORED
+from xronos.protocol.specfile import upgrade_spec
 
 from .types import Job
 
@@ -62,10 +63,27 @@ def job_from_dict(data: Mapping) -> Job:
         raise ValueError(f"job record {data.get('job_id')!r}: field {_loc(first['loc'])}: {reason(first)}") from None
 
 
+def _upgraded(text: bytes | str) -> bytes | str:
+    """The table with each job's spec as version 3: a table written before the recipe holds
+    version-2 specs (`specfile.upgrade_spec`, the one place that maps them). A table that is not a
+    list of jobs is returned as it is, for the validation to name what is wrong."""
+    try:
+        doc = json.loads(text)
+        jobs = doc["jobs"]
+        specs = [job["spec"] for job in jobs]
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return text
+    if not all(isinstance(s, dict) for s in specs) or all("recipe" in s for s in specs):
+        return text
+    for job, spec in zip(jobs, specs):
+        job["spec"] = upgrade_spec(spec, stored=True)
+    return json.dumps(doc)  # NaN and Infinity as the table writes them
+
+
 def parse_table(text: bytes | str, source: str) -> dict[str, Job]:
     """The jobs of a table file's content; ValueError naming `source`, the field and the problem."""
     try:
-        table = _TABLE.validate_json(text, strict=True, context={STORED: True})
+        table = _TABLE.validate_json(_upgraded(text), strict=True)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]

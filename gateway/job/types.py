@@ -152,8 +152,9 @@ class Job:
 def profile_mismatch(job: Job, report: m.ProfileReport) -> str | None:
     """Why a profile report does not answer this job's request (None if it does). The service
     checks first that the planner can use it at all (`profiles.check_report`)."""
-    want = {"job_id": job.job_id, "arch": job.arch, "task": job.spec.task,
-            "batch_size": job.spec.batch_size, "seq_len": job.spec.seq_len}
+    recipe = job.spec.recipe
+    want = {"job_id": job.job_id, "arch": job.arch, "task": recipe.task, "batch_size": recipe.batch_size,
+            "seq_len": recipe.seq_len}
     for name, value in want.items():
         got = getattr(report, name)
         if got != value:

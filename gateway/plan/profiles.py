@@ -265,8 +265,7 @@ def _show(name: str, value: object) -> str:
 def job_settings(spec: JobSpec) -> ProfileSettings:
     """The settings a job's profiles are taken under: what the gateway's ProfileRequest carries
     (gateway/job/effects.py), in the form a report records them."""
-    return ProfileSettings.of(weight_decay=spec.weight_decay, clip=spec.max_grad_norm is not None,
-                              lora_r=spec.lora_r, lora_targets=spec.lora_targets, lora_dropout=spec.lora_dropout)
+    return ProfileSettings.of_key(spec.recipe.profile_key())
 
 
 def settings_diff(got: ProfileSettings, want: ProfileSettings) -> tuple[str, str, str] | None:

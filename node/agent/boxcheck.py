@@ -46,8 +46,9 @@ def profile_problem(req: m.ProfileRequest, box: Box) -> str | None:
     cores, the profiling child's predicted peak within the memory available less the reserve."""
     if req.threads is not None and req.threads > box.cores:
         return f"threads {req.threads} asked, but this box has {box.cores} usable cores"
-    need = profile_estimate(req.arch, req.task, req.batch_size, req.seq_len, lora=req.lora_r is not None)
-    return box.over(f"batch_size {req.batch_size} x seq_len {req.seq_len}: the profile", need)
+    key = req.key
+    need = profile_estimate(req.arch, key.task, key.batch_size, key.seq_len, lora=key.lora is not None)
+    return box.over(f"batch_size {key.batch_size} x seq_len {key.seq_len}: the profile", need)
 
 
 def assignment_problem_on_box(a: m.Assignment, spec: m.JobSpec, shape: tuple[m.ArchSpec, str] | None, box: Box,
@@ -59,9 +60,9 @@ def assignment_problem_on_box(a: m.Assignment, spec: m.JobSpec, shape: tuple[m.A
     arch, task = shape
     shares = {k: a.layout.share(k, a.rank) for k in ("attn", "mlp", "vocab")}
     # dropout None is the checkpoint's own (usually on): counted as the explicit attention path
-    need = estimate(arch, task, spec.batch_size, spec.seq_len, lora=spec.lora_r is not None,
-                    scores=spec.dropout != 0.0, **shares)
-    return box.over(f"rank {a.rank} of {a.job_id} (batch_size {spec.batch_size} x seq_len {spec.seq_len}, "
+    r = spec.recipe
+    need = estimate(arch, task, r.batch_size, r.seq_len, lora=r.lora is not None, scores=r.dropout != 0.0, **shares)
+    return box.over(f"rank {a.rank} of {a.job_id} (batch_size {r.batch_size} x seq_len {r.seq_len}, "
                     f"{shares['attn']:.0%} of the attention, {shares['mlp']:.0%} of the MLP, {shares['vocab']:.0%} "
                     f"of the vocabulary)", need, freed)
 
@@ -73,7 +74,7 @@ def owner_arch(spec: m.JobSpec) -> tuple[m.ArchSpec, str] | None:
         from xronos.node.models.registry import arch_spec
         from xronos.node.validate import read_config
 
-        return m.ArchSpec(**arch_spec(read_config(spec.model_dir), spec.task)), spec.task
+        return m.ArchSpec(**arch_spec(read_config(spec.recipe.model_dir), spec.recipe.task)), spec.recipe.task
     except (OSError, ValueError, TypeError, KeyError):
         return None
 

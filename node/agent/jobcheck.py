@@ -36,7 +36,7 @@ def _confine_symlinks(model_dir: Path, allowed: list) -> None:
         return  # a missing model dir is reported by the checks that read it
     for e in entries:
         if e.is_symlink():
-            confine_path(e.path, allowed, f"spec.model_dir entry {e.name!r}")
+            confine_path(e.path, allowed, f"spec.recipe.model_dir entry {e.name!r}")
 
 
 def confined_spec(spec: JobSpec, allowed_dirs: Iterable[str | Path],
@@ -48,20 +48,20 @@ def confined_spec(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     data file, or any of `reserved` (the node's job directories, which hold every job's checkpoint).
     """
     allowed = list(allowed_dirs)
-    out = {field: str(confine_path(getattr(spec, field), allowed, f"spec.{field}"))
+    out = {field: str(confine_path(getattr(spec.recipe, field), allowed, f"spec.recipe.{field}"))
            for field in ("model_dir", "data_path", "export_dir")}
     _confine_symlinks(Path(out["model_dir"]), allowed)
     export = Path(out["export_dir"])
     for field in ("model_dir", "data_path"):
         if _overlap(export, Path(out[field])):
-            raise ValueError(f"spec.export_dir {spec.export_dir!r} (resolves to {export}) would overwrite "
-                             f"spec.{field} {out[field]}: export somewhere else")
+            raise ValueError(f"spec.recipe.export_dir {spec.recipe.export_dir!r} (resolves to {export}) would "
+                             f"overwrite spec.recipe.{field} {out[field]}: export somewhere else")
     for d in reserved:
         root = Path(d).resolve()
         if _overlap(export, root):
-            raise ValueError(f"spec.export_dir {spec.export_dir!r} (resolves to {export}) overlaps {root}, "
+            raise ValueError(f"spec.recipe.export_dir {spec.recipe.export_dir!r} (resolves to {export}) overlaps {root}, "
                              "where this node keeps its jobs' checkpoints and profiles: export somewhere else")
-    return spec.model_copy(update=out)
+    return spec.model_copy(update={"recipe": spec.recipe.model_copy(update=out)})
 
 
 def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
@@ -70,31 +70,29 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     naming the problem otherwise."""
     from xronos.node.data.batches import load_tokenizer
     from xronos.node.models.registry import arch_spec, family_for
-    from xronos.node.runconfig import DataConfig, total_steps
     from xronos.node.validate import check_checkpoint, check_dataset, check_lora, read_config
 
     allowed = list(allowed_dirs)
-    s = confined_spec(spec, allowed, reserved)
-    if not Path(s.data_path).is_file():
-        raise FileNotFoundError(f"spec.data_path {spec.data_path!r}: no such file on the owner")
-    config = read_config(s.model_dir)
+    r = confined_spec(spec, allowed, reserved).recipe
+    if not Path(r.data_path).is_file():
+        raise FileNotFoundError(f"spec.recipe.data_path {spec.recipe.data_path!r}: no such file on the owner")
+    config = read_config(r.model_dir)
     family = family_for(config)
-    if spec.export_gguf is not None:  # refused here, before any training, naming the family
+    if r.export_gguf is not None:  # refused here, before any training, naming the family
         from xronos.node.models.gguf import check_gguf
-        check_gguf(s.model_dir, config, spec.task)
-    if spec.seq_len > family.max_positions(config):
-        raise ValueError(f"spec.seq_len {spec.seq_len} exceeds the model's maximum of "
+        check_gguf(r.model_dir, config, r.task)
+    if r.seq_len > family.max_positions(config):
+        raise ValueError(f"spec.recipe.seq_len {r.seq_len} exceeds the model's maximum of "
                          f"{family.max_positions(config)} positions")
-    family.hf_class(spec.task)
-    check_checkpoint(s.model_dir, config, spec.task, allowed_dirs=allowed)
-    check_lora(config, spec.task, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
-    load_tokenizer(s.model_dir)
-    data = DataConfig(**s.model_dump(include=set(DataConfig.model_fields)))
-    source = check_dataset(data, config, allowed)
+    family.hf_class(r.task)
+    check_checkpoint(r.model_dir, config, r.task, allowed_dirs=allowed)
+    check_lora(config, r.task, r.lora)
+    load_tokenizer(r.model_dir)
+    source = check_dataset(r, config, allowed)
     n_train, n_eval = source.n_train, source.n_eval
     config.update(source.config_fields())  # the head the job trains: its classes may come from the data
-    return {"arch": arch_spec(config, spec.task), "train_rows": n_train, "eval_rows": n_eval,
-            "total_steps": total_steps(s.max_steps, s.epochs, n_train, s.batch_size)}
+    return {"arch": arch_spec(config, r.task), "train_rows": n_train, "eval_rows": n_eval,
+            "total_steps": r.total_steps(n_train)}
 
 
 def check_layout_cuts(layout: Layout, quanta: dict[str, int] = QUANTA) -> None:
@@ -126,7 +124,7 @@ def assignment_problem(a: Assignment, spec: JobSpec) -> str | None:
         if layout.world_size != a.world_size:
             raise LayoutError(f"layout has {layout.world_size} ranks but the world has {a.world_size}")
         check_layout_cuts(layout)
-        sizes = _model_sizes(spec.model_dir) if a.rank == 0 else None
+        sizes = _model_sizes(spec.recipe.model_dir) if a.rank == 0 else None
         if sizes is not None:
             layout.check(sizes, world_size=a.world_size)
     except LayoutError as exc:

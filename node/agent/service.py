@@ -267,7 +267,7 @@ class NodeService:
             return
         if len(self._archs) >= 64:  # the shapes of recent jobs only
             self._archs.pop(next(iter(self._archs)))
-        self._archs[req.job_id] = (req.arch, req.task)  # what an assignment of that job is checked with
+        self._archs[req.job_id] = (req.arch, req.key.task)  # what an assignment of that job is checked with
         why = self._queue_work(req.request_id, self._profile, req)
         if why is not None and why != "duplicate":
             self._profile_failed(req, why)
@@ -284,10 +284,8 @@ class NodeService:
         try:
             # In a child process: measured under the training ranks' allocator setting, and the
             # service does not keep a full-width block's memory afterwards (node/measure/profilechild.py).
-            job = ProfileJob(config=config_for(arch=req.arch), task=req.task, batch_size=req.batch_size,
-                             seq_len=req.seq_len, threads=req.threads or self._threads(),
-                             weight_decay=req.weight_decay, clip=req.clip, lora_r=req.lora_r,
-                             lora_targets=req.lora_targets, lora_dropout=req.lora_dropout, node_id=self.node_id,
+            job = ProfileJob(config=config_for(arch=req.arch), key=req.key, threads=req.threads or self._threads(),
+                             node_id=self.node_id,
                              request_id=req.request_id, job_id=req.job_id,
                              capabilities=probe(self.node_id, self.data_host, self.participate),
                              cache_dir=str(self.state_dir / "profiles"))

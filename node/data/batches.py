@@ -8,7 +8,7 @@ Batches are consecutive rows (no shuffle) or a seeded shuffle with a new permuta
 always of exactly `batch_size` rows (the last incomplete batch of an epoch is dropped). The
 evaluation set is the held-out tail of the file.
 
-Files: CSV, JSON, JSONL or Parquet (read with `datasets`). Formats (`DataConfig.data_format`):
+Files: CSV, JSON, JSONL or Parquet (read with `datasets`). Formats (`Recipe.data_format`):
 "text" (a text column and a pair column), "chat" and "prompt-completion" (`xronos.node.data.instructions`,
 which also says how their loss covers the answers only); class labels: `xronos.node.data.labels`.
 """
@@ -27,7 +27,7 @@ from xronos.node.data.instructions import (
     IGNORE_INDEX, answer_labels, as_messages, check_instruction_tokenizer, render_chat, render_prompt_completion,
 )
 from xronos.node.data.labels import LabelSpace, decide_labels, default_label_names, label_head_in_checkpoint
-from xronos.node.runconfig import DataConfig
+from xronos.protocol.recipe import Recipe
 from xronos.node.tp.group import TPGroup
 
 _BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -120,7 +120,7 @@ def check_vocabulary(tok, config: dict[str, Any], model_dir: str | Path) -> None
 
 # --- rows and batches ---------------------------------------------------------------------------
 
-def data_columns(cfg: DataConfig) -> list[str]:
+def data_columns(cfg: Recipe) -> list[str]:
     """The columns a run reads, in the order `read_rows` checks them."""
     if cfg.data_format == "chat":
         return [cfg.messages_column]
@@ -130,7 +130,7 @@ def data_columns(cfg: DataConfig) -> list[str]:
     return cols + ([cfg.label_column] if cfg.task == "classify" else [])
 
 
-def _format_hint(cfg: DataConfig) -> Callable[[list[str]], str]:
+def _format_hint(cfg: Recipe) -> Callable[[list[str]], str]:
     def hint(have: list[str]) -> str:
         if cfg.data_format == "text" and cfg.task == "causal-lm":
             if "messages" in have:
@@ -154,7 +154,7 @@ class Rows:
     n_eval: int
 
 
-def read_rows(cfg: DataConfig, config: dict[str, Any], head: bool, tokenizer: Any = None) -> Rows:
+def read_rows(cfg: Recipe, config: dict[str, Any], head: bool, tokenizer: Any = None) -> Rows:
     """Read and check the rows of cfg.data_path (ValueError naming the file, column and row).
     `config`/`head`: the checkpoint's config.json and whether it holds a classification head (they
     decide the labels); `tokenizer` renders instruction formats (loaded from the model dir if None)."""
@@ -212,7 +212,7 @@ class BatchSource:
     the head's size (`{"num_labels": num_labels}` with a head). The owner of a run builds it with
     `owner_batches`, which looks for the head in the checkpoint."""
 
-    def __init__(self, cfg: DataConfig, num_labels: int | None = None, *, config: dict[str, Any] | None = None,
+    def __init__(self, cfg: Recipe, num_labels: int | None = None, *, config: dict[str, Any] | None = None,
                  head: bool = True):
         self.cfg = cfg
         if config is None:
@@ -306,7 +306,7 @@ class BatchSource:
         return {"pad_token_id": self.pad_token_id, **(self.label_space.config_fields() if self.label_space else {})}
 
 
-def owner_batches(cfg: DataConfig, config: dict[str, Any], allowed_dirs: list | None = None) -> BatchSource:
+def owner_batches(cfg: Recipe, config: dict[str, Any], allowed_dirs: list | None = None) -> BatchSource:
     """The owner's BatchSource for the checkpoint in cfg.model_dir (config.json `config`): the
     classes decided from the data and whether the checkpoint holds a classification head."""
     head = cfg.task == "classify" and label_head_in_checkpoint(cfg.model_dir, config, allowed_dirs)
@@ -335,7 +335,7 @@ class BatchChannel:
     (booked as data time, not as TP communication). The labels' shape is the task's whatever the
     data format: an instruction format only moves its -100s."""
 
-    def __init__(self, cfg: DataConfig, group: TPGroup, source: BatchSource | None, token_types: bool):
+    def __init__(self, cfg: Recipe, group: TPGroup, source: BatchSource | None, token_types: bool):
         self.cfg, self.group, self.source, self.token_types = cfg, group, source, token_types
 
     def _recv(self, rows: int, batch: Batch | None) -> Batch:

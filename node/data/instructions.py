@@ -1,7 +1,7 @@
 """Instruction data for a causal LM: rendering a row and the labels of its answer tokens
 (`xronos.node.data.batches` reads the rows and batches them).
 
-Files: CSV, JSON, JSONL or Parquet (read with `datasets`). Formats (`DataConfig.data_format`):
+Files: CSV, JSON, JSONL or Parquet (read with `datasets`). Formats (`Recipe.data_format`):
 - "text": a text column (and a pair column); classify reads a label column, a causal LM learns
   every token that is not padding.
 - "chat" (causal LM): a column of conversations, each a list of {role, content} messages (roles
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from xronos.node.data.labels import short_repr
-from xronos.node.runconfig import DataConfig
+from xronos.protocol.recipe import Recipe
 
 
 IGNORE_INDEX = -100
@@ -35,7 +35,7 @@ class Rendered:
     answers: tuple[tuple[int, int], ...]
 
 
-def check_instruction_tokenizer(tokenizer: Any, cfg: DataConfig) -> None:
+def check_instruction_tokenizer(tokenizer: Any, cfg: Recipe) -> None:
     """What an instruction format needs of the tokenizer (ValueError naming the model dir)."""
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"model dir {cfg.model_dir}: data format {cfg.data_format!r} needs a fast tokenizer "

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from xronos.node.box.limits import ChildLimits
-from xronos.protocol.messages import Capabilities, ProfileReport
+from xronos.protocol.messages import Capabilities, ProfileKey, ProfileReport
 
 _TAIL_LINES = 15
 REFUSED = 3  # the child's exit code when the profile refused to start (its reason on stderr)
@@ -32,16 +32,9 @@ class ProfileJob(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     config: dict[str, Any]
-    task: str
-    batch_size: int
-    seq_len: int
+    key: ProfileKey  # the request's: the job recipe's task, batch, sequence, optimizer passes, LoRA
     threads: int
     iters: int = 10
-    clip: bool = True
-    weight_decay: float = 0.0
-    lora_r: int | None = None
-    lora_targets: list[str] | None = None
-    lora_dropout: float = 0.0
     node_id: str
     request_id: str
     job_id: str
@@ -91,9 +84,9 @@ def main(argv: list[str]) -> int:
 
     job = ProfileJob.model_validate_json(Path(argv[1]).read_text())
     try:
-        report = profile(job.config, job.task, job.batch_size, job.seq_len, threads=job.threads, iters=job.iters,
-                         clip=job.clip, weight_decay=job.weight_decay, lora_r=job.lora_r,
-                         lora_targets=job.lora_targets, lora_dropout=job.lora_dropout, node_id=job.node_id,
+        key = job.key
+        report = profile(job.config, key.task, key.batch_size, key.seq_len, threads=job.threads, iters=job.iters,
+                         clip=key.clip, weight_decay=key.weight_decay, lora=key.lora, node_id=job.node_id,
                          request_id=job.request_id, job_id=job.job_id,
                          capabilities=job.capabilities, cache_dir=job.cache_dir)
     except ProfileTooLarge as exc:  # a refusal, not a crash: its sentence alone, no traceback

@@ -79,7 +79,9 @@ from xronos.node.measure.profset import ProfileTooLarge, ProfilingSet, floor_byt
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
 from xronos.node.tp.lora import LoraSettings
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
-from xronos.protocol.messages import ArchSpec, Capabilities, LayerProfile, ProfileReport, ProfileSettings
+from xronos.protocol.messages import (
+    ArchSpec, Capabilities, LayerProfile, LoraSpec, ProfileKey, ProfileReport, ProfileSettings,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -243,9 +245,7 @@ def profile(
     warmup: int = 2,
     clip: bool = True,
     weight_decay: float = 0.0,
-    lora_r: int | None = None,
-    lora_targets: list[str] | None = None,
-    lora_dropout: float = 0.0,
+    lora: LoraSpec | None = None,
     node_id: str = "local",
     request_id: str = "local",
     job_id: str = "local",
@@ -258,8 +258,8 @@ def profile(
 
     With `cache_dir`, a report measured earlier for the same hardware fingerprint, shape, task,
     batch and sequence length is returned (with this request's ids and fresh capabilities).
-    With `lora_r`, the profiling set trains LoRA adapters (`lora_targets`, None: the family's
-    default) on a frozen base, as the job will; its cache entry is its own. The report records
+    With `lora` (a recipe's LoraSpec), the profiling set trains its LoRA adapters (targets None:
+    the family's default) on a frozen base, as the job will; its cache entry is its own. The report records
     these settings (`ProfileReport.settings`), so it is refused for a job run under others.
     `progress(stage)` hears each stage as it begins (a person waits minutes on a slow box).
     """
@@ -270,22 +270,21 @@ def profile(
     if threads is not None:
         _check_positive_int("threads", threads)
     family = family_for(config)
-    # alpha scales the adapters' output and costs nothing: the profile does not depend on it.
-    lora = family.lora_settings(lora_r, 16.0, lora_dropout, lora_targets)
+    key = ProfileKey(task=task, batch_size=batch_size, seq_len=seq_len, weight_decay=weight_decay, clip=clip, lora=lora)
+    adapters = family.lora_settings(lora)
     arch = ArchSpec(**arch_spec(config, task))
     if seq_len > arch.max_positions:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_positions {arch.max_positions}")
     # Echoed in the report (and onto a cached one: the key holds them), so the planner can refuse
     # it for a job run under other settings.
-    settings = ProfileSettings.of(weight_decay=weight_decay, clip=clip, lora_r=lora_r, lora_targets=lora_targets,
-                                  lora_dropout=lora_dropout)
+    settings = ProfileSettings.of_key(key)
     caps = capabilities or probe(node_id, "127.0.0.1")
     threads = threads or torch.get_num_threads()
     ids = dict(node_id=node_id, request_id=request_id, job_id=job_id, capabilities=caps, settings=settings)
     path = None
     pause = collective_pause_s()
     if cache_dir is not None:
-        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay, lora,
+        key = cache_key(fingerprint(caps, threads), arch, task, batch_size, seq_len, iters, clip, weight_decay, adapters,
                         pause)
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.is_file():
@@ -302,9 +301,9 @@ def profile(
     small = one_block_config(config)
     # A model whose one-block set alone exceeds the box would page it until the OOM killer picks
     # something (under the node's unit, this process first): refused with the figures instead.
-    need, n_params = floor_bytes(small, task, lora is not None)
+    need, n_params = floor_bytes(small, task, adapters is not None)
     if need > caps.memory_available:
-        what = "fp32 weights" if lora is not None else "fp32 weights, gradients and AdamW moments"
+        what = "fp32 weights" if adapters is not None else "fp32 weights, gradients and AdamW moments"
         raise ProfileTooLarge(
             f"profiling this model needs at least {need / 2**20:,.1f} MiB (its one-block profiling set's {what}: "
             f"{n_params:,} parameters, the embedding's {sizes.vocab:,} x {arch.hidden_size} among them), but node "
@@ -325,7 +324,7 @@ def profile(
                 progress(f"timing width {i + 1}/{len(steps)} ({', '.join(f'{k} {run[k]}' for k in KINDS)})")
             full = i == 0
             layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
-            ps = ProfilingSet(small, task, layout, batch_size, seq_len, seed, clip, weight_decay, lora, pause)
+            ps = ProfilingSet(small, task, layout, batch_size, seq_len, seed, clip, weight_decay, adapters, pause)
             try:
                 runs, hooked = [], []
                 for _ in range(warmup + iters):
@@ -359,8 +358,8 @@ def profile(
         # so the box holds one model at a time.
         heap_job = dict(config=config, task=task, batch=batch_size, seq=seq_len, seed=seed, clip=clip,
                      weight_decay=weight_decay,
-                     lora=None if lora is None else dict(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
-                                                         targets=list(lora.targets)))
+                     lora=None if adapters is None else dict(r=adapters.r, alpha=adapters.alpha,
+                                                             dropout=adapters.dropout, targets=list(adapters.targets)))
         if progress is not None:
             progress("heap probes (7 fresh processes)")
         small_counts = widths(sizes)[-1]

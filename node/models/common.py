@@ -304,12 +304,14 @@ class Family:
     def lora_targets(self) -> tuple[str, ...]:
         return self.model_cls.lora_targets
 
-    def lora_settings(self, r: int | None, alpha: float, dropout: float, targets: list[str] | None):
-        """The LoraSettings of a run's options on this family (None: full fine-tuning)."""
+    def lora_settings(self, lora: Any):
+        """The LoraSettings of a recipe's `lora` (a LoraSpec) on this family (None: full fine-tuning)."""
         from xronos.node.tp.lora import lora_settings
 
+        if lora is None:
+            return None
         return lora_settings(self.name, self.model_cls.lora_targets, self.model_cls.lora_default_targets,
-                             r, alpha, dropout, targets)
+                             lora.r, lora.alpha, lora.dropout, lora.targets)
 
     def num_units(self, config: dict[str, Any]) -> int:
         """Attention units per layer (attention heads; KV heads for GQA)."""
