@@ -45,6 +45,7 @@ from xronos.bench.workloads import kind_parameters, shape_config, write_checkpoi
 from xronos.node.emulate.confinement import Confinement, RankLimits
 from xronos.node.launch import spawn_ranks
 from xronos.protocol.layout import QUANTA, Layout, Sizes
+from xronos.protocol.recipe import Recipe
 
 RANKS = 3
 RECOVERED = 1.10
@@ -70,9 +71,10 @@ def run_one(model: Path, data: Path, layout: Layout, args, *, live: bool, varian
     steady = variant == "steady"
     signal = work / f"{variant}-{'live' if live else 'static'}{tag}"
     signal.mkdir(parents=True)
-    cfg = BgRankConfig(model_dir=str(model), data_path=str(data), task="classify", layout=layout,
-                       batch_size=args.batch_size, seq_len=args.seq_len, lr=1e-4, max_steps=steps,
-                       seed=0, dropout=0.0, metrics_path=str(signal / "metrics.json"), progress=False,
+    recipe = Recipe(model_dir=str(model), data_path=str(data), task="classify", batch_size=args.batch_size,
+                    seq_len=args.seq_len, lr=1e-4, max_steps=steps, seed=0, dropout=0.0, eval_fraction=0.0,
+                    max_grad_norm=None)
+    cfg = BgRankConfig(recipe=recipe, layout=layout, metrics_path=str(signal / "metrics.json"), progress=False,
                        live=live, signal_dir=str(signal), change_at=steps + 1 if steady else args.change_at)
     hog: subprocess.Popen | None = None
     with Confinement([RankLimits(s) for s in shares], top_weight=True) as conf:

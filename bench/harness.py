@@ -34,6 +34,7 @@ from xronos.bench.workloads import (
     PAPER_BLOCKS, get_shape, kept_fraction, kind_parameters, lora_parameters, parameter_count, shape_config,
     write_checkpoint, write_dataset,
 )
+from xronos.protocol.recipe import LoraSpec
 
 log = structlog.get_logger(__name__)
 
@@ -162,7 +163,7 @@ def lora_of(spec: CellSpec, config: dict):
     family = family_by_name(config["model_type"])  # the families are named as transformers' model types
     if isinstance(spec.lora_r, bool) or not isinstance(spec.lora_r, int) or spec.lora_r < 1:
         raise ValueError(f"--lora-r must be a positive integer, got {spec.lora_r!r}")
-    return family.lora_settings(spec.lora_r, spec.lora_alpha, 0.0, list(spec.lora_targets) or None)
+    return family.lora_settings(LoraSpec(r=spec.lora_r, alpha=spec.lora_alpha, targets=list(spec.lora_targets) or None))
 
 
 def model_state_bytes(spec: CellSpec, config: dict, strategy: str) -> tuple[int, str]:

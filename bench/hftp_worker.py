@@ -13,7 +13,6 @@ derives a CPU-utilisation idle estimate from the recorded CPU time instead.
 from __future__ import annotations
 
 import os
-from typing import Literal
 
 import torch
 from pydantic import Field
@@ -29,7 +28,6 @@ FIELDS = ("iteration_s", "cpu_s", "data_s", "loss", "voluntary_ctx_switches", "i
 
 
 class HFTPRankConfig(RankConfig):
-    task: Literal["classify"] = "classify"
     world_size: int = Field(gt=1)
     gloo_timeout_s: float = Field(default=1800.0, gt=0)  # torch's default: transformers' collectives wait there
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -36,9 +35,8 @@ from xronos.node.tp.group import TPGroup
 
 
 class PPRankConfig(RankConfig):
-    # eval_fraction (inherited): the held-out tail, so that the batches match the TP runs'
-    task: Literal["classify"] = "classify"
-    dropout: float | None = Field(default=None, ge=0, lt=1)  # override all dropout probabilities
+    # The recipe's eval_fraction: the held-out tail, so that the batches match the TP runs'; its
+    # dropout overrides all dropout probabilities; its task is classify (`_classify`).
     micro_batches: int = Field(default=8, gt=0)
     spans: list[tuple[int, int]] = Field(min_length=1)  # layer range per pipeline rank
     grads_dir: str | None = None  # tests: write this stage's gradients after the first step

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from xronos.protocol.recipe import LoraSpec
+
 
 class ProfileJob(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -54,7 +56,7 @@ def main(argv: list[str]) -> int:
         config = json.loads((Path(job.model_dir) / "config.json").read_text())
         report = profile(config, "classify", job.batch_size, job.seq_len, threads=job.threads,
                          iters=job.iters, warmup=1, clip=False, weight_decay=0.0,
-                         lora_r=job.lora_r, lora_targets=job.lora_targets)
+                         lora=LoraSpec(r=job.lora_r, targets=job.lora_targets))
         Path(job.tp_lora_out).write_text(json.dumps(report.model_dump(mode="json")))
     if job.pp_out is not None:
         from xronos.bench.pp_profile import profile_layers

@@ -35,6 +35,7 @@ import structlog
 from xronos.node.emulate.confinement import Confinement, RankLimits, default_cpu_mode
 from xronos.node.emulate.link import Link
 from xronos.bench.scenarios import RUNTIME_RESERVE
+from xronos.protocol.recipe import LoraSpec, Recipe
 
 log = structlog.get_logger(__name__)
 # Bench strategy -> planner strategy (`xronos.gateway.plan.planner.STRATEGIES`).
@@ -227,19 +228,23 @@ def over_cap(plan) -> str | None:
 NO_CAP = 1 << 50  # bytes: "no cap" for the planner
 
 
+def cell_recipe(ctx: Ctx, lora: LoraSpec | None = None) -> Recipe:
+    """What every strategy of a cell trains: the same rows, batches and updates (no clipping, no
+    weight decay: the baselines have neither)."""
+    return Recipe(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), task="classify",
+                  batch_size=ctx.batch_size, seq_len=ctx.seq_len, lr=ctx.lr, max_steps=ctx.iters, seed=ctx.seed,
+                  eval_fraction=ctx.eval_fraction, dropout=ctx.dropout, max_grad_norm=None, lora=lora)
+
+
 def run_tp(ctx: Ctx, layout, tag: str) -> dict:
     from xronos.node.launch import launch_local
     from xronos.node.runconfig import RunConfig
 
     metrics = ctx.work / f"metrics-{tag}.json"
-    cfg = RunConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), task="classify",
-                    layout=layout, batch_size=ctx.batch_size, seq_len=ctx.seq_len, lr=ctx.lr,
-                    max_steps=ctx.iters, seed=ctx.seed, threads=1, metrics_path=str(metrics),
-                    progress=False, gloo_timeout_s=600, eval_fraction=ctx.eval_fraction,
-                    dropout=ctx.dropout,
-                    **(dict(lora_r=ctx.lora_r, lora_alpha=ctx.lora_alpha,
-                            lora_targets=list(ctx.lora_targets) if ctx.lora_targets else None)
-                       if tag in LORA_STRATEGIES else {}))
+    lora = LoraSpec(r=ctx.lora_r, alpha=ctx.lora_alpha, targets=list(ctx.lora_targets) if ctx.lora_targets else None) \
+        if tag in LORA_STRATEGIES else None
+    cfg = RunConfig(recipe=cell_recipe(ctx, lora=lora), layout=layout, threads=1, metrics_path=str(metrics),
+                    progress=False, gloo_timeout_s=600)
     n = layout.world_size
     with confine(ctx, limits(ctx, list(range(n)))) as conf, network(ctx, n) as net:
         launch_local(cfg, n, wrap=conf.wrap, echo_rank0=False, placement=net)
@@ -288,11 +293,8 @@ def run_pp(ctx: Ctx, plan) -> dict:
         raise ValueError("the pipeline plan put the whole model on one device; nothing to pipeline")
     order = [s.device for s in plan.stages]
     metrics = ctx.work / "metrics-pp.json"
-    cfg = PPRankConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), batch_size=ctx.batch_size,
-                       seq_len=ctx.seq_len, lr=ctx.lr, max_steps=ctx.iters, seed=ctx.seed,
-                       micro_batches=ctx.micro_batches, spans=[(s.start, s.stop) for s in plan.stages],
-                       metrics_path=str(metrics), gloo_timeout_s=600, eval_fraction=ctx.eval_fraction,
-                       dropout=ctx.dropout)
+    cfg = PPRankConfig(recipe=cell_recipe(ctx), micro_batches=ctx.micro_batches,
+                       spans=[(s.start, s.stop) for s in plan.stages], metrics_path=str(metrics), gloo_timeout_s=600)
     with confine(ctx, limits(ctx, order)) as conf, network(ctx, len(order)) as net:
         spawn_ranks("xronos.bench.pp_worker", [cfg] * len(order), conf.wrap, placement=net)
         quotas, link = conf.quotas(), network_record(net, ctx)
@@ -309,9 +311,9 @@ def run_hftp(ctx: Ctx) -> dict:
 
     n = len(ctx.shares)
     metrics = ctx.work / "metrics-hftp.json"
-    cfg = HFTPRankConfig(model_dir=str(ctx.model_dir), data_path=str(ctx.data_path), batch_size=ctx.batch_size,
-                         seq_len=ctx.seq_len, lr=ctx.lr, max_steps=ctx.iters, seed=ctx.seed, world_size=n,
-                         metrics_path=str(metrics))
+    # eval_fraction 0 and the checkpoint's dropout, as before: transformers' TP is timed, not evaluated.
+    cfg = HFTPRankConfig(recipe=cell_recipe(ctx).model_copy(update={"eval_fraction": 0.0, "dropout": None}),
+                         world_size=n, metrics_path=str(metrics))
     if virtual():
         raise ValueError("hf-tp runs on the wall clock only (transformers' tp_plan calls torch.distributed "
                          "past our clock): run it with --cpu-mode quota or pace")

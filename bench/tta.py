@@ -58,10 +58,10 @@ def reference_curve(model_dir: Path, data: Path, *, steps: int, eval_every: int,
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from xronos.node.data.batches import BatchSource
-    from xronos.node.runconfig import DataConfig
+    from xronos.protocol.recipe import Recipe
 
-    data_cfg = DataConfig(model_dir=str(model_dir), data_path=str(data), task="classify", batch_size=batch_size,
-                          seq_len=seq_len, seed=seed, eval_fraction=eval_fraction)
+    data_cfg = Recipe(model_dir=str(model_dir), data_path=str(data), task="classify", batch_size=batch_size,
+                      seq_len=seq_len, seed=seed, eval_fraction=eval_fraction, lr=lr, max_steps=steps)
     src = BatchSource(data_cfg, 2)
     torch.manual_seed(seed)
     from xronos.bench.pp_model import DROPOUT_KEYS

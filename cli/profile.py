@@ -8,6 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+from xronos.cli import flagtable
+from xronos.cli.flagtable import add_flags
+
 
 def positive_int(text: str) -> int:
     try:
@@ -21,6 +24,7 @@ def positive_int(text: str) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from xronos.node.models.shapes import SHAPES
+    from xronos.protocol.messages import ProfileKey
 
     p = subparsers.add_parser(
         "profile",
@@ -34,20 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="Hugging Face model directory (only config.json is read)")
     src.add_argument("--arch", metavar="NAME", help=f"built-in shape: {', '.join(SHAPES)}")
-    p.add_argument("--task", required=True, choices=["classify", "causal-lm"])
-    p.add_argument("--batch-size", required=True, type=positive_int, metavar="B")
-    p.add_argument("--seq-len", required=True, type=positive_int, metavar="S")
+    add_flags(p, ProfileKey, flagtable.PROFILE)  # the profile key's: the job recipe's task, batch, ... LoRA
     p.add_argument("--threads", type=positive_int, metavar="T", help="torch threads (default: torch's)")
     p.add_argument("--iters", type=positive_int, default=10, metavar="K",
                    help="measured iterations per width after warm-up (default 10)")
-    p.add_argument("--no-clip", action="store_true",
-                   help="the job does not clip gradients (leave out the global-norm pass)")
-    p.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
-                   help="the job's AdamW weight decay (default 0, as `xronos run`)")
-    p.add_argument("--lora-r", type=positive_int, metavar="R",
-                   help="profile LoRA training: adapters of rank R on a frozen base (as `xronos run --lora-r`)")
-    p.add_argument("--lora-targets", metavar="M1,M2,..", help="with --lora-r: the adapted modules (peft's names)")
-    p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="with --lora-r: adapter dropout")
     p.add_argument("--node-id", default="local", type=id_arg, help="node id written into the report")
     p.add_argument("--cache-dir", metavar="DIR", help="reuse/store profiles of this hardware here")
     p.add_argument("--out", required=True, metavar="FILE.json")
@@ -77,13 +71,24 @@ def _stage_printer():
     return show
 
 
+def profile_key(args: argparse.Namespace):
+    """The ProfileKey the flags describe (`flagtable.PROFILE`); ValueError naming the flags
+    otherwise (LoRA options without --lora-r: a full fine-tune's profile has no adapters)."""
+    from pydantic import ValidationError
+
+    from xronos.protocol.messages import ProfileKey
+
+    try:
+        return ProfileKey(**flagtable.collect(args, flagtable.PROFILE))
+    except ValidationError as exc:
+        raise ValueError(flagtable.problems(exc.errors(), args, flagtable.PROFILE)) from None
+
+
 def handle(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.resolve().parent.is_dir():
         raise FileNotFoundError(f"--out {args.out}: directory does not exist")
-    if args.lora_r is None and (args.lora_targets or args.lora_dropout):
-        # Without --lora-r the profile is full fine-tuning's, which a LoRA job would be planned with.
-        raise ValueError("--lora-targets / --lora-dropout need --lora-r (a LoRA profile)")
+    key = profile_key(args)
 
     from xronos.node.measure import allocator
     from xronos.node.measure.profiler import config_for, profile
@@ -94,12 +99,9 @@ def handle(args: argparse.Namespace) -> int:
     if args.model is not None:
         config = config_for(model_dir=args.model)
     else:
-        config = shape_config(args.arch, args.task)
-    report = profile(config, args.task, args.batch_size, args.seq_len, threads=args.threads,
-                     iters=args.iters, clip=not args.no_clip, weight_decay=args.weight_decay,
-                     lora_r=args.lora_r, lora_dropout=args.lora_dropout,
-                     lora_targets=[t.strip() for t in args.lora_targets.split(",")] if args.lora_targets else None,
-                     node_id=args.node_id,
+        config = shape_config(args.arch, key.task)
+    report = profile(config, key.task, key.batch_size, key.seq_len, threads=args.threads, iters=args.iters,
+                     clip=key.clip, weight_decay=key.weight_decay, lora=key.lora, node_id=args.node_id,
                      cache_dir=args.cache_dir, progress=_stage_printer())
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report.model_dump(mode="json"), indent=1))

@@ -22,21 +22,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from xronos.cli import flagtable
 from xronos.gateway.plan.commmodel import comm_per_node, tp_comm_volume
 from xronos.gateway.plan.costmodel import layout_shares, node_cost, predict_time
 from xronos.gateway.plan.planner import PlanResult
 from xronos.gateway.plan.profiles import Loaded, collective_cost, falling_times, load_report, node_profile, plan_reports
 from xronos.protocol.layout import KINDS, NOUN, Layout
-from xronos.protocol.messages import ProfileReport, ProfileSettings
+from xronos.protocol.messages import ProfileKey, ProfileReport, ProfileSettings, Recipe
 
 Wrap = Callable[[int, subprocess.Popen], None]
 
 
-def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, threads: int, n: int, *,
-                  wrap: Wrap | None = None, clip: bool = True, weight_decay: float = 0.0, iters: int = 10,
-                  cache_dir: str | None = None, lora_r: int | None = None, lora_targets: str | None = None,
-                  lora_dropout: float = 0.0) -> list[ProfileReport]:
-    """One ProfileReport per rank (node id `rank{r}`), each measured in its own process."""
+def profile_ranks(model_dir: str, key: ProfileKey, threads: int, n: int, *, wrap: Wrap | None = None,
+                  iters: int = 10, cache_dir: str | None = None) -> list[ProfileReport]:
+    """One ProfileReport per rank (node id `rank{r}`), each measured in its own process under the
+    run's profile key (under LoRA the run's adapters on a frozen base: its own profile)."""
     from xronos.node.launch import rank_env
 
     env = rank_env(threads)
@@ -44,15 +44,10 @@ def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, thre
     with tempfile.TemporaryDirectory(prefix="xronos-profile-") as tmp:
         for rank in range(n):
             out = Path(tmp) / f"rank{rank}.json"
-            cmd = [sys.executable, "-m", "xronos.cli", "profile", "--model", model_dir, "--task", task,
-                   "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--threads", str(threads),
+            cmd = [sys.executable, "-m", "xronos.cli", "profile", "--model", model_dir,
+                   *flagtable.argv(flagtable.PROFILE, key), "--threads", str(threads),
                    "--iters", str(iters), "--node-id", f"rank{rank}", "--out", str(out)]
             cmd += ["--cache-dir", cache_dir] if cache_dir else []
-            cmd += [] if clip else ["--no-clip"]
-            cmd += ["--weight-decay", repr(weight_decay)]
-            if lora_r is not None:  # the job's adapters on a frozen base: its own profile
-                cmd += ["--lora-r", str(lora_r), "--lora-dropout", repr(lora_dropout)]
-                cmd += ["--lora-targets", lora_targets] if lora_targets else []
             print(f"xronos run: profiling rank {rank} ...", file=sys.stderr, flush=True)
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, text=True)
@@ -187,30 +182,18 @@ def confinement(shares: str | None, n: int) -> Iterator[Wrap | None]:
         yield conf.wrap
 
 
-def run_settings(args: Any) -> ProfileSettings:
-    """The job settings of an `xronos run`, as its rank profiles are asked for and record them."""
-    targets = getattr(args, "lora_targets", None)
-    return ProfileSettings.of(weight_decay=args.weight_decay, clip=args.max_grad_norm is not None,
-                              lora_r=getattr(args, "lora_r", None),
-                              lora_targets=[t.strip() for t in targets.split(",")] if targets else None,
-                              lora_dropout=getattr(args, "lora_dropout", 0.0))
-
-
-def plan_run(args: Any, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileReport]]:
-    """Profile each rank of an `xronos run` where it will run, then plan with args.strategy."""
-    reports = profile_ranks(str(Path(args.model).resolve()), args.task, args.batch_size, args.seq_len,
-                            args.threads_per_node, args.nodes, wrap=wrap,
-                            clip=args.max_grad_norm is not None, weight_decay=args.weight_decay,
-                            cache_dir=args.profile_cache, lora_r=getattr(args, "lora_r", None),
-                            lora_targets=getattr(args, "lora_targets", None),
-                            lora_dropout=getattr(args, "lora_dropout", 0.0))
+def plan_run(args: Any, recipe: Recipe, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileReport]]:
+    """Profile each rank of an `xronos run` of `recipe` where it will run, then plan with
+    args.strategy (and the planner's flags)."""
+    key = recipe.profile_key()
+    reports = profile_ranks(recipe.model_dir, key, args.threads_per_node, args.nodes, wrap=wrap,
+                            cache_dir=args.profile_cache)
     for text in (t for r in reports for t in falling_times(r)):
         print(f"xronos run: warning: {text}", file=sys.stderr, flush=True)
-    result = plan_units(reports, args.strategy, args.reserve_mb, batch_size=args.batch_size,
-                        seq_len=args.seq_len, bandwidth_mbps=getattr(args, "bandwidth_mbps", 1000.0),
-                        latency_ms=getattr(args, "latency_ms", 0.5),
-                        export_merged=getattr(args, "export_merged", False) or getattr(args, "export_gguf", None) is not None,
-                        settings=run_settings(args))
+    result = plan_units(reports, args.strategy, args.reserve_mb, batch_size=recipe.batch_size,
+                        seq_len=recipe.seq_len, bandwidth_mbps=getattr(args, "bandwidth_mbps", 1000.0),
+                        latency_ms=getattr(args, "latency_ms", 0.5), export_merged=recipe.exports_whole_model,
+                        settings=ProfileSettings.of_key(key))
     if not result.feasible:  # uniform ignores memory (and a run would OOM the box): refuse before launching
         over = "; ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of its {r.memory_cap / 2**20:.0f} "
                          f"MiB cap holding " + ", ".join(f"{r.count(k)} {NOUN[k]}" for k in KINDS)
