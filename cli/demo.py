@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     from xronos.cli.localstack import LocalStack
     from xronos.cli.mqttclient import format_plan, format_state, progress_bar
     from xronos.common.broker import EmbeddedBroker
-    from xronos.protocol.messages import JobSpec
+    from xronos.protocol.messages import JobSpec, Recipe
 
     if args.rows < 50 or args.steps < 1:
         raise ValueError("--rows must be >= 50 and --steps >= 1")
@@ -184,11 +184,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"gateway and {len(NODES)} nodes online (logs in {root / 'run'})")
 
         owner = NODES[0][0]
-        spec = JobSpec(name="minilm-sentiment", owner=owner, model_dir=str(model), data_path=str(data),
-                       task="classify", batch_size=8, seq_len=SEQ_LEN, lr=1e-4, max_steps=args.steps,
-                       eval_fraction=0.2, strategy="segment", checkpoint_interval=max(args.steps // 2, 1),
-                       export_dir=str(root / "export"), reserve_mb=256, seed=0, warmup_steps=4,
-                       max_grad_norm=1.0)
+        recipe = Recipe(model_dir=str(model), data_path=str(data), task="classify", batch_size=8, seq_len=SEQ_LEN,
+                        lr=1e-4, max_steps=args.steps, eval_fraction=0.2, export_dir=str(root / "export"), seed=0,
+                        warmup_steps=4, max_grad_norm=1.0)
+        spec = JobSpec(name="minilm-sentiment", owner=owner, recipe=recipe, strategy="segment",
+                       checkpoint_interval=max(args.steps // 2, 1), reserve_mb=256)
         slow = "" if conf is not None and conf.cpu_mode == "virtual" else " (the emulated Pi 4 profiles for 2-5 minutes)"
         print(f"submitting: the owner inspects model and data, every node profiles MiniLM, the gateway plans{slow} ...")
         accepted = stack.client.request("job/submit", PROFILE_TIMEOUT_S + 120.0, spec=spec)

@@ -12,9 +12,9 @@ ARCH = m.ArchSpec(family="llama", hidden_size=64, num_layers=2, num_heads=4, num
 CAPS = m.Capabilities(node_id="pi5-a", hostname="pi5-a.lan", arch="aarch64", cpu_model="Cortex-A76",
                       cores=4, memory_total=8 << 30, memory_available=6 << 30, torch_version="2.13.0",
                       data_host="192.168.1.20", participate=True, cpu_temp_c=51.5, sent_at=1.7e9)
-SPEC = m.JobSpec(name="sst2-ft", owner="pi5-a", model_dir="/models/gpt2", data_path="/data/sst2.jsonl",
-                 task="classify", batch_size=8, seq_len=128, lr=5e-5, epochs=1, export_dir="/out",
-                 nodes=["pi5-a", "n100"], max_grad_norm=None)
+RECIPE = m.Recipe(model_dir="/models/gpt2", data_path="/data/sst2.jsonl", task="classify", batch_size=8, seq_len=128,
+                  lr=5e-5, epochs=1, export_dir="/out", max_grad_norm=None)
+SPEC = m.JobSpec(name="sst2-ft", owner="pi5-a", recipe=RECIPE, nodes=["pi5-a", "n100"])
 SIZES = Sizes(attn=12, mlp=3072, vocab=50257)
 PLAN = m.Plan(job_id="j1", version=2, strategy="segment", sizes=SIZES,
               entries=[m.PlanEntry(node_id="pi5-a", rank=0, attn=4, mlp=1024, vocab=16000, predicted_compute_s=0.5,
@@ -42,8 +42,8 @@ LAYERS = [
 SAMPLES: dict[str, object] = {
     "node.availability": m.Availability.ONLINE,
     "node.capabilities": CAPS,
-    "node.profile_request": m.ProfileRequest(request_id="r1", job_id="j1", arch=ARCH, task="causal-lm",
-                                             batch_size=4, seq_len=64, threads=None),
+    "node.profile_request": m.ProfileRequest(request_id="r1", job_id="j1", arch=ARCH, threads=None,
+                                             key=m.ProfileKey(task="causal-lm", batch_size=4, seq_len=64)),
     "node.profile_report": m.ProfileReport(node_id="pi5-a", request_id="r1", job_id="j1", capabilities=CAPS,
                                            arch=ARCH, task="causal-lm", batch_size=4, seq_len=64, threads=4,
                                            sizes=ARCH.sizes(), num_blocks=2, layers=LAYERS, profile_seconds=3.5,

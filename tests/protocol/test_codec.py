@@ -161,8 +161,7 @@ def test_transaction_recovered_from_bad_request():
 
 def test_semantic_validators():
     with pytest.raises(ValueError, match="epochs/max_steps"):
-        m.JobSpec(name="x", owner="o", model_dir="d", data_path="p", task="classify", batch_size=1,
-                  seq_len=8, lr=1e-3, export_dir="e")
+        m.Recipe(model_dir="d", data_path="p", task="classify", batch_size=1, seq_len=8, lr=1e-3, export_dir="e")
     with pytest.raises(ValueError, match="layout: 3 ranks for world_size 2"):
         m.Assignment.model_validate({**SAMPLES["node.assignment"].model_dump(),
                                      "layout": {"attn": [0, 1, 1], "mlp": [0, 64, 64], "vocab": [1, 1, 998]}})
