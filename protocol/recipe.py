@@ -2,7 +2,7 @@
 adapters and into what export. A job's spec is a recipe plus the job's own fields
 (`JobSpec.recipe`), a rank's config is a recipe plus its placement (`xronos.node.runconfig`), a
 profile request carries the recipe's profile key (`ProfileKey`), and `xronos run`'s training flags
-are generated from these fields (`xronos.cli.runflags`).
+are generated from these fields (`xronos.cli.flagtable`).
 
 Invalid combinations are unrepresentable where a type can say so (LoRA options live in `LoraSpec`,
 which cannot be written down without its rank), and every rule across fields is checked once, in

@@ -39,9 +39,9 @@ def _reference(model_dir: Path, data: Path) -> tuple[float, dict[str, torch.Tens
     from xronos.node.runconfig import RunConfig
     from xronos.protocol.layout import Layout
 
-    run = RunConfig(model_dir=str(model_dir), data_path=str(data), task="classify",
-                    layout=Layout(attn=(1,), mlp=(1,), vocab=(1,)),  # data only
-                    batch_size=8, seq_len=16, lr=1e-3, max_steps=1, seed=0)
+    run = RunConfig(recipe=dict(model_dir=str(model_dir), data_path=str(data), task="classify", batch_size=8,
+                                seq_len=16, lr=1e-3, max_steps=1, seed=0, eval_fraction=0.0, max_grad_norm=None),
+                    layout=Layout(attn=(1,), mlp=(1,), vocab=(1,)))
     _, b = next(BatchSource(run, 2).train_batches())
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir))
     model.train()

@@ -17,8 +17,9 @@ from xronos.bench.workloads import SHAPES, write_checkpoint
 def test_hf_tp_loss_equals_single_device(tmp_path: Path) -> None:
     model_dir = write_checkpoint(tmp_path / "model", dict(TINY["llama"], num_key_value_heads=4))
     data = _data(tmp_path / "data.jsonl")
-    cfg = HFTPRankConfig(model_dir=str(model_dir), data_path=str(data), batch_size=8, seq_len=16, lr=1e-3,
-                         max_steps=1, world_size=2, metrics_path=str(tmp_path / "m.json"))
+    cfg = HFTPRankConfig(recipe=dict(task="classify", model_dir=str(model_dir), data_path=str(data), batch_size=8,
+                                     seq_len=16, lr=1e-3, max_steps=1, eval_fraction=0.0, max_grad_norm=None),
+                         world_size=2, metrics_path=str(tmp_path / "m.json"))
     spawn_ranks("xronos.bench.hftp_worker", [cfg] * 2, timeout_s=240)
     ranks = json.loads((tmp_path / "m.json").read_text())["ranks"]
     ref_loss, _ = _reference(model_dir, data)

@@ -112,9 +112,9 @@ def test_tp_run_through_the_network_equals_loopback(netns, tmp_path: Path) -> No
 
     model = write_checkpoint(tmp_path / "model", TINY["gpt2"])
     data = _data(tmp_path / "data.jsonl")
-    cfg = RunConfig(model_dir=str(model), data_path=str(data), task="classify",
-                    layout=Layout.tied([1, 3], model_sizes(model)), batch_size=8,
-                    seq_len=16, lr=1e-3, max_steps=1, seed=0, progress=False, gloo_timeout_s=60,
+    cfg = RunConfig(recipe=dict(model_dir=str(model), data_path=str(data), task="classify", batch_size=8,
+                                seq_len=16, lr=1e-3, max_steps=1, seed=0, eval_fraction=0.0, max_grad_norm=None),
+                    layout=Layout.tied([1, 3], model_sizes(model)), progress=False, gloo_timeout_s=60,
                     metrics_path=str(tmp_path / "m.json"))
 
     in_ns: dict[int, bool] = {}

@@ -28,8 +28,9 @@ from benchkit import TINY, _data, _reference
 def test_pipeline_gradients_equal_single_device(tmp_path: Path, family: str, spans) -> None:
     model_dir = write_checkpoint(tmp_path / "model", TINY[family])
     data = _data(tmp_path / "data.jsonl")
-    cfg = PPRankConfig(model_dir=str(model_dir), data_path=str(data), batch_size=8, seq_len=16, lr=1e-3,
-                       max_steps=1, micro_batches=4, spans=spans, metrics_path=str(tmp_path / "m.json"),
+    cfg = PPRankConfig(recipe=dict(task="classify", model_dir=str(model_dir), data_path=str(data), batch_size=8,
+                                   seq_len=16, lr=1e-3, max_steps=1, eval_fraction=0.0, max_grad_norm=None),
+                       micro_batches=4, spans=spans, metrics_path=str(tmp_path / "m.json"),
                        grads_dir=str(tmp_path / "grads"), gloo_timeout_s=60)
     spawn_ranks("xronos.bench.pp_worker", [cfg] * len(spans), timeout_s=240)
     ref_loss, ref = _reference(model_dir, data)

@@ -69,8 +69,9 @@ def test_a_rank_needs_its_shares_only():
 
 
 def assignment(batch: int, rank: int = 1) -> tuple[m.Assignment, m.JobSpec]:
-    spec = m.JobSpec(name="j", owner="n0", model_dir="/m", data_path="/d.csv", task="causal-lm", batch_size=batch,
-                     seq_len=128, lr=1e-4, max_steps=1, export_dir="/o")
+    spec = m.JobSpec(name="j", owner="n0",
+                     recipe=m.Recipe(model_dir="/m", data_path="/d.csv", task="causal-lm", batch_size=batch,
+                                     seq_len=128, lr=1e-4, max_steps=1, export_dir="/o"))
     a = m.Assignment(job_id="j", plan_version=1, node_id="n1", rank=rank, world_size=2, rendezvous_host="127.0.0.1",
                      rendezvous_port=29500, group_key="ab" * 32,
                      layout=Layout(attn=(2, 2), mlp=(128, 128), vocab=(500, 500)), spec=spec)

@@ -13,8 +13,10 @@ from xronos.protocol.messages import JobSpec
 
 
 def _spec(allowed, export):
-    return JobSpec(name="x", owner="n1", model_dir=str(allowed / "model"), data_path=str(allowed / "d.jsonl"),
-                   task="causal-lm", batch_size=1, seq_len=8, lr=1e-3, max_steps=1, export_dir=str(export))
+    return JobSpec(name="x", owner="n1",
+                   recipe=dict(model_dir=str(allowed / "model"), data_path=str(allowed / "d.jsonl"),
+                               task="causal-lm", batch_size=1, seq_len=8, lr=1e-3, max_steps=1,
+                               export_dir=str(export)))
 
 
 def test_symlink_in_model_dir_out_of_allowed_is_refused(tmp_path):

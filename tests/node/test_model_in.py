@@ -27,8 +27,9 @@ def _inspect(base, tmp_path: Path, mutate) -> str:
     d = tmp_path / "model"
     shutil.copytree(model, d)
     mutate(d)
-    spec = JobSpec(name="t", owner="n0", model_dir=str(d), data_path=str(data), task="causal-lm", batch_size=2,
-                   seq_len=16, lr=1e-3, max_steps=2, export_dir=str(tmp_path / "out"))
+    spec = JobSpec(name="t", owner="n0",
+                   recipe=dict(model_dir=str(d), data_path=str(data), task="causal-lm", batch_size=2, seq_len=16,
+                               lr=1e-3, max_steps=2, export_dir=str(tmp_path / "out")))
     with pytest.raises((ValueError, FileNotFoundError)) as err:
         inspect_job(spec, [tmp_path, data.parent])
     return str(err.value)

@@ -66,9 +66,10 @@ class InfGradientFrom(TPEngine):
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["unclipped", "clipped"])
 def test_a_non_finite_gradient_stops_the_run_at_its_step(lm, tmp_path, max_grad_norm):
     model, data = lm
-    cfg = RunConfig(model_dir=str(model), data_path=str(data), task="causal-lm",
-                    layout=Layout.single(model_sizes(model)), batch_size=4, seq_len=runkit.SEQ_LEN, lr=1e-3,
-                    max_steps=6, max_grad_norm=max_grad_norm, export_dir=str(tmp_path / "out"), threads=1)
+    cfg = RunConfig(recipe=dict(model_dir=str(model), data_path=str(data), task="causal-lm", batch_size=4,
+                                seq_len=runkit.SEQ_LEN, lr=1e-3, max_steps=6, max_grad_norm=max_grad_norm,
+                                export_dir=str(tmp_path / "out"), eval_fraction=0.0),
+                    layout=Layout.single(model_sizes(model)), threads=1)
     what = "gradient" if max_grad_norm is None else "gradient norm"
     with pytest.raises(JobFault, match=rf"^step 3: the {what} is (nan|inf), not finite"):
         run(cfg, InfGradientFrom(2), weights=LocalFiles(str(model)))

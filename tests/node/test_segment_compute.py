@@ -135,8 +135,9 @@ def test_each_segment_gets_exactly_its_time_on_a_virtual_clock(kind, monkeypatch
     ids = torch.randint(0, 50, (2, 8))
     labels = ids.clone() if task == "causal-lm" else torch.tensor([0, 1])
     batches = iter([(0, Batch(ids, torch.ones_like(ids), labels))])
-    cfg = RunConfig(model_dir="m", data_path="d", task=task, layout=Layout.single(family.sizes(config)),
-                    batch_size=2, seq_len=8, lr=1e-3, max_steps=1, max_grad_norm=1.0)
+    cfg = RunConfig(recipe=dict(model_dir="m", data_path="d", task=task, batch_size=2, seq_len=8, lr=1e-3,
+                                max_steps=1, max_grad_norm=1.0, eval_fraction=0.0),
+                    layout=Layout.single(family.sizes(config)))
     replicated = {n for n, s in model.tensor_specs().items() if s.dim is None}
     monkeypatch.setattr(time, "perf_counter", clock)
     rec = train_step(model, opt, sched, group, cfg, replicated, batches, 0, Rusage())

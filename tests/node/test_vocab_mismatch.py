@@ -52,8 +52,9 @@ def test_xronos_run_refuses_the_pair_naming_both_sizes(pair, tmp_path, capsys, n
 
 def test_the_owners_inspection_refuses_the_pair(pair, tmp_path):
     model, data, V = pair
-    spec = JobSpec(name="x", owner="n1", model_dir=str(model), data_path=str(data), task="causal-lm",
-                   batch_size=2, seq_len=16, lr=1e-3, max_steps=2, export_dir=str(tmp_path / "out"))
+    spec = JobSpec(name="x", owner="n1",
+                   recipe=dict(model_dir=str(model), data_path=str(data), task="causal-lm", batch_size=2,
+                               seq_len=16, lr=1e-3, max_steps=2, export_dir=str(tmp_path / "out")))
     with pytest.raises(ValueError, match=rf"tokenizer has {V + 1} tokens .* vocab_size is {V}:"):
         inspect_job(spec, [model.parent, tmp_path])
 
@@ -62,6 +63,7 @@ def test_a_padded_vocabulary_is_fine(tmp_path, no_spawn):
     """Embeddings with more rows than the tokenizer has tokens (Qwen's are padded) are no problem."""
     model = runkit.make_model(tmp_path / "gpt2", "gpt2", "causal-lm", vocab_size=96)
     data = runkit.write_rows(tmp_path / "data.jsonl", [{"text": t} for t in runkit.texts(16)])
-    spec = JobSpec(name="x", owner="n1", model_dir=str(model), data_path=str(data), task="causal-lm",
-                   batch_size=2, seq_len=16, lr=1e-3, max_steps=2, export_dir=str(tmp_path / "out"))
+    spec = JobSpec(name="x", owner="n1",
+                   recipe=dict(model_dir=str(model), data_path=str(data), task="causal-lm", batch_size=2,
+                               seq_len=16, lr=1e-3, max_steps=2, export_dir=str(tmp_path / "out")))
     assert inspect_job(spec, [tmp_path])["total_steps"] == 2

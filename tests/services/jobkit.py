@@ -30,14 +30,25 @@ def make_case(tmp: Path, rows: int = 40, family: str = "gpt2") -> tuple[Path, Pa
     return model, data
 
 
-def job_spec(model: Path, data: Path, export: Path, owner: str = "n0", **kw) -> dict:
-    spec = {"name": "t", "owner": owner, "model_dir": str(model), "data_path": str(data),
-            "task": "classify", "text_column": "text", "text_pair_column": None, "label_column": "label",
-            "batch_size": 4, "seq_len": runkit.SEQ_LEN, "lr": 1e-4, "epochs": None, "max_steps": 6,
-            "eval_fraction": 0.2, "strategy": "segment", "checkpoint_interval": 3, "export_dir": str(export),
-            "nodes": None, "reserve_mb": 0, "seed": 3, "warmup_steps": 0, "weight_decay": 0.0,
-            "max_grad_norm": None, "dropout": 0.0, "schema_version": 2}
-    return {**spec, **kw}
+_JOB_KEYS = {"name", "owner", "strategy", "checkpoint_interval", "nodes", "reserve_mb", "rebalance"}
+
+
+def job_spec(model: Path, data: Path, export: Path, owner: str = "n0", lora: dict | None = None, **kw) -> dict:
+    """A JobSpec's JSON form; `kw` are the job's own keys or its recipe's (sorted here), `lora` the
+    recipe's LoRA part."""
+    recipe = {"model_dir": str(model), "data_path": str(data), "task": "classify", "text_column": "text",
+              "text_pair_column": None, "label_column": "label", "batch_size": 4, "seq_len": runkit.SEQ_LEN,
+              "lr": 1e-4, "epochs": None, "max_steps": 6, "eval_fraction": 0.2, "export_dir": str(export), "seed": 3,
+              "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": None, "dropout": 0.0, "lora": lora}
+    spec = {"name": "t", "owner": owner, "strategy": "segment", "checkpoint_interval": 3, "nodes": None,
+            "reserve_mb": 0, "schema_version": 3}
+    lora_kw = {k.removeprefix("lora_"): kw.pop(k) for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+               if k in kw}
+    if lora_kw:  # as the recipe's LoRA part
+        lora = {**(lora or {}), **{("r" if k == "r" else k): v for k, v in lora_kw.items()}}
+    recipe["lora"] = lora
+    recipe.update({k: v for k, v in kw.items() if k not in _JOB_KEYS})
+    return {**spec, **{k: v for k, v in kw.items() if k in _JOB_KEYS}, "recipe": recipe}
 
 
 def start_ranks(tmp: Path, spec: dict, units, *, resume_step: int = 0,
@@ -45,10 +56,11 @@ def start_ranks(tmp: Path, spec: dict, units, *, resume_step: int = 0,
     """`units`: the head-tied units per rank (a list) or a protocol Layout."""
     port = free_port()
     procs = []
-    layout = units if isinstance(units, Layout) else Layout.tied(units, model_sizes(spec["model_dir"]))
+    layout = units if isinstance(units, Layout) else Layout.tied(units, model_sizes(spec["recipe"]["model_dir"]))
     for rank in range(layout.world_size):
         # Only the owner has model and data: the other ranks get paths that do not exist.
-        own = spec if rank == 0 else {**spec, "model_dir": "/nonexistent/model", "data_path": "/nonexistent/d.csv"}
+        elsewhere = {"model_dir": "/nonexistent/model", "data_path": "/nonexistent/d.csv"}
+        own = spec if rank == 0 else {**spec, "recipe": {**spec["recipe"], **elsewhere}}
         job = JobSpec.model_validate_json(json.dumps(own))
         run = RunConfig.for_job(job, layout=layout, rank=rank, host="127.0.0.1", port=port, threads=1,
                                 gloo_timeout_s=60.0)

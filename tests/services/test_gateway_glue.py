@@ -24,9 +24,10 @@ from xronos.protocol.topics import TopicTable  # noqa: E402
 
 T = TopicTable()
 NODES = ("a", "b", "c")
-SPEC = m.JobSpec(name="Glue Test", owner="a", model_dir="/m", data_path="/d.csv", task="causal-lm",
-                 batch_size=4, seq_len=64, lr=1e-4, max_steps=10, export_dir="/out", checkpoint_interval=5,
-                 reserve_mb=0, weight_decay=0.05, max_grad_norm=None, rebalance=True)  # not the defaults: they must travel
+SPEC = m.JobSpec(name="Glue Test", owner="a",
+                 recipe=m.Recipe(model_dir="/m", data_path="/d.csv", task="causal-lm", batch_size=4, seq_len=64,
+                                 lr=1e-4, max_steps=10, export_dir="/out", weight_decay=0.05, max_grad_norm=None),
+                 checkpoint_interval=5, reserve_mb=0, rebalance=True)  # not the defaults: they must travel
 
 
 class Harness:

@@ -141,9 +141,10 @@ def test_resume_from_the_checkpoint_before_the_newest(tmp_path):
 
 
 def _run_argv(spec, layout, out, extra=()):
-    return runkit.run_argv(spec["model_dir"], spec["data_path"], spec["task"], layout, out,
-                           steps=spec["max_steps"], lr=spec["lr"], seed=spec["seed"],
-                           extra=("--eval-fraction", str(spec["eval_fraction"]), "--dropout", "0", *extra))
+    r = spec["recipe"]
+    return runkit.run_argv(r["model_dir"], r["data_path"], r["task"], layout, out,
+                           steps=r["max_steps"], lr=r["lr"], seed=r["seed"],
+                           extra=("--eval-fraction", str(r["eval_fraction"]), "--dropout", "0", *extra))
 
 
 def test_string_labels_reach_every_rank_and_survive_a_resume(tmp_path):
@@ -165,7 +166,7 @@ def test_string_labels_reach_every_rank_and_survive_a_resume(tmp_path):
     max_abs, rel = runkit.compare(first, _load(tmp_path / "ref"))
     assert max_abs <= 5e-4 and rel <= 1e-5
 
-    resumed = {**spec, "export_dir": str(tmp_path / "export2")}
+    resumed = {**spec, "recipe": {**spec["recipe"], "export_dir": str(tmp_path / "export2")}}
     events = wait_ranks(start_ranks(tmp_path, resumed, RESUMED, resume_step=3, version=2))
     assert [ev[-1]["type"] for ev in events] == ["completed"] * 4, events
     second = _load(tmp_path / "export2")

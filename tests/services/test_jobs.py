@@ -13,8 +13,9 @@ from xronos.gateway.job.progress import state_view
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Sizes
 
-SPEC = m.JobSpec(name="t", owner="a", model_dir="/m", data_path="/d.csv", task="classify", batch_size=4,
-                 seq_len=16, lr=1e-4, max_steps=10, export_dir="/out")
+SPEC = m.JobSpec(name="t", owner="a",
+                 recipe=m.Recipe(model_dir="/m", data_path="/d.csv", task="classify", batch_size=4, seq_len=16,
+                                 lr=1e-4, max_steps=10, export_dir="/out"))
 ARCH = m.ArchSpec(family="bert", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4,
                   intermediate_size=64, vocab_size=100, max_positions=64, num_labels=2, tie_word_embeddings=True)
 CAPS = m.Capabilities(node_id="a", hostname="h", arch="x86_64", cpu_model="cpu", cores=2, memory_total=8 << 30,

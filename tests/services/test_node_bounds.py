@@ -116,8 +116,10 @@ def test_a_cancel_does_not_hold_the_control_loop(node, tmp_path):
     """A rank that does not stop at once (here: waiting at its rendezvous for a peer that never
     comes) is stopped on a thread of its own: the cancel is answered while it is still going."""
     svc, client = node
-    spec = m.JobSpec(name="t", owner="other", model_dir=str(tmp_path / "m"), data_path=str(tmp_path / "d.csv"),
-                     task="classify", batch_size=2, seq_len=16, lr=1e-4, max_steps=2, export_dir=str(tmp_path / "o"))
+    spec = m.JobSpec(name="t", owner="other",
+                     recipe=m.Recipe(model_dir=str(tmp_path / "m"), data_path=str(tmp_path / "d.csv"),
+                                     task="classify", batch_size=2, seq_len=16, lr=1e-4, max_steps=2,
+                                     export_dir=str(tmp_path / "o")))
     a = m.Assignment(job_id="j", plan_version=1, node_id="n0", rank=1, world_size=2, rendezvous_host="127.0.0.1",
                      rendezvous_port=free_port(), group_key="ab" * 32,
                      layout=Layout(attn=(6, 6), mlp=(64, 36), vocab=(32, 5)), spec=spec)

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from test_jobs import SPEC, inspected
+
 from xronos.gateway import registry as R
 from xronos.gateway.job import machine as J
 from xronos.gateway.job.store import JobStore, job_from_dict, job_to_dict
 from xronos.protocol import messages as m
+from xronos.protocol.specfile import upgrade_spec
 
 CAPS = m.Capabilities(node_id="a", hostname="h", arch="x86_64", cpu_model="cpu", cores=2,
                       memory_total=8 << 30, memory_available=4 << 30, torch_version="2.13.0",
@@ -98,18 +100,22 @@ def test_store_refuses_a_damaged_table_naming_file_and_field(tmp_path):
 
 
 def test_a_table_from_before_the_lora_checks_still_loads(tmp_path):
-    """A spec with lora_alpha but no lora_r ran as a full fine-tune under an earlier gateway; the
-    sender is refused it now, but the gateway's own table keeps loading (it must start)."""
+    """A version-2 spec (before the recipe) with lora_alpha but no lora_r ran as a full fine-tune
+    under an earlier gateway; a sender is refused it now (its LoRA options have no rank), but the
+    gateway's own table keeps loading (it must start), the job a full fine-tune."""
     store = JobStore(tmp_path)
     old = job_to_dict(_a_job())
-    old["spec"] = {**old["spec"], "lora_alpha": 32.0, "lora_dropout": 0.1}
+    spec = old["spec"]
+    recipe = spec.pop("recipe")
+    old["spec"] = {**spec, **{k: v for k, v in recipe.items() if k != "lora"}, "schema_version": 2, "lora_r": None,
+                   "lora_alpha": 32.0, "lora_dropout": 0.1, "lora_targets": None}
     store.path.write_text(json.dumps({"format": 1, "jobs": [old]}))
-    assert store.load()["j1"].spec.lora_alpha == 32.0
-    with pytest.raises(ValueError, match="lora_alpha, lora_dropout: set without lora_r"):
-        m.JobSpec.model_validate_json(json.dumps(old["spec"]))
+    assert store.load()["j1"].spec == SPEC
+    with pytest.raises(ValueError, match=r"recipe\.lora\.r"):
+        m.JobSpec.model_validate(upgrade_spec(old["spec"]))
     old["spec"]["export_merged"] = True  # refused before too: still unreadable
     store.path.write_text(json.dumps({"format": 1, "jobs": [old]}))
-    with pytest.raises(ValueError, match="export_merged: set without lora_r"):
+    with pytest.raises(ValueError, match="export_merged: set without lora"):
         store.load()
 
 

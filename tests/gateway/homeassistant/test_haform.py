@@ -25,15 +25,16 @@ def form(**kw) -> hastate.JobForm:
 
 def test_the_form_becomes_a_job_spec():
     spec = haform.form_spec(form(steps=50, lora_r=16), CAT, NOW)
-    assert (spec.owner, spec.model_dir, spec.data_path) == ("pi5", "/srv/xronos/models/qwen2.5-0.5b",
-                                                            "/srv/xronos/data/chat.jsonl")
-    assert (spec.task, spec.data_format, spec.max_steps, spec.epochs, spec.lora_r) == ("causal-lm", "chat", 50, None, 16)
-    assert (spec.batch_size, spec.seq_len, spec.lr) == (4, 128, 2e-4)
+    r = spec.recipe
+    assert (spec.owner, r.model_dir, r.data_path) == ("pi5", "/srv/xronos/models/qwen2.5-0.5b",
+                                                      "/srv/xronos/data/chat.jsonl")
+    assert (r.task, r.data_format, r.max_steps, r.epochs, r.lora.r) == ("causal-lm", "chat", 50, None, 16)
+    assert (r.batch_size, r.seq_len, r.lr) == (4, 128, 2e-4)
     assert spec.name == "qwen2.5-0.5b-chat"
-    assert spec.export_dir == "/srv/xronos/exports/qwen2.5-0.5b-chat-20251205-100000"  # the owner's first dir
+    assert r.export_dir == "/srv/xronos/exports/qwen2.5-0.5b-chat-20251205-100000"  # the owner's first dir
     full = haform.form_spec(form(lora_r=0, steps=0, epochs=2, task="classify", data_format="text",
-                                 model="/mnt/usb/gpt2", data="/mnt/usb/reviews.csv"), CAT, NOW)
-    assert (full.lora_r, full.max_steps, full.epochs, full.task) == (None, None, 2, "classify")
+                                 model="/mnt/usb/gpt2", data="/mnt/usb/reviews.csv"), CAT, NOW).recipe
+    assert (full.lora, full.max_steps, full.epochs, full.task) == (None, None, 2, "classify")
 
 
 @pytest.mark.parametrize("values, want", [
@@ -86,12 +87,8 @@ def test_a_path_the_owner_no_longer_lists_is_refused_at_start():
 
 
 def test_gguf_goes_to_the_spec_field_when_the_spec_has_one():
-    if haform.spec_has_gguf():
-        assert getattr(haform.form_spec(form(gguf="q8_0"), CAT, NOW), haform.GGUF_FIELD) == "q8_0"
-    else:  # not there yet: refused, not submitted without the GGUF the user asked for
-        with pytest.raises(ValueError, match=f"no {haform.GGUF_FIELD} field yet"):
-            haform.form_spec(form(gguf="q8_0"), CAT, NOW)
-    assert haform.GGUF_FIELD not in haform.form_spec(form(gguf="none"), CAT, NOW).model_fields_set
+    assert haform.form_spec(form(gguf="q8_0"), CAT, NOW).recipe.export_gguf == "q8_0"
+    assert haform.form_spec(form(gguf="none"), CAT, NOW).recipe.export_gguf is None
 
 
 def test_default_owner():

@@ -14,8 +14,9 @@ from xronos.gateway.registry import NodeInfo
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Layout, Sizes
 
-SPEC = m.JobSpec(name="t", owner="a", model_dir="/m", data_path="/d", task="causal-lm", batch_size=2,
-                 seq_len=16, lr=1e-3, max_steps=5, export_dir="/o", weight_decay=0.1, max_grad_norm=None)
+SPEC = m.JobSpec(name="t", owner="a",
+                 recipe=m.Recipe(model_dir="/m", data_path="/d", task="causal-lm", batch_size=2, seq_len=16,
+                                 lr=1e-3, max_steps=5, export_dir="/o", weight_decay=0.1, max_grad_norm=None))
 ARCH = m.ArchSpec(family="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   intermediate_size=128, vocab_size=1000, max_positions=128, tie_word_embeddings=False)
 PLAN = m.Plan(job_id="j1", version=3, strategy="segment", sizes=Sizes(attn=2, mlp=128, vocab=1000),

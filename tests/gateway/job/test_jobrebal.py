@@ -18,8 +18,10 @@ from xronos.protocol import messages as m
 from xronos.protocol.layout import KINDS
 
 NODES = ("a", "b")
-SPEC = m.JobSpec(name="t", owner="a", model_dir="/m", data_path="/d.csv", task="classify", batch_size=8,
-                 seq_len=32, lr=1e-4, max_steps=200, export_dir="/out", rebalance=True)
+SPEC = m.JobSpec(name="t", owner="a",
+                 recipe=m.Recipe(model_dir="/m", data_path="/d.csv", task="classify", batch_size=8, seq_len=32,
+                                 lr=1e-4, max_steps=200, export_dir="/out"),
+                 rebalance=True)
 def short(text: str) -> str:  # the JobState's and Home Assistant's 256 characters
     return text if len(text) <= 256 else text[:253] + "..."
 

@@ -15,8 +15,10 @@ from xronos.gateway.plan.profiles import Loaded, check_report, plan_reports, ref
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Sizes
 
-SPEC = m.JobSpec(name="t", owner="a", model_dir="/m", data_path="/d.csv", task="classify", batch_size=8,
-                 seq_len=32, lr=1e-4, max_steps=20, export_dir="/out", reserve_mb=0)
+SPEC = m.JobSpec(name="t", owner="a",
+                 recipe=m.Recipe(model_dir="/m", data_path="/d.csv", task="classify", batch_size=8, seq_len=32,
+                                 lr=1e-4, max_steps=20, export_dir="/out"),
+                 reserve_mb=0)
 
 
 def rep(node="a", **kw):

@@ -16,11 +16,21 @@ from xronos.gateway.plan.profiles import (
 )
 from xronos.protocol import messages as m
 
-FULL = m.ProfileSettings.of(weight_decay=0.0, clip=True, lora_r=None, lora_targets=None, lora_dropout=0.0)
-LORA = m.ProfileSettings.of(weight_decay=0.0, clip=True, lora_r=8, lora_targets=["c_attn", "c_proj"],
-                            lora_dropout=0.05)
-SPEC = m.JobSpec(name="t", owner="a", model_dir="/m", data_path="/d.csv", task="classify", batch_size=8,
-                 seq_len=32, lr=1e-4, max_steps=20, export_dir="/out", reserve_mb=0)
+def key(**kw) -> m.ProfileKey:
+    return m.ProfileKey(task="classify", batch_size=8, seq_len=32, **kw)
+
+
+ADAPTERS = m.LoraSpec(r=8, targets=["c_proj", "c_attn"], dropout=0.05)
+FULL = m.ProfileSettings.of_key(key())
+LORA = m.ProfileSettings.of_key(key(lora=ADAPTERS))
+SPEC = m.JobSpec(name="t", owner="a",
+                 recipe=m.Recipe(model_dir="/m", data_path="/d.csv", task="classify", batch_size=8, seq_len=32,
+                                 lr=1e-4, max_steps=20, export_dir="/out"),
+                 reserve_mb=0)
+
+
+def with_recipe(spec: m.JobSpec, **changes) -> m.JobSpec:
+    return spec.model_copy(update={"recipe": m.Recipe(**{**spec.recipe.model_dump(), **changes})})
 
 
 def rep(node="a", settings=FULL, **kw):
@@ -62,35 +72,31 @@ def test_recorded_settings_are_read_strictly(tmp_path, edit, needle):
 
 
 def test_settings_of_a_request_or_spec_take_one_form():
-    # A full fine-tune's spec may carry a LoRA dropout it never uses; the targets' order trains nothing else.
-    assert m.ProfileSettings.of(weight_decay=0.0, clip=True, lora_r=None, lora_targets=None,
-                                lora_dropout=0.1) == FULL
-    assert LORA.lora_targets == ["c_attn", "c_proj"]
-    assert m.ProfileSettings.of(weight_decay=0.0, clip=True, lora_r=8, lora_targets=["c_proj", "c_attn"],
-                                lora_dropout=0.05) == LORA
-    spec = SPEC.model_copy(update={"lora_r": 8, "lora_targets": ["c_proj", "c_attn"], "lora_dropout": 0.05})
+    # The targets' order trains nothing else; alpha only scales the adapters' output.
+    assert LORA.lora_targets == ["c_attn", "c_proj"] and LORA.lora_r == 8 and LORA.lora_dropout == 0.05
+    assert m.ProfileSettings.of_key(key(lora=ADAPTERS.model_copy(update={"alpha": 64.0}))) == LORA
+    spec = with_recipe(SPEC, lora=ADAPTERS)
     assert job_settings(spec) == LORA
-    assert job_settings(SPEC.model_copy(update={"max_grad_norm": None, "weight_decay": 0.01})) == FULL.model_copy(
+    assert job_settings(with_recipe(SPEC, max_grad_norm=None, weight_decay=0.01)) == FULL.model_copy(
         update={"clip": False, "weight_decay": 0.01})
-    req = m.ProfileRequest(request_id="r", job_id="j", arch=rep().arch, task="classify", batch_size=8, seq_len=32,
-                           lora_r=8, lora_targets=["c_proj", "c_attn"], lora_dropout=0.05)
-    assert m.ProfileSettings.of_request(req) == LORA
+    req = m.ProfileRequest(request_id="r", job_id="j", arch=rep().arch, key=spec.recipe.profile_key())
+    assert m.ProfileSettings.of_key(req.key) == LORA
 
 
 @pytest.mark.parametrize("changes", [
-    dict(lora_r=8, lora_targets=["c_proj", "c_attn"], lora_dropout=0.05, weight_decay=0.01),
-    dict(lora_dropout=0.05, max_grad_norm=None),  # a full fine-tune carrying a dropout it never uses
+    dict(lora=ADAPTERS, weight_decay=0.01),
+    dict(max_grad_norm=None),
 ])
 def test_the_request_the_gateway_sends_is_recorded_as_the_jobs_settings(changes):
     """What a node echoes (the profiler's ProfileSettings.of its request) equals what the gateway
     checks against (job_settings of the spec): a correct node's report is never refused."""
     from xronos.gateway.job.effects import messages
 
-    spec = SPEC.model_copy(update=changes)
+    spec = with_recipe(SPEC, **changes)
     job = J.Job("j", spec, 0.0, arch=rep().arch)
     ((req, _),) = list(messages(J.Profile("j", (("j.1", "a"),)), job, None, (0, 0)))
     assert isinstance(req, m.ProfileRequest)
-    assert m.ProfileSettings.of_request(req) == job_settings(spec)
+    assert m.ProfileSettings.of_key(req.key) == job_settings(spec)
 
 
 # --- a set of reports: one job's settings ------------------------------------------------------
@@ -131,7 +137,7 @@ def test_a_report_under_other_settings_than_the_jobs_is_refused():
 
 
 def test_the_gateway_leaves_out_a_node_profiled_under_other_settings():
-    spec = SPEC.model_copy(update={"lora_r": 8, "lora_targets": ["c_attn", "c_proj"], "lora_dropout": 0.05})
+    spec = with_recipe(SPEC, lora=ADAPTERS)
     job = J.Job("j", spec, 0.0, arch=rep().arch)
     full = rep("a").model_copy(update={"job_id": "j"})
     assert J.profile_mismatch(job, full) == ("its report's settings.lora_r does not match the request (got None "
