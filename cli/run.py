@@ -168,7 +168,7 @@ def handle(args: argparse.Namespace) -> int:
         check_planner_flags(args)
         placeholder = config_from_args(args, uniform_layout(args))
         preflight(placeholder, args.nodes)
-        planned = plan_run(args, placeholder.recipe, wrap)
+        planned = plan_run(args, placeholder.recipe, placeholder.threads, wrap)
         return _launch(args, planned[0].layout, wrap, planned)
 
 

@@ -182,11 +182,11 @@ def confinement(shares: str | None, n: int) -> Iterator[Wrap | None]:
         yield conf.wrap
 
 
-def plan_run(args: Any, recipe: Recipe, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileReport]]:
-    """Profile each rank of an `xronos run` of `recipe` where it will run, then plan with
-    args.strategy (and the planner's flags)."""
+def plan_run(args: Any, recipe: Recipe, threads: int, wrap: Wrap | None) -> tuple[PlanResult, list[ProfileReport]]:
+    """Profile each rank of an `xronos run` of `recipe` (`threads` intra-op threads per rank)
+    where it will run, then plan with args.strategy (and the planner's flags)."""
     key = recipe.profile_key()
-    reports = profile_ranks(recipe.model_dir, key, args.threads_per_node, args.nodes, wrap=wrap,
+    reports = profile_ranks(recipe.model_dir, key, threads, args.nodes, wrap=wrap,
                             cache_dir=args.profile_cache)
     for text in (t for r in reports for t in falling_times(r)):
         print(f"xronos run: warning: {text}", file=sys.stderr, flush=True)

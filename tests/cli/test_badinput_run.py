@@ -92,8 +92,8 @@ def test_layouts_are_refused_in_one_line_naming_flag_and_numbers(good, tmp_path,
     (lambda tmp: ["--export", str(_file(tmp))], "exists and is not a directory"),
     (lambda tmp: ["--export", str(_file(tmp) / "sub")], "cannot create it"),
     # Without --lora-r these silently fine-tuned every weight.
-    (lambda tmp: ["--lora-alpha", "32"], "--lora-alpha require --lora-r"),
-    (lambda tmp: ["--lora-dropout", "0.1", "--lora-targets", "c_attn"], "--lora-dropout, --lora-targets require --lora-r"),
+    (lambda tmp: ["--lora-alpha", "32"], "--lora-r: required by --lora-alpha"),
+    (lambda tmp: ["--lora-dropout", "0.1", "--lora-targets", "c_attn"], "--lora-r: required by --lora-dropout, --lora-targets"),
 ])
 def test_export_and_lora_flags_are_refused_before_training(good, tmp_path, capsys, nothing_starts, extra, message):
     model, data = good
@@ -113,7 +113,7 @@ def _file(tmp: Path) -> Path:
 @pytest.mark.parametrize("flags, message", [
     (["--node-id", "a/b"], "argument --node-id: must be [A-Za-z0-9_][A-Za-z0-9_.-]*"),
     # Without --lora-r this used to profile full fine-tuning silently.
-    (["--lora-targets", "c_attn"], "--lora-targets / --lora-dropout need --lora-r"),
+    (["--lora-targets", "c_attn"], "--lora-r: required by --lora-targets"),
 ])
 def test_profile_flags_refused_before_profiling(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.setattr("xronos.node.measure.profiler.profile", lambda *a, **k: pytest.fail("profiled"))

@@ -105,7 +105,7 @@ def test_data_format_and_label_refusals(good, tmp_path, capsys, no_spawn) -> Non
     model, data = good
     argv = _argv(good, tmp_path)
     assert main(argv + ["--data-format", "chat"]) == 2
-    assert "--data-format chat is for --task causal-lm" in _one_error(capsys)
+    assert "--data-format: 'chat' is a causal-lm format (the loss covers the answer tokens), not one for --task 'classify'" in _one_error(capsys)
     # A label of the held-out rows that no training row has.
     rows = [{"text": t, "label": ["cat", "dog"][i % 2]} for i, t in enumerate(runkit.texts(11))]
     unseen = runkit.write_rows(tmp_path / "u.csv", rows + [{"text": "a bird", "label": "bird"}])

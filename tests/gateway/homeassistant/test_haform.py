@@ -68,9 +68,9 @@ def test_an_integral_float_is_an_int_and_another_owner_unchooses_the_files():
 
 @pytest.mark.parametrize("changes, want", [
     ({"model": None}, "model: none chosen"),
-    ({"steps": 0, "epochs": 0}, "steps, epochs: both 0"),
-    ({"task": "classify"}, "data_format: 'chat' is a causal-lm format, not one for task 'classify'"),
-    ({"gguf": "f16", "task": "classify", "data_format": "text"}, "GGUF (llama.cpp, Ollama) is for causal LMs"),
+    ({"steps": 0, "epochs": 0}, "epochs/steps: at least one must be set"),
+    ({"task": "classify"}, "data_format: 'chat' is a causal-lm format (the loss covers the answer tokens), not one for task 'classify'"),
+    ({"gguf": "f16", "task": "classify", "data_format": "text"}, "gguf: 'f16' asked of task 'classify'; llama.cpp runs language models, so GGUF export is for task 'causal-lm'"),
 ])
 def test_a_form_that_cannot_make_a_job_is_refused_at_start(changes, want):
     with pytest.raises(ValueError, match=want.replace("(", r"\(").replace(")", r"\)")):

@@ -43,7 +43,8 @@ def test_an_inspection_and_profile_requests_go_to_each_node_with_the_jobs_settin
     out = list(messages(J.Profile("j1", (("j1.2", "a"), ("j1.3", "b"))), JOB, {}, PORTS))
     assert [p for _, p in out] == [{"node_id": "a"}, {"node_id": "b"}]
     assert [r.request_id for r, _ in out] == ["j1.2", "j1.3"]
-    assert all(r.arch == ARCH and r.weight_decay == 0.1 and r.clip is False for r, _ in out)
+    assert all(r.arch == ARCH and r.key == SPEC.recipe.profile_key() and r.key.weight_decay == 0.1
+               and r.key.clip is False for r, _ in out)
 
 
 @pytest.mark.parametrize("reg,host", [({"a": NodeInfo("a", True, CAPS)}, "10.0.0.5"), ({}, "127.0.0.1")])
