@@ -37,7 +37,7 @@ def profile_ranks(model_dir: str, task: str, batch_size: int, seq_len: int, thre
                   cache_dir: str | None = None, lora_r: int | None = None, lora_targets: str | None = None,
                   lora_dropout: float = 0.0) -> list[ProfileReport]:
     """One ProfileReport per rank (node id `rank{r}`), each measured in its own process."""
-    from xronos.node.launch import rank_env
+    from xronos.node.rank.spawn import rank_env
 
     env = rank_env(threads)
     reports = []

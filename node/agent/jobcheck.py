@@ -71,7 +71,7 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     from xronos.node.data.batches import load_tokenizer
     from xronos.node.models.registry import arch_spec, family_for
     from xronos.node.runconfig import DataConfig, total_steps
-    from xronos.node.validate import check_checkpoint, check_dataset, check_lora, read_config
+    from xronos.node.rank.validate import check_checkpoint, check_dataset, check_lora, read_config
 
     allowed = list(allowed_dirs)
     s = confined_spec(spec, allowed, reserved)
@@ -136,7 +136,7 @@ def assignment_problem(a: Assignment, spec: JobSpec) -> str | None:
 
 def _model_sizes(model_dir: str):
     from xronos.node.models.registry import family_for
-    from xronos.node.validate import read_config
+    from xronos.node.rank.validate import read_config
 
     try:
         config = read_config(model_dir)

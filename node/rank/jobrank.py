@@ -1,27 +1,23 @@
-"""One rank of an MQTT-driven job: `python -m xronos.node.jobproc CONFIG.json` (a JobRankConfig),
-spawned by the node service (so its control loop stays responsive and a cancel can free all the
-memory by killing it).
+"""A job's rank: `python -m xronos.node.rank.jobrank CONFIG.json` (a JobRankConfig), started by the
+node service through `process.RankProcess` (so its control loop stays responsive and a cancel can
+free all the memory by killing it).
 
-A thin caller of the rank runtime (`xronos.node.runtime`) with `xronos run`'s engine, so a job and a
-local run of the same spec and plan export the same model. What a job brings:
+A thin caller of the rank lifecycle (`xronos.node.rank.lifecycle`) with `xronos run`'s engine, so a
+job and a local run of the same spec and plan export the same model. What a job brings:
 - its weight source: the owner (rank 0) streams every rank its slices (other nodes need no model
   files) — from the base checkpoint, or on resume from its last consolidated checkpoint (weights
   and AdamW moments, saved under any layout of this model);
-- its control source (`JobControl`): a flag broadcast by the owner at every iteration boundary, so
-  all ranks pause, resume or stop at the same boundary;
+- its control source (`JobControl`): the node service's orders (`messages.RankOrder` on stdin:
+  pause, resume, cancel, and on the owner a live re-shard), of which the owner broadcasts its latest
+  at every iteration boundary, so all ranks pause, resume, stop or move at the same boundary; EOF on
+  stdin means the node service died, and so does this process (as it does through PR_SET_PDEATHSIG);
 - consolidated checkpoints every `checkpoint_interval` steps;
-- its sink (`JobEvents`): events to the parent as JSON lines on an inherited pipe.
-Parent → child: JSON lines on stdin ({"action": "pause"|"resume"|"cancel"}, or on the owner
-{"action": "reshard", "at_step", "layout", "reason"}: a live re-shard); EOF means the parent
-died, and so does this process (as it does through PR_SET_PDEATHSIG).
+- its sink (`JobEvents`): `messages.RankEvent`s to the node service on the events pipe.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
-import signal
 import sys
 import threading
 import traceback
@@ -30,38 +26,31 @@ from typing import Any
 
 import torch
 
-from xronos.node.checkpoint import CheckpointSource, check_saved_layout, find_checkpoint
+from pydantic import ValidationError
+
 from xronos.node.models.loading import SafetensorsSource, ShardSource
 from xronos.node.models.registry import family_for
+from xronos.node.rank import messages as msg
+from xronos.node.rank.checkpoint import CheckpointSource, check_saved_layout, find_checkpoint
+from xronos.node.rank.lifecycle import (Checkpoints, EvalResult, FromOwner, JobFault, Rank, RankResult, Reshard,
+                                        Sink, Word, run)
+from xronos.node.rank.spawn import EventPipe, main_process
+from xronos.node.rank.tpengine import TPEngine
 from xronos.node.runconfig import JobRankConfig
-from xronos.node.runtime import (Checkpoints, EvalResult, FromOwner, JobFault, Rank, RankResult, Reshard, Sink,
-                                 Word, main_process, run)
 from xronos.node.tp.group import TPGroup
-from xronos.node.trainer import TPEngine
 from xronos.protocol.layout import Layout
 
 PAUSE = 1  # besides Word.GO and Word.STOP: the owner holds every rank at the boundary
 
 
-class Events:
-    """JSON lines to the parent."""
-
-    def __init__(self, fd: int) -> None:
-        self._out = os.fdopen(fd, "w", buffering=1)
-        self._lock = threading.Lock()
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        with self._lock:
-            self._out.write(json.dumps({"type": kind, **fields}) + "\n")
-
-
 class JobControl:
-    """The parent's latest wish, read from stdin on a thread; the owner broadcasts it each step.
-    A re-shard order (`{"action": "reshard", "at_step", "layout", "reason"}`, the owner's only)
-    travels in the same broadcast: every rank moves at the same boundary, the first at or after
-    `at_step`."""
+    """The node service's latest order, read from stdin on a thread; the owner broadcasts it each
+    step. A re-shard order (the owner's only) travels in the same broadcast: every rank moves at
+    the same boundary, the first at or after `at_step`."""
 
-    def __init__(self, events: Events, world_size: int) -> None:
+    CODES = {msg.Pause: PAUSE, msg.Resume: int(Word.GO), msg.Cancel: int(Word.STOP)}
+
+    def __init__(self, events: EventPipe, world_size: int) -> None:
         self.code, self.paused, self.events, self.world_size = int(Word.GO), False, events, world_size
         self.reshard: tuple[int, Layout, str] | None = None  # the owner's pending order
         self.reason = "rebalance"  # the owner's reason for the re-shard it is broadcasting
@@ -70,18 +59,19 @@ class JobControl:
 
     def _read(self) -> None:
         for line in sys.stdin:
-            order = json.loads(line)
-            action = order.get("action")
-            if action == "reshard":  # a later order replaces one still pending
-                try:
-                    layout = Layout.model_validate(order["layout"])
-                    if layout.world_size != self.world_size:  # the node service checks this too
-                        raise ValueError(f"layout has {layout.world_size} ranks, the job {self.world_size}")
-                    self.reshard = (int(order["at_step"]), layout, str(order.get("reason", "rebalance"))[:256])
-                except (KeyError, TypeError, ValueError) as exc:
-                    self.events.emit("reshard_refused", detail=f"{exc}"[:2000])
+            try:
+                order = msg.read_order(line)
+            except ValidationError as exc:  # not an order of ours: said in the log, nothing done
+                print(f"order refused: {exc}"[:msg.DETAIL], file=sys.stderr)
                 continue
-            self.code = {"pause": PAUSE, "resume": int(Word.GO), "cancel": int(Word.STOP)}.get(action, self.code)
+            if isinstance(order, msg.Reshard):  # a later order replaces one still pending
+                if order.layout.world_size != self.world_size:  # the node service checks this too
+                    self.events.send(msg.ReshardRefused(
+                        detail=f"layout has {order.layout.world_size} ranks, the job {self.world_size}"))
+                else:
+                    self.reshard = (order.at_step, order.layout, order.reason)
+                continue
+            self.code = self.CODES[type(order)]
             self.changed.set()
         os._exit(137)  # stdin closed: the node service is gone, and this rank with it
 
@@ -108,13 +98,13 @@ class JobControl:
             if code == PAUSE:
                 if not self.paused:
                     self.paused = True
-                    self.events.emit("status", status="paused")
+                    self.events.send(msg.Status(status="paused"))
                 self.changed.wait(0.5)  # heartbeat: keeps peers inside their Gloo timeout
                 self.changed.clear()
                 continue
             if self.paused:
                 self.paused = False
-                self.events.emit("status", status="running")
+                self.events.send(msg.Status(status="running"))
             if code == int(Word.GO) and int(flag[1]):
                 n = group.world_size
                 c = [int(x) for x in flag[2:].tolist()]
@@ -123,57 +113,54 @@ class JobControl:
             return Word(code)
 
 
-def _eval_fields(ev: EvalResult) -> dict[str, Any]:
-    if ev.accuracy is not None:
-        return {"metric": ev.accuracy, "name": "accuracy", "loss": ev.loss}
-    return {"metric": ev.perplexity, "name": "perplexity", "loss": ev.loss}
-
-
 class JobEvents(Sink):
     """The node service hears of every milestone; evaluations, checkpoints and the export only
     from the owner."""
 
-    def __init__(self, events: Events) -> None:
+    def __init__(self, events: EventPipe) -> None:
         self.events, self.ended = events, False
 
     def started(self, rank: Rank, start: int) -> None:
-        self.events.emit("status", status="running")
+        self.events.send(msg.Status(status="running"))
 
     def evaluated(self, rank: Rank, when: str, result: EvalResult | None) -> None:
         if rank.owner and result is not None:
-            self.events.emit("eval", when=when, **_eval_fields(result))
+            accuracy = result.accuracy is not None
+            self.events.send(msg.Evaluated(when=when, name="accuracy" if accuracy else "perplexity",
+                                           metric=result.accuracy if accuracy else result.perplexity,
+                                           loss=result.loss))
 
     def iteration(self, rank: Rank, rec: Any) -> None:
-        self.events.emit("metrics", step=rec.step + 1, epoch=rec.epoch, loss=rec.loss, compute_s=rec.compute_s,
-                         compute_attn_s=rec.compute_attn_s, compute_mlp_s=rec.compute_mlp_s,
-                         compute_vocab_s=rec.compute_vocab_s, compute_rest_s=rec.compute_rest_s,
-                         comm_s=rec.comm_s, idle_s=rec.idle_s, iteration_s=rec.iteration_s,
-                         voluntary_ctx_switches=rec.voluntary_ctx_switches,
-                         involuntary_ctx_switches=rec.involuntary_ctx_switches, peak_rss=rec.peak_rss,
-                         clock=rank.group.clock.name, wall_s=rec.wall_s)
+        self.events.send(msg.Metrics(
+            step=rec.step + 1, epoch=rec.epoch, loss=rec.loss, compute_s=rec.compute_s,
+            compute_attn_s=rec.compute_attn_s, compute_mlp_s=rec.compute_mlp_s, compute_vocab_s=rec.compute_vocab_s,
+            compute_rest_s=rec.compute_rest_s, comm_s=rec.comm_s, idle_s=rec.idle_s, iteration_s=rec.iteration_s,
+            voluntary_ctx_switches=rec.voluntary_ctx_switches, involuntary_ctx_switches=rec.involuntary_ctx_switches,
+            peak_rss=rec.peak_rss, clock=rank.group.clock.name, wall_s=rec.wall_s))
 
     def resharded(self, rank: Rank, step: int, word: Reshard) -> None:
         if rank.owner:
-            move = rank.engine.moves[-1] if getattr(rank.engine, "moves", None) else None
-            self.events.emit("resharded", step=step, layout=word.layout.to_text(), reason=word.reason,
-                             seconds=move.seconds if move else None, moved_bytes=move.moved_bytes if move else None)
+            move = rank.engine.last_move()
+            self.events.send(msg.Resharded(step=step, layout=word.layout, reason=word.reason[:256],
+                                           seconds=move.seconds if move else None,
+                                           moved_bytes=move.moved_bytes if move else None))
 
     def reshard_refused(self, rank: Rank, step: int, word: Reshard, reason: str) -> None:
         if rank.owner:
-            self.events.emit("reshard_refused", step=step, detail=f"re-shard at step {step} refused: {reason}"[:2000])
+            self.events.send(msg.ReshardRefused(detail=f"re-shard at step {step} refused: {reason}"[:msg.DETAIL]))
 
     def checkpointed(self, rank: Rank, step: int) -> None:
         if rank.owner:
-            self.events.emit("checkpoint", step=step)
+            self.events.send(msg.Checkpointed(step=step))
 
     def cancelled(self, rank: Rank, step: int) -> None:
         self.ended = True
-        self.events.emit("cancelled", step=step)
+        self.events.send(msg.Cancelled(step=step))
 
     def finish(self, rank: Rank, result: RankResult) -> None:
         self.ended = True
-        self.events.emit("completed", step=rank.steps, epoch=max(rank.steps - 1, 0) // rank.per_epoch,
-                         export_dir=rank.cfg.export_dir if rank.owner else None)
+        self.events.send(msg.Completed(step=rank.steps, epoch=max(rank.steps - 1, 0) // rank.per_epoch,
+                                       export_dir=rank.cfg.export_dir if rank.owner else None))
 
 
 def weights(job: JobRankConfig) -> FromOwner:
@@ -198,22 +185,12 @@ def weights(job: JobRankConfig) -> FromOwner:
     return FromOwner(open_source)
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the stdin EOF watch still ends this process
-
-
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m xronos.node.jobproc CONFIG.json", file=sys.stderr)
+        print("usage: python -m xronos.node.rank.jobrank CONFIG.json", file=sys.stderr)
         return 2
-    _die_with_parent()
     job = JobRankConfig.model_validate_json(Path(argv[1]).read_text())
-    if job.events_fd is None:
-        raise ValueError(f"{argv[1]}: events_fd is not set (the node service's RankProcess sets it)")
-    events = Events(job.events_fd)
+    events = EventPipe()  # started boxed: dying with the node service (node/box/limits.py)
     sink = JobEvents(events)
     checkpoints = Checkpoints(job.checkpoint_dir, job.checkpoint_interval,
                               {"job_id": job.job_id, "plan_version": job.plan_version})
@@ -224,7 +201,7 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         if not sink.ended:  # a failure leaving the group after the end changes nothing reported
             # job_fault: the training itself failed (JobFault), which re-planning would only repeat
-            events.emit("failed", detail=f"{type(exc).__name__}: {exc}"[:2000], job_fault=isinstance(exc, JobFault))
+            events.send(msg.Failed(detail=f"{type(exc).__name__}: {exc}"[:msg.DETAIL], job_fault=isinstance(exc, JobFault)))
         return 1
     return 0
 

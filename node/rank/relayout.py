@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from xronos.node.runconfig import ReshardAt
-from xronos.node.runtime import Rank, Reshard, Word
+from xronos.node.rank.lifecycle import Rank, Reshard, Word
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.reshard import moved_bytes, reshard, specs_per_rank, transfer_plan
@@ -90,7 +90,7 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     plan = transfer_plan(engine.spec_cache(old), engine.spec_cache(new))
     shard = ShardLayout.of(new, group.rank)
     sent = moved_bytes(plan, engine.model, engine.opt)
-    lora = getattr(engine, "lora", None)
+    lora = engine.lora
 
     def build_new() -> Any:  # the engine's build at the new layout (adapters included), on the meta device
         from xronos.node.tp.lora import add_lora
@@ -202,7 +202,7 @@ class LiveRebalance:
         import torch
 
         eng = self.engine
-        rec = getattr(eng, "last", None)
+        rec = eng.last
         if rec is None or group.world_size == 1:  # nothing measured yet; one rank has nothing to balance
             return Word.GO
         n = group.world_size
