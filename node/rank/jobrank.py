@@ -34,11 +34,11 @@ from xronos.node.rank import messages as msg
 from xronos.node.rank.checkpoint import CheckpointSource, check_saved_layout, find_checkpoint
 from xronos.node.rank.lifecycle import (Checkpoints, EvalResult, FromOwner, JobFault, Rank, RankResult, Reshard,
                                         Sink, Word, run)
+from xronos.node.rank.relayout import counts_row, from_counts_row
 from xronos.node.rank.spawn import EventPipe, main_process
 from xronos.node.rank.tpengine import TPEngine
 from xronos.node.runconfig import JobRankConfig
 from xronos.node.tp.group import TPGroup
-from xronos.protocol.layout import Layout
 
 PAUSE = 1  # besides Word.GO and Word.STOP: the owner holds every rank at the boundary
 
@@ -52,7 +52,7 @@ class JobControl:
 
     def __init__(self, events: EventPipe, world_size: int) -> None:
         self.code, self.paused, self.events, self.world_size = int(Word.GO), False, events, world_size
-        self.reshard: tuple[int, Layout, str] | None = None  # the owner's pending order
+        self.reshard: msg.Reshard | None = None  # the owner's pending order
         self.reason = "rebalance"  # the owner's reason for the re-shard it is broadcasting
         self.changed = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -69,7 +69,7 @@ class JobControl:
                     self.events.send(msg.ReshardRefused(
                         detail=f"layout has {order.layout.world_size} ranks, the job {self.world_size}"))
                 else:
-                    self.reshard = (order.at_step, order.layout, order.reason)
+                    self.reshard = order
                 continue
             self.code = self.CODES[type(order)]
             self.changed.set()
@@ -81,11 +81,10 @@ class JobControl:
         row = torch.zeros(2 + 3 * n, dtype=torch.int64)
         row[0] = self.code if group.rank == 0 else int(Word.GO)
         order = self.reshard if group.rank == 0 else None
-        if order is not None and step >= order[0] and row[0] == int(Word.GO):
-            self.reshard = None
-            _at, layout, self.reason = order
+        if order is not None and step >= order.at_step and row[0] == int(Word.GO):
+            self.reshard, self.reason = None, order.reason
             row[1] = 1
-            row[2:] = torch.tensor([*layout.attn, *layout.mlp, *layout.vocab], dtype=torch.int64)
+            row[2:] = torch.tensor(counts_row(order.layout), dtype=torch.int64)
         return row
 
     def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
@@ -106,9 +105,7 @@ class JobControl:
                 self.paused = False
                 self.events.send(msg.Status(status="running"))
             if code == int(Word.GO) and int(flag[1]):
-                n = group.world_size
-                c = [int(x) for x in flag[2:].tolist()]
-                layout = Layout(attn=tuple(c[:n]), mlp=tuple(c[n:2 * n]), vocab=tuple(c[2 * n:]))
+                layout = from_counts_row([int(x) for x in flag[2:].tolist()], group.world_size)
                 return Reshard(layout, self.reason if group.rank == 0 else "rebalance")
             return Word(code)
 

@@ -49,6 +49,17 @@ class Move:
         return asdict(self)
 
 
+def counts_row(layout: Layout) -> list[int]:
+    """A layout as the ranks broadcast it at a boundary: every rank's attn counts, then mlp, then vocab."""
+    return [*layout.attn, *layout.mlp, *layout.vocab]
+
+
+def from_counts_row(counts: list[int], world_size: int) -> Layout:
+    """`counts_row` read back (3 x world_size counts)."""
+    n = world_size
+    return Layout(attn=tuple(counts[:n]), mlp=tuple(counts[n:2 * n]), vocab=tuple(counts[2 * n:3 * n]))
+
+
 class ScheduledReshards:
     """Re-shard at the given steps (`RunConfig.reshard_at`), else go on."""
 
@@ -212,9 +223,8 @@ class LiveRebalance:
         row[:4] = torch.tensor([rec.compute_attn_s, rec.compute_mlp_s, rec.compute_vocab_s, rec.compute_rest_s],
                                dtype=torch.float64)
         if group.rank == 0 and self.pending is not None:
-            lay = self.pending.new
             row[4] = 1
-            row[5:] = torch.tensor([*lay.attn, *lay.mlp, *lay.vocab], dtype=torch.float64)
+            row[5:] = torch.tensor(counts_row(self.pending.new), dtype=torch.float64)
         rows = group.all_gather(row, timed=False)
         decided = rows[0][4:]
         if group.rank == 0:
@@ -225,9 +235,7 @@ class LiveRebalance:
             reason = "rebalance"
         if not int(decided[0]):
             return Word.GO
-        counts = [int(c) for c in decided[1:].tolist()]
-        layout = Layout(attn=tuple(counts[:n]), mlp=tuple(counts[n:2 * n]), vocab=tuple(counts[2 * n:]))
-        return Reshard(layout, reason)
+        return Reshard(from_counts_row([int(c) for c in decided[1:].tolist()], n), reason)
 
     def _decide(self, rows: list, step: int) -> None:
         """Rank 0: feed the policy this boundary's measurements and ask it about the next boundary

@@ -153,7 +153,7 @@ class ChildProcess:
             self.proc.stdin.write((line.rstrip("\n") + "\n").encode())
             self.proc.stdin.flush()
             return True
-        except (BrokenPipeError, OSError):
+        except (OSError, ValueError):  # a broken pipe, or our end closed by `close`
             return False
 
     def poll(self) -> int | None:
