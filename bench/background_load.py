@@ -43,7 +43,7 @@ from pathlib import Path
 from xronos.bench.results import _balance, _balance_integer, _fits
 from xronos.bench.workloads import kind_parameters, shape_config, write_checkpoint, write_dataset
 from xronos.node.emulate.confinement import Confinement, RankLimits
-from xronos.node.launch import spawn_ranks
+from xronos.node.rank.local import spawn_ranks
 from xronos.protocol.layout import QUANTA, Layout, Sizes
 from xronos.protocol.recipe import Recipe
 
@@ -245,7 +245,7 @@ def _main(args) -> int:
         model = write_checkpoint(work / "model", config)
         data = write_dataset(work / "data.jsonl", args.batch_size * args.steps + 8, args.seq_len,
                              config["vocab_size"])
-        from xronos.node.validate import model_sizes
+        from xronos.node.rank.validate import model_sizes
 
         layout = even_layout(model_sizes(str(model)), RANKS)
         load = {"loadavg_before": os.getloadavg()}

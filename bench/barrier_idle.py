@@ -108,7 +108,7 @@ def run(shares: list[float], seg_s: float, period_us: int, barriers: int, iters:
         tmp: Path, pin: bool = False, poll_s: float | None = POLL_S, eat: bool = False,
         cpu_mode: str = "quota") -> list[dict]:
     from xronos.node.emulate.confinement import DEFAULT_PERIOD_US, Confinement, RankLimits, assign_cores
-    from xronos.node.launch import free_port
+    from xronos.node.rank.local import free_port
 
     port = free_port()
     pin = pin and cpu_mode == "quota"  # paced ranks are pinned by the emulator itself

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from xronos.node.data.batches import Batch
-from xronos.node.metrics import Rusage
-from xronos.node.runtime import Engine, Rank, RankResult
+from xronos.node.rank.metrics import Rusage
+from xronos.node.rank.lifecycle import Engine, Rank, RankResult
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 from xronos.cli.liverank import make_policy
-from xronos.node.relayout import LiveRebalance
+from xronos.node.rank.relayout import LiveRebalance
 from xronos.node.runconfig import RunConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, NoControl, main_process, read_settings, run
-from xronos.node.trainer import TPEngine
+from xronos.node.rank.lifecycle import LocalFiles, MetricsFile, NoControl, read_settings, run
+from xronos.node.rank.spawn import main_process
+from xronos.node.rank.tpengine import TPEngine
 
 
 class BgRankConfig(RunConfig):

@@ -58,7 +58,7 @@ def _engine_model(model_dir: Path, task: str, units: tuple[int, ...], rank: int,
     from xronos.node.models.loading import SafetensorsSource, materialize
     from xronos.node.models.registry import family_for
     from xronos.node.tp.layout import ShardLayout
-    from xronos.node.validate import read_config
+    from xronos.node.rank.validate import read_config
 
     config = read_config(model_dir)
     family = family_for(config)
@@ -161,11 +161,12 @@ def rss_child(cfg_path: str) -> None:
 
 
 def rss_measurement(layers: int, threads: int) -> dict:
-    from xronos.node.launch import free_port, rank_env
+    from xronos.node.rank.local import free_port
+    from xronos.node.rank.spawn import rank_env
     from xronos.node.models.registry import family_for
     from xronos.node.tp.group import TPGroup
     from xronos.node.tp.layout import ShardLayout
-    from xronos.node.validate import read_config
+    from xronos.node.rank.validate import read_config
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,7 +3,7 @@ model's `base_model_tp_plan`, DTensor over a Gloo device mesh), an implementatio
 `python -m xronos.bench.hftp_worker CONFIG.json`.
 
 It shards evenly only: every head count and the MLP width must divide the world size
-(`supported` says why not otherwise). A thin caller of the rank runtime (`xronos.node.runtime`):
+(`supported` says why not otherwise). A thin caller of the rank runtime (`xronos.node.rank.lifecycle`):
 same join, same batches (rank 0 reads, broadcasts), same AdamW, same records gathering and
 teardown as every strategy; only the engine is transformers'. transformers gives no per-collective
 timings (its DTensor collectives are its own), so idle time is not split from compute; the harness
@@ -19,9 +19,10 @@ from pydantic import Field
 
 from xronos.bench.baseline import Baseline
 from xronos.node.data.batches import Batch
-from xronos.node.optim import adamw
+from xronos.node.rank.optim import adamw
 from xronos.node.runconfig import RankConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, Rank, WeightSource, main_process, read_settings, run
+from xronos.node.rank.lifecycle import LocalFiles, MetricsFile, Rank, WeightSource, read_settings, run
+from xronos.node.rank.spawn import main_process
 
 FIELDS = ("iteration_s", "cpu_s", "data_s", "loss", "voluntary_ctx_switches", "involuntary_ctx_switches",
           "peak_rss")

@@ -59,7 +59,7 @@ def run_capped(cmd: list[str], caps: list[int], phases_dir: Path) -> list[dict]:
 
     from xronos.cli import run as run_cli
     from xronos.node.emulate.confinement import Confinement, RankLimits
-    from xronos.node.launch import launch_local
+    from xronos.node.rank.local import launch_local
     from xronos.node.measure.memwatch import ENV
 
     parser = _ap.ArgumentParser()
@@ -86,7 +86,7 @@ def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nod
             lora_r: int | None = None, clip: bool = True) -> dict:
     from xronos.gateway.plan.costmodel import heap_slack, layout_shares, node_cost, predict_memory
     from xronos.gateway.plan.profiles import load_report, node_profile
-    from xronos.node.launch import rank_env
+    from xronos.node.rank.spawn import rank_env
     from xronos.node.measure.memwatch import ENV
     from xronos.protocol.layout import Layout
 

@@ -7,7 +7,7 @@ cannot shadow the host's own networks. A `tbf` qdisc limits every link to the ra
 directions (optionally behind a `netem` delay). Namespaces are removed on exit, also on error and
 on KeyboardInterrupt; `leftover_namespaces()` lists any that survived.
 
-A `Network` is a `xronos.node.launch.Placement`: ranks run as `ip netns exec NAME python ...`
+A `Network` is a `xronos.node.rank.local.Placement`: ranks run as `ip netns exec NAME python ...`
 (ip execs, so the pid is the rank's own and the cgroup `wrap` hook still applies), with
 `GLOO_SOCKET_IFNAME=eth0` and rank 0's address as the rendezvous host.
 
@@ -140,7 +140,7 @@ class Network:
         self.addresses = [f"{subnet}.{k + 1}" for k in range(n)]
         self._made: list[str] = []
 
-    # -- Placement (xronos.node.launch) -------------------------------------------------------
+    # -- Placement (xronos.node.rank.local) -------------------------------------------------------
     @property
     def rendezvous_host(self) -> str:
         return self.addresses[0]
@@ -300,7 +300,7 @@ def allreduce_bandwidth(n: int, rate_mbit: float | None, *, size_bytes: int = 8 
     a `rate_mbit` link (None or 0: plain loopback, for comparison). Bus bandwidth as nccl-tests
     defines it: a ring all-reduce moves 2(n-1)/n x size over every rank's link each way, so on an
     ideal link it equals the link rate."""
-    from xronos.node.launch import spawn_ranks
+    from xronos.node.rank.local import spawn_ranks
 
     with tempfile.TemporaryDirectory(prefix="xronos-netem-") as tmp:
         out = Path(tmp) / "probe.json"

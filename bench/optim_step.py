@@ -6,7 +6,7 @@ Each variant runs in its own child process (so one variant's freed heap never hi
 peak), on the parameter shapes of one model part with random gradients, and reports the median
 step time and the step's peak resident-set growth over the state it leaves (VmHWM after the step
 minus VmRSS before it, with the AdamW state already allocated by two warm-up steps). This is the
-measurement behind `node/optim.py`'s choice of implementation.
+measurement behind `node/rank/optim.py`'s choice of implementation.
 """
 
 from __future__ import annotations

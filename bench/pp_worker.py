@@ -1,6 +1,6 @@
 """One rank of the pipeline-parallel baseline: `python -m xronos.bench.pp_worker CONFIG.json`.
 
-A thin caller of the rank runtime (`xronos.node.runtime`), with a pipeline stage as its engine.
+A thin caller of the rank runtime (`xronos.node.rank.lifecycle`), with a pipeline stage as its engine.
 Rank 0 reads the data (the trainer's own BatchSource, so the batches are the TP runs' batches)
 and broadcasts each global batch; it is split into micro-batches that flow through the stages in
 a 1F1B schedule: activations forward and gradients backward over Gloo point-to-point through the
@@ -26,11 +26,12 @@ from pydantic import Field
 from xronos.bench.baseline import Baseline
 from xronos.bench.pp_model import Stage, StageSpan, num_blocks
 from xronos.node.data.batches import Batch
-from xronos.node.optim import adamw
+from xronos.node.rank.optim import adamw
 from xronos.node.runconfig import RankConfig
-from xronos.node.runtime import (
-    LocalFiles, MetricsFile, Rank, RankResult, WeightSource, main_process, read_settings, run,
+from xronos.node.rank.lifecycle import (
+    LocalFiles, MetricsFile, Rank, RankResult, WeightSource, read_settings, run,
 )
+from xronos.node.rank.spawn import main_process
 from xronos.node.tp.group import TPGroup
 
 

@@ -15,7 +15,7 @@ transformer blocks (full hidden size, heads, MLP width and vocabulary), batch 8,
 (CoLA), random weights, synthetic data; the profile cache is shared across runs, so a rank with a
 share already profiled reuses its profile, as a node would.
 
-`--malloc tuned` (the default, as `xronos.node.launch.rank_env` sets for every rank) runs profiles
+`--malloc tuned` (the default, as `xronos.node.rank.local.rank_env` sets for every rank) runs profiles
 and ranks with glibc's malloc never returning big blocks to the kernel (MALLOC_MMAP_MAX_=0,
 MALLOC_TRIM_THRESHOLD_=64 GiB): tensors above glibc's 32 MiB mmap ceiling are otherwise mmapped
 and page-faulted afresh every iteration, which makes wide layers superlinearly slow (and training

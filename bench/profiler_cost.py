@@ -29,7 +29,7 @@ def full_model_iteration_s(config: dict, task: str, batch: int, seq: int, iters:
     from xronos.node.models.registry import family_for
     from xronos.node.tp.group import TPGroup
     from xronos.node.tp.layout import ShardLayout
-    from xronos.node.trainer import clip_global_grad_norm
+    from xronos.node.rank.tpengine import clip_global_grad_norm
 
     family = family_for(config)
     group = TPGroup.single()

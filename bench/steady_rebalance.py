@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         model = write_checkpoint(work / "model", config)
         data = write_dataset(work / "data.jsonl", args.batch_size * args.steps + 8, args.seq_len, config["vocab_size"])
-        from xronos.node.validate import model_sizes
+        from xronos.node.rank.validate import model_sizes
 
         sizes = model_sizes(str(model))
         load = {"loadavg_before": os.getloadavg()}

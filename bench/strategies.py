@@ -237,7 +237,7 @@ def cell_recipe(ctx: Ctx, lora: LoraSpec | None = None) -> Recipe:
 
 
 def run_tp(ctx: Ctx, layout, tag: str) -> dict:
-    from xronos.node.launch import launch_local
+    from xronos.node.rank.local import launch_local
     from xronos.node.runconfig import RunConfig
 
     metrics = ctx.work / f"metrics-{tag}.json"
@@ -287,7 +287,7 @@ def pp_plan(ctx: Ctx, profiles: dict[str, dict]):
 
 def run_pp(ctx: Ctx, plan) -> dict:
     from xronos.bench.pp_worker import PPRankConfig
-    from xronos.node.launch import spawn_ranks
+    from xronos.node.rank.local import spawn_ranks
 
     if len(plan.stages) < 2:
         raise ValueError("the pipeline plan put the whole model on one device; nothing to pipeline")
@@ -307,7 +307,7 @@ def run_pp(ctx: Ctx, plan) -> dict:
 # -- transformers' TP ---------------------------------------------------------------------------
 def run_hftp(ctx: Ctx) -> dict:
     from xronos.bench.hftp_worker import HFTPRankConfig
-    from xronos.node.launch import spawn_ranks
+    from xronos.node.rank.local import spawn_ranks
 
     n = len(ctx.shares)
     metrics = ctx.work / "metrics-hftp.json"

@@ -116,7 +116,7 @@ def calibrate() -> float:
 
 def run_case(speeds: list[float], work: list[float], *, segment_ms: float, barriers: int, iters: int, warmup: int,
              estimator: str, pin: bool, free_link: bool, window: int = 32) -> list[dict]:
-    from xronos.node.launch import free_port
+    from xronos.node.rank.local import free_port
 
     port, per_ms = free_port(), calibrate()
     with tempfile.TemporaryDirectory(prefix="xronos-vclock-") as tmp:

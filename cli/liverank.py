@@ -1,30 +1,29 @@
 """One rank of `xronos run --rebalance`: `python -m xronos.cli.liverank CONFIG.json`.
 
-The rank of `xronos.node.worker` with one more part, composed here because it joins two planes:
-the control source `xronos.node.relayout.LiveRebalance`, whose policy on rank 0 is the gateway's
+The rank of `xronos.node.rank.localrank` with one more part, composed here because it joins two planes:
+the control source `xronos.node.rank.relayout.LiveRebalance`, whose policy on rank 0 is the gateway's
 `Rebalancer` over the unit cost model (a local run has no profile: speeds are learnt from the
 measured per-kind compute alone) and no memory caps (a local run states none).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from xronos.gateway.plan.rebalance import NO_CAP, Rebalancer
 from xronos.gateway.plan.refit import unit_costs
-from xronos.node.relayout import LiveRebalance, unit_bytes
+from xronos.node.rank.relayout import LiveRebalance, unit_bytes
 from xronos.node.runconfig import RunConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, main_process, read_settings, run
-from xronos.node.trainer import TPEngine
+from xronos.node.rank.lifecycle import LocalFiles, MetricsFile, read_settings, run
+from xronos.node.rank.spawn import main_process
+from xronos.node.rank.tpengine import TPEngine
 
 
-def make_policy(engine: Any, world_size: int) -> Rebalancer:
+def make_policy(engine: TPEngine, world_size: int) -> Rebalancer:
     """The owner's policy for the engine's model, starting from its current layout."""
     model = engine.model
     return Rebalancer(engine.family.sizes(model.config), engine.layout.layout(),
                       unit_costs([f"rank{r}" for r in range(world_size)]), [NO_CAP] * world_size,
                       unit_bytes(engine.family, model.config, model.task,
-                                 moments=0 if getattr(engine, "lora", None) is not None else 2))
+                                 moments=0 if engine.lora is not None else 2))
 
 
 def main(argv: list[str]) -> int:

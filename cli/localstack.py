@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xronos.cli.mqttclient import GatewayClient
-from xronos.node.launch import free_port
+from xronos.node.rank.local import free_port
 from xronos.protocol.transport import BrokerSettings
 
 

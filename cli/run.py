@@ -75,7 +75,7 @@ def parse_units(text: str) -> list[int]:
 
 def resolve_layout(args: argparse.Namespace):
     """The layout from --layout or --units (with --strategy it is planned instead)."""
-    from xronos.node.validate import check_units, model_sizes
+    from xronos.node.rank.validate import check_units, model_sizes
     from xronos.protocol.layout import Layout
 
     if args.layout is not None and args.units is not None:
@@ -150,7 +150,7 @@ _RULE_NAMES = (("epochs/max_steps", "--max-steps"), ("data_format:", "--data-for
 
 def handle(args: argparse.Namespace) -> int:
     from xronos.cli.strategy import confinement, plan_run
-    from xronos.node.validate import preflight
+    from xronos.node.rank.validate import preflight
 
     if args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
@@ -181,7 +181,7 @@ def check_planner_flags(args: argparse.Namespace) -> None:
 
 
 def uniform_layout(args: argparse.Namespace):
-    from xronos.node.validate import model_sizes
+    from xronos.node.rank.validate import model_sizes
     from xronos.protocol.layout import Layout
 
     sizes = model_sizes(str(Path(args.model).resolve()))
@@ -193,8 +193,8 @@ def _launch(args: argparse.Namespace, layout, wrap, planned=None) -> int:
     import tempfile
 
     from xronos.cli.strategy import report_run
-    from xronos.node.launch import RankFailed, launch_local
-    from xronos.node.validate import preflight
+    from xronos.node.rank.local import RankFailed, launch_local
+    from xronos.node.rank.validate import preflight
 
     cfg = config_from_args(args, layout)
     pre = preflight(cfg, args.nodes)
@@ -211,7 +211,7 @@ def _launch(args: argparse.Namespace, layout, wrap, planned=None) -> int:
             cfg = cfg.model_copy(update={"metrics_path": str(Path(tmp) / "metrics.json")})
         try:
             launch_local(cfg, args.nodes, wrap=wrap,
-                         module="xronos.cli.liverank" if cfg.rebalance else "xronos.node.worker")
+                         module="xronos.cli.liverank" if cfg.rebalance else "xronos.node.rank.localrank")
         except RankFailed as exc:
             print(f"xronos run: error: {exc}", file=sys.stderr)
             return 1

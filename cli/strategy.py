@@ -37,7 +37,7 @@ def profile_ranks(model_dir: str, key: ProfileKey, threads: int, n: int, *, wrap
                   iters: int = 10, cache_dir: str | None = None) -> list[ProfileReport]:
     """One ProfileReport per rank (node id `rank{r}`), each measured in its own process under the
     run's profile key (under LoRA the run's adapters on a frozen base: its own profile)."""
-    from xronos.node.launch import rank_env
+    from xronos.node.rank.spawn import rank_env
 
     env = rank_env(threads)
     reports = []

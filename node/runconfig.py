@@ -7,12 +7,12 @@ one file per rank:
 - `RunConfig(RankConfig)`: our TP engine's rank — the world's per-segment `layout` (world size =
   `layout.world_size`), forced or live re-shards. `xronos run` writes one per rank;
   `RunConfig.for_job(spec, ...)` is the one a job's rank takes from its JobSpec;
-- `JobRankConfig`: a job's rank process (`xronos.node.jobproc`): its `RunConfig` plus what a job
+- `JobRankConfig`: a job's rank process (`xronos.node.rank.jobrank`): its `RunConfig` plus what a job
   adds (ids, checkpoints, resume, the node's allowed directories, the events pipe).
 
 Everything is identical across ranks except `rank`. What only the owner can know (the data's
 size, the tokenizer's pad id, the classes it decided from the data, config.json for ranks without
-model files) is not a setting: the runtime shares it at start (`xronos.node.runtime.Facts`).
+model files) is not a setting: the runtime shares it at start (`xronos.node.rank.lifecycle.Facts`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class RankConfig(BaseModel):
 
 class ReshardAt(BaseModel):
     """A forced live re-shard: at the boundary before step `step` every rank moves to `layout`
-    (`xronos run --reshard-at STEP:LAYOUT`, for testing the move; `xronos.node.relayout`)."""
+    (`xronos run --reshard-at STEP:LAYOUT`, for testing the move; `xronos.node.rank.relayout`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -114,7 +114,7 @@ class RunConfig(RankConfig):
 
 
 class JobRankConfig(BaseModel):
-    """One rank process of an MQTT job, as the node service writes it (`xronos.node.child`)."""
+    """One rank process of an MQTT job, as the node service writes it (`xronos.node.rank.process`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -145,7 +145,7 @@ class JobCancel(_Control):
 class JobReshard(_Control):
     """Gateway -> the owner (rank 0): move the running job to `layout` (same ranks) at the iteration
     boundary before step `at_step` (0-based; or the first boundary after it, when the order comes
-    late); the owner broadcasts it to every rank through the job's group (`xronos.node.jobproc`)."""
+    late); the owner broadcasts it to every rank through the job's group (`xronos.node.rank.jobrank`)."""
 
     action: Literal["reshard"] = "reshard"
     at_step: Count

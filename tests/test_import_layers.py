@@ -74,7 +74,7 @@ def _plane(mod: str) -> str:
 
 def test_the_planes_import_only_what_the_house_allows() -> None:
     graph = _graph()
-    assert "xronos.node.runtime" in graph and "xronos.cli.main" in graph and "xronos.common.configfile" in graph
+    assert "xronos.node.rank.lifecycle" in graph and "xronos.cli.main" in graph and "xronos.common.configfile" in graph
     bad = sorted(f"{a} imports {b}" for a, bs in graph.items() for b in bs
                  if _plane(b) != _plane(a) and _plane(b) not in MAY_IMPORT[_plane(a)])
     assert bad == [], "\n".join(bad)
@@ -150,6 +150,17 @@ ROOMS = {
     "xronos.gateway.job": ("xronos.gateway.plan", "xronos.gateway.registry"),
     "xronos.node.box": ("xronos.node.emulate",),  # this box and the bounds of its children: low
     "xronos.node.data": ("xronos.node.models", "xronos.node.tp", "xronos.node.runconfig"),
+    # a training rank: of measuring, only the two probes every rank process runs under (its own
+    # memory watch and the allocator setting), which import nothing of the node
+    "xronos.node.rank": ("xronos.node.box", "xronos.node.data", "xronos.node.emulate", "xronos.node.models",
+                         "xronos.node.tp", "xronos.node.runconfig", "xronos.node.measure.memwatch",
+                         "xronos.node.measure.allocator"),
+    # measuring runs what a rank runs (its optimizer, its child processes): above the rank
+    "xronos.node.measure": ("xronos.node.rank", "xronos.node.box", "xronos.node.data", "xronos.node.emulate",
+                            "xronos.node.models", "xronos.node.tp", "xronos.node.runconfig"),
+    # the probes a rank runs under: nothing of the node
+    "xronos.node.measure.memwatch": (),
+    "xronos.node.measure.allocator": (),
 }
 # Rooms at the top of their plane: nothing else in the plane imports them.
 TOP_ROOMS = ("xronos.node.agent",)
@@ -162,7 +173,8 @@ def _in(mod: str, prefix: str) -> bool:
 def test_the_rooms_of_a_plane_import_only_downwards() -> None:
     graph = _graph()
     assert {"xronos.gateway.plan.planner", "xronos.gateway.job.machine", "xronos.node.agent.service",
-            "xronos.node.box.limits", "xronos.node.data.batches"} <= graph.keys()
+            "xronos.node.box.limits", "xronos.node.data.batches", "xronos.node.rank.lifecycle",
+            "xronos.node.measure.memwatch"} <= graph.keys()
     bad = []
     for room, allowed in ROOMS.items():
         plane = room.rsplit(".", 1)[0]

@@ -31,7 +31,7 @@ PENDING_STEPS = 16  # incomplete steps kept while waiting for slower ranks' metr
 
 def unit_bytes(arch: m.ArchSpec, num_blocks: int, task: str, lora: bool) -> dict[str, float]:
     """Per kind, the bytes one unit moves in a re-shard, from the architecture (the gateway has no
-    torch: `xronos.node.relayout.unit_bytes` counts the built tensors instead): an attention unit
+    torch: `xronos.node.rank.relayout.unit_bytes` counts the built tensors instead): an attention unit
     is a KV head with its query heads (q, k, v, o rows/columns), an MLP column two or three
     vectors, a vocabulary row the embedding's (and an untied head's); fp32 weights with AdamW's
     two moments, or without moments under LoRA (the partitioned base is frozen)."""

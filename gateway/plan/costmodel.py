@@ -79,8 +79,8 @@ MiB per GPT-2-medium block (M_w 48.1, M_a 7.0) and 27.1 per RoBERTa-base block a
 M_a 10.5, larger than its gradients: the embedding's and the head's gradients make G the larger
 in total); bench/results/mem-peak-v10.md.
 Measured on real `xronos run` ranks (`python -m xronos.bench.mem_peak`), this is within
-a few percent of VmHWM; the optimizer state is allocated at build (`node/optstate.py`) and the
-clipping pass is chunked (`node/gradnorm.py`), without which neither term would hold.
+a few percent of VmHWM; the optimizer state is allocated at build (`node/rank/optstate.py`) and the
+clipping pass is chunked (`node/rank/gradnorm.py`), without which neither term would hold.
 Rank 0, the owner (`NodeCost.owner`, set by the planner for the first node), also holds the data
 stack (`owner_bytes`, measured by the profile) and gathers the export at the end
 (`owner_peak`): its peak is the higher of the two.
@@ -409,7 +409,7 @@ def owner_peak(node: NodeCost, model: float, train: float, shares: Shares) -> fl
     the merged model (`export_all` False) only the adapters and a classifier's head are gathered.
     A job's consolidated checkpoint (`checkpoints`) gathers the trained tensors and both their
     AdamW moments: three times the trained bytes, the whole weights in full fine-tuning, the
-    adapters and head under LoRA (from `node/checkpoint.py`; not measured yet). A profile that did
+    adapters and head under LoRA (from `node/rank/checkpoint.py`; not measured yet). A profile that did
     not measure the process (runtime_bytes 0, from before profiler version 6) predicts Eq. 8 for
     the owner too."""
     if node.mem_runtime <= 0:

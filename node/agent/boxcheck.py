@@ -72,7 +72,7 @@ def owner_arch(spec: m.JobSpec) -> tuple[m.ArchSpec, str] | None:
     rank reports that)."""
     try:
         from xronos.node.models.registry import arch_spec
-        from xronos.node.validate import read_config
+        from xronos.node.rank.validate import read_config
 
         return m.ArchSpec(**arch_spec(read_config(spec.recipe.model_dir), spec.recipe.task)), spec.recipe.task
     except (OSError, ValueError, TypeError, KeyError):

@@ -70,7 +70,7 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     naming the problem otherwise."""
     from xronos.node.data.batches import load_tokenizer
     from xronos.node.models.registry import arch_spec, family_for
-    from xronos.node.validate import check_checkpoint, check_dataset, check_lora, read_config
+    from xronos.node.rank.validate import check_checkpoint, check_dataset, check_lora, read_config
 
     allowed = list(allowed_dirs)
     r = confined_spec(spec, allowed, reserved).recipe
@@ -134,7 +134,7 @@ def assignment_problem(a: Assignment, spec: JobSpec) -> str | None:
 
 def _model_sizes(model_dir: str):
     from xronos.node.models.registry import family_for
-    from xronos.node.validate import read_config
+    from xronos.node.rank.validate import read_config
 
     try:
         config = read_config(model_dir)

@@ -1,7 +1,7 @@
 """The node agent (`xronos node --config node.toml`): announce, profile, inspect, train on assignment.
 
 One control loop reads the bus and never blocks on work: inspections and profiles run on one
-worker thread, training runs in a child process (`node.child`). Everything the node tells the
+worker thread, training runs in a child process (`node/rank/process.py`). Everything the node tells the
 world goes out from this loop: retained availability (last-will `offline`) and capabilities,
 re-published on every reconnect; profile reports; inspection reports; assignment acks; per-
 iteration metrics; and the retained NodeJobStatus a restarted gateway reconciles from. An
@@ -46,10 +46,11 @@ from xronos.node.agent.config import NodeConfig, detect_data_host, job_dir
 from xronos.node.agent.jobcheck import assignment_problem
 from xronos.node.agent.owncaps import OwnCapabilities
 from xronos.node.box import limits
+from xronos.node.rank import messages as msg
+from xronos.node.rank.messages import order_for
 from xronos.protocol import hastate
 from xronos.protocol import messages as m
 from xronos.protocol.dispatch import Dispatcher
-from xronos.protocol.layout import Layout
 from xronos.protocol.ownavail import OwnAvailability
 from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BusBase, MqttBus
@@ -80,7 +81,7 @@ class NodeService:
         self.outbox: queue.Queue[Any] = queue.Queue()  # messages the worker thread wants published
         self.assignment: m.Assignment | None = None
         self.spec: m.JobSpec | None = None  # the assignment's spec, owner paths confined
-        self.child: Any = None  # RankProcess
+        self.child: Any = None  # node/rank/process.py's RankProcess
         self.status: m.NodeJobStatus | None = None
         self.last_shares: tuple[float, float] | None = None
         self._pending: set[str] = set()  # request ids queued or running on the worker thread
@@ -394,13 +395,12 @@ class NodeService:
                 raise ValueError(f"reshard for {c.job_id}: layout has {c.layout.world_size} ranks, "
                                  f"the job {a.world_size}")
             if self.child is not None:  # the owner broadcasts it to every rank at the boundary
-                self.child.send("reshard", at_step=c.at_step, layout=c.layout.model_dump(mode="json"),
-                                reason=c.reason)
+                self.child.send(order_for(c))
         elif self.child is not None:
-            self.child.send(c.action)
+            self.child.send(order_for(c))
 
     def _start_child(self, a: m.Assignment) -> None:
-        from xronos.node.child import RankProcess, child_env
+        from xronos.node.rank.process import RankProcess, child_env
         from xronos.node.runconfig import JobRankConfig, RunConfig
 
         assert self.spec is not None
@@ -415,7 +415,7 @@ class NodeService:
                                allowed_dirs=[str(d) for d in self.cfg.allowed_dirs])
         ifname = self.cfg.data_interface or ("lo" if a.rendezvous_host.startswith("127.") else None)
         for old in self._leaving:  # a rank still in its grace holds memory and ports the new one needs
-            old.box.kill()
+            old.process.kill()
         self.child = RankProcess(jobdir / f"v{a.plan_version}", config, child_env(threads, ifname),
                                  limits=self._child_limits())
 
@@ -448,40 +448,39 @@ class NodeService:
             child.kill(0)
             self.child = None
 
-    def _child_event(self, a: m.Assignment, ev: dict[str, Any]) -> None:
-        kind = ev.pop("type")
-        if kind == "metrics":
+    def _child_event(self, a: m.Assignment, ev: msg.RankEvent) -> None:
+        """One typed event of the rank (node/rank/messages.py) as this node's job status or metrics."""
+        now = self.status.status if self.status else "running"
+        if isinstance(ev, msg.Metrics):
             self._metrics(a, ev)
-        elif kind == "status":
-            self._set_status(ev["status"])
-        elif kind == "eval":
-            key = "eval_initial" if ev["when"] == "before" else "eval_metric"
-            self._set_status(self.status.status if self.status else "running",
-                             **{key: ev["metric"], "eval_metric_name": ev["name"]})
-        elif kind == "checkpoint":
-            self._set_status("running", checkpoint_step=ev["step"], step=ev["step"])
-        elif kind == "completed":
-            self._set_status("completed", step=ev["step"], epoch=ev["epoch"], export_dir=ev["export_dir"])
-        elif kind in ("failed", "cancelled"):
-            self._set_status(kind, detail=(ev.get("detail") or "")[:2000] or None,
-                             job_fault=ev.get("job_fault") is True)
-        elif kind == "resharded":  # the owner's: the gateway hears the step the ranks moved at
-            log.info(kind, job_id=a.job_id, **ev)
-            self._set_status(self.status.status if self.status else "running", reshard_step=ev["step"],
-                             reshard_layout=Layout.parse(ev["layout"]), reshard_s=ev.get("seconds"),
-                             reshard_bytes=ev.get("moved_bytes"))
-        elif kind == "reshard_refused":  # the owner's: the gateway drops the order it had pending
-            log.warning(kind, job_id=a.job_id, **ev)
-            self._set_status(self.status.status if self.status else "running",
-                             reshard_refused=str(ev.get("detail") or "refused")[:256])
+        elif isinstance(ev, msg.Status):
+            self._set_status(ev.status)
+        elif isinstance(ev, msg.Evaluated):
+            key = "eval_initial" if ev.when == "before" else "eval_metric"
+            self._set_status(now, **{key: ev.metric, "eval_metric_name": ev.name})
+        elif isinstance(ev, msg.Checkpointed):
+            self._set_status("running", checkpoint_step=ev.step, step=ev.step)
+        elif isinstance(ev, msg.Completed):
+            self._set_status("completed", step=ev.step, epoch=ev.epoch, export_dir=ev.export_dir)
+        elif isinstance(ev, msg.Failed):
+            self._set_status("failed", detail=ev.detail or None, job_fault=ev.job_fault)
+        elif isinstance(ev, msg.Cancelled):
+            self._set_status("cancelled", detail=None, job_fault=False)
+        elif isinstance(ev, msg.Resharded):  # the owner's: the gateway hears the step the ranks moved at
+            log.info("resharded", job_id=a.job_id, step=ev.step, layout=ev.layout.to_text(), reason=ev.reason)
+            self._set_status(now, reshard_step=ev.step, reshard_layout=ev.layout, reshard_s=ev.seconds,
+                             reshard_bytes=ev.moved_bytes)
+        elif isinstance(ev, msg.ReshardRefused):  # the owner's: the gateway drops the order it had pending
+            log.warning("reshard_refused", job_id=a.job_id, detail=ev.detail)
+            self._set_status(now, reshard_refused=ev.detail[:256] or "refused")
 
-    def _metrics(self, a: m.Assignment, ev: dict[str, Any]) -> None:
-        self.bus.publish_message(m.IterationMetrics(job_id=a.job_id, plan_version=a.plan_version,
-                                                    node_id=self.node_id, rank=a.rank, **ev), node_id=self.node_id)
-        if ev["iteration_s"] > 0:
-            self.last_shares = hastate.iteration_shares(ev["compute_s"], ev["idle_s"], ev["iteration_s"])
+    def _metrics(self, a: m.Assignment, ev: msg.Metrics) -> None:
+        self.bus.publish_message(m.IterationMetrics(job_id=a.job_id, plan_version=a.plan_version, node_id=self.node_id,
+                                                    rank=a.rank, **ev.numbers()), node_id=self.node_id)
+        if ev.iteration_s > 0:
+            self.last_shares = hastate.iteration_shares(ev.compute_s, ev.idle_s, ev.iteration_s)
         if self.status is not None:
-            self.status = self.status.model_copy(update={"step": ev["step"], "epoch": ev["epoch"]})
+            self.status = self.status.model_copy(update={"step": ev.step, "epoch": ev.epoch})
 
 
 def _warm_up() -> None:

@@ -3,7 +3,7 @@ tokenises on demand, and every rank receives each batch as tensors.
 
 Only rank 0 ever builds a `BatchSource` (`owner_batches`); a `BatchChannel` brings each batch to
 every rank. What the other ranks must know of the data before they build their model (row counts,
-pad token, segment ids, the classes) the rank runtime shares once (`xronos.node.runtime.Facts`).
+pad token, segment ids, the classes) the rank runtime shares once (`xronos.node.rank.lifecycle.Facts`).
 Batches are consecutive rows (no shuffle) or a seeded shuffle with a new permutation per epoch,
 always of exactly `batch_size` rows (the last incomplete batch of an epoch is dropped). The
 evaluation set is the held-out tail of the file.

@@ -3,7 +3,7 @@
 glibc hands every block above its mmap threshold (at most 32 MiB) back to the kernel when it is
 freed, so each iteration page-faults its large activations, gradients and optimizer temporaries in
 afresh: a GPT-2-medium 2-block iteration took 4.0 s instead of 2.35 s here (bench/prediction_error,
---malloc glibc vs tuned). Training ranks keep those blocks in the heap (`xronos.node.launch.rank_env`
+--malloc glibc vs tuned). Training ranks keep those blocks in the heap (`xronos.node.rank.local.rank_env`
 sets glibc's environment variables); the profiler must measure under the same setting, or it
 predicts a cost the trainer never pays: the vocabulary-sized GPT-2-medium embedding profiled at
 2.0 s per iteration untuned, 0.73 s tuned.

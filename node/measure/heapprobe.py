@@ -9,7 +9,7 @@ depth — every block's saved activations and gradients cycle through the heap o
 
 `measure` builds the job's model with `blocks` transformer blocks at full width (rank 0 of a
 two-rank world holding everything, `TPGroup.alone`), its AdamW state allocated at build as the
-trainer does (`node/optstate.py`), and runs the trainer's iteration (forward, backward, the
+trainer does (`node/rank/optstate.py`), and runs the trainer's iteration (forward, backward, the
 chunked clipping pass, the fused step, `zero_grad(set_to_none=True)`) until glibc's heap stops
 growing, then once more under torch's memory profiler: slack = the heap's span minus (bytes in
 use before + c10's peak above them), as `ProfilingSet.heap_slack`, without the timing hooks.
@@ -26,7 +26,7 @@ do not level off with depth (medians at 1, 4, 6 blocks of the grid's RoBERTa sha
 38, 74, 104 MiB; the line through the first two gives 98 at six), so no cap is put on the growth
 (bench/results/mem-peak-v9.md).
 
-    python -m xronos.node.box.boxed xronos.node.measure.heapprobe REQUEST.json  # a child: prints {"slack": bytes, ...}
+    python -m xronos.node.box.boxed xronos.node.measure.heapprobe REQUEST.json  # a child: sends {"slack": bytes, ...}
 
 The profiler (`node/measure/profiler.py`) measures one block at full width (once: the costliest probe) and
 at its smallest width, and the growth with depth at the smallest width (cheap there, and the
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,13 +66,13 @@ def measure(config: dict[str, Any], task: str, layout: dict[str, tuple[int, int]
     module docstring); {} without glibc's mallinfo2."""
     import torch
 
-    from xronos.node.gradnorm import squared_norm
+    from xronos.node.rank.gradnorm import squared_norm
     from xronos.node.measure import memwatch
     from xronos.node.measure.memprobe import AllocTrace
     from xronos.node.models.loading import init_random
     from xronos.node.models.registry import family_for
-    from xronos.node.optim import adamw
-    from xronos.node.optstate import allocate_state
+    from xronos.node.rank.optim import adamw
+    from xronos.node.rank.optstate import allocate_state
     from xronos.node.tp.group import TPGroup
     from xronos.node.tp.layout import ShardLayout
     from xronos.node.tp.lora import LoraSettings, add_lora
@@ -96,7 +95,7 @@ def measure(config: dict[str, Any], task: str, layout: dict[str, tuple[int, int]
     mask = torch.ones(batch, seq, dtype=torch.long)
     labels = torch.randint(0, model.num_labels, (batch,), generator=g) if task == "classify" else ids.clone()
 
-    def iteration() -> None:  # the trainer's step (node/trainer.train_step), alone
+    def iteration() -> None:  # the trainer's step (node/rank/tpengine.train_step), alone
         loss = model(ids, mask, labels)
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -129,28 +128,23 @@ def measure_in_child(job: dict[str, Any], threads: int, timeout_s: float = 1800.
     """`measure(**job)` in a fresh process under the ranks' environment; RuntimeError if it fails."""
     import tempfile
 
-    from xronos.node.box.limits import Child, boxed_argv
-    from xronos.node.launch import rank_env
+    from xronos.node.rank.spawn import ChildProcess, rank_env
 
     with tempfile.TemporaryDirectory(prefix="xronos-heapprobe-") as tmp:
         req = Path(tmp) / "request.json"
         req.write_text(json.dumps(job))
-        # Boxed without limits of its own: it dies with the profile child and is inside that
-        # child's cgroups and rlimits, which it inherits (node/box/limits.py).
-        child = Child(boxed_argv("xronos.node.measure.heapprobe", str(req)), rank_env(threads), None, "heapprobe",
-                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Without limits of its own: it dies with the profile child and is inside that child's
+        # cgroups and rlimits, which it inherits (node/box/limits.py).
+        child = ChildProcess("xronos.node.measure.heapprobe", str(req), env=rank_env(threads), name="heapprobe",
+                             events=True)
         try:
-            out, err = child.proc.communicate(timeout=timeout_s)
+            code = child.wait(timeout_s)
         finally:
-            if child.proc.poll() is None:
-                child.kill()
-                child.proc.wait()
-            child.reaped()
-    code = child.proc.returncode
-    if code != 0:
-        tail = "\n".join([ln for ln in err.splitlines() if ln.strip()][-15:])
-        raise RuntimeError(f"the heap probe ({job.get('blocks')} blocks) failed ({child.why(code)}):\n{tail}")
-    return json.loads(out.strip().splitlines()[-1])
+            child.close()
+    lines = child.drain_lines()
+    if code != 0 or not lines:
+        raise RuntimeError(f"the heap probe ({job.get('blocks')} blocks) failed ({child.why()}):\n{child.tail(15)}")
+    return json.loads(lines[-1])
 
 
 DEPTH = 4  # the second depth: three more blocks than one, so that each block's growth is the
@@ -182,9 +176,11 @@ def main(argv: list[str]) -> int:
         return 2
     import torch
 
+    from xronos.node.rank.spawn import send_result
+
     job = json.loads(Path(argv[1]).read_text())
     torch.set_num_threads(int(job.pop("threads", 1)))
-    print(json.dumps(measure(**job)))
+    send_result(measure(**job))  # on the events pipe of `measure_in_child`
     return 0
 
 

@@ -4,16 +4,16 @@ The service is long-lived and small; a profile allocates a full-width block, its
 AdamW state. Running it in a child (a) measures under the allocator setting the training ranks use
 (`xronos.node.measure.allocator`), which a running process cannot take on without keeping its peak heap
 for life, (b) hands every byte back to the box when it ends, and (c) keeps a crash or the OOM
-killer away from the service. The child runs boxed (`node/box/limits.py`): under the box's memory and
-task limits, in its own process group, dying with its parent (PR_SET_PDEATHSIG), as its heap
-probes do.
+killer away from the service. The child is started as every child of the node is
+(`xronos.node.rank.spawn.ChildProcess`): boxed under the box's memory and task limits, in its own
+process group, dying with its parent, as its heap probes are; its report comes back on its events
+pipe.
 
-    python -m xronos.node.box.boxed xronos.node.measure.profilechild REQUEST.json REPORT.json
+    python -m xronos.node.box.boxed xronos.node.measure.profilechild REQUEST.json
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -45,42 +45,37 @@ class ProfileJob(BaseModel):
 def profile_in_child(job: ProfileJob, timeout_s: float = 3600.0, limits: ChildLimits | None = None) -> ProfileReport:
     """Run `job` in a fresh process with the ranks' environment, boxed by `limits` (node/box/limits.py);
     its report, or RuntimeError with the tail of what it printed (and the limit, if it ended it)."""
-    from xronos.node.box.limits import Child, boxed_argv
-    from xronos.node.launch import rank_env
+    from xronos.node.rank.spawn import ChildProcess, rank_env
 
     with tempfile.TemporaryDirectory(prefix="xronos-profile-") as tmp:
-        req, out = Path(tmp) / "request.json", Path(tmp) / "report.json"
+        req = Path(tmp) / "request.json"
         req.write_text(job.model_dump_json())
-        child = Child(boxed_argv("xronos.node.measure.profilechild", str(req), str(out)), rank_env(job.threads), limits,
-                      "profile", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                      text=True)
-        proc = child.proc
+        child = ChildProcess("xronos.node.measure.profilechild", str(req), env=rank_env(job.threads), name="profile",
+                             limits=limits, events=True)
         try:
-            _, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+            code = child.wait(timeout_s)
+        except TimeoutError:
             raise RuntimeError(f"profiling did not finish within {timeout_s:.0f} s") from None
         finally:
-            if proc.poll() is None:
-                child.kill()
-                proc.wait()
-            why = child.why(proc.returncode)
-            child.reaped()
-        if proc.returncode == REFUSED:
-            raise RuntimeError(err.strip()[-2000:])
-        if proc.returncode != 0:
-            tail = "\n".join([ln for ln in err.splitlines() if ln.strip()][-_TAIL_LINES:])
-            hint = "" if limits is None or "limit" in why else \
-                f"; it ran limited to {limits.describe()}, and signal 9 is usually the OOM killer"
-            raise RuntimeError(f"the profiling process failed ({why}{hint}):\n{tail}")
-        return ProfileReport.model_validate_json(out.read_text())
+            child.close()
+    if code == REFUSED:
+        raise RuntimeError(child.tail(200)[-2000:])
+    lines = child.drain_lines()
+    if code != 0 or not lines:
+        why = child.why()
+        hint = "" if limits is None or "limit" in why else \
+            f"; it ran limited to {limits.describe()}, and signal 9 is usually the OOM killer"
+        raise RuntimeError(f"the profiling process failed ({why}{hint}):\n{child.tail(_TAIL_LINES)}")
+    return ProfileReport.model_validate_json(lines[-1])
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
-        print("usage: python -m xronos.node.measure.profilechild REQUEST.json REPORT.json", file=sys.stderr)
+    if len(argv) != 2:
+        print("usage: python -m xronos.node.measure.profilechild REQUEST.json", file=sys.stderr)
         return 2
     from xronos.node.measure.profiler import profile
     from xronos.node.measure.profset import ProfileTooLarge
+    from xronos.node.rank.spawn import send_result
 
     job = ProfileJob.model_validate_json(Path(argv[1]).read_text())
     try:
@@ -92,15 +87,12 @@ def main(argv: list[str]) -> int:
     except ProfileTooLarge as exc:  # a refusal, not a crash: its sentence alone, no traceback
         print(exc, file=sys.stderr)
         return REFUSED
-    out = Path(argv[2])
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(report.model_dump_json())
-    tmp.replace(out)
+    send_result(report)
     return 0
 
 
 if __name__ == "__main__":
     # the loopback Gloo pair of the collective probe outlives its groups by a little: end as a rank does
-    from xronos.node.runtime import main_process  # not at the top: the service imports this module
+    from xronos.node.rank.spawn import main_process  # not at the top: the service imports this module
 
     main_process(main)

@@ -19,12 +19,12 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from xronos.node.emulate import pacer, process_clock
-from xronos.node.gradnorm import squared_norm
+from xronos.node.rank.gradnorm import squared_norm
 from xronos.node.measure.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.models.loading import init_random
 from xronos.node.models.registry import family_for
-from xronos.node.optim import adamw
-from xronos.node.optstate import allocate_state
+from xronos.node.rank.optim import adamw
+from xronos.node.rank.optstate import allocate_state
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import InRegion
 from xronos.node.tp.layout import ShardLayout
@@ -194,7 +194,7 @@ class ProfilingSet:
         # elementwise). The per-layer optimizers above are for memory(): each layer's own state.
         trained = [p for ps in self.groups.values() for p in ps if p.requires_grad]
         self.opt_all = adamw(trained, lr=2e-5, weight_decay=weight_decay)
-        # Its state up front, as the trainer allocates it at build (node/optstate.py): created
+        # Its state up front, as the trainer allocates it at build (node/rank/optstate.py): created
         # lazily inside the first step, above that iteration's gradients, it leaves holes the
         # next gradients do not fit: the heap's slack measured here was 323 MiB on a
         # MobileLLaMA-1.4B block at full width, 96 MiB with the trainer's order.

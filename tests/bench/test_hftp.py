@@ -9,7 +9,7 @@ import pytest
 
 from benchkit import TINY, _data, _reference
 from xronos.bench.hftp_worker import HFTPRankConfig, supported
-from xronos.node.launch import spawn_ranks
+from xronos.node.rank.local import spawn_ranks
 from xronos.bench.workloads import SHAPES, write_checkpoint
 
 

@@ -105,9 +105,9 @@ def test_tp_run_through_the_network_equals_loopback(netns, tmp_path: Path) -> No
     # and the hf-tp/pp tests use the same reference); so the network run is held to that reference
     # rather than to a second, loopback, launch: half the time on this shared machine.
     from xronos.bench.workloads import write_checkpoint
-    from xronos.node.launch import launch_local
+    from xronos.node.rank.local import launch_local
     from xronos.node.runconfig import RunConfig
-    from xronos.node.validate import model_sizes
+    from xronos.node.rank.validate import model_sizes
     from xronos.protocol.layout import Layout
 
     model = write_checkpoint(tmp_path / "model", TINY["gpt2"])

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from xronos.bench.pp_plan import InfeasiblePipeline, plan_pipeline
 from xronos.bench.pp_worker import PPRankConfig
-from xronos.node.launch import spawn_ranks
+from xronos.node.rank.local import spawn_ranks
 from xronos.bench.workloads import write_checkpoint
 
 from benchkit import TINY, _data, _reference

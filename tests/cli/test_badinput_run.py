@@ -28,7 +28,7 @@ def nothing_starts(monkeypatch):
     def refuse(*a, **kw):
         raise AssertionError("a process was spawned (or profiling began) for a run that should have been refused")
 
-    monkeypatch.setattr("xronos.node.launch.subprocess.Popen", refuse)
+    monkeypatch.setattr("xronos.node.rank.local.subprocess.Popen", refuse)
     monkeypatch.setattr("xronos.cli.strategy.plan_run", refuse)
 
 

@@ -29,7 +29,7 @@ def no_spawn(monkeypatch):
     def refuse(*a, **kw):
         raise AssertionError("a process was spawned for a run that should have been refused")
 
-    monkeypatch.setattr("xronos.node.launch.subprocess.Popen", refuse)
+    monkeypatch.setattr("xronos.node.rank.local.subprocess.Popen", refuse)
 
 
 def test_the_flag_is_documented() -> None:

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from xronos.node.relayout import move
-from xronos.node.runtime import Reshard
+from xronos.node.rank.relayout import move
+from xronos.node.rank.lifecycle import Reshard
 from xronos.protocol.layout import Layout, LayoutError, Sizes
 
 SIZES = Sizes(attn=12, mlp=100, vocab=128)

@@ -200,7 +200,7 @@ def test_bad_label_columns_are_named() -> None:
 
 
 def test_the_head_is_found_in_the_checkpoint(tmp_path: Path) -> None:
-    from xronos.node.validate import read_config
+    from xronos.node.rank.validate import read_config
 
     for family, task, head in (("gpt2", "classify", True), ("gpt2", "causal-lm", False),
                                ("llama", "causal-lm", False), ("bert", "classify", True),
@@ -210,7 +210,7 @@ def test_the_head_is_found_in_the_checkpoint(tmp_path: Path) -> None:
 
 
 def test_the_owner_batches_decide_labels_from_data_and_checkpoint(tmp_path: Path) -> None:
-    from xronos.node.validate import read_config
+    from xronos.node.rank.validate import read_config
 
     lm = runkit.make_model(tmp_path / "lm", "gpt2", "causal-lm", num_labels=2)  # no score head
     names = ["cat", "dog", "bird", "fish"]
@@ -226,7 +226,7 @@ def test_the_owner_batches_decide_labels_from_data_and_checkpoint(tmp_path: Path
 def test_the_runtime_shares_the_classes_the_owner_decided(tmp_path: Path) -> None:
     """The one facts mechanism (`runtime.share_facts`): the owner's classes, in config.json as every
     rank builds it and typed beside it."""
-    from xronos.node.runtime import share_facts
+    from xronos.node.rank.lifecycle import share_facts
 
     lm = runkit.make_model(tmp_path / "lm", "gpt2", "causal-lm", num_labels=2)  # no score head
     names = ["cat", "dog", "bird"]
@@ -245,7 +245,7 @@ def test_the_facts_travel_as_checked_json() -> None:
     """What a rank receives (the owner's `model_dump(mode="json")`) is checked field by field."""
     from pydantic import ValidationError
 
-    from xronos.node.runtime import Facts
+    from xronos.node.rank.lifecycle import Facts
 
     space = LabelSpace(("neg", "pos"), by_name=True)
     config = {"model_type": "gpt2", "pad_token_id": 0, **space.config_fields()}
@@ -330,7 +330,7 @@ def test_the_masked_loss_is_transformers_loss_on_the_answers(tmp_path: Path) -> 
     from xronos.node.models.loading import SafetensorsSource, materialize
     from xronos.node.models.registry import family_for
     from xronos.node.tp.layout import ShardLayout
-    from xronos.node.validate import read_config
+    from xronos.node.rank.validate import read_config
 
     model = runkit.make_model(tmp_path / "m", "llama", "causal-lm", chat=True)
     data = runkit.write_rows(tmp_path / "d.jsonl", [{"messages": m} for m in CONVERSATIONS])

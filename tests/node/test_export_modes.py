@@ -16,14 +16,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runkit  # noqa: E402
 
-from xronos.node.checkpoint import save_checkpoint  # noqa: E402
+from xronos.node.rank.checkpoint import save_checkpoint  # noqa: E402
 from xronos.node.models.adapters import save_lora_exports  # noqa: E402
 from xronos.node.models.export import gather_full, save_hf_dir  # noqa: E402
 from xronos.node.models.loading import SafetensorsSource, materialize  # noqa: E402
 from xronos.node.models.registry import family_for  # noqa: E402
 from xronos.node.models.stage import ordinary_mode, umask  # noqa: E402
-from xronos.node.optim import adamw  # noqa: E402
-from xronos.node.optstate import allocate_state  # noqa: E402
+from xronos.node.rank.optim import adamw  # noqa: E402
+from xronos.node.rank.optstate import allocate_state  # noqa: E402
 from xronos.node.tp.group import TPGroup  # noqa: E402
 from xronos.node.tp.layout import ShardLayout  # noqa: E402
 from xronos.node.tp.lora import add_lora  # noqa: E402

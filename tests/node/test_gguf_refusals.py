@@ -90,7 +90,7 @@ def nothing_starts(monkeypatch):
     def refuse(*a, **kw):
         raise AssertionError("a rank process was spawned for a run that should have been refused")
 
-    monkeypatch.setattr("xronos.node.launch.subprocess.Popen", refuse)
+    monkeypatch.setattr("xronos.node.rank.local.subprocess.Popen", refuse)
 
 
 def test_xronos_run_refuses_before_any_process(models, tmp_path, capsys, nothing_starts) -> None:

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 import runkit
-from xronos.node.launch import RankFailed, free_port, launch_local, rank_env
+from xronos.node.rank.local import RankFailed, free_port, launch_local
+from xronos.node.rank.spawn import rank_env
 from xronos.node.runconfig import RunConfig
-from xronos.node.validate import model_sizes
+from xronos.node.rank.validate import model_sizes
 from xronos.protocol.layout import Layout
 
 pytestmark = pytest.mark.slow
@@ -99,7 +100,7 @@ def test_unsupervised_ranks_exit_within_the_gloo_timeout(setup, tmp_path: Path) 
     for r in range(3):
         path = tmp_path / f"rank{r}.json"
         cfg.for_rank(r, port).write(path)
-        procs.append(subprocess.Popen([sys.executable, "-m", "xronos.node.worker", str(path)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "xronos.node.rank.localrank", str(path)],
                                       env=rank_env(1), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL))
     try:
         progressed = threading.Event()

@@ -13,7 +13,7 @@ import runkit
 from xronos.cli.main import main
 from xronos.node.runconfig import RunConfig
 from xronos.node.tp.lora import LoraSettings, check_targets
-from xronos.node.validate import check_lora, model_sizes, preflight, read_config
+from xronos.node.rank.validate import check_lora, model_sizes, preflight, read_config
 from xronos.protocol.layout import Layout
 from xronos.protocol.messages import JobSpec
 

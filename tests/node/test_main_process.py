@@ -15,7 +15,7 @@ import pytest
 
 CHILD = textwrap.dedent("""
     import atexit, sys
-    from xronos.node.runtime import main_process
+    from xronos.node.rank.spawn import main_process
 
     atexit.register(lambda: print("FINALISED", file=sys.stderr))
 

@@ -54,7 +54,7 @@ def test_export_replaces_links_instead_of_writing_through_them(tmp_path):
 
 
 def test_an_oversized_config_json_is_refused_before_it_is_read(tmp_path):
-    from xronos.node.validate import MAX_CONFIG_BYTES, read_config
+    from xronos.node.rank.validate import MAX_CONFIG_BYTES, read_config
 
     (tmp_path / "config.json").write_text("{}")
     assert read_config(tmp_path) == {}

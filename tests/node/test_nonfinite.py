@@ -19,9 +19,9 @@ from jobkit import job_spec, make_case, start_ranks, wait_ranks  # noqa: E402
 
 from xronos.cli.main import main  # noqa: E402
 from xronos.node.runconfig import RunConfig  # noqa: E402
-from xronos.node.runtime import JobFault, LocalFiles, run  # noqa: E402
-from xronos.node.trainer import TPEngine  # noqa: E402
-from xronos.node.validate import model_sizes  # noqa: E402
+from xronos.node.rank.lifecycle import JobFault, LocalFiles, run  # noqa: E402
+from xronos.node.rank.tpengine import TPEngine  # noqa: E402
+from xronos.node.rank.validate import model_sizes  # noqa: E402
 from xronos.protocol.layout import Layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -85,12 +85,12 @@ def test_a_diverging_job_fails_as_a_job_fault_keeping_its_last_checkpoint(tmp_pa
     events = wait_ranks(procs)
     assert [p.poll() for p in procs] == [1, 1]
     for rank_events in events:
-        failed = [e for e in rank_events if e["type"] == "failed"]
+        failed = [e for e in rank_events if e.kind == "failed"]
         assert len(failed) == 1 and failed[0]["job_fault"] is True, rank_events
-        assert not any(e["type"] == "completed" for e in rank_events)
-    stopped = int(STOPPED.search(failed[0]["detail"]).group(1))  # rank 1's; rank 0 stops at the same step
-    assert stopped == int(STOPPED.search([e for e in events[0] if e["type"] == "failed"][0]["detail"]).group(1))
-    saved = [e["step"] for e in events[0] if e["type"] == "checkpoint"]
+        assert not any(e.kind == "completed" for e in rank_events)
+    stopped = int(STOPPED.search(failed[0].detail).group(1))  # rank 1's; rank 0 stops at the same step
+    assert stopped == int(STOPPED.search([e for e in events[0] if e.kind == "failed"][0].detail).group(1))
+    saved = [e.step for e in events[0] if e.kind == "checkpoint"]
     assert saved and saved[-1] == stopped - 1  # every step before the one that failed was checkpointed
     state = json.loads((tmp_path / "ckpt" / "state.json").read_text())
     assert state["step"] == stopped - 1

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from xronos.node.gradnorm import CHUNK, all_finite, squared_norm
-from xronos.node.optim import adamw
-from xronos.node.optstate import allocate_state
+from xronos.node.rank.gradnorm import CHUNK, all_finite, squared_norm
+from xronos.node.rank.optim import adamw
+from xronos.node.rank.optstate import allocate_state
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -384,7 +384,7 @@ def test_heap_slack_sees_a_free_hole_in_the_heap() -> None:
     import subprocess
     import sys
 
-    from xronos.node.launch import rank_env
+    from xronos.node.rank.spawn import rank_env
     from xronos.node.measure import allocator
 
     def child(env: dict[str, str], hole: bool) -> dict:

@@ -7,9 +7,9 @@ import pytest
 from xronos.protocol.layout import Layout
 import torch
 
-from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, summarize
+from xronos.node.rank.metrics import IterationRecord, Rusage, comm_and_idle, format_table, summarize
 from xronos.node.tp.group import TPGroup
-from xronos.node.trainer import clip_global_grad_norm, lr_factor
+from xronos.node.rank.tpengine import clip_global_grad_norm, lr_factor
 
 
 def test_idle_is_own_time_beyond_the_fastest_rank_per_collective() -> None:
@@ -61,7 +61,7 @@ def test_peak_rss_is_the_process_own_not_its_parents() -> None:
     import sys
 
     big = torch.ones(128 * 2**20 // 4)  # 128 MiB resident in this (the parent) process
-    code = "from xronos.node.metrics import Rusage; print(Rusage.peak_rss())"
+    code = "from xronos.node.rank.metrics import Rusage; print(Rusage.peak_rss())"
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert Rusage.peak_rss() > child + 100 * 2**20 > 100 * 2**20, (Rusage.peak_rss(), child)
     del big

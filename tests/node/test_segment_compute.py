@@ -20,13 +20,13 @@ import torch
 import runkit
 from xronos.cli.main import main
 from xronos.node.data.batches import Batch
-from xronos.node.metrics import IterationRecord, Rusage, segment_compute, summarize
+from xronos.node.rank.metrics import IterationRecord, Rusage, segment_compute, summarize
 from xronos.node.models.loading import init_random
 from xronos.node.models.registry import family_for
 from xronos.node.runconfig import RunConfig
 from xronos.node.tp.group import Span, TPGroup
 from xronos.node.tp.layout import ShardLayout
-from xronos.node.trainer import train_step
+from xronos.node.rank.tpengine import train_step
 from xronos.protocol.layout import Layout
 from xronos.protocol.messages import IterationMetrics
 

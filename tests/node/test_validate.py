@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import runkit
 from xronos.node.runconfig import RunConfig
-from xronos.node.validate import model_sizes, preflight
+from xronos.node.rank.validate import model_sizes, preflight
 from xronos.protocol.layout import Layout, Sizes
 
 # runkit's GPT-2: 12 heads, 100 MLP columns, its words plus 2 special tokens as vocabulary.

@@ -38,7 +38,7 @@ def no_spawn(monkeypatch):
     def refuse(*a, **kw):
         raise AssertionError("a rank was spawned for a run that should have been refused")
 
-    monkeypatch.setattr("xronos.node.launch.subprocess.Popen", refuse)
+    monkeypatch.setattr("xronos.node.rank.local.subprocess.Popen", refuse)
 
 
 def test_xronos_run_refuses_the_pair_naming_both_sizes(pair, tmp_path, capsys, no_spawn):

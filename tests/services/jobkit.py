@@ -12,10 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
 
 import runkit  # noqa: E402  (tests/node/runkit.py: tiny real checkpoints, reference training)
 
-from xronos.node.child import RankProcess, child_env  # noqa: E402
-from xronos.node.launch import free_port  # noqa: E402
+from xronos.node.rank.messages import RankEvent  # noqa: E402
+from xronos.node.rank.process import RankProcess, child_env  # noqa: E402
+from xronos.node.rank.local import free_port  # noqa: E402
 from xronos.node.runconfig import JobRankConfig, RunConfig  # noqa: E402
-from xronos.node.validate import model_sizes  # noqa: E402
+from xronos.node.rank.validate import model_sizes  # noqa: E402
 from xronos.protocol.layout import Layout  # noqa: E402
 from xronos.protocol.messages import JobSpec  # noqa: E402
 
@@ -71,8 +72,8 @@ def start_ranks(tmp: Path, spec: dict, units, *, resume_step: int = 0,
     return procs
 
 
-def wait_ranks(procs: list[RankProcess], timeout: float = 240.0) -> list[list[dict]]:
-    events: list[list[dict]] = [[] for _ in procs]
+def wait_ranks(procs: list[RankProcess], timeout: float = 240.0) -> list[list[RankEvent]]:
+    events: list[list[RankEvent]] = [[] for _ in procs]
     deadline = time.monotonic() + timeout
     while not all(p.finished() for p in procs):
         for i, p in enumerate(procs):

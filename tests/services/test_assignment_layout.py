@@ -12,8 +12,8 @@ from jobkit import job_spec, make_case
 from xronos.node.agent.config import NodeConfig
 from xronos.node.agent.jobcheck import assignment_problem, check_layout_cuts
 from xronos.node.agent.service import NodeService
-from xronos.node.checkpoint import check_saved_layout, saved_layout
-from xronos.node.launch import free_port
+from xronos.node.rank.checkpoint import check_saved_layout, saved_layout
+from xronos.node.rank.local import free_port
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
 from fakebus import FakeBroker

@@ -4,7 +4,7 @@ to the last consolidated checkpoint, as on a node loss, and completes with every
 The re-shard is ordered as the gateway orders one (a JobReshard to the owner); the rank dies by
 SIGKILL while its peers wait inside the exchange for its slices: `XRONOS_RESHARD_MARK` has every
 rank announce that it entered the move, and `XRONOS_RESHARD_HOLD` keeps rank 1 there a few seconds
-(`xronos.node.relayout`: hooks that only signal and wait)."""
+(`xronos.node.rank.relayout`: hooks that only signal and wait)."""
 
 from __future__ import annotations
 

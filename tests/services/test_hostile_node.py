@@ -13,15 +13,18 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+from pydantic import ValidationError
 
 from jobkit import job_spec, make_case
 from nodekit import msgs, pump, replies
-from xronos.node import streaming
+from xronos.node.rank import streaming
 from xronos.node.agent import service as S
 from xronos.node.agent.config import NodeConfig
 from xronos.node.agent.service import NodeService
-from xronos.node.checkpoint import read_meta
-from xronos.node.launch import free_port
+from xronos.node.rank.checkpoint import read_meta
+from xronos.node.rank.local import free_port
+from xronos.node.rank.messages import read_event
+from xronos.node.rank.process import RankProcess
 from xronos.node.models.export import gather_full
 from xronos.node.models.specs import TensorSpec
 from xronos.node.tp.layout import ShardLayout
@@ -181,30 +184,50 @@ def test_pending_work_is_bounded_and_a_repeated_request_runs_once(node):
     assert all("outside the allowed directories" in r.error for r in done)
 
 
-class FakeChild:
-    def __init__(self, events):
-        self.events = events
+class PipeLines:
+    """The events pipe's lines, as a `ChildProcess` has read them (what a rank process wrote)."""
+
+    def __init__(self, lines):
+        self.lines = lines
+
+    def drain_lines(self):
+        out, self.lines = self.lines, []
+        return out
+
+
+class Drained:
+    """The node service's rank: its events drained through `RankProcess.drain`, the boundary."""
+
+    def __init__(self, lines):
+        self.rank = RankProcess.__new__(RankProcess)
+        self.rank.process = PipeLines(lines)
 
     def drain(self):
-        out, self.events = self.events, []
-        return out
+        return self.rank.drain()
 
     def finished(self):
         return False
 
 
-def test_malformed_rank_events_do_not_break_the_loop(node):
+def test_malformed_rank_events_stop_at_the_boundary(node):
+    """Lines that are not events are refused where they arrive (logged, dropped); the loop sees
+    only typed events, and the next good one still counts."""
     svc, client, broker, tmp = node
     a = assignment(tmp, rank=1, spec=m.JobSpec(**job_spec(tmp / "m", tmp / "d", tmp / "o", owner="n9")))
     svc.assignment = a
     svc._set_status("accepted", job=a)
-    svc.child = FakeChild([{"type": "metrics"}, {"type": "checkpoint", "step": 10**30}, {"type": "status"},
-                           {"type": "status", "status": "exploded"}, {"type": "eval", "when": "before"},
-                           {"no type": 1}, {"type": "status", "status": "running"}])
+    bad = [{"kind": "metrics"}, {"kind": "checkpoint", "step": 10**30}, {"kind": "status"},
+           {"kind": "status", "status": "exploded"}, {"kind": "eval", "when": "before"}, {"no kind": 1},
+           {"kind": "checkpoint", "step": "7"}, {"kind": "status", "status": "running", "extra": 1}]
+    good = {"kind": "status", "status": "running"}
+    svc.child = Drained([json.dumps(e) + "\n" for e in bad] + ["not json\n", json.dumps(good) + "\n"])
     client.drain()
     svc.step(0.01)
-    assert svc.status.status == "running" and svc.internal_errors == 6
+    assert svc.status.status == "running" and svc.internal_errors == 0
     svc.child = None
+    for e in bad:  # each refused by the events' own models, naming what is wrong
+        with pytest.raises(ValidationError):
+            read_event(json.dumps(e))
 
 
 # --- the data plane: what a Gloo peer sends ------------------------------------------------------

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from jobkit import job_spec, make_case, runkit, start_ranks, wait_ranks
-from xronos.node.checkpoint import read_meta, saved_layout
+from xronos.node.rank import messages as msg
+from xronos.node.rank.checkpoint import read_meta, saved_layout
 from xronos.protocol.layout import Layout
 
 pytestmark = pytest.mark.slow
@@ -44,11 +45,11 @@ class Ranks:
         raise TimeoutError([p.tail(800) for p in self.procs])
 
     def steps(self, i):
-        return [e["step"] for e in self.seen[i] if e["type"] == "metrics"]
+        return [e.step for e in self.seen[i] if e.kind == "metrics"]
 
-    def send(self, action):  # the node service forwards every control; only rank 0's counts
+    def send(self, order):  # the node service forwards every control; only rank 0's counts
         for p in self.procs:
-            p.send(action)
+            p.send(order)
 
     def done(self):
         return all(p.finished() for p in self.procs)
@@ -65,20 +66,20 @@ def test_pause_then_resume_from_checkpoint_under_another_plan(tmp_path):
     spec = job_spec(model, data, tmp_path / "export", max_steps=20, checkpoint_interval=10)
     r = Ranks(start_ranks(tmp_path, spec, FIRST))
     r.pump(lambda: len(r.steps(2)) >= 2)
-    r.send("pause")
-    r.pump(lambda: all(any(e.get("status") == "paused" for e in s) for s in r.seen))
+    r.send(msg.Pause())
+    r.pump(lambda: all(msg.Status(status="paused") in s for s in r.seen))
     held = r.steps(0)[-1]
     time.sleep(2.0)  # peers wait on the owner's heartbeat, well inside their Gloo timeout
     r.pump()
     assert held < 20 and [r.steps(i)[-1] for i in range(3)] == [held] * 3
-    r.send("resume")
+    r.send(msg.Resume())
     r.pump(r.done)
     owner = r.seen[0]
-    assert owner[0]["type"] == "eval" and owner[0]["when"] == "before"
+    assert owner[0].kind == "eval" and owner[0].when == "before"
     assert r.steps(0) == list(range(1, 21))
-    assert [e["step"] for e in owner if e["type"] == "checkpoint"] == [10]
-    assert owner[-1] == {"type": "completed", "step": 20, "epoch": 2, "export_dir": str(tmp_path / "export")}
-    assert all(ev[-1]["type"] == "completed" for ev in r.seen)
+    assert [e.step for e in owner if e.kind == "checkpoint"] == [10]
+    assert owner[-1] == msg.Completed(step=20, epoch=2, export_dir=str(tmp_path / "export"))
+    assert all(ev[-1].kind == "completed" for ev in r.seen)
 
     # The owner's consolidated checkpoint records the plan it was saved under.
     meta = read_meta(tmp_path / "ckpt")
@@ -89,8 +90,8 @@ def test_pause_then_resume_from_checkpoint_under_another_plan(tmp_path):
     # Resume at the step-10 checkpoint on four ranks with another layout per kind: same end point.
     spec2 = job_spec(model, data, tmp_path / "export2", max_steps=20, checkpoint_interval=10)
     events = wait_ranks(start_ranks(tmp_path, spec2, RESUMED, resume_step=10, version=2))
-    assert [e["step"] for e in events[0] if e["type"] == "metrics"] == list(range(11, 21))
-    assert [e["when"] for e in events[0] if e["type"] == "eval"] == ["after"]  # no "before" on a resume
+    assert [e.step for e in events[0] if e.kind == "metrics"] == list(range(11, 21))
+    assert [e.when for e in events[0] if e.kind == "eval"] == ["after"]  # no "before" on a resume
     max_abs, rel = runkit.compare(_load(tmp_path / "export2"), _load(tmp_path / "export"))
     assert max_abs <= 5e-4 and rel <= 1e-5
 
@@ -100,9 +101,9 @@ def test_cancel_stops_every_rank_at_one_boundary_and_leaves_nothing(tmp_path):
     spec = job_spec(model, data, tmp_path / "export", max_steps=100000, checkpoint_interval=100000)
     r = Ranks(start_ranks(tmp_path, spec, [4, 8]))
     r.pump(lambda: len(r.steps(1)) >= 2)
-    r.send("cancel")
+    r.send(msg.Cancel())
     r.pump(r.done)
-    assert [ev[-1]["type"] for ev in r.seen] == ["cancelled", "cancelled"]
+    assert [ev[-1].kind for ev in r.seen] == ["cancelled", "cancelled"]
     assert r.steps(0)[-1] == r.steps(1)[-1]
     for p in r.procs:
         assert p.poll() == 0
@@ -115,8 +116,8 @@ def test_resume_without_checkpoint_fails_cleanly(tmp_path):
     model, data = make_case(tmp_path)
     spec = job_spec(model, data, tmp_path / "export")
     events = wait_ranks(start_ranks(tmp_path, spec, [6, 6], resume_step=3), timeout=120)
-    assert events[0][-1]["type"] == "failed" and "no checkpoint at step 3" in events[0][-1]["detail"]
-    assert events[1][-1]["type"] == "failed"  # the peer learns from Gloo, not by hanging
+    assert events[0][-1].kind == "failed" and "no checkpoint at step 3" in events[0][-1].detail
+    assert events[1][-1].kind == "failed"  # the peer learns from Gloo, not by hanging
 
 
 def test_resume_from_the_checkpoint_before_the_newest(tmp_path):
@@ -127,15 +128,15 @@ def test_resume_from_the_checkpoint_before_the_newest(tmp_path):
     model, data = make_case(tmp_path)
     spec = job_spec(model, data, tmp_path / "export", max_steps=10, checkpoint_interval=3)
     events = wait_ranks(start_ranks(tmp_path, spec, FIRST))
-    assert [e["step"] for e in events[0] if e["type"] == "checkpoint"] == [3, 6, 9]
+    assert [e.step for e in events[0] if e.kind == "checkpoint"] == [3, 6, 9]
     assert read_meta(tmp_path / "ckpt")["step"] == 9
 
     stale = wait_ranks(start_ranks(tmp_path, spec, [6, 6], resume_step=3, version=2), timeout=120)
-    assert stale[0][-1]["type"] == "failed" and "no checkpoint at step 3" in stale[0][-1]["detail"] \
-        and "found steps [6, 9]" in stale[0][-1]["detail"], stale[0][-1]
+    assert stale[0][-1].kind == "failed" and "no checkpoint at step 3" in stale[0][-1].detail \
+        and "found steps [6, 9]" in stale[0][-1].detail, stale[0][-1]
     spec3 = job_spec(model, data, tmp_path / "export3", max_steps=10, checkpoint_interval=3)
     events = wait_ranks(start_ranks(tmp_path, spec3, RESUMED, resume_step=6, version=3))
-    assert [e["step"] for e in events[0] if e["type"] == "metrics"] == list(range(7, 11))
+    assert [e.step for e in events[0] if e.kind == "metrics"] == list(range(7, 11))
     max_abs, rel = runkit.compare(_load(tmp_path / "export3"), _load(tmp_path / "export"))
     assert max_abs <= 5e-4 and rel <= 1e-5
 
@@ -159,7 +160,7 @@ def test_string_labels_reach_every_rank_and_survive_a_resume(tmp_path):
                                                      for i, t in enumerate(runkit.texts(40))])
     spec = job_spec(model, data, tmp_path / "export", max_steps=6, checkpoint_interval=3)
     events = wait_ranks(start_ranks(tmp_path, spec, FIRST))
-    assert [ev[-1]["type"] for ev in events] == ["completed"] * 3, events
+    assert [ev[-1].kind for ev in events] == ["completed"] * 3, events
     first = _load(tmp_path / "export")
     assert first.config.id2label == dict(enumerate(sorted(names))) and first.config.num_labels == 4
     assert xronos(_run_argv(spec, FIRST, tmp_path / "ref")) == 0
@@ -168,7 +169,7 @@ def test_string_labels_reach_every_rank_and_survive_a_resume(tmp_path):
 
     resumed = {**spec, "recipe": {**spec["recipe"], "export_dir": str(tmp_path / "export2")}}
     events = wait_ranks(start_ranks(tmp_path, resumed, RESUMED, resume_step=3, version=2))
-    assert [ev[-1]["type"] for ev in events] == ["completed"] * 4, events
+    assert [ev[-1].kind for ev in events] == ["completed"] * 4, events
     second = _load(tmp_path / "export2")
     assert second.config.id2label == first.config.id2label
     max_abs, rel = runkit.compare(second, first)
@@ -189,7 +190,7 @@ def test_a_chat_job_trains_like_xronos_run(tmp_path):
                     checkpoint_interval=100)
     layout = Layout(attn=(0, 5, 3), mlp=(64, 0, 36), vocab=(32, 0, 11))
     events = wait_ranks(start_ranks(tmp_path, spec, layout))
-    assert [ev[-1]["type"] for ev in events] == ["completed"] * 3, events
+    assert [ev[-1].kind for ev in events] == ["completed"] * 3, events
     assert xronos(_run_argv(spec, layout, tmp_path / "ref", ("--data-format", "chat"))) == 0
     job, ref = (AutoModelForCausalLM.from_pretrained(str(tmp_path / d)) for d in ("export", "ref"))
     max_abs, rel = runkit.compare(job, ref)
@@ -213,26 +214,26 @@ def test_reshard_orders_move_every_rank_at_one_boundary_and_export_like_xronos_r
     r = Ranks(start_ranks(tmp_path, spec, FIRST))
 
     def moves():
-        return [e for e in r.seen[0] if e["type"] == "resharded"]
+        return [e for e in r.seen[0] if e.kind == "resharded"]
 
     # A layout for another world never reaches the group: the owner says why and goes on.
-    r.procs[0].send("reshard", at_step=1, layout={"attn": [6, 6], "mlp": [50, 50], "vocab": [20, 17]},
-                    reason="wrong world")
+    r.procs[0].send(msg.Reshard(at_step=1, layout=Layout(attn=(6, 6), mlp=(50, 50), vocab=(20, 17)),
+                                reason="wrong world"))
     # A layout for this world whose counts do not fit the model passes the owner's reading but
     # is refused at the boundary by every rank alike, before anything moves; the job goes on.
-    r.procs[0].send("reshard", at_step=1, layout={"attn": [5, 4, 4], "mlp": [32, 32, 36], "vocab": [0, 32, 5]},
-                    reason="wrong sums")
-    r.pump(lambda: any(e["type"] == "reshard_refused" and "counts" in e["detail"] for e in r.seen[0]))
-    r.procs[0].send("reshard", at_step=3, layout=MOVED[0].model_dump(mode="json"), reason="first")
+    r.procs[0].send(msg.Reshard(at_step=1, layout=Layout(attn=(5, 4, 4), mlp=(32, 32, 36), vocab=(0, 32, 5)),
+                                reason="wrong sums"))
+    r.pump(lambda: any(e.kind == "reshard_refused" and "counts" in e.detail for e in r.seen[0]))
+    r.procs[0].send(msg.Reshard(at_step=3, layout=MOVED[0], reason="first"))
     r.pump(lambda: len(moves()) == 1)
-    r.procs[0].send("reshard", at_step=7, layout=MOVED[1].model_dump(mode="json"), reason="second")
+    r.procs[0].send(msg.Reshard(at_step=7, layout=MOVED[1], reason="second"))
     r.pump(r.done)
-    assert all(ev[-1]["type"] == "completed" for ev in r.seen), [ev[-1] for ev in r.seen]
-    assert [e["reason"] for e in moves()] == ["first", "second"]
-    steps = [e["step"] for e in moves()]
-    assert steps[0] >= 3 and steps[1] >= max(7, steps[0] + 1) and [e["layout"] for e in moves()] == [x.to_text() for x in MOVED]
-    assert all(e["moved_bytes"] > 0 and e["seconds"] > 0 for e in moves())
-    refused = [e["detail"] for e in r.seen[0] if e["type"] == "reshard_refused"]
+    assert all(ev[-1].kind == "completed" for ev in r.seen), [ev[-1] for ev in r.seen]
+    assert [e.reason for e in moves()] == ["first", "second"]
+    steps = [e.step for e in moves()]
+    assert steps[0] >= 3 and steps[1] >= max(7, steps[0] + 1) and [e.layout for e in moves()] == list(MOVED)
+    assert all(e.moved_bytes > 0 and e.seconds > 0 for e in moves())
+    refused = [e.detail for e in r.seen[0] if e.kind == "reshard_refused"]
     assert refused[0] == "layout has 2 ranks, the job 3" and len(refused) == 2, refused
     assert refused[1].startswith("re-shard at step ") and "attn: counts [5, 4, 4] sum to 13" in refused[1], refused
     assert all(r.steps(i) == list(range(1, 13)) for i in range(3))

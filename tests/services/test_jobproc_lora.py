@@ -41,7 +41,7 @@ def test_lora_job_checkpoint_resume_under_another_layout_and_exports(tmp_path: P
     model, data = make_case(tmp_path)
     spec = job_spec(model, data, tmp_path / "export", max_steps=20, checkpoint_interval=10, lr=1e-3, **LORA)
     events = wait_ranks(start_ranks(tmp_path, spec, FIRST))
-    assert events[0][-1]["type"] == "completed", events[0][-3:]
+    assert events[0][-1].kind == "completed", events[0][-3:]
 
     ckpt = tmp_path / "ckpt"
     with safe_open(str(ckpt / "optimizer.safetensors"), "pt") as f:
@@ -59,7 +59,7 @@ def test_lora_job_checkpoint_resume_under_another_layout_and_exports(tmp_path: P
     spec2 = job_spec(model, data, tmp_path / "export2", max_steps=20, checkpoint_interval=10, lr=1e-3,
                      **{**LORA, "export_merged": False})
     events = wait_ranks(start_ranks(tmp_path, spec2, RESUMED, resume_step=10, version=2))
-    assert [e["step"] for e in events[0] if e["type"] == "metrics"] == list(range(11, 21))
+    assert [e.step for e in events[0] if e.kind == "metrics"] == list(range(11, 21))
     assert not (tmp_path / "export2" / "merged").exists()
     a = load_file(str(tmp_path / "export" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "export2" / "adapter_model.safetensors"))

@@ -15,7 +15,7 @@ from xronos.node.agent.config import NodeConfig
 from xronos.node.agent.service import NodeService
 from xronos.node.box import limits
 from xronos.node.box.capabilities import memory, usable_cores
-from xronos.node.launch import free_port
+from xronos.node.rank.local import free_port
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
 from fakebus import FakeBroker

@@ -11,7 +11,7 @@ from jobkit import job_spec, make_case
 from nodekit import msgs, pump, replies
 from xronos.node.agent.config import NodeConfig
 from xronos.node.agent.service import NodeService
-from xronos.node.launch import free_port
+from xronos.node.rank.local import free_port
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
 from xronos.protocol.layout import Layout

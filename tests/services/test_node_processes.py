@@ -17,7 +17,7 @@ import paho.mqtt.client as paho
 import pytest
 
 from jobkit import job_spec, make_case
-from xronos.node.launch import free_port
+from xronos.node.rank.local import free_port
 from xronos.protocol import messages as m
 from xronos.protocol.codec import encode
 from xronos.protocol.layout import Layout

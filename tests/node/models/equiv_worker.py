@@ -18,7 +18,7 @@ from xronos.node.models.export import gather_full, save_hf_dir  # noqa: E402
 from xronos.node.models.loading import SafetensorsSource, materialize  # noqa: E402
 from xronos.node.models.registry import family_for  # noqa: E402
 from xronos.node.models.specs import TensorSpec  # noqa: E402
-from xronos.node.streaming import load_shard  # noqa: E402
+from xronos.node.rank.streaming import load_shard  # noqa: E402
 from xronos.node.tp.group import TPGroup  # noqa: E402
 from xronos.node.tp.layout import ShardLayout  # noqa: E402
 

@@ -23,12 +23,12 @@ from xronos.node.models.adapters import save_lora_exports  # noqa: E402
 from xronos.node.models.export import gather_full  # noqa: E402
 from xronos.node.models.loading import SafetensorsSource, materialize  # noqa: E402
 from xronos.node.models.registry import family_for  # noqa: E402
-from xronos.node.optim import adamw  # noqa: E402
-from xronos.node.streaming import load_shard  # noqa: E402
+from xronos.node.rank.optim import adamw  # noqa: E402
+from xronos.node.rank.streaming import load_shard  # noqa: E402
 from xronos.node.tp.group import TPGroup  # noqa: E402
 from xronos.node.tp.layout import ShardLayout  # noqa: E402
 from xronos.node.tp.lora import LoraSettings, add_lora  # noqa: E402
-from xronos.node.trainer import clip_global_grad_norm, trainable  # noqa: E402
+from xronos.node.rank.tpengine import clip_global_grad_norm, trainable  # noqa: E402
 
 
 def run_case(case: dict, rank: int, group: TPGroup, out: Path) -> None:

@@ -107,7 +107,7 @@ MIXED_EXPORTS = {("gpt2-lm", 4), ("gpt2-cls", 3), ("bert-cls", 5), ("roberta-cls
 DROPOUT = [("gpt2-lm", (0, 3, 1)), ("bert-cls", (2, 1, 1)), ("llama-cls", (0, 1, 1)),
            ("qwen3-lm", (0, 1, 1))]  # run with p = 0.1
 MIXED_DROPOUT = [("llama-gqa-lm", ((0, 1, 1), (33, 18, 0), (103, 0, 0)))]
-# Cases whose non-owner ranks get their slices streamed from rank 0 (xronos.node.streaming), as a
+# Cases whose non-owner ranks get their slices streamed from rank 0 (xronos.node.rank.streaming), as a
 # job's ranks do, instead of reading the checkpoint themselves.
 STREAMED = {("llama3-lm", 2), ("qwen2-cls", 3), ("qwen3-lm", 3), ("qwen3-cls", 5)}
 # phase -> subgroups (ranks, N); N = 1 runs on a lone rank with TPGroup.single()

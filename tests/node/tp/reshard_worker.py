@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tp_world import worker_setup
 
-from xronos.node.checkpoint import MOMENTS, load_moments
+from xronos.node.rank.checkpoint import MOMENTS, load_moments
 from xronos.node.models.export import gather_full
 from xronos.node.models.loading import SafetensorsSource, materialize
 from xronos.node.models.registry import family_for
-from xronos.node.optim import adamw
+from xronos.node.rank.optim import adamw
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import add_lora
 from xronos.node.tp.reshard import reshard, specs_per_rank, transfer_plan

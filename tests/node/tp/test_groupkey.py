@@ -30,7 +30,7 @@ WORKER = textwrap.dedent("""
         group.leave()
     # and end as every rank entry does (runtime.exit_process): Gloo's threads outlive the group by a
     # little, and the interpreter's finalisation then aborted a rank now and then (SIGABRT in a full run)
-    from xronos.node.runtime import exit_process
+    from xronos.node.rank.spawn import exit_process
     exit_process(0)
 """)
 

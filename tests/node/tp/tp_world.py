@@ -77,7 +77,7 @@ def worker_setup(argv: list[str]):
 
     def end() -> None:
         if not failed:
-            from xronos.node.runtime import exit_process
+            from xronos.node.rank.spawn import exit_process
 
             group.leave()
             exit_process(0)

@@ -1,4 +1,4 @@
-"""Our engine on a rank (`TPEngine`, driven by `xronos.node.runtime`): same batches, same seeds,
+"""Our engine on a rank (`TPEngine`, driven by `xronos.node.rank.lifecycle`): same batches, same seeds,
 same optimizer on every rank.
 
 Rank 0 owns the data: it tokenises each batch and broadcasts the tensors (booked as data time,
@@ -19,19 +19,20 @@ from typing import Any
 
 import torch
 
-from xronos.node.checkpoint import load_moments, save_checkpoint
+from xronos.node.rank.checkpoint import load_moments, save_checkpoint
 from xronos.node.data.batches import Batch, BatchChannel
-from xronos.node.gradnorm import all_finite, squared_norm
-from xronos.node.measure import memwatch
-from xronos.node.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
+from xronos.node.rank.gradnorm import all_finite, squared_norm
+import xronos.node.measure.memwatch as memwatch  # (the module alone: not the measuring room)
+from xronos.node.rank.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
 from xronos.node.models.adapters import exported, save_lora_exports
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.gguf import save_gguf_export
 from xronos.node.models.registry import family_for
-from xronos.node.optim import adamw
-from xronos.node.optstate import allocate_state
+from xronos.node.rank.optim import adamw
+from xronos.node.rank.optstate import allocate_state
 from xronos.node.runconfig import RunConfig
-from xronos.node.runtime import Engine, EvalResult, JobFault, Rank, RankResult, Reshard, WeightSource
+from xronos.node.rank.lifecycle import (Capabilities, Engine, EvalResult, JobFault, Rank, RankResult, Reshard,
+                                        WeightSource)
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import add_lora
@@ -163,6 +164,15 @@ class TPEngine(Engine):
     the resumed step on), optional global-norm clipping; evaluation on the held-out tail;
     consolidated checkpoints and the export as a Hugging Face directory, written by the owner."""
 
+    capabilities = Capabilities(live_reshard=True, checkpoints=True)
+
+    def __init__(self) -> None:
+        self.lora: Any = None  # the family's LoRA settings (set at build; None: full fine-tuning)
+        self.moves: list = []  # live re-shards (relayout.Move), in order
+        self.last: IterationRecord | None = None  # the latest step's record (what a re-balancer measures)
+        self.report_extra: dict[str, Any] = {}  # sections others add to the metrics document (re-plans)
+        self._reshard_s = 0.0  # booked on the next iteration's record
+
     def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
         cfg, group = rank.cfg, rank.group
         config = rank.facts.config
@@ -172,10 +182,6 @@ class TPEngine(Engine):
         self.lora = self.family.lora_settings(cfg.recipe.lora)
         if self.lora is not None:  # adapters on the target layers, the rest frozen (on the meta device)
             self.lora_modules = add_lora(self.model, self.lora)
-        self.moves: list = []  # live re-shards (relayout.Move), in order
-        self.last: IterationRecord | None = None  # the latest step's record (what a re-balancer measures)
-        self.report_extra: dict[str, Any] = {}  # sections others add to the metrics document (re-plans)
-        self._reshard_s = 0.0  # booked on the next iteration's record
         self.specs = self.model.tensor_specs()
 
         def optimizer(source) -> None:  # the parameters exist now (materialized from meta)
@@ -183,7 +189,7 @@ class TPEngine(Engine):
             self.opt = adamw(trainable(self.model), lr=cfg.recipe.lr, weight_decay=cfg.recipe.weight_decay)
             if start > 0:
                 load_moments(self.opt, self.model, self.specs, source, start)
-            allocate_state(self.opt)  # below the per-iteration working set (node/optstate.py)
+            allocate_state(self.opt)  # below the per-iteration working set (node/rank/optstate.py)
 
         weights.load(self.model, group, then=optimizer)
         memwatch.phase("build")
@@ -210,14 +216,17 @@ class TPEngine(Engine):
         return rec
 
     def reshard(self, rank: Rank, word: Reshard, step: int) -> None:
-        """Live, at the boundary: weights and AdamW state move to `word.layout` (xronos.node.relayout)."""
-        from xronos.node.relayout import SpecCache, move
+        """Live, at the boundary: weights and AdamW state move to `word.layout` (xronos.node.rank.relayout)."""
+        from xronos.node.rank.relayout import SpecCache, move
 
         if not hasattr(self, "spec_cache"):
             self.spec_cache = SpecCache(self.family, rank.facts.config, rank.cfg.recipe.task, rank.cfg.recipe.dropout, self.lora)
         m = move(self, rank, word, step)
         self.moves.append(m)
         self._reshard_s += m.seconds
+
+    def last_move(self) -> Any | None:
+        return self.moves[-1] if self.moves else None
 
     def checkpoint(self, rank: Rank, ckpt_dir: str | None, meta: dict[str, Any]) -> None:
         meta = {**meta, "layout": self.layout.layout().model_dump(mode="json")}  # the current one

@@ -8,7 +8,7 @@ elements bound the copies at 2 x 8 x CHUNK bytes; the sum is still accumulated i
 norm differs from the whole-tensor sum only in float64 rounding (~1e-16 relative).
 
 `all_finite` is the training step's check of an unclipped gradient, and the owner's of the weights
-it checkpoints or exports (`xronos.node.trainer.stop_unless_finite`).
+it checkpoints or exports (`xronos.node.rank.tpengine.stop_unless_finite`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from xronos.node.runconfig import ReshardAt
-from xronos.node.runtime import Rank, Reshard, Word
+from xronos.node.rank.lifecycle import Rank, Reshard, Word
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.reshard import moved_bytes, reshard, specs_per_rank, transfer_plan
@@ -47,6 +47,17 @@ class Move:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def counts_row(layout: Layout) -> list[int]:
+    """A layout as the ranks broadcast it at a boundary: every rank's attn counts, then mlp, then vocab."""
+    return [*layout.attn, *layout.mlp, *layout.vocab]
+
+
+def from_counts_row(counts: list[int], world_size: int) -> Layout:
+    """`counts_row` read back (3 x world_size counts)."""
+    n = world_size
+    return Layout(attn=tuple(counts[:n]), mlp=tuple(counts[n:2 * n]), vocab=tuple(counts[2 * n:3 * n]))
 
 
 class ScheduledReshards:
@@ -90,7 +101,7 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     plan = transfer_plan(engine.spec_cache(old), engine.spec_cache(new))
     shard = ShardLayout.of(new, group.rank)
     sent = moved_bytes(plan, engine.model, engine.opt)
-    lora = getattr(engine, "lora", None)
+    lora = engine.lora
 
     def build_new() -> Any:  # the engine's build at the new layout (adapters included), on the meta device
         from xronos.node.tp.lora import add_lora
@@ -202,7 +213,7 @@ class LiveRebalance:
         import torch
 
         eng = self.engine
-        rec = getattr(eng, "last", None)
+        rec = eng.last
         if rec is None or group.world_size == 1:  # nothing measured yet; one rank has nothing to balance
             return Word.GO
         n = group.world_size
@@ -212,9 +223,8 @@ class LiveRebalance:
         row[:4] = torch.tensor([rec.compute_attn_s, rec.compute_mlp_s, rec.compute_vocab_s, rec.compute_rest_s],
                                dtype=torch.float64)
         if group.rank == 0 and self.pending is not None:
-            lay = self.pending.new
             row[4] = 1
-            row[5:] = torch.tensor([*lay.attn, *lay.mlp, *lay.vocab], dtype=torch.float64)
+            row[5:] = torch.tensor(counts_row(self.pending.new), dtype=torch.float64)
         rows = group.all_gather(row, timed=False)
         decided = rows[0][4:]
         if group.rank == 0:
@@ -225,9 +235,7 @@ class LiveRebalance:
             reason = "rebalance"
         if not int(decided[0]):
             return Word.GO
-        counts = [int(c) for c in decided[1:].tolist()]
-        layout = Layout(attn=tuple(counts[:n]), mlp=tuple(counts[n:2 * n]), vocab=tuple(counts[2 * n:]))
-        return Reshard(layout, reason)
+        return Reshard(from_counts_row([int(c) for c in decided[1:].tolist()], n), reason)
 
     def _decide(self, rows: list, step: int) -> None:
         """Rank 0: feed the policy this boundary's measurements and ask it about the next boundary

@@ -1,6 +1,6 @@
-"""One rank of `xronos run`: `python -m xronos.node.worker CONFIG.json` (a RunConfig as JSON).
+"""One rank of `xronos run`: `python -m xronos.node.rank.localrank CONFIG.json` (a RunConfig as JSON).
 
-A thin caller of the rank runtime (`xronos.node.runtime`): our TP engine, every rank reading its
+A thin caller of the rank runtime (`xronos.node.rank.lifecycle`): our TP engine, every rank reading its
 own slices of the local checkpoint, no control source (or, with `--reshard-at`, the forced
 re-shards: `relayout.ScheduledReshards`), and a metrics file — rank 0 prints the per-rank summary
 and writes the metrics JSON (`--metrics`) and the export. (`--rebalance` runs the same from
@@ -9,14 +9,15 @@ and writes the metrics JSON (`--metrics`) and the export. (`--rebalance` runs th
 
 from __future__ import annotations
 
-from xronos.node.relayout import ScheduledReshards
+from xronos.node.rank.relayout import ScheduledReshards
 from xronos.node.runconfig import RunConfig
-from xronos.node.runtime import LocalFiles, MetricsFile, main_process, read_settings, run
-from xronos.node.trainer import TPEngine
+from xronos.node.rank.lifecycle import LocalFiles, MetricsFile, read_settings, run
+from xronos.node.rank.spawn import main_process
+from xronos.node.rank.tpengine import TPEngine
 
 
 def main(argv: list[str]) -> int:
-    cfg = read_settings(argv, RunConfig, "xronos.node.worker")
+    cfg = read_settings(argv, RunConfig, "xronos.node.rank.localrank")
     if cfg.rebalance:
         raise ValueError("rebalance: the live policy is composed by `python -m xronos.cli.liverank`, not this entry")
     control = ScheduledReshards(cfg.reshard_at) if cfg.reshard_at else None

@@ -19,7 +19,7 @@ this lifecycle, in this order:
               untimed; a job's sink tells the node service)
     leave     `TPGroup.leave`: an untimed barrier, then the group is destroyed
 
-An `Engine` is what a rank trains: our TP model (`xronos.node.trainer.TPEngine`) or a baseline's
+An `Engine` is what a rank trains: our TP model (`xronos.node.rank.tpengine.TPEngine`) or a baseline's
 (`xronos.bench.hftp_worker`, `xronos.bench.pp_worker`). The process entry modules are thin: a
 settings class (`xronos.node.runconfig`), an engine, a weight source, a control source and a sink,
 handed to `run`.
@@ -36,14 +36,12 @@ moments cover the parameters that require a gradient).
 from __future__ import annotations
 
 import enum
-import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -51,13 +49,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from xronos.node.data.batches import Batch, BatchChannel, BatchSource, owner_batches
 from xronos.node.data.labels import LabelSpace
 from xronos.node.emulate import process_clock
-from xronos.node.measure import memwatch
+import xronos.node.measure.memwatch as memwatch  # (the module alone: not the measuring room)
 from xronos.node.models.loading import SafetensorsSource, ShardSource, materialize
 from xronos.node.runconfig import RankConfig
-from xronos.node.streaming import load_shard, share_json
+from xronos.node.rank.streaming import load_shard, share_json
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.groupkey import prove
-from xronos.node.validate import read_config
+from xronos.node.rank.validate import read_config
 from xronos.protocol.layout import Layout, LayoutError
 
 MAX_ROWS = 2**40
@@ -229,10 +227,20 @@ class Rank:
         return self.facts.n_train // self.cfg.recipe.batch_size
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do besides building, stepping and evaluating: asked, never probed."""
+
+    live_reshard: bool = False  # `reshard` moves it to another layout at a boundary; `last_move` tells the cost
+    checkpoints: bool = False  # `checkpoint` writes consolidated checkpoints (every job's rank keeps them)
+
+
 class Engine:
     """What a rank trains. `run` calls build, evaluate, begin, then step per iteration (and
     checkpoint when due), evaluate, export, and on rank 0 report. Defaults: no evaluation, no
-    export, no checkpoints."""
+    export, no checkpoints, no live re-shard (`capabilities` says which an engine adds)."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
         raise NotImplementedError
@@ -249,6 +257,10 @@ class Engine:
     def reshard(self, rank: Rank, word: Reshard, step: int) -> None:
         """Collective, at the boundary before `step`: go on under `word.layout`."""
         raise NotImplementedError(f"{type(self).__name__} cannot re-shard live")
+
+    def last_move(self) -> Any | None:
+        """The latest live re-shard (`relayout.Move`: its seconds and bytes), if it made one."""
+        return None
 
     def checkpoint(self, rank: Rank, ckpt_dir: str | None, meta: dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} keeps no checkpoints")
@@ -351,6 +363,8 @@ def run(cfg: RankConfig, engine: Engine, *, weights: WeightSource, control: Cont
     from the network) confine the checkpoint files the owner reads for the facts. A failure
     anywhere raises: the process exits non-zero, and its peers' next collective fails or times out
     after `gloo_timeout_s`."""
+    if checkpoints is not None and not engine.capabilities.checkpoints:  # before anyone joins
+        raise ValueError(f"{type(engine).__name__} keeps no checkpoints, and this run asks for them")
     control = control or NoControl()
     sink = sink or Sink()
     torch.set_num_threads(cfg.threads)
@@ -423,40 +437,3 @@ def read_settings(argv: list[str], cls: type[RankConfig], module: str):
     # structlog's unconfigured default prints every level (a LoRA run's per-tensor debug lines)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     return cls.read(Path(argv[1]))
-
-
-def main_process(main: Callable[[list[str]], int]) -> NoReturn:
-    """Run a rank entry's `main(sys.argv)` and end with `exit_process`, on every path: a failure
-    prints its traceback and exits 1 (a wrong command line keeps its `SystemExit` status). A rank
-    that failed still has Gloo's threads alive (its group never left); finalised by the
-    interpreter, it would abort now and then instead of exiting 1, and the launcher would report
-    SIGABRT without the error."""
-    try:
-        code = main(sys.argv)
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code = 130
-    except BaseException:  # noqa: BLE001 - reported as the interpreter would, then a clean exit
-        traceback.print_exc()
-        code = 1
-    exit_process(code)
-
-
-def exit_process(code: int) -> NoReturn:
-    """End a rank process without the interpreter's finalisation: stdio flushed, then `os._exit`.
-    Gloo's C++ threads and the store outlive `destroy_process_group` by a little; torn down with
-    the interpreter's static destructors they abort the process now and then ("terminate called
-    without an active exception", SIGABRT) after it has done everything right, and the launcher
-    would report a finished run as failed. Every file a rank writes is closed before this."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)

@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from xronos.node.gradnorm import all_finite
+from xronos.node.rank.gradnorm import all_finite
 from xronos.node.models.export import gather_full, save_hf_dir
 from xronos.node.models.loading import MissingTensorError, SafetensorsSource, ShardSource
 from xronos.node.models.specs import TensorSpec
@@ -72,7 +72,7 @@ def save_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, specs: dict[st
     if layout.rank != 0:
         return None
     if not all_finite(weights.values()):  # the step's update overflowed: keep the last good checkpoint
-        from xronos.node.runtime import JobFault
+        from xronos.node.rank.lifecycle import JobFault
 
         raise JobFault(f"step {meta.get('step')}: the weights are not finite (inf or nan): checkpoint not "
                        "written, the previous one kept")

@@ -1,7 +1,8 @@
-"""Spawn one process per rank on this machine, joined over Gloo on loopback (or wherever a
-`Placement` puts each rank, e.g. the bench's emulated LAN): `spawn_ranks` for any rank entry
-module (`xronos run`'s worker, the baselines', the bench's probes), `launch_local` for
-`xronos run`.
+"""The launcher of local ranks: one process per rank on this machine, joined over Gloo on loopback
+(or wherever a `Placement` puts each rank, e.g. the bench's emulated LAN): `spawn_ranks` for any
+rank entry module (`xronos run`'s `xronos.node.rank.localrank`, the baselines', the bench's probes),
+`launch_local` for `xronos run`. Each rank is a `spawn.ChildProcess`: boxed without limits (a run
+the user started, confined by `wrap` if at all), dying with this launcher, even killed.
 
 Any rank that dies takes the run down: the launcher kills the others at once and raises
 `RankFailed` naming the rank and the last lines it wrote to stderr. (Without the launcher, the
@@ -11,12 +12,9 @@ progress bar — is echoed live and every rank's stdout is inherited.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,13 +22,11 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from xronos.node.box.limits import box_env, boxed_argv
-from xronos.node.measure import allocator
+from xronos.node.rank.spawn import ChildProcess, rank_env
 from xronos.node.runconfig import RunConfig
 from xronos.node.tp.groupkey import new_key
 
 Wrap = Callable[[int, subprocess.Popen], None]
-_TAIL_BYTES = 8192
 
 
 class Placement(Protocol):
@@ -64,49 +60,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def rank_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        env[var] = str(threads)
-    env.update(
-        GLOO_SOCKET_IFNAME="lo",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-    )
-    # Big freed blocks stay in the heap instead of being page-faulted in afresh every iteration
-    # (node/measure/allocator.py has the measurements); XRONOS_MALLOC=glibc keeps glibc's behaviour.
-    if allocator.wanted():
-        for var, value in allocator.ENV.items():
-            env.setdefault(var, value)
-    return env
-
-
-class _StderrPump(threading.Thread):
-    """Drains a rank's stderr (so it never blocks on a full pipe), keeps its tail, optionally echoes."""
-
-    def __init__(self, stream, echo: bool):
-        super().__init__(daemon=True)
-        self.stream, self.echo, self.buf = stream, echo, bytearray()
-
-    def run(self) -> None:
-        fd = self.stream.fileno()
-        while chunk := os.read(fd, 4096):
-            self.buf += chunk
-            del self.buf[:-_TAIL_BYTES]
-            if self.echo:
-                sys.stderr.write(chunk.decode(errors="replace"))
-                sys.stderr.flush()
-
-    def tail(self, lines: int = 20) -> str:
-        text = self.buf.decode(errors="replace").replace("\r", "\n")
-        return "\n".join([ln for ln in text.splitlines() if ln.strip()][-lines:])
-
-
 def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0: bool = True,
-                 placement: Placement | None = None, module: str = "xronos.node.worker") -> None:
+                 placement: Placement | None = None, module: str = "xronos.node.rank.localrank") -> None:
     """Run `config` on n local ranks (`python -m module`: the rank entry, `xronos.cli.liverank`
     for a live re-balanced run); returns when all exit 0, raises RankFailed otherwise."""
     if n != config.world_size:
@@ -132,53 +87,37 @@ def spawn_ranks(module: str, configs: Sequence[BaseModel], wrap: Wrap | None = N
     if "group_key" in type(configs[0]).model_fields:  # a rank of ours proves it (node/tp/groupkey.py)
         update["group_key"] = new_key()
     env = {**rank_env(threads), **(extra_env or {})}
-    procs: list[subprocess.Popen] = []
-    pumps: list[_StderrPump] = []
+    ranks: list[ChildProcess] = []
     with tempfile.TemporaryDirectory(prefix="xronos-ranks-") as tmp:
         try:
             for rank, cfg in enumerate(configs):
                 path = Path(tmp) / f"rank{rank}.json"
                 mine = type(cfg).model_validate({**cfg.model_dump(), **update, "rank": rank, "rendezvous_port": port})
                 path.write_text(mine.model_dump_json(indent=1))
-                # Boxed without limits (a run the user started, confined by `wrap` if at all): each
-                # rank dies with this launcher, even killed (node/box/limits.py).
-                proc = subprocess.Popen(
-                    [*(placement.argv_prefix(rank) if placement else []), *boxed_argv(module, str(path))],
-                    env=box_env({**env, **placement.env(rank)} if placement else env, None),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL if quiet else None,
-                    stderr=subprocess.PIPE,
-                )
-                procs.append(proc)
-                pump = _StderrPump(proc.stderr, echo=echo_rank0 and rank == 0)
-                pump.start()
-                pumps.append(pump)
+                child = ChildProcess(module, str(path), env={**env, **placement.env(rank)} if placement else env,
+                                     name=f"rank{rank}", quiet=quiet, echo=echo_rank0 and rank == 0,
+                                     prefix=placement.argv_prefix(rank) if placement else ())
+                ranks.append(child)
                 if wrap is not None:
-                    wrap(rank, proc)
-            _supervise(procs, pumps, None if timeout_s is None else time.monotonic() + timeout_s,
+                    wrap(rank, child.proc)
+            _supervise(ranks, None if timeout_s is None else time.monotonic() + timeout_s,
                        f"{module}: ranks still running after {timeout_s} s")
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait()
-            for pump in pumps:
-                pump.join(timeout=5)
+            for child in ranks:
+                child.close()
 
 
-def _supervise(procs: list[subprocess.Popen], pumps: list[_StderrPump], deadline: float | None, late: str) -> None:
+def _supervise(ranks: list[ChildProcess], deadline: float | None, late: str) -> None:
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [r.poll() for r in ranks]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             # A rank killed by a signal is the cause; the others merely noticed it.
             rank = min(failed, key=lambda r: (codes[r] >= 0, r))
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            pumps[rank].join(timeout=5)
-            raise RankFailed(rank, codes[rank], pumps[rank].tail())
+            for r in ranks:
+                r.kill()
+            ranks[rank].wait(5.0)
+            raise RankFailed(rank, codes[rank], ranks[rank].tail())
         if all(c == 0 for c in codes):
             return
         if deadline is not None and time.monotonic() > deadline:
