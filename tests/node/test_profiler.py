@@ -18,7 +18,7 @@ from xronos.protocol.layout import Sizes
 from xronos.protocol.messages import ProfileReport, ProfileSettings
 
 B, S = 2, 16
-FULL = ProfileSettings.of(weight_decay=0.0, clip=True, lora_r=None, lora_targets=None, lora_dropout=0.0)
+FULL = ProfileSettings(weight_decay=0.0, clip=True, lora_r=None, lora_targets=None, lora_dropout=0.0)
 TINY = shape("tiny-gpt2", "classify")  # hidden 64, 4 heads, MLP 256, vocab 500, 2 blocks
 E, I, V, P, H = 64, 256, 500, 128, 4
 
