@@ -315,3 +315,24 @@ def run_argv(model: Path, data: Path, task: str, units, out: Path, *, steps: int
     return ["run", "--model", str(model), "--data", str(data), "--task", task, *split,
             "--batch-size", str(batch_size), "--seq-len", str(SEQ_LEN), "--lr", str(lr),
             "--max-steps", str(steps), "--seed", str(seed), "--export", str(out), *extra]
+
+
+def run_config(**flat):
+    """A `RunConfig` from the settings as flat keywords: the recipe's fields go into its `recipe`
+    (`lora_r`, `lora_alpha`, `lora_dropout`, `lora_targets` into its LoraSpec), the rest are the
+    rank's placement. A recipe field left out takes `xronos run`'s default, which for two fields
+    is not a job's: no held-out evaluation tail and no clipping (cli/flagtable.py's RUN table)."""
+    from xronos.node.runconfig import RunConfig
+    from xronos.protocol.recipe import Recipe
+
+    recipe: dict = {"eval_fraction": 0.0, "max_grad_norm": None}
+    lora = {k.removeprefix("lora_"): flat.pop(k) for k in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+            if k in flat}
+    for name in list(flat):
+        if name in Recipe.model_fields:
+            recipe[name] = flat.pop(name)
+    if lora.get("r", 0) is None:  # lora_r=None: full fine-tuning
+        del lora["r"]
+    if lora:  # options without a rank: the LoraSpec is refused by the model, naming `r`
+        recipe["lora"] = lora
+    return RunConfig(recipe=recipe, **flat)

@@ -19,8 +19,9 @@ BOX = Box(cores=2, available=8 << 30, reserve_mb=512)
 
 
 def request(**changes) -> m.ProfileRequest:
-    fields = dict(request_id="r", job_id="j", arch=TINY, task="causal-lm", batch_size=8, seq_len=128)
-    return m.ProfileRequest(**{**fields, **changes})
+    key = {"task": "causal-lm", "batch_size": 8, "seq_len": 128}
+    key.update({k: changes.pop(k) for k in list(changes) if k in key})
+    return m.ProfileRequest(request_id="r", job_id="j", arch=TINY, key=m.ProfileKey(**key), **changes)
 
 
 def test_a_small_profile_fits():

@@ -25,7 +25,7 @@ def _cfg(model_dir: Path, data: Path, task: str, **kw) -> RunConfig:
     base = dict(model_dir=str(model_dir), data_path=str(data), task=task,
                 layout=Layout(attn=(12,), mlp=(100,), vocab=(1,)), batch_size=4,  # data only: any one-rank layout
                 seq_len=runkit.SEQ_LEN, lr=1e-4, max_steps=5)
-    return RunConfig(**{**base, **kw})
+    return runkit.run_config(**{**base, **kw})
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".json", ".jsonl"])

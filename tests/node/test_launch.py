@@ -40,7 +40,7 @@ def _cfg(setup, units, **kw) -> RunConfig:
     base = dict(model_dir=str(model), data_path=str(data), task="causal-lm",
                 layout=Layout.tied(list(units), model_sizes(model)),
                 batch_size=4, seq_len=runkit.SEQ_LEN, lr=1e-4, max_steps=1_000_000, seed=0)
-    return RunConfig(**{**base, **kw})
+    return runkit.run_config(**{**base, **kw})
 
 
 class _StderrSpy:

@@ -29,8 +29,8 @@ def models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 
 def _cfg(model: Path, data: Path, **kw) -> RunConfig:
     sizes = model_sizes(model)
-    return RunConfig(model_dir=str(model), data_path=str(data), task="classify", batch_size=4, seq_len=16,
-                     lr=1e-4, max_steps=3, layout=Layout.tied([2, sizes.attn - 2], sizes), **kw)
+    return runkit.run_config(model_dir=str(model), data_path=str(data), task="classify", batch_size=4, seq_len=16,
+                             lr=1e-4, max_steps=3, layout=Layout.tied([2, sizes.attn - 2], sizes), **kw)
 
 
 def test_a_good_lora_run_passes_and_defaults_to_peft_targets(models) -> None:

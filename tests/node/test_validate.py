@@ -34,7 +34,7 @@ def _cfg(model: Path, data: Path, **kw) -> RunConfig:
     except (OSError, ValueError):
         sizes = SIZES
     layout = kw.pop("layout", None) or Layout.tied(kw.pop("units", [4, 8]), sizes)
-    return RunConfig(**{**base, **kw, "layout": layout})
+    return runkit.run_config(**{**base, **kw, "layout": layout})
 
 
 def _copy(model: Path, tmp_path: Path) -> Path:

@@ -89,8 +89,8 @@ class Fuzzer:
         t = dict(SAMPLES)
         t["node.inspect_request"] = m.InspectRequest(request_id="fz.1", job_id="ghost-1",
                                                      spec=SPEC.model_copy(update={"owner": self.real_node}))
-        t["node.profile_request"] = m.ProfileRequest(request_id="fz.2", job_id="ghost-2", arch=ARCH, task="causal-lm",
-                                                     batch_size=2, seq_len=16, threads=1)
+        t["node.profile_request"] = m.ProfileRequest(request_id="fz.2", job_id="ghost-2", arch=ARCH, threads=1,
+                                                     key=m.ProfileKey(task="causal-lm", batch_size=2, seq_len=16))
         t["node.assignment"] = SAMPLES["node.assignment"].model_copy(update={"node_id": self.real_node,
                                                                              "job_id": "ghost-3"})
         # Two shapes on the control topic: each mutation starts from one of them.

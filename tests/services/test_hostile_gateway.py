@@ -22,7 +22,10 @@ SURROGATE = '"\\ud800"'  # JSON text of a lone UTF-16 surrogate
 
 
 def spec_json(**changes) -> dict:
-    return {**SPEC.model_dump(mode="json"), **changes}
+    """The spec's JSON with `changes`, a recipe's field into its recipe."""
+    doc = SPEC.model_dump(mode="json")
+    recipe = {k: changes.pop(k) for k in list(changes) if k in doc["recipe"]}
+    return {**doc, **changes, "recipe": {**doc["recipe"], **recipe}}
 
 
 def alive(h: Harness) -> None:
@@ -74,7 +77,7 @@ def test_lone_surrogate_in_a_spec_is_refused_at_submit_and_never_stored(tmp_path
     announce(h)
     text = json.dumps({"transaction": "s1", "spec": spec_json(model_dir="PLACEHOLDER")})
     (err,) = h.request("job/submit", text.replace('"PLACEHOLDER"', SURROGATE).encode())
-    assert err.status == "error" and "spec.model_dir" in err.error and "surrogate" in err.error
+    assert err.status == "error" and "spec.recipe.model_dir" in err.error and "surrogate" in err.error
     assert h.gw.jobs == {}
     h2 = Harness(tmp_path, h.broker)
     h2.pump()
@@ -299,7 +302,8 @@ def test_spec_strings_are_bounded(tmp_path, field, value):
     h = Harness(tmp_path)
     announce(h)
     (err,) = h.request("job/submit", {"transaction": "s", "spec": spec_json(**{field: value})})
-    assert err.status == "error" and f"spec.{field}" in err.error and h.gw.jobs == {}
+    path = f"spec.recipe.{field}" if field in SPEC.recipe.model_fields else f"spec.{field}"
+    assert err.status == "error" and path in err.error and h.gw.jobs == {}
 
 
 def test_a_submit_refused_after_inspection_does_not_come_back_on_restart(tmp_path):

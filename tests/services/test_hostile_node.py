@@ -94,9 +94,9 @@ def test_an_export_may_not_overwrite_the_base_model_or_a_jobs_checkpoint(node):
     svc, client, broker, tmp = node
     model, data = make_case(tmp / "allowed", rows=40)
     ckpt = svc.state_dir / "jobs" / "other-job" / "checkpoint"
-    for export, why in ((model, "would overwrite spec.model_dir"), (model / "sub", "would overwrite spec.model_dir"),
-                        (tmp / "allowed", "would overwrite spec.model_dir"), (ckpt, "keeps its jobs' checkpoints"),
-                        (data, "would overwrite spec.data_path")):
+    for export, why in ((model, "would overwrite spec.recipe.model_dir"), (model / "sub", "would overwrite spec.recipe.model_dir"),
+                        (tmp / "allowed", "would overwrite spec.recipe.model_dir"), (ckpt, "keeps its jobs' checkpoints"),
+                        (data, "would overwrite spec.recipe.data_path")):
         report = inspect(svc, client, job_spec(model, data, export, owner="n0"), rid=f"r{abs(hash(str(export)))}")
         assert not report.ok and why in report.error, (export, report.error)
     ok = inspect(svc, client, job_spec(model, data, tmp / "allowed" / "exports" / "x", owner="n0"), rid="good")
@@ -105,7 +105,7 @@ def test_an_export_may_not_overwrite_the_base_model_or_a_jobs_checkpoint(node):
     a = assignment(tmp, spec=m.JobSpec(**job_spec(model, data, model, owner="n0")))
     svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(a))
     (ack,) = replies(svc, client, "node.ack")
-    assert not ack.accepted and "would overwrite spec.model_dir" in ack.reason
+    assert not ack.accepted and "would overwrite spec.recipe.model_dir" in ack.reason
 
 
 def test_checkpoint_index_names_are_confined(node):

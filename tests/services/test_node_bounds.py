@@ -52,7 +52,8 @@ def node(tmp_path):
 
 def ask_profile(svc, client, rid: str, timeout: float = 60.0, arch: m.ArchSpec = TINY,
                 **fields) -> m.ErrorResponse | m.ProfileReport:
-    req = m.ProfileRequest(request_id=rid, job_id="j", arch=arch, task="causal-lm", **fields)
+    key = m.ProfileKey(task="causal-lm", batch_size=fields.pop("batch_size"), seq_len=fields.pop("seq_len"))
+    req = m.ProfileRequest(request_id=rid, job_id="j", arch=arch, key=key, **fields)
     svc.bus.publish(T.build("node.profile_request", node_id="n0"), encode(req))
     got: list = []
 

@@ -132,8 +132,8 @@ def node(tmp_path, mqtt_broker):
 
 
 def profile(node: Node) -> None:
-    node.send("node.profile_request", m.ProfileRequest(request_id="p1", job_id="j", arch=TINY, task="causal-lm",
-                                                       batch_size=2, seq_len=16, threads=1))
+    node.send("node.profile_request", m.ProfileRequest(request_id="p1", job_id="j", arch=TINY, threads=1,
+                                                       key=m.ProfileKey(task="causal-lm", batch_size=2, seq_len=16)))
 
 
 def kill_and_check(node: Node) -> None:
@@ -194,11 +194,12 @@ def test_a_burst_of_schema_maximum_requests_starts_nothing_and_is_answered(node)
                                      lambda c, u, msg: answers.append(m.ErrorResponse.model_validate_json(msg.payload)))
     node.client.subscribe(node.table.build("node.error", node_id="n0"), qos=1)
     wide = TINY.model_copy(update={"vocab_size": 50257, "max_positions": 2**17})
-    asks = [dict(threads=256, batch_size=8, seq_len=16), dict(batch_size=4096, seq_len=2**17),
-            dict(batch_size=4096, seq_len=1024, threads=1)]
+    asks = [dict(threads=256, key=m.ProfileKey(task="causal-lm", batch_size=8, seq_len=16)),
+            dict(key=m.ProfileKey(task="causal-lm", batch_size=4096, seq_len=2**17)),
+            dict(threads=1, key=m.ProfileKey(task="causal-lm", batch_size=4096, seq_len=1024))]
     for i in range(30):
         node.send("node.profile_request", m.ProfileRequest(request_id=f"h{i}", job_id="j", arch=wide,
-                                                           task="causal-lm", **asks[i % 3]))
+                                                           **asks[i % 3]))
     deadline = time.monotonic() + 60
     while len(answers) < 30 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -8,6 +8,7 @@ from xronos.node.rank.lifecycle import Capabilities, Checkpoints, Engine, run
 from xronos.node.rank.tpengine import TPEngine
 from xronos.node.runconfig import RunConfig
 from xronos.protocol.layout import Layout
+from xronos.protocol.recipe import Recipe
 
 
 class Plain(Engine):
@@ -15,8 +16,9 @@ class Plain(Engine):
 
 
 def test_a_run_that_needs_checkpoints_refuses_an_engine_without_them_before_joining() -> None:
-    cfg = RunConfig(model_dir="/nowhere", data_path="/nowhere.csv", task="classify", batch_size=2, seq_len=8,
-                    lr=1e-4, max_steps=2, layout=Layout(attn=(12,), mlp=(64,), vocab=(37,)),
+    recipe = Recipe(model_dir="/nowhere", data_path="/nowhere.csv", task="classify", batch_size=2, seq_len=8,
+                    lr=1e-4, max_steps=2)
+    cfg = RunConfig(recipe=recipe, layout=Layout(attn=(12,), mlp=(64,), vocab=(37,)),
                     rendezvous_port=1)  # nothing listens there: a join would fail, not this check
     with pytest.raises(ValueError, match="Plain keeps no checkpoints"):
         run(cfg, Plain(), weights=None, checkpoints=Checkpoints("/tmp/x", 1))
