@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
         for text in falling_times(item.report):
             print(f"xronos plan: warning: {item.source}: {text}", file=sys.stderr)
         s = item.report.settings  # a merged export is LoRA's; a full fine-tune's profile would plan another job
-        if args.export_merged and s is not None and s.lora_r is None:
-            raise ValueError(f"{item.source}: field settings.lora_r: --export-merged is for LoRA profiles, but node "
+        if args.export_merged and s is not None and s.lora is None:
+            raise ValueError(f"{item.source}: field settings.lora: --export-merged is for LoRA profiles, but node "
                              f"{item.report.node_id} was profiled for full fine-tuning")
     result = plan_reports(
         loaded, args.strategy, reserve_mb=args.reserve_mb,

@@ -6,7 +6,7 @@ carry, in:
 - `msgtypes`: the bounded field types every message is built of, the bounds, the `Message` base
   (strict, frozen, `extra="forbid"`, `schema_version`) and why every field is bounded;
 - `msgnode`: a node about itself: availability, capabilities, profile request and report;
-- `recipe`: the training recipe (`Recipe`, `LoraSpec`) and a profile's key (`ProfileKey`);
+- `recipe`: the training recipe (`Recipe`, `LoraSpec` and the `LoraShape` a profile records) and a profile's key (`ProfileKey`);
 - `msgjob`: a job's life: spec (a recipe plus the job's own fields), inspection, plan, assignment and ack, the controls (`JobControl`);
 - `msgstate`: a running job's state: iteration metrics, a node's job status, the job state;
 - `msgcatalog`: what an owner holds in its allowed directories (Home Assistant's job form);
@@ -32,7 +32,7 @@ from .msgjob import (
     JobSpec, PlanEntry, Plan, Assignment, AssignmentAck, JobStart, JobPause, JobResume, JobCancel,
     JobReshard, JobControl, JobControlAdapter, InspectRequest, InspectReport, SPEC_VERSION,
 )
-from .recipe import LoraSpec, ProfileKey, Recipe
+from .recipe import LoraShape, LoraSpec, ProfileKey, Recipe
 from .msgcatalog import (
     CATALOG_PATH_MAX, MAX_ALLOWED_DIRS, MAX_CATALOG_ENTRIES, CatalogPath, CatalogRequest, NodeCatalog,
 )
@@ -57,7 +57,7 @@ __all__ = [
     "LoraTarget", "Sample", "Message", "Availability", "ArchSpec", "Capabilities", "ProfileRequest",
     "LayerProfile", "CollectiveProfile", "ProfileSettings", "ProfileReport", "JobSpec", "PlanEntry", "Plan", "Assignment",
     "AssignmentAck", "JobStart", "JobPause", "JobResume", "JobCancel", "JobReshard", "JobControl",
-    "JobControlAdapter", "InspectRequest", "InspectReport", "SPEC_VERSION", "LoraSpec", "ProfileKey", "Recipe", "IterationMetrics", "NodeFloats",
+    "JobControlAdapter", "InspectRequest", "InspectReport", "SPEC_VERSION", "LoraShape", "LoraSpec", "ProfileKey", "Recipe", "IterationMetrics", "NodeFloats",
     "NodeBytes", "JobState", "NodeJobStatus", "ErrorResponse", "Transaction", "GatewayRequest",
     "JobSubmitRequest", "JobStatusRequest", "JobPauseRequest", "JobResumeRequest", "JobCancelRequest",
     "NodesListRequest", "PlanPreviewRequest", "GatewayResponse", "REQUEST_MODELS",

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from .layout import Kind, Sizes
-from .recipe import ProfileKey
+from .recipe import LoraShape, ProfileKey
 from .msgtypes import (
     BatchSize, Bytes, Cores, Decay, Dim, Fraction, Heads, Host, Id, Int, Label, LayerName, Labels, Layers,
     LoraRank, LoraTarget, Message, Positions, Sample, SeqLen, Seconds, Task, Temperature, Threads, Timestamp,
@@ -120,32 +120,17 @@ class ProfileSettings(Message):
     what is measured: decoupled weight decay and the clipping pass each add a pass over every
     parameter, and LoRA trains adapters on a frozen base (no gradient or AdamW moments on the base:
     less memory, less time), so a profile is the job's only at the job's settings. Every field is
-    required: a report that records its settings records all of them. Without `lora_r` (full
-    fine-tuning) the LoRA fields are unset (None, 0.0); `lora_targets` None is the family's default."""
+    required: a report that records its settings records all of them (`lora` None: full
+    fine-tuning)."""
 
     weight_decay: Decay
     clip: bool
-    lora_r: LoraRank | None
-    lora_targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None
-    lora_dropout: Fraction
-
-    @model_validator(mode="after")
-    def _lora_needs_rank(self) -> ProfileSettings:
-        if self.lora_r is None and (self.lora_targets is not None or self.lora_dropout != 0):
-            which = "lora_targets" if self.lora_targets is not None else "lora_dropout"
-            raise ValueError(f"{which}: set without lora_r (a full fine-tune trains no adapters)")
-        return self
+    lora: LoraShape | None
 
     @classmethod
     def of_key(cls, key: ProfileKey) -> ProfileSettings:
-        """A profile key's settings in the one form every report records: the targets sorted and
-        once each (their order trains nothing different); LoRA's alpha left out, since it only
-        scales the adapters' output and the profile does not depend on it."""
-        lora = key.lora
-        if lora is None:
-            return cls(weight_decay=key.weight_decay, clip=key.clip, lora_r=None, lora_targets=None, lora_dropout=0.0)
-        return cls(weight_decay=key.weight_decay, clip=key.clip, lora_r=lora.r,
-                   lora_targets=sorted(set(lora.targets)) if lora.targets else None, lora_dropout=lora.dropout)
+        """A profile key's settings in the one form every report records (`LoraShape.shape`)."""
+        return cls(weight_decay=key.weight_decay, clip=key.clip, lora=key.lora.shape() if key.lora else None)
 
 
 class ProfileReport(Message):

@@ -27,15 +27,27 @@ class Part(BaseModel):
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
 
-class LoraSpec(Part):
-    """LoRA adapters of rank `r` on `targets` (peft's module names, e.g. q_proj; None: the family's
-    default), scale alpha / r, dropout on their input; the base frozen. The export is then a PEFT
-    adapter directory (adapter_config.json, adapter_model.safetensors)."""
+class LoraShape(Part):
+    """What of LoRA adapters a profile depends on: rank `r` on `targets` (peft's module names, e.g.
+    q_proj; None: the family's default), dropout on their input. Not alpha: it only scales the
+    adapters' output."""
 
     r: LoraRank
-    alpha: LoraAlpha = 16.0
     dropout: Fraction = 0.0
     targets: Annotated[list[LoraTarget], Field(min_length=1, max_length=16)] | None = None
+
+    def shape(self) -> LoraShape:
+        """The one form a profile records: the targets sorted and once each (their order trains
+        nothing different), no alpha."""
+        return LoraShape(r=self.r, dropout=self.dropout, targets=sorted(set(self.targets)) if self.targets else None)
+
+
+class LoraSpec(LoraShape):
+    """LoRA adapters of rank `r` on `targets`, scale alpha / r, dropout on their input; the base
+    frozen. The export is then a PEFT adapter directory (adapter_config.json,
+    adapter_model.safetensors)."""
+
+    alpha: LoraAlpha = 16.0
 
 
 class Recipe(Part):

@@ -255,9 +255,9 @@ _SAME = ("task", "batch_size", "seq_len", "num_blocks", "arch", "sizes")
 
 
 def _show(name: str, value: object) -> str:
-    if value is None and name == "lora_r":
-        return "None (full fine-tuning)"
-    if value is None and name == "lora_targets":
+    if name == "lora":
+        return "None (full fine-tuning)" if value is None else f"LoRA rank {value.r}"  # type: ignore[attr-defined]
+    if value is None and name == "lora.targets":
         return "None (the family's default)"
     return repr(value)
 
@@ -269,16 +269,19 @@ def job_settings(spec: JobSpec) -> ProfileSettings:
 
 
 def settings_diff(got: ProfileSettings, want: ProfileSettings) -> tuple[str, str, str] | None:
-    """(field, got, want) of the first setting `got` differs from `want` in, shown for a person
-    (the LoRA targets compared as a set), or None when they are the same."""
-    for name in type(want).model_fields:
-        if name == "schema_version":
-            continue
+    """(field, got, want) of the first setting `got` differs from `want` in ("lora.r" within the
+    adapters), shown for a person, or None when they are the same (adapters compared in one
+    form, `LoraShape.shape`: the targets as a set)."""
+    for name in ("weight_decay", "clip", "lora"):
         a, b = getattr(got, name), getattr(want, name)
-        if name == "lora_targets" and a is not None and b is not None:
-            a, b = sorted(set(a)), sorted(set(b))
-        if a != b:
-            return name, _show(name, a), _show(name, b)
+        if name == "lora" and a is not None and b is not None:
+            a, b = a.shape(), b.shape()  # a report from the wire may list its targets in another order
+        if a == b:
+            continue
+        if name == "lora" and a is not None and b is not None:
+            part = next(f for f in ("r", "targets", "dropout") if getattr(a, f) != getattr(b, f))
+            return f"lora.{part}", _show(f"lora.{part}", getattr(a, part)), _show(f"lora.{part}", getattr(b, part))
+        return name, _show(name, a), _show(name, b)
     return None
 
 

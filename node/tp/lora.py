@@ -72,12 +72,10 @@ class LoraSettings:
 
 
 def lora_settings(family_name: str, family_targets: tuple[str, ...], default_targets: tuple[str, ...],
-                  r: int | None, alpha: float, dropout: float, targets: list[str] | tuple[str, ...] | None
-                  ) -> LoraSettings | None:
-    """A run's LoRA settings from its options (None when lora_r is None: full fine-tuning); the
-    targets default to the family's (peft's defaults). ValueError naming what is wrong."""
-    if r is None:
-        return None
+                  r: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...] | None
+                  ) -> LoraSettings:
+    """A recipe's LoRA adapters (its LoraSpec's fields) on a family; the targets default to the
+    family's (peft's defaults). ValueError naming what is wrong."""
     if not family_targets:
         raise ValueError(f"LoRA is not supported for model family {family_name!r}")
     settings = LoraSettings(r, float(alpha), float(dropout), tuple(targets) if targets else default_targets)

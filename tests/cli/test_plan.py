@@ -114,8 +114,8 @@ def test_job_shape_checked(tmp_path, capsys):
     assert "a.json: field seq_len" in capsys.readouterr().err
 
 
-LORA = {"weight_decay": 0.0, "clip": True, "lora_r": 8, "lora_targets": None, "lora_dropout": 0.0}
-FULL = {"weight_decay": 0.0, "clip": True, "lora_r": None, "lora_targets": None, "lora_dropout": 0.0}
+LORA = {"weight_decay": 0.0, "clip": True, "lora": {"r": 8, "targets": None, "dropout": 0.0}}
+FULL = {"weight_decay": 0.0, "clip": True, "lora": None}
 
 
 def test_profiles_of_different_job_settings_refused(tmp_path, capsys):
@@ -126,15 +126,15 @@ def test_profiles_of_different_job_settings_refused(tmp_path, capsys):
     full = write(tmp_path, "b", edits={"settings": FULL})
     old = write(tmp_path, "c")  # synthetic reports record no settings, as an older Xronos's
     assert main(["plan", lora, full]) == 2
-    assert ("b.json: field settings.lora_r: node b was profiled at lora_r None (full fine-tuning), but "
-            f"{lora} at 8; one plan needs profiles taken under one job's settings") in capsys.readouterr().err
+    assert ("b.json: field settings.lora: node b was profiled at lora None (full fine-tuning), but "
+            f"{lora} at LoRA rank 8; one plan needs profiles taken under one job's settings") in capsys.readouterr().err
     assert main(["plan", lora, old]) == 2
     assert "c.json: field settings: node c's profile does not record the job settings" in capsys.readouterr().err
     assert main(["plan", lora, write(tmp_path, "d", edits={"settings": LORA}), "--export-merged"]) == 0
     capsys.readouterr()
     # --export-merged (LoRA's merged model) over a full fine-tune's profile plans another job
     assert main(["plan", full, "--export-merged"]) == 2
-    assert "b.json: field settings.lora_r: --export-merged is for LoRA profiles" in capsys.readouterr().err
+    assert "b.json: field settings.lora: --export-merged is for LoRA profiles" in capsys.readouterr().err
 
 
 def test_missing_segment_names_file_and_field(tmp_path, capsys):

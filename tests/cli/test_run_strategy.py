@@ -60,19 +60,19 @@ def test_rank_profiles_of_other_job_settings_refused(monkeypatch: pytest.MonkeyP
 
     from xronos.protocol.messages import ProfileSettings
 
-    from xronos.protocol.messages import LoraSpec, Recipe
+    from xronos.protocol.messages import LoraShape, LoraSpec, Recipe
 
     args = Namespace(nodes=2, profile_cache=None, strategy="segment", reserve_mb=0)
     recipe = Recipe(model_dir=".", data_path="d.jsonl", task="classify", batch_size=8, seq_len=32, lr=1e-3,
                     max_steps=1, lora=LoraSpec(r=8, targets=["c_proj", "c_attn"], dropout=0.05))
-    lora = ProfileSettings(weight_decay=0.0, clip=True, lora_r=8, lora_targets=["c_attn", "c_proj"], lora_dropout=0.05)
+    lora = ProfileSettings(weight_decay=0.0, clip=True, lora=LoraShape(r=8, targets=["c_attn", "c_proj"], dropout=0.05))
     assert ProfileSettings.of_key(recipe.profile_key()) == lora  # targets sorted: their order trains the same
-    full = ProfileSettings(weight_decay=0.0, clip=True, lora_r=None, lora_targets=None, lora_dropout=0.0)
+    full = ProfileSettings(weight_decay=0.0, clip=True, lora=None)
     given = {"rank0": lora, "rank1": full}
     monkeypatch.setattr(strategy, "profile_ranks", lambda *a, **k: [
         synthetic_report(f"rank{r}").model_copy(update={"settings": given[f"rank{r}"]}) for r in range(2)])
-    with pytest.raises(ValueError, match="profile of rank1: field settings.lora_r: node rank1 was profiled at "
-                                         r"lora_r None \(full fine-tuning\), but the job runs 8"):
+    with pytest.raises(ValueError, match="profile of rank1: field settings.lora: node rank1 was profiled at "
+                                         r"lora None \(full fine-tuning\), but the job runs LoRA rank 8"):
         strategy.plan_run(args, recipe, 1, None)
     given["rank1"] = lora
     result, _ = strategy.plan_run(args, recipe, 1, None)

@@ -27,6 +27,7 @@ from xronos.node.rank.optstate import allocate_state  # noqa: E402
 from xronos.node.tp.group import TPGroup  # noqa: E402
 from xronos.node.tp.layout import ShardLayout  # noqa: E402
 from xronos.node.tp.lora import add_lora  # noqa: E402
+from xronos.protocol.messages import LoraSpec  # noqa: E402
 
 TASK = "causal-lm"
 
@@ -50,7 +51,7 @@ def _model(model_dir: Path, lora_r: int | None):
     family = family_for(config)
     layout = ShardLayout.single(family.sizes(config))
     model = family.build(config, TASK, layout, TPGroup.single())
-    settings = family.lora_settings(lora_r, 8.0, 0.0, None)
+    settings = family.lora_settings(LoraSpec(r=lora_r, alpha=8.0) if lora_r else None)
     modules = add_lora(model, settings) if settings is not None else []
     materialize(model, SafetensorsSource(model_dir))
     return config, layout, model, settings, modules

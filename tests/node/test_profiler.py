@@ -15,10 +15,10 @@ from xronos.node.measure.memprobe import AllocTrace, SavedTensorMeter, mark, sta
 from xronos.node.measure.profset import find_regions
 from xronos.node.models.shapes import shape
 from xronos.protocol.layout import Sizes
-from xronos.protocol.messages import ProfileReport, ProfileSettings
+from xronos.protocol.messages import LoraShape, LoraSpec, ProfileReport, ProfileSettings
 
 B, S = 2, 16
-FULL = ProfileSettings(weight_decay=0.0, clip=True, lora_r=None, lora_targets=None, lora_dropout=0.0)
+FULL = ProfileSettings(weight_decay=0.0, clip=True, lora=None)
 TINY = shape("tiny-gpt2", "classify")  # hidden 64, 4 heads, MLP 256, vocab 500, 2 blocks
 E, I, V, P, H = 64, 256, 500, 128, 4
 
@@ -332,9 +332,9 @@ def test_lora_profile_is_its_own_and_counts_a_frozen_base(reports: dict[str, Pro
     r = 4
     config = prof.config_for(arch=TINY)
     lora = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path,
-                        lora_r=r, lora_targets=["c_attn", "c_proj", "c_fc"])
-    assert lora.settings == ProfileSettings(weight_decay=0.0, clip=True, lora_r=r,
-                                            lora_targets=["c_attn", "c_fc", "c_proj"], lora_dropout=0.0)
+                        lora=LoraSpec(r=r, targets=["c_attn", "c_proj", "c_fc"]))
+    assert lora.settings == ProfileSettings(weight_decay=0.0, clip=True,
+                                            lora=LoraShape(r=r, targets=["c_attn", "c_fc", "c_proj"]))
     full = {layer.name: layer for layer in reports["classify"].layers}
     got = {layer.name: layer for layer in lora.layers}
     adapters = {"blk.attn": (r * E + 3 * E * r) + (r * E + E * r), "blk.mlp": (r * E + I * r) + (r * I + E * r)}
@@ -348,7 +348,7 @@ def test_lora_profile_is_its_own_and_counts_a_frozen_base(reports: dict[str, Pro
     prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path)
     assert len(list(tmp_path.glob("profile-*.json"))) == 2  # full fine-tuning: another entry
     with pytest.raises(ValueError, match=r"\['q_proj'\] not in model family 'gpt2'"):
-        prof.profile(config, "classify", B, S, threads=1, iters=2, lora_r=r, lora_targets=["q_proj"])
+        prof.profile(config, "classify", B, S, threads=1, iters=2, lora=LoraSpec(r=r, targets=["q_proj"]))
 
 
 def test_alloc_trace_peak_is_the_highest_level_above_the_start() -> None:

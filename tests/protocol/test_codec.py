@@ -121,10 +121,10 @@ def test_a_validators_refusal_reads_without_pydantics_prefix():
     assert err.detail == "segment: layer 'blk.attn' is partitioned, so its segment must be set", err.detail
     assert "Value error" not in str(err)
     doc = SAMPLES["node.profile_report"].model_dump(mode="json")
-    doc["settings"]["lora_dropout"] = 0.1  # without lora_r
-    with pytest.raises(DecodeError) as info:
+    doc["collectives"] = dict(nbytes=1024, seconds=0.001, small_bytes=1024, small_seconds=0.0005, repeats=3)
+    with pytest.raises(DecodeError) as info:  # the small message is not smaller
         decode(topic, msgpack.packb(doc))
-    assert info.value.field == "settings" and info.value.detail.startswith("lora_dropout: set without lora_r")
+    assert info.value.field == "collectives" and info.value.detail.startswith("small_bytes: must be below nbytes")
 
 
 def test_bad_msgpack_and_text_and_unknown_topic():

@@ -48,7 +48,7 @@ def test_the_profile_key_is_the_recipes():
     assert (key.task, key.batch_size, key.seq_len, key.weight_decay, key.clip) == ("causal-lm", 4, 32, 0.1, False)
     assert key.lora == r.lora  # alpha included: the profiler trains the job's very adapters
     settings = m.ProfileSettings.of_key(key)  # what a report records: the targets sorted, no alpha
-    assert (settings.lora_r, settings.lora_targets, settings.clip) == (4, ["q_proj", "v_proj"], False)
+    assert (settings.lora, settings.clip) == (m.LoraShape(r=4, targets=["q_proj", "v_proj"]), False)
 
 
 def test_the_job_spec_is_version_3_and_refuses_a_version_2_message():

@@ -56,8 +56,8 @@ def test_a_report_without_settings_reads_as_unrecorded_not_as_the_defaults(tmp_p
 
 @pytest.mark.parametrize("edit, needle", [
     # Every field is required once settings are recorded: a half-recorded set is not read as defaults.
-    (lambda s: s.pop("lora_targets"), "field settings.lora_targets: Field required"),
-    (lambda s: s.update(lora_r=None), "field settings: lora_targets: set without lora_r"),
+    (lambda s: s.pop("lora"), "field settings.lora: Field required"),
+    (lambda s: s["lora"].pop("r"), "field settings.lora.r: Field required"),  # adapters without a rank
     (lambda s: s.update(weight_decay=-1.0), "field settings.weight_decay"),
     (lambda s: s.update(clip=1), "field settings.clip"),  # strict: 1 is not true
 ])
@@ -73,7 +73,7 @@ def test_recorded_settings_are_read_strictly(tmp_path, edit, needle):
 
 def test_settings_of_a_request_or_spec_take_one_form():
     # The targets' order trains nothing else; alpha only scales the adapters' output.
-    assert LORA.lora_targets == ["c_attn", "c_proj"] and LORA.lora_r == 8 and LORA.lora_dropout == 0.05
+    assert LORA.lora == m.LoraShape(r=8, targets=["c_attn", "c_proj"], dropout=0.05)
     assert m.ProfileSettings.of_key(key(lora=ADAPTERS.model_copy(update={"alpha": 64.0}))) == LORA
     spec = with_recipe(SPEC, lora=ADAPTERS)
     assert job_settings(spec) == LORA
@@ -102,7 +102,7 @@ def test_the_request_the_gateway_sends_is_recorded_as_the_jobs_settings(changes)
 # --- a set of reports: one job's settings ------------------------------------------------------
 
 @pytest.mark.parametrize("other, needle", [
-    (LORA, "b.json: field settings.lora_r: node b was profiled at lora_r 8, but a.json at None (full fine-tuning)"),
+    (LORA, "b.json: field settings.lora: node b was profiled at lora LoRA rank 8, but a.json at None (full fine-tuning)"),
     (FULL.model_copy(update={"weight_decay": 0.01}), "b.json: field settings.weight_decay: node b was profiled "
                                                      "at weight_decay 0.01, but a.json at 0.0"),
     (FULL.model_copy(update={"clip": False}), "b.json: field settings.clip: node b was profiled at clip False"),
@@ -118,7 +118,7 @@ def test_a_mix_of_settings_is_refused_naming_file_and_field(other, needle):
 
 def test_one_jobs_settings_plan_together():
     plan_reports(loaded(rep("a", settings=LORA), rep("b", settings=LORA)), "segment")
-    reordered = LORA.model_copy(update={"lora_targets": ["c_proj", "c_attn"]})  # the same targets
+    reordered = LORA.model_copy(update={"lora": LORA.lora.model_copy(update={"targets": ["c_proj", "c_attn"]})})  # the same targets
     check_compatible(loaded(rep("a", settings=LORA), rep("b", settings=reordered)))
     check_compatible(loaded(rep("a", settings=None), rep("b", settings=None)))  # nothing known: as before
 
@@ -126,11 +126,11 @@ def test_one_jobs_settings_plan_together():
 def test_a_report_under_other_settings_than_the_jobs_is_refused():
     with pytest.raises(ValueError) as err:
         plan_reports(loaded(rep("a", settings=LORA), rep("b")), "segment", settings=LORA)
-    assert str(err.value).startswith("b.json: field settings.lora_r: node b was profiled at lora_r None (full "
-                                     "fine-tuning), but the job runs 8; profile it again"), str(err.value)
-    other = LORA.model_copy(update={"lora_targets": ["c_fc"]})
-    with pytest.raises(ValueError, match="a.json: field settings.lora_targets: node a was profiled at "
-                                         r"lora_targets \['c_fc'\], but the job runs \['c_attn', 'c_proj'\]"):
+    assert str(err.value).startswith("b.json: field settings.lora: node b was profiled at lora None (full "
+                                     "fine-tuning), but the job runs LoRA rank 8; profile it again"), str(err.value)
+    other = LORA.model_copy(update={"lora": LORA.lora.model_copy(update={"targets": ["c_fc"]})})
+    with pytest.raises(ValueError, match="a.json: field settings.lora.targets: node a was profiled at "
+                                         r"lora.targets \['c_fc'\], but the job runs \['c_attn', 'c_proj'\]"):
         check_compatible(loaded(rep("a", settings=other)), settings=LORA)
     # A report that records none answered the job's own request, which carried the settings.
     check_compatible(loaded(rep("a", settings=LORA), rep("b", settings=None)), settings=LORA)
@@ -140,15 +140,15 @@ def test_the_gateway_leaves_out_a_node_profiled_under_other_settings():
     spec = with_recipe(SPEC, lora=ADAPTERS)
     job = J.Job("j", spec, 0.0, arch=rep().arch)
     full = rep("a").model_copy(update={"job_id": "j"})
-    assert J.profile_mismatch(job, full) == ("its report's settings.lora_r does not match the request (got None "
-                                            "(full fine-tuning), the job's is 8)")
+    assert J.profile_mismatch(job, full) == ("its report's settings.lora does not match the request (got None "
+                                            "(full fine-tuning), the job's is LoRA rank 8)")
     assert J.profile_mismatch(job, full.model_copy(update={"settings": LORA})) is None
     assert J.profile_mismatch(job, full.model_copy(update={"settings": None})) is None  # an older node's
     decayed = LORA.model_copy(update={"weight_decay": 0.1})
     assert "settings.weight_decay" in J.profile_mismatch(job, full.model_copy(update={"settings": decayed}))
     # ... and the job's planner refuses it too (a profile kept from before the job's settings changed)
     job = J.Job("j", spec, 0.0, profiles={"a": rep("a", settings=LORA), "b": full.model_copy(update={"node_id": "b"})})
-    with pytest.raises(ValueError, match="node b: field settings.lora_r: node b was profiled at lora_r None"):
+    with pytest.raises(ValueError, match="node b: field settings.lora: node b was profiled at lora None"):
         plan_job(job, ("a", "b"), 1, J.Ctx(now=0.0, online=frozenset(("a", "b"))))
 
 

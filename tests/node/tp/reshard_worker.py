@@ -24,6 +24,7 @@ from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import add_lora
 from xronos.node.tp.reshard import reshard, specs_per_rank, transfer_plan
 from xronos.protocol.layout import Layout
+from xronos.protocol.messages import LoraSpec
 
 LR = 1e-3
 
@@ -60,7 +61,7 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     config = json.loads((ckpt / "config.json").read_text())
     family, task = family_for(config), case["task"]
     old, new = Layout.model_validate(case["old"]), Layout.model_validate(case["new"])
-    lora = family.lora_settings(case["lora_r"], 8.0, 0.0, None) if case.get("lora_r") else None
+    lora = family.lora_settings(LoraSpec(r=case["lora_r"], alpha=8.0)) if case.get("lora_r") else None
 
     def build(layout: Layout):
         m = family.build(config, task, ShardLayout.of(layout, rank), group, dropout=0.0)
