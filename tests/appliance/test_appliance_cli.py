@@ -126,7 +126,7 @@ def test_pyyaml_is_declared_and_yaml_specs_load(tmp_path):
 
     (tmp_path / "s.yaml").write_text("name: t\nowner: n0\nmodel_dir: /m\ndata_path: /d.csv\ntask: classify\n"
                                      "batch_size: 2\nseq_len: 8\nlr: 1e-4\nmax_steps: 5\nexport_dir: /o\n")
-    assert load_spec(tmp_path / "s.yaml").lr == 1e-4  # YAML 1.1 would have read the string "1e-4"
+    assert load_spec(tmp_path / "s.yaml").recipe.lr == 1e-4  # YAML 1.1 would have read the string "1e-4"
 
 
 def test_make_takes_any_python_from_3_11_on(tmp_path):

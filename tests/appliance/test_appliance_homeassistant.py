@@ -36,10 +36,12 @@ def job(**kw) -> JobState:
     return JobState(**{**base, **kw})
 
 
-def spec(**kw) -> JobSpec:
-    base = dict(name="sst2", owner="pi5", model_dir="/m", data_path="/d.jsonl", task="causal-lm",
-                data_format="chat", batch_size=4, seq_len=64, lr=1e-4, max_steps=120, export_dir="/out")
-    return JobSpec(**{**base, **kw})
+def spec(lora_r: int | None = None, lora_targets: list[str] | None = None, **kw) -> JobSpec:
+    """A job's spec; `kw` are its recipe's settings, LoRA's rank and targets its LoraSpec."""
+    recipe = dict(model_dir="/m", data_path="/d.jsonl", task="causal-lm", data_format="chat", batch_size=4,
+                  seq_len=64, lr=1e-4, max_steps=120, export_dir="/out",
+                  lora=dict(r=lora_r, targets=lora_targets) if lora_r else None)
+    return JobSpec(name="sst2", owner="pi5", recipe={**recipe, **kw})
 
 
 def states() -> dict[str, list[dict]]:

@@ -42,7 +42,7 @@ def _reference(model_dir: Path, data: Path) -> tuple[float, dict[str, torch.Tens
     run = RunConfig(recipe=dict(model_dir=str(model_dir), data_path=str(data), task="classify", batch_size=8,
                                 seq_len=16, lr=1e-3, max_steps=1, seed=0, eval_fraction=0.0, max_grad_norm=None),
                     layout=Layout(attn=(1,), mlp=(1,), vocab=(1,)))
-    _, b = next(BatchSource(run, 2).train_batches())
+    _, b = next(BatchSource(run.recipe, 2).train_batches())
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir))
     model.train()
     kw = {"token_type_ids": b.token_type_ids} if b.token_type_ids is not None else {}

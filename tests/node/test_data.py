@@ -17,6 +17,7 @@ from xronos.node.data.batches import (BatchSource, as_int_labels, batch_order, e
                                       owner_batches, split_sizes)
 from xronos.node.data.labels import LabelSpace, decide_labels, label_head_in_checkpoint
 from xronos.node.runconfig import RunConfig
+from xronos.protocol.recipe import Recipe
 from xronos.node.tp.group import TPGroup
 from xronos.protocol.layout import Layout
 
@@ -26,6 +27,11 @@ def _cfg(model_dir: Path, data: Path, task: str, **kw) -> RunConfig:
                 layout=Layout(attn=(12,), mlp=(100,), vocab=(1,)), batch_size=4,  # data only: any one-rank layout
                 seq_len=runkit.SEQ_LEN, lr=1e-4, max_steps=5)
     return runkit.run_config(**{**base, **kw})
+
+
+def _recipe(model_dir: Path, data: Path, task: str, **kw) -> Recipe:
+    """What the data code reads: the run's recipe."""
+    return _cfg(model_dir, data, task, **kw).recipe
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".json", ".jsonl"])
@@ -86,7 +92,7 @@ def test_lm_batches_pad_with_eos_and_ignore_padding(tmp_path: Path) -> None:
     model = runkit.make_model(tmp_path / "m", "gpt2", "causal-lm")
     rows = [{"text": t} for t in ["cat sat", " ".join(["dog"] * 30)] + runkit.texts(6)]
     data = runkit.write_rows(tmp_path / "d.jsonl", rows)
-    src = BatchSource(_cfg(model, data, "causal-lm", batch_size=2, shuffle=False), None)
+    src = BatchSource(_recipe(model, data, "causal-lm", batch_size=2, shuffle=False), None)
     assert src.tokenizer.pad_token == src.tokenizer.eos_token and src.pad_token_id == 1
     _, b = next(src.train_batches())
     assert b.input_ids.shape == b.attention_mask.shape == b.labels.shape == (2, runkit.SEQ_LEN)
@@ -104,7 +110,7 @@ def test_classify_batches_with_pairs_carry_segment_ids(tmp_path: Path) -> None:
     data = runkit.write_rows(tmp_path / "d.csv", rows)
     cfg = _cfg(model, data, "classify", text_column="a", text_pair_column="b", label_column="y",
                shuffle=False, eval_fraction=0.25)
-    src = BatchSource(cfg, num_labels=3)
+    src = BatchSource(cfg.recipe, num_labels=3)
     assert (src.n_train, src.n_eval) == (6, 2)
     _, b = next(src.train_batches())
     assert b.labels.tolist() == [r["y"] for r in rows[:4]]
@@ -216,7 +222,7 @@ def test_the_owner_batches_decide_labels_from_data_and_checkpoint(tmp_path: Path
     names = ["cat", "dog", "bird", "fish"]
     rows = [{"text": t, "label": names[i % 4]} for i, t in enumerate(runkit.texts(10))]
     data = runkit.write_rows(tmp_path / "d.csv", rows)
-    src = owner_batches(_cfg(lm, data, "classify", shuffle=False, eval_fraction=0.2), read_config(lm))
+    src = owner_batches(_recipe(lm, data, "classify", shuffle=False, eval_fraction=0.2), read_config(lm))
     assert src.label_space == LabelSpace(("bird", "cat", "dog", "fish"), by_name=True)
     _, b = next(src.train_batches())
     assert b.labels.tolist() == [1, 2, 0, 3]
@@ -307,7 +313,7 @@ def test_chat_rows_learn_the_assistant_turns_only(tmp_path: Path) -> None:
     model = runkit.make_model(tmp_path / "m", "llama", "causal-lm", chat=True)
     data = runkit.write_rows(tmp_path / "d.jsonl", [{"messages": m} for m in CONVERSATIONS] * 2)
     S = 32
-    src = BatchSource(_cfg(model, data, "causal-lm", data_format="chat", seq_len=S, batch_size=3,
+    src = BatchSource(_recipe(model, data, "causal-lm", data_format="chat", seq_len=S, batch_size=3,
                            shuffle=False), None)
     _, b = next(src.train_batches())
     for r, msgs in enumerate(CONVERSATIONS):
@@ -334,7 +340,7 @@ def test_the_masked_loss_is_transformers_loss_on_the_answers(tmp_path: Path) -> 
 
     model = runkit.make_model(tmp_path / "m", "llama", "causal-lm", chat=True)
     data = runkit.write_rows(tmp_path / "d.jsonl", [{"messages": m} for m in CONVERSATIONS])
-    src = BatchSource(_cfg(model, data, "causal-lm", data_format="chat", batch_size=3, shuffle=False), None)
+    src = BatchSource(_recipe(model, data, "causal-lm", data_format="chat", batch_size=3, shuffle=False), None)
     _, b = next(src.train_batches())
     hf = AutoModelForCausalLM.from_pretrained(str(model)).eval()
     with torch.no_grad():
@@ -381,7 +387,7 @@ def test_byte_level_bpe_answers_match_token_prefixes(tmp_path: Path) -> None:
     tok = AutoTokenizer.from_pretrained(str(model))
     S = 64
     data = runkit.write_rows(tmp_path / "c.jsonl", [{"messages": m} for m in CONVERSATIONS[:2]])
-    src = BatchSource(_cfg(model, data, "causal-lm", data_format="chat", seq_len=S, batch_size=2,
+    src = BatchSource(_recipe(model, data, "causal-lm", data_format="chat", seq_len=S, batch_size=2,
                            shuffle=False), None)
     _, b = next(src.train_batches())
     for r, msgs in enumerate(CONVERSATIONS[:2]):
@@ -391,7 +397,7 @@ def test_byte_level_bpe_answers_match_token_prefixes(tmp_path: Path) -> None:
     pairs = [{"prompt": "Q: the cat sat on A:", "completion": " the mat"},
              {"prompt": "Q: red or blue? A:", "completion": " blue"}]
     data = runkit.write_rows(tmp_path / "p.jsonl", pairs)
-    src = BatchSource(_cfg(model, data, "causal-lm", data_format="prompt-completion", seq_len=S, batch_size=2,
+    src = BatchSource(_recipe(model, data, "causal-lm", data_format="prompt-completion", seq_len=S, batch_size=2,
                            shuffle=False), None)
     _, b = next(src.train_batches())
     for r, row in enumerate(pairs):
@@ -406,7 +412,7 @@ def test_prompt_completion_rows_learn_the_completion_and_eos(tmp_path: Path) -> 
     model = runkit.make_model(tmp_path / "m", "llama", "causal-lm")  # BOS added, pad = EOS
     rows = [{"q": "cat sat on", "a": " the mat"}, {"q": "the dog", "a": " ran</s>"}]  # EOS already there
     data = runkit.write_rows(tmp_path / "d.csv", rows)
-    src = BatchSource(_cfg(model, data, "causal-lm", data_format="prompt-completion", prompt_column="q",
+    src = BatchSource(_recipe(model, data, "causal-lm", data_format="prompt-completion", prompt_column="q",
                            completion_column="a", batch_size=2, shuffle=False), None)
     _, b = next(src.train_batches())
     tok = src.tokenizer
@@ -424,7 +430,7 @@ def test_instruction_data_refusals(tmp_path: Path) -> None:
 
     def chat(model: Path, messages, **kw):
         data = runkit.write_rows(tmp_path / "d.jsonl", [{"messages": m} for m in messages])
-        return BatchSource(_cfg(model, data, "causal-lm", data_format="chat", batch_size=1, **kw), None)
+        return BatchSource(_recipe(model, data, "causal-lm", data_format="chat", batch_size=1, **kw), None)
 
     good = _chat("cat", "dog")
     with pytest.raises(ValueError, match=r"model dir .*plain: the tokenizer has no chat template, which data "
@@ -451,7 +457,7 @@ def test_instruction_data_refusals(tmp_path: Path) -> None:
     # A CSV cell holds text, never a list.
     data = runkit.write_rows(tmp_path / "d.csv", [{"messages": json.dumps(good)}])
     with pytest.raises(ValueError, match=r"row 0 is text, not a list of \{role, content\} messages \(a CSV cell"):
-        BatchSource(_cfg(chat_model, data, "causal-lm", data_format="chat", batch_size=1), None)
+        BatchSource(_recipe(chat_model, data, "causal-lm", data_format="chat", batch_size=1), None)
     # A template that renders the last turn differently cannot locate earlier answers.
     cfg_path = chat_model / "chat_template.jinja"
     cfg_path.write_text("{% for m in messages %}{{ m['role'] }} {{ m['content'] }}"
@@ -466,7 +472,7 @@ def test_instruction_data_refusals(tmp_path: Path) -> None:
 
     def pc(rows, **kw):
         data = runkit.write_rows(tmp_path / "p.jsonl", rows)
-        src = BatchSource(_cfg(plain, data, "causal-lm", data_format="prompt-completion", batch_size=1, **kw), None)
+        src = BatchSource(_recipe(plain, data, "causal-lm", data_format="prompt-completion", batch_size=1, **kw), None)
         src.check_all_rows()
 
     with pytest.raises(ValueError, match=r"row 1 has an empty completion"):
@@ -481,6 +487,6 @@ def test_instruction_data_refusals(tmp_path: Path) -> None:
     data = runkit.write_rows(tmp_path / "m.jsonl", [{"messages": good}])
     with pytest.raises(ValueError, match=r"lacks column\(s\) \['text'\].*\(conversations\? data format 'chat', "
                                          r"--data-format chat\)"):
-        BatchSource(_cfg(chat_model, data, "causal-lm"), None)
-    with pytest.raises(ValueError, match=r"data_format 'chat' is a causal-lm format"):
+        BatchSource(_recipe(chat_model, data, "causal-lm"), None)
+    with pytest.raises(ValueError, match=r"data_format: 'chat' is a causal-lm format"):
         _cfg(chat_model, data, "classify", data_format="chat")

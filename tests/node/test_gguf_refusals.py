@@ -19,9 +19,9 @@ from xronos.protocol.messages import JobSpec
 
 
 def _spec(model: Path, data: Path, export: Path, **kw) -> JobSpec:
-    fields = dict(name="t", owner="n0", model_dir=str(model), data_path=str(data), task="causal-lm",
-                  batch_size=2, seq_len=16, lr=1e-3, max_steps=2, export_dir=str(export), export_gguf="f16")
-    return JobSpec(**{**fields, **kw})
+    recipe = dict(model_dir=str(model), data_path=str(data), task="causal-lm", batch_size=2, seq_len=16, lr=1e-3,
+                  max_steps=2, export_dir=str(export), export_gguf="f16")
+    return JobSpec(name="t", owner="n0", recipe={**recipe, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_the_spec_refuses_a_gguf_export_of_a_classifier(models) -> None:
         _spec(models["bert"], models["data"], models["root"] / "out", task="classify")
     with pytest.raises(ValidationError, match="export_gguf"):
         _spec(models["qwen2"], models["data"], models["root"] / "out", export_gguf="q4_k")
-    assert _spec(models["qwen2"], models["data"], models["root"] / "out").export_gguf == "f16"
+    assert _spec(models["qwen2"], models["data"], models["root"] / "out").recipe.export_gguf == "f16"
 
 
 def test_the_owner_refuses_a_family_llama_cpp_does_not_run_naming_it(models) -> None:
@@ -96,7 +96,7 @@ def nothing_starts(monkeypatch):
 def test_xronos_run_refuses_before_any_process(models, tmp_path, capsys, nothing_starts) -> None:
     argv = runkit.run_argv(models["gpt2-classify"], models["data"], "classify", (6, 6), tmp_path / "out")
     assert main(argv + ["--export-gguf", "q8_0"]) == 2
-    assert "--export-gguf q8_0 is for --task causal-lm" in _error(capsys)
+    assert "--export-gguf: 'q8_0' asked of --task 'classify'" in _error(capsys)
     argv = runkit.run_argv(models["llama-wordlevel"], models["data"], "causal-lm", (4, 4), tmp_path / "out")
     assert main(argv + ["--export-gguf", "f16"]) == 2
     assert "--export-gguf f16: the tokenizer in" in _error(capsys)

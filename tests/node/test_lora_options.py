@@ -15,7 +15,7 @@ from xronos.node.runconfig import RunConfig
 from xronos.node.tp.lora import LoraSettings, check_targets
 from xronos.node.rank.validate import check_lora, model_sizes, preflight, read_config
 from xronos.protocol.layout import Layout
-from xronos.protocol.messages import JobSpec
+from xronos.protocol.messages import JobSpec, LoraSpec
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_a_good_lora_run_passes_and_defaults_to_peft_targets(models) -> None:
     for family, default in (("gpt2", ("c_attn",)), ("bert", ("query", "value")), ("llama", ("q_proj", "v_proj"))):
         model, data = models[family]
         preflight(_cfg(model, data, lora_r=4), nodes=2)
-        settings = check_lora(read_config(model), "classify", 4, 16.0, 0.0, None)
+        settings = check_lora(read_config(model), "classify", LoraSpec(r=4))
         assert settings == LoraSettings(4, 16.0, 0.0, default) and settings.scale == 4.0
 
 
@@ -53,10 +53,10 @@ def test_targets_the_family_lacks_are_refused_naming_those_it_has(models) -> Non
 
 def test_rank_must_be_positive_and_fit_the_layer(models) -> None:
     model, data = models["llama"]  # hidden 48; GQA: k_proj/v_proj 48 -> 24 features (6 KV heads x 4)
-    with pytest.raises(ValidationError, match="lora_r"):
+    with pytest.raises(ValidationError, match=r"recipe\.lora\.r"):
         _cfg(model, data, lora_r=0)
-    with pytest.raises(ValueError, match=r"positive integer, got -1"):
-        check_lora(read_config(model), "classify", -1, 16.0, 0.0, None)
+    with pytest.raises(ValidationError, match="greater than 0"):
+        LoraSpec(r=-1)
     preflight(_cfg(model, data, lora_r=24, lora_targets=["k_proj"]), nodes=2)  # r = min(in, out) fits
     with pytest.raises(ValueError, match=r"r=25 exceeds layer model\.layers\.0\.self_attn\.k_proj "
                                          r"\(48 -> 24 features; r must be <= 24\)"):
@@ -73,53 +73,53 @@ def test_a_family_without_lora_is_refused() -> None:
 
 def test_lora_options_need_lora_r(models) -> None:
     model, data = models["gpt2"]
-    with pytest.raises(ValidationError, match="need lora_r"):
+    with pytest.raises(ValidationError, match="export_merged: set without lora"):
         _cfg(model, data, export_merged=True)
-    with pytest.raises(ValidationError, match="lora_dropout"):
+    with pytest.raises(ValidationError, match=r"recipe\.lora\.r\n  Field required"):
+        _cfg(model, data, lora_alpha=8.0)
+    with pytest.raises(ValidationError, match=r"recipe\.lora\.dropout"):
         _cfg(model, data, lora_r=4, lora_dropout=1.0)
 
 
-def _spec(**kw) -> dict:
-    return {"name": "t", "owner": "n0", "model_dir": "/m", "data_path": "/d.csv", "task": "classify",
-            "batch_size": 4, "seq_len": 16, "lr": 1e-4, "max_steps": 3, "export_dir": "/e", **kw}
+def _spec(lora: dict | None = None, **kw) -> dict:
+    recipe = {"model_dir": "/m", "data_path": "/d.csv", "task": "classify", "batch_size": 4, "seq_len": 16,
+              "lr": 1e-4, "max_steps": 3, "export_dir": "/e", "lora": lora, **kw}
+    return {"schema_version": 3, "name": "t", "owner": "n0", "recipe": recipe}
 
 
 def test_jobspec_bounds_the_lora_fields() -> None:
-    spec = JobSpec.model_validate_json(json.dumps(_spec(lora_r=8, lora_alpha=16.0, lora_dropout=0.05,
-                                                        lora_targets=["q_proj", "v_proj"], export_merged=True)))
-    assert (spec.lora_r, spec.lora_targets, spec.export_merged) == (8, ["q_proj", "v_proj"], True)
+    spec = JobSpec.model_validate_json(json.dumps(_spec(dict(r=8, alpha=16.0, dropout=0.05,
+                                                             targets=["q_proj", "v_proj"]), export_merged=True)))
+    assert (spec.recipe.lora.r, spec.recipe.lora.targets, spec.recipe.export_merged) == (8, ["q_proj", "v_proj"], True)
     run = RunConfig.for_job(spec, layout=Layout(attn=(2,), mlp=(4,), vocab=(8,)), rank=0, host="h", port=1,
                             threads=1, gloo_timeout_s=1.0)
-    assert (run.lora_r, run.lora_alpha, run.lora_dropout, run.lora_targets, run.export_merged) == \
-        (8, 16.0, 0.05, ["q_proj", "v_proj"], True)
-    for bad in ({"lora_r": 0}, {"lora_r": 8, "lora_alpha": 0}, {"lora_r": 8, "lora_dropout": 1.0},
-                {"lora_r": 8, "lora_targets": []}, {"lora_r": 8, "lora_targets": ["x" * 65]},
-                {"lora_r": 8, "lora_targets": ["q"] * 17}, {"lora_targets": ["q_proj"]}, {"export_merged": True},
-                {"lora_r": "8"}):
+    assert run.recipe == spec.recipe  # a rank trains the job's very recipe
+    for lora in ({"r": 0}, {"r": 8, "alpha": 0}, {"r": 8, "dropout": 1.0}, {"r": 8, "targets": []},
+                 {"r": 8, "targets": ["x" * 65]}, {"r": 8, "targets": ["q"] * 17}, {"targets": ["q_proj"]}, {"r": "8"}):
         with pytest.raises(ValidationError):
-            JobSpec.model_validate_json(json.dumps(_spec(**bad)))
+            JobSpec.model_validate_json(json.dumps(_spec(lora)))
+    with pytest.raises(ValidationError, match="export_merged: set without lora"):
+        JobSpec.model_validate_json(json.dumps(_spec(export_merged=True)))
 
 
-def test_jobspec_refuses_lora_settings_without_lora_r(tmp_path: Path) -> None:
-    """A spec that forgot lora_r would fine-tune every weight and export a full model where the user
-    asked for adapters: refused naming the fields. The defaults alone (a full fine-tune's spec, or
-    any spec as it comes back from the wire or the job store, every field set) are no LoRA setting."""
-    for given in ({"lora_alpha": 8.0}, {"lora_dropout": 0.1}, {"lora_targets": ["c_attn"]}, {"export_merged": True}):
-        with pytest.raises(ValidationError, match=f"{next(iter(given))}: set without lora_r"):
-            JobSpec.model_validate_json(json.dumps(_spec(**given)))
-    full = JobSpec.model_validate_json(json.dumps(_spec(lora_alpha=16.0, lora_dropout=0.0)))
-    assert full.lora_r is None and JobSpec.model_validate_json(full.model_dump_json()) == full
-    # The example spec file, its LoRA lines uncommented but lora_r: named in one line (its
-    # lora_alpha = 16.0 and export_merged = false are the defaults, so not among them).
+def test_jobspec_refuses_lora_settings_without_a_rank(tmp_path: Path) -> None:
+    """A spec that forgot the rank would fine-tune every weight and export a full model where the
+    user asked for adapters: its LoRA table without `r` is refused naming recipe.lora.r. The
+    example spec file as it is trains fully; its LoRA lines uncommented but the rank's: refused."""
+    for given in ({"alpha": 8.0}, {"dropout": 0.1}, {"targets": ["c_attn"]}):
+        with pytest.raises(ValidationError, match=r"recipe\.lora\.r\n  Field required"):
+            JobSpec.model_validate_json(json.dumps(_spec(given)))
+    full = JobSpec.model_validate_json(json.dumps(_spec()))
+    assert full.recipe.lora is None and JobSpec.model_validate_json(full.model_dump_json()) == full
     from xronos.protocol.specfile import load_spec
 
     example = (Path(__file__).resolve().parents[2] / "examples" / "job.toml").read_text()
-    assert load_spec(_write(tmp_path / "as-is.toml", example)).lora_r is None
-    lines = [ln.removeprefix("# ") if ln.startswith(("# lora_", "# export_merged")) and "lora_r " not in ln
+    assert load_spec(_write(tmp_path / "as-is.toml", example)).recipe.lora is None
+    lines = [ln.removeprefix("# ") if ln.startswith(("# [recipe.lora]", "# alpha", "# dropout", "# targets"))
              else ln for ln in example.splitlines()]
     with pytest.raises(ValueError) as info:
         load_spec(_write(tmp_path / "no-rank.toml", "\n".join(lines)))
-    assert "no-rank.toml: spec: lora_dropout, lora_targets: set without lora_r" in str(info.value)
+    assert "no-rank.toml: recipe.lora.r: Field required" in str(info.value), str(info.value)
     assert "\n" not in str(info.value)
 
 
@@ -138,7 +138,7 @@ def test_xronos_run_refuses_bad_lora_before_any_process(models, tmp_path: Path, 
     assert main([*argv, "--lora-r", "0"]) != 0
     assert "--lora-r" in capsys.readouterr().err
     assert main([*argv, "--export-merged"]) != 0
-    assert "--export-merged require --lora-r" in capsys.readouterr().err  # the flag typed, not the field
+    assert "--export-merged: set without --lora-r" in capsys.readouterr().err  # the flag typed, not the field
     assert not (tmp_path / "out").exists()
 
 

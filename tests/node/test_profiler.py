@@ -15,7 +15,7 @@ from xronos.node.measure.memprobe import AllocTrace, SavedTensorMeter, mark, sta
 from xronos.node.measure.profset import find_regions
 from xronos.node.models.shapes import shape
 from xronos.protocol.layout import Sizes
-from xronos.protocol.messages import LoraShape, LoraSpec, ProfileReport, ProfileSettings
+from xronos.protocol.messages import LoraShape, LoraSpec, ProfileKey, ProfileReport, ProfileSettings
 
 B, S = 2, 16
 FULL = ProfileSettings(weight_decay=0.0, clip=True, lora=None)
@@ -234,15 +234,15 @@ def test_profile_in_child_process(tmp_path: Path) -> None:
     from xronos.node.measure.profilechild import ProfileJob, profile_in_child
 
     caps = probe("n7", "127.0.0.1")
-    job = ProfileJob(config=prof.config_for(arch=TINY), task="classify", batch_size=B, seq_len=S, threads=1,
-                     iters=2, node_id="n7", request_id="req-1", job_id="job-1", capabilities=caps,
+    job = ProfileJob(config=prof.config_for(arch=TINY), key=ProfileKey(task="classify", batch_size=B, seq_len=S),
+                     threads=1, iters=2, node_id="n7", request_id="req-1", job_id="job-1", capabilities=caps,
                      cache_dir=str(tmp_path / "cache"))
     report = profile_in_child(job)
     assert (report.node_id, report.request_id, report.job_id) == ("n7", "req-1", "job-1")
     assert report.capabilities == caps and report.sizes.attn == H
     assert len(list((tmp_path / "cache").glob("profile-*.json"))) == 1
     with pytest.raises(RuntimeError, match="max_positions"):
-        profile_in_child(job.model_copy(update={"seq_len": P + 1}))
+        profile_in_child(job.model_copy(update={"key": job.key.model_copy(update={"seq_len": P + 1})}))
     # A box too small for the profiling set: the refusal's sentence, not a traceback.
     tiny_box = caps.model_copy(update={"memory_available": 1024})
     with pytest.raises(RuntimeError, match="^profiling this model needs at least") as err:

@@ -26,12 +26,12 @@ export_dir = "/srv/out"
 def test_spec_files_toml_yaml_and_errors(tmp_path):
     (tmp_path / "a.toml").write_text(TOML)
     spec = load_spec(tmp_path / "a.toml")
-    assert spec.owner == "n0" and spec.epochs == 1 and spec.strategy == "segment"
+    assert spec.owner == "n0" and spec.recipe.epochs == 1 and spec.strategy == "segment"
     (tmp_path / "b.yaml").write_text("name: t\nowner: n0\nmodel_dir: /m\ndata_path: /d.csv\ntask: causal-lm\n"
                                      "batch_size: 2\nseq_len: 8\nlr: 0.001\nmax_steps: 5\nexport_dir: /o\n")
-    assert load_spec(tmp_path / "b.yaml").max_steps == 5
+    assert load_spec(tmp_path / "b.yaml").recipe.max_steps == 5
     (tmp_path / "c.toml").write_text(TOML.replace("batch_size = 8", "batch_size = 0\nbogus = 1"))
-    with pytest.raises(ValueError, match=r"c.toml: batch_size: .*greater than 0.*; bogus: Extra inputs"):
+    with pytest.raises(ValueError, match=r"c.toml: recipe.batch_size: .*greater than 0.*; recipe.bogus: Extra inputs"):
         load_spec(tmp_path / "c.toml")
     (tmp_path / "d.toml").write_text(TOML.replace("epochs = 1\n", ""))
     with pytest.raises(ValueError, match="epochs/max_steps: at least one"):

@@ -106,7 +106,7 @@ def submit_until_assigned(h: Harness) -> tuple[str, list[m.Assignment]]:
     reqs = h.seen("node.profile_request")
     assert sorted(p["node_id"] for p, _ in reqs) == list(NODES)
     # The profile times the job's optimizer as the trainer will run it.
-    assert {(r.weight_decay, r.clip) for _, r in reqs} == {(SPEC.weight_decay, SPEC.max_grad_norm is not None)}
+    assert {r.key for _, r in reqs} == {SPEC.recipe.profile_key()}  # the job recipe's decay, clipping, LoRA
     for params, req in reqs:
         h.node_says(report(params["node_id"], req.request_id, req.job_id), params["node_id"])
     h.pump()

@@ -82,7 +82,7 @@ def test_start_a_job_from_home_assistant(tmp_path):
     state = h.ha(json.loads(cmps["start"]["payload_press"]))
     assert state["last_command"].startswith("start: submitted reviews as reviews-")
     (params, insp), = h.seen("node.inspect_request")
-    assert params["node_id"] == "a" and insp.spec.name == "Reviews" and insp.spec.max_steps == 10
+    assert params["node_id"] == "a" and insp.spec.name == "Reviews" and insp.spec.recipe.max_steps == 10
     # The documented automation action: a spec by name, without touching the select.
     h.client.drain()
     assert h.ha({"action": "start", "spec": "other"})["last_command"].startswith("start: submitted other as other-")
@@ -414,7 +414,7 @@ def test_the_form_follows_the_owners_catalogs_and_refresh_asks_them(tmp_path):
                                                    "data": "/srv/xronos/data/chat.jsonl", "steps": 7}})
     assert state["last_command"].startswith("start_form: submitted qwen-chat as qwen-chat-"), state
     (_, insp), = h.seen("node.inspect_request")
-    assert (insp.spec.model_dir, insp.spec.max_steps, insp.spec.export_dir[:27]) == (
+    assert (insp.spec.recipe.model_dir, insp.spec.recipe.max_steps, insp.spec.recipe.export_dir[:27]) == (
         "/srv/xronos/models/qwen", 7, "/srv/xronos/exports/qwen-ch")
     assert h.state()["form"]["steps"] == 100  # an automation's values are its start's, not the form's
     # A node retired for good: its catalog goes with it (the retained one and the Owner option).
