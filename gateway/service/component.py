@@ -64,8 +64,10 @@ class Core(Protocol):
 
 class Component:
     """One concern of the gateway service. The core calls each hook of each component in the order
-    they were composed, each guarded where the core's loop is (a failing component is logged and
-    counted; the others and the loop go on)."""
+    they were composed. `tick`, `reconnected`, `published` and `stop` are guarded one component at
+    a time (a failing one is logged and counted; the others and the loop go on); the others run
+    inside the guard of what calls them (a topic's handler, an effect, the bus's connect hook),
+    but `register`, which is wiring: a failing one stops the start."""
 
     name = "component"  # for the log lines of the guards
 
