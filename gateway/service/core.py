@@ -65,11 +65,12 @@ def _reason(what: str, exc: BaseException) -> str:
 
 
 class GatewayService:
+    """The core its components see as `component.Core`; `step` is one turn of the control loop."""
+
     def __init__(self, cfg: GatewayConfig, bus: BusBase | None = None,
                  timeouts: J.Timeouts | None = None, policy: PolicyConfig | None = None) -> None:
         self.cfg = cfg
-        # Live re-balancing: per running job, its plan version's policy (None: it could not start).
-        policy = policy or PolicyConfig()
+        policy = policy or PolicyConfig()  # live re-balancing's settings (the nodes' component applies them)
         # A node that joins a running job (`job.join`): the bar is the live policy's unless configured.
         self.join = J.JoinPolicy(min_gain=policy.threshold if cfg.join_min_gain is None else cfg.join_min_gain,
                                  restart_s=cfg.join_restart_s)

@@ -36,7 +36,8 @@ class Nodes(Component):
     def __init__(self, core: Core, policy: PolicyConfig) -> None:
         self.core = core
         cfg = core.cfg
-        self.rebal = Rebalancers(policy)  # per running job, its plan version's policy
+        # Live re-balancing: per running job, its plan version's policy (None: it could not start).
+        self.rebal = Rebalancers(policy)
         # After a reconnect the nodes get a reconnect back-off and a keepalive to say "online" again.
         # None: a node's "offline" reaches its jobs at once.
         self.offline = OfflineGrace(short_s=cfg.offline_grace_s,
