@@ -7,7 +7,8 @@ statement of every module, those inside functions included (a lazy import is sti
 - no import cycle between modules of common, protocol, gateway, node or cli (so none between cli,
   bench and node either, by the first rule);
 - inside a plane, its rooms (ROOMS) import only the rooms below them, and its top rooms
-  (TOP_ROOMS) nothing else of the plane imports.
+  (TOP_ROOMS) nothing else of the plane imports;
+- the gateway service's components meet only through its core's interface (gateway/service/component.py).
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ ROOMS = {
     "xronos.node.measure.allocator": (),
 }
 # Rooms at the top of their plane: nothing else in the plane imports them.
-TOP_ROOMS = ("xronos.node.agent",)
+TOP_ROOMS = ("xronos.node.agent", "xronos.gateway.service")
 
 
 def _in(mod: str, prefix: str) -> bool:
@@ -173,6 +174,7 @@ def _in(mod: str, prefix: str) -> bool:
 def test_the_rooms_of_a_plane_import_only_downwards() -> None:
     graph = _graph()
     assert {"xronos.gateway.plan.planner", "xronos.gateway.job.machine", "xronos.node.agent.service",
+            "xronos.gateway.service.core",
             "xronos.node.box.limits", "xronos.node.data.batches", "xronos.node.rank.lifecycle",
             "xronos.node.measure.memwatch"} <= graph.keys()
     bad = []
@@ -186,6 +188,19 @@ def test_the_rooms_of_a_plane_import_only_downwards() -> None:
         bad += [f"{a} imports {b}" for a, bs in graph.items() if _in(a, plane) and not _in(a, room)
                 for b in bs if _in(b, room)]
     assert sorted(bad) == [], "\n".join(sorted(bad))
+
+
+def test_the_gateway_services_components_meet_only_through_the_core_interface() -> None:
+    """A component of the gateway service (gateway/service/) reaches the job table, the registry,
+    the bus and the other components only through the core's interface (`component.Core`): no
+    component imports another component or the core, and the interface imports neither."""
+    graph = _graph()
+    room = "xronos.gateway.service"
+    interface = f"{room}.component"
+    parts = {m for m in graph if _in(m, room)} - {room, f"{room}.core"}
+    assert {interface, f"{room}.nodes", f"{room}.requests", f"{room}.homeassistant", f"{room}.availability"} <= parts
+    bad = sorted(f"{a} imports {b}" for a in parts for b in graph[a] if _in(b, room) and b != interface)
+    assert bad == [], "\n".join(bad)
 
 
 def test_no_gateway_module_is_named_for_a_room_it_stands_beside() -> None:

@@ -325,7 +325,7 @@ def _until_ordered(h, slow_last=5.0):
     policy orders a re-shard. Returns (job id, assignments, the (node, JobReshard) orders seen)."""
     from xronos.gateway.plan.rebalance import PolicyConfig
 
-    h.gw.rebal.config = PolicyConfig(window=3, warmup=1, interval=1, confirm=2, cooldown=50, payback=1000)
+    h.gw.nodes.rebal.config = PolicyConfig(window=3, warmup=1, interval=1, confirm=2, cooldown=50, payback=1000)
     announce(h)
     job_id, assigned = submit_until_assigned(h)
     for a in assigned:
@@ -373,11 +373,11 @@ def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
     h.gw._flush(force=True)
     state = [s for _, s in h.seen("job.state")][-1]
     assert state.plan.layout() == order.layout and state.last_replan_reason.startswith("cooling down")
-    policy = h.gw.rebal.by_job[job_id][1].policy  # the measured move refits the policy's move model
+    policy = h.gw.nodes.rebal.by_job[job_id][1].policy  # the measured move refits the policy's move model
     assert list(policy.move_ratios) == [0.1 / (1_000_000 / policy.bandwidth_Bps + policy.move_fixed_s)]
     assert any(f"re-plan for step {order.at_step}" in e and "faster" in e for e in state.events)
     assert any(f"re-shard applied at step {order.at_step}" in e for e in state.events)
-    h.gw._publish_ha_state()
+    h.gw.homeassistant.publish_state()
     ha_state = json.loads(h.broker.retained["xronos/gateway/state"])
     assert ha_state["replans"] == 1 and ha_state["last_replan"]
 
@@ -408,7 +408,7 @@ def test_an_order_the_owner_refused_is_dropped_and_the_policy_starts_again_from_
                                    compute_attn_s=0.01, compute_mlp_s=0.01, compute_vocab_s=0.01,
                                    compute_rest_s=0.0), a.node_id)
     h.pump()
-    assert h.gw.rebal.by_job[job_id][1].policy.layout == old
+    assert h.gw.nodes.rebal.by_job[job_id][1].policy.layout == old
 
 
 def test_a_profile_whose_time_falls_with_width_is_used_and_logged(tmp_path):

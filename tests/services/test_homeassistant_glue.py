@@ -446,4 +446,4 @@ def test_the_form_survives_a_gateway_restart(tmp_path):
     h2.gw.bus.stop()
     h3 = HAHarness(tmp_path, h.broker)
     h3.pump()
-    assert h3.gw.habridge.form.steps == 100 and h3.gw.internal_errors == 0
+    assert h3.gw.homeassistant.bridge.form.steps == 100 and h3.gw.internal_errors == 0

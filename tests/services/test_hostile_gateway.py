@@ -359,10 +359,10 @@ def test_a_new_job_id_never_reuses_a_known_one(tmp_path, monkeypatch):
     """Ids carry 24 random bits; a collision would have replaced the job holding that id."""
     import uuid
 
-    from xronos.gateway import service
+    from xronos.gateway.service import core
 
     h = Harness(tmp_path)
     draws = iter([uuid.UUID("abcdef00" * 4), uuid.UUID("abcdef11" * 4), uuid.UUID("12345600" * 4)])
-    monkeypatch.setattr(service.uuid, "uuid4", lambda: next(draws))
+    monkeypatch.setattr(core.uuid, "uuid4", lambda: next(draws))
     h.gw.jobs["t-abcdef"] = "a known job"  # type: ignore[assignment]
     assert h.gw._new_id("T") == "t-123456"
