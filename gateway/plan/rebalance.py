@@ -78,7 +78,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from xronos.gateway.plan.costmodel import NodeCost, kind_time, layout_shares, predict_memory
+from xronos.gateway.plan.costmodel import NodeCost, kind_time, layout_shares
+from xronos.gateway.plan.memorymodel import predict_memory
 from xronos.gateway.plan.planner import plan
 from xronos.gateway.plan.refit import barrier_time, blend, continues, level_shift, moved_units, refit, two_point
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes

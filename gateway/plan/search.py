@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from xronos.gateway.plan.costmodel import predict_memory
+from xronos.gateway.plan.memorymodel import predict_memory
 from xronos.gateway.plan.model import KindModel, Problem, infeasible
 from xronos.protocol.layout import KINDS
 
