@@ -78,7 +78,8 @@ from typing import Literal, Sequence
 from xronos.gateway.plan.costmodel import SEGMENTS, NodeCost, layout_shares, segment_times, time_at
 from xronos.gateway.plan.memorymodel import memory_at, predict_memory
 from xronos.gateway.plan.model import MiB, InfeasiblePlan, Problem, infeasible
-from xronos.gateway.plan.search import IDEAL_BUDGET, SearchStats, ideal_bound, segment_search
+from xronos.gateway.plan.search import SearchStats, segment_search
+from xronos.gateway.plan.ideal import IDEAL_BUDGET, ideal_bound
 from xronos.protocol.layout import KINDS, NOUN, QUANTA, Layout, Sizes
 
 __all__ = ["DEFAULT_BUDGET", "STRATEGIES", "InfeasiblePlan", "MiB", "PlanResult", "PlanRow", "SearchStats",
