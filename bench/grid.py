@@ -34,7 +34,7 @@ from pathlib import Path
 from xronos.bench.harness import CellSpec
 from xronos.bench.netem import PAPER_RATE_MBIT
 from xronos.bench.workloads import realistic_blocks
-from xronos.node.emulate.confinement import CPU_MODE_ENV
+from xronos.node.emulate.cpumode import CPU_MODE_ENV
 
 TP = ("xronos", "xronos-paper", "uniform", "pp")  # every cell: CellSpec's default network, the paper's 1 Gbit/s
 # Iterations per strategy, the first WARMUP excluded: the first step runs 1.5-2.5x slow (allocation),

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _clock_note() -> str:
     """What the ranks' seconds are on (the emulator's mode, XRONOS_EMULATOR_CPU)."""
-    from xronos.node.emulate.confinement import default_cpu_mode
+    from xronos.node.emulate.cpumode import default_cpu_mode
 
     mode = default_cpu_mode()
     return ("virtual (iteration times, profiles and the gateway's predictions; the restart and the runs' "
