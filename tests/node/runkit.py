@@ -315,3 +315,21 @@ def run_argv(model: Path, data: Path, task: str, units, out: Path, *, steps: int
     return ["run", "--model", str(model), "--data", str(data), "--task", task, *split,
             "--batch-size", str(batch_size), "--seq-len", str(SEQ_LEN), "--lr", str(lr),
             "--max-steps", str(steps), "--seed", str(seed), "--export", str(out), *extra]
+
+
+def small_classifier(root: Path, labels: int = 2, n_rows: int = 12, data: str = "data.csv") -> tuple[Path, Path]:
+    """A GPT-2 classifier of `labels` labels in root/gpt2 and `n_rows` rows labelled in turn: the
+    run the CLI and preflight tests refuse or accept."""
+    model = make_model(root / "gpt2", "gpt2", "classify", num_labels=labels)
+    rows = [{"text": t, "label": i % labels} for i, t in enumerate(texts(n_rows))]
+    return model, write_rows(root / data, rows)
+
+
+def refuse_spawn(monkeypatch, what: str = "a process was spawned", *also: str) -> None:
+    """Make starting a rank process (and each of `also`, dotted names) fail the test: for runs
+    that must be refused before anything starts."""
+    def refuse(*a, **kw):
+        raise AssertionError(f"{what} for a run that should have been refused")
+
+    for target in ("xronos.node.rank.local.subprocess.Popen", *also):
+        monkeypatch.setattr(target, refuse)
