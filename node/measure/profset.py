@@ -171,10 +171,7 @@ class ProfilingSet:
         `self.last` is its (wall, CPU) seconds, pauses left out (see `hook_overhead_s`)."""
         tl = self.timeline
         w0, c0 = self.clock(), time.process_time()
-        tl.start("fwd", "emb")
-        loss = self.model(self.ids, self.mask, self.labels)
-        tl.phase = "bwd"
-        tl.switch("out")
+        loss = tl.forward(lambda: self.model(self.ids, self.mask, self.labels))
         loss.backward()
         tl.stop()
         secs = tl.take()
@@ -239,10 +236,7 @@ class ProfilingSet:
         try:
             with AllocTrace() as trace:
                 with meter():
-                    tl.start("fwd", "emb")
-                    loss = self.model(self.ids, self.mask, self.labels)
-                    tl.phase = "bwd"
-                    tl.switch("out")
+                    loss = tl.forward(lambda: self.model(self.ids, self.mask, self.labels))
                 loss.backward()
                 tl.stop()
                 for key in self.opts:

@@ -74,6 +74,15 @@ class Timeline:
         self.phase = phase
         self._open(top)
 
+    def forward(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`run()` (the model's forward) timed from the embedding on; the timeline is then at the
+        head, in the backward phase, for the caller's `backward()`."""
+        self.start("fwd", "emb")
+        loss = run()
+        self.phase = "bwd"
+        self.switch("out")
+        return loss
+
     def switch(self, top: str) -> None:
         self._close()
         self._open(top)
