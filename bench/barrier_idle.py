@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from xronos.node.emulate.confinement import POLL_S
+from xronos.node.emulate.poller import POLL_S
 
 ELEMENTS = 8 * 16 * 384  # the demo's activation: batch 8 x seq 16 x hidden 384
 
@@ -107,7 +107,8 @@ def start_eaters(conf, cores: list[int]) -> list:
 def run(shares: list[float], seg_s: float, period_us: int, barriers: int, iters: int, warmup: int,
         tmp: Path, pin: bool = False, poll_s: float | None = POLL_S, eat: bool = False,
         cpu_mode: str = "quota") -> list[dict]:
-    from xronos.node.emulate.confinement import DEFAULT_PERIOD_US, Confinement, RankLimits, assign_cores
+    from xronos.node.emulate.confinement import Confinement, RankLimits, assign_cores
+    from xronos.node.emulate.cpumode import DEFAULT_PERIOD_US
     from xronos.node.rank.local import free_port
 
     port = free_port()

@@ -129,7 +129,7 @@ def _handle(args) -> int:
 def cpu_mode(mode: str, estimator: str = "med") -> Iterator[None]:
     """The emulator's mode and estimator for everything confined inside (children inherit them);
     the environment as it was afterwards."""
-    from xronos.node.emulate.confinement import CPU_MODE_ENV, ESTIMATOR_ENV, default_cpu_mode, default_estimator
+    from xronos.node.emulate.cpumode import CPU_MODE_ENV, ESTIMATOR_ENV, default_cpu_mode, default_estimator
 
     saved = {k: os.environ.get(k) for k in (CPU_MODE_ENV, ESTIMATOR_ENV)}
     os.environ[CPU_MODE_ENV], os.environ[ESTIMATOR_ENV] = mode, estimator

@@ -34,7 +34,7 @@ from pathlib import Path
 from xronos.bench.harness import CellSpec
 from xronos.bench.netem import PAPER_RATE_MBIT
 from xronos.bench.workloads import realistic_blocks
-from xronos.node.emulate.confinement import CPU_MODE_ENV
+from xronos.node.emulate.cpumode import CPU_MODE_ENV
 
 TP = ("xronos", "xronos-paper", "uniform", "pp")  # every cell: CellSpec's default network, the paper's 1 Gbit/s
 # Iterations per strategy, the first WARMUP excluded: the first step runs 1.5-2.5x slow (allocation),
@@ -72,7 +72,7 @@ COLUMNS = ("xronos", "xronos-paper", "uniform", "pp", "hf-tp")
 
 
 def summary_markdown(docs: list[dict], tta: dict | None, seconds: float) -> str:
-    from xronos.bench.results import cpu_emulation, memory_note, network
+    from xronos.bench.cellreport import cpu_emulation, memory_note, network
 
     nets = sorted({network(d) for d in docs})
     lines = ["# Benchmark grid", "",
@@ -132,7 +132,7 @@ def summary_markdown(docs: list[dict], tta: dict | None, seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from xronos.bench import results
+    from xronos.bench import cellreport, results
     from xronos.bench.harness import run_cell, validate
     from xronos.bench.tta import run_tta
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not first:
                     doc["spec"]["cell_name"] = f"{spec.cell_name}_{est}_r{rep}"
                 results.write(doc, args.out, plots=first)
-                print(results.markdown(doc), flush=True)
+                print(cellreport.markdown(doc), flush=True)
                 runs.setdefault((spec.cell_name, est), []).append(doc)
                 if first:
                     docs.append(doc)

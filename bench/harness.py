@@ -27,8 +27,9 @@ from xronos.bench import netem
 from xronos.bench import strategies as st
 from xronos.node.emulate.cgroupfs import find_controller, usable_cores
 from xronos.node.emulate.confinement import (
-    Confinement, RankLimits, default_cpu_mode, default_estimator, host_memory_bytes, validate_limits, validate_virtual,
+    Confinement, RankLimits, host_memory_bytes, validate_limits, validate_virtual,
 )
+from xronos.node.emulate.cpumode import default_cpu_mode, default_estimator
 from xronos.bench.scenarios import DEFAULT_MEM_SCALE, KEPT, PI5_SHARE, Scenario, get_scenario
 from xronos.bench.workloads import (
     PAPER_BLOCKS, get_shape, kept_fraction, kind_parameters, lora_parameters, parameter_count, shape_config,

@@ -94,7 +94,7 @@ def rows(doc: dict) -> list[dict]:
 
 
 def markdown(docs: list[dict], seconds: float) -> str:
-    from xronos.bench.results import cpu_emulation
+    from xronos.bench.cellreport import cpu_emulation
 
     env = docs[0]["environment"]
     loads = ", ".join(f"{d['spec']['cell_name']} {d['environment']['loadavg_start'][0]:.2f} → "
@@ -168,7 +168,7 @@ def plan_only(spec: CellSpec) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from xronos.bench import results
+    from xronos.bench import cellreport, results
     from xronos.bench.harness import run_cell, validate
 
     ap = argparse.ArgumentParser(prog="python -m xronos.bench.lora_cell", description=__doc__,
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {spec.cell_name}", flush=True)
         doc = results.summarize(run_cell(spec))
         results.write(doc, args.out)
-        print(results.markdown(doc), flush=True)
+        print(cellreport.markdown(doc), flush=True)
         docs.append(doc)
     md = markdown(docs, time.time() - t0)
     results.atomic_write(args.out / "lora.md", md.encode())

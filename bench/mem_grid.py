@@ -111,7 +111,8 @@ def rerun(paths: list[Path], out: Path) -> dict:
 
 def cell_rows(doc: dict, fresh: dict | None = None, peaks: dict | None = None) -> list[dict]:
     """One row per (TP strategy, rank) of a cell with measured peaks: predicted, measured, terms."""
-    from xronos.gateway.plan.costmodel import KINDS, heap_slack, node_cost, not_coexisting, predict_memory
+    from xronos.gateway.plan.costmodel import KINDS, node_cost
+    from xronos.gateway.plan.memorymodel import heap_slack, not_coexisting, predict_memory
     from xronos.gateway.plan.profiles import node_profile
     from xronos.protocol.messages import ProfileReport
 

@@ -10,7 +10,7 @@ profiles it once (`xronos profile`, the training ranks' allocator setting), runs
 `XRONOS_MEM_PHASES` set (each rank resets its high-water mark after every phase and writes its
 phases' peaks: `xronos.node.measure.memwatch`), and prints per rank the peak of every phase (join, facts,
 load, build, eval, forward, backward, clip, step, export), the overall peak, the prediction
-(`costmodel.predict_memory`, rank 0 as the owner) and their difference. `--json FILE` keeps every
+(`memorymodel.predict_memory`, rank 0 as the owner) and their difference. `--json FILE` keeps every
 number.
 
 `--memcap M1,...,MN` (MiB) is the memory-cap cell: the planner (`segment`) plans for exactly
@@ -84,7 +84,8 @@ def run_capped(cmd: list[str], caps: list[int], phases_dir: Path) -> list[dict]:
 def measure(model_dir: Path, data: Path, task: str, layout_text: str | None, nodes: int, *, batch: int, seq: int,
             steps: int, work: Path, profile_json: Path | None = None, memcap: list[int] | None = None,
             lora_r: int | None = None, clip: bool = True) -> dict:
-    from xronos.gateway.plan.costmodel import heap_slack, layout_shares, node_cost, predict_memory
+    from xronos.gateway.plan.costmodel import layout_shares, node_cost
+    from xronos.gateway.plan.memorymodel import heap_slack, predict_memory
     from xronos.gateway.plan.profiles import load_report, node_profile
     from xronos.node.rank.spawn import rank_env
     from xronos.node.measure.memwatch import ENV

@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from xronos.gateway.plan.costmodel import node_cost, not_coexisting, tied
+from xronos.gateway.plan.costmodel import node_cost, tied
+from xronos.gateway.plan.memorymodel import not_coexisting
 from xronos.gateway.plan.planner import STRATEGIES, plan
 from xronos.gateway.plan.profiles import memory_cap, node_profile
 from xronos.protocol.layout import KINDS

@@ -38,7 +38,7 @@ from xronos.bench.workloads import kind_parameters, shape_config, write_checkpoi
 from xronos.gateway.plan.planner import plan
 from xronos.gateway.plan.rebalance import NO_CAP, PolicyConfig, Rebalancer
 from xronos.gateway.plan.refit import unit_costs
-from xronos.node.emulate.confinement import default_cpu_mode
+from xronos.node.emulate.cpumode import default_cpu_mode
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
 
 WARMUP = 3  # iterations left out of the medians (allocator and caches settle)

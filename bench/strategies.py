@@ -32,7 +32,8 @@ from pathlib import Path
 
 import structlog
 
-from xronos.node.emulate.confinement import Confinement, RankLimits, default_cpu_mode
+from xronos.node.emulate.confinement import Confinement, RankLimits
+from xronos.node.emulate.cpumode import default_cpu_mode
 from xronos.node.emulate.link import Link
 from xronos.bench.scenarios import RUNTIME_RESERVE
 from xronos.protocol.recipe import LoraSpec, Recipe

@@ -84,7 +84,8 @@ PROFILE_TIMEOUT_S = 900.0
 
 def confine(nodes) -> tuple[object | None, str]:
     """cgroup CPU quotas per node where possible; else different thread counts. Says which."""
-    from xronos.node.emulate.confinement import CPU_MODE_ENV, Confinement, EmulatorError, RankLimits
+    from xronos.node.emulate.confinement import Confinement, EmulatorError, RankLimits
+    from xronos.node.emulate.cpumode import CPU_MODE_ENV
 
     try:
         # The top CFS weight, as every other emulated run (`xronos run --cpu-shares`, the bench): a
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--rows must be >= 50 and --steps >= 1")
     import os
 
-    from xronos.node.emulate.confinement import CPU_MODE_ENV
+    from xronos.node.emulate.cpumode import CPU_MODE_ENV
 
     os.environ[CPU_MODE_ENV] = getattr(args, "cpu_mode", "virtual")  # the nodes' processes inherit it
     t0 = time.monotonic()

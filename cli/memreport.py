@@ -1,6 +1,6 @@
 """`xronos run --strategy`: each rank's predicted peak memory against the peak it reached.
 
-The prediction is the planner's (`costmodel.predict_memory` at the rank's shares; rank 0 as the
+The prediction is the planner's (`memorymodel.predict_memory` at the rank's shares; rank 0 as the
 owner, export included); the measurement is the rank's resident high-water mark over its whole
 life (`xronos.node.measure.memwatch`: VmHWM, the export included), which the metrics document carries
 under `memory.peak_rss_bytes`. The training iterations' own peak (`peak_rss` of the summaries)

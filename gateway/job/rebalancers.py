@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from xronos.gateway.plan.costmodel import NodeCost, node_cost, predict_memory, predict_time
+from xronos.gateway.plan.costmodel import NodeCost, node_cost, predict_time
+from xronos.gateway.plan.memorymodel import predict_memory
 from xronos.gateway.plan.profiles import node_profile
 from xronos.gateway.plan.rebalance import PolicyConfig, Rebalancer
 from xronos.protocol import messages as m

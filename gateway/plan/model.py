@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from xronos.gateway.plan.costmodel import NodeCost, holes_at_work, owner_peak, predict_memory
+from xronos.gateway.plan.costmodel import NodeCost
+from xronos.gateway.plan.memorymodel import holes_at_work, owner_peak, predict_memory
 from xronos.gateway.plan.integer import IntegerTest
 from xronos.protocol.layout import KINDS, NOUN, Sizes
 
@@ -53,7 +54,7 @@ class KindModel:
         self.c = [kc.fixed_s + kc.icpt_s for kc in kcs]  # time of the first share above 0
         self.b = [kc.slope_s for kc in kcs]
         # M_w alone (weights, gradients, moments): with the activations' part apart, the linear
-        # memory the relaxations and room estimates use is a lower bound of costmodel.predict_memory
+        # memory the relaxations and room estimates use is a lower bound of memorymodel.predict_memory
         # (which adds max(0, A - G), see Problem.mem), so the bounds stay bounds.
         self.ms = [kc.mem_slope - kc.act_slope for kc in kcs]
         self.mt = [kc.temp_slope for kc in kcs]
@@ -163,7 +164,7 @@ class Problem(IntegerTest):
         self._row = [(self.base[d], ka.ms[d], km.ms[d], kv.ms[d], ka.mt[d], km.mt[d], kv.mt[d], self.t0[d],
                       self.caps[d]) for d in range(self.n)]
         # the heap holes' transient bytes W(s) = work_repl + work_slope x share of each HOLE_KINDS
-        # kind (attention and MLP: costmodel.heap_slack)
+        # kind (attention and MLP: memorymodel.heap_slack)
         self._work = [(nd.work_repl, nd.attn.work_slope, nd.mlp.work_slope) for nd in nodes]
         # (repl, attn, mlp, vocab) coefficients of the activations A, and of A - G
         self._ag = [((nd.act_repl, *(nd.kind(k).act_slope for k in KINDS)),  # A's, then A - G's
@@ -183,7 +184,7 @@ class Problem(IntegerTest):
         self._xcache: list[dict[float, list[float] | None]] = [{}, {}, {}]
         self._icache: dict[tuple, tuple[list[list[int]] | None, bool]] = {}
 
-    # -- memory (the same arithmetic as costmodel.predict_memory) --
+    # -- memory (the same arithmetic as memorymodel.predict_memory) --
     def mem(self, d: int, w: Sequence[int]) -> float:
         (qa, ta), (qm, tm), (qv, tv) = self._qt
         base, ma, mm, mv, xa, xm, xv, t0, _ = self._row[d]

@@ -75,11 +75,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal, Sequence
 
-from xronos.gateway.plan.costmodel import (
-    SEGMENTS, NodeCost, layout_shares, memory_at, predict_memory, segment_times, time_at,
-)
+from xronos.gateway.plan.costmodel import SEGMENTS, NodeCost, layout_shares, segment_times, time_at
+from xronos.gateway.plan.memorymodel import memory_at, predict_memory
 from xronos.gateway.plan.model import MiB, InfeasiblePlan, Problem, infeasible
-from xronos.gateway.plan.search import IDEAL_BUDGET, SearchStats, ideal_bound, segment_search
+from xronos.gateway.plan.search import SearchStats, segment_search
+from xronos.gateway.plan.ideal import IDEAL_BUDGET, ideal_bound
 from xronos.protocol.layout import KINDS, NOUN, QUANTA, Layout, Sizes
 
 __all__ = ["DEFAULT_BUDGET", "STRATEGIES", "InfeasiblePlan", "MiB", "PlanResult", "PlanRow", "SearchStats",
@@ -241,7 +241,7 @@ def plan(
     """Plan every kind's counts over the nodes (in rank order). Raises InfeasiblePlan for
     segment/paper when no plan fits the caps."""
     _check(nodes, sizes, strategy, caps, comm_s)
-    # Rank 0 is the owner: it reads the data and gathers the export (costmodel.owner_peak).
+    # Rank 0 is the owner: it reads the data and gathers the export (memorymodel.owner_peak).
     nodes = [replace(nodes[0], owner=True), *nodes[1:]]
     pb = Problem(nodes, sizes, caps, quanta)
     stats, lower = None, None

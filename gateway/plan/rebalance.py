@@ -1,20 +1,8 @@
 """Live re-balancing policy: when to move a running job to a new layout. Pure (no torch, no I/O).
 
-**Speed estimate.** Each node's cost per kind is a base model (a profile's `NodeCost`, or — with
-no profile — `refit.unit_costs`: one second per whole kind, so the fit below is seconds per share)
-times a *speed factor* c[d][k] = measured / predicted at the node's current share. The measured
-figure is the rank's `compute_{kind}_s` of an iteration, plus — when given — its share of the
-rank's `compute_rest_s` (the optimizer step and clipping, which grow with the parameters held:
-booked in proportion to the bytes of each kind the rank holds, as the cost model books a layer's
-optimizer step in its kind; without it a slowed box's slower optimizer step is not seen); the
-factor is the median of that (node, kind)'s last `window` samples (a spike shorter than half the
-window does not move it). A node holding none of a kind measures only that kind's replicated
-part, which says little about its slope: its factor for that kind is the one it had at the last
-switch, when it held the kind (scaled by its level shifts since); else its relative slowness (the
-median, over the kinds it does hold, of its factor over the kind's mean) times the kind's factor
-at average slowness (the holders' factors over their own slowness). A slow box given nothing, or
-a sliver of one kind, must not pass for an average or a fast one. Refitting is scaling every coefficient of the kind
-(fixed, intercept, slope) by the factor: `refit(base, factors)`.
+How the nodes' speeds are estimated from what they measure — the speed factors, the kinds a node
+holds none of, the two-share refit through an *anchor* — is `refit.py`'s docstring; a move decided
+elsewhere (`moved_to`) is booked as the policy's own.
 
 **Level shifts and settling.** A box that changes (its quota cut, a process started beside it)
 changes all its kinds at once, so each node also has a *level*: its measured over predicted time
@@ -22,23 +10,11 @@ summed over the kinds it holds. When the last `shift_run` levels all lie more th
 (relative) above the median of the (at least 2 x `shift_run`) ones before them, or below their
 lower quartile (outliers only ever slow an iteration down), the box changed: the node's older
 samples are dropped (the estimate is the new level's alone, at once, instead of after half a
-window) and what it measured at another share (below) is scaled by the new level over the old.
+window) and what it measured at another share (its anchors) is scaled by the new level over the old.
 Independent outliers (a 2x iteration now and then) rarely make a run of `shift_run`; jitter
 within `shift_tol` never does. No decision is taken while any node has fewer than `settle`
 samples at its current level (since the start, its last shift, or the last switch): the evidence
 is still settling.
-
-**Share dependence.** Scaling a model by a factor measured at one share is exact only if the
-model's intercept is right; the unit model has none, and a node's replicated work and per-call
-overheads make a small share look slow per unit — a re-plan then takes more from the node that
-already looked slow, which then looks slower still (a runaway towards giving it nothing). And a
-node given nothing used to pass for an average one and get work back: between the two, layouts
-could swing (a 2-rank run was seen going 6,6 -> 10,2 -> 7,5 -> 12,0 under CPU quotas). So a node
-holding nothing keeps the factors it had (above), and at every switch each (node, kind) keeps its
-last estimate at the old share as an *anchor* (seconds at that share). Once it has settled at the
-new share, and the two shares differ by at least `anchor_gap` of the larger, its kind is refitted
-as the line through both points (`intercept + slope x share`, both >= 0; else the plain factor).
-A move decided elsewhere (`moved_to`) is booked the same way.
 
 **Re-plan.** Every `interval` iterations once settled: the segment planner (`planner.plan(...,
 "segment")`) over the refitted costs, under the memory caps. The current and the planned layout
@@ -56,18 +32,19 @@ the node has been measured there. Switch only when
     once one happened,
   - and both held at `confirm` consecutive evaluations (hysteresis: noise must persist to act).
 After a switch the policy discards the first `warmup` iterations under the new layout, then needs
-`settle` fresh ones (twice as many for a move within the cooldown), and for `cooldown` iterations (doubling, up to `max_cooldown`, when the next
-switch comes within twice the cooldown: back-off against oscillation) it only makes a move that
-carries on the last one (`continues`: no rank gets back units it gave away or gives away units it
-got) — the correction a first move from a one-share estimate may need once the two-share refit
-is in, never a step back. A re-plan that does
-not fit the memory caps (the planner refuses, or a node ends over its cap) is not applied;
-`last_reason` says why, as it does for every evaluation that kept the plan.
+`settle` fresh ones (twice as many for a move within the cooldown), and for `cooldown` iterations
+(doubling, up to `max_cooldown`, when the next switch comes within twice the cooldown: back-off
+against oscillation) it only makes a move that carries on the last one (`continues`: no rank gets
+back units it gave away or gives away units it got) — the correction a first move from a one-share
+estimate may need once the two-share refit is in, never a step back. A re-plan that does not fit the
+memory caps (the planner refuses, or a node ends over its cap) is not applied; `last_reason` says
+why, as it does for every evaluation that kept the plan.
 
 Defaults (`PolicyConfig`): window 12, warmup 2, shift_run 4, shift_tol 0.2, settle 4, anchor_gap
 0.2, interval 1, threshold 5 %, noise_margin 2, payback 10, confirm 2, cooldown 20, max_cooldown
-320, reach 2. A box slowed 2x is followed 5 iterations after the change (4 samples show the shift, then two
-evaluations agree); steady boxes with +-10 % jitter and 5 % of 2x outliers do not move the plan.
+320, reach 2. A box slowed 2x is followed 5 iterations after the change (4 samples show the shift,
+then two evaluations agree); steady boxes with +-10 % jitter and 5 % of 2x outliers do not move the
+plan.
 """
 
 from __future__ import annotations
@@ -75,13 +52,16 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from xronos.gateway.plan.costmodel import NodeCost, kind_time, layout_shares, predict_memory
+from xronos.gateway.plan.costmodel import NodeCost, kind_time
 from xronos.gateway.plan.planner import plan
-from xronos.gateway.plan.refit import barrier_time, blend, continues, level_shift, moved_units, refit, two_point
-from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
+from xronos.gateway.plan.refit import (
+    barrier_time, continues, level_shift, measured_costs, moved_units, noise, reach_fraction, speed_factors,
+    step_within_caps, with_rest,
+)
+from xronos.protocol.layout import KINDS, Layout, Sizes
 
 NO_CAP = 1e18  # memory cap of a node whose cap nobody stated (xronos run without a profile)
 
@@ -224,11 +204,7 @@ class Rebalancer:
         self._measured += 1
 
     def _with_rest(self, d: int, times: Mapping[str, float]) -> Mapping[str, float]:
-        held = {k: self.unit_bytes[k] * self.layout.share(k, d) * self.sizes.total(k) for k in KINDS}
-        total = sum(held.values())
-        if "rest" not in times or total <= 0:
-            return times
-        return {k: times[k] + times["rest"] * held[k] / total for k in KINDS}
+        return with_rest(times, self.layout, d, self.unit_bytes, self.sizes)
 
     def _shifted(self, d: int, ratio: float) -> None:
         """Node d's box changed (it now takes `ratio` x its previous time): only the samples of
@@ -274,69 +250,19 @@ class Rebalancer:
 
     def _estimate(self) -> list[dict[str, float]] | None:
         """Every node's factor per kind, the missing ones inferred; None until every kind has one."""
-        factors = [{k: statistics.median(q) if q else None for k, q in node.items()} for node in self.samples]
-        means = {}
-        for k in KINDS:
-            known = [f[k] for f in factors if f[k] is not None]
-            if not known:
-                return None
-            means[k] = statistics.fmean(known)
-        # Each node's relative slowness (its factors over the kinds' means), then each kind's
-        # factor at average slowness (the holders' factors divided by their own slowness).
-        slow: list[float | None] = []
-        for f in factors:
-            rel = [f[k] / means[k] for k in KINDS if f[k] is not None and means[k] > 0]
-            slow.append(statistics.median(rel) if rel else None)
-        typical = {k: statistics.fmean(f[k] / sl for f, sl in zip(factors, slow)
-                                       if f[k] is not None and sl is not None and sl > 0) for k in KINDS}
-        # A kind a node holds none of: its factor at the last switch (kept across level shifts,
-        # scaled by them), else inferred from its relative slowness, else average. Not inferred
-        # first: a slow box left with a sliver of one kind measures mostly that sliver's replicated
-        # part, which made it look faster than it is and get work back.
-        out = []
-        for d, (f, sl) in enumerate(zip(factors, slow)):
-            last = self.last_factors[d]
-            out.append({k: f[k] if f[k] is not None else last[k] if k in last
-                        else (sl if sl is not None else 1.0) * typical[k] for k in KINDS})
-        return out
+        return speed_factors(self.samples, self.last_factors)
 
     def noise(self, nodes: Sequence[NodeCost]) -> float:
-        """Relative standard error of the current layout's predicted barrier time: per kind, the
-        slowest node's median factor's (1.25 x sigma / sqrt(n), sigma from the interquartile
-        range: a stream that flips between two levels has a wide one, where the median absolute
-        deviation would see only the majority's), weighted by the kind's part of the barrier time."""
-        total = err = 0.0
-        for k in KINDS:
-            times = [kind_time(n.kind(k), self.layout.share(k, d)) for d, n in enumerate(nodes)]
-            d = max(range(len(times)), key=times.__getitem__)
-            total += times[d]
-            q = self.samples[d][k]
-            if len(q) >= 3:
-                med = statistics.median(q)
-                lo, _, hi = statistics.quantiles(q, n=4, method="inclusive")
-                if med > 0:
-                    err += times[d] * 1.25 * (hi - lo) / 1.349 / math.sqrt(len(q)) / med
-        return err / total if total > 0 else 0.0
+        """Relative standard error of the current layout's predicted barrier time (`refit.noise`)."""
+        return noise(self.samples, self.layout, nodes)
 
     def refitted(self) -> list[NodeCost] | None:
         """The nodes' costs as measured: each kind scaled by its factor, or the line through the
-        current share and the anchor (see the module docstring)."""
+        current share and the anchor (`refit.py`'s docstring)."""
         est = self._estimate()
         if est is None:
             return None
-        gap = self.config.anchor_gap
-        out = []
-        for d, (b, f) in enumerate(zip(self.base, est)):
-            node = refit(b, f)
-            lines = {}
-            for k, anchor in self.anchors[d].items():
-                at = self.layout.share(k, d)
-                if at > 0 and self.samples[d][k] and abs(at - anchor[0]) >= gap * max(at, anchor[0]):
-                    kc = two_point(b.kind(k), f[k], at, anchor)
-                    if kc is not None:
-                        lines[k] = kc
-            out.append(replace(node, **lines) if lines else node)
-        return out
+        return measured_costs(self.base, est, self.anchors, self.samples, self.layout, self.config.anchor_gap)
 
     def move_seconds(self, new: Layout) -> float:
         moved = moved_units(self.layout, new)
@@ -434,27 +360,10 @@ class Rebalancer:
         work (`make demo` moved a Pi 4 from 128 to 576 MLP columns on such a factor and ran slower).
         The step stays within the memory caps. A move cut short is carried on once the node has
         been measured at its new share (the cooldown lets such a move continue)."""
-        n, reach = self.layout.world_size, self.config.reach
-        if not math.isfinite(reach):
+        if not math.isfinite(self.config.reach):
             return target, 1.0
-        alpha = 1.0
-        for d in range(n):
-            for k in KINDS:
-                cur, want = self.layout.share(k, d), target.share(k, d)
-                seen = [s for s in (cur if self.samples[d][k] else 0.0, self.anchors[d].get(k, (0.0,))[0]) if s > 0]
-                limit = reach * max(seen) if seen else max(cur, 1 / n)
-                if want > limit > cur:
-                    alpha = min(alpha, (limit - cur) / (want - cur))
-                elif want > cur >= limit:
-                    alpha = 0.0
-        owner = [replace(self.base[0], owner=True), *self.base[1:]]
-        while alpha > 0:
-            step = target if alpha >= 1 else blend(self.layout, target, alpha, self.sizes, QUANTA)
-            if all(predict_memory(nd, layout_shares(step, d)) <= cap
-                   for d, (nd, cap) in enumerate(zip(owner, self.caps))) or alpha >= 1:
-                return step, alpha
-            alpha /= 2  # a rounded step past a cap: a shorter one
-        return self.layout, 0.0
+        alpha = reach_fraction(self.layout, target, self.samples, self.anchors, self.config.reach)
+        return step_within_caps(self.layout, target, alpha, self.base, self.caps, self.sizes)
 
     def moved_to(self, new: Layout) -> None:
         """The run now runs under `new` by someone else's decision (a calibration, an operator):

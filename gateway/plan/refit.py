@@ -1,17 +1,47 @@
 """The arithmetic of the live re-balancing policy (`rebalance.Rebalancer`), pure: the base model
 without a profile, refitting a node's costs by measured factors (one point, or the line through
 two shares), the barrier time of a layout, the units a move hands over, a box's level shift,
-whether a move carries on the previous one, and the layout part of the way between two.
+whether a move carries on the previous one, the layout part of the way between two and how far a
+move may reach; and the speed estimate the policy keeps (below).
+
+**Speed estimate.** Each node's cost per kind is a base model (a profile's `NodeCost`, or — with
+no profile — `unit_costs`: one second per whole kind, so the fit below is seconds per share)
+times a *speed factor* c[d][k] = measured / predicted at the node's current share. The measured
+figure is the rank's `compute_{kind}_s` of an iteration, plus — when given — its share of the
+rank's `compute_rest_s` (the optimizer step and clipping, which grow with the parameters held:
+booked in proportion to the bytes of each kind the rank holds, as the cost model books a layer's
+optimizer step in its kind; without it a slowed box's slower optimizer step is not seen); the
+factor is the median of that (node, kind)'s last `window` samples (a spike shorter than half the
+window does not move it). A node holding none of a kind measures only that kind's replicated
+part, which says little about its slope: its factor for that kind is the one it had at the last
+switch, when it held the kind (scaled by its level shifts since); else its relative slowness (the
+median, over the kinds it does hold, of its factor over the kind's mean) times the kind's factor
+at average slowness (the holders' factors over their own slowness). A slow box given nothing, or
+a sliver of one kind, must not pass for an average or a fast one. Refitting is scaling every coefficient of the kind
+(fixed, intercept, slope) by the factor: `refit(base, factors)`.
+
+**Share dependence.** Scaling a model by a factor measured at one share is exact only if the
+model's intercept is right; the unit model has none, and a node's replicated work and per-call
+overheads make a small share look slow per unit — a re-plan then takes more from the node that
+already looked slow, which then looks slower still (a runaway towards giving it nothing). And a
+node given nothing used to pass for an average one and get work back: between the two, layouts
+could swing (a 2-rank run was seen going 6,6 -> 10,2 -> 7,5 -> 12,0 under CPU quotas). So a node
+holding nothing keeps the factors it had (above), and at every switch each (node, kind) keeps its
+last estimate at the old share as an *anchor* (seconds at that share). Once it has settled at the
+new share, and the two shares differ by at least `anchor_gap` of the larger, its kind is refitted
+as the line through both points (`intercept + slope x share`, both >= 0; else the plain factor).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from xronos.gateway.plan.costmodel import KindCost, NodeCost, kind_time
-from xronos.protocol.layout import KINDS, Layout, Sizes
+from xronos.gateway.plan.costmodel import KindCost, NodeCost, kind_time, layout_shares
+from xronos.gateway.plan.memorymodel import predict_memory
+from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
 
 
 def unit_costs(node_ids: Sequence[str]) -> list[NodeCost]:
@@ -101,3 +131,117 @@ def blend(old: Layout, new: Layout, alpha: float, sizes: Sizes, quanta: Mapping[
         edges = [0, *cuts, total]
         out[k] = tuple(e - s for s, e in zip(edges, edges[1:]))
     return Layout(**out)
+
+
+def speed_factors(samples: Sequence[Mapping[str, Sequence[float]]],
+                  last_factors: Sequence[Mapping[str, float]]) -> list[dict[str, float]] | None:
+    """Every node's speed factor per kind (the median of its recent samples: measured over
+    predicted), the kinds it holds none of inferred; None until every kind has one."""
+    factors = [{k: statistics.median(q) if q else None for k, q in node.items()} for node in samples]
+    means = {}
+    for k in KINDS:
+        known = [f[k] for f in factors if f[k] is not None]
+        if not known:
+            return None
+        means[k] = statistics.fmean(known)
+    # Each node's relative slowness (its factors over the kinds' means), then each kind's
+    # factor at average slowness (the holders' factors divided by their own slowness).
+    slow: list[float | None] = []
+    for f in factors:
+        rel = [f[k] / means[k] for k in KINDS if f[k] is not None and means[k] > 0]
+        slow.append(statistics.median(rel) if rel else None)
+    typical = {k: statistics.fmean(f[k] / sl for f, sl in zip(factors, slow)
+                                   if f[k] is not None and sl is not None and sl > 0) for k in KINDS}
+    # A kind a node holds none of: its factor at the last switch (kept across level shifts,
+    # scaled by them), else inferred from its relative slowness, else average. Not inferred
+    # first: a slow box left with a sliver of one kind measures mostly that sliver's replicated
+    # part, which made it look faster than it is and get work back.
+    out = []
+    for d, (f, sl) in enumerate(zip(factors, slow)):
+        last = last_factors[d]
+        out.append({k: f[k] if f[k] is not None else last[k] if k in last
+                    else (sl if sl is not None else 1.0) * typical[k] for k in KINDS})
+    return out
+
+
+def noise(samples: Sequence[Mapping[str, Sequence[float]]], layout: Layout, nodes: Sequence[NodeCost]) -> float:
+    """Relative standard error of `layout`'s predicted barrier time: per kind, the slowest node's
+    median factor's (1.25 x sigma / sqrt(n), sigma from the interquartile range: a stream that
+    flips between two levels has a wide one, where the median absolute deviation would see only
+    the majority's), weighted by the kind's part of the barrier time."""
+    total = err = 0.0
+    for k in KINDS:
+        times = [kind_time(n.kind(k), layout.share(k, d)) for d, n in enumerate(nodes)]
+        d = max(range(len(times)), key=times.__getitem__)
+        total += times[d]
+        q = samples[d][k]
+        if len(q) >= 3:
+            med = statistics.median(q)
+            lo, _, hi = statistics.quantiles(q, n=4, method="inclusive")
+            if med > 0:
+                err += times[d] * 1.25 * (hi - lo) / 1.349 / math.sqrt(len(q)) / med
+    return err / total if total > 0 else 0.0
+
+
+def measured_costs(base: Sequence[NodeCost], factors: Sequence[Mapping[str, float]],
+                   anchors: Sequence[Mapping[str, tuple[float, float]]],
+                   samples: Sequence[Mapping[str, Sequence[float]]], layout: Layout, gap: float) -> list[NodeCost]:
+    """The nodes' costs as measured: each kind scaled by its factor, or — where the node has an
+    anchor (share, seconds) at a share at least `gap` of the larger away from its current one and
+    samples at the current one — the line through both (`two_point`)."""
+    out = []
+    for d, (b, f) in enumerate(zip(base, factors)):
+        node = refit(b, f)
+        lines = {}
+        for k, anchor in anchors[d].items():
+            at = layout.share(k, d)
+            if at > 0 and samples[d][k] and abs(at - anchor[0]) >= gap * max(at, anchor[0]):
+                kc = two_point(b.kind(k), f[k], at, anchor)
+                if kc is not None:
+                    lines[k] = kc
+        out.append(replace(node, **lines) if lines else node)
+    return out
+
+
+def reach_fraction(layout: Layout, target: Layout, samples: Sequence[Mapping[str, Sequence[float]]],
+                   anchors: Sequence[Mapping[str, tuple[float, float]]], reach: float) -> float:
+    """How far (0 to 1) from `layout` towards `target` a move may go: no node more of a kind than
+    `reach` x the largest share it was measured at (now, with samples, or at its anchor), nor more
+    than the even share of a kind it was never measured at."""
+    n = layout.world_size
+    alpha = 1.0
+    for d in range(n):
+        for k in KINDS:
+            cur, want = layout.share(k, d), target.share(k, d)
+            seen = [s for s in (cur if samples[d][k] else 0.0, anchors[d].get(k, (0.0,))[0]) if s > 0]
+            limit = reach * max(seen) if seen else max(cur, 1 / n)
+            if want > limit > cur:
+                alpha = min(alpha, (limit - cur) / (want - cur))
+            elif want > cur >= limit:
+                alpha = 0.0
+    return alpha
+
+
+def with_rest(times: Mapping[str, float], layout: Layout, d: int, unit_bytes: Mapping[str, float],
+              sizes: Sizes) -> Mapping[str, float]:
+    """Rank d's measured seconds per kind with its "rest" (the optimizer step, clipping, the
+    replicated layers) booked to the kinds it holds in proportion to their bytes."""
+    held = {k: unit_bytes[k] * layout.share(k, d) * sizes.total(k) for k in KINDS}
+    total = sum(held.values())
+    if "rest" not in times or total <= 0:
+        return times
+    return {k: times[k] + times["rest"] * held[k] / total for k in KINDS}
+
+
+def step_within_caps(layout: Layout, target: Layout, alpha: float, base: Sequence[NodeCost],
+                     caps: Sequence[float], sizes: Sizes) -> tuple[Layout, float]:
+    """The layout `alpha` of the way from `layout` to `target` (`blend`), halved until every node
+    fits its memory cap (the first node as the owner): (that step, its fraction), or (`layout`, 0)."""
+    owner = [replace(base[0], owner=True), *base[1:]]
+    while alpha > 0:
+        step = target if alpha >= 1 else blend(layout, target, alpha, sizes, QUANTA)
+        if all(predict_memory(nd, layout_shares(step, d)) <= cap
+               for d, (nd, cap) in enumerate(zip(owner, caps))) or alpha >= 1:
+            return step, alpha
+        alpha /= 2  # a rounded step past a cap: a shorter one
+    return layout, 0.0

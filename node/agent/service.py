@@ -1,7 +1,7 @@
 """The node agent (`xronos node --config node.toml`): announce, profile, inspect, train on assignment.
 
 One control loop reads the bus and never blocks on work: inspections and profiles run on one
-worker thread, training runs in a child process (`node/rank/process.py`). Everything the node tells the
+worker thread (`node/agent/requests.py`), training runs in a child process (`node/rank/process.py`). Everything the node tells the
 world goes out from this loop: retained availability (last-will `offline`) and capabilities,
 re-published on every reconnect; profile reports; inspection reports; assignment acks; per-
 iteration metrics; and the retained NodeJobStatus a restarted gateway reconciles from. An
@@ -14,9 +14,9 @@ running rank (that is how a recovery re-plans); another job while one runs is re
 
 No message can break the service: every message is bounded where it arrives (the protocol's
 models), every turn of the loop is guarded part by part (dispatch, each outgoing message, each of
-the rank process's events, the capabilities refresh), at most `MAX_PENDING_WORK` inspections and
-profiles wait for the worker thread (more are answered "busy"), a repeated request id is done
-once, a job's directory is `state_dir/jobs/<job id>` with the id checked as one plain path
+the rank process's events, the capabilities refresh), at most `requests.MAX_PENDING_WORK`
+inspections and profiles wait for the worker thread (more are answered "busy"), a repeated request
+id is done once, a job's directory is `state_dir/jobs/<job id>` with the id checked as one plain path
 component, and an owner's paths are confined (`jobcheck.confined_spec`: inside `allowed_dirs`,
 an export that overwrites neither the base model nor the node's job directories). No request can
 take the box down: a profile or an assignment over its cores or memory is refused with the numbers
@@ -32,7 +32,6 @@ import queue
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +39,13 @@ import structlog
 
 from xronos.common import sdnotify
 from xronos.node.agent import participation
-from xronos.node.agent.boxcheck import Box, assignment_problem_on_box, owner_arch, profile_problem, resident_bytes
+from xronos.node.agent.boxcheck import Box, assignment_problem_on_box, owner_arch, resident_bytes
 from xronos.node.agent.catalog import CatalogPublisher
 from xronos.node.agent.config import NodeConfig, detect_data_host, job_dir
 from xronos.node.agent.jobcheck import assignment_problem
 from xronos.node.agent.owncaps import OwnCapabilities
+from xronos.node.agent.rankstatus import status_update
+from xronos.node.agent.requests import WorkerRequests
 from xronos.node.box import limits
 from xronos.node.rank import messages as msg
 from xronos.node.rank.messages import order_for
@@ -57,7 +58,6 @@ from xronos.protocol.transport import BusBase, MqttBus
 
 log = structlog.get_logger(__name__)
 CAPS_EVERY_S = 60.0  # refresh memory_available and temperature for the planner and HA
-MAX_PENDING_WORK = 4  # inspections and profiles queued or running on the worker thread
 STOP_GRACE_S = 1.0  # a rank's time to stop at its iteration boundary when the node stops
 
 
@@ -77,15 +77,12 @@ class NodeService:
                  "was published by hand: every box needs its own node_id; 'online' published again")
         self.owncaps = OwnCapabilities(self.bus, self.node_id)  # another box under this id (node/agent/owncaps.py)
         self.participate = participation.load(cfg.state_dir, cfg.participate)  # HA's last choice wins
-        self.work = ThreadPoolExecutor(1, thread_name_prefix="node-work")
         self.outbox: queue.Queue[Any] = queue.Queue()  # messages the worker thread wants published
         self.assignment: m.Assignment | None = None
         self.spec: m.JobSpec | None = None  # the assignment's spec, owner paths confined
         self.child: Any = None  # node/rank/process.py's RankProcess
         self.status: m.NodeJobStatus | None = None
         self.last_shares: tuple[float, float] | None = None
-        self._pending: set[str] = set()  # request ids queued or running on the worker thread
-        self._pending_lock = threading.Lock()
         self.internal_errors = 0  # unexpected exceptions caught by a guard (each logged)
         self.stopping = threading.Event()
         self.state_dir = Path(cfg.state_dir)
@@ -93,14 +90,16 @@ class NodeService:
         self._ha_published: hastate.NodeHAState | None = None
         # What allowed_dirs holds, for Home Assistant's job form (node/agent/catalog.py).
         self.catalog = CatalogPublisher(self.bus, self.node_id, cfg.allowed_dirs, skip=self._reserved_dirs())
-        self._archs: dict[str, tuple[m.ArchSpec, str]] = {}  # job id -> the shape its profile named
+        # Inspections and profiles, on the worker thread (node/agent/requests.py).
+        self.requests = WorkerRequests(cfg, self.bus, self.table, self.outbox, self._capabilities, self._threads,
+                                       self._reserved_dirs())
+        self.work = self.requests.work
         self._leaving: list[Any] = []  # RankProcesses told to stop, not yet gone (killed at a new start)
 
     # --- wiring --------------------------------------------------------------------------------
     def start(self) -> None:
         own = {"node_id": self.node_id}
-        self.dispatcher.on("node.profile_request", self._on_profile, **own)
-        self.dispatcher.on("node.inspect_request", self._on_inspect, **own)
+        self.requests.register(self.dispatcher)
         self.dispatcher.on("node.assignment", self._on_assignment, **own)
         self.dispatcher.on("node.control", self._on_control, **own)
         self.dispatcher.on("node.set", self._on_ha_command, **own)  # Home Assistant's switch
@@ -110,7 +109,6 @@ class NodeService:
         self.bus.on_connect(self._announce)
         limits.sweep(limits.group_bases())  # empty child groups a killed run of the node left
         self.bus.start()
-        self.work.submit(_warm_up)
 
     def _announce(self) -> None:
         """Runs after every (re)connect: the retained view of this node, afresh."""
@@ -122,11 +120,14 @@ class NodeService:
         self._publish_ha(force=True)
         self.catalog.announce()
 
-    def _publish_caps(self) -> None:
+    def _capabilities(self) -> m.Capabilities:
         from xronos.node.box.capabilities import probe
 
+        return probe(self.node_id, self.data_host, self.participate)
+
+    def _publish_caps(self) -> None:
         self._caps_at = time.monotonic()
-        self.owncaps.publish(probe(self.node_id, self.data_host, self.participate))
+        self.owncaps.publish(self._capabilities())
 
     def _publish_ha(self, force: bool = False) -> None:
         """node/<id>/state for Home Assistant, only when something but its timestamp changed."""
@@ -199,7 +200,7 @@ class NodeService:
     def shutdown(self) -> None:
         """Seconds at any point: the rank gets STOP_GRACE_S (a checkpoint it writes is abandoned, the
         previous one stays whole), every other child (a profile, its heap probes) is killed at once."""
-        self.work.shutdown(wait=False, cancel_futures=True)
+        self.requests.shutdown()
         if self.child is not None:
             self.child.kill(grace_s=STOP_GRACE_S)
             self._set_status("cancelled", detail="node service stopped")
@@ -216,95 +217,15 @@ class NodeService:
         self._publish_caps()
         self._publish_ha()
 
-    # --- inspection and profiling (worker thread) ----------------------------------------------
-    def _queue_work(self, request_id: str, fn: Any, req: Any) -> str | None:
-        """Queue `fn(req)` on the worker thread once per request id; why not, if it cannot be."""
-        with self._pending_lock:
-            if request_id in self._pending:
-                return "duplicate"
-            if len(self._pending) >= MAX_PENDING_WORK:
-                return f"busy: {len(self._pending)} inspections or profiles are already waiting"
-            self._pending.add(request_id)
-
-        def run() -> None:
-            try:
-                fn(req)
-            finally:
-                with self._pending_lock:
-                    self._pending.discard(request_id)
-
-        self.work.submit(run)
-        return None
-
-    def _on_inspect(self, req: m.InspectRequest, _params: dict[str, str]) -> None:
-        why = self._queue_work(req.request_id, self._inspect, req)
-        if why is not None and why != "duplicate":
-            self.bus.publish_message(m.InspectReport(node_id=self.node_id, request_id=req.request_id,
-                                                     job_id=req.job_id, ok=False, error=why), node_id=self.node_id)
-
     def _reserved_dirs(self) -> list[Path]:
         """Directories of this node's own that no export may overwrite."""
         return [self.state_dir / "jobs", self.state_dir / "profiles"]
 
-    def _inspect(self, req: m.InspectRequest) -> None:
-        from xronos.node.agent.jobcheck import inspect_job
-
-        ids = {"node_id": self.node_id, "request_id": req.request_id, "job_id": req.job_id}
-        try:
-            if req.spec.owner != self.node_id:
-                raise ValueError(f"spec.owner is {req.spec.owner!r}, not this node")
-            found = inspect_job(req.spec, self.cfg.allowed_dirs, reserved=self._reserved_dirs())
-            report = m.InspectReport(**ids, ok=True, arch=m.ArchSpec(**found.pop("arch")), **found)
-        except Exception as exc:  # every failure is an answer, never a silent drop
-            log.info("inspection refused", job=req.job_id, reason=str(exc))
-            report = m.InspectReport(**ids, ok=False, error=f"{exc}"[:2000])
-        self.outbox.put(report)
-
-    def _on_profile(self, req: m.ProfileRequest, _params: dict[str, str]) -> None:
-        why = profile_problem(req, Box.now(self.cfg.reserve_mb))  # threads and memory, before it starts
-        if why is not None:
-            log.info("profile refused", job=req.job_id, reason=why)
-            self._profile_failed(req, why)
-            return
-        if len(self._archs) >= 64:  # the shapes of recent jobs only
-            self._archs.pop(next(iter(self._archs)))
-        self._archs[req.job_id] = (req.arch, req.key.task)  # what an assignment of that job is checked with
-        why = self._queue_work(req.request_id, self._profile, req)
-        if why is not None and why != "duplicate":
-            self._profile_failed(req, why)
-
-    def _profile_failed(self, req: m.ProfileRequest, why: str) -> None:
-        topic = self.table.build("node.profile_request", node_id=self.node_id)
-        self.outbox.put(m.ErrorResponse(code="profile_failed", message=f"{req.request_id}: {why}"[:2000], topic=topic))
-
-    def _profile(self, req: m.ProfileRequest) -> None:
-        from xronos.node.box.capabilities import probe
-        from xronos.node.measure.profilechild import ProfileJob, profile_in_child
-        from xronos.node.measure.profiler import config_for
-
-        try:
-            # In a child process: measured under the training ranks' allocator setting, and the
-            # service does not keep a full-width block's memory afterwards (node/measure/profilechild.py).
-            job = ProfileJob(config=config_for(arch=req.arch), key=req.key, threads=req.threads or self._threads(),
-                             node_id=self.node_id,
-                             request_id=req.request_id, job_id=req.job_id,
-                             capabilities=probe(self.node_id, self.data_host, self.participate),
-                             cache_dir=str(self.state_dir / "profiles"))
-            report = profile_in_child(job, limits=self._child_limits())
-        except Exception as exc:
-            log.warning("profiling failed", job=req.job_id, reason=str(exc))
-            self._profile_failed(req, str(exc))
-            return
-        self.outbox.put(report)
-
     # --- the box's bounds (node/agent/boxcheck.py, node/box/limits.py) ----------------------------------
-    def _child_limits(self) -> limits.ChildLimits:
-        return Box.now(self.cfg.reserve_mb).child_limits()
-
     def _assignment_bounds(self, a: m.Assignment, spec: m.JobSpec) -> str | None:
         """The rank's size against the box; the model's shape from the owner's checkpoint or from the
         job's profile request (a rank of a job this node has neither for is bounded by its limits alone)."""
-        shape = (owner_arch(spec) if a.rank == 0 else None) or self._archs.get(a.job_id)
+        shape = (owner_arch(spec) if a.rank == 0 else None) or self.requests.shape(a.job_id)
         mine = self.child is not None and self.assignment is not None and self.assignment.job_id == a.job_id
         freed = resident_bytes(self.child.proc.pid) if mine else 0  # a re-plan's old rank makes way
         return assignment_problem_on_box(a, spec, shape, Box.now(self.cfg.reserve_mb), freed)
@@ -417,7 +338,7 @@ class NodeService:
         for old in self._leaving:  # a rank still in its grace holds memory and ports the new one needs
             old.process.kill()
         self.child = RankProcess(jobdir / f"v{a.plan_version}", config, child_env(threads, ifname),
-                                 limits=self._child_limits())
+                                 limits=self.requests.child_limits())
 
     # --- child events --------------------------------------------------------------------------
     def _set_status(self, status: str, job: m.Assignment | None = None, **fields: Any) -> None:
@@ -449,30 +370,13 @@ class NodeService:
             self.child = None
 
     def _child_event(self, a: m.Assignment, ev: msg.RankEvent) -> None:
-        """One typed event of the rank (node/rank/messages.py) as this node's job status or metrics."""
-        now = self.status.status if self.status else "running"
+        """One typed event of the rank as this node's job status (`rankstatus`) or metrics."""
         if isinstance(ev, msg.Metrics):
             self._metrics(a, ev)
-        elif isinstance(ev, msg.Status):
-            self._set_status(ev.status)
-        elif isinstance(ev, msg.Evaluated):
-            key = "eval_initial" if ev.when == "before" else "eval_metric"
-            self._set_status(now, **{key: ev.metric, "eval_metric_name": ev.name})
-        elif isinstance(ev, msg.Checkpointed):
-            self._set_status("running", checkpoint_step=ev.step, step=ev.step)
-        elif isinstance(ev, msg.Completed):
-            self._set_status("completed", step=ev.step, epoch=ev.epoch, export_dir=ev.export_dir)
-        elif isinstance(ev, msg.Failed):
-            self._set_status("failed", detail=ev.detail or None, job_fault=ev.job_fault)
-        elif isinstance(ev, msg.Cancelled):
-            self._set_status("cancelled", detail=None, job_fault=False)
-        elif isinstance(ev, msg.Resharded):  # the owner's: the gateway hears the step the ranks moved at
-            log.info("resharded", job_id=a.job_id, step=ev.step, layout=ev.layout.to_text(), reason=ev.reason)
-            self._set_status(now, reshard_step=ev.step, reshard_layout=ev.layout, reshard_s=ev.seconds,
-                             reshard_bytes=ev.moved_bytes)
-        elif isinstance(ev, msg.ReshardRefused):  # the owner's: the gateway drops the order it had pending
-            log.warning("reshard_refused", job_id=a.job_id, detail=ev.detail)
-            self._set_status(now, reshard_refused=ev.detail[:256] or "refused")
+            return
+        update = status_update(a.job_id, ev, self.status.status if self.status else "running")
+        if update is not None:
+            self._set_status(update[0], **update[1])
 
     def _metrics(self, a: m.Assignment, ev: msg.Metrics) -> None:
         self.bus.publish_message(m.IterationMetrics(job_id=a.job_id, plan_version=a.plan_version, node_id=self.node_id,
@@ -482,11 +386,3 @@ class NodeService:
         if self.status is not None:
             self.status = self.status.model_copy(update={"step": ev.step, "epoch": ev.epoch})
 
-
-def _warm_up() -> None:
-    """Import the heavy libraries on the worker thread at start, so that the first inspection
-    (which the gateway times) does not pay for them. Profiles run in a child process."""
-    import datasets  # noqa: F401
-    import transformers  # noqa: F401
-
-    import xronos.node.agent.jobcheck  # noqa: F401

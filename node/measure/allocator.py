@@ -23,7 +23,7 @@ touches the holes again (peak 924-1025 against 1017-1035 MiB there, 684-691 agai
 GPT-2-medium full fine-tune rank) and it costs +15-65 % per iteration in page faults, so ranks
 do not trim. The holes are predicted instead: the profiler measures them under this setting
 (`ProfileReport.heap_slack_*` fields, measured by `xronos.node.measure.heapprobe`) and the cost
-model adds them to the peak (`xronos.gateway.plan.costmodel.heap_slack`).
+model adds them to the peak (`xronos.gateway.plan.memorymodel.heap_slack`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from xronos.bench import strategies as st
 from xronos.bench.grid import STANDARD, summary_markdown
 from xronos.bench.harness import CellSpec, mem_scale_of, memory_shortfall, run_strategies
 from xronos.bench.pp_plan import InfeasiblePipeline
-from xronos.bench.results import markdown, summarize
+from xronos.bench.results import summarize
+from xronos.bench.cellreport import markdown
 from xronos.bench.scenarios import GIB, RUNTIME_RESERVE, get_scenario
 from xronos.bench.workloads import kept_fraction, kind_parameters, parameter_count, realistic_blocks, shape_config
 from xronos.protocol.layout import Layout, Sizes

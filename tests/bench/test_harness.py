@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from xronos.bench.results import atomic_write, markdown, summarize
+from xronos.bench.results import atomic_write, summarize
+from xronos.bench.cellreport import markdown
 from xronos.cli.main import main
 
 GOOD = ["bench", "--scenario", "set-a", "--model", "gpt2-medium", "--blocks", "1", "--iters", "3"]

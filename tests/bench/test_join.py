@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from xronos.bench.join import break_even, decision, find_join, slowest, static_over, summarize_join
+from xronos.bench.joinsummary import break_even, decision, find_join, slowest, static_over, summarize_join
 
 JOIN = ("11:31:40 node 'n2' joins: plan v1 -> v2, predicted 0.883 -> 0.65 s/iteration; resuming from step 70")
 TAKEN = ("11:31:12 node 'n2' taken for plan v2 at the checkpoint of step 70: predicted 0.883 -> 0.65 s/iteration "

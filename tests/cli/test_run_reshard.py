@@ -18,18 +18,12 @@ GOOD = "attn=6,6;mlp=32,68;vocab=32,5"  # this model: 12 heads, 100 MLP columns,
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("cli-reshard")
-    model = runkit.make_model(root / "gpt2", "gpt2", "classify", num_labels=2)
-    rows = [{"text": t, "label": i % 2} for i, t in enumerate(runkit.texts(12))]
-    return model, runkit.write_rows(root / "data.csv", rows)
+    return runkit.small_classifier(tmp_path_factory.mktemp("cli-reshard"))
 
 
 @pytest.fixture
 def no_spawn(monkeypatch):
-    def refuse(*a, **kw):
-        raise AssertionError("a process was spawned for a run that should have been refused")
-
-    monkeypatch.setattr("xronos.node.rank.local.subprocess.Popen", refuse)
+    runkit.refuse_spawn(monkeypatch)
 
 
 def test_the_flag_is_documented() -> None:

@@ -336,3 +336,38 @@ def run_config(**flat):
     if lora:  # options without a rank: the LoraSpec is refused by the model, naming `r`
         recipe["lora"] = lora
     return RunConfig(recipe=recipe, **flat)
+
+
+def small_classifier(root: Path, labels: int = 2, n_rows: int = 12, data: str = "data.csv") -> tuple[Path, Path]:
+    """A GPT-2 classifier of `labels` labels in root/gpt2 and `n_rows` rows labelled in turn: the
+    run the CLI and preflight tests refuse or accept."""
+    model = make_model(root / "gpt2", "gpt2", "classify", num_labels=labels)
+    rows = [{"text": t, "label": i % labels} for i, t in enumerate(texts(n_rows))]
+    return model, write_rows(root / data, rows)
+
+
+def refuse_spawn(monkeypatch, what: str = "a process was spawned", *also: str) -> None:
+    """Make starting a rank process (and each of `also`, dotted names) fail the test: for runs
+    that must be refused before anything starts."""
+    def refuse(*a, **kw):
+        raise AssertionError(f"{what} for a run that should have been refused")
+
+    for target in ("xronos.node.rank.local.subprocess.Popen", *also):
+        monkeypatch.setattr(target, refuse)
+
+
+def wide_classifier(tmp: Path, hidden: int, mlp: int, rows: int = 80) -> tuple[Path, Path]:
+    """A 2-block, 12-head GPT-2 classifier of `hidden` width and `mlp` MLP columns in tmp/model
+    (no dropout, seed 0), and a CSV of `rows` labelled rows: the services' re-balancing and join
+    jobs, sized so that compute shows against the all-reduces."""
+    import transformers as tf
+
+    out = tmp / "model"
+    out.mkdir(parents=True)
+    vocab = make_tokenizer(out, "gpt2")
+    cfg = tf.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=hidden, n_layer=2, n_head=12, n_inner=mlp,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
+                        pad_token_id=1, num_labels=2)
+    tf.set_seed(0)
+    tf.GPT2ForSequenceClassification(cfg).save_pretrained(out)
+    return out, write_rows(tmp / "data.csv", [{"text": t, "label": i % 2} for i, t in enumerate(texts(rows))])

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from xronos.node.emulate.cgroupfs import find_controller
-from xronos.node.emulate.confinement import CPU_MODE_ENV, Confinement, EmulatorError, RankLimits, leftover_groups, validate_limits
+from xronos.node.emulate.confinement import (
+    Confinement, EmulatorError, RankLimits, leftover_groups, validate_limits,
+)
+from xronos.node.emulate.cpumode import CPU_MODE_ENV
 
 CPU = find_controller("cpu")
 
@@ -192,7 +195,8 @@ def test_v2_hierarchy_detected(tmp_path: Path) -> None:
 
 
 def test_period_is_the_shortest_with_a_one_millisecond_quota() -> None:
-    from xronos.node.emulate.confinement import DEFAULT_PERIOD_US, MIN_QUOTA_US, period_for
+    from xronos.node.emulate.confinement import MIN_QUOTA_US
+    from xronos.node.emulate.cpumode import DEFAULT_PERIOD_US, period_for
 
     for share in (0.01, 0.05, 0.3, 0.405, 0.45, 1.0, 1.5):
         period = period_for(share)
@@ -250,7 +254,8 @@ def test_poll_interval_out_of_range_is_refused(poll_s: float) -> None:
 
 
 def test_poll_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from xronos.node.emulate.confinement import POLL_ENV, POLL_S, default_poll_s
+    from xronos.node.emulate.poller import POLL_S
+    from xronos.node.emulate.cpumode import POLL_ENV, default_poll_s
 
     monkeypatch.delenv(POLL_ENV, raising=False)
     assert default_poll_s() == POLL_S
@@ -269,7 +274,7 @@ def test_pinned_quota_ranks_get_a_core_each_and_a_later_share_must_fit_it(monkey
     """XRONOS_EMULATOR_PIN=1 (or pin=True): quota-mode ranks pinned largest share first, the quota
     still the CFS one; a share that would overload its core is refused; shares that cannot fit
     the cores at one core each stay unpinned; unpinned is the default."""
-    from xronos.node.emulate.confinement import PIN_ENV, default_pin
+    from xronos.node.emulate.cpumode import PIN_ENV, default_pin
 
     monkeypatch.delenv(PIN_ENV, raising=False)
     assert default_pin() is False

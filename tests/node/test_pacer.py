@@ -12,9 +12,8 @@ import pytest
 from tests.node.test_emulator import confined_output
 from xronos.node.emulate import pacer
 from xronos.node.emulate.cgroupfs import find_controller
-from xronos.node.emulate.confinement import (
-    CPU_MODE_ENV, Confinement, EmulatorError, RankLimits, assign_cores, default_cpu_mode,
-)
+from xronos.node.emulate.confinement import Confinement, EmulatorError, RankLimits, assign_cores
+from xronos.node.emulate.cpumode import CPU_MODE_ENV, default_cpu_mode
 from xronos.node.emulate.pacer import (
     PACE_CORE_LOAD, PacedClock, Pacer, heaviest_core, pace_dilation, read_share, share_file, share_path,
 )

@@ -12,7 +12,7 @@ from torch import nn
 from xronos.gateway.plan.profiles import Loaded, parse_report, plan_reports
 from xronos.node.measure import profiler as prof
 from xronos.node.measure.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
-from xronos.node.measure.profset import find_regions
+from xronos.node.measure.timeline import find_regions
 from xronos.node.models.shapes import shape
 from xronos.protocol.layout import Sizes
 from xronos.protocol.messages import LoraShape, LoraSpec, ProfileKey, ProfileReport, ProfileSettings

@@ -20,10 +20,7 @@ SIZES = Sizes(attn=12, mlp=100, vocab=len(runkit.WORDS) + 2)
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("validate")
-    model = runkit.make_model(root / "gpt2", "gpt2", "classify", num_labels=3)
-    rows = [{"text": t, "label": i % 3} for i, t in enumerate(runkit.texts(10))]
-    return model, runkit.write_rows(root / "data.jsonl", rows)
+    return runkit.small_classifier(tmp_path_factory.mktemp("validate"), labels=3, n_rows=10, data="data.jsonl")
 
 
 def _cfg(model: Path, data: Path, **kw) -> RunConfig:

@@ -37,18 +37,7 @@ JOINS = re.compile(r"node 'n1' joins: plan v1 -> v2, predicted ([\d.]+) -> ([\d.
 
 def make_case(tmp, rows=80):
     """A GPT-2 classifier whose compute outweighs its all-reduces (H = 768, 3072 MLP columns), and a CSV."""
-    import transformers as tf
-
-    out = tmp / "model"
-    out.mkdir(parents=True)
-    vocab = runkit.make_tokenizer(out, "gpt2")
-    cfg = tf.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=768, n_layer=2, n_head=12, n_inner=3072,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
-                        pad_token_id=1, num_labels=2)
-    tf.set_seed(0)
-    tf.GPT2ForSequenceClassification(cfg).save_pretrained(out)
-    data = runkit.write_rows(tmp / "data.csv", [{"text": t, "label": i % 2} for i, t in enumerate(runkit.texts(rows))])
-    return out, data
+    return runkit.wide_classifier(tmp, 768, 3072, rows)
 
 
 def _wait_event(stack, job_id: str, *texts: str, timeout: float = 120.0) -> str:

@@ -29,18 +29,7 @@ APPLIED = re.compile(r"re-shard applied at step (\d+): (\S+)")
 def make_case(tmp, rows=80):
     """A GPT-2 classifier large enough that a box's CPU share shows in its measured compute
     (H = 192, 12 heads, 768 MLP columns: tens of milliseconds a step), and a labelled CSV."""
-    import transformers as tf
-
-    out = tmp / "model"
-    out.mkdir(parents=True)
-    vocab = runkit.make_tokenizer(out, "gpt2")
-    cfg = tf.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=192, n_layer=2, n_head=12, n_inner=768,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
-                        pad_token_id=1, num_labels=2)
-    tf.set_seed(0)
-    tf.GPT2ForSequenceClassification(cfg).save_pretrained(out)
-    data = runkit.write_rows(tmp / "data.csv", [{"text": t, "label": i % 2} for i, t in enumerate(runkit.texts(rows))])
-    return out, data
+    return runkit.wide_classifier(tmp, 192, 768, rows)
 
 
 @pytest.fixture

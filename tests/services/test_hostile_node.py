@@ -19,6 +19,7 @@ from jobkit import job_spec, make_case
 from nodekit import msgs, pump, replies
 from xronos.node.rank import streaming
 from xronos.node.agent import service as S
+from xronos.node.agent.requests import MAX_PENDING_WORK
 from xronos.node.agent.config import NodeConfig
 from xronos.node.agent.service import NodeService
 from xronos.node.rank.checkpoint import read_meta
@@ -159,7 +160,7 @@ def test_retained_assignments_and_controls_are_ignored_and_cleared(tmp_path):
 
 
 def test_pending_work_is_bounded_and_a_repeated_request_runs_once(node):
-    PENDING = getattr(S, "MAX_PENDING_WORK", 4)
+    PENDING = MAX_PENDING_WORK
     svc, client, broker, tmp = node
     gate = threading.Event()
     svc.work.submit(gate.wait)  # the worker thread is busy

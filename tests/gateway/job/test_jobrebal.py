@@ -338,7 +338,8 @@ def test_a_re_plans_memory_for_the_owner_is_the_planners():
     reb.seen = []
     _, d = run_until_decision(job, reb, {"b": 3.0})
     assert d is not None and d.layout is not None
-    from xronos.gateway.plan.costmodel import layout_shares, predict_memory
+    from xronos.gateway.plan.costmodel import layout_shares
+    from xronos.gateway.plan.memorymodel import predict_memory
     owner = replace(reb.base[0], owner=True)
     assert reb.base[0].owner and not any(n.owner for n in reb.base[1:])
     assert d.predicted_memory[0] == predict_memory(owner, layout_shares(d.layout, 0))

@@ -9,9 +9,10 @@ import pytest
 
 from xronos.gateway.plan.commmodel import CommVolume, comm_time, tp_comm_volume
 from xronos.gateway.plan.costmodel import (
-    LayerCost, NodeProfile, fit_affine, fit_error, kind_time, memory_at, node_cost, predict_memory, predict_time,
-    segment_times, time_at,
+    LayerCost, NodeProfile, fit_affine, fit_error, kind_time, node_cost, predict_time, segment_times,
+    time_at,
 )
+from xronos.gateway.plan.memorymodel import memory_at, predict_memory
 
 
 def layer(name, kind, part, t, mw, ma, mt, samples=(), segment=None):
@@ -215,7 +216,7 @@ def test_heap_slack_scales_with_the_blocks_transient_bytes_and_shares_the_loadin
     training's holes are the same free space."""
     from dataclasses import replace
 
-    from xronos.gateway.plan.costmodel import heap_slack
+    from xronos.gateway.plan.memorymodel import heap_slack
 
     layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
     plain = node_cost(NodeProfile("n0", 2, layers, runtime_bytes=1000))
@@ -245,7 +246,7 @@ def test_heap_slack_scales_with_the_blocks_transient_bytes_and_shares_the_loadin
 def test_heap_slack_grows_by_the_measured_per_block_holes_with_depth():
     """The profile measures the holes at one block and what each further block adds; a node of B
     blocks holds heap_slack + (B - 1) x heap_slack_block at full width, scaled to its shares alike."""
-    from xronos.gateway.plan.costmodel import heap_slack
+    from xronos.gateway.plan.memorymodel import heap_slack
 
     full = {k: 1.0 for k in SH}
     for blocks in (1, 2, 5):
@@ -263,7 +264,7 @@ def test_heap_slack_goes_between_the_two_measured_widths_and_is_flat_below_the_s
     same (B - 1) x per block at both."""
     from dataclasses import replace
 
-    from xronos.gateway.plan.costmodel import heap_slack
+    from xronos.gateway.plan.memorymodel import heap_slack
 
     quarter = {k: 0.25 for k in SH}
     layers = tuple(replace(lay, load_bytes=lb) for lay, lb in zip(PROFILE.layers, (400, 100, 300, 8, 120)))
@@ -452,7 +453,7 @@ def test_the_planners_memory_is_the_cost_models_at_every_quantum_with_deep_holes
     import itertools
     from dataclasses import replace
 
-    from xronos.gateway.plan.costmodel import heap_slack
+    from xronos.gateway.plan.memorymodel import heap_slack
     from xronos.gateway.plan.model import Problem
     from xronos.protocol.layout import Sizes
 

@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from xronos.gateway.plan import integer as PI
 from xronos.gateway.plan import model as PM
-from xronos.gateway.plan.costmodel import KindCost, NodeCost, memory_at, predict_memory, time_at
+from xronos.gateway.plan.costmodel import KindCost, NodeCost, time_at
+from xronos.gateway.plan.memorymodel import memory_at, predict_memory
 from xronos.gateway.plan.planner import MiB, InfeasiblePlan, ideal_compute, plan
 from xronos.protocol.layout import KINDS, Layout, Sizes
 
@@ -97,7 +98,7 @@ def test_segment_equals_exhaustive_search_on_random_instances():
 
 def with_activations(rng, nd):
     """`nd` with part of each memory term its activations and part its gradients (never both
-    resident: costmodel.not_coexisting), in random proportions, so A > G on some and A < G on others."""
+    resident: memorymodel.not_coexisting), in random proportions, so A > G on some and A < G on others."""
     def split(kc_):
         act = rng.uniform(0, kc_.mem_slope)
         return replace(kc_, act_slope=act, grad_slope=rng.uniform(0, kc_.mem_slope - act))
@@ -109,7 +110,7 @@ def with_activations(rng, nd):
 def test_segment_equals_exhaustive_search_with_activations_apart_from_gradients():
     """The memory is then S + max(A, G): not linear per kind; the planner's linear part is only a
     lower bound of it, and its exact test must still match the exhaustive search."""
-    from xronos.gateway.plan.costmodel import predict_memory
+    from xronos.gateway.plan.memorymodel import predict_memory
 
     rng = random.Random(4321)
     seen = {"infeasible": 0, "coupled": 0, "separable": 0}

@@ -151,7 +151,7 @@ def test_builtin_shapes_of_todays_small_models(name):
 
 def test_qwen3_profiles_with_its_norms_in_the_attention_region():
     from xronos.node.measure import profiler as prof
-    from xronos.node.measure.profset import find_regions
+    from xronos.node.measure.timeline import find_regions
 
     arch = dict(family="qwen3", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
                 vocab_size=64, max_positions=32, num_labels=None, tie_word_embeddings=True)
