@@ -150,6 +150,7 @@ ROOMS = {
     "xronos.gateway.job": ("xronos.gateway.plan", "xronos.gateway.registry"),
     "xronos.node.box": ("xronos.node.emulate",),  # this box and the bounds of its children: low
     "xronos.node.data": ("xronos.node.models", "xronos.node.tp", "xronos.node.runconfig"),
+    "xronos.node.dp": ("xronos.node.models", "xronos.node.tp", "xronos.node.data"),  # below the rank's engines
 }
 # Rooms at the top of their plane: nothing else in the plane imports them.
 TOP_ROOMS = ("xronos.node.agent",)

@@ -1,0 +1,136 @@
+"""One rank of a data-parallel equivalence world: for each case build the whole model (LoRA or
+not) from the case's start checkpoint, wrap it in `DataParallel` over the case's group, train STEPS
+steps on this rank's rows of each global batch (Xronos' AdamW and global-norm clipping, as a rank
+runs them), and write what the test compares: rank 0 the trained tensors, every rank its checks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tp"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lora_ref import ALPHA, LR, MAX_GRAD_NORM, STEPS, R  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from tp_world import worker_setup  # noqa: E402
+
+from ckpts import WEIGHT_DECAY  # noqa: E402
+from xronos.node.data.batches import Batch  # noqa: E402
+from xronos.node.dp.replica import DataParallel  # noqa: E402
+from xronos.node.dp.rows import rows_of, target_count  # noqa: E402
+from xronos.node.models.export import gather_full  # noqa: E402
+from xronos.node.models.loading import SafetensorsSource, materialize  # noqa: E402
+from xronos.node.models.registry import family_for  # noqa: E402
+from xronos.node.optim import adamw  # noqa: E402
+from xronos.node.tp.group import TPGroup  # noqa: E402
+from xronos.node.tp.layout import ShardLayout  # noqa: E402
+from xronos.node.tp.lora import LoraSettings, add_lora  # noqa: E402
+from xronos.node.trainer import clip_global_grad_norm  # noqa: E402
+
+N_BATCHES = 4
+
+
+def load_batches(path: str) -> list[Batch]:
+    t = load_file(path)
+    return [Batch(t[f"b{i}/input_ids"], t[f"b{i}/attention_mask"], t[f"b{i}/labels"], t.get(f"b{i}/token_type_ids"))
+            for i in range(N_BATCHES)]
+
+
+def diff_to_rank0(tensors: list[torch.Tensor], group: TPGroup) -> float:
+    """max |t - rank 0's t| over `tensors` (every rank calls it; untimed broadcasts)."""
+    worst = 0.0
+    for t in tensors:
+        ref = t.detach().clone()
+        if group.world_size > 1:
+            group.broadcast(ref, 0, timed=False)
+        worst = max(worst, (ref - t).abs().max().item())
+    return worst
+
+
+def run_case(case: dict, rank: int, group: TPGroup, out: Path) -> None:
+    start = Path(case["start"])
+    config = json.loads((start / "config.json").read_text())
+    family = family_for(config)
+    tp = TPGroup.single()  # a whole replica: the model's own tensor-parallel world is one rank
+    layout = ShardLayout.single(family.sizes(config))
+    model = family.build(config, case["task"], layout, tp, dropout=0.0)
+    if case["targets"] is not None:
+        add_lora(model, LoraSettings(R, ALPHA, 0.0, tuple(case["targets"])))
+    materialize(model, SafetensorsSource(start))
+    specs = model.tensor_specs()
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    opt = adamw(trained.values(), lr=LR, weight_decay=WEIGHT_DECAY)
+    dp = DataParallel(model, group, sync=case["sync"])
+    names = {n: specs[n].hf_name for n in trained}
+
+    def gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return gather_full(tensors, {n: specs[n] for n in tensors}, layout, tp)
+
+    def logits(b: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            return model.logits(b.input_ids, b.attention_mask, b.token_type_ids)
+
+    bs = load_batches(case["batches"])
+    shares = case["shares"]
+    res: dict[str, torch.Tensor] = {"logits_before": logits(bs[0])}
+    model.train()
+    info = {"rows": [], "buckets": [], "grad_spans": [], "frozen_grads": 0, "grad_diff": 0.0}
+    for step in range(STEPS):
+        batch = bs[step % N_BATCHES]
+        rows = rows_of(batch, shares, rank)
+        group.drain_spans()
+        part = dp.forward_backward(rows, target_count(batch, case["task"]))
+        info["grad_spans"].append(sum(1 for s in group.drain_spans() if s.tag == "grad"))
+        info["buckets"].append(len(dp.sync.drain()))
+        info["rows"].append(0 if rows is None else int(rows.input_ids.shape[0]))
+        info["frozen_grads"] += sum(p.grad is not None for p in model.parameters() if not p.requires_grad)
+        res[f"loss/{step}"] = torch.tensor([dp.global_loss(part)], dtype=torch.float32)
+        clip_global_grad_norm(model, set(specs), MAX_GRAD_NORM, tp)
+        if step in (0, STEPS - 1):
+            grads = {n: p.grad for n, p in trained.items()}
+            res.update((f"{'grad0' if step == 0 else 'grad'}/{k}", v) for k, v in gathered(grads).items())
+            info["grad_diff"] = max(info["grad_diff"], diff_to_rank0(list(grads.values()), group))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    res.update((f"param/{k}", v) for k, v in gathered(dict(trained)).items())
+    res.update((f"exp_avg/{k}", v) for k, v in gathered({n: opt.state[p]["exp_avg"] for n, p in trained.items()}).items())
+    res["logits"] = logits(bs[0])
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in res.items()}, str(out / f"{case['id']}.safetensors"))
+    info.update(
+        replica_diff=diff_to_rank0(list(trained.values()), group),  # the replicas stayed one model
+        exp_avg_diff=diff_to_rank0([opt.state[p]["exp_avg"] for p in trained.values()], group),
+        frozen_moved=max([(p.detach() - frozen[n]).abs().max().item() for n, p in model.named_parameters()
+                          if n in frozen] or [0.0]),
+        opt_states=len(opt.state), trained=sorted(names.values()), mode=dp.sync.mode)
+    (out / f"{case['id']}.rank{rank}.json").write_text(json.dumps(info))
+
+
+def main() -> None:
+    """As the TP equivalence workers: phases one after another, disjoint subgroups of the world
+    running their cases concurrently within a phase."""
+    job, rank, world_group = worker_setup(sys.argv)
+    out = Path(job["out"])
+    groups = []  # every rank creates every subgroup, in the same order
+    for phase in job["phases"]:
+        for sub in phase:
+            pg = dist.new_group(sub["ranks"]) if len(sub["ranks"]) > 1 else None
+            groups.append((sub, pg))
+    for phase in job["phases"]:
+        for sub, pg in groups:
+            if sub in phase and rank in sub["ranks"]:
+                n = len(sub["ranks"])
+                me = sub["ranks"].index(rank)
+                group = TPGroup(pg, me, n) if n > 1 else TPGroup.single()
+                for case in sub["cases"]:
+                    run_case(case, me, group, out)
+        world_group.barrier()
+
+
+if __name__ == "__main__":
+    main()
