@@ -18,7 +18,7 @@ all-reduces in the same order — at the cost of filling its gradients with zero
 DDP's construction options, and why:
 - `init_sync=False`: every rank loads the same weights from the same source, so DDP's start-up
   broadcast of the whole model (2 GB for a 0.5B model, 16 s on 1 Gbit/s) is skipped;
-- `broadcast_buffers=False`: the models' buffers (RoPE tables, position ids) are constants;
+- `forward_sync_buffers=False`: the models' buffers (RoPE tables, position ids) are constants;
 - `gradient_as_bucket_view=True`: the gradients *are* the buckets, no second copy of them (the
   trainable size again, a whole model under full fine-tuning);
 - `find_unused_parameters=False`: every family uses every trainable tensor in each forward (a
@@ -77,7 +77,7 @@ class DataParallel:
         self._loss: nn.Module = _ShareLoss(model)
         if group.world_size > 1:
             ddp = DistributedDataParallel(self._loss, process_group=group.pg, init_sync=False,
-                                          broadcast_buffers=False, gradient_as_bucket_view=True,
+                                          forward_sync_buffers=False, gradient_as_bucket_view=True,
                                           find_unused_parameters=False, bucket_cap_mb=bucket_cap_mb)
             ddp.register_comm_hook(self.sync, sum_hook)
             self._loss = ddp
