@@ -11,7 +11,7 @@ as backward has produced it, through `gradsync.GradSync`'s summing hook.
 batch's gradient (the sum of the ranks' parts, identical on every rank: Gloo's ring all-reduce
 gives every rank the same bytes), so the optimizer step, clipping included, is the same on every
 rank and its state stays replicated without a word. A rank with no rows (share 0) still takes
-part: its loss is 0 times one element of every trainable tensor, which gives every trainable
+part: its loss is 0 times the first element of every trainable tensor, which gives every trainable
 tensor an exact zero gradient through DDP's own autograd hooks, so its buckets join the same
 all-reduces in the same order — at the cost of filling its gradients with zeros, no forward pass.
 
@@ -52,7 +52,9 @@ class _ShareLoss(nn.Module):
 
     def forward(self, rows: Batch | None, total: int) -> torch.Tensor:
         if rows is None:
-            firsts = [p.reshape(-1)[0] for p in self.model.parameters() if p.requires_grad]
+            # [:1], not [0]: in a DP×TP mesh a rank may hold 0 columns of a tensor (its gradient is
+            # then empty, and still counts as ready for DDP)
+            firsts = [p.reshape(-1)[:1].sum() for p in self.model.parameters() if p.requires_grad]
             return torch.stack(firsts).sum() * 0.0
         return share_loss(self.model, rows, total)
 

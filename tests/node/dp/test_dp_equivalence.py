@@ -9,7 +9,9 @@ the loss of every step, logits before and after, every trained tensor's gradient
 last step, the parameters and AdamW moments at the end. Also: every rank ends with the same model
 and optimizer state bit for bit, the frozen base gets no gradient and does not move, every step
 all-reduced gradient buckets on every rank (share 0 included), and the `clocked` mode put each
-bucket's all-reduce on the group's timeline.
+bucket's all-reduce on the group's timeline. And DP×TP meshes (`MESH`): two TP groups of two ranks,
+each at the same lopsided per-segment layout, data-parallel with each other through the same
+`DataParallel` over the groups of same-place ranks (no default group involved).
 
 `make test` runs a representative set (`FAST`); XRONOS_DP_FULL=1 runs the whole matrix: every
 family, full and LoRA, N = 1..5 (`FULL`).
@@ -26,7 +28,7 @@ import torch
 from ckpts import KINDS, _configs, make_batch, make_checkpoint, task_of
 from lora_ref import LR, MAX_GRAD_NORM, STEPS, TARGETS, family_of, hf_model, peft_model, plain_name, start_checkpoint
 from safetensors.torch import load_file, save_file
-from test_equivalence import PHASES, max_rel_err, worst_rel_err
+from test_equivalence import MIXED, PHASES, max_rel_err, worst_rel_err
 from test_lora import MAX_ABS, MAX_REL, norm_rel
 from tp_world import run_world
 
@@ -51,10 +53,19 @@ FAST = [("gpt2-lm", 3, False, (4, 0, 3), "overlap"), ("llama-gqa-lm", 2, True, (
 FULL = [(kind, n, lora, SHARES[n][i % len(SHARES[n])], ("overlap", "clocked")[(i + lora) % 2])
         for i, kind in enumerate(KINDS) for n in SHARES for lora in (False, True)]
 CASES = FULL if os.environ.get("XRONOS_DP_FULL") == "1" else FAST
+# DP×TP meshes of 4 ranks: two TP groups of two (the same lopsided per-segment layout in both:
+# test_equivalence's MIXED), data-parallel with each other at uneven shares, one group at 0.
+MESH = [("gpt2-lm", False, (5, 2), "overlap"), ("llama-gqa-lm", True, (0, 7), "clocked"),
+        ("bert-cls", True, (6, 1), "overlap")]
+MESH_TP = 2
 
 
 def case_id(kind: str, n: int, lora: bool, shares: tuple[int, ...], sync: str) -> str:
     return f"{kind}-{'lora' if lora else 'full'}-N{n}-{'.'.join(map(str, shares))}-{sync}"
+
+
+def mesh_id(kind: str, lora: bool, shares: tuple[int, ...], sync: str) -> str:
+    return f"{kind}-{'lora' if lora else 'full'}-mesh{len(shares)}x{MESH_TP}-{'.'.join(map(str, shares))}-{sync}"
 
 
 def dp_batch(kind: str, seed: int) -> dict[str, torch.Tensor]:
@@ -104,7 +115,8 @@ def world(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: threads only contend
     refs, starts, cases = {}, {}, {}
-    for kind, n, lora, shares, sync in CASES:
+    mesh = [(kind, len(shares) * MESH_TP, lora, shares, sync) for kind, lora, shares, sync in MESH]
+    for kind, n, lora, shares, sync in CASES + mesh:
         key = (kind, lora)
         if key not in refs:
             base = root / kind / "base"
@@ -120,10 +132,14 @@ def world(tmp_path_factory):
             else:
                 model, starts[key] = hf_model(base, task_of(kind)), base
             refs[key] = reference(model, batches)
-        cid = case_id(kind, n, lora, shares, sync)
+        meshed = len(shares) != n
+        cid = mesh_id(kind, lora, shares, sync) if meshed else case_id(kind, n, lora, shares, sync)
         cases[cid] = {"id": cid, "kind": kind, "n": n, "task": task_of(kind), "start": str(starts[key]),
                       "targets": list(TARGETS[family_of(kind)]) if lora else None, "shares": list(shares),
                       "sync": sync, "batches": str(root / kind / "batches.safetensors"), "lora": lora}
+        if meshed:
+            lay = dict(MIXED[MESH_TP])[kind]
+            cases[cid].update(mesh_tp=MESH_TP, layout=dict(zip(("attn", "mlp", "vocab"), map(list, lay))))
     phases = [[{"ranks": list(ranks), "cases": [c for c in cases.values() if c["n"] == len(ranks)]}
                for ranks, _ in phase] for phase in PHASES]
     torch.set_num_threads(threads)
@@ -135,7 +151,7 @@ def infos(out: Path, case: dict) -> list[dict]:
     return [json.loads((out / f"{case['id']}.rank{r}.json").read_text()) for r in range(case["n"])]
 
 
-IDS = [case_id(*c) for c in CASES]
+IDS = [case_id(*c) for c in CASES] + [mesh_id(*m) for m in MESH]
 
 
 @pytest.mark.slow
@@ -175,16 +191,17 @@ def test_replicas_stay_one_model_and_every_rank_joins_every_all_reduce(world, ci
     case = cases[cid]
     trained = sorted(k.removeprefix("param/") for k in refs[(case["kind"], case["lora"])] if k.startswith("param/"))
     for r, info in enumerate(infos(out, case)):
-        assert info["rows"] == [case["shares"][r]] * STEPS, info["rows"]
+        assert info["rows"] == [case["shares"][r // case.get("mesh_tp", 1)]] * STEPS, info["rows"]
         assert info["trained"] == trained
         assert info["opt_states"] == len(trained)  # AdamW holds the trained tensors only (adapters under LoRA)
         # Bit for bit: the all-reduced gradients, and so every step and the optimizer's state.
         assert info["grad_diff"] == 0.0 and info["replica_diff"] == 0.0 and info["exp_avg_diff"] == 0.0, info
         assert info["frozen_grads"] == 0 and info["frozen_moved"] == 0.0, info
         assert info["mode"] == case["sync"]
-        if case["n"] > 1:  # every rank, share 0 too, all-reduced the same buckets every step
+        if case["n"] > 1:  # every rank, share 0 too, all-reduced the same buckets every step as its
+            # data-parallel peers (in a mesh: the ranks at the same place of the other TP groups)
             assert len(set(info["buckets"])) == 1 and info["buckets"][0] >= 1, info["buckets"]
-            assert info["buckets"] == infos(out, case)[0]["buckets"]
+            assert info["buckets"] == infos(out, case)[r % case.get("mesh_tp", case["n"])]["buckets"]
             # clocked: every bucket met the group's clock as a collective tagged "grad"; overlap: none did
             assert info["grad_spans"] == (info["buckets"] if case["sync"] == "clocked" else [0] * STEPS)
         else:  # a lone rank has no one to sync with: no DDP, no all-reduce
