@@ -1,6 +1,6 @@
 """Data parallelism against today's tensor parallelism, per iteration, side by side (issue 36).
 
-    .venv/bin/python -m xronos.bench.dp_vs_tp [--ranks 2] [--blocks 2] [--batch 8] [--seq 64]
+    .venv/bin/python -m xronos.bench.dp_vs_tp [--ranks 2] [--blocks 6] [--batch 8] [--seq 64]
         [--iters 8] [--warmup 2] [--lora-r 8] [--rate-mbit 1000] [--out bench/results]
 
 A LoRA fine-tune (r = 8 on peft's default targets for Qwen2, q_proj and v_proj; causal LM) of a
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(prog="python -m xronos.bench.dp_vs_tp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--blocks", type=int, default=6)  # the grid's depth rule (workloads.realistic_blocks) for 24 blocks
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--iters", type=int, default=8)
