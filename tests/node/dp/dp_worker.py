@@ -116,7 +116,10 @@ def run_case(case: dict, group: TPGroup, out: Path, tp: TPGroup | None = None, r
     res["logits"] = logits(bs[0])
     if writer:
         save_file({k: v.contiguous() for k, v in res.items()}, str(out / f"{case['id']}.safetensors"))
+    dp.seed(7)  # dropout streams: one per data-parallel rank, shared within a TP group
+    draw = torch.rand(1, generator=model.streams.replicated).item()
     info.update(
+        dropout_draw=draw,
         replica_diff=diff_to_rank0(list(trained.values()), group),  # the replicas stayed one model
         exp_avg_diff=diff_to_rank0([opt.state[p]["exp_avg"] for p in trained.values()], group),
         frozen_moved=max([maxabs(p.detach() - frozen[n]) for n, p in model.named_parameters()

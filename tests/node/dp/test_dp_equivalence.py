@@ -206,3 +206,9 @@ def test_replicas_stay_one_model_and_every_rank_joins_every_all_reduce(world, ci
             assert info["grad_spans"] == (info["buckets"] if case["sync"] == "clocked" else [0] * STEPS)
         else:  # a lone rank has no one to sync with: no DDP, no all-reduce
             assert info["buckets"] == [0] * STEPS
+    # The replicated dropout stream after DataParallel.seed: the same within a TP group (its
+    # replicated layers must drop alike), another on every data-parallel rank (other rows).
+    draws = [info["dropout_draw"] for info in infos(out, case)]
+    t = case.get("mesh_tp", 1)
+    assert all(draws[r] == draws[r - r % t] for r in range(case["n"])), draws
+    assert len(set(draws)) == case["n"] // t, draws
