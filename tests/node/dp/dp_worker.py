@@ -77,7 +77,7 @@ def run_case(case: dict, group: TPGroup, out: Path, tp: TPGroup | None = None, r
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     opt = adamw(trained.values(), lr=LR, weight_decay=WEIGHT_DECAY)
-    dp = DataParallel(model, group, sync=case["sync"])
+    dp = DataParallel(model, group, sync=case["sync"], bucket_cap_mb=case.get("bucket_cap_mb"))
     names = {n: specs[n].hf_name for n in trained}
     writer = rank == 0 and tp.rank == 0
 
