@@ -148,9 +148,9 @@ def test_the_tp_engine_does_not_know_the_emulator() -> None:
 ROOMS = {
     "xronos.gateway.plan": (),  # planning is pure over profiles: it knows no job
     "xronos.gateway.job": ("xronos.gateway.plan", "xronos.gateway.registry"),
+    "xronos.node.dp": ("xronos.node.models", "xronos.node.tp", "xronos.node.data"),  # below the rank's engines
     "xronos.node.box": ("xronos.node.emulate",),  # this box and the bounds of its children: low
     "xronos.node.data": ("xronos.node.models", "xronos.node.tp", "xronos.node.runconfig"),
-    "xronos.node.dp": ("xronos.node.models", "xronos.node.tp", "xronos.node.data"),  # below the rank's engines
 }
 # Rooms at the top of their plane: nothing else in the plane imports them.
 TOP_ROOMS = ("xronos.node.agent",)
