@@ -149,6 +149,7 @@ def test_the_tp_engine_does_not_know_the_emulator() -> None:
 ROOMS = {
     "xronos.gateway.plan": (),  # planning is pure over profiles: it knows no job
     "xronos.gateway.job": ("xronos.gateway.plan", "xronos.gateway.registry"),
+    "xronos.node.dp": ("xronos.node.models", "xronos.node.tp", "xronos.node.data"),  # below the rank's engines
     "xronos.node.box": ("xronos.node.emulate",),  # this box and the bounds of its children: low
     "xronos.node.data": ("xronos.node.models", "xronos.node.tp", "xronos.node.runconfig"),
     # a training rank: of measuring, only the two probes every rank process runs under (its own
