@@ -60,12 +60,13 @@ def _build(strategy: str, job: dict, group):
     from xronos.node.dp.rows import rows_of, target_count
     from xronos.node.models.loading import init_random
     from xronos.node.models.registry import family_for
-    from xronos.node.optim import adamw
+    from xronos.node.rank.optim import adamw
     from xronos.node.tp.group import TPGroup
     from xronos.node.tp.layout import ShardLayout
     from xronos.node.tp.lora import add_lora
-    from xronos.node.trainer import clip_global_grad_norm
+    from xronos.node.rank.tpengine import clip_global_grad_norm
     from xronos.protocol.layout import Layout
+    from xronos.protocol.messages import LoraSpec
 
     config, n, rank = job["config"], job["ranks"], group.rank
     family = family_for(config)
@@ -79,7 +80,7 @@ def _build(strategy: str, job: dict, group):
     else:
         layout, tp = ShardLayout.single(sizes), TPGroup.single()
     model = family.build(config, "causal-lm", layout, tp, dropout=0.0)
-    add_lora(model, family.lora_settings(job["lora_r"], 2.0 * job["lora_r"], 0.0, None))
+    add_lora(model, family.lora_settings(LoraSpec(r=job["lora_r"], alpha=2.0 * job["lora_r"])))
     init_random(model, seed=0)
     model.train()
     opt = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-4)

@@ -26,11 +26,11 @@ from xronos.node.dp.rows import rows_of, target_count  # noqa: E402
 from xronos.node.models.export import gather_full  # noqa: E402
 from xronos.node.models.loading import SafetensorsSource, materialize  # noqa: E402
 from xronos.node.models.registry import family_for  # noqa: E402
-from xronos.node.optim import adamw  # noqa: E402
+from xronos.node.rank.optim import adamw  # noqa: E402
 from xronos.node.tp.group import TPGroup  # noqa: E402
 from xronos.node.tp.layout import ShardLayout  # noqa: E402
 from xronos.node.tp.lora import LoraSettings, add_lora  # noqa: E402
-from xronos.node.trainer import clip_global_grad_norm  # noqa: E402
+from xronos.node.rank.tpengine import clip_global_grad_norm  # noqa: E402
 
 N_BATCHES = 4
 
