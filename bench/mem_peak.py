@@ -43,7 +43,8 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
 
 def plan_for_caps(report, nodes: int, caps: list[int]):
     """The segment planner's layout for `nodes` copies of one profile under exactly `caps` bytes."""
-    from xronos.gateway.plan.profiles import Loaded, plan_reports
+    from xronos.gateway.plan.compatible import Loaded
+    from xronos.gateway.plan.profiles import plan_reports
 
     loaded = []
     for r, cap in enumerate(caps):

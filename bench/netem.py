@@ -37,6 +37,7 @@ from pathlib import Path
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from xronos.common.scoped import Scoped
 from xronos.node.emulate.confinement import EmulatorError
 
 log = structlog.get_logger(__name__)
@@ -119,7 +120,7 @@ def _subnet(pid: int) -> str:
     return f"198.{18 + k // 256}.{k % 256}"
 
 
-class Network:
+class Network(Scoped):
     """n rank namespaces on one emulated switch; each link limited to `rate_mbit` both ways.
 
     A context manager: the namespaces exist only inside `with`. Also a launch `Placement`."""
@@ -152,17 +153,6 @@ class Network:
         return {"GLOO_SOCKET_IFNAME": RANK_IF}
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def __enter__(self) -> Network:
-        try:
-            self._create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _netns_add(self, name: str) -> None:
         _run([self.ip, "netns", "add", name], f"creating network namespace {name}")
         self._made.append(name)

@@ -188,7 +188,8 @@ def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
     no plan within the caps; a plan over a cap (uniform ignores memory) is returned with
     `feasible=False` (see `over_cap`)."""
     from xronos.gateway.plan.planner import InfeasiblePlan
-    from xronos.gateway.plan.profiles import Loaded, plan_reports
+    from xronos.gateway.plan.compatible import Loaded
+    from xronos.gateway.plan.profiles import plan_reports
     from xronos.protocol.messages import ProfileReport
 
     loaded = []

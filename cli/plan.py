@@ -18,8 +18,8 @@ from xronos.cli.profile import id_arg, positive_int
 from xronos.gateway.plan.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S
 from xronos.gateway.plan.costmodel import FITS, SEGMENTS
 from xronos.gateway.plan.planner import MiB, STRATEGIES, PlanResult
-from xronos.gateway.plan.profiles import (DEFAULT_RESERVE_MB, Loaded, falling_times, load_report, plan_message,
-                                     plan_reports)
+from xronos.gateway.plan.compatible import Loaded
+from xronos.gateway.plan.profiles import DEFAULT_RESERVE_MB, falling_times, load_report, plan_message, plan_reports
 from xronos.protocol.layout import KINDS, NOUN
 
 

@@ -26,7 +26,8 @@ from xronos.cli import flagtable
 from xronos.gateway.plan.commmodel import comm_per_node, tp_comm_volume
 from xronos.gateway.plan.costmodel import layout_shares, node_cost, predict_time
 from xronos.gateway.plan.planner import PlanResult
-from xronos.gateway.plan.profiles import Loaded, collective_cost, falling_times, load_report, node_profile, plan_reports
+from xronos.gateway.plan.compatible import Loaded
+from xronos.gateway.plan.profiles import collective_cost, falling_times, load_report, node_profile, plan_reports
 from xronos.protocol.layout import KINDS, NOUN, Layout
 from xronos.protocol.messages import ProfileKey, ProfileReport, ProfileSettings, Recipe
 

@@ -6,7 +6,8 @@ round trip through the service. Planning goes only through `profiles.plan_report
 
 from __future__ import annotations
 
-from xronos.gateway.plan.profiles import Loaded, job_settings, plan_message, plan_reports
+from xronos.gateway.plan.compatible import Loaded, job_settings
+from xronos.gateway.plan.profiles import plan_message, plan_reports
 from xronos.protocol import messages as m
 from xronos.protocol.layout import KINDS, NOUN
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple, Union
 
 from pydantic import ConfigDict, with_config
 
-from xronos.gateway.plan.profiles import job_settings, settings_diff
+from xronos.gateway.plan.compatible import job_settings, settings_diff
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Layout
 
@@ -163,7 +163,7 @@ def profile_mismatch(job: Job, report: m.ProfileReport) -> str | None:
                 got, value = getattr(got, name[5:]), getattr(value, name[5:])
             return f"its report's {name} does not match the request (got {got!r}, the job's is {value!r})"
     # The job settings it records (none: an older node's, which honoured the request's; see
-    # profiles.check_compatible): a LoRA or full fine-tune, decay, clipping other than the job's
+    # compatible.check_compatible): a LoRA or full fine-tune, decay, clipping other than the job's
     # are another profile's memory and time.
     diff = None if report.settings is None else settings_diff(report.settings, job_settings(job.spec))
     if diff is not None:

@@ -38,7 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from xronos.gateway.plan.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, NodeComm
-from xronos.gateway.plan.costmodel import KindCost, NodeCost, memory_at, time_at
+from xronos.gateway.plan.costmodel import KindCost, NodeCost, time_at
+from xronos.gateway.plan.memorymodel import memory_at
 from xronos.gateway.plan.shares import balanced_shares, check_shares
 from xronos.protocol.layout import KINDS
 

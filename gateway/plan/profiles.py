@@ -6,7 +6,7 @@ numbers, a segment kind without a partitioned layer, no embedding, block remaind
 layer, too few widths for the fit); `check_compatible` refuses a set of reports that cannot be
 planned together (another model, batch shape or job settings — LoRA or not, weight decay,
 clipping) or that were taken at another batch size, sequence length, task or settings than the
-job's; `plan_reports` runs the cost model and planner over them. Every refusal names the file (or
+job's (`xronos.gateway.plan.compatible`); `plan_reports` runs the cost model and planner over them. Every refusal names the file (or
 node) and the field.
 """
 
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 from pydantic import TypeAdapter, ValidationError
 
 from xronos.common.errtext import reason, where
+from xronos.gateway.plan.compatible import Loaded, check_compatible
 from xronos.gateway.plan.commmodel import (
     DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, NodeComm, comm_time, node_comm, tp_comm_volume,
 )
@@ -29,20 +30,12 @@ from xronos.gateway.plan.planner import InfeasiblePlan, MiB, PlanResult, Strateg
 from xronos.protocol.codec import MAX_PAYLOAD
 from xronos.protocol.layout import KINDS, NOUN
 from xronos.protocol.messages import (
-    MAX_ID, SCHEMA_VERSION, Id, JobSpec, Plan, PlanEntry, ProfileReport, ProfileSettings,
+    MAX_ID, SCHEMA_VERSION, Id, Plan, PlanEntry, ProfileReport, ProfileSettings,
 )
 
 RequestId = TypeAdapter(Id)
 
 DEFAULT_RESERVE_MB = 512
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """A validated report and where it came from (for error messages)."""
-
-    source: str
-    report: ProfileReport
 
 
 def _loc(loc: tuple) -> str:
@@ -248,95 +241,6 @@ def load_report(path: str | Path) -> ProfileReport:
     except (json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from None
     return parse_report(data, str(path))
-
-
-# Fields that must agree across every report of one plan (they fix the model and the batch).
-_SAME = ("task", "batch_size", "seq_len", "num_blocks", "arch", "sizes")
-
-
-def _show(name: str, value: object) -> str:
-    if name == "lora":
-        return "None (full fine-tuning)" if value is None else f"LoRA rank {value.r}"  # type: ignore[attr-defined]
-    if value is None and name == "lora.targets":
-        return "None (the family's default)"
-    return repr(value)
-
-
-def job_settings(spec: JobSpec) -> ProfileSettings:
-    """The settings a job's profiles are taken under: what the gateway's ProfileRequest carries
-    (gateway/job/effects.py), in the form a report records them."""
-    return ProfileSettings.of_key(spec.recipe.profile_key())
-
-
-def settings_diff(got: ProfileSettings, want: ProfileSettings) -> tuple[str, str, str] | None:
-    """(field, got, want) of the first setting `got` differs from `want` in ("lora.r" within the
-    adapters), shown for a person, or None when they are the same (adapters compared in one
-    form, `LoraShape.shape`: the targets as a set)."""
-    for name in ("weight_decay", "clip", "lora"):
-        a, b = getattr(got, name), getattr(want, name)
-        if name == "lora" and a is not None and b is not None:
-            a, b = a.shape(), b.shape()  # a report from the wire may list its targets in another order
-        if a == b:
-            continue
-        if name == "lora" and a is not None and b is not None:
-            part = next(f for f in ("r", "targets", "dropout") if getattr(a, f) != getattr(b, f))
-            return f"lora.{part}", _show(f"lora.{part}", getattr(a, part)), _show(f"lora.{part}", getattr(b, part))
-        return name, _show(name, a), _show(name, b)
-    return None
-
-
-def check_compatible(loaded: Sequence[Loaded], *, batch_size: int | None = None, seq_len: int | None = None,
-                     task: str | None = None, settings: ProfileSettings | None = None) -> None:
-    """Refuse a set of reports that do not describe one job on distinct nodes, or (when given)
-    were taken at another batch size, sequence length, task or job settings than the job's.
-
-    Settings: a report that records none (an older Xronos wrote it) is of unknown settings. With
-    the job's `settings` given it is let through (it answered that job's own request, which carried
-    them, or `xronos run` just measured it); without, it cannot be planned beside one that records
-    its settings, since nothing says they are the same."""
-    if not loaded:
-        raise ValueError("profiles: a plan needs at least one node's profile, got none")
-    first = loaded[0]
-    seen: dict[str, str] = {}
-    expect = {"batch_size": batch_size, "seq_len": seq_len, "task": task}
-    recorded = next((item for item in loaded if item.report.settings is not None), None)
-    for item in loaded:
-        r = item.report
-        if r.node_id in seen:
-            raise ValueError(f"{item.source}: field node_id: duplicate node id {r.node_id!r} "
-                             f"(also in {seen[r.node_id]})")
-        seen[r.node_id] = item.source
-        for name, want in expect.items():
-            if want is not None and getattr(r, name) != want:
-                raise ValueError(f"{item.source}: field {name}: node {r.node_id} was profiled at "
-                                 f"{name} {getattr(r, name)!r}, but the job runs {want!r}; profile it again")
-        if settings is not None and r.settings is not None:
-            diff = settings_diff(r.settings, settings)
-            if diff is not None:
-                raise ValueError(f"{item.source}: field settings.{diff[0]}: node {r.node_id} was profiled at "
-                                 f"{diff[0]} {diff[1]}, but the job runs {diff[2]}; profile it again")
-        for name in _SAME:
-            mine, theirs = getattr(r, name), getattr(first.report, name)
-            if name == "arch":  # name the architecture field that differs, not the whole spec
-                diff = [k for k in type(mine).model_fields if getattr(mine, k) != getattr(theirs, k)]
-                if diff:
-                    name, mine, theirs = f"arch.{diff[0]}", getattr(mine, diff[0]), getattr(theirs, diff[0])
-            if mine != theirs:
-                raise ValueError(f"{item.source}: field {name}: {mine!r} differs from {theirs!r} in "
-                                 f"{first.source}; one plan needs one model and batch shape")
-        if recorded is None or settings is not None:
-            continue
-        # A LoRA profile holds no gradient or moments on the base and a full fine-tune's does, and
-        # decay and clipping are passes of their own: one plan needs reports of one job's settings.
-        if r.settings is None:
-            raise ValueError(f"{item.source}: field settings: node {r.node_id}'s profile does not record the "
-                             f"job settings it was taken under (an older Xronos wrote it), but {recorded.source} "
-                             f"does; profile it again")
-        diff = settings_diff(r.settings, recorded.report.settings)  # type: ignore[arg-type]
-        if diff is not None:
-            raise ValueError(f"{item.source}: field settings.{diff[0]}: node {r.node_id} was profiled at "
-                             f"{diff[0]} {diff[1]}, but {recorded.source} at {diff[2]}; one plan needs "
-                             f"profiles taken under one job's settings")
 
 
 def node_profile(report: ProfileReport) -> NodeProfile:

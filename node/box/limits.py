@@ -42,6 +42,8 @@ from pathlib import Path
 
 import structlog
 
+from xronos.node.emulate.cgroupfs import own_paths  # this process's cgroup per controller
+
 log = structlog.get_logger(__name__)
 
 MiB = 1 << 20
@@ -67,19 +69,10 @@ def child_limits(available: int, reserve: int, cores: int) -> ChildLimits:
 
 
 # --- cgroups ------------------------------------------------------------------------------------
-def _own_groups(proc_cgroup: Path = Path("/proc/self/cgroup")) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in proc_cgroup.read_text().splitlines():
-        _, names, path = line.split(":", 2)
-        for name in names.split(",") if names else [""]:
-            out[name] = path
-    return out
-
-
 def group_bases(mounts_file: Path = Path("/proc/self/mounts")) -> dict[str, tuple[int, Path]]:
     """kind ("memory", "pids") -> (version, our own group's directory) where we may create groups."""
     try:
-        own, mounts = _own_groups(), mounts_file.read_text().splitlines()
+        own, mounts = own_paths(), mounts_file.read_text().splitlines()
     except OSError:
         return {}
     found: dict[str, tuple[int, Path]] = {}

@@ -32,7 +32,7 @@ def _mounts(mounts_file: Path) -> list[tuple[str, str, set[str]]]:
     return out
 
 
-def _own_paths(proc_cgroup: Path) -> dict[str, str]:
+def own_paths(proc_cgroup: Path = Path("/proc/self/cgroup")) -> dict[str, str]:
     """Controller name (or "" for the v2 unified hierarchy) -> this process's cgroup path."""
     paths: dict[str, str] = {}
     for line in proc_cgroup.read_text().splitlines():
@@ -51,7 +51,7 @@ def find_controller(
     proc_cgroup: Path = Path("/proc/self/cgroup"),
 ) -> Controller | None:
     """The writable hierarchy that has `kind` ("cpu"|"memory"), preferring v1 where both do."""
-    own = _own_paths(proc_cgroup)
+    own = own_paths(proc_cgroup)
     v1_file, v2_file = {"cpu": ("cpu.cfs_quota_us", "cpu.max"),
                         "memory": ("memory.limit_in_bytes", "memory.max")}[kind]
     found: list[Controller] = []

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import structlog
 
+from xronos.common.scoped import Scoped
 from xronos.node.emulate import pacer
 from xronos.node.emulate.cpumode import (
     CPU_MODES, DEFAULT_PERIOD_US, default_cpu_mode, default_estimator, default_pin, default_poll_s, period_for,
@@ -53,7 +54,7 @@ from xronos.node.emulate.request import (  # noqa: F401  (importers take them fr
 log = structlog.get_logger(__name__)
 
 
-class Confinement:
+class Confinement(Scoped):
     """Per-run cgroups, one per rank. A context manager: groups exist only inside `with`."""
 
     def __init__(self, limits: list[RankLimits], *, period_us: int = DEFAULT_PERIOD_US,
@@ -119,17 +120,6 @@ class Confinement:
         self._rank_dirs: dict[int, list[Path]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def __enter__(self) -> Confinement:
-        try:
-            self._create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _mkdir(self, path: Path) -> Path:
         path.mkdir()
         self._dirs.append(path)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from xronos.gateway.plan.profiles import Loaded, parse_report, plan_reports
+from xronos.gateway.plan.compatible import Loaded
+from xronos.gateway.plan.profiles import parse_report, plan_reports
 from xronos.node.measure import profiler as prof
 from xronos.node.measure.memprobe import AllocTrace, SavedTensorMeter, mark, state_bytes, storage_key
 from xronos.node.measure.timeline import find_regions

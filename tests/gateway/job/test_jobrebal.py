@@ -12,7 +12,8 @@ from xronos.gateway.job import machine as J
 from xronos.gateway.job.progress import state_view
 from xronos.gateway.job.rebalancers import JobRebalance, unit_bytes
 from xronos.gateway.plan.costmodel import node_cost, segment_times
-from xronos.gateway.plan.profiles import Loaded, node_profile, plan_message, plan_reports
+from xronos.gateway.plan.compatible import Loaded
+from xronos.gateway.plan.profiles import node_profile, plan_message, plan_reports
 from xronos.gateway.plan.rebalance import PolicyConfig
 from xronos.protocol import messages as m
 from xronos.protocol.layout import KINDS

@@ -11,7 +11,8 @@ from xronos.bench.plan_speed import synthetic_report
 from xronos.gateway.job import machine as J
 from xronos.gateway.job.planning import plan_job
 from xronos.gateway.plan.planner import MiB, InfeasiblePlan
-from xronos.gateway.plan.profiles import Loaded, check_report, plan_reports, refused_request_id, screen_report
+from xronos.gateway.plan.compatible import Loaded
+from xronos.gateway.plan.profiles import check_report, plan_reports, refused_request_id, screen_report
 from xronos.protocol import messages as m
 from xronos.protocol.layout import Sizes
 

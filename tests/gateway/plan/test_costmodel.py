@@ -370,7 +370,8 @@ def test_an_adapter_only_export_gathers_the_trained_tensors_alone():
 
 def test_plan_reports_export_merged_matters_for_lora_profiles_only():
     from xronos.bench.plan_speed import synthetic_report
-    from xronos.gateway.plan.profiles import Loaded, plan_reports
+    from xronos.gateway.plan.compatible import Loaded
+    from xronos.gateway.plan.profiles import plan_reports
 
     def report(n: str, trained: float):  # M_w = params + 3 x the trained bytes (AdamW's moments, gradients)
         r = synthetic_report(n, units=8, num_blocks=2)

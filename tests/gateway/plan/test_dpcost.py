@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from xronos.gateway.plan.commmodel import NodeComm
-from xronos.gateway.plan.costmodel import LayerCost, NodeProfile, memory_at, node_cost, time_at
+from xronos.gateway.plan.costmodel import LayerCost, NodeProfile, node_cost, time_at
+from xronos.gateway.plan.memorymodel import memory_at
 from xronos.gateway.plan.dpcost import (DPInfeasible, allreduce_s, bucket_sizes, predict_dp, replica_memory,
                                         require_fit, row_time)
 from xronos.gateway.plan.refit import refit

@@ -11,9 +11,8 @@ import pytest
 from xronos.bench.plan_speed import synthetic_report
 from xronos.gateway.job import machine as J
 from xronos.gateway.job.planning import plan_job
-from xronos.gateway.plan.profiles import (
-    Loaded, check_compatible, check_report, job_settings, load_report, plan_reports, screen_report,
-)
+from xronos.gateway.plan.compatible import Loaded, check_compatible, job_settings
+from xronos.gateway.plan.profiles import check_report, load_report, plan_reports, screen_report
 from xronos.protocol import messages as m
 
 def key(**kw) -> m.ProfileKey:

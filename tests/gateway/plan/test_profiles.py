@@ -9,9 +9,8 @@ from xronos.bench.plan_speed import synthetic_report
 from xronos.gateway.plan.commmodel import comm_time, tp_comm_volume
 from xronos.gateway.plan.costmodel import layout_shares, node_cost, predict_time
 from xronos.gateway.plan.planner import MiB
-from xronos.gateway.plan.profiles import (
-    Loaded, check_compatible, check_report, load_report, memory_cap, node_profile, plan_message, plan_reports,
-)
+from xronos.gateway.plan.compatible import Loaded, check_compatible
+from xronos.gateway.plan.profiles import check_report, load_report, memory_cap, node_profile, plan_message, plan_reports
 from xronos.protocol.messages import Plan
 
 
