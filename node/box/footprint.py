@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from xronos.protocol.messages import ArchSpec
 
 MiB = 1 << 20
-RUNTIME_BYTES = 256 * MiB  # python + torch + its kernels, right after the imports (node/profiler.runtime_rss)
+RUNTIME_BYTES = 256 * MiB  # python + torch + its kernels, right after the imports (node/measure/memprobe.runtime_rss)
 GATED = ("llama", "qwen2", "qwen3")  # MLP with a gate projection: three matrices, not two
 ABSOLUTE_POSITIONS = ("gpt2", "bert", "roberta")  # a learned position embedding
 

@@ -56,12 +56,10 @@ apart).
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import math
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -72,7 +70,7 @@ import structlog
 import torch
 
 from xronos.node.box.capabilities import fingerprint, probe
-from xronos.node.measure import allocator, memwatch
+from xronos.node.measure import memprobe
 from xronos.node.measure.commprobe import probe_collectives
 from xronos.node.measure.heapprobe import blocks_config, measure_in_child, slack_per_depth
 from xronos.node.measure.profset import ProfileTooLarge, ProfilingSet, floor_bytes
@@ -126,30 +124,6 @@ def widths(sizes: Sizes, quanta: dict[str, int] = QUANTA) -> list[dict[str, int]
         if run not in runs:
             runs.append(run)
     return runs
-
-
-def runtime_rss() -> int:
-    """This process's resident set with every model gone: warm (torch's kernels, thread pools and
-    libraries initialised by the iterations just run), its freed heap handed back to the kernel
-    (`allocator.trim`), so what is left is what a training rank's process holds besides its
-    model. Measured: 353 MiB after profiling a GPT-2-Medium shape, 254 MiB right after the
-    imports; a rank's own process held ~100 MiB more than at its start once it had trained."""
-    gc.collect()
-    allocator.trim()
-    return memwatch.status()["VmRSS"]
-
-
-def owner_rss() -> int:
-    """What rank 0's data stack (`datasets`, with pyarrow and pandas; the trainer's owner imports it
-    to read the data) adds to the resident set: 86 MiB here. 0 when this process has it already
-    (then it is in `runtime_rss`). The tokenizer (21 MiB for a 50k-word vocabulary) and the
-    encoded rows are not measured."""
-    if "datasets" in sys.modules:
-        return 0
-    before = memwatch.status()["VmRSS"]
-    import datasets  # noqa: F401
-
-    return max(0, memwatch.status()["VmRSS"] - before)
 
 
 def collective_pause_s() -> float:
@@ -350,8 +324,8 @@ def profile(
             progress("all-reduce probe")
         scale, stat = _virtual_cpu_scale()
         collectives = probe_collectives(batch_size, seq_len, arch.hidden_size, cpu_scale=scale, cpu_stat=stat)
-        runtime = runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
-        owner = owner_rss()
+        runtime = memprobe.runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
+        owner = memprobe.owner_rss()
         # The heap's holes of one block at full width and at the smallest profiled one, and their
         # growth with depth (1 and 4 blocks at the smallest, medians of three), each in a fresh process
         # (node/measure/heapprobe.py); after runtime_rss, which handed this process's freed heap back,
