@@ -345,8 +345,8 @@ class Fuzzer:
             if r < 0.7:
                 caps = CAPS.model_copy(update={"node_id": node, "memory_available": 8 << 30})
                 answers.append(m.ProfileReport(node_id=node, request_id=msg.request_id, job_id=msg.job_id,
-                                               capabilities=caps, arch=msg.arch, task=msg.task,
-                                               batch_size=msg.batch_size, seq_len=msg.seq_len, threads=1,
+                                               capabilities=caps, arch=msg.arch, task=msg.key.task,
+                                               batch_size=msg.key.batch_size, seq_len=msg.key.seq_len, threads=1,
                                                sizes=msg.arch.sizes(),
                                                num_blocks=2, layers=LAYERS, profile_seconds=1.0, created_at=1.0))
             elif r < 0.85:
