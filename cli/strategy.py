@@ -38,31 +38,29 @@ def profile_ranks(model_dir: str, key: ProfileKey, threads: int, n: int, *, wrap
                   iters: int = 10, cache_dir: str | None = None) -> list[ProfileReport]:
     """One ProfileReport per rank (node id `rank{r}`), each measured in its own process under the
     run's profile key (under LoRA the run's adapters on a frozen base: its own profile)."""
-    from xronos.node.rank.spawn import rank_env
+    from xronos.node.rank.spawn import ChildProcess, rank_env
 
     env = rank_env(threads)
     reports = []
     with tempfile.TemporaryDirectory(prefix="xronos-profile-") as tmp:
         for rank in range(n):
             out = Path(tmp) / f"rank{rank}.json"
-            cmd = [sys.executable, "-m", "xronos.cli", "profile", "--model", model_dir,
-                   *flagtable.argv(flagtable.PROFILE, key), "--threads", str(threads),
-                   "--iters", str(iters), "--node-id", f"rank{rank}", "--out", str(out)]
-            cmd += ["--cache-dir", cache_dir] if cache_dir else []
+            args = ["profile", "--model", model_dir, *flagtable.argv(flagtable.PROFILE, key), "--threads", str(threads),
+                    "--iters", str(iters), "--node-id", f"rank{rank}", "--out", str(out)]
+            args += ["--cache-dir", cache_dir] if cache_dir else []
             print(f"xronos run: profiling rank {rank} ...", file=sys.stderr, flush=True)
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, text=True)
+            # The node's one launcher: its own process group, dying with us; no box of its own
+            # (a local run's ranks have none either), `wrap` confines it as it will its rank.
+            child = ChildProcess("xronos.cli", *args, env=env, name=f"profile-rank{rank}")
             try:
                 if wrap is not None:
-                    wrap(rank, proc)
-                _, err = proc.communicate()
+                    wrap(rank, child.proc)
+                code = child.wait()
+                tail = child.tail(10)
             finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            if proc.returncode != 0:
-                tail = "\n".join(err.strip().splitlines()[-10:])
-                raise RuntimeError(f"profiling rank {rank} failed (exit {proc.returncode}):\n{tail}")
+                child.close()
+            if code != 0:
+                raise RuntimeError(f"profiling rank {rank} failed (exit {code}):\n{tail}")
             reports.append(load_report(out))
     return reports
 

@@ -184,3 +184,12 @@ def test_confinement_prioritizes_groups() -> None:
     finally:
         ctx.__exit__(None, None, None)
     assert strategy.confinement(None, 3).__enter__() is None
+
+
+def test_a_rank_profile_that_fails_is_named_with_its_error(tmp_path: Path) -> None:
+    """A rank's `xronos profile` child (started as the node starts every child) that fails ends
+    the run's planning with the rank, its exit status and its own error line."""
+    from xronos.protocol.messages import ProfileKey
+
+    with pytest.raises(RuntimeError, match=r"profiling rank 0 failed \(exit 2\):\n.*no config\.json"):
+        strategy.profile_ranks(str(tmp_path / "none"), ProfileKey(task="classify", batch_size=2, seq_len=8), 1, 1)
