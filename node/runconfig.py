@@ -79,7 +79,10 @@ class ReshardAt(BaseModel):
 class RunConfig(RankConfig):
     """A rank of our TP engine: `xronos run`'s, or a job's (`for_job`)."""
 
-    layout: Layout
+    layout: Layout  # each tensor-parallel group's
+    # Data parallelism: rows of each global batch per data-parallel group (rank r in group
+    # r // layout.world_size, `protocol.mesh_of`). None: one tensor-parallel group of every rank.
+    shares: tuple[int, ...] | None = None
     progress: bool = True
     reshard_at: tuple[ReshardAt, ...] = ()  # in increasing step order, each of this world's size
     rebalance: bool = False  # rank 0 re-plans live from measured speeds (`relayout.LiveRebalance`)
@@ -100,16 +103,30 @@ class RunConfig(RankConfig):
                 raise ValueError(f"reshard_at step {r.step}: the run has only {last} steps (0..{last - 1})")
         return self
 
+    @model_validator(mode="after")
+    def _shares(self) -> RunConfig:
+        if self.shares is None:
+            return self
+        if not self.shares or any(isinstance(x, bool) or x < 0 for x in self.shares):
+            raise ValueError(f"shares: rows per data-parallel group must be integers >= 0, got {list(self.shares)}")
+        if sum(self.shares) != self.recipe.batch_size:
+            raise ValueError(f"shares: {list(self.shares)} sum to {sum(self.shares)} rows, the batch has "
+                             f"{self.recipe.batch_size}")
+        if self.reshard_at or self.rebalance:
+            raise ValueError("shares: a data-parallel run does not re-shard its layout (reshard_at, rebalance)")
+        return self
+
     @property
     def world_size(self) -> int:
-        return self.layout.world_size
+        return self.layout.world_size * (len(self.shares) if self.shares else 1)
 
     @classmethod
     def for_job(cls, spec: JobSpec, *, layout: Layout, rank: int, host: str, port: int, threads: int,
-                gloo_timeout_s: float, group_key: str | None = None) -> RunConfig:
+                gloo_timeout_s: float, group_key: str | None = None,
+                shares: tuple[int, ...] | None = None) -> RunConfig:
         """The rank settings a JobSpec means: its recipe, placed. (The job's live re-balancing is the
         gateway's, not its rank 0's: `rebalance` stays off.)"""
-        return cls(recipe=spec.recipe, layout=layout, threads=threads, gloo_timeout_s=gloo_timeout_s,
+        return cls(recipe=spec.recipe, layout=layout, shares=shares, threads=threads, gloo_timeout_s=gloo_timeout_s,
                    progress=False, rank=rank, rendezvous_host=host, rendezvous_port=port, group_key=group_key)
 
 

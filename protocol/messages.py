@@ -16,7 +16,7 @@ carry, in:
 from __future__ import annotations
 
 from .msgtypes import (
-    SCHEMA_VERSION, Task, Strategy, DataFormat, GGUFType, Phase, MAX_INT, MAX_NODES, MAX_ID, MAX_TEXT, MAX_PATH,
+    SCHEMA_VERSION, Task, Strategy, JobStrategy, DataFormat, GGUFType, Phase, MAX_INT, MAX_NODES, MAX_ID, MAX_TEXT, MAX_PATH,
     MAX_SECONDS, MAX_PERCENT, MAX_TIMESTAMP, MAX_BYTES, MAX_EVENTS, valid_text, Text, Int, Float,
     NonNegInt, PosInt, Count, NonNegFloat, Seconds, Timestamp, Bytes, ByteFloat, Rank, WorldSize, Ratio,
     Metric, Id, Name, Label, Host, PathText, Dim, Text256, Text4k, Event, Temperature, Layers, Threads,
@@ -30,7 +30,7 @@ from .msgnode import (
 )
 from .msgjob import (
     JobSpec, PlanEntry, Plan, Assignment, AssignmentAck, JobStart, JobPause, JobResume, JobCancel,
-    JobReshard, JobControl, JobControlAdapter, InspectRequest, InspectReport, SPEC_VERSION,
+    JobReshard, JobControl, JobControlAdapter, InspectRequest, InspectReport, SPEC_VERSION, mesh_of,
 )
 from .recipe import LoraShape, LoraSpec, ProfileKey, Recipe
 from .msgcatalog import (
@@ -46,7 +46,7 @@ from .msgrequest import (
 )
 
 __all__ = [
-    "SCHEMA_VERSION", "Task", "Strategy", "DataFormat", "GGUFType", "Phase", "MAX_INT", "MAX_NODES", "MAX_ID",
+    "SCHEMA_VERSION", "Task", "Strategy", "JobStrategy", "DataFormat", "GGUFType", "Phase", "MAX_INT", "MAX_NODES", "MAX_ID",
     "MAX_TEXT", "MAX_PATH", "MAX_SECONDS", "MAX_PERCENT", "MAX_TIMESTAMP", "MAX_BYTES", "MAX_EVENTS",
     "valid_text", "Text", "Int", "Float", "NonNegInt", "PosInt", "Count", "NonNegFloat", "Seconds",
     "Timestamp", "Bytes", "ByteFloat", "Rank", "WorldSize", "Ratio", "Metric", "Id", "Name", "Label",
@@ -57,7 +57,7 @@ __all__ = [
     "LoraTarget", "Sample", "Message", "Availability", "ArchSpec", "Capabilities", "ProfileRequest",
     "LayerProfile", "CollectiveProfile", "ProfileSettings", "ProfileReport", "JobSpec", "PlanEntry", "Plan", "Assignment",
     "AssignmentAck", "JobStart", "JobPause", "JobResume", "JobCancel", "JobReshard", "JobControl",
-    "JobControlAdapter", "InspectRequest", "InspectReport", "SPEC_VERSION", "LoraShape", "LoraSpec", "ProfileKey", "Recipe", "IterationMetrics", "NodeFloats",
+    "JobControlAdapter", "InspectRequest", "InspectReport", "SPEC_VERSION", "mesh_of", "LoraShape", "LoraSpec", "ProfileKey", "Recipe", "IterationMetrics", "NodeFloats",
     "NodeBytes", "JobState", "NodeJobStatus", "ErrorResponse", "Transaction", "GatewayRequest",
     "JobSubmitRequest", "JobStatusRequest", "JobPauseRequest", "JobResumeRequest", "JobCancelRequest",
     "NodesListRequest", "PlanPreviewRequest", "GatewayResponse", "REQUEST_MODELS",

@@ -12,6 +12,7 @@ from .layout import Layout, LayoutError, Sizes
 from .msgnode import ArchSpec
 from .msgtypes import (
     MAX_NODES, ByteFloat, Count, HostName, Id, Megabytes, Message, Name, NonNegInt, Rank, Seconds, Steps, Strategy,
+    JobStrategy,
     Text4k, Text256, UnitCount, WorldSize,
 )
 from .recipe import Recipe
@@ -32,7 +33,7 @@ class JobSpec(Message):
     name: Name
     owner: Id
     recipe: Recipe
-    strategy: Strategy = "segment"
+    strategy: JobStrategy = "segment"
     checkpoint_interval: Steps = 100
     nodes: Annotated[list[Id], Field(min_length=1, max_length=MAX_NODES)] | None = None
     reserve_mb: Megabytes = 512
@@ -70,22 +71,50 @@ class Plan(Message):
     # inf when nothing fits: the planner's honest "no bound" for an over-cap uniform plan.
     ideal_iteration_s: Annotated[float, Field(ge=0)]
     comm_s: Seconds
+    # Data parallelism: rows of each global batch per data-parallel group, in group order (see
+    # `mesh_of`). None: one tensor-parallel group over every entry (the TP strategies).
+    shares: Annotated[list[NonNegInt], Field(min_length=1, max_length=MAX_NODES)] | None = None
 
     @model_validator(mode="after")
     def _covers_model(self) -> Plan:
         if [e.rank for e in self.entries] != list(range(len(self.entries))):
             raise ValueError(f"entries: ranks must be 0..N-1 in order, got {[e.rank for e in self.entries]}")
         if self.entries:
+            tp = mesh_of(len(self.entries), self.shares, "entries")
+            layouts = {Layout(attn=tuple(e.attn for e in g), mlp=tuple(e.mlp for e in g),
+                              vocab=tuple(e.vocab for e in g))
+                       for g in (self.entries[i:i + tp] for i in range(0, len(self.entries), tp))}
+            if len(layouts) > 1:
+                raise ValueError(f"entries: every data-parallel group holds the same layout, got "
+                                 f"{sorted(x.to_text() for x in layouts)}")
             try:
                 self.layout().check(self.sizes, quanta=None)
             except LayoutError as exc:
                 raise ValueError(f"entries: {exc}") from None
         return self
 
+    @property
+    def tp_size(self) -> int:
+        """Ranks per tensor-parallel group (every entry without shares)."""
+        return len(self.entries) // len(self.shares) if self.shares else len(self.entries)
+
     def layout(self) -> Layout:
-        """The entries' counts as a Layout (rank order)."""
-        return Layout(attn=tuple(e.attn for e in self.entries), mlp=tuple(e.mlp for e in self.entries),
-                      vocab=tuple(e.vocab for e in self.entries))
+        """The tensor-parallel layout (the first group's entries' counts; every group holds the same)."""
+        first = self.entries[:self.tp_size]
+        return Layout(attn=tuple(e.attn for e in first), mlp=tuple(e.mlp for e in first),
+                      vocab=tuple(e.vocab for e in first))
+
+
+def mesh_of(world_size: int, shares: list[int] | tuple[int, ...] | None, field: str = "shares") -> int:
+    """Ranks per tensor-parallel group of a world of `world_size` ranks cut into one data-parallel
+    group per share: rank r is in group r // tp and holds TP rank r % tp of the layout. ValueError
+    naming `field` when the shares do not divide the world."""
+    if shares is None:
+        return world_size
+    if world_size % len(shares):
+        raise ValueError(f"{field}: {world_size} ranks cannot form {len(shares)} equal data-parallel groups "
+                         f"(shares {list(shares)})")
+    return world_size // len(shares)
 
 
 class Assignment(Message):
@@ -96,8 +125,11 @@ class Assignment(Message):
     world_size: WorldSize
     rendezvous_host: HostName
     rendezvous_port: Annotated[int, Field(gt=0, lt=65536)]
-    layout: Layout  # every rank's counts per segment kind; this node's ranges follow from `rank`
+    layout: Layout  # every TP rank's counts per segment kind; this node's ranges follow from `rank`
     spec: JobSpec
+    # Data parallelism: rows of each global batch per data-parallel group (Plan.shares; `mesh_of`
+    # says which group a rank is in). None: one tensor-parallel group of every rank.
+    shares: Annotated[list[NonNegInt], Field(min_length=1, max_length=MAX_NODES)] | None = None
     resume_step: Count = 0
     # The world's key (32 random bytes, hex; one per plan version): the ranks prove it to each
     # other right after joining, so a stranger at the rendezvous port gets no data
@@ -108,8 +140,13 @@ class Assignment(Message):
     def _consistent(self) -> Assignment:
         if self.rank >= self.world_size:
             raise ValueError(f"rank: {self.rank} is not below world_size {self.world_size}")
-        if self.layout.world_size != self.world_size:
-            raise ValueError(f"layout: {self.layout.world_size} ranks for world_size {self.world_size}")
+        tp = mesh_of(self.world_size, self.shares)
+        if self.layout.world_size != tp:
+            groups = "" if self.shares is None else f" in data-parallel groups of {tp} (shares {self.shares})"
+            raise ValueError(f"layout: {self.layout.world_size} ranks for world_size {self.world_size}{groups}")
+        if self.shares is not None and sum(self.shares) != self.spec.recipe.batch_size:
+            raise ValueError(f"shares: {self.shares} sum to {sum(self.shares)} rows, the batch has "
+                             f"{self.spec.recipe.batch_size}")
         return self
 
 

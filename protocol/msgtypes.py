@@ -24,10 +24,18 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 # 2: the per-segment layout (Assignment.layout, Plan entries per kind, ProfileReport.sizes).
+# Data parallelism (a plan's and an assignment's batch `shares`, strategies `auto` and `dp`) added
+# fields without bumping it: an older node refuses an assignment carrying `shares` by name (every
+# message forbids unknown fields), while every stored profile and job table stays readable.
 SCHEMA_VERSION = 2
 
 Task = Literal["classify", "causal-lm"]
-Strategy = Literal["segment", "paper", "uniform"]
+# A plan's strategy: how the nodes share the work. `segment`, `paper` and `uniform` are tensor
+# parallelism over every node (one group); `dp` is data parallelism, each node a whole replica
+# taking its share of every batch (a mesh of one-rank TP groups).
+Strategy = Literal["segment", "paper", "uniform", "dp"]
+# What a job may ask for: a strategy, or `auto` (the planner's fastest feasible one).
+JobStrategy = Literal["auto", "segment", "paper", "uniform", "dp"]
 DataFormat = Literal["text", "chat", "prompt-completion"]
 GGUFType = Literal["f32", "f16", "q8_0"]  # a GGUF export's tensor type (xronos.node.models.gguf)
 Phase = Literal[
