@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -23,12 +23,12 @@ from pydantic import TypeAdapter, ValidationError
 from xronos.common.errtext import reason, where
 from xronos.gateway.plan.compatible import Loaded, check_compatible
 from xronos.gateway.plan.commmodel import (
-    DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, NodeComm, comm_time, node_comm, tp_comm_volume,
+    DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, CommVolume, NodeComm, comm_time, node_comm, tp_comm_volume,
 )
-from xronos.gateway.plan.costmodel import Fit, LayerCost, NodeProfile, node_cost
+from xronos.gateway.plan.costmodel import Fit, LayerCost, NodeCost, NodeProfile, node_cost
 from xronos.gateway.plan.planner import InfeasiblePlan, MiB, PlanResult, Strategy, plan
 from xronos.protocol.codec import MAX_PAYLOAD
-from xronos.protocol.layout import KINDS, NOUN
+from xronos.protocol.layout import KINDS, NOUN, Sizes
 from xronos.protocol.messages import (
     MAX_ID, SCHEMA_VERSION, Id, Plan, PlanEntry, ProfileReport, ProfileSettings,
 )
@@ -280,9 +280,23 @@ def memory_cap(report: ProfileReport, reserve_mb: float = DEFAULT_RESERVE_MB) ->
     return max(0.0, float(report.capabilities.memory_available) - reserve_mb * MiB)
 
 
-def plan_reports(
+@dataclass(frozen=True)
+class CostInputs:
+    """What every strategy plans from: the nodes' costs (rank order, checkpoint/export flags set),
+    their caps, TP's all-reduce volume and time over all of them, each node's CPU cost of an
+    all-reduce (None: not probed), the model's sizes and the profiles' batch."""
+
+    nodes: tuple[NodeCost, ...]
+    caps: tuple[float, ...]
+    volume: CommVolume
+    comm_s: float
+    node_cpu: tuple[NodeComm | None, ...]
+    sizes: Sizes
+    profile_rows: int
+
+
+def cost_inputs(
     loaded: Sequence[Loaded],
-    strategy: Strategy,
     *,
     reserve_mb: float = DEFAULT_RESERVE_MB,
     bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS,
@@ -295,19 +309,15 @@ def plan_reports(
     checkpoints: bool = False,
     exports: bool = True,
     export_merged: bool = False,
-) -> PlanResult:
-    """Cost model + communication term + planner over validated reports (ranks in given order).
-    `batch_size`/`seq_len`/`task`/`settings`, when given, are the job's: a report taken at others
-    is refused.
-    `checkpoints`: the run writes consolidated checkpoints (a job), which the owner's memory holds;
-    `exports`: it ends with an export (every run and job; not the bench's timed runs): of the trained
-    tensors, or with `export_merged` (LoRA's merged model) of every weight."""
+) -> CostInputs:
+    """The checked reports folded into the cost model's inputs (see `plan_reports` for the flags)."""
     for item in loaded:
         check_report(item.report, item.source)
     check_compatible(loaded, batch_size=batch_size, seq_len=seq_len, task=task, settings=settings)
     r0 = loaded[0].report
     volume = tp_comm_volume(r0.arch.hidden_size, r0.batch_size, r0.seq_len, r0.num_blocks, r0.task)
-    cpu = [c for c in (collective_cost(item.report) for item in loaded) if c is not None]
+    per_node = tuple(collective_cost(item.report) for item in loaded)
+    cpu = [c for c in per_node if c is not None]
     comm = comm_time(volume, len(loaded), bandwidth_Bps, latency_s, cpu)
     nodes = []
     for item in loaded:
@@ -318,17 +328,40 @@ def plan_reports(
     # Without the merged model an export gathers the trained tensors: every weight in full
     # fine-tuning, the adapters (and a classifier's head) under LoRA.
     nodes = [replace(nd, checkpoints=checkpoints, exports=exports, export_all=export_merged) for nd in nodes]
-    caps = [memory_cap(item.report, reserve_mb) for item in loaded]
+    caps = tuple(memory_cap(item.report, reserve_mb) for item in loaded)
+    return CostInputs(tuple(nodes), caps, volume, comm, per_node, r0.sizes, r0.batch_size)
+
+
+def reserve_note(exc: InfeasiblePlan, loaded: Sequence[Loaded], caps: Sequence[float],
+                 reserve_mb: float) -> InfeasiblePlan:
+    """`exc` with a word on the reserve: the caps are net of the day job's, or "cap 0.0 MiB" reads as a bug."""
+    if reserve_mb <= 0:
+        return exc
+    gone = [f"{item.report.node_id} ({item.report.capabilities.memory_available / MiB:,.0f} MiB available)"
+            for item, cap in zip(loaded, caps) if cap <= 0]
+    return type(exc)(f"{exc}\neach cap is the node's available memory minus reserve_mb {reserve_mb:,.0f} MiB"
+                     + (f"; the reserve takes all of it on {', '.join(gone)}" if gone else ""))
+
+
+def plan_reports(
+    loaded: Sequence[Loaded],
+    strategy: Strategy,
+    *,
+    reserve_mb: float = DEFAULT_RESERVE_MB,
+    **kw,
+) -> PlanResult:
+    """Cost model + communication term + TP planner over validated reports (ranks in given order).
+    `batch_size`/`seq_len`/`task`/`settings`, when given, are the job's: a report taken at others
+    is refused.
+    `checkpoints`: the run writes consolidated checkpoints (a job), which the owner's memory holds;
+    `exports`: it ends with an export (every run and job; not the bench's timed runs): of the trained
+    tensors, or with `export_merged` (LoRA's merged model) of every weight. `auto` and `dp`:
+    `xronos.gateway.plan.auto.choose_reports`."""
+    ins = cost_inputs(loaded, reserve_mb=reserve_mb, **kw)
     try:
-        return plan(nodes, r0.sizes, strategy, caps, comm)
+        return plan(list(ins.nodes), ins.sizes, strategy, list(ins.caps), ins.comm_s)
     except InfeasiblePlan as exc:
-        if reserve_mb <= 0:
-            raise
-        # The caps are net of the day job's reserve: say so, or "cap 0.0 MiB" reads as a bug.
-        gone = [f"{item.report.node_id} ({item.report.capabilities.memory_available / MiB:,.0f} MiB available)"
-                for item, cap in zip(loaded, caps) if cap <= 0]
-        raise InfeasiblePlan(f"{exc}\neach cap is the node's available memory minus reserve_mb {reserve_mb:,.0f} MiB"
-                             + (f"; the reserve takes all of it on {', '.join(gone)}" if gone else "")) from None
+        raise reserve_note(exc, loaded, ins.caps, reserve_mb) from None
 
 
 def plan_message(result: PlanResult, job_id: str, version: int = 0) -> Plan:

@@ -1,0 +1,182 @@
+"""Which parallelism a job runs: every candidate predicted from the same profiles, side by side,
+and `auto`'s pick. Pure Python, no I/O: the planner (`planner.plan`), the data-parallel cost model
+(`dpcost.predict_dp`) and the DP×TP meshes (`mesh.plan_mesh`) each predict their own candidate.
+
+Candidates (`auto` predicts all of them):
+
+- `segment`  uneven tensor parallelism over every node (`planner.plan`, the exact per-segment
+             search): compute `sum_seg max_d T_d,seg`, plus the activation all-reduces' `comm_s`.
+             Infeasible when no layout fits the caps (the planner's message says why).
+- `dp`       speed-weighted data parallelism: every node a whole replica, rows of each global batch
+             by `shares.balanced_shares` over the nodes' row speeds, the gradient all-reduce
+             bucketed and partly hidden behind backward (`dpcost`). Infeasible when a replica does
+             not fit a node's cap (each node's need and cap named).
+- `mesh`     DP×TP: the nodes cut into equal TP groups, one common layout, batch rows per group by
+             group speed (`mesh.py` says which meshes are searched, exactly and beyond).
+
+`auto` picks the feasible candidate with the least predicted iteration; a tie (within
+`TIE_REL`) goes to the earlier candidate in the order above, so to TP `segment` first: the
+strategy with the most field time. `paper` and `uniform` stay forced strategies (baselines): the
+`segment` search is exact over the layouts they are special cases of (they never predict less).
+
+Every candidate keeps its predicted iteration, compute and communication, its worst node's memory
+against that node's cap, whether it is feasible and why not, and the winner says why it won.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from xronos.gateway.plan.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, CommVolume, NodeComm
+from xronos.gateway.plan.costmodel import NodeCost
+from xronos.gateway.plan.dpcost import DPPrediction, predict_dp
+from xronos.gateway.plan.mesh import MeshPrediction, plan_mesh
+from xronos.gateway.plan.model import MiB
+from xronos.gateway.plan.planner import DEFAULT_BUDGET, InfeasiblePlan, PlanResult, plan
+from xronos.protocol.layout import Sizes
+
+__all__ = ["AUTO_CANDIDATES", "CHOICES", "Candidate", "Choice", "TIE_REL", "choose"]
+
+AUTO_CANDIDATES: tuple[str, ...] = ("segment", "dp", "mesh")
+CHOICES: tuple[str, ...] = ("auto", "segment", "dp", "paper", "uniform")  # what a job or `xronos plan` may ask
+# Predictions closer than this (relative) are a tie: the cost model is not that exact.
+TIE_REL = 1e-9
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str  # "segment", "dp", "mesh", or a forced "paper" / "uniform"
+    label: str  # e.g. "segment (TP over 4)", "dp (4 replicas)", "mesh 2x2"
+    feasible: bool
+    iteration_s: float  # predicted; inf when nothing could be planned
+    compute_s: float
+    comm_s: float  # the communication the iteration pays beyond compute (DP: what backward does not hide)
+    worst_node: str | None  # the node nearest (or furthest over) its cap
+    worst_memory: float  # its predicted peak, bytes (0 when nothing could be planned)
+    worst_cap: float
+    why_not: str | None = None  # infeasible: why
+    tp: PlanResult | None = None
+    dp: DPPrediction | None = None
+    mesh: MeshPrediction | None = None
+
+    def summary(self) -> str:
+        """One line: the label and its predicted time, or why it cannot run."""
+        if not math.isfinite(self.iteration_s):
+            return f"{self.label}: cannot plan ({_first_line(self.why_not)})"
+        text = f"{self.label} {self.iteration_s:.4f} s"
+        return text if self.feasible else f"{text} but does not fit ({_first_line(self.why_not)})"
+
+
+@dataclass(frozen=True)
+class Choice:
+    asked: str  # "auto" or the forced strategy
+    sizes: Sizes
+    winner: Candidate
+    candidates: tuple[Candidate, ...]  # every one predicted, in AUTO_CANDIDATES order (forced: just it)
+    why: str
+
+    @property
+    def runner_up(self) -> Candidate | None:
+        rest = sorted((c for c in self.candidates if c is not self.winner and math.isfinite(c.iteration_s)),
+                      key=lambda c: (not c.feasible, c.iteration_s))
+        return rest[0] if rest else None
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").splitlines()[0] if text else ""
+
+
+def _worst(pairs: Sequence[tuple[str, float, float]]) -> tuple[str | None, float, float]:
+    """(node, need, cap) with the highest need / cap."""
+    if not pairs:
+        return None, 0.0, 0.0
+    return max(pairs, key=lambda p: p[1] / p[2] if p[2] > 0 else math.inf)
+
+
+def tp_candidate(result: PlanResult, label: str | None = None) -> Candidate:
+    node, need, cap = _worst([(r.node_id, r.predicted_memory, r.memory_cap) for r in result.rows])
+    over = [f"{r.node_id} needs {r.predicted_memory / MiB:,.0f} MiB, cap {r.memory_cap / MiB:,.0f} MiB"
+            for r in result.rows if r.over_cap]
+    return Candidate(result.strategy, label or f"{result.strategy} (TP over {len(result.rows)})", result.feasible,
+                     result.predicted_iteration_s, result.bottleneck_s, result.comm_s, node, need, cap,
+                     None if result.feasible else "over the memory cap: " + "; ".join(over), tp=result)
+
+
+def dp_candidate(pred: DPPrediction) -> Candidate:
+    node, need, cap = _worst([(n.node_id, n.memory, n.cap) for n in pred.nodes])
+    why = None if pred.feasible else "a replica does not fit every node: " + pred.shortfall()
+    return Candidate("dp", f"dp ({len(pred.nodes)} replicas)", pred.feasible, pred.iteration_s, pred.compute_s,
+                     pred.exposed_s, node, need, cap, why, dp=pred)
+
+
+def mesh_candidate(pred: MeshPrediction) -> Candidate:
+    node, need, cap = _worst([(n.node_id, n.memory, n.cap) for n in pred.nodes])
+    return Candidate("mesh", pred.label, pred.feasible, pred.iteration_s, pred.compute_s, pred.comm_s,
+                     node, need, cap, None if pred.feasible else pred.why_not, mesh=pred)
+
+
+def _none(strategy: str, label: str, why: str) -> Candidate:
+    return Candidate(strategy, label, False, math.inf, math.inf, math.inf, None, 0.0, 0.0, why)
+
+
+def choose(nodes: Sequence[NodeCost], sizes: Sizes, caps: Sequence[float], volume: CommVolume, comm_s: float,
+           profile_rows: int, batch: int, strategy: str = "auto", *,
+           bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS, latency_s: float = DEFAULT_LATENCY_S,
+           node_cpu: Sequence[NodeComm | None] = (), budget: int = DEFAULT_BUDGET) -> Choice:
+    """Predict the candidates `strategy` asks for over `nodes` (rank order, the owner first) and pick.
+
+    `volume`/`comm_s`: TP's activation all-reduces over every node at the profile's rows and their
+    time (`commmodel`); `profile_rows`: the batch the profiles were taken at; `batch`: the job's
+    global batch. A forced TP strategy raises InfeasiblePlan as `planner.plan` does; a forced `dp`
+    returns its (possibly infeasible) candidate: `dpcost.require_fit` refuses it by name."""
+    if strategy not in CHOICES:
+        raise ValueError(f"strategy must be one of {CHOICES}, got {strategy!r}")
+    owned = [replace(nodes[0], owner=True), *nodes[1:]] if nodes else []
+    if strategy in ("segment", "paper", "uniform"):
+        c = tp_candidate(plan(nodes, sizes, strategy, caps, comm_s, budget=budget))  # type: ignore[arg-type]
+        return Choice(strategy, sizes, c, (c,), f"{strategy} was asked for")
+    if strategy == "dp":
+        c = dp_candidate(_dp(owned, caps, profile_rows, batch, bandwidth_Bps, latency_s, node_cpu))
+        return Choice(strategy, sizes, c, (c,), "dp was asked for")
+    cands = []
+    try:
+        cands.append(tp_candidate(plan(nodes, sizes, "segment", caps, comm_s, budget=budget)))
+    except InfeasiblePlan as exc:
+        cands.append(_none("segment", f"segment (TP over {len(nodes)})", str(exc)))
+    if len(nodes) > 1:  # one node: DP and meshes are the segment plan again
+        cands.append(dp_candidate(_dp(owned, caps, profile_rows, batch, bandwidth_Bps, latency_s, node_cpu)))
+        best = plan_mesh(owned, sizes, caps, volume, profile_rows, batch, bandwidth_Bps=bandwidth_Bps,
+                         latency_s=latency_s, node_cpu=node_cpu)
+        if best is not None:
+            cands.append(mesh_candidate(best))
+    return _pick(sizes, tuple(cands))
+
+
+def _dp(owned, caps, profile_rows, batch, bandwidth_Bps, latency_s, node_cpu) -> DPPrediction:
+    return predict_dp(owned, caps, profile_rows, batch, bandwidth_Bps=bandwidth_Bps, latency_s=latency_s,
+                      node_cpu=node_cpu)
+
+
+def _pick(sizes: Sizes, cands: tuple[Candidate, ...]) -> Choice:
+    fit = [c for c in cands if c.feasible]
+    if not fit:
+        raise InfeasiblePlan("no candidate fits the memory caps:\n" + "\n".join(
+            f"  {c.label}: {c.why_not}" for c in cands))
+    best = fit[0]
+    for c in fit[1:]:  # strictly faster beyond the tie tolerance: earlier candidates win ties
+        if c.iteration_s < best.iteration_s * (1 - TIE_REL):
+            best = c
+    others = [c for c in cands if c is not best]
+    reasons = []
+    for c in others:
+        if not c.feasible:
+            reasons.append(f"{c.label} {'cannot be planned' if not math.isfinite(c.iteration_s) else 'does not fit'}")
+        elif c.iteration_s <= best.iteration_s * (1 + TIE_REL):
+            reasons.append(f"{c.label} ties at {c.iteration_s:.4f} s (the tie goes to {best.strategy})")
+        else:
+            reasons.append(f"{c.label} {c.iteration_s:.4f} s ({c.iteration_s / best.iteration_s:.2f}x)")
+    why = f"{best.label} is the fastest that fits: {best.iteration_s:.4f} s per iteration (compute " \
+          f"{best.compute_s:.4f} + comm {best.comm_s:.4f})" + (f"; {', '.join(reasons)}" if reasons else "")
+    return Choice("auto", sizes, best, cands, why)
