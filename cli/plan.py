@@ -5,7 +5,9 @@ different job settings: a LoRA and a full fine-tune's, other weight decay or cli
 cost model and the planner, and prints per node its count and share of every segment kind
 (attention units, MLP columns, vocabulary rows), predicted compute, memory vs cap and idle time;
 then the slowest node's time per segment, the predicted iteration, the ideal and the proven lower
-bound.
+bound. With `--strategy auto` (the default) it predicts every candidate (TP `segment`, data
+parallelism `dp`, DP×TP meshes), prints the winner's plan as above (DP and meshes: each node's
+rows, compute and memory), then the candidates side by side and why the winner won.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import sys
 from xronos.cli.profile import id_arg, positive_int
 from xronos.gateway.plan.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S
 from xronos.gateway.plan.costmodel import FITS, SEGMENTS
-from xronos.gateway.plan.planner import MiB, STRATEGIES, PlanResult
+from xronos.gateway.plan.auto import candidates_table, choice_message, choose_reports
+from xronos.gateway.plan.choose import CHOICES, Choice
+from xronos.gateway.plan.planner import MiB, PlanResult
 from xronos.gateway.plan.compatible import Loaded
-from xronos.gateway.plan.profiles import DEFAULT_RESERVE_MB, falling_times, load_report, plan_message, plan_reports
+from xronos.gateway.plan.profiles import DEFAULT_RESERVE_MB, falling_times, load_report
 from xronos.protocol.layout import KINDS, NOUN
 
 
@@ -31,9 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "profile --out FILE.json). Ranks follow the file order.",
     )
     p.add_argument("profiles", nargs="+", metavar="PROFILE.json", help="one report per node")
-    p.add_argument("--strategy", choices=STRATEGIES, default="segment",
-                   help="segment (default: every kind balanced on its own, exact), paper (the paper's "
-                        "head-tied greedy) or uniform (Megatron-LM's even split)")
+    p.add_argument("--strategy", choices=CHOICES, default="auto",
+                   help="auto (default: the fastest that fits of segment, dp and DP x TP meshes, shown side by "
+                        "side), segment (tensor parallelism, every kind balanced on its own, exact), dp (speed-"
+                        "weighted data parallelism: a replica per node), paper (the paper's head-tied greedy) or "
+                        "uniform (Megatron-LM's even split)")
     p.add_argument("--batch-size", type=positive_int, metavar="B",
                    help="the job's batch size: refuse profiles taken at another")
     p.add_argument("--seq-len", type=positive_int, metavar="S",
@@ -75,20 +81,55 @@ def run(args: argparse.Namespace) -> int:
         if args.export_merged and s is not None and s.lora is None:
             raise ValueError(f"{item.source}: field settings.lora: --export-merged is for LoRA profiles, but node "
                              f"{item.report.node_id} was profiled for full fine-tuning")
-    result = plan_reports(
+    choice = choose_reports(
         loaded, args.strategy, reserve_mb=args.reserve_mb,
         bandwidth_Bps=args.bandwidth_mbps * 1e6 / 8, latency_s=args.latency_ms / 1e3, fit=args.fit,
         batch_size=args.batch_size, seq_len=args.seq_len, export_merged=args.export_merged,
     )
     if args.json:
-        print(plan_message(result, args.job_id or "preview").model_dump_json(indent=2))
+        print(choice_message(choice, args.job_id or "preview").model_dump_json(indent=2))
     else:
-        print(render(result))
-    if not result.feasible:
+        print(render_choice(choice))
+    result = choice.winner.tp
+    if result is not None and not result.feasible:
         over = [r.node_id for r in result.rows if r.over_cap]
         print(f"xronos plan: warning: this plan exceeds the memory cap on {over}", file=sys.stderr)
         return 1
     return 0
+
+
+def render_choice(choice: Choice) -> str:
+    """The winner's plan, then (auto) the candidates side by side and why the winner won."""
+    w = choice.winner
+    if w.tp is not None:
+        text = render(w.tp)
+    else:
+        text = render_dp(choice)
+    if choice.asked == "auto":
+        text += "\n\ncandidates (auto: the fastest that fits; a tie goes to segment):\n" + candidates_table(choice)
+    return text
+
+
+def render_dp(choice: Choice) -> str:
+    """A data-parallel plan (or a DP x TP mesh): per node its group, rows, counts, compute and memory."""
+    w, sz = choice.winner, choice.sizes
+    msg = choice_message(choice, "preview")
+    tp = msg.tp_size
+    width = max(4, *(len(e.node_id) for e in msg.entries))
+    head = (f"strategy dp over {len(msg.entries)} nodes: {len(msg.shares or ())} data-parallel groups of TP {tp}; "
+            + ", ".join(f"{sz.total(k)} {NOUN[k]}" for k in KINDS))
+    lines = [head, f"{'node':<{width}}  {'group':>5}  {'rows':>5}  {'attn':>6}  {'mlp':>7}  {'vocab':>7}  "
+                   f"{'compute s':>10}  {'memory / cap MiB':>21}"]
+    for r, e in enumerate(msg.entries):
+        g = r // tp
+        mem = f"{e.predicted_memory / MiB:.1f} / {e.memory_cap / MiB:.1f}"
+        flag = "  OVER CAP" if e.predicted_memory > e.memory_cap else ""
+        lines.append(f"{e.node_id:<{width}}  {g:>5}  {(msg.shares or [0])[g]:>5}  {e.attn:>6}  {e.mlp:>7}  "
+                     f"{e.vocab:>7}  {e.predicted_compute_s:>10.4f}  {mem:>21}{flag}")
+    lines.append(f"predicted iteration {w.iteration_s:.4f} s = compute {w.compute_s:.4f} (the slowest group) + "
+                 f"comm {w.comm_s:.4f} (what backward does not hide of the gradient all-reduce"
+                 + (", and the TP all-reduces" if tp > 1 else "") + ")")
+    return "\n".join(lines)
 
 
 def render(result: PlanResult) -> str:

@@ -33,7 +33,7 @@ class JobSpec(Message):
     name: Name
     owner: Id
     recipe: Recipe
-    strategy: JobStrategy = "segment"
+    strategy: JobStrategy = "auto"
     checkpoint_interval: Steps = 100
     nodes: Annotated[list[Id], Field(min_length=1, max_length=MAX_NODES)] | None = None
     reserve_mb: Megabytes = 512

@@ -40,7 +40,7 @@ from xronos.protocol import messages as m
 from .history import note, profile_warnings, short
 from .types import (
     TERMINAL, Assign, Command, Control, Ctx, Event, Job, Metrics, NodeDown, NodeUp, Out, Profile, Profiled, Status,
-    profile_mismatch,
+    plan_of, profile_mismatch,
 )
 
 MAX_REASON_CHARS = 256  # JobState.last_replan_reason
@@ -160,11 +160,11 @@ def _consider(job: Job, ctx: Ctx) -> Job:
         return _not_taken(job, ctx, f"{who} not taken: no checkpoint left to restart from before the job's "
                           f"end (the next would be at step {at} of {job.total_steps}; checkpoint_interval {every})")
     try:
-        new = ctx.planner(job, nodes + joiners, version, ctx)
+        new = plan_of(ctx.planner(job, nodes + joiners, version, ctx))
     except (ValueError, ArithmeticError) as exc:  # InfeasiblePlan is a ValueError
         return _not_taken(job, ctx, f"{who} not taken: no plan with it: {exc}")
     try:
-        old_s = ctx.planner(job, nodes, version, ctx).predicted_iteration_s
+        old_s = plan_of(ctx.planner(job, nodes, version, ctx)).predicted_iteration_s
     except (ValueError, ArithmeticError):  # e.g. less memory now: the plan's own prediction
         old_s = job.plan.predicted_iteration_s
     new_s = new.predicted_iteration_s

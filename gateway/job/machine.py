@@ -32,12 +32,13 @@ from xronos.protocol import messages as m
 from .history import MAX_EVENT_CHARS, MAX_EVENTS, note, profile_warnings, short
 from .join import after as join_after
 from .join import rejoin
+from .planning import plan_text
 from .progress import apply_metrics
 from .reshard import on_rebalanced, owner_reshard_status
 from .types import (
     ACTIVE, TERMINAL, Acked, Agg, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job, JoinPolicy,
-    Metrics, Net, NodeDown, NodeUp, Out, Profile, Profiled, Rebalanced, Reshard, Respond, Status, Tick, Timeouts,
-    profile_mismatch,
+    Metrics, Net, NodeDown, NodeUp, Out, Planned, Profile, Profiled, Rebalanced, Reshard, Respond, Status, Tick,
+    Timeouts, plan_of, profile_mismatch,
 )
 
 __all__ = ["ACTIVE", "TERMINAL", "Acked", "Agg", "Assign", "Command", "Control", "Ctx", "Effect", "Event",
@@ -145,10 +146,10 @@ def _plan_or_profile(job: Job, ctx: Ctx, nodes: tuple[str, ...]) -> Out:
     job = replace(job, phase=phase, awaiting="", waiting=(), requests=(), deadline=None, updated_at=ctx.now)
     version = job.plan_version + 1
     try:
-        plan = ctx.planner(job, nodes, version, ctx)
+        planned = ctx.planner(job, nodes, version, ctx)
     except (ValueError, ArithmeticError) as exc:  # InfeasiblePlan is a ValueError
         return _no_plan(job, ctx, f"plan cannot fit: {exc}")
-    return _planned(job, ctx, plan)
+    return _planned(job, ctx, planned)
 
 
 def _no_plan(job: Job, ctx: Ctx, reason: str) -> Out:
@@ -160,10 +161,9 @@ def _no_plan(job: Job, ctx: Ctx, reason: str) -> Out:
     return _fail(job, ctx, reason)
 
 
-def _assign(job: Job, ctx: Ctx, plan: m.Plan) -> Out:
+def _assign(job: Job, ctx: Ctx, plan: m.Plan, why: str = "") -> Out:
     nodes = tuple(e.node_id for e in plan.entries)
-    units = ", ".join(f"{e.node_id}=attn {e.attn}/mlp {e.mlp}/vocab {e.vocab}" for e in plan.entries)
-    job = note(job, ctx.now, f"plan v{plan.version} ({plan.strategy}): {units}; "
+    job = note(job, ctx.now, f"plan v{plan.version} ({why or plan.strategy}): {plan_text(plan)}; "
                 f"resume from step {job.checkpoint_step}",
                 phase="assigning", plan=plan, plan_version=plan.version, awaiting="acks",
                 waiting=nodes, deadline=ctx.now + ctx.timeouts.ack_s, agg={}, peak_rss={},
@@ -269,9 +269,11 @@ def _drop_node(job: Job, ctx: Ctx, node: str, why: str) -> tuple[Job, Out | None
     return note(job, ctx.now, f"leaving out {node!r}: it {why}", excluded=job.excluded + (node,)), None
 
 
-def _planned(job: Job, ctx: Ctx, plan: m.Plan) -> Out:
+def _planned(job: Job, ctx: Ctx, planned: m.Plan | Planned) -> Out:
+    plan, why = plan_of(planned), planned.note if isinstance(planned, Planned) else ""
     if job.respond_to == "plan/preview":
-        respond = Respond("plan/preview", job.transaction, True, {"plan": plan})
+        respond = Respond("plan/preview", job.transaction, True, {"plan": plan, "candidates": list(
+            planned.candidates) if isinstance(planned, Planned) else [], "chosen": why})
         return note(job, ctx.now, "plan preview answered", phase="completed", plan=plan,
                      awaiting="", transaction=None), [respond]
     effects: list[Effect] = []
@@ -281,7 +283,7 @@ def _planned(job: Job, ctx: Ctx, plan: m.Plan) -> Out:
         job = note(job, ctx.now, "accepted", accepted=True, transaction=None)
         if ctx.busy:  # the plan proved it fits; it is redone when the nodes are free
             return replace(job, phase="queued", awaiting="", waiting=(), plan=plan), effects
-    job, more = _assign(job, ctx, plan)
+    job, more = _assign(job, ctx, plan, why)
     return job, effects + more
 
 

@@ -1,22 +1,24 @@
 """The job state machine's planner: a job's profiles and its nodes' latest capabilities in, a Plan
 out. Pure (no I/O, no clock), so it runs inside the core's transition (`Ctx.planner`) instead of a
-round trip through the service. Planning goes only through `profiles.plan_reports` and
-`profiles.plan_message`.
+round trip through the service. Planning goes only through `auto.choose_reports` (every strategy:
+`auto` predicts the candidates and picks, a forced one plans just it) and `auto.choice_message`;
+the answer carries a line for the job's events (what was chosen, the runner-up) and the
+candidates side by side (the plan preview's answer).
 """
 
 from __future__ import annotations
 
+from xronos.gateway.plan.auto import candidates_data, choice_message, choice_note, choose_reports
 from xronos.gateway.plan.compatible import Loaded, job_settings
-from xronos.gateway.plan.profiles import plan_message, plan_reports
 from xronos.protocol import messages as m
 from xronos.protocol.layout import KINDS, NOUN
 
-from .types import Ctx, Job
+from .types import Ctx, Job, Planned
 
 
-def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan:
+def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> Planned:
     """Plan `job` on `nodes` (rank order: the owner first) as version `version`; ValueError
-    (InfeasiblePlan included) saying why it cannot."""
+    (InfeasiblePlan, DPInfeasible and the shares' ShareError included) saying why it cannot."""
     loaded = []
     for node in nodes:
         report = job.profiles.get(node)
@@ -27,15 +29,30 @@ def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan
             report = report.model_copy(update={"capabilities": caps})
         loaded.append(Loaded(source=f"node {node}", report=report))
     recipe = job.spec.recipe
-    result = plan_reports(loaded, job.spec.strategy, reserve_mb=job.spec.reserve_mb,
-                          bandwidth_Bps=ctx.net.bandwidth_Bps, latency_s=ctx.net.latency_s,
-                          batch_size=recipe.batch_size, seq_len=recipe.seq_len, task=recipe.task,
-                          settings=job_settings(job.spec),
-                          checkpoints=True,  # a job's owner gathers consolidated checkpoints
-                          export_merged=recipe.exports_whole_model)
-    if not result.feasible:
+    choice = choose_reports(loaded, job.spec.strategy, reserve_mb=job.spec.reserve_mb,
+                            bandwidth_Bps=ctx.net.bandwidth_Bps, latency_s=ctx.net.latency_s,
+                            batch_size=recipe.batch_size, seq_len=recipe.seq_len, task=recipe.task,
+                            settings=job_settings(job.spec), batch=recipe.batch_size,
+                            checkpoints=True,  # a job's owner gathers consolidated checkpoints
+                            export_merged=recipe.exports_whole_model)
+    result = choice.winner.tp
+    if result is not None and not result.feasible:  # a forced uniform plan ignores the caps
         over = "; ".join(f"{r.node_id} needs {r.predicted_memory / 2**20:.0f} MiB of its {r.memory_cap / 2**20:.0f} "
                          f"MiB cap holding " + ", ".join(f"{r.count(k)} {NOUN[k]}" for k in KINDS)
                          for r in result.rows if r.over_cap)
         raise ValueError(f"the {result.strategy} plan exceeds memory caps: {over}")
-    return plan_message(result, job.job_id, version)
+    return Planned(choice_message(choice, job.job_id, version), choice_note(choice),
+                   tuple(candidates_data(choice)))
+
+
+def plan_text(plan: m.Plan) -> str:
+    """Each node's part of a plan, for the job's events: its counts (TP), its rows (DP), or both (a mesh)."""
+    if plan.shares is None:
+        return ", ".join(f"{e.node_id}=attn {e.attn}/mlp {e.mlp}/vocab {e.vocab}" for e in plan.entries)
+    tp = plan.tp_size
+    if tp == 1:
+        return ", ".join(f"{e.node_id}={rows} rows" for e, rows in zip(plan.entries, plan.shares))
+    groups = [plan.entries[i:i + tp] for i in range(0, len(plan.entries), tp)]
+    return "; ".join(f"group {g} ({rows} rows) " + ", ".join(
+        f"{e.node_id}=attn {e.attn}/mlp {e.mlp}/vocab {e.vocab}" for e in grp)
+        for g, (grp, rows) in enumerate(zip(groups, plan.shares)))

@@ -26,6 +26,10 @@ from xronos.protocol.layout import KINDS, Layout
 
 from .types import Job, Rebalanced
 
+# A data-parallel plan (shares) is not re-balanced yet: its move would be a new split of the batch
+# (no weights move), but a re-shard order (`JobReshard`) carries a TP layout only.
+DP_KEPT = ("live re-balancing is off for a data-parallel plan: a new split of the batch cannot be ordered "
+           "yet (a re-shard order carries a tensor-parallel layout only)")
 GATED = ("llama", "qwen2", "qwen3")  # gated MLPs: three matrices per column
 PENDING_STEPS = 16  # incomplete steps kept while waiting for slower ranks' metrics
 
@@ -166,6 +170,11 @@ class Rebalancers:
             self.by_job.pop(x.job_id, None)
             return None
         version, policy = self.by_job.get(x.job_id, (-1, None))
+        if job.plan.shares is not None:  # data parallelism: said once per plan version, then quiet
+            if version == job.plan_version:
+                return None
+            self.by_job[x.job_id] = (job.plan_version, None)
+            return Rebalanced(job.plan_version, x.step, None, DP_KEPT, job.plan.layout())
         ordered = job.pending_plan if job.pending_plan is not None else job.plan
         # A new plan version, or an order the ranks refused (or a gateway restart dropped): the
         # policy's layout is not the one the ranks run or were ordered to; it starts again from the plan.

@@ -173,8 +173,22 @@ def profile_mismatch(job: Job, report: m.ProfileReport) -> str | None:
     return None
 
 
-# A planner: (job, nodes in rank order, plan version, ctx) -> Plan, or ValueError saying why not.
-Planner = Callable[[Job, tuple[str, ...], int, "Ctx"], m.Plan]
+@dataclass(frozen=True)
+class Planned:
+    """A plan with the candidates the planner weighed (`planning.plan_job`): a line for the job's
+    events (the strategy chosen, the runner-up) and the candidates as JSON-able rows (the preview's)."""
+
+    plan: m.Plan
+    note: str = ""
+    candidates: tuple[dict[str, Any], ...] = ()
+
+
+def plan_of(planned: m.Plan | Planned) -> m.Plan:
+    return planned.plan if isinstance(planned, Planned) else planned
+
+
+# A planner: (job, nodes in rank order, plan version, ctx) -> Plan (or Planned), or ValueError saying why not.
+Planner = Callable[[Job, tuple[str, ...], int, "Ctx"], "m.Plan | Planned"]
 
 
 def _no_planner(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> m.Plan:
