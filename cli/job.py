@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from xronos.cli.mqttclient import (GatewayClient, add_broker_options, broker_from_args, dump, format_plan,
-                                   format_state, load_spec, progress_bar)
+from xronos.cli.mqttclient import (GatewayClient, add_broker_options, broker_from_args, dump, format_candidates,
+                                   format_plan, format_state, load_spec, progress_bar)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,6 +44,8 @@ def _run(args: argparse.Namespace) -> int:
             data = client.request("job/submit", args.timeout, spec=spec)
             print(f"job {data['job_id']} accepted: {data['total_steps']} steps")
             print(format_plan(data["plan"]))
+            if data.get("candidates"):
+                print(format_candidates(data["candidates"], data.get("chosen", "")))
             return _follow(client, data["job_id"], spec) if args.follow else 0
         if args.job_command == "status":
             return _status(client, args)

@@ -235,10 +235,28 @@ def format_plan(plan: dict[str, Any]) -> str:
              f"communication {plan['comm_s']:.3f} s)",
              f"  {'node':<16} {'rank':>4} {'attn':>4} {'mlp':>6} {'vocab':>6} {'compute s':>9} {'memory MiB':>11} "
              f"{'cap MiB':>9}"]
+    shares = plan.get("shares")
+    tp = len(plan["entries"]) // len(shares) if shares else 0
+    if shares:  # data parallelism: rows of each global batch per group (rank r in group r // tp)
+        lines[0] += f"; {len(shares)} data-parallel groups of TP {tp}, rows per group {shares}"
     for e in plan["entries"]:
         lines.append(f"  {e['node_id']:<16} {e['rank']:>4} {e['attn']:>4} {e['mlp']:>6} {e['vocab']:>6} "
                      f"{e['predicted_compute_s']:>9.4f} {e['predicted_memory'] / 2**20:>11.1f} "
-                     f"{e['memory_cap'] / 2**20:>9.0f}")
+                     f"{e['memory_cap'] / 2**20:>9.0f}" + (f"  group {e['rank'] // tp}" if shares else ""))
+    return "\n".join(lines)
+
+
+def format_candidates(candidates: list[dict[str, Any]], chosen: str = "") -> str:
+    """The planner's candidates side by side (a submit's or a preview's answer), the chosen one marked."""
+    if not candidates:
+        return ""
+    lines = ["  candidates:"]
+    for c in candidates:
+        t = "-" if c.get("iteration_s") is None else f"{c['iteration_s']:.4f} s"
+        fits = "fits" if c.get("feasible") else f"does not fit: {str(c.get('why_not') or '').splitlines()[0][:200]}"
+        lines.append(f"  {'*' if c.get('chosen') else ' '} {c.get('label', c.get('strategy'))}: {t}, {fits}")
+    if chosen:
+        lines.append(f"  chosen: {chosen}")
     return "\n".join(lines)
 
 

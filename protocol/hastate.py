@@ -131,6 +131,10 @@ class GatewayHAState(_HAModel):
     # Live re-balancing (JobState.replans, .last_replan_reason): the Re-plans and Last re-plan sensors.
     replans: Annotated[int, Field(ge=0)] | None = None
     last_replan: Text | None = None
+    # The running plan's parallelism ("segment", "dp (4 replicas)", "dp (2 groups of TP 2)") and the
+    # strategy the job asked for ("auto" or a forced one): the Parallelism sensor and its attribute.
+    strategy: Text | None = None
+    strategy_asked: Text | None = None
     # The job's eval metric before training (after: eval_metric) and where the owner wrote its
     # export (the GGUF file, when asked for, beside it): the Metric before and Export sensors.
     eval_initial: Finite | None = None

@@ -149,6 +149,10 @@ def gateway_discovery(ctx: HAContext, specs: Iterable[str] = (), form: hastate.J
                            state_class="total_increasing", **DIAG),
         "last_replan": _sensor(f"{dev}_last_replan", "Last re-plan", state, "last_replan",
                                icon="mdi:swap-horizontal", **DIAG),
+        # Which parallelism the planner chose for the job (auto: the fastest that fits) and what was asked.
+        "strategy": _sensor(f"{dev}_strategy", "Parallelism", state, "strategy", icon="mdi:family-tree",
+                            json_attributes_topic=state,
+                            json_attributes_template="{{ {'asked': value_json.strategy_asked} | tojson }}", **DIAG),
         # What the job made: the metric before training (after: Eval metric) and where the export
         # is (the GGUF type asked for, as an attribute: the .gguf file is beside it).
         "metric_before": _sensor(f"{dev}_metric_before", "Metric before", state, "eval_initial",
@@ -289,6 +293,16 @@ def finish_time(now: float, eta_s: float | None) -> str | None:
     return at.replace(second=0, microsecond=0).isoformat()
 
 
+def plan_strategy(plan: Any) -> str | None:
+    """A plan's parallelism in a few words: its strategy, and for data parallelism its groups."""
+    if plan is None:
+        return None
+    if not plan.shares:
+        return plan.strategy
+    tp = plan.tp_size
+    return f"dp ({len(plan.shares)} replicas)" if tp == 1 else f"dp ({len(plan.shares)} groups of TP {tp})"
+
+
 def gateway_state(job: JobState | None, *, nodes_online: int, now: float,
                   last_command: str | None = None, error: str | None = None,
                   selected_spec: str | None = None, spec: JobSpec | None = None,
@@ -319,6 +333,7 @@ def gateway_state(job: JobState | None, *, nodes_online: int, now: float,
         nodes_online=nodes_online, last_command=state_text(last_command), updated_at=now,
         steps=steps, finish_at=finish, error=state_text(error or job.error), selected_spec=selected_spec,
         replans=job.replans, last_replan=state_text(job.last_replan_reason),
+        strategy=plan_strategy(job.plan), strategy_asked=spec.strategy if spec is not None else None,
         eval_initial=_finite(job.eval_initial), export_dir=state_text(job.export_dir),
         export_gguf=gguf if gguf in get_args(hastate.GGUFChoice) else None, form=form,
         **hastate.job_setup(spec),

@@ -271,15 +271,15 @@ def _drop_node(job: Job, ctx: Ctx, node: str, why: str) -> tuple[Job, Out | None
 
 def _planned(job: Job, ctx: Ctx, planned: m.Plan | Planned) -> Out:
     plan, why = plan_of(planned), planned.note if isinstance(planned, Planned) else ""
+    chosen = {"candidates": list(planned.candidates) if isinstance(planned, Planned) else [], "chosen": why}
     if job.respond_to == "plan/preview":
-        respond = Respond("plan/preview", job.transaction, True, {"plan": plan, "candidates": list(
-            planned.candidates) if isinstance(planned, Planned) else [], "chosen": why})
+        respond = Respond("plan/preview", job.transaction, True, {"plan": plan, **chosen})
         return note(job, ctx.now, "plan preview answered", phase="completed", plan=plan,
                      awaiting="", transaction=None), [respond]
     effects: list[Effect] = []
     if not job.accepted:
         effects.append(Respond("job/submit", job.transaction, True,
-                               {"job_id": job.job_id, "plan": plan, "total_steps": job.total_steps}))
+                               {"job_id": job.job_id, "plan": plan, "total_steps": job.total_steps, **chosen}))
         job = note(job, ctx.now, "accepted", accepted=True, transaction=None)
         if ctx.busy:  # the plan proved it fits; it is redone when the nodes are free
             return replace(job, phase="queued", awaiting="", waiting=(), plan=plan), effects

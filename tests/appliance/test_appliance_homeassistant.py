@@ -149,14 +149,14 @@ def test_entities_present():
                                "iteration_time", "eta", "slowest_node", "idle_ratio",
                                "nodes_online", "last_command", "pause", "resume", "cancel",
                                "steps", "finish_time", "error", "task", "data_format", "lora_rank", "replans",
-                               "last_replan", "metric_before", "export", "start", "job_spec"} | form
+                               "last_replan", "strategy", "metric_before", "export", "start", "job_spec"} | form
     assert gw["cmps"]["finish_time"]["device_class"] == "timestamp"
     assert gw["cmps"]["form_model"]["options"] == ["/srv/xronos/models/qwen"]
     assert gw["cmps"]["form_data"]["options"] == ["/srv/xronos/data/chat.jsonl"]
     assert gw["cmps"]["form_gguf"]["options"] == ["none", "f32", "f16", "q8_0"]
     diagnostic = {k for k, c in gw["cmps"].items() if c.get("entity_category") == "diagnostic"}
     assert diagnostic == {"iteration_time", "slowest_node", "idle_ratio", "nodes_online", "last_command", "replans",
-                          "last_replan"}
+                          "last_replan", "strategy"}
     assert gw["cmps"]["job_phase"]["default_entity_id"] == "sensor.xronos_gw1_job_phase"
     assert gw["cmps"]["start_form"]["default_entity_id"] == "button.xronos_gw1_start_form"
     (_, bare), *_ = ha.discovery_messages(CTX, [], ())  # no specs, no catalogs: no empty selects
@@ -238,6 +238,30 @@ def test_gateway_state_shows_live_re_plans():
     idle = json.loads(ha.gateway_state(None, nodes_online=0, now=0.0).model_dump_json())
     assert idle["replans"] is None and idle["last_replan"] is None
     assert json.loads(ha.gateway_state(job(), nodes_online=1, now=0.0).model_dump_json())["replans"] == 0
+
+
+def test_gateway_state_names_the_parallelism_chosen():
+    """The Parallelism sensor: the running plan's strategy (data parallelism with its groups), the
+    job's asked-for strategy as the attribute; unknown without a plan."""
+    from xronos.protocol.messages import Plan, PlanEntry
+    (_, gw), *_ = all_configs()
+    c = gw["cmps"]["strategy"]
+    assert c["name"] == "Parallelism" and c["entity_category"] == "diagnostic"
+    sizes = {"attn": 4, "mlp": 64, "vocab": 100}
+
+    def plan(shares, counts):
+        entries = [PlanEntry(node_id=f"n{r}", rank=r, attn=a, mlp=m, vocab=v, predicted_compute_s=0.1,
+                             predicted_memory=1.0, memory_cap=2.0) for r, (a, m, v) in enumerate(counts)]
+        return Plan(job_id="j1", version=1, strategy="dp" if shares else "segment", sizes=sizes, entries=entries,
+                    predicted_iteration_s=1.0, ideal_iteration_s=1.0, comm_s=0.0, shares=shares)
+
+    whole, half = (4, 64, 100), (2, 32, 50)
+    for p, text in ((plan(None, [half, half]), "segment"), (plan([3, 1], [whole, whole]), "dp (2 replicas)"),
+                    (plan([2, 2], [half, half, half, half]), "dp (2 groups of TP 2)")):
+        value_json = json.loads(ha.gateway_state(job(plan=p), nodes_online=2, now=0.0, spec=spec()).model_dump_json())
+        assert render(c["value_template"], value_json) == text
+        assert json.loads(render(c["json_attributes_template"], value_json)) == {"asked": "auto"}
+    assert json.loads(ha.gateway_state(job(), nodes_online=1, now=0.0).model_dump_json())["strategy"] is None
 
 
 def test_commands_parse_and_refuse():
