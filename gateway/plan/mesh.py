@@ -17,8 +17,8 @@ Times and activations scale linearly with a group's rows (as `dpcost` scales a r
 1. *Which nodes group together.* Up to `EXACT_MESH_NODES` (10) nodes every partition into groups
    is scored (at N = 10: 945 for tp 2, 126 for tp 5); beyond, the two structured ones — groups
    dealt in snake order of speed (each group a similar mix) and groups of neighbours in speed
-   (tiers) — each improved by swapping nodes between groups while the score falls
-   (`SWAP_ROUNDS`). The score is the fluid bound: node speeds v (rows/s), layout fractions f_i
+   (tiers) — each improved by swapping nodes of neighbouring speed between groups while the
+   score falls (`SWAP_ROUNDS` rounds, `SWAP_REACH` neighbours). The score is the fluid bound: node speeds v (rows/s), layout fractions f_i
    proportional to the positions' mean speed, a group's speed min_i v_(g,i) / f_i, the batch over
    their sum. Within a group, TP ranks go by speed (the same rank holds similar nodes in every
    group), permuted alike in every group so that the owner is rank 0.
@@ -51,6 +51,7 @@ from xronos.protocol.layout import KINDS, Layout, Sizes
 
 EXACT_MESH_NODES = 10
 SWAP_ROUNDS = 4
+SWAP_REACH = 3
 REFINE = 2
 MESH_BUDGET = 200  # box evaluations of each virtual segment plan (small: tp nodes)
 
@@ -156,7 +157,8 @@ def _align(groups, speed) -> tuple[tuple[int, ...], ...]:
 
 
 def _score(groups, speed) -> float:
-    """The fluid bound of a partition (module docstring): seconds per unit of batch."""
+    """The fluid bound of a partition (module docstring): seconds per unit of batch, TP ranks by speed."""
+    groups = [sorted(g, key=lambda d: -speed[d]) for g in groups]
     tp = len(groups[0])
     f = [sum(speed[g[i]] for g in groups) for i in range(tp)]
     tot = sum(f)
@@ -172,13 +174,20 @@ def _snake(order: Sequence[int], G: int) -> list[list[int]]:
 
 
 def _swap_improve(groups, speed, rounds: int):
+    """Swap nodes of neighbouring speed (up to `SWAP_REACH` apart in speed order) between groups
+    while the fluid score falls: O(N) swaps a round, so the search stays cheap at N = 64."""
     best, score = [list(g) for g in groups], _score(groups, speed)
+    order = sorted(range(len(speed)), key=lambda d: (-speed[d], d))
     for _ in range(rounds):
         improved = False
-        for a, b in itertools.combinations(range(len(best)), 2):
-            for i, j in itertools.product(range(len(best[a])), range(len(best[b]))):
+        for k, a in enumerate(order):
+            for b in order[k + 1:k + 1 + SWAP_REACH]:
+                ga = next(i for i, g in enumerate(best) if a in g)
+                gb = next(i for i, g in enumerate(best) if b in g)
+                if ga == gb:
+                    continue
                 trial = [list(g) for g in best]
-                trial[a][i], trial[b][j] = trial[b][j], trial[a][i]
+                trial[ga][trial[ga].index(a)], trial[gb][trial[gb].index(b)] = b, a
                 s = _score(trial, speed)
                 if s < score * (1 - 1e-12):
                     best, score, improved = trial, s, True

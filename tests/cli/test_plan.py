@@ -179,3 +179,39 @@ def test_a_profile_whose_time_falls_with_width_is_planned_with_a_warning(tmp_pat
     err = capsys.readouterr().err
     assert "xronos plan: warning: " in err and "a.json: node a: layer" in err and "at share 1" in err
     assert "b.json" not in err
+
+
+def lora_profile(tmp_path, name, **kw):
+    """A LoRA-like profile: the base frozen (M_w its weights alone), the head trained."""
+    data = json.loads(open(write(tmp_path, name, **kw)).read())
+    for lay in data["layers"]:
+        lay["param_bytes"] = lay["weight_bytes"] // 4 if lay["name"] == "head" else lay["weight_bytes"]
+    (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    return str(tmp_path / f"{name}.json")
+
+
+def test_auto_prints_the_candidates_side_by_side_and_why_the_winner_won(tmp_path, capsys):
+    paths = [lora_profile(tmp_path, f"n{i}", slowness=1 + 0.5 * i) for i in range(4)]
+    assert main(["plan", *paths, "--strategy", "auto", "--bandwidth-mbps", "100"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("strategy dp over 4 nodes: 4 data-parallel groups of TP 1; 8 attention units")
+    rows = [l.split() for l in out.splitlines() if l.split() and l.split()[0] in ("n0", "n1", "n2", "n3")]
+    assert [r[0] for r in rows] == ["n0", "n1", "n2", "n3"] and sum(int(r[2]) for r in rows) == 8
+    assert all(r[3:6] == ["8", "4096", "50000"] for r in rows)  # every node holds the whole model
+    assert "predicted iteration" in out and "what backward does not hide of the gradient all-reduce" in out
+    table = out.split("candidates (auto: the fastest that fits; a tie goes to segment):\n", 1)[1]
+    head, seg, dp, mesh, why = table.strip().splitlines()
+    assert "iteration s" in head and "compute s" in head and "comm s" in head and "worst memory / cap MiB" in head
+    assert seg.startswith("   segment (TP over 4)") and dp.startswith("*  dp (4 replicas)")
+    assert mesh.startswith("   mesh 2x2 (2 groups of TP 2)") and all(r.endswith("yes") for r in (seg, dp, mesh))
+    assert why.startswith("chosen: dp (4 replicas) is the fastest that fits") and "segment (TP over 4)" in why
+    # --json: the protocol Plan with the batch shares
+    assert main(["plan", *paths, "--bandwidth-mbps", "100", "--json"]) == 0
+    plan = Plan.model_validate_json(capsys.readouterr().out)
+    assert plan.strategy == "dp" and sum(plan.shares) == 8 and plan.tp_size == 1
+    # a forced dp over the caps: refused naming each node's need and cap
+    small = [lora_profile(tmp_path, f"s{i}", memory_available=1024**3) for i in range(2)]
+    assert main(["plan", *small, "--strategy", "dp"]) == 2
+    err = capsys.readouterr().err
+    assert "data parallelism does not fit: every node holds a whole replica; s0 needs" in err
+    assert "cap 512 MiB (over); s1 needs" in err

@@ -1,0 +1,135 @@
+"""A job planned by `auto` through the state machine (`gateway.job.planning.plan_job`): submit,
+inspect, profiles in, then the plan with the strategy chosen and the runner-up in its event and
+the candidates in the answer; a forced `dp` that cannot fit refused by name; bad batch shares
+refused with their reason; the live re-balancer leaving a data-parallel plan alone with a note.
+Pure: the bench's synthetic profile reports, no broker, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from xronos.bench.plan_speed import synthetic_report
+from xronos.gateway.job import machine as J
+from xronos.gateway.job.planning import plan_job, plan_text
+from xronos.gateway.job.rebalancers import DP_KEPT, Rebalancers
+from xronos.gateway.job.types import Net, Planned
+from xronos.gateway.plan.rebalance import PolicyConfig
+from xronos.gateway.plan.shares import ShareError
+from xronos.protocol import messages as m
+
+GiB = 1 << 30
+NODES = ("a", "b", "c", "d")
+RECIPE = m.Recipe(model_dir="/m", data_path="/d.csv", task="classify", batch_size=8, seq_len=32, lr=1e-4,
+                  max_steps=100, export_dir="/out")
+
+
+def report(node: str, slowness: float, mem: int = 8 * GiB, frozen: bool = True) -> m.ProfileReport:
+    """A profile for job "j"; `frozen`: the base's weights untrained (a LoRA-like job: the head trained)."""
+    r = synthetic_report(node, slowness=slowness, memory_available=mem, units=8, num_blocks=2)
+    if frozen:
+        r = r.model_copy(update={"layers": [lay.model_copy(update={
+            "param_bytes": lay.weight_bytes // 4 if lay.name == "head" else lay.weight_bytes}) for lay in r.layers]})
+    return r.model_copy(update={"job_id": "j"})
+
+
+def submit(reports: dict[str, m.ProfileReport], strategy: str | None = None, net: Net = Net(bandwidth_Bps=100e6 / 8)):
+    """Submit job "j" (strategy: the spec's default unless given), answer its inspection and profiles."""
+    kw = {} if strategy is None else {"strategy": strategy}
+    spec = m.JobSpec(name="t", owner="a", recipe=RECIPE, **kw)
+    ctx = J.Ctx(now=0.0, online=frozenset(reports), planner=plan_job, net=net)
+    job, effects = J.new_job("j", spec, "tx", ctx)
+    (inspect,) = [e for e in effects if isinstance(e, J.Inspect)]
+    arch = next(iter(reports.values())).arch
+    job, effects = J.handle(job, J.Inspected(m.InspectReport(node_id="a", request_id=inspect.request_id, job_id="j",
+                                                             ok=True, arch=arch, total_steps=100)), ctx)
+    (profile,) = [e for e in effects if isinstance(e, J.Profile)]
+    for rid, node in profile.requests:
+        job, effects = J.handle(job, J.Profiled(node, rid, reports[node]), ctx)
+    return job, effects
+
+
+def test_the_default_strategy_is_auto():
+    assert m.JobSpec(name="t", owner="a", recipe=RECIPE).strategy == "auto"
+
+
+def test_an_auto_job_is_planned_with_the_strategy_chosen_and_the_runner_up():
+    job, effects = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
+    assert job.phase == "assigning" and job.plan.strategy == "dp" and sum(job.plan.shares) == 8
+    (answer,) = [e for e in effects if isinstance(e, J.Respond)]
+    assert answer.ok and answer.data["plan"] == job.plan
+    assert [c["strategy"] for c in answer.data["candidates"]] == ["segment", "dp", "mesh"]
+    assert [c["chosen"] for c in answer.data["candidates"]] == [False, True, False]
+    event = next(e for e in job.events if "plan v1" in e)
+    assert "plan v1 (dp (4 replicas) " in event and "(auto; runner-up mesh 2x2 (2 groups of TP 2) " in event
+    assert f"a={job.plan.shares[0]} rows" in event and "resume from step 0" in event
+    (assign,) = [e for e in effects if isinstance(e, J.Assign)]
+    assert assign.plan.shares == job.plan.shares
+
+
+def test_a_full_fine_tune_over_a_fast_link_stays_tensor_parallel():
+    reports = {n: report(n, 1 + 0.5 * i, frozen=False) for i, n in enumerate(NODES[:3])}
+    job, _ = submit(reports, net=Net())
+    assert job.plan.strategy == "segment" and job.plan.shares is None
+    assert "plan v1 (segment (TP over 3) " in next(e for e in job.events if "plan v1" in e)
+
+
+def test_a_forced_dp_that_cannot_fit_is_refused_naming_each_nodes_need_and_cap():
+    reports = {"a": report("a", 1.0), "b": report("b", 1.0, mem=GiB)}
+    job, effects = submit(reports, strategy="dp")
+    (answer,) = [e for e in effects if isinstance(e, J.Respond)]
+    assert not answer.ok and J.refused(job)
+    assert "plan cannot fit: data parallelism does not fit: every node holds a whole replica; a needs " in answer.error
+    assert "cap 7,680 MiB" in answer.error and "b needs " in answer.error and "cap 512 MiB (over)" in answer.error
+
+
+def test_bad_batch_shares_reach_the_submitter():
+    """A planner's ShareError (shares that are negative, name unknown nodes or miss the batch's sum:
+    `plan.shares.check_shares`) is a refusal with its reason, like any plan that cannot be made."""
+    def planner(job, nodes, version, ctx):
+        raise ShareError("shares: sum to 7 rows, but the global batch is 8 (a=4, b=3)")
+
+    spec = m.JobSpec(name="t", owner="a", recipe=RECIPE)
+    ctx = J.Ctx(now=0.0, online=frozenset({"a"}), planner=planner)
+    job, effects = J.new_job("j", spec, "tx", ctx)
+    (inspect,) = [e for e in effects if isinstance(e, J.Inspect)]
+    r = report("a", 1.0)
+    job, effects = J.handle(job, J.Inspected(m.InspectReport(node_id="a", request_id=inspect.request_id, job_id="j",
+                                                             ok=True, arch=r.arch, total_steps=100)), ctx)
+    (profile,) = [e for e in effects if isinstance(e, J.Profile)]
+    job, effects = J.handle(job, J.Profiled("a", profile.requests[0][0], r), ctx)
+    (answer,) = [e for e in effects if isinstance(e, J.Respond)]
+    assert not answer.ok and answer.error == "plan cannot fit: shares: sum to 7 rows, but the global batch is 8 (a=4, b=3)"
+
+
+def test_the_plan_text_says_rows_and_groups():
+    job, _ = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
+    assert plan_text(job.plan) == ", ".join(f"{e.node_id}={r} rows" for e, r in zip(job.plan.entries, job.plan.shares))
+    mesh = m.Plan.model_validate({**job.plan.model_dump(), "shares": [5, 3], "entries": [
+        e.model_copy(update={"attn": 4, "mlp": 2048, "vocab": 25000}).model_dump() for e in job.plan.entries]})
+    assert plan_text(mesh).startswith("group 0 (5 rows) a=attn 4/mlp 2048/vocab 25000, b=attn 4/")
+    assert "; group 1 (3 rows) c=" in plan_text(mesh)
+
+
+def test_the_live_re_balancer_leaves_a_data_parallel_plan_alone_and_says_why():
+    job, _ = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
+    job = replace(job, phase="running", accepted=True)
+    rebal = Rebalancers(PolicyConfig())
+    x = m.IterationMetrics(job_id="j", plan_version=1, node_id="a", rank=0, step=3, epoch=0, loss=1.0,
+                           compute_s=0.1, comm_s=0.0, idle_s=0.0, iteration_s=0.1, voluntary_ctx_switches=0,
+                           involuntary_ctx_switches=0, peak_rss=1)
+    decision = rebal.observe(job, x)
+    assert decision.layout is None and decision.reason == DP_KEPT and decision.old == job.plan.layout()
+    assert rebal.observe(job, x.model_copy(update={"step": 4})) is None  # said once per plan version
+    job2, effects = J.handle(job, decision, J.Ctx(now=1.0, online=frozenset(NODES)))
+    assert effects == [] and job2.last_replan_reason.startswith("live re-balancing is off for a data-parallel plan")
+
+
+def test_planned_keeps_the_plan_for_callers_that_want_only_it():
+    job, _ = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
+    ctx = J.Ctx(now=0.0, online=frozenset(NODES), planner=plan_job, net=Net(bandwidth_Bps=100e6 / 8))
+    planned = plan_job(job, NODES, 2, ctx)
+    assert isinstance(planned, Planned) and planned.plan.version == 2 and planned.note.startswith("dp (4 replicas)")
+    with pytest.raises(ValueError, match="node 'z' has no profile for this job"):
+        plan_job(job, ("a", "z"), 2, ctx)
