@@ -271,7 +271,7 @@ def _drop_node(job: Job, ctx: Ctx, node: str, why: str) -> tuple[Job, Out | None
 
 def _planned(job: Job, ctx: Ctx, planned: m.Plan | Planned) -> Out:
     plan, why = plan_of(planned), planned.note if isinstance(planned, Planned) else ""
-    chosen = {"candidates": list(planned.candidates) if isinstance(planned, Planned) else [], "chosen": why}
+    chosen = {"candidates": list(planned.candidates), "chosen": why} if isinstance(planned, Planned) else {}
     if job.respond_to == "plan/preview":
         respond = Respond("plan/preview", job.transaction, True, {"plan": plan, **chosen})
         return note(job, ctx.now, "plan preview answered", phase="completed", plan=plan,

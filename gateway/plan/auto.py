@@ -82,9 +82,11 @@ def _mem(c: Candidate) -> str:
 def candidates_table(choice: Choice) -> str:
     """The candidates side by side: predicted iteration, compute, comm, the worst node's memory vs
     its cap, and whether it fits (why not), the winner marked; then why it won."""
+    def t(v: float) -> str:
+        return f"{v:.4f}" if math.isfinite(v) else "-"
+
     rows = []
     for c in choice.candidates:
-        t = (lambda v: f"{v:.4f}" if math.isfinite(v) else "-")
         fits = "yes" if c.feasible else f"no: {(c.why_not or '').splitlines()[0]}"
         rows.append(("*" if c is choice.winner else " ", c.label, t(c.iteration_s), t(c.compute_s), t(c.comm_s),
                      _mem(c), fits))

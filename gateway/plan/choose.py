@@ -154,7 +154,8 @@ def choose(nodes: Sequence[NodeCost], sizes: Sizes, caps: Sequence[float], volum
     return _pick(sizes, tuple(cands))
 
 
-def _dp(owned, caps, profile_rows, batch, bandwidth_Bps, latency_s, node_cpu) -> DPPrediction:
+def _dp(owned: Sequence[NodeCost], caps: Sequence[float], profile_rows: int, batch: int, bandwidth_Bps: float,
+        latency_s: float, node_cpu: Sequence[NodeComm | None]) -> DPPrediction:
     return predict_dp(owned, caps, profile_rows, batch, bandwidth_Bps=bandwidth_Bps, latency_s=latency_s,
                       node_cpu=node_cpu)
 

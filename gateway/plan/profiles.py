@@ -348,7 +348,16 @@ def plan_reports(
     strategy: Strategy,
     *,
     reserve_mb: float = DEFAULT_RESERVE_MB,
-    **kw,
+    bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS,
+    latency_s: float = DEFAULT_LATENCY_S,
+    fit: Fit = "affine",
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    task: str | None = None,
+    settings: ProfileSettings | None = None,
+    checkpoints: bool = False,
+    exports: bool = True,
+    export_merged: bool = False,
 ) -> PlanResult:
     """Cost model + communication term + TP planner over validated reports (ranks in given order).
     `batch_size`/`seq_len`/`task`/`settings`, when given, are the job's: a report taken at others
@@ -357,7 +366,9 @@ def plan_reports(
     `exports`: it ends with an export (every run and job; not the bench's timed runs): of the trained
     tensors, or with `export_merged` (LoRA's merged model) of every weight. `auto` and `dp`:
     `xronos.gateway.plan.auto.choose_reports`."""
-    ins = cost_inputs(loaded, reserve_mb=reserve_mb, **kw)
+    ins = cost_inputs(loaded, reserve_mb=reserve_mb, bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, fit=fit,
+                      batch_size=batch_size, seq_len=seq_len, task=task, settings=settings, checkpoints=checkpoints,
+                      exports=exports, export_merged=export_merged)
     try:
         return plan(list(ins.nodes), ins.sizes, strategy, list(ins.caps), ins.comm_s)
     except InfeasiblePlan as exc:

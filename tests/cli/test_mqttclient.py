@@ -82,3 +82,29 @@ def test_an_unreachable_broker_is_a_timeout_to_callers_that_retry():
 
     assert issubclass(BrokerUnreachable, TimeoutError)  # LocalStack.wait_nodes retries on TimeoutError
     assert "connection refused" in unreachable("127.0.0.1", _closed_port())
+
+
+def test_a_data_parallel_plan_and_the_candidates_are_displayed():
+    """`xronos job submit` prints the plan (a data-parallel one with its groups and rows) and the
+    planner's candidates, the chosen one marked, with the chosen line."""
+    from xronos.cli.mqttclient import format_candidates, format_plan
+
+    entry = {"attn": 4, "mlp": 64, "vocab": 100, "predicted_compute_s": 0.1, "predicted_memory": 1 << 30,
+             "memory_cap": 4 << 30}
+    plan = {"version": 1, "strategy": "dp", "sizes": {"attn": 4, "mlp": 64, "vocab": 100},
+            "predicted_iteration_s": 0.2, "ideal_iteration_s": 0.19, "comm_s": 0.01, "shares": [5, 3],
+            "entries": [{"node_id": n, "rank": r, **entry} for r, n in enumerate(("a", "b"))]}
+    text = format_plan(plan)
+    assert "plan v1 (dp; " in text and "2 data-parallel groups of TP 1, rows per group [5, 3]" in text
+    assert text.splitlines()[-1].endswith("group 1") and text.splitlines()[-2].endswith("group 0")
+    rows = [{"strategy": "segment", "label": "segment (TP over 2)", "chosen": False, "feasible": True,
+             "iteration_s": 0.9, "why_not": None},
+            {"strategy": "dp", "label": "dp (2 replicas)", "chosen": True, "feasible": True, "iteration_s": 0.2},
+            {"strategy": "mesh", "label": "mesh", "chosen": False, "feasible": False, "iteration_s": None,
+             "why_not": "over the memory cap: a needs 9 MiB, cap 4 MiB\nmore"}]
+    text = format_candidates(rows, "dp (2 replicas) 0.2000 s (auto; runner-up segment (TP over 2) 0.9000 s)")
+    assert text.splitlines() == ["  candidates:", "    segment (TP over 2): 0.9000 s, fits",
+                                 "  * dp (2 replicas): 0.2000 s, fits",
+                                 "    mesh: -, does not fit: over the memory cap: a needs 9 MiB, cap 4 MiB",
+                                 "  chosen: dp (2 replicas) 0.2000 s (auto; runner-up segment (TP over 2) 0.9000 s)"]
+    assert format_candidates([]) == ""

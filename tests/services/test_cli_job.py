@@ -26,7 +26,7 @@ export_dir = "/srv/out"
 def test_spec_files_toml_yaml_and_errors(tmp_path):
     (tmp_path / "a.toml").write_text(TOML)
     spec = load_spec(tmp_path / "a.toml")
-    assert spec.owner == "n0" and spec.recipe.epochs == 1 and spec.strategy == "segment"
+    assert spec.owner == "n0" and spec.recipe.epochs == 1 and spec.strategy == "auto"  # the default
     (tmp_path / "b.yaml").write_text("name: t\nowner: n0\nmodel_dir: /m\ndata_path: /d.csv\ntask: causal-lm\n"
                                      "batch_size: 2\nseq_len: 8\nlr: 0.001\nmax_steps: 5\nexport_dir: /o\n")
     assert load_spec(tmp_path / "b.yaml").recipe.max_steps == 5

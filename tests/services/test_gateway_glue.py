@@ -27,7 +27,7 @@ NODES = ("a", "b", "c")
 SPEC = m.JobSpec(name="Glue Test", owner="a",
                  recipe=m.Recipe(model_dir="/m", data_path="/d.csv", task="causal-lm", batch_size=4, seq_len=64,
                                  lr=1e-4, max_steps=10, export_dir="/out", weight_decay=0.05, max_grad_norm=None),
-                 checkpoint_interval=5, reserve_mb=0, rebalance=True)  # not the defaults: they must travel
+                 checkpoint_interval=5, reserve_mb=0, rebalance=True, strategy="segment")  # not the defaults: they travel
 
 
 class Harness:
