@@ -34,12 +34,13 @@ def report(node: str, slowness: float, mem: int = 8 * GiB, frozen: bool = True) 
     return r.model_copy(update={"job_id": "j"})
 
 
-def submit(reports: dict[str, m.ProfileReport], strategy: str | None = None, net: Net = Net(bandwidth_Bps=100e6 / 8)):
+def submit(reports: dict[str, m.ProfileReport], strategy: str | None = None, net: Net = Net(bandwidth_Bps=100e6 / 8),
+           respond_to: str = "job/submit"):
     """Submit job "j" (strategy: the spec's default unless given), answer its inspection and profiles."""
     kw = {} if strategy is None else {"strategy": strategy}
     spec = m.JobSpec(name="t", owner="a", recipe=RECIPE, **kw)
     ctx = J.Ctx(now=0.0, online=frozenset(reports), planner=plan_job, net=net)
-    job, effects = J.new_job("j", spec, "tx", ctx)
+    job, effects = J.new_job("j", spec, "tx", ctx, respond_to=respond_to)
     (inspect,) = [e for e in effects if isinstance(e, J.Inspect)]
     arch = next(iter(reports.values())).arch
     job, effects = J.handle(job, J.Inspected(m.InspectReport(node_id="a", request_id=inspect.request_id, job_id="j",
@@ -133,3 +134,15 @@ def test_planned_keeps_the_plan_for_callers_that_want_only_it():
     assert isinstance(planned, Planned) and planned.plan.version == 2 and planned.note.startswith("dp (4 replicas)")
     with pytest.raises(ValueError, match="node 'z' has no profile for this job"):
         plan_job(job, ("a", "z"), 2, ctx)
+
+
+def test_the_plan_preview_answers_with_the_candidates_side_by_side():
+    job, effects = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)}, respond_to="plan/preview")
+    (answer,) = effects
+    assert answer.name == "plan/preview" and answer.ok and job.phase == "completed"
+    assert answer.data["plan"].strategy == "dp" and answer.data["chosen"].startswith("dp (4 replicas) ")
+    rows = answer.data["candidates"]
+    assert [(c["label"], c["chosen"], c["feasible"]) for c in rows] == [
+        ("segment (TP over 4)", False, True), ("dp (4 replicas)", True, True), ("mesh 2x2 (2 groups of TP 2)", False, True)]
+    assert all(c["iteration_s"] > 0 and c["worst_memory"] <= c["worst_cap"] for c in rows)
+    assert rows[1]["iteration_s"] < rows[2]["iteration_s"] < rows[0]["iteration_s"]
