@@ -188,27 +188,34 @@ def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
     no plan within the caps; a plan over a cap (uniform ignores memory) is returned with
     `feasible=False` (see `over_cap`)."""
     from xronos.gateway.plan.planner import InfeasiblePlan
-    from xronos.gateway.plan.compatible import Loaded
     from xronos.gateway.plan.profiles import plan_reports
-    from xronos.protocol.messages import ProfileReport
 
-    loaded = []
-    for d, name in enumerate(ctx.device_names):
-        report = ProfileReport.model_validate(profiles[name][profile_key(strategy)])
-        cap = ctx.caps[d]
-        caps = report.capabilities.model_copy(update={"memory_available": NO_CAP if cap is None else int(cap)})
-        report = report.model_copy(update={"node_id": f"r{d} {name}", "capabilities": caps})
-        loaded.append(Loaded(source=f"profile of rank {d} ({name})", report=report))
+    loaded, reserve_mb = loaded_profiles(ctx, profiles, profile_key(strategy))
     try:
-        # A profile that measured the process (runtime_bytes, profiler version 6) predicts the whole
-        # resident set: the planner then plans against the cgroup's cap itself, the one the kernel
-        # enforces; an older one predicts the model alone, planned against the cap minus the reserve.
-        measured = all(item.report.runtime_bytes > 0 for item in loaded)
-        reserve_mb = 0.0 if measured else RUNTIME_RESERVE / 2**20
         return plan_reports(loaded, planner_strategy(strategy), reserve_mb=reserve_mb, exports=False,  # run_tp exports nothing
                             bandwidth_Bps=planning_bw_bps(ctx), latency_s=NOMINAL_LATENCY_S)
     except InfeasiblePlan as exc:
         raise Infeasible(str(exc)) from None
+
+
+def loaded_profiles(ctx: Ctx, profiles: dict[str, dict], key: str) -> tuple[list, float]:
+    """Every rank's report (its device's profile `key`, node id `r<d> <device>`, memory the emulated
+    cap) as the planner loads it, and the reserve to plan with."""
+    from xronos.gateway.plan.compatible import Loaded
+    from xronos.protocol.messages import ProfileReport
+
+    loaded = []
+    for d, name in enumerate(ctx.device_names):
+        report = ProfileReport.model_validate(profiles[name][key])
+        cap = ctx.caps[d]
+        caps = report.capabilities.model_copy(update={"memory_available": NO_CAP if cap is None else int(cap)})
+        report = report.model_copy(update={"node_id": f"r{d} {name}", "capabilities": caps})
+        loaded.append(Loaded(source=f"profile of rank {d} ({name})", report=report))
+    # A profile that measured the process (runtime_bytes, profiler version 6) predicts the whole
+    # resident set: the planner then plans against the cgroup's cap itself, the one the kernel
+    # enforces; an older one predicts the model alone, planned against the cap minus the reserve.
+    measured = all(item.report.runtime_bytes > 0 for item in loaded)
+    return loaded, 0.0 if measured else RUNTIME_RESERVE / 2**20
 
 
 def profile_key(strategy: str) -> str:

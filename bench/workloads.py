@@ -41,8 +41,13 @@ SHAPES: dict[str, dict] = {
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_dropout=0.0,
         pad_token_id=0),
     # The small open models fine-tuned on a few boxes today (issue 17, the LoRA cell), the published
-    # configs (Qwen/Qwen2.5-1.5B, meta-llama/Llama-3.2-1B, HuggingFaceTB/SmolLM2-360M) as
+    # configs (Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B, meta-llama/Llama-3.2-1B, HuggingFaceTB/SmolLM2-360M) as
     # node/models/shapes.py holds them (tests/bench/test_workloads.py checks they agree).
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_dropout=0.0,
+        pad_token_id=0),
     "qwen2.5-1.5b": dict(
         model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, max_position_embeddings=131072,
@@ -61,7 +66,7 @@ SHAPES: dict[str, dict] = {
         pad_token_id=0),
 }
 PAPER_BLOCKS = {"roberta-base": 12, "gpt2-medium": 24, "mobilellama-1.4b": 24, "tinyllama-1.1b": 22,
-                "qwen2.5-1.5b": 28, "llama-3.2-1b": 16, "smollm2-360m": 32}
+                "qwen2.5-0.5b": 24, "qwen2.5-1.5b": 28, "llama-3.2-1b": 16, "smollm2-360m": 32}
 MIN_BLOCKS = 6  # the grid's depth rule: at least this many blocks, or a quarter of the model
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 

@@ -26,8 +26,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tinyllama-1.1b": dict(family="llama", hidden_size=2048, num_layers=22, num_heads=32, num_kv_heads=4,
                            intermediate_size=5632, vocab_size=32000, max_positions=2048, num_labels=2,
                            tie_word_embeddings=False),
-    # The small open models fine-tuned on a few boxes today (Qwen/Qwen2.5-1.5B,
+    # The small open models fine-tuned on a few boxes today (Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B,
     # meta-llama/Llama-3.2-1B, HuggingFaceTB/SmolLM2-360M): GQA, tied embeddings.
+    "qwen2.5-0.5b": dict(family="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                         intermediate_size=4864, vocab_size=151936, max_positions=32768, num_labels=2,
+                         tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(family="qwen2", hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
                          intermediate_size=8960, vocab_size=151936, max_positions=131072, num_labels=2,
                          tie_word_embeddings=True),
@@ -54,6 +57,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 # config.json keys of the published configs beyond ArchSpec's fields (RoPE, norm epsilon).
 EXTRA_CONFIG: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(rope_theta=1000000.0, rms_norm_eps=1e-6),
     "qwen2.5-1.5b": dict(rope_theta=1000000.0, rms_norm_eps=1e-6),
     "llama-3.2-1b": dict(rope_theta=500000.0, rms_norm_eps=1e-5,
                          rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
