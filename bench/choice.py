@@ -1,0 +1,235 @@
+"""The fastest parallelism per job (issue 36): every strategy the planner can run, side by side, on
+cells where the choice matters, in the virtual clock.
+
+    .venv/bin/python -m xronos.bench.choice [--cells lora-a,full-a,lora-c,eight] [--iters 8 --warmup 3]
+        [--out bench/results]
+
+Each cell profiles its emulated boxes once (`strategies.profile_devices`: the LoRA job's profile
+for a LoRA cell), then plans and trains, one after another, every strategy a job may ask for —
+`auto` (the planner's pick among TP `segment`, speed-weighted `dp` and DP×TP meshes), `segment`
+(TP only, today's default before `auto`), `dp` (data parallelism only), `uniform` (Megatron's even
+TP) and `paper` (the paper's head-tied greedy) — through the same `launch_local` ranks a job's
+engine runs (`RunConfig.shares` for a data-parallel plan). A strategy whose plan exceeds a cap is
+reported with the planner's reason, never run; a plan equal to one already measured in the cell
+(auto's pick, usually) takes that run's numbers and says so.
+
+Columns: the plan (its candidate's label), predicted and measured iteration (virtual seconds:
+rank 0's median after the warm-up; every rank leaves an iteration together), the prediction's
+error, the iteration relative to `segment` (TP only), the strategy's own ideal bound (TP: the
+continuous per-segment balance under the caps; DP: fractional rows; a mesh: its prediction) and
+the wall seconds the run took on this host. The cells:
+
+- `lora-a` / `lora-c`: LoRA r=8 (q_proj, v_proj) on a SmolLM2-360M shape (8 of 32 blocks, a
+  classification head as the grid's), whose frozen base fits every box, on Set-A / Set-C. (Not the
+  Qwen2.5-0.5B shape: transformers 5 loads a Qwen2 directory's tokenizer as Qwen2's own class, which
+  turns the bench's word-level vocabulary into no ids at all.)
+- `full-a`: full fine-tuning of a Llama-3.2-1B shape (6 of 16 blocks) on Set-A under the grid's
+  memory caps (parameters kept): a whole replica does not fit a Pi 5, TP does;
+- `eight`: the LoRA job on an eight-box fleet (two MiniPCs, two LattePandas, four Pi 5s), where
+  groups are worth forming.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+STRATEGIES = ("auto", "segment", "dp", "uniform", "paper")
+
+
+@dataclass(frozen=True)
+class ChoiceCell:
+    name: str
+    scenario: str
+    model: str
+    blocks: int
+    lora: bool
+    seq_len: int = 64
+    batch_size: int = 8
+    note: str = ""
+
+
+CELLS = {
+    "lora-a": ChoiceCell("lora-a", "set-a", "smollm2-360m", 8, True, batch_size=16, note="LoRA r=8, base fits every box"),
+    "full-a": ChoiceCell("full-a", "set-a", "llama-3.2-1b", 6, False, seq_len=32,
+                         note="full fine-tuning, a replica does not fit a Pi 5"),
+    "lora-c": ChoiceCell("lora-c", "set-c", "smollm2-360m", 8, True, batch_size=16, note="LoRA r=8, base fits every box"),
+    "eight": ChoiceCell("eight", "eight", "smollm2-360m", 8, True, batch_size=16, note="LoRA r=8 on eight boxes"),
+}
+
+
+def _scenario(name: str):
+    from xronos.bench.scenarios import LATTE, MINIPC, PI5, Scenario, get_scenario
+
+    if name == "eight":
+        return Scenario("eight", (MINIPC, MINIPC, LATTE, LATTE, PI5, PI5, PI5, PI5),
+                        "eight boxes: two ASUS MiniPCs, two LattePanda Mu, four Raspberry Pi 5")
+    return get_scenario(name)
+
+
+def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = None) -> dict:
+    from xronos.bench import strategies as st
+    from xronos.bench.harness import _param_count, environment
+    from xronos.bench.scenarios import PI5_SHARE
+    from xronos.bench.workloads import get_shape, kept_fraction, shape_config, write_checkpoint, write_dataset
+    from xronos.node.emulate.cgroupfs import find_controller
+
+    sc = _scenario(cell.scenario)
+    config = shape_config(cell.model, cell.blocks)
+    scale = kept_fraction(cell.model, cell.blocks)
+    caps = sc.memory_caps(scale)
+    cpu = find_controller("cpu")
+    doc: dict = {"cell": cell.__dict__, "environment": environment(cpu.version if cpu else None),
+                 "scenario": sc.describe(), "memory_caps": caps, "mem_scale": scale,
+                 "parameters": _param_count(config), "strategies": {}}
+    if doc["environment"].get("clock") != "virtual":
+        raise SystemExit("bench.choice runs on the virtual clock (XRONOS_EMULATOR_CPU=virtual, the default)")
+    with tempfile.TemporaryDirectory(prefix="xronos-choice-", dir=scratch) as tmp:
+        work = Path(tmp)
+        model_dir = write_checkpoint(work / "model", config, seed=0)
+        data = write_dataset(work / "data.jsonl", cell.batch_size * (iters + 2), cell.seq_len,
+                             get_shape(cell.model)["vocab_size"], seed=0)
+        ctx = st.Ctx(work, model_dir, data, config, sc.shares(PI5_SHARE), caps, [d.name for d in sc.devices],
+                     cell.batch_size, cell.seq_len, cell.batch_size, iters, 2e-5, 0, bandwidth_mbit=1000.0,
+                     lora_r=8, lora_alpha=16.0, lora_targets=("q_proj", "v_proj") if cell.lora else None)
+        t0 = time.perf_counter()
+        profiles = st.profile_devices(ctx, want_tp=not cell.lora, want_pp=False, want_lora=cell.lora)
+        doc["profiling_s"] = time.perf_counter() - t0
+        key = "tp-lora" if cell.lora else "tp"
+        measured: dict[str, str] = {}
+        for strat in STRATEGIES:
+            doc["strategies"][strat] = entry = _plan(ctx, profiles, key, strat)
+            if "plan_key" not in entry:
+                continue
+            if entry["plan_key"] in measured:
+                entry["same_plan_as"] = measured[entry["plan_key"]]
+                entry["run"] = doc["strategies"][entry["same_plan_as"]].get("run")
+                continue
+            t0 = time.perf_counter()
+            try:
+                entry["run"] = _run(ctx, entry, cell.lora, warmup)
+                measured[entry["plan_key"]] = strat
+            except Exception as exc:  # a strategy failing (e.g. OOM-killed) is a result, not a crash
+                entry["failed"] = f"{type(exc).__name__}: {exc}"[-2000:]
+            entry["wall_s"] = time.perf_counter() - t0
+    doc["environment"]["loadavg_end"] = os.getloadavg()
+    return doc
+
+
+def _plan(ctx, profiles: dict, key: str, strat: str) -> dict:
+    """The strategy's plan over the cell's profiles: its candidates, its layout and shares, or why not."""
+    from xronos.bench import strategies as st
+    from xronos.gateway.plan.auto import choice_message, choose_reports
+
+    loaded, reserve_mb = st.loaded_profiles(ctx, profiles, key, wire_ids=True)
+    try:
+        choice = choose_reports(loaded, strat, reserve_mb=reserve_mb, exports=False, batch=ctx.batch_size,
+                                bandwidth_Bps=st.planning_bw_bps(ctx), latency_s=st.NOMINAL_LATENCY_S)
+    except ValueError as exc:  # InfeasiblePlan, DPInfeasible: the planner's own reasons
+        return {"infeasible": str(exc)[-2000:]}
+    w = choice.winner
+    ideal = (w.tp.ideal_iteration_s if w.tp is not None else w.dp.ideal_s if w.dp is not None else w.iteration_s)
+    out = {"label": w.label, "why": choice.why, "predicted_s": w.iteration_s, "predicted_compute_s": w.compute_s,
+           "predicted_comm_s": w.comm_s, "ideal_s": ideal,
+           "candidates": [{"label": c.label, "feasible": c.feasible, "iteration_s": c.iteration_s,
+                           "why_not": c.why_not} for c in choice.candidates]}
+    if not w.feasible:
+        out["infeasible"] = w.why_not
+        return out
+    plan = choice_message(choice, "bench")
+    order = [int(e.node_id[1:]) for e in plan.entries]  # "r<d>": the rank's device
+    out.update(layout=plan.layout().model_dump(mode="json"), shares=plan.shares, devices=order,
+               plan_key=f"{plan.layout().to_text()} {plan.shares} {order}")
+    return out
+
+
+def _run(ctx, entry: dict, lora: bool, warmup: int) -> dict:
+    from xronos.bench import strategies as st
+    from xronos.node.rank.local import launch_local
+    from xronos.node.runconfig import RunConfig
+    from xronos.protocol.layout import Layout
+    from xronos.protocol.recipe import LoraSpec
+
+    metrics = ctx.work / f"metrics-{len(list(ctx.work.glob('metrics-*')))}.json"
+    spec = LoraSpec(r=ctx.lora_r, alpha=ctx.lora_alpha, targets=list(ctx.lora_targets)) if lora else None
+    shares = tuple(entry["shares"]) if entry["shares"] else None
+    cfg = RunConfig(recipe=st.cell_recipe(ctx, lora=spec), layout=Layout.model_validate(entry["layout"]),
+                    shares=shares, threads=1, metrics_path=str(metrics), progress=False, gloo_timeout_s=600)
+    order = entry["devices"]
+    with st.confine(ctx, st.limits(ctx, order)) as conf:
+        launch_local(cfg, cfg.world_size, wrap=conf.wrap, echo_rank0=False)
+    doc = json.loads(metrics.read_text())
+    ranks = [r["iterations"][warmup:] for r in doc["ranks"]]
+    if not ranks[0]:
+        raise ValueError(f"no iteration after the {warmup} warm-up ones")
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    return {"clock": doc.get("clock"), "iteration_s": med([it["iteration_s"] for it in ranks[0]]),
+            "wall_iteration_s": med([it["wall_s"] for it in ranks[0]]),
+            "ranks": [{"device": ctx.device_names[d], "compute_s": med([it["compute_s"] for it in r]),
+                       "comm_s": med([it["comm_s"] for it in r]), "idle_s": med([it["idle_s"] for it in r])}
+                      for d, r in zip(order, ranks)]}
+
+
+def table(doc: dict) -> str:
+    """The cell's strategies side by side (module docstring)."""
+    c = doc["cell"]
+    tp = (doc["strategies"].get("segment") or {}).get("run")
+    lines = [f"### {c['name']}: {c['model']} ({c['blocks']} blocks), {'LoRA r=8' if c['lora'] else 'full fine-tuning'}, "
+             f"batch {c['batch_size']} x {c['seq_len']}; {doc['scenario']}",
+             "", f"{c['note']}. Clock: virtual (iteration seconds of the emulated boxes); link 1 Gbit/s modelled. "
+                 f"Profiling {doc.get('profiling_s', 0):.0f} s wall; load at the end "
+                 f"{', '.join(f'{x:.1f}' for x in doc['environment']['loadavg_end'])}.", "",
+             "| strategy | plan | predicted s | measured s | error | vs TP only | ideal bound s | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, e in doc["strategies"].items():
+        run = e.get("run")
+        if "infeasible" in e or run is None:
+            why = e.get("infeasible") or e.get("failed") or "not run"
+            lines.append(f"| {name} | {e.get('label', '-')} | {_f(e.get('predicted_s'))} | - | - | - | - | "
+                         f"{why.splitlines()[0][:160]} |")
+            continue
+        err = 100 * (e["predicted_s"] - run["iteration_s"]) / run["iteration_s"]
+        rel = f"{run['iteration_s'] / tp['iteration_s']:.2f}" if tp else "-"
+        same = f" (= {e['same_plan_as']})" if e.get("same_plan_as") else ""
+        lines.append(f"| {name} | {e['label']}{same} | {e['predicted_s']:.3f} | {run['iteration_s']:.3f} | "
+                     f"{err:+.1f}% | {rel} | {_f(e.get('ideal_s'))} | {e.get('wall_s', 0):.0f} |")
+    return "\n".join(lines)
+
+
+def _f(v) -> str:
+    return "-" if v is None or v == float("inf") else f"{v:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m xronos.bench.choice", description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="lora-a,full-a", help=f"comma-separated, of {', '.join(CELLS)}")
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    names = [n for n in args.cells.split(",") if n]
+    unknown = [n for n in names if n not in CELLS]
+    if unknown:
+        ap.error(f"--cells: unknown {unknown}; known: {', '.join(CELLS)}")
+    if not 0 <= args.warmup < args.iters:
+        ap.error(f"--warmup {args.warmup} must be >= 0 and below --iters {args.iters}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        doc = run_cell(CELLS[n], args.iters, args.warmup)
+        (out / f"choice-{n}.json").write_text(json.dumps(doc, indent=1, default=str))
+        text = table(doc)
+        (out / f"choice-{n}.md").write_text(text + "\n")
+        print(text + "\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
