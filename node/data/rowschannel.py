@@ -1,0 +1,122 @@
+"""Each rank receives only its rows: the owner's batches cut by a data-parallel plan's shares.
+
+A data-parallel run (`RunConfig.shares`) trains rows [sum(shares[:g]), sum(shares[:g+1])) of each
+global batch in data-parallel group g (`xronos.node.dp.rows`), so broadcasting the whole batch
+(`BatchChannel`) would send every rank every row. Here the owner (world rank 0, in group 0)
+tokenises the whole batch — it alone has the data — and sends each other rank its group's slice of
+every tensor point to point over the world group (within a TP group every rank needs the same
+rows: the owner sends each its copy; for pure DP, tp = 1, each row travels once, to the one rank
+that trains it). A rank with a share of 0 receives nothing at all. Each rank that has rows also gets
+the global batch's target count (`total`: what the loss is averaged over, `dp.rows.target_count`),
+which only the owner can count, as one int64 before its rows.
+
+The sends are tagged `data` (data time, not communication), as the broadcasts are. Evaluation
+goes through the broadcasting channel: every rank evaluates the whole held-out tail (see
+`xronos.node.rank.dpengine`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from xronos.node.data.batches import Batch, BatchChannel, BatchSource
+from xronos.node.tp.group import TPGroup
+from xronos.protocol.recipe import Recipe
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One step's data on one rank: its rows (None for a share of 0) and the global batch's count."""
+
+    rows: Batch | None
+    total: int  # the global batch's target count (0 on a rank with no rows: it needs none)
+
+
+def row_bounds(shares: Sequence[int], group: int) -> tuple[int, int]:
+    start = sum(shares[:group])
+    return start, start + shares[group]
+
+
+def global_count(batch: Batch, task: str) -> int:
+    """Rows (classify) or the target tokens of a causal LM (labels shifted by one, -100 excluded):
+    the same count as `xronos.node.dp.rows.target_count` (that room is above this one)."""
+    if task == "classify":
+        return int(batch.labels.reshape(-1).shape[0])
+    return int((batch.labels[:, 1:] != IGNORE).sum())
+
+
+class RowsChannel:
+    """Batches from the owner, each rank its data-parallel group's rows (module docstring)."""
+
+    def __init__(self, cfg: Recipe, world: TPGroup, source: BatchSource | None, token_types: bool, tp: int,
+                 shares: Sequence[int]) -> None:
+        if world.world_size != tp * len(shares):
+            raise ValueError(f"{len(shares)} shares of {tp} ranks each need {tp * len(shares)} ranks, the world has "
+                             f"{world.world_size}")
+        if sum(shares) != cfg.batch_size:
+            raise ValueError(f"shares {list(shares)} sum to {sum(shares)} rows, the batch has {cfg.batch_size}")
+        self.cfg, self.world, self.source, self.token_types = cfg, world, source, token_types
+        self.tp, self.shares = tp, tuple(shares)
+        self.broadcast = BatchChannel(cfg, world, source, token_types)  # evaluation: every rank, every row
+
+    @property
+    def mine(self) -> int:
+        return self.shares[self.world.rank // self.tp]
+
+    def _empty(self, rows: int) -> Batch:
+        S = self.cfg.seq_len
+        labels = torch.empty((rows,) if self.cfg.task == "classify" else (rows, S), dtype=torch.long)
+        types = torch.empty(rows, S, dtype=torch.long) if self.token_types else None
+        return Batch(torch.empty(rows, S, dtype=torch.long), torch.empty(rows, S, dtype=torch.long), labels, types)
+
+    @staticmethod
+    def _tensors(b: Batch) -> list[torch.Tensor]:
+        return [t for t in (b.input_ids, b.attention_mask, b.labels, b.token_type_ids) if t is not None]
+
+    def _send(self, batch: Batch) -> Rows:
+        """The owner: every other rank its rows, then its own."""
+        total = torch.tensor([global_count(batch, self.cfg.task)], dtype=torch.int64)
+        with self.world.segment("data"):
+            for r in range(1, self.world.world_size):
+                a, b = row_bounds(self.shares, r // self.tp)
+                if a == b:
+                    continue
+                self.world.send(total, r)
+                for t in self._tensors(batch):
+                    self.world.send(t[a:b].contiguous(), r)
+        a, b = row_bounds(self.shares, 0)
+        if a == b:
+            return Rows(None, 0)
+        cut = [None if t is None else t[a:b] for t in (batch.input_ids, batch.attention_mask, batch.labels,
+                                                       batch.token_type_ids)]
+        return Rows(Batch(*cut), int(total))
+
+    def _recv(self) -> Rows:
+        if self.mine == 0:
+            return Rows(None, 0)
+        rows = self._empty(self.mine)
+        total = torch.empty(1, dtype=torch.int64)
+        with self.world.segment("data"):
+            self.world.recv(total, 0)
+            for t in self._tensors(rows):
+                self.world.recv(t, 0)
+        return Rows(rows, int(total))
+
+    def train(self, n_train: int, start: int = 0) -> Iterator[tuple[int, Rows]]:
+        """(epoch, this rank's rows) of every step from step `start` on."""
+        if self.source is not None:
+            for epoch, b in self.source.train_batches(start):
+                yield epoch, self._send(b)
+        else:
+            per_epoch = n_train // self.cfg.batch_size
+            for step in itertools.count(start):
+                yield step // per_epoch, self._recv()
+
+    def eval(self, n_train: int, n_eval: int) -> Iterator[Batch]:
+        return self.broadcast.eval(n_train, n_eval)
