@@ -64,6 +64,7 @@ class RowsChannel:
         self.cfg, self.world, self.source, self.token_types = cfg, world, source, token_types
         self.tp, self.shares = tp, tuple(shares)
         self.broadcast = BatchChannel(cfg, world, source, token_types)  # evaluation: every rank, every row
+        self.received = 0  # bytes of training data this rank received (what the tests and a report read)
 
     @property
     def mine(self) -> int:
@@ -106,6 +107,7 @@ class RowsChannel:
             self.world.recv(total, 0)
             for t in self._tensors(rows):
                 self.world.recv(t, 0)
+        self.received += 8 + sum(t.numel() * t.element_size() for t in self._tensors(rows))
         return Rows(rows, int(total))
 
     def train(self, n_train: int, start: int = 0) -> Iterator[tuple[int, Rows]]:
