@@ -52,13 +52,17 @@ def lora_start(model, model_dir: Path, out: Path) -> Path:
     return out
 
 
-def lora_train(model, model_dir: Path, data: list[dict], task: str, steps: int, lr: float = LR):
+def lora_train(model, model_dir: Path, data: list[dict], task: str, steps: int, lr: float = LR,
+               max_grad_norm: float | None = None):
     """peft + torch AdamW on one device, the run's batches; returns the merged transformers model."""
     tok = runkit._tokenizer(model_dir)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
     for idx in runkit.batch_rows(len(data), BATCH, steps, False, 0):
         model(**runkit._encode(tok, data, idx, task, runkit.SEQ_LEN)).loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
         opt.step()
         opt.zero_grad()
     return model.merge_and_unload()
