@@ -119,6 +119,9 @@ def resolve_layout(args: argparse.Namespace):
         raise ValueError("one of --layout, --units or --strategy is required" + (" (a tensor-parallel group of "
                          f"{tp} ranks per share)" if args.shares is not None else ""))
     units = parse_units(args.units)
+    if len(units) != tp and args.shares is not None:
+        raise ValueError(f"--units has {len(units)} entries {units}, but --nodes{per} is {tp} (one per rank of a "
+                         "tensor-parallel group)")
     sizes = model_sizes(str(Path(args.model).resolve()))
     check_units(units, tp, sizes.attn)
     return Layout.tied(units, sizes)
