@@ -99,7 +99,8 @@ class DPEngine(TPEngine):
         memwatch.phase("build")
         self.model.train()
         self.replicated = {name for name, s in self.specs.items() if s.dim is None}
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s + start, cfg.recipe.warmup_steps))
+        warmup = cfg.recipe.warmup_steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s + start, warmup))
         self.dp = DataParallel(self.model, self.mesh.dp)
         rank.data = RowsChannel(cfg.recipe, world, rank.data.source, rank.facts.token_types, cfg.layout.world_size,
                                 cfg.shares)

@@ -38,7 +38,8 @@ def _argv(good, tmp_path: Path, nodes: int, *split: str) -> list[str]:
         (4, ("--shares", "2,2", "--layout=" + "attn=3,3,3,3;mlp=32,32,32,4;vocab=32,5,0,0"),
          "--layout has 4 counts per kind (one per rank), but --nodes / 2 groups of --shares is 2"),
         (4, ("--shares", "2,2"), "one of --layout, --units or --strategy is required (a tensor-parallel group of 2"),
-        (4, ("--shares", "2,2", "--units", "4,4,4"), "--units has 3 entries [4, 4, 4], but --nodes / 2 groups of --shares is 2"),
+        (4, ("--shares", "2,2", "--units", "4,4,4"),
+         "--units has 3 entries [4, 4, 4], but --nodes / 2 groups of --shares is 2"),
         (2, ("--shares", "2,2", "--strategy", "segment"), "give either --shares (a hand-chosen data-parallel mesh) "
                                                           "or --strategy, not both"),
         (4, ("--shares", "2,2", "--layout=" + LAYOUT2, "--reshard-at", "1:" + LAYOUT2),
