@@ -3,10 +3,11 @@
 A data-parallel run (`RunConfig.shares`) trains rows [sum(shares[:g]), sum(shares[:g+1])) of each
 global batch in data-parallel group g (`xronos.node.dp.rows`), so broadcasting the whole batch
 (`BatchChannel`) would send every rank every row. Here the owner (world rank 0, in group 0)
-tokenises the whole batch — it alone has the data — and sends each other rank its group's slice of
-every tensor point to point over the world group (within a TP group every rank needs the same
-rows: the owner sends each its copy; for pure DP, tp = 1, each row travels once, to the one rank
-that trains it). A rank with a share of 0 receives nothing at all. Each rank that has rows also gets
+tokenises the whole batch — it alone has the data — and sends each other group's first rank its
+group's slice of every tensor point to point over the world group; within a TP group, where every
+rank needs the same rows, that rank broadcasts them over its TP group (the owner does in its own
+group). So each row leaves the owner once, to the group that trains it (for pure DP, tp = 1, to
+the one rank that trains it), and a rank with a share of 0 receives nothing at all. Each rank that has rows also gets
 the global batch's target count (`total`: what the loss is averaged over, `dp.rows.target_count`),
 which only the owner can count, as one int64 before its rows.
 
@@ -55,7 +56,8 @@ class RowsChannel:
     """Batches from the owner, each rank its data-parallel group's rows (module docstring)."""
 
     def __init__(self, cfg: Recipe, world: TPGroup, source: BatchSource | None, token_types: bool, tp: int,
-                 shares: Sequence[int]) -> None:
+                 shares: Sequence[int], tp_group: TPGroup | None = None) -> None:
+        """`tp_group`: this rank's TP group (`dp.mesh.Mesh.tp`) where tp > 1."""
         if world.world_size != tp * len(shares):
             raise ValueError(f"{len(shares)} shares of {tp} ranks each need {tp * len(shares)} ranks, the world has "
                              f"{world.world_size}")
@@ -63,6 +65,9 @@ class RowsChannel:
             raise ValueError(f"shares {list(shares)} sum to {sum(shares)} rows, the batch has {cfg.batch_size}")
         self.cfg, self.world, self.source, self.token_types = cfg, world, source, token_types
         self.tp, self.shares = tp, tuple(shares)
+        if tp > 1 and (tp_group is None or tp_group.world_size != tp):
+            raise ValueError(f"rows for tensor-parallel groups of {tp} ranks need this rank's TP group")
+        self.tp_group = tp_group if tp > 1 else None
         self.broadcast = BatchChannel(cfg, world, source, token_types)  # evaluation: every rank, every row
         self.received = 0  # bytes of training data this rank received (what the tests and a report read)
 
@@ -84,7 +89,7 @@ class RowsChannel:
         """The owner: every other rank its rows, then its own."""
         total = torch.tensor([global_count(batch, self.cfg.task)], dtype=torch.int64)
         with self.world.segment("data"):
-            for r in range(1, self.world.world_size):
+            for r in range(self.tp, self.world.world_size, self.tp):  # every other group's first rank
                 a, b = row_bounds(self.shares, r // self.tp)
                 if a == b:
                     continue
@@ -94,19 +99,30 @@ class RowsChannel:
         a, b = row_bounds(self.shares, 0)
         if a == b:
             return Rows(None, 0)
-        cut = [None if t is None else t[a:b] for t in (batch.input_ids, batch.attention_mask, batch.labels,
-                                                       batch.token_type_ids)]
-        return Rows(Batch(*cut), int(total))
+        parts = (batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids)
+        mine = Batch(*[None if t is None else t[a:b].contiguous() for t in parts])
+        self._spread(total, mine)
+        return Rows(mine, int(total))
+
+    def _spread(self, total: torch.Tensor, rows: Batch) -> None:
+        """The group's first rank passes its rows on to the rest of its TP group."""
+        if self.tp_group is not None:
+            with self.tp_group.segment("data"):
+                self.tp_group.broadcast(total, 0)
+                for t in self._tensors(rows):
+                    self.tp_group.broadcast(t, 0)
 
     def _recv(self) -> Rows:
         if self.mine == 0:
             return Rows(None, 0)
         rows = self._empty(self.mine)
         total = torch.empty(1, dtype=torch.int64)
-        with self.world.segment("data"):
-            self.world.recv(total, 0)
-            for t in self._tensors(rows):
-                self.world.recv(t, 0)
+        if self.world.rank % self.tp == 0:  # the group's first rank: from the owner
+            with self.world.segment("data"):
+                self.world.recv(total, 0)
+                for t in self._tensors(rows):
+                    self.world.recv(t, 0)
+        self._spread(total, rows)
         self.received += 8 + sum(t.numel() * t.element_size() for t in self._tensors(rows))
         return Rows(rows, int(total))
 

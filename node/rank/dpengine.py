@@ -6,7 +6,8 @@ At build, the rank cuts its tensor-parallel and data-parallel groups out of the 
 its TP group, fills it from the weight source over the *world* (`FromOwner` streams every rank of
 every group its own slices: each group gets its replica), and wraps it in `DataParallel` over its
 DP group. Its data channel is the owner's rows channel (`xronos.node.data.rowschannel`): each rank
-receives only its group's rows and the global batch's target count.
+receives only its group's rows and the global batch's target count (the owner sends them to the
+group's first rank, which broadcasts them over its TP group).
 
 A step: this rank's rows forward and backward, each rank's loss its part of the global mean, so
 that after DDP's summing all-reduce every rank of a DP group holds the global batch's gradient of
@@ -103,7 +104,7 @@ class DPEngine(TPEngine):
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s + start, warmup))
         self.dp = DataParallel(self.model, self.mesh.dp)
         rank.data = RowsChannel(cfg.recipe, world, rank.data.source, rank.facts.token_types, cfg.layout.world_size,
-                                cfg.shares)
+                                cfg.shares, self.mesh.tp)
 
     @property
     def groups(self):
