@@ -12,8 +12,9 @@ the global batch's target count (`total`: what the loss is averaged over, `dp.ro
 which only the owner can count, as one int64 before its rows.
 
 The sends are tagged `data` (data time, not communication), as the broadcasts are. Evaluation
-goes through the broadcasting channel: every rank evaluates the whole held-out tail (see
-`xronos.node.rank.dpengine`).
+batches (the held-out tail, `batch_size` rows each, the last one shorter) go whole to one group
+each, in proportion to the shares (`eval_groups`; a group of 0 rows gets none): each group
+evaluates its batches and the engine sums the groups' sums (`xronos.node.rank.dpengine`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xronos.node.data.batches import Batch, BatchChannel, BatchSource
+from xronos.node.data.batches import Batch, BatchSource, eval_row_groups
 from xronos.node.tp.group import TPGroup
 from xronos.protocol.recipe import Recipe
 
@@ -52,6 +53,18 @@ def global_count(batch: Batch, task: str) -> int:
     return int((batch.labels[:, 1:] != IGNORE).sum())
 
 
+def eval_groups(n_batches: int, shares: Sequence[int]) -> list[int]:
+    """The data-parallel group of each evaluation batch: the one with the fewest batches per row of
+    its share so far (ties: the lower group), so the groups evaluate in proportion to their shares."""
+    count = [0] * len(shares)
+    out = []
+    for _ in range(n_batches):
+        g = min((g for g, s in enumerate(shares) if s > 0), key=lambda g: ((count[g] + 1) / shares[g], g))
+        count[g] += 1
+        out.append(g)
+    return out
+
+
 class RowsChannel:
     """Batches from the owner, each rank its data-parallel group's rows (module docstring)."""
 
@@ -68,7 +81,6 @@ class RowsChannel:
         if tp > 1 and (tp_group is None or tp_group.world_size != tp):
             raise ValueError(f"rows for tensor-parallel groups of {tp} ranks need this rank's TP group")
         self.tp_group = tp_group if tp > 1 else None
-        self.broadcast = BatchChannel(cfg, world, source, token_types)  # evaluation: every rank, every row
         self.received = 0  # bytes of training data this rank received (what the tests and a report read)
 
     @property
@@ -101,28 +113,30 @@ class RowsChannel:
             return Rows(None, 0)
         parts = (batch.input_ids, batch.attention_mask, batch.labels, batch.token_type_ids)
         mine = Batch(*[None if t is None else t[a:b].contiguous() for t in parts])
-        self._spread(total, mine)
+        self._spread([total, *self._tensors(mine)])
         return Rows(mine, int(total))
 
-    def _spread(self, total: torch.Tensor, rows: Batch) -> None:
+    def _spread(self, tensors: list[torch.Tensor]) -> None:
         """The group's first rank passes its rows on to the rest of its TP group."""
         if self.tp_group is not None:
             with self.tp_group.segment("data"):
-                self.tp_group.broadcast(total, 0)
-                for t in self._tensors(rows):
+                for t in tensors:
                     self.tp_group.broadcast(t, 0)
+
+    def _from_owner(self, tensors: list[torch.Tensor]) -> None:
+        """A group's rows: its first rank receives them from the owner, then the group shares them."""
+        if self.world.rank % self.tp == 0:
+            with self.world.segment("data"):
+                for t in tensors:
+                    self.world.recv(t, 0)
+        self._spread(tensors)
 
     def _recv(self) -> Rows:
         if self.mine == 0:
             return Rows(None, 0)
         rows = self._empty(self.mine)
         total = torch.empty(1, dtype=torch.int64)
-        if self.world.rank % self.tp == 0:  # the group's first rank: from the owner
-            with self.world.segment("data"):
-                self.world.recv(total, 0)
-                for t in self._tensors(rows):
-                    self.world.recv(t, 0)
-        self._spread(total, rows)
+        self._from_owner([total, *self._tensors(rows)])
         self.received += 8 + sum(t.numel() * t.element_size() for t in self._tensors(rows))
         return Rows(rows, int(total))
 
@@ -137,4 +151,21 @@ class RowsChannel:
                 yield step // per_epoch, self._recv()
 
     def eval(self, n_train: int, n_eval: int) -> Iterator[Batch]:
-        return self.broadcast.eval(n_train, n_eval)
+        """This group's evaluation batches (`eval_groups`), in order."""
+        row_groups = eval_row_groups(n_train, n_eval, self.cfg.batch_size)
+        src = self.source.eval_batches() if self.source is not None else None
+        me = self.world.rank // self.tp
+        for rows, g in zip(row_groups, eval_groups(len(row_groups), self.shares)):
+            if src is not None:  # the owner
+                b = next(src)
+                if g == 0:
+                    self._spread(self._tensors(b))
+                    yield b
+                else:
+                    with self.world.segment("data"):
+                        for t in self._tensors(b):
+                            self.world.send(t, g * self.tp)
+            elif g == me:
+                b = self._empty(len(rows))
+                self._from_owner(self._tensors(b))
+                yield b

@@ -25,9 +25,9 @@ layout and shares it was saved under.
 
 Not here (this round): live re-shard or re-balance (`capabilities.live_reshard` is False: a new
 split of the batch would move no weights, but the control word carries only a layout today; a
-re-shard word is refused as any layout the engine cannot take, and the run goes on). Evaluation runs the
-whole held-out tail on every rank (each group its own copy, through the broadcasting channel):
-correct, not yet split by shares.
+re-shard word is refused as any layout the engine cannot take, and the run goes on). Evaluation:
+each group its share of the held-out batches, whole batches in proportion to the shares, the sums
+added over the DP group.
 
 Metrics (`IterationRecord`, as `TPEngine`'s): compute per segment kind from the rank's timeline
 (its TP group's spans, its DP group's and the world's data spans on the one clock); comm and idle
@@ -59,16 +59,16 @@ from xronos.node.rank.lifecycle import Capabilities, EvalResult, Rank, RankResul
 from xronos.node.rank.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
 from xronos.node.rank.optim import adamw
 from xronos.node.rank.optstate import allocate_state
-from xronos.node.rank.tpengine import (TPEngine, _exchange_timings, clip_global_grad_norm, lr_factor,
-                                       stop_unless_finite, trainable)
+from xronos.node.rank.tpengine import (TPEngine, _exchange_timings, clip_global_grad_norm, eval_result, eval_sums,
+                                       lr_factor, stop_unless_finite, trainable)
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import add_lora
 from xronos.protocol.layout import LayoutError
 
 
 class DPEngine(TPEngine):
-    """`TPEngine` over a DP×TP mesh (module docstring). Inherits evaluation (on its TP group's
-    model), the checkpoint and export writers (run on the owner's group, over its TP group)."""
+    """`TPEngine` over a DP×TP mesh (module docstring). Inherits the checkpoint and export writers
+    (run on the owner's group, over its TP group)."""
 
     capabilities = Capabilities(live_reshard=False, checkpoints=True)
 
@@ -145,10 +145,19 @@ class DPEngine(TPEngine):
             super().export(mine)
 
     def evaluate(self, rank: Rank) -> EvalResult | None:
-        result = super().evaluate(rank)
+        """Each group its share of the held-out batches (`rowschannel.eval_groups`), the groups'
+        sums added over the DP group (untimed: a report, not training)."""
+        n_train, n_eval, task = rank.facts.n_train, rank.facts.n_eval, rank.cfg.recipe.task
+        if n_eval == 0:
+            return None
+        sums = torch.tensor(eval_sums(self.model, task, rank.data.eval(n_train, n_eval)), dtype=torch.float64)
+        if self.mesh.dp.world_size > 1:
+            self.mesh.dp.all_reduce(sums, timed=False)
+        memwatch.phase("eval")
         for g in self.groups:  # evaluation's collectives are not the next step's
             g.drain_spans()
-        return result
+        loss_sum, weight, correct = sums.tolist()
+        return eval_result(task, (loss_sum, int(weight), int(correct)), n_eval)
 
     def report(self, rank: Rank, per_rank: list[torch.Tensor], result: RankResult) -> dict:
         """The owner: `TPEngine`'s document, one summary per world rank (its TP rank's share of the

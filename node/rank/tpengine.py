@@ -80,10 +80,18 @@ def evaluate(model, cfg: RunConfig, channel: BatchChannel, n_train: int, n_eval:
     """Loss and accuracy (classify) or perplexity (causal LM) over the held-out tail."""
     if n_eval == 0:
         return None
+    return eval_result(cfg.recipe.task, eval_sums(model, cfg.recipe.task, channel.eval(n_train, n_eval)), n_eval)
+
+
+@torch.no_grad()
+def eval_sums(model, task: str, batches) -> tuple[float, int, int]:
+    """(summed loss, weight, correct) over `batches`: the weight is rows (classify) or shifted
+    target tokens (causal LM); what `eval_result` averages (and a data-parallel run sums over its
+    groups first)."""
     model.eval()
     loss_sum, weight, correct = 0.0, 0, 0
-    for b in channel.eval(n_train, n_eval):
-        if cfg.recipe.task == "classify":
+    for b in batches:
+        if task == "classify":
             logits = model.logits(b.input_ids, b.attention_mask, b.token_type_ids)  # [b, labels]
             loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), b.labels, reduction="sum"))
             correct += int((logits.argmax(-1) == b.labels).sum())
@@ -93,8 +101,13 @@ def evaluate(model, cfg: RunConfig, channel: BatchChannel, n_train: int, n_eval:
             loss_sum += float(model(b.input_ids, b.attention_mask, b.labels, b.token_type_ids)) * tokens
             weight += tokens
     model.train()
+    return loss_sum, weight, correct
+
+
+def eval_result(task: str, sums: tuple[float, int, int], n_eval: int) -> EvalResult:
+    loss_sum, weight, correct = sums
     loss = loss_sum / max(weight, 1)
-    if cfg.recipe.task == "classify":
+    if task == "classify":
         return EvalResult(loss, correct / weight, None, n_eval)
     return EvalResult(loss, None, math.exp(min(loss, 50.0)), n_eval)
 

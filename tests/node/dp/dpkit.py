@@ -53,13 +53,13 @@ def lora_start(model, model_dir: Path, out: Path) -> Path:
 
 
 def lora_train(model, model_dir: Path, data: list[dict], task: str, steps: int, lr: float = LR,
-               max_grad_norm: float | None = None):
+               max_grad_norm: float | None = None, n_train: int | None = None):
     """peft + torch AdamW on one device, the run's batches; returns the merged transformers model."""
     tok = runkit._tokenizer(model_dir)
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
-    for idx in runkit.batch_rows(len(data), BATCH, steps, False, 0):
+    for idx in runkit.batch_rows(len(data) if n_train is None else n_train, BATCH, steps, False, 0):
         model(**runkit._encode(tok, data, idx, task, runkit.SEQ_LEN)).loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
@@ -68,8 +68,8 @@ def lora_train(model, model_dir: Path, data: list[dict], task: str, steps: int, 
     return model.merge_and_unload()
 
 
-def full_train(model_dir: Path, data: list[dict], task: str, steps: int):
-    return runkit.reference_train(model_dir, data, task, steps=steps, batch_size=BATCH, lr=LR)[0]
+def full_train(model_dir: Path, data: list[dict], task: str, steps: int, n_train: int | None = None):
+    return runkit.reference_train(model_dir, data, task, steps=steps, batch_size=BATCH, lr=LR, n_train=n_train)[0]
 
 
 def check(exported, reference, initial) -> tuple[float, float]:

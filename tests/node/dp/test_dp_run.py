@@ -7,7 +7,9 @@ groups of two ranks, each group at the same lopsided per-segment layout), for a 
 classifier, full and LoRA (`--export-merged`: the merged model is compared). The export is
 loaded with plain transformers and compared with the reference loop (same checkpoint, torch
 AdamW, the same batches built from the tokenizer): max abs <= 5e-4, relative <= 1e-5 after 20
-fp32 steps; the weights moved far beyond that (asserted). XRONOS_DP_FULL=1 adds more families.
+fp32 steps; the weights moved far beyond that (asserted). The held-out tail (9 rows: batches of 4,
+4 and 1, each evaluated by one group) is evaluated before and after training as the reference
+model evaluates it. XRONOS_DP_FULL=1 adds more families.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from xronos.cli.main import main
 pytestmark = pytest.mark.slow
 
 STEPS = 20
+ROWS, N_EVAL = 44, 9  # --eval-fraction 0.2 holds out the last 9 rows
 LORA_LR = 1e-3  # adapters move little at 1e-4: the check that they trained needs a larger rate
 
 # name: (family, task, LoRA targets or None, --nodes, --shares, --layout of each group or None)
@@ -49,7 +52,8 @@ if os.environ.get("XRONOS_DP_FULL") == "1":
 def test_data_parallel_run_equals_single_device_training(name: str, tmp_path: Path) -> None:
     family, task, targets, nodes, shares, layout = CASES[name]
     model_dir = runkit.make_model(tmp_path / "model", family, task)
-    data = dpkit.rows(44, seed=len(name))
+    data = dpkit.rows(ROWS, seed=len(name))
+    n_train = ROWS - N_EVAL
     data_file = runkit.write_rows(tmp_path / "data.csv", data)
     lr = dpkit.LR
     start = model_dir
@@ -60,18 +64,21 @@ def test_data_parallel_run_equals_single_device_training(name: str, tmp_path: Pa
     argv = ["run", "--model", str(start), "--data", str(data_file), "--task", task, "--nodes", str(nodes),
             "--shares", shares, *([f"--layout={layout}"] if layout else []), "--batch-size", str(dpkit.BATCH),
             "--seq-len", str(runkit.SEQ_LEN), "--lr", str(lr), "--max-steps", str(STEPS), "--seed", "0",
-            "--export", str(tmp_path / "out"), "--metrics", str(tmp_path / "metrics.json"), *dpkit.FLAGS]
+            "--export", str(tmp_path / "out"), "--metrics", str(tmp_path / "metrics.json"), "--eval-fraction", "0.2",
+            *dpkit.FLAGS]
     if targets is not None:
         argv += ["--lora-r", str(dpkit.R), "--lora-alpha", str(dpkit.ALPHA), "--lora-targets", ",".join(targets),
                  "--export-merged"]
     assert main(argv) == 0
+    tok = runkit._tokenizer(model_dir)
+    initial = runkit.model_class(task).from_pretrained(str(model_dir))
+    before = runkit.reference_eval(initial if targets is None else peft, tok, data, task, n_train, dpkit.BATCH)
     if targets is None:
-        reference = dpkit.full_train(model_dir, data, task, STEPS)
+        reference = dpkit.full_train(model_dir, data, task, STEPS, n_train)
         exported = runkit.model_class(task).from_pretrained(str(tmp_path / "out"))
     else:
-        reference = dpkit.lora_train(peft, model_dir, data, task, STEPS, lr)
+        reference = dpkit.lora_train(peft, model_dir, data, task, STEPS, lr, n_train=n_train)
         exported = runkit.model_class(task).from_pretrained(str(tmp_path / "out" / "merged"))
-    initial = runkit.model_class(task).from_pretrained(str(model_dir))
     print(name, dpkit.check(exported, reference, initial))
     doc = json.loads((tmp_path / "metrics.json").read_text())
     groups = [int(s) for s in shares.split(",")]
@@ -79,3 +86,8 @@ def test_data_parallel_run_equals_single_device_training(name: str, tmp_path: Pa
     assert [len(r["iterations"]) for r in doc["ranks"]] == [STEPS] * nodes
     losses = {tuple(it["loss"] for it in r["iterations"]) for r in doc["ranks"]}
     assert len(losses) == 1  # every rank reports the global batch's loss
+    after = runkit.reference_eval(reference, tok, data, task, n_train, dpkit.BATCH)
+    for when, (loss, metric) in (("before", before), ("after", after)):
+        got = doc[f"eval_{when}"]
+        assert got["rows"] == N_EVAL and got["loss"] == pytest.approx(loss, abs=1e-4), (when, got, loss)
+        assert got["accuracy" if task == "classify" else "perplexity"] == pytest.approx(metric, rel=1e-4)
