@@ -52,17 +52,11 @@ import xronos.node.measure.memwatch as memwatch  # (the module alone: not the me
 from xronos.node.data.rowschannel import Rows, RowsChannel
 from xronos.node.dp.mesh import Mesh, form_mesh
 from xronos.node.dp.replica import DataParallel
-from xronos.node.models.registry import family_for
-from xronos.node.rank.checkpoint import load_moments
 from xronos.node.rank.gradnorm import all_finite
 from xronos.node.rank.lifecycle import Capabilities, EvalResult, Rank, RankResult, Reshard, WeightSource
 from xronos.node.rank.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
-from xronos.node.rank.optim import adamw
-from xronos.node.rank.optstate import allocate_state
 from xronos.node.rank.tpengine import (TPEngine, _exchange_timings, clip_global_grad_norm, eval_result, eval_sums,
-                                       lr_factor, stop_unless_finite, trainable)
-from xronos.node.tp.layout import ShardLayout
-from xronos.node.tp.lora import add_lora
+                                       stop_unless_finite)
 from xronos.protocol.layout import LayoutError
 
 
@@ -77,31 +71,9 @@ class DPEngine(TPEngine):
         self.world = world
         if not cfg.shares:
             raise ValueError("the data-parallel engine needs shares (RunConfig.shares)")
-        config = rank.facts.config
         self.mesh: Mesh = form_mesh(world, cfg.layout.world_size, cfg.shares)
-        tp = self.mesh.tp
-        self.layout = ShardLayout.of(cfg.layout, tp.rank)
-        self.family = family_for(config)
-        self.model = self.family.build(config, cfg.recipe.task, self.layout, tp, dropout=cfg.recipe.dropout)
-        self.lora = self.family.lora_settings(cfg.recipe.lora)
-        if self.lora is not None:
-            self.lora_modules = add_lora(self.model, self.lora)
-        self.specs = self.model.tensor_specs()
-
-        def optimizer(source) -> None:
-            memwatch.phase("load")
-            self.opt = adamw(trainable(self.model), lr=cfg.recipe.lr, weight_decay=cfg.recipe.weight_decay)
-            if start > 0:
-                load_moments(self.opt, self.model, self.specs, source, start)
-            allocate_state(self.opt)
-
-        # Over the world, not the TP group: the owner serves every rank of every group its slices.
-        weights.load(self.model, world, then=optimizer)
-        memwatch.phase("build")
-        self.model.train()
-        self.replicated = {name for name, s in self.specs.items() if s.dim is None}
-        warmup = cfg.recipe.warmup_steps
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s + start, warmup))
+        # The model in its TP group; its weights over the world: the owner serves every rank of every group.
+        self.build_model(rank, weights, start, self.mesh.tp, self.mesh.tp.rank)
         self.dp = DataParallel(self.model, self.mesh.dp)
         rank.data = RowsChannel(cfg.recipe, world, rank.data.source, rank.facts.token_types, cfg.layout.world_size,
                                 cfg.shares, self.mesh.tp)

@@ -187,9 +187,15 @@ class TPEngine(Engine):
         self._reshard_s = 0.0  # booked on the next iteration's record
 
     def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
-        cfg, group = rank.cfg, rank.group
+        self.build_model(rank, weights, start, rank.group, rank.cfg.rank)
+
+    def build_model(self, rank: Rank, weights: WeightSource, start: int, group: TPGroup, tp_rank: int) -> None:
+        """The model at TP rank `tp_rank` of the layout in `group` (its tensor-parallel group: the
+        world here, a mesh's TP group in `dpengine`), its weights from `weights` over the world
+        (`rank.group`: the owner serves every rank), AdamW and the schedule."""
+        cfg = rank.cfg
         config = rank.facts.config
-        self.layout = ShardLayout.of(cfg.layout, cfg.rank)
+        self.layout = ShardLayout.of(cfg.layout, tp_rank)
         self.family = family_for(config)
         self.model = self.family.build(config, cfg.recipe.task, self.layout, group, dropout=cfg.recipe.dropout)
         self.lora = self.family.lora_settings(cfg.recipe.lora)
@@ -204,7 +210,7 @@ class TPEngine(Engine):
                 load_moments(self.opt, self.model, self.specs, source, start)
             allocate_state(self.opt)  # below the per-iteration working set (node/rank/optstate.py)
 
-        weights.load(self.model, group, then=optimizer)
+        weights.load(self.model, rank.group, then=optimizer)
         memwatch.phase("build")
         self.model.train()
         self.replicated = {name for name, s in self.specs.items() if s.dim is None}
