@@ -91,3 +91,25 @@ def test_data_parallel_run_equals_single_device_training(name: str, tmp_path: Pa
         got = doc[f"eval_{when}"]
         assert got["rows"] == N_EVAL and got["loss"] == pytest.approx(loss, abs=1e-4), (when, got, loss)
         assert got["accuracy" if task == "classify" else "perplexity"] == pytest.approx(metric, rel=1e-4)
+
+
+@pytest.mark.parametrize("clip", [(), ("--max-grad-norm", "1.0")], ids=["unclipped", "clipped"])
+def test_a_diverging_data_parallel_run_stops_every_rank_at_one_step_and_exports_nothing(tmp_path, capfd, clip):
+    """As test_nonfinite's TP run: learning rate and weight decay 100 overflow fp32 in about ten
+    steps. The loss checked is the global batch's (all-reduced) and the clipped norm the TP group's
+    over the summed gradient, the same on every rank (so all stop at the same step, by
+    construction): the run exits non-zero naming the step, with a 0-share rank among its ranks,
+    and nothing is exported."""
+    import re
+
+    model_dir = runkit.make_model(tmp_path / "model", "gpt2", "causal-lm")
+    data_file = runkit.write_rows(tmp_path / "data.jsonl", [{"text": t} for t in runkit.texts(24)])
+    out = tmp_path / "out"
+    argv = ["run", "--model", str(model_dir), "--data", str(data_file), "--task", "causal-lm", "--nodes", "3",
+            "--shares", "2,0,2", "--batch-size", "4", "--seq-len", str(runkit.SEQ_LEN), "--lr", "100",
+            "--weight-decay", "100", "--max-steps", "20", "--seed", "0", "--export", str(out), *clip]
+    assert main(argv) == 1
+    err = capfd.readouterr().err
+    assert "JobFault" in err and re.search(r"step \d+: the (loss|gradient norm|gradient) is (nan|inf|-inf), "
+                                           r"not finite", err), err[-3000:]
+    assert not out.exists()
