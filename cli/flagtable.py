@@ -91,6 +91,10 @@ RUN: tuple[Flag, ...] = (
     Flag("--export-gguf", "recipe.export_gguf", "{f32,f16,q8_0}",
          "also write OUT/model-TYPE.gguf for llama.cpp (with --lora-r: of the merged model) and an Ollama "
          "Modelfile beside it (causal LMs of the llama, qwen2, qwen3, gpt2 families)"),
+    Flag("--shares", "shares", "R1,...,RG",
+         "data parallelism: G groups of --nodes/G ranks each (rank r in group r // (--nodes/G)), group g training "
+         "R_g rows of every batch (sum = --batch-size, any of them 0); --layout/--units then give each group's "
+         "tensor-parallel layout (default: the whole model on every rank)"),
     Flag("--rebalance", "rebalance", None,
          "re-plan live: rank 0 refits every rank's speed per segment kind from the measured compute and moves "
          "the run to a better layout (as --reshard-at does) when the predicted gain is worth the move. Off by "
@@ -143,7 +147,7 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], table: tu
             kw.update(required=required, default=None, metavar=row.metavar)
             if get_origin(kind) is Literal:
                 kw["choices"] = list(get_args(kind))
-            elif get_origin(kind) is list:
+            elif get_origin(kind) in (list, tuple):  # tuple: `--shares 5,3` (the model converts the items)
                 kw["type"] = _comma_list
             elif kind in (int, float):
                 kw["type"] = kind

@@ -73,24 +73,57 @@ def parse_units(text: str) -> list[int]:
         raise ValueError(f"--units must be comma-separated integers, got {text!r}") from None
 
 
+def group_size(args: argparse.Namespace) -> int:
+    """Ranks per tensor-parallel group: --nodes, or with --shares --nodes over the groups. Checked
+    here, before any process starts: the shares must be integers >= 0 summing to --batch-size, one
+    per group, the groups dividing --nodes."""
+    if args.shares is None:
+        return args.nodes
+    try:
+        shares = [int(s) for s in args.shares]
+    except ValueError:
+        raise ValueError(f"--shares must be comma-separated integers (rows per group), got {','.join(args.shares)!r}") \
+            from None
+    if any(s < 0 for s in shares):
+        raise ValueError(f"--shares: rows per data-parallel group must be >= 0, got {shares}")
+    if args.batch_size is not None and sum(shares) != args.batch_size:
+        raise ValueError(f"--shares {','.join(map(str, shares))}: sum to {sum(shares)} rows, but --batch-size is "
+                         f"{args.batch_size}")
+    if args.nodes % len(shares):
+        raise ValueError(f"--shares: {len(shares)} data-parallel groups cannot split --nodes {args.nodes} into equal "
+                         "tensor-parallel groups")
+    if args.strategy is not None:
+        raise ValueError("give either --shares (a hand-chosen data-parallel mesh) or --strategy, not both")
+    return args.nodes // len(shares)
+
+
 def resolve_layout(args: argparse.Namespace):
-    """The layout from --layout or --units (with --strategy it is planned instead)."""
+    """The layout from --layout or --units (with --strategy it is planned instead): of every rank,
+    or with --shares of each data-parallel group's ranks (default there: the whole model on each)."""
     from xronos.node.rank.validate import check_units, model_sizes
     from xronos.protocol.layout import Layout
 
     if args.layout is not None and args.units is not None:
         raise ValueError("give either --layout or --units, not both")
+    tp = group_size(args)
+    per = "" if args.shares is None else f" / {len(args.shares)} groups of --shares"
     if args.layout is not None:
         layout = Layout.parse(args.layout)
-        if layout.world_size != args.nodes:
-            raise ValueError(f"--layout has {layout.world_size} counts per kind (one per rank), but --nodes is "
-                             f"{args.nodes}: {layout.describe()}")
+        if layout.world_size != tp:
+            raise ValueError(f"--layout has {layout.world_size} counts per kind (one per rank), but --nodes{per} is "
+                             f"{tp}: {layout.describe()}")
         return layout
     if args.units is None:
-        raise ValueError("one of --layout, --units or --strategy is required")
+        if args.shares is not None and tp == 1:  # pure data parallelism: a whole replica per rank
+            return Layout.single(model_sizes(str(Path(args.model).resolve())))
+        raise ValueError("one of --layout, --units or --strategy is required" + (" (a tensor-parallel group of "
+                         f"{tp} ranks per share)" if args.shares is not None else ""))
     units = parse_units(args.units)
+    if len(units) != tp and args.shares is not None:
+        raise ValueError(f"--units has {len(units)} entries {units}, but --nodes{per} is {tp} (one per rank of a "
+                         "tensor-parallel group)")
     sizes = model_sizes(str(Path(args.model).resolve()))
-    check_units(units, args.nodes, sizes.attn)
+    check_units(units, tp, sizes.attn)
     return Layout.tied(units, sizes)
 
 
@@ -145,7 +178,8 @@ def config_from_args(args: argparse.Namespace, layout):
 _RULE_NAMES = (("epochs/max_steps", "--max-steps"), ("data_format:", "--data-format:"),
                ("export_gguf:", "--export-gguf:"), ("export_merged:", "--export-merged:"),
                ("without lora (LoRA)", "without --lora-r (LoRA)"), ("for task ", "for --task "),
-               ("of task ", "of --task "), ("reshard_at", "--reshard-at"), ("or rebalance (", "or --rebalance ("))
+               ("of task ", "of --task "), ("reshard_at", "--reshard-at"), ("or rebalance (", "or --rebalance ("),
+               ("shares:", "--shares:"))
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -154,6 +188,7 @@ def handle(args: argparse.Namespace) -> int:
 
     if args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    group_size(args)  # --shares checked before anything is profiled or started
     if args.strategy is None:
         ignored = ["--" + k.replace("_", "-") for k, default in PLANNER_FLAGS.items() if getattr(args, k) != default]
         if ignored:
@@ -197,10 +232,11 @@ def _launch(args: argparse.Namespace, layout, wrap, planned=None) -> int:
     from xronos.node.rank.validate import preflight
 
     cfg = config_from_args(args, layout)
-    pre = preflight(cfg, args.nodes)
+    pre = preflight(cfg, layout.world_size)  # with --shares: each group's layout
+    mesh = f"; {len(cfg.shares)} data-parallel groups, rows {list(cfg.shares)}" if cfg.shares else ""
     print(
         f"xronos run: {pre.family} model ({pre.sizes.describe()}) on {args.nodes} ranks, "
-        f"layout {layout.describe()}; {pre.train_rows} training rows"
+        f"layout {layout.describe()}{mesh}; {pre.train_rows} training rows"
         + (f", {pre.eval_rows} eval rows" if pre.eval_rows else "")
         + (f"; {pre.num_labels} labels" + (f" {list(pre.labels.names)[:8]}" if pre.labels.by_name else "")
            if pre.labels is not None else ""),

@@ -238,6 +238,7 @@ def node_share(assignment: Any) -> dict[str, Any]:
     if assignment is None:
         return dict(attn=None, attn_total=None, attn_pct=None, mlp_pct=None, vocab_pct=None)
     lay, r = assignment.layout, assignment.rank
+    r %= lay.world_size  # with shares the layout is each data-parallel group's: this node's TP rank in it
     return dict(attn=lay.attn[r], attn_total=sum(lay.attn), attn_pct=_pct(lay.share("attn", r)),
                 mlp_pct=_pct(lay.share("mlp", r)), vocab_pct=_pct(lay.share("vocab", r)))
 

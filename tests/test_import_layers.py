@@ -154,7 +154,7 @@ ROOMS = {
     "xronos.node.data": ("xronos.node.models", "xronos.node.tp", "xronos.node.runconfig"),
     # a training rank: of measuring, only the two probes every rank process runs under (its own
     # memory watch and the allocator setting), which import nothing of the node
-    "xronos.node.rank": ("xronos.node.box", "xronos.node.data", "xronos.node.emulate", "xronos.node.models",
+    "xronos.node.rank": ("xronos.node.box", "xronos.node.data", "xronos.node.dp", "xronos.node.emulate", "xronos.node.models",
                          "xronos.node.tp", "xronos.node.runconfig", "xronos.node.measure.memwatch",
                          "xronos.node.measure.allocator"),
     # measuring runs what a rank runs (its optimizer, its child processes): above the rank

@@ -120,13 +120,14 @@ def assignment_problem(a: Assignment, spec: JobSpec) -> str | None:
     not fit its model is refused by its owner and never starts. (A model the owner cannot read is
     not a layout problem: the gateway's inspection refuses it, and a rank reports it.)"""
     layout = a.layout
+    tp = a.world_size // len(a.shares) if a.shares else a.world_size  # with shares: each TP group's layout
     try:
-        if layout.world_size != a.world_size:
+        if layout.world_size != tp:
             raise LayoutError(f"layout has {layout.world_size} ranks but the world has {a.world_size}")
         check_layout_cuts(layout)
         sizes = _model_sizes(spec.recipe.model_dir) if a.rank == 0 else None
         if sizes is not None:
-            layout.check(sizes, world_size=a.world_size)
+            layout.check(sizes, world_size=tp)
     except LayoutError as exc:
         return f"layout {layout.to_text()}: {exc}"
     return None

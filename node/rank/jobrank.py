@@ -37,6 +37,7 @@ from xronos.node.rank.lifecycle import (Checkpoints, EvalResult, FromOwner, JobF
 from xronos.node.rank.relayout import counts_row, from_counts_row
 from xronos.node.rank.spawn import EventPipe, main_process
 from xronos.node.rank.tpengine import TPEngine
+from xronos.node.rank.dpengine import DPEngine
 from xronos.node.runconfig import JobRankConfig
 from xronos.node.tp.group import TPGroup
 
@@ -192,7 +193,8 @@ def main(argv: list[str]) -> int:
     checkpoints = Checkpoints(job.checkpoint_dir, job.checkpoint_interval,
                               {"job_id": job.job_id, "plan_version": job.plan_version})
     try:
-        run(job.run, TPEngine(), weights=weights(job), control=JobControl(events, job.run.world_size), sink=sink,
+        engine = DPEngine() if job.run.shares else TPEngine()  # shares: the plan's data-parallel mesh
+        run(job.run, engine, weights=weights(job), control=JobControl(events, job.run.world_size), sink=sink,
             checkpoints=checkpoints, start=job.resume_step, allowed_dirs=job.allowed_dirs)
     except Exception as exc:  # reported to the node service, which tells the gateway
         traceback.print_exc()

@@ -19,7 +19,8 @@ this lifecycle, in this order:
               untimed; a job's sink tells the node service)
     leave     `TPGroup.leave`: an untimed barrier, then the group is destroyed
 
-An `Engine` is what a rank trains: our TP model (`xronos.node.rank.tpengine.TPEngine`) or a baseline's
+An `Engine` is what a rank trains: our TP model (`xronos.node.rank.tpengine.TPEngine`), a DP×TP mesh of
+them (`xronos.node.rank.dpengine.DPEngine`, when the settings have shares) or a baseline's
 (`xronos.bench.hftp_worker`, `xronos.bench.pp_worker`). The process entry modules are thin: a
 settings class (`xronos.node.runconfig`), an engine, a weight source, a control source and a sink,
 handed to `run`.

@@ -1,6 +1,7 @@
 """One rank of `xronos run`: `python -m xronos.node.rank.localrank CONFIG.json` (a RunConfig as JSON).
 
-A thin caller of the rank runtime (`xronos.node.rank.lifecycle`): our TP engine, every rank reading its
+A thin caller of the rank runtime (`xronos.node.rank.lifecycle`): our TP engine (or with shares the
+data-parallel one, `xronos.node.rank.dpengine`), every rank reading its
 own slices of the local checkpoint, no control source (or, with `--reshard-at`, the forced
 re-shards: `relayout.ScheduledReshards`), and a metrics file — rank 0 prints the per-rank summary
 and writes the metrics JSON (`--metrics`) and the export. (`--rebalance` runs the same from
@@ -14,6 +15,7 @@ from xronos.node.runconfig import RunConfig
 from xronos.node.rank.lifecycle import LocalFiles, MetricsFile, read_settings, run
 from xronos.node.rank.spawn import main_process
 from xronos.node.rank.tpengine import TPEngine
+from xronos.node.rank.dpengine import DPEngine
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +23,8 @@ def main(argv: list[str]) -> int:
     if cfg.rebalance:
         raise ValueError("rebalance: the live policy is composed by `python -m xronos.cli.liverank`, not this entry")
     control = ScheduledReshards(cfg.reshard_at) if cfg.reshard_at else None
-    run(cfg, TPEngine(), weights=LocalFiles(cfg.recipe.model_dir), control=control, sink=MetricsFile(progress=cfg.progress))
+    engine = DPEngine() if cfg.shares else TPEngine()  # shares: a data-parallel mesh (node/rank/dpengine.py)
+    run(cfg, engine, weights=LocalFiles(cfg.recipe.model_dir), control=control, sink=MetricsFile(progress=cfg.progress))
     return 0
 
 

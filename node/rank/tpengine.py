@@ -80,10 +80,18 @@ def evaluate(model, cfg: RunConfig, channel: BatchChannel, n_train: int, n_eval:
     """Loss and accuracy (classify) or perplexity (causal LM) over the held-out tail."""
     if n_eval == 0:
         return None
+    return eval_result(cfg.recipe.task, eval_sums(model, cfg.recipe.task, channel.eval(n_train, n_eval)), n_eval)
+
+
+@torch.no_grad()
+def eval_sums(model, task: str, batches) -> tuple[float, int, int]:
+    """(summed loss, weight, correct) over `batches`: the weight is rows (classify) or shifted
+    target tokens (causal LM); what `eval_result` averages (and a data-parallel run sums over its
+    groups first)."""
     model.eval()
     loss_sum, weight, correct = 0.0, 0, 0
-    for b in channel.eval(n_train, n_eval):
-        if cfg.recipe.task == "classify":
+    for b in batches:
+        if task == "classify":
             logits = model.logits(b.input_ids, b.attention_mask, b.token_type_ids)  # [b, labels]
             loss_sum += float(torch.nn.functional.cross_entropy(logits.float(), b.labels, reduction="sum"))
             correct += int((logits.argmax(-1) == b.labels).sum())
@@ -93,8 +101,13 @@ def evaluate(model, cfg: RunConfig, channel: BatchChannel, n_train: int, n_eval:
             loss_sum += float(model(b.input_ids, b.attention_mask, b.labels, b.token_type_ids)) * tokens
             weight += tokens
     model.train()
+    return loss_sum, weight, correct
+
+
+def eval_result(task: str, sums: tuple[float, int, int], n_eval: int) -> EvalResult:
+    loss_sum, weight, correct = sums
     loss = loss_sum / max(weight, 1)
-    if cfg.recipe.task == "classify":
+    if task == "classify":
         return EvalResult(loss, correct / weight, None, n_eval)
     return EvalResult(loss, None, math.exp(min(loss, 50.0)), n_eval)
 
@@ -174,9 +187,15 @@ class TPEngine(Engine):
         self._reshard_s = 0.0  # booked on the next iteration's record
 
     def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
-        cfg, group = rank.cfg, rank.group
+        self.build_model(rank, weights, start, rank.group, rank.cfg.rank)
+
+    def build_model(self, rank: Rank, weights: WeightSource, start: int, group: TPGroup, tp_rank: int) -> None:
+        """The model at TP rank `tp_rank` of the layout in `group` (its tensor-parallel group: the
+        world here, a mesh's TP group in `dpengine`), its weights from `weights` over the world
+        (`rank.group`: the owner serves every rank), AdamW and the schedule."""
+        cfg = rank.cfg
         config = rank.facts.config
-        self.layout = ShardLayout.of(cfg.layout, cfg.rank)
+        self.layout = ShardLayout.of(cfg.layout, tp_rank)
         self.family = family_for(config)
         self.model = self.family.build(config, cfg.recipe.task, self.layout, group, dropout=cfg.recipe.dropout)
         self.lora = self.family.lora_settings(cfg.recipe.lora)
@@ -191,7 +210,7 @@ class TPEngine(Engine):
                 load_moments(self.opt, self.model, self.specs, source, start)
             allocate_state(self.opt)  # below the per-iteration working set (node/rank/optstate.py)
 
-        weights.load(self.model, group, then=optimizer)
+        weights.load(self.model, rank.group, then=optimizer)
         memwatch.phase("build")
         self.model.train()
         self.replicated = {name for name, s in self.specs.items() if s.dim is None}

@@ -38,3 +38,33 @@ def test_gradient_buckets_meet_the_virtual_clock(tmp_path: Path) -> None:
             # the last to arrive (the slow box) pays the link alone; the fast box waited for it too
             assert s_sec == pytest.approx(link.seconds("all_reduce_sum", nbytes, 2), rel=0.2)
             assert f_sec > s_sec
+
+
+MESH_WORKER = Path(__file__).with_name("dp_mesh_vclock_worker.py")
+
+
+@pytest.mark.slow
+def test_a_mesh_on_virtual_clocks_leaves_each_collective_together(tmp_path: Path) -> None:
+    """A 2x2 DP×TP mesh, four boxes of different speeds: the TP groups' activation all-reduces and
+    the DP groups' gradient buckets are collectives of different groups on one clock per rank.
+    Every group's ranks must leave each of its collectives at the same virtual time (each group
+    keeps its own clock base: `node/dp/mesh.GroupClock`), and a bucket costs at least the link."""
+    ckpt = make_checkpoint("gpt2-lm", tmp_path / "gpt2-lm")
+    save_file(make_batch("gpt2-lm", B=6), str(tmp_path / "batch.safetensors"))
+    job = {"ckpt": str(ckpt), "batch": str(tmp_path / "batch.safetensors"), "speeds": [1.0, 0.3, 0.6, 0.45],
+           "bandwidth_Bps": 1e6, "latency_s": 0.01, "shares": [4, 2], "steps": 3,
+           "layout": {"attn": [3, 1], "mlp": [96, 32], "vocab": [64, 33]}}
+    run_world(MESH_WORKER, 4, job, tmp_path / "out", timeout=180)
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["tp"] for r in ranks] == [[0, 2], [1, 2], [0, 2], [1, 2]]
+    assert [r["dp"] for r in ranks] == [[0, 2], [0, 2], [1, 2], [1, 2]]
+    assert all(r["mode"] == "clocked" for r in ranks)
+    for kind, peers in (("tp", [(0, 1), (2, 3)]), ("dp", [(0, 2), (1, 3)])):
+        for a, b in peers:
+            for sa, sb in zip(ranks[a]["steps"], ranks[b]["steps"]):
+                spans_a, spans_b = ([s for s in st[kind] if s[0] != "mark"] for st in (sa, sb))  # marks: no meeting
+                assert len(spans_a) == len(spans_b) > 0 and [s[:2] for s in spans_a] == [s[:2] for s in spans_b]
+                for x, y in zip(spans_a, spans_b):
+                    assert x[2] + x[3] == pytest.approx(y[2] + y[3], abs=1e-6), (kind, a, b, x, y)
+                if kind == "dp":
+                    assert all(s[1] == "grad" and s[3] >= 0.01 for s in spans_a)  # the link's latency at least

@@ -29,3 +29,14 @@ def test_what_the_engines_declare() -> None:
     assert Plain().last_move() is None
     assert TPEngine.capabilities == Capabilities(live_reshard=True, checkpoints=True)
     assert TPEngine().last_move() is None and TPEngine().lora is None  # before any build or move
+
+
+def test_the_data_parallel_engine_keeps_checkpoints_and_refuses_a_live_reshard_as_a_layout() -> None:
+    from xronos.node.rank.dpengine import DPEngine
+    from xronos.protocol.layout import LayoutError
+
+    assert DPEngine.capabilities == Capabilities(live_reshard=False, checkpoints=True)
+    # A re-shard word reaching a data-parallel run is refused like a layout it cannot take
+    # (LayoutError: the lifecycle tells the sink and the run goes on), not a crash.
+    with pytest.raises(LayoutError, match="does not re-shard live"):
+        DPEngine().reshard(None, None, 3)
