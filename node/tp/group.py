@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from xronos.node.tp.clock import WALL, Clock, Meet, Runner
+from xronos.node.tp.clock import WALL, Clock, Flight, Meet, Runner
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _SLOT_DTYPES = (torch.float32, torch.float64)  # tensors whose all-reduce can carry a clock's slots
@@ -52,6 +52,52 @@ class _Works:
     def wait(self) -> None:
         for w in self.items:
             w.wait()
+
+
+class _Flight:
+    """An all-reduce Gloo runs in its own threads (`async_op=True`) while this rank computes: the
+    `Flight` a clock's `launch` gets. The call's CPU, which a clock charges to the rank's box as
+    for a blocking call, is the launching call's, Gloo's threads' while it flew (the process's CPU
+    minus this thread's: the compute between launch and wait is the thread's and not the call's;
+    with several calls in flight each counts the others' too: an upper bound) and the wait's."""
+
+    def __init__(self, t: torch.Tensor, slots: torch.Tensor | None, op: str, pg: dist.ProcessGroup) -> None:
+        c0 = time.process_time()
+        self.t, self.n, self.slots = t, t.numel(), slots
+        self.buf = t
+        if slots is not None and t.dtype in _SLOT_DTYPES:  # the slots ride in the same call, as all_reduce's
+            self.buf = torch.cat([t.view(-1), slots.to(t.dtype)])
+        self.works = [dist.all_reduce(self.buf, op=_OPS[op], group=pg, async_op=True)]
+        if slots is not None and self.buf is t:
+            self.works.append(dist.all_reduce(slots, group=pg, async_op=True))
+        self.launch_cpu = time.process_time() - c0
+        self.proc0, self.thread0 = time.process_time(), time.thread_time()
+
+    def finish(self) -> tuple[torch.Tensor | None, float]:
+        proc, thread = time.process_time(), time.thread_time()
+        others = max(0.0, (proc - self.proc0) - (thread - self.thread0))
+        for w in self.works:
+            w.wait()
+        cpu = self.launch_cpu + others + (time.process_time() - proc)
+        if self.buf is self.t:
+            return self.slots, cpu
+        self.t.view(-1).copy_(self.buf[:self.n])
+        return self.buf[self.n:].to(torch.float64), cpu
+
+
+class Pending:
+    """An all-reduce in flight (`TPGroup.all_reduce_async`): `wait()` once before reading or
+    writing its tensor; it returns the tensor, reduced in place."""
+
+    def __init__(self, group: TPGroup, t: torch.Tensor, meet: Meet, ticket: object | None) -> None:
+        self.group, self.t, self.meet, self.ticket = group, t, meet, ticket
+        self.done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self.done:
+            self.done = True
+            self.group._land(self)
+        return self.t
 
 
 class Span(NamedTuple):
@@ -176,16 +222,21 @@ class TPGroup:
         alone, the skipped ones are marks)."""
         meet = Meet(op, self._tag, nbytes, timed, peer)
         if self.world_size == 1 or self.alone:
-            if timed:
-                self.pause()
-                at = self.clock.skipped(meet)
-                if self.trace and self._tag is not None:
-                    self.spans.append(Span("mark", self._tag, at, 0.0))
+            self._skip(meet)
             return
-        start, end = self.clock.meet(meet, run, self.rank, self.world_size)
-        if timed:
-            self.timings.append((op, end - start))
-            self.spans.append(Span(op, self._tag, start, end - start))
+        self._record(meet, *self.clock.meet(meet, run, self.rank, self.world_size))
+
+    def _skip(self, meet: Meet) -> None:
+        if meet.timed:
+            self.pause()
+            at = self.clock.skipped(meet)
+            if self.trace and meet.tag is not None:
+                self.spans.append(Span("mark", meet.tag, at, 0.0))
+
+    def _record(self, meet: Meet, start: float, end: float) -> None:
+        if meet.timed:
+            self.timings.append((meet.op, end - start))
+            self.spans.append(Span(meet.op, meet.tag, start, end - start))
 
     def settle(self) -> None:
         """Where an iteration ends without a collective (after the optimizer step): the clock books
@@ -220,6 +271,27 @@ class TPGroup:
 
         self._meet(f"all_reduce_{op}", timed, n * t.element_size(), run)
         return t
+
+    def all_reduce_async(self, t: torch.Tensor, op: str = "sum", *, timed: bool = True) -> Pending:
+        """Start an all-reduce of `t` (in place, contiguous) and return at once, so that the rank
+        computes while it travels; `wait()` the result before touching `t`. Its span is the wait
+        (what the compute since the launch did not hide), tagged with the segment kind current at
+        the launch; a world of one marks there too. Wait in launch order (Gloo and the virtual
+        clock's link both carry them in that order)."""
+        meet = Meet(f"all_reduce_{op}", self._tag, t.numel() * t.element_size(), timed)
+        if self.world_size == 1 or self.alone:
+            return Pending(self, t, meet, None)
+
+        def start(slots: torch.Tensor | None) -> Flight:
+            return _Flight(t, slots, op, self.pg)
+
+        return Pending(self, t, meet, self.clock.launch(meet, start, self.rank, self.world_size))
+
+    def _land(self, p: Pending) -> None:
+        if p.ticket is None:
+            self._skip(p.meet)
+        else:
+            self._record(p.meet, *self.clock.land(p.ticket))
 
     def broadcast(self, t: torch.Tensor, src: int, *, timed: bool = True) -> torch.Tensor:
         def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
