@@ -15,6 +15,7 @@ from xronos.node.tp.layers import Sharded, vocab_parallel_cross_entropy
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import LORA_PARAMS
 from xronos.node.tp.mappings import boundary, copy_to_tp
+from xronos.node.tp.overlap import column_region
 from xronos.protocol.layout import Sizes
 
 from .specs import TensorSpec
@@ -263,7 +264,10 @@ def last_token_pool(h: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int 
 
 
 def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    """Vocab-parallel logits: replicated h [B, S, hidden] x local rows [V_local, hidden]."""
+    """Vocab-parallel logits: replicated h [B, S, hidden] x local rows [V_local, hidden]. With
+    overlap on, the head's weight gradient hides the input gradient's all-reduce (`column_region`)."""
+    if group.overlap and group.world_size > 1:
+        return column_region(h, group, "vocab", ((weight, None, False),))[2][0]
     return F.linear(copy_to_tp(h, group, "vocab"), weight)  # [B, S, V_local]
 
 

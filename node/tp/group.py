@@ -139,6 +139,10 @@ class TPGroup:
         self.trace = (world_size > 1 and not alone) if trace is None else trace
         self._tag: str | None = None
         self._joined = False  # this group set up the default process group (join) and ends it (leave)
+        # Overlap communication with compute where the sums stay the same (`node/tp/overlap.py`):
+        # the layers read it when they run. Off by default: the runtime sets it.
+        self.overlap = False
+        self.launched = 0  # asynchronous collectives started (a rank's count of overlapped ones)
 
     @classmethod
     def single(cls, *, trace: bool = False, clock: Clock | None = None) -> TPGroup:
@@ -285,6 +289,7 @@ class TPGroup:
         def start(slots: torch.Tensor | None) -> Flight:
             return _Flight(t, slots, op, self.pg)
 
+        self.launched += 1
         return Pending(self, t, meet, self.clock.launch(meet, start, self.rank, self.world_size))
 
     def _land(self, p: Pending) -> None:

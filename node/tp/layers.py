@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .group import TPGroup
 from .layout import ShardLayout
 from .mappings import boundary, reduce_from_tp
+from .overlap import Entered
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class ColumnParallelLinear(Sharded):
     The input must already be inside the TP region (`copy_to_tp`), entered once for all column
     layers reading the same activation so backward needs a single all-reduce. With a LoRA adapter
     (A replicated, B split like W), A enters the region with x (`lora.enter_region`) and is passed
-    in as `lora_a`, so its partial gradient is summed in x's all-reduce.
+    in as `lora_a`, so its partial gradient is summed in x's all-reduce. With overlap on, the
+    region computed the product already and passes it in as an `overlap.Entered`.
     """
 
     lora_scale: float | None = None  # set by lora.add_lora
@@ -95,8 +97,11 @@ class ColumnParallelLinear(Sharded):
         self.bias = nn.Parameter(torch.empty(out.width)) if bias else None
         self.shards = {"weight": (1 if transposed else 0, out), **({"bias": (0, out)} if bias else {})}
 
-    def forward(self, x: torch.Tensor, lora_a: torch.Tensor | None = None) -> torch.Tensor:  # [..., in] -> [..., local_out]
-        y = _linear(x, self.weight, self.bias, self.transposed)
+    def forward(self, x: torch.Tensor, lora_a: torch.Tensor | Entered | None = None) -> torch.Tensor:  # [..., in] -> [..., local_out]
+        if isinstance(lora_a, Entered):  # the region computed the product (overlap.column_region)
+            y, lora_a = lora_a
+        else:
+            y = _linear(x, self.weight, self.bias, self.transposed)
         if self.lora_scale is None:
             return y
         # Outside a world of one, A must come through the region entry (else its gradient is partial).

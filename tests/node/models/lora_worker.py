@@ -32,6 +32,8 @@ from xronos.node.rank.tpengine import clip_global_grad_norm, trainable  # noqa: 
 
 
 def run_case(case: dict, rank: int, group: TPGroup, out: Path) -> None:
+    group.overlap = bool(case.get("overlap"))  # test_overlap_equivalence: the same bar, overlap on
+    group.launched = 0
     start = Path(case["start"])
     config = json.loads((start / "config.json").read_text())
     family = family_for(config)
@@ -98,7 +100,7 @@ def run_case(case: dict, rank: int, group: TPGroup, out: Path) -> None:
         if case.get("export"):
             save_lora_exports(out / f"{case['id']}-export", config, case["task"], state, settings, modules,
                               start, merged=True)
-    info = {"modules": modules, "rep_diff": rep_diff, "frozen_grads": frozen_grads, "tags": tags,
+    info = {"launched": group.launched, "modules": modules, "rep_diff": rep_diff, "frozen_grads": frozen_grads, "tags": tags,
             "opt_params": sum(len(g["params"]) for g in opt.param_groups), "opt_states": len(opt.state),
             "trained": sorted(specs[n].hf_name for n in trained),
             "frozen_moved": frozen_moved if rank == 0 else None}

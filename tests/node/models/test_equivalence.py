@@ -191,7 +191,11 @@ def rank_infos(out: Path, cid: str, n: int) -> list[dict]:
 
 @pytest.mark.parametrize("cid", ALL_CASES + MIXED_CASES)
 def test_sharded_matches_transformers(world, cid):
-    out, refs, cases = world
+    assert_matches_transformers(*world, cid)
+
+
+def assert_matches_transformers(out: Path, refs: dict, cases: dict, cid: str) -> None:
+    """The case's results against transformers' (also test_overlap_equivalence's bar)."""
     case = cases[cid]
     ref = refs[case["kind"]]
     res = load_file(str(out / f"{cid}.safetensors"))
