@@ -1,0 +1,212 @@
+"""Overlap on vs off, side by side, on the virtual clock (issue #37):
+
+    .venv/bin/python -m xronos.bench.overlap [--cells demo,set-a-gpt2m] [--iters 8] [--warmup 4]
+
+Real ranks (one process each, one Gloo group on loopback, one compute thread) train a model of the
+cell's shape (random weights, `workloads.shape_config`) on the cell's emulated boxes: each rank's
+`TPGroup` runs on a `VirtualClock` of its box's speed (host cores) and the cell's link (1 Gbit/s,
+0.5 ms a call, the cost model's). The layout is speed-proportional per segment kind (each kind's
+units cut by the largest remainder), the same on and off. Iterations alternate overlap off / on
+(`TPGroup.overlap`: the input-gradient all-reduce of every column-parallel region beside its
+weight-gradient GEMMs, `node/tp/overlap.py`), so both see the same host conditions; an iteration is
+forward, backward, AdamW step, from a common start (an untimed barrier) to the last rank's end,
+in virtual seconds. Reported per cell: the medians over the measured iterations, on and off, their
+ratio, and the share of the iteration the rank that computes most (it hardly idles) spends in
+collectives, off and on (the cells the issue targets have >= 30 % off). Results: bench/results/overlap.md and .json, with the clock and the host's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The cells: boxes as host cores (virtual speed), model shape, blocks, batch, sequence, task.
+# `demo`: `xronos demo`'s boxes (N100 0.9, Pi 5 0.5, Pi 4 0.3) and model (MiniLM-L6, BERT 384 wide).
+MINILM = dict(model_type="bert", hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+              intermediate_size=1536, vocab_size=30522, max_position_embeddings=512, type_vocab_size=2,
+              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0, pad_token_id=0)
+CELLS = {
+    "demo": dict(speeds=[0.9, 0.5, 0.3], shape="minilm", blocks=None, batch=8, seq=16, task="classify"),
+    # three N100 boxes on the same model: faster boxes, so communication is a larger share
+    "n100x3": dict(speeds=[0.9, 0.9, 0.9], shape="minilm", blocks=None, batch=8, seq=16, task="classify"),
+    "set-a-gpt2m": dict(speeds=[0.45, 0.3, 0.3], shape="gpt2-medium", blocks=6, batch=8, seq=32, task="causal-lm"),
+    "set-a-roberta": dict(speeds=[0.45, 0.3, 0.3], shape="roberta-base", blocks=6, batch=8, seq=64, task="classify"),
+    "set-a-smollm2": dict(speeds=[0.45, 0.3, 0.3], shape="smollm2-360m", blocks=8, batch=8, seq=32,
+                          task="causal-lm"),
+}
+RATE_MBIT, LATENCY_S = 1000.0, 0.5e-3
+
+
+def proportional(total: int, speeds: list[float]) -> tuple[int, ...]:
+    """`total` units cut by speed, largest remainder first (a rank may get 0)."""
+    exact = [total * s / sum(speeds) for s in speeds]
+    counts = [int(e) for e in exact]
+    for i in sorted(range(len(speeds)), key=lambda i: exact[i] - counts[i], reverse=True)[:total - sum(counts)]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+def config_of(cell: dict) -> dict:
+    from xronos.bench.workloads import shape_config
+
+    config = dict(MINILM) if cell["shape"] == "minilm" else shape_config(cell["shape"], cell["blocks"])
+    prefix = {"gpt2": "GPT2", "bert": "Bert", "roberta": "Roberta", "llama": "Llama"}[config["model_type"]]
+    suffix = "LMHeadModel" if prefix == "GPT2" else "ForCausalLM"
+    config["architectures"] = [prefix + (suffix if cell["task"] == "causal-lm" else "ForSequenceClassification")]
+    return config
+
+
+def worker(job_file: str, rank_s: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from xronos.node.emulate.link import Link
+    from xronos.node.emulate.vclock import Box, VirtualClock
+    from xronos.node.models.loading import init_random
+    from xronos.node.models.registry import family_for
+    from xronos.node.tp.group import TPGroup
+    from xronos.node.tp.layout import ShardLayout
+
+    job, rank = json.loads(Path(job_file).read_text()), int(rank_s)
+    cell, speeds = job["cell"], job["cell"]["speeds"]
+    clock = VirtualClock(Box(speeds[rank], Link.mbit(RATE_MBIT, LATENCY_S), "med"))
+    group = TPGroup.join(rank, len(speeds), "127.0.0.1", job["port"], timeout_s=300, clock=clock)
+    config = config_of(cell)
+    family = family_for(config)
+    sizes = family.sizes(config)
+    layout = ShardLayout(*(proportional(getattr(sizes, k), speeds) for k in ("attn", "mlp", "vocab")), rank=rank)
+    model = init_random(family.build(config, cell["task"], layout, group), seed=0)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, config["vocab_size"], (cell["batch"], cell["seq"]), generator=gen)
+    labels = ids if cell["task"] == "causal-lm" else torch.randint(0, 2, (cell["batch"],), generator=gen)
+    rows = []
+    for it in range(2 * (job["warmup"] + job["iters"])):
+        group.overlap = it % 2 == 1  # off, on, off, on...: both under the same host conditions
+        # Every iteration starts together (untimed barrier): no rank's wait for the last iteration's
+        # slowest optimizer step lands in the next one, which runs in the other mode.
+        group.barrier(timed=False)
+        acc = clock.account
+        t0, w0, before = group.now(), time.perf_counter(), (acc.compute, acc.comm, acc.idle)
+        loss = model(ids, labels=labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        group.settle()
+        t1 = group.now()
+        after = (acc.compute, acc.comm, acc.idle)
+        rows.append({"overlap": group.overlap, "iteration_s": t1 - t0, "wall_s": time.perf_counter() - w0,
+                     **{k: a - b for k, a, b in zip(("compute_s", "comm_s", "idle_s"), after, before)},
+                     "launched": group.launched, "loss": loss.item()})
+    lay = {k: list(getattr(layout, k)) for k in ("attn", "mlp", "vocab")}
+    Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"layout": lay, "rows": rows}))
+    group.leave()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    job = {"cell": cell, "iters": iters, "warmup": warmup, "port": _free_port(), "out": str(work)}
+    (work / "job.json").write_text(json.dumps(job))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "xronos.bench.overlap", "worker", str(work / "job.json"), str(r)],
+                              env=env, stdout=(work / f"rank{r}.log").open("w"), stderr=subprocess.STDOUT)
+             for r in range(len(cell["speeds"]))]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"cell {name}: ranks exited {codes}; see {work}/rank*.log")
+    ranks = [json.loads((work / f"rank{r}.json").read_text())["rows"] for r in range(len(procs))]
+    res: dict = {"cell": name, **cell}
+    for mode in (False, True):
+        its = [i for i in range(len(ranks[0])) if ranks[0][i]["overlap"] == mode][warmup:]
+        # from the common start to the last rank's end: the iteration
+        slowest = [max(rk[i]["iteration_s"] for rk in ranks) for i in its]
+        # the communication the iteration waits for: the share of it the rank that computes most
+        # (the slowest box for its share; it hardly idles) spends in collectives
+        busiest = max(range(len(ranks)), key=lambda r: sum(ranks[r][i]["compute_s"] for i in its))
+        exposed = [ranks[busiest][i]["comm_s"] / ranks[busiest][i]["iteration_s"] for i in its]
+        key = "on" if mode else "off"
+        res[key] = {"median_s": statistics.median(slowest), "min_s": min(slowest), "max_s": max(slowest),
+                    "exposed_comm_share": statistics.median(exposed),
+                    "wall_median_s": statistics.median(max(rk[i]["wall_s"] for rk in ranks) for i in its),
+                    "n": len(its)}
+    res["ratio"] = res["on"]["median_s"] / res["off"]["median_s"]
+    res["layout"] = json.loads((work / "rank0.json").read_text())["layout"]
+    return res
+
+
+def markdown(results: list[dict], load: str, argv: list[str], seconds: float) -> str:
+    lines = ["# Overlap on vs off (issue #37)", "",
+             "Clock: **virtual** (each rank's compute at its box's speed, collectives on a modelled "
+             f"{RATE_MBIT:g} Mbit/s link, {LATENCY_S * 1e3:g} ms a call; wall seconds beside, for scale only). "
+             "Overlap: the input-gradient all-reduce of every column-parallel region (attention, MLP, LM "
+             "head) runs while the region's weight-gradient GEMMs compute (`node/tp/overlap.py`); forward "
+             "chunking is not built, so the forward all-reduces still block. Iterations alternate off/on in "
+             "one run; figures are medians over the measured iterations of the slowest rank's virtual "
+             "iteration (forward, backward, AdamW).", "",
+             f"Command: `python -m xronos.bench.overlap {' '.join(argv)}`; {seconds / 60:.1f} min; "
+             f"load (`uptime`) at the end: {load}.", "",
+             "| cell | boxes (host cores) | model | blocks | batch x seq | comm share, off | comm share, on | off s | on s "
+             "| on/off | off wall s | on wall s | iterations each |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['cell']} | {', '.join(f'{s:g}' for s in r['speeds'])} | {r['shape']} | "
+                     f"{r['blocks'] or 'all'} | {r['batch']} x {r['seq']} | {r['off']['exposed_comm_share']:.0%} | "
+                     f"{r['on']['exposed_comm_share']:.0%} | "
+                     f"{r['off']['median_s']:.4f} | {r['on']['median_s']:.4f} | **{r['ratio']:.3f}** | "
+                     f"{r['off']['wall_median_s']:.3f} | {r['on']['wall_median_s']:.3f} | {r['on']['n']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":
+        worker(argv[1], argv[2])
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m xronos.bench.overlap", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", default="demo,set-a-gpt2m", help=f"comma-separated, of {', '.join(CELLS)}")
+    ap.add_argument("--iters", type=int, default=8, help="measured iterations per mode")
+    ap.add_argument("--warmup", type=int, default=4, help="iterations per mode not counted (estimator windows)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = ap.parse_args(argv)
+    names = [c for c in args.cells.split(",") if c]
+    bad = [c for c in names if c not in CELLS]
+    if bad:
+        ap.error(f"unknown cell(s) {bad}; known: {', '.join(CELLS)}")
+    t0 = time.monotonic()
+    results = []
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="overlap-bench-")  # kept when a cell fails: its ranks' logs
+    for name in names:
+        print(f"== {name}", flush=True)
+        res = run_cell(name, CELLS[name], args.iters, args.warmup, Path(tmp) / name)
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    shutil.rmtree(tmp) if not os.environ.get("XRONOS_BENCH_KEEP") else print("kept", tmp)
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overlap.json").write_text(json.dumps({"load": load, "results": results}, indent=1))
+    (args.out / "overlap.md").write_text(markdown(results, load, argv, time.monotonic() - t0))
+    print((args.out / "overlap.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
