@@ -130,15 +130,23 @@ class RowParallelLinear(Sharded):
         self.shards = {"weight": (0 if transposed else 1, inp)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., local_in] -> [..., out]
+        return self.finish(reduce_from_tp(self.partial(x), self.group, self.kind))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # [..., local_in] -> [..., out (+ r)]
+        """This rank's part of the sum the all-reduce completes (forward chunking launches that
+        all-reduce itself: `mappings.reduce_from_tp_async`, then `finish`)."""
         # An empty inner dimension gives exact zeros, so a 0-unit rank adds nothing.
         part = _linear(x, self.weight, None, self.transposed)  # [..., out], this rank's partial sum
         if self.lora_scale is None:
-            y = reduce_from_tp(part, self.group, self.kind)
-            return y if self.bias is None else y + self.bias
+            return part
         u = F.linear(self.lora_dropout(x), self.lora_A)  # [..., r], partial
-        r = u.shape[-1]
         # One all-reduce of [..., out + r]; B after it, so dB needs no collective (u is full there).
-        y, u = reduce_from_tp(torch.cat((part, u), dim=-1), self.group, self.kind).split([self.out_features, r], -1)
+        return torch.cat((part, u), dim=-1)
+
+    def finish(self, reduced: torch.Tensor) -> torch.Tensor:  # [..., out (+ r)], summed -> [..., out]
+        if self.lora_scale is None:
+            return reduced if self.bias is None else reduced + self.bias
+        y, u = reduced.split([self.out_features, reduced.shape[-1] - self.out_features], -1)
         if self.bias is not None:
             y = y + self.bias
         return y + F.linear(u, self.lora_B) * self.lora_scale  # [..., out]

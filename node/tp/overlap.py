@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .group import TPGroup
+from .mappings import reduce_from_tp_async
 
 
 class Entered(NamedTuple):
@@ -115,3 +116,36 @@ def column_region(x: torch.Tensor, group: TPGroup, kind: str | None,
     spec = tuple((b is not None, tr) for _, b, tr in triples)
     x_in, p_in, *ys = _ColumnRegion.apply(x, p, group, kind, spec, *params)
     return x_in, (None if passenger is None else p_in), ys
+
+
+# -- forward chunking (Domino) ---------------------------------------------------------------------
+# A stage of a block: `pre(x, c)` computes chunk c's partial sum (the row-parallel layer's
+# `partial`), `post(x, reduced)` completes it (`finish`, dropout, the residual), `kind` tags the
+# all-reduce between them.
+Stage = tuple  # (pre, post, kind)
+
+
+def check_chunks(chunks: object, batch: int) -> int:
+    """The number of chunks a rank's batch rows are cut into, or ValueError naming it and the batch."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r} (batch size {batch})")
+    if chunks > batch:
+        raise ValueError(f"chunks {chunks} leaves a chunk without a row: the batch has {batch} rows "
+                         f"(at most {batch} chunks)")
+    return chunks
+
+
+def run_chunked(stages: list[Stage], xs: list[torch.Tensor], group: TPGroup) -> list[torch.Tensor]:
+    """Run the stages over the chunks `xs` so that chunk c's all-reduce of a stage travels while
+    chunk c+1 computes that stage and chunk c-1 the next (Domino, arXiv 2409.15241): stage by stage,
+    chunk by chunk, each chunk first completes its previous stage (waiting for its all-reduce,
+    launched one chunk's compute earlier), then launches this one's. Every rank launches and waits
+    in the same order. The sums are the unchunked ones, row by row."""
+    xs, flights, post = list(xs), [None] * len(xs), None
+    for pre, nxt, kind in stages:
+        for c, x in enumerate(xs):
+            if flights[c] is not None:
+                x = xs[c] = post(x, flights[c].wait())
+            flights[c] = reduce_from_tp_async(pre(x, c), group, kind)
+        post = nxt
+    return [post(x, f.wait()) for x, f in zip(xs, flights)] if post is not None else xs
