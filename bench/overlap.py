@@ -35,6 +35,9 @@ CELLS = {
     "demo": dict(speeds=[0.9, 0.5, 0.3], shape="minilm", blocks=None, batch=8, seq=16, task="classify"),
     # three N100 boxes on the same model: faster boxes, so communication is a larger share
     "n100x3": dict(speeds=[0.9, 0.9, 0.9], shape="minilm", blocks=None, batch=8, seq=16, task="classify"),
+    # the same at 8 x 64 tokens: chunks of 4 rows still make GEMMs of 256 tokens
+    "n100x3-s64": dict(speeds=[0.9, 0.9, 0.9], shape="minilm", blocks=None, batch=8, seq=64, task="classify"),
+    "demo-s64": dict(speeds=[0.9, 0.5, 0.3], shape="minilm", blocks=None, batch=8, seq=64, task="classify"),
     "set-a-gpt2m": dict(speeds=[0.45, 0.3, 0.3], shape="gpt2-medium", blocks=6, batch=8, seq=32, task="causal-lm"),
     "set-a-roberta": dict(speeds=[0.45, 0.3, 0.3], shape="roberta-base", blocks=6, batch=8, seq=64, task="classify"),
     "set-a-smollm2": dict(speeds=[0.45, 0.3, 0.3], shape="smollm2-360m", blocks=8, batch=8, seq=32,
@@ -60,6 +63,15 @@ def config_of(cell: dict) -> dict:
     suffix = "LMHeadModel" if prefix == "GPT2" else "ForCausalLM"
     config["architectures"] = [prefix + (suffix if cell["task"] == "causal-lm" else "ForSequenceClassification")]
     return config
+
+
+def chunks_of(mode: str) -> int:
+    """Modes: `off`; `bwd` (backward overlap); `cN` (backward overlap and N forward chunks)."""
+    if mode in ("off", "bwd"):
+        return 1
+    if mode.startswith("c") and mode[1:].isdigit() and int(mode[1:]) >= 2:
+        return int(mode[1:])
+    raise ValueError(f"mode {mode!r}: off, bwd or cN (N >= 2 forward chunks)")
 
 
 def worker(job_file: str, rank_s: str) -> None:
@@ -88,8 +100,10 @@ def worker(job_file: str, rank_s: str) -> None:
     ids = torch.randint(1, config["vocab_size"], (cell["batch"], cell["seq"]), generator=gen)
     labels = ids if cell["task"] == "causal-lm" else torch.randint(0, 2, (cell["batch"],), generator=gen)
     rows = []
-    for it in range(2 * (job["warmup"] + job["iters"])):
-        group.overlap = it % 2 == 1  # off, on, off, on...: both under the same host conditions
+    modes = job["modes"]
+    for it in range(len(modes) * (job["warmup"] + job["iters"])):
+        mode = modes[it % len(modes)]  # round robin: every mode under the same host conditions
+        group.overlap, group.chunks = mode != "off", chunks_of(mode)
         # Every iteration starts together (untimed barrier): no rank's wait for the last iteration's
         # slowest optimizer step lands in the next one, which runs in the other mode.
         group.barrier(timed=False)
@@ -102,11 +116,12 @@ def worker(job_file: str, rank_s: str) -> None:
         group.settle()
         t1 = group.now()
         after = (acc.compute, acc.comm, acc.idle)
-        rows.append({"overlap": group.overlap, "iteration_s": t1 - t0, "wall_s": time.perf_counter() - w0,
+        rows.append({"mode": mode, "iteration_s": t1 - t0, "wall_s": time.perf_counter() - w0,
                      **{k: a - b for k, a, b in zip(("compute_s", "comm_s", "idle_s"), after, before)},
                      "launched": group.launched, "loss": loss.item()})
     lay = {k: list(getattr(layout, k)) for k in ("attn", "mlp", "vocab")}
-    Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"layout": lay, "rows": rows}))
+    calls = {f"{k[0]} {k[1]} B": clock.call_est.value(k) for k in clock.call_est._hist}  # the calls' CPU (host s)
+    Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"layout": lay, "calls_cpu_s": calls, "rows": rows}))
     group.leave()
 
 
@@ -118,9 +133,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path) -> dict:
+def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: list[str]) -> dict:
     work.mkdir(parents=True, exist_ok=True)
-    job = {"cell": cell, "iters": iters, "warmup": warmup, "port": _free_port(), "out": str(work)}
+    job = {"cell": cell, "iters": iters, "warmup": warmup, "port": _free_port(), "out": str(work), "modes": modes}
     (work / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "xronos.bench.overlap", "worker", str(work / "job.json"), str(r)],
@@ -131,20 +146,21 @@ def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path) -> dict
         raise RuntimeError(f"cell {name}: ranks exited {codes}; see {work}/rank*.log")
     ranks = [json.loads((work / f"rank{r}.json").read_text())["rows"] for r in range(len(procs))]
     res: dict = {"cell": name, **cell}
-    for mode in (False, True):
-        its = [i for i in range(len(ranks[0])) if ranks[0][i]["overlap"] == mode][warmup:]
+    for mode in modes:
+        its = [i for i in range(len(ranks[0])) if ranks[0][i]["mode"] == mode][warmup:]
         # from the common start to the last rank's end: the iteration
         slowest = [max(rk[i]["iteration_s"] for rk in ranks) for i in its]
         # the communication the iteration waits for: the share of it the rank that computes most
         # (the slowest box for its share; it hardly idles) spends in collectives
         busiest = max(range(len(ranks)), key=lambda r: sum(ranks[r][i]["compute_s"] for i in its))
         exposed = [ranks[busiest][i]["comm_s"] / ranks[busiest][i]["iteration_s"] for i in its]
-        key = "on" if mode else "off"
-        res[key] = {"median_s": statistics.median(slowest), "min_s": min(slowest), "max_s": max(slowest),
+        res[mode] = {"median_s": statistics.median(slowest), "min_s": min(slowest), "max_s": max(slowest),
                     "exposed_comm_share": statistics.median(exposed),
                     "wall_median_s": statistics.median(max(rk[i]["wall_s"] for rk in ranks) for i in its),
                     "n": len(its)}
-    res["ratio"] = res["on"]["median_s"] / res["off"]["median_s"]
+    res["modes"] = modes
+    for mode in modes[1:]:
+        res[mode]["ratio"] = res[mode]["median_s"] / res[modes[0]]["median_s"]
     res["layout"] = json.loads((work / "rank0.json").read_text())["layout"]
     return res
 
@@ -152,23 +168,28 @@ def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path) -> dict
 def markdown(results: list[dict], load: str, argv: list[str], seconds: float) -> str:
     lines = ["# Overlap on vs off (issue #37)", "",
              "Clock: **virtual** (each rank's compute at its box's speed, collectives on a modelled "
-             f"{RATE_MBIT:g} Mbit/s link, {LATENCY_S * 1e3:g} ms a call; wall seconds beside, for scale only). "
-             "Overlap: the input-gradient all-reduce of every column-parallel region (attention, MLP, LM "
-             "head) runs while the region's weight-gradient GEMMs compute (`node/tp/overlap.py`); forward "
-             "chunking is not built, so the forward all-reduces still block. Iterations alternate off/on in "
-             "one run; figures are medians over the measured iterations of the slowest rank's virtual "
-             "iteration (forward, backward, AdamW).", "",
+             f"{RATE_MBIT:g} Mbit/s link, {LATENCY_S * 1e3:g} ms a call; wall seconds beside, for scale only: "
+             "the host is shared). Modes: `off` (every all-reduce blocks: today), `bwd` (the input-gradient "
+             "all-reduce of every column-parallel region runs while the region's weight-gradient GEMMs "
+             "compute, `node/tp/overlap.py`), `cN` (that, and the batch rows in N forward chunks, each "
+             "chunk's row-parallel all-reduces travelling while the next chunk computes). Modes take turns "
+             "iteration by iteration in one run; each figure is the median over the measured iterations of "
+             "the iteration (forward, backward, AdamW; from a common start to the last rank's end). `comm "
+             "share`: the share of the iteration the rank that computes most spends in collectives. The "
+             "layout is speed-proportional per segment kind, the same in every mode.", "",
              f"Command: `python -m xronos.bench.overlap {' '.join(argv)}`; {seconds / 60:.1f} min; "
              f"load (`uptime`) at the end: {load}.", "",
-             "| cell | boxes (host cores) | model | blocks | batch x seq | comm share, off | comm share, on | off s | on s "
-             "| on/off | off wall s | on wall s | iterations each |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cell | boxes (host cores) | model | blocks | batch x seq | mode | iteration s (virtual) "
+             "| / off | comm share | wall s | iterations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['cell']} | {', '.join(f'{s:g}' for s in r['speeds'])} | {r['shape']} | "
-                     f"{r['blocks'] or 'all'} | {r['batch']} x {r['seq']} | {r['off']['exposed_comm_share']:.0%} | "
-                     f"{r['on']['exposed_comm_share']:.0%} | "
-                     f"{r['off']['median_s']:.4f} | {r['on']['median_s']:.4f} | **{r['ratio']:.3f}** | "
-                     f"{r['off']['wall_median_s']:.3f} | {r['on']['wall_median_s']:.3f} | {r['on']['n']} |")
+        for mode in r["modes"]:
+            m = r[mode]
+            ratio = f"**{m['ratio']:.3f}**" if "ratio" in m else "1"
+            lines.append(f"| {r['cell']} | {', '.join(f'{s:g}' for s in r['speeds'])} | {r['shape']} | "
+                         f"{r['blocks'] or 'all'} | {r['batch']} x {r['seq']} | {mode} | {m['median_s']:.4f} "
+                         f"(min {m['min_s']:.4f}, max {m['max_s']:.4f}) | {ratio} | "
+                         f"{m['exposed_comm_share']:.0%} | {m['wall_median_s']:.3f} | {m['n']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -180,11 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xronos.bench.overlap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default="demo,set-a-gpt2m", help=f"comma-separated, of {', '.join(CELLS)}")
+    ap.add_argument("--modes", default="off,bwd,c2", help="off, bwd, cN (N forward chunks), the first the baseline")
     ap.add_argument("--iters", type=int, default=8, help="measured iterations per mode")
     ap.add_argument("--warmup", type=int, default=4, help="iterations per mode not counted (estimator windows)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
     names = [c for c in args.cells.split(",") if c]
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        try:
+            chunks_of(m)
+        except ValueError as e:
+            ap.error(str(e))
     bad = [c for c in names if c not in CELLS]
     if bad:
         ap.error(f"unknown cell(s) {bad}; known: {', '.join(CELLS)}")
@@ -196,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="overlap-bench-")  # kept when a cell fails: its ranks' logs
     for name in names:
         print(f"== {name}", flush=True)
-        res = run_cell(name, CELLS[name], args.iters, args.warmup, Path(tmp) / name)
+        res = run_cell(name, CELLS[name], args.iters, args.warmup, Path(tmp) / name, modes)
         print(json.dumps(res), flush=True)
         results.append(res)
     shutil.rmtree(tmp) if not os.environ.get("XRONOS_BENCH_KEEP") else print("kept", tmp)
