@@ -1,18 +1,21 @@
 """Overlap on vs off, side by side, on the virtual clock (issue #37):
 
-    .venv/bin/python -m xronos.bench.overlap [--cells demo,set-a-gpt2m] [--iters 8] [--warmup 4]
+    .venv/bin/python -m xronos.bench.overlap [--cells demo,n100x3-s64] [--modes off,bwd,c2] [--iters 6]
 
 Real ranks (one process each, one Gloo group on loopback, one compute thread) train a model of the
-cell's shape (random weights, `workloads.shape_config`) on the cell's emulated boxes: each rank's
-`TPGroup` runs on a `VirtualClock` of its box's speed (host cores) and the cell's link (1 Gbit/s,
-0.5 ms a call, the cost model's). The layout is speed-proportional per segment kind (each kind's
-units cut by the largest remainder), the same on and off. Iterations alternate overlap off / on
-(`TPGroup.overlap`: the input-gradient all-reduce of every column-parallel region beside its
-weight-gradient GEMMs, `node/tp/overlap.py`), so both see the same host conditions; an iteration is
-forward, backward, AdamW step, from a common start (an untimed barrier) to the last rank's end,
-in virtual seconds. Reported per cell: the medians over the measured iterations, on and off, their
-ratio, and the share of the iteration the rank that computes most (it hardly idles) spends in
-collectives, off and on (the cells the issue targets have >= 30 % off). Results: bench/results/overlap.md and .json, with the clock and the host's load.
+cell's shape (random weights, `workloads.shape_config`; `demo`'s is `xronos demo`'s MiniLM) on the
+cell's emulated boxes: each rank's `TPGroup` runs on a `VirtualClock` of its box's speed (host
+cores) and the cell's link (1 Gbit/s, 0.5 ms a call, the cost model's). The layout is
+speed-proportional per segment kind (each kind's units cut by the largest remainder), the same in
+every mode. Modes take turns iteration by iteration, so all see the same host conditions: `off`
+(today: every all-reduce blocks), `bwd` (`TPGroup.overlap`: the input-gradient all-reduce of every
+column-parallel region beside its weight-gradient GEMMs, `node/tp/overlap.py`), `cN` (that, and
+`TPGroup.chunks` = N forward chunks). An iteration is forward, backward, AdamW step, from a common
+start (an untimed barrier) to the last rank's end, in virtual seconds. Reported per cell and mode:
+the median over the measured iterations, its ratio to the first mode's, and the share of the
+iteration the rank that computes most (it hardly idles) spends in collectives (the cells the issue
+targets have >= 30 % with overlap off). Results: bench/results/overlap.md and .json, with the
+clock and the host's load.
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: 
         # (the slowest box for its share; it hardly idles) spends in collectives
         busiest = max(range(len(ranks)), key=lambda r: sum(ranks[r][i]["compute_s"] for i in its))
         exposed = [ranks[busiest][i]["comm_s"] / ranks[busiest][i]["iteration_s"] for i in its]
-        res[mode] = {"median_s": statistics.median(slowest), "min_s": min(slowest), "max_s": max(slowest),
+        res[mode] = {"median_s": statistics.median(slowest),
+                     "compute_s": statistics.median(ranks[busiest][i]["compute_s"] for i in its), "min_s": min(slowest), "max_s": max(slowest),
                     "exposed_comm_share": statistics.median(exposed),
                     "wall_median_s": statistics.median(max(rk[i]["wall_s"] for rk in ranks) for i in its),
                     "n": len(its)}
@@ -174,22 +178,36 @@ def markdown(results: list[dict], load: str, argv: list[str], seconds: float) ->
              "compute, `node/tp/overlap.py`), `cN` (that, and the batch rows in N forward chunks, each "
              "chunk's row-parallel all-reduces travelling while the next chunk computes). Modes take turns "
              "iteration by iteration in one run; each figure is the median over the measured iterations of "
-             "the iteration (forward, backward, AdamW; from a common start to the last rank's end). `comm "
-             "share`: the share of the iteration the rank that computes most spends in collectives. The "
+             "the iteration (forward, backward, AdamW; from a common start to the last rank's end). `compute "
+             "s` and `comm share`: the compute of the rank that computes most, and the share of the "
+             "iteration it spends in collectives (a mode may change the compute itself: the fused "
+             "backward skips autograd's copies, chunks add per-op overhead). The "
              "layout is speed-proportional per segment kind, the same in every mode.", "",
              f"Command: `python -m xronos.bench.overlap {' '.join(argv)}`; {seconds / 60:.1f} min; "
              f"load (`uptime`) at the end: {load}.", "",
-             "| cell | boxes (host cores) | model | blocks | batch x seq | mode | iteration s (virtual) "
-             "| / off | comm share | wall s | iterations |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cell | boxes (host cores) | model | blocks | batch x seq | run | mode | iteration s (virtual) "
+             "| / off | compute s | comm share | wall s | iterations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for mode in r["modes"]:
             m = r[mode]
             ratio = f"**{m['ratio']:.3f}**" if "ratio" in m else "1"
             lines.append(f"| {r['cell']} | {', '.join(f'{s:g}' for s in r['speeds'])} | {r['shape']} | "
-                         f"{r['blocks'] or 'all'} | {r['batch']} x {r['seq']} | {mode} | {m['median_s']:.4f} "
-                         f"(min {m['min_s']:.4f}, max {m['max_s']:.4f}) | {ratio} | "
+                         f"{r['blocks'] or 'all'} | {r['batch']} x {r['seq']} | {r.get('repeat', 1)} | {mode} | "
+                         f"{m['median_s']:.4f} "
+                         f"(min {m['min_s']:.4f}, max {m['max_s']:.4f}) | {ratio} | {m['compute_s']:.4f} | "
                          f"{m['exposed_comm_share']:.0%} | {m['wall_median_s']:.3f} | {m['n']} |")
+    cells = list(dict.fromkeys(r["cell"] for r in results))
+    if max(r.get("repeat", 1) for r in results) > 1:
+        lines += ["", "Ratios to `off` over the repeats (mean, and (max - min) / mean):", "",
+                  "| cell | mode | mean | spread | runs |", "|---|---|---|---|---|"]
+        for cell in cells:
+            runs = [r for r in results if r["cell"] == cell]
+            for mode in runs[0]["modes"][1:]:
+                xs = [r[mode]["ratio"] for r in runs]
+                mean = statistics.mean(xs)
+                lines.append(f"| {cell} | {mode} | **{mean:.3f}** | {(max(xs) - min(xs)) / mean:.1%} | "
+                             f"{', '.join(f'{x:.3f}' for x in xs)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -203,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cells", default="demo,set-a-gpt2m", help=f"comma-separated, of {', '.join(CELLS)}")
     ap.add_argument("--modes", default="off,bwd,c2", help="off, bwd, cN (N forward chunks), the first the baseline")
     ap.add_argument("--iters", type=int, default=8, help="measured iterations per mode")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every cell, interleaved")
     ap.add_argument("--warmup", type=int, default=4, help="iterations per mode not counted (estimator windows)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
@@ -222,11 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="overlap-bench-")  # kept when a cell fails: its ranks' logs
-    for name in names:
-        print(f"== {name}", flush=True)
-        res = run_cell(name, CELLS[name], args.iters, args.warmup, Path(tmp) / name, modes)
-        print(json.dumps(res), flush=True)
-        results.append(res)
+    for rep in range(args.repeats):  # repeats interleaved: every cell, then every cell again
+        for name in names:
+            print(f"== {name} (repeat {rep + 1}/{args.repeats})", flush=True)
+            res = run_cell(name, CELLS[name], args.iters, args.warmup, Path(tmp) / f"{name}-{rep}", modes)
+            res["repeat"] = rep + 1
+            print(json.dumps(res), flush=True)
+            results.append(res)
     shutil.rmtree(tmp) if not os.environ.get("XRONOS_BENCH_KEEP") else print("kept", tmp)
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -294,7 +294,8 @@ class _Ticket:
     """A launched collective as the clock keeps it until it is resolved and waited for."""
 
     def __init__(self, meet: Meet, flight, base: float, own_cost: float, ckey: tuple, world: int) -> None:
-        self.meet, self.flight, self.base, self.own_cost, self.ckey, self.world = meet, flight, base, own_cost, ckey, world
+        self.meet, self.flight, self.base, self.world = meet, flight, base, world
+        self.own_cost, self.ckey = own_cost, ckey
         self.completion = self.latest = 0.0
 
 

@@ -181,7 +181,7 @@ class Encoder(TPModel):
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
         x = self.emb_drop(self.emb_ln(x + self.position_embeddings(pos)))  # [B, S, hidden]
         mask = attention_mask_bool(attention_mask, causal=False)  # [B, 1, 1, S]
-        if self.group.chunks > 1:  # forward chunking: each chunk's all-reduces beside the next's compute
+        if self.group.chunks != 1:  # forward chunking (`chunked` refuses a bad count)
             return chunked(x, mask, self.layers, self.group)
         for layer in self.layers:
             x = layer(x, mask)

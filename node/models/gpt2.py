@@ -157,7 +157,7 @@ class GPT2(TPModel):
             x = x + t.wte(token_type_ids)
         x = t.drop(x)
         mask = attention_mask_bool(attention_mask, causal=True)  # [B, 1, S, S]
-        if self.group.chunks > 1:  # forward chunking: each chunk's all-reduces beside the next's compute
+        if self.group.chunks != 1:  # forward chunking (`chunked` refuses a bad count)
             return t.ln_f(chunked(x, mask, t.h, self.group))
         for block in t.h:
             x = block(x, mask)

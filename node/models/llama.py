@@ -363,7 +363,7 @@ class Llama(TPModel):
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
         cos, sin = self.d.rope.cos_sin(S, x.device)  # [S, hd]
         mask = attention_mask_bool(attention_mask, causal=True)  # [B, 1, S, S]
-        if self.group.chunks > 1:  # forward chunking: each chunk's all-reduces beside the next's compute
+        if self.group.chunks != 1:  # forward chunking (`chunked` refuses a bad count)
             blocks = [_WithRope(layer, cos, sin) for layer in self.model.layers]
             return self.model.norm(chunked(x, mask, blocks, self.group))
         for layer in self.model.layers:

@@ -34,7 +34,6 @@ from xronos.node.tp.clock import WALL, Clock, Flight, Meet, Runner
 from xronos.node.tp.flight import _OPS, _SLOT_DTYPES, Pending, _Flight
 
 
-
 def _cpu(call: Callable[[], object]) -> float:
     """Process CPU seconds of `call` (every thread: Gloo's own do the copying and summing)."""
     c0 = time.process_time()

@@ -97,7 +97,8 @@ class ColumnParallelLinear(Sharded):
         self.bias = nn.Parameter(torch.empty(out.width)) if bias else None
         self.shards = {"weight": (1 if transposed else 0, out), **({"bias": (0, out)} if bias else {})}
 
-    def forward(self, x: torch.Tensor, lora_a: torch.Tensor | Entered | None = None) -> torch.Tensor:  # [..., in] -> [..., local_out]
+    def forward(self, x: torch.Tensor,  # [..., in] -> [..., local_out]
+                lora_a: torch.Tensor | Entered | None = None) -> torch.Tensor:
         if isinstance(lora_a, Entered):  # the region computed the product (overlap.column_region)
             y, lora_a = lora_a
         else:

@@ -54,7 +54,8 @@ class _ColumnRegion(torch.autograd.Function):
         return (x.view_as(x), passenger.view_as(passenger), *ys)
 
     @staticmethod
-    def backward(ctx, gx: torch.Tensor | None, gp: torch.Tensor | None, *gys: torch.Tensor | None):  # type: ignore[override]
+    def backward(ctx, gx: torch.Tensor | None, gp: torch.Tensor | None,  # type: ignore[override]
+                 *gys: torch.Tensor | None):
         x, *params = ctx.saved_tensors
         needs = ctx.needs_input_grad[5:]
         layers, it = [], iter(zip(params, needs))
@@ -63,7 +64,8 @@ class _ColumnRegion(torch.autograd.Function):
             b, b_needs = next(it) if has_bias else (None, False)
             layers.append((w, b, transposed, w_needs, b_needs))
         # The input gradient: x's uses inside the region, then each layer's g W ([..., in]).
-        dx = torch.zeros_like(x, memory_format=torch.contiguous_format) if gx is None else gx.clone(memory_format=torch.contiguous_format)
+        fmt = torch.contiguous_format
+        dx = torch.zeros_like(x, memory_format=fmt) if gx is None else gx.clone(memory_format=fmt)
         for (w, _, transposed, _, _), g in zip(layers, gys):
             if g is not None:
                 dx += g.matmul(_weight(w, transposed))

@@ -56,3 +56,7 @@ def test_chunked_forward_and_backward_are_the_unchunked_ones(family):
     group.chunks = 6
     with pytest.raises(ValueError, match="chunks 6 leaves a chunk without a row: the batch has 5 rows"):
         model(ids, labels=ids)
+    for bad in (0, "2"):
+        group.chunks = bad
+        with pytest.raises(ValueError, match=rf"chunks must be a positive integer, got {bad!r} \(batch size 5\)"):
+            model(ids, labels=ids)
