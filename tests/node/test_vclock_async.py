@@ -166,3 +166,29 @@ def test_two_flights_share_the_link_in_launch_order_and_a_blocking_call_queues_b
     assert clocks[0].account.idle == pytest.approx(0.0)  # the link's queue is communication
     c = _land(clocks, fakes, third, [0.0, 0.0])  # complete by now: no wait
     assert c == [pytest.approx((0.033, 0.033))] * 2
+
+
+def test_pace_mode_paces_a_launch_like_a_meeting() -> None:
+    from xronos.node.emulate.pacer import PacedClock
+
+    calls: list[str] = []
+
+    class P:
+        share = 0.5
+
+        def pace(self) -> None:
+            calls.append("pace")
+
+        def restart(self) -> None:
+            calls.append("restart")
+
+    class F:
+        def finish(self):
+            calls.append("finish")
+            return None, 0.0
+
+    clock = PacedClock(P())  # type: ignore[arg-type]
+    ticket = clock.launch(AR, lambda slots: calls.append("start") or F(), 0, 2)
+    assert calls == ["pace", "start", "restart"]  # the rank pays for its compute before it launches
+    start, end = clock.land(ticket)
+    assert calls[-1] == "finish" and end >= start
