@@ -28,13 +28,39 @@ class Resolution(NamedTuple):
     idle: float  # this rank's wait for the latest arrival
 
 
-def resolve(arrivals: Sequence[float], costs: Sequence[float], link_s: float, rank: int) -> Resolution:
-    """A group collective: leave at max(arrivals) + max(link_s, max(costs))."""
+def resolve(arrivals: Sequence[float], costs: Sequence[float], link_s: float, rank: int,
+            free: float = 0.0) -> Resolution:
+    """A group collective: leave at max(max(arrivals), free) + max(link_s, max(costs)), where
+    `free` is when the link has carried the collectives still in flight before it (asynchronous
+    ones, `flight`). The wait for the latest arrival is idle; the rest (the link's queue, then
+    the call) communication."""
+    start, leave = flight(arrivals, costs, link_s, free)
+    latest = max(arrivals)
+    return Resolution(leave, leave - latest, latest - arrivals[rank])
+
+
+def flight(arrivals: Sequence[float], costs: Sequence[float], link_s: float, free: float = 0.0
+           ) -> tuple[float, float]:
+    """(start, completion) of a collective on the link: it starts once every rank has come to it
+    (launched it, for an asynchronous one) and the link is free of the ones before it, and takes
+    the longer of the link's time and the slowest rank's CPU cost of the call."""
     if not arrivals or len(arrivals) != len(costs):
         raise ValueError(f"need one arrival and one cost per rank, got {len(arrivals)} and {len(costs)}")
-    start = max(arrivals)
-    comm = max(link_s, max(costs))
-    return Resolution(start + comm, comm, start - arrivals[rank])
+    start = max(max(arrivals), free)
+    return start, start + max(link_s, max(costs))
+
+
+def land(now: float, own_cost: float, completion: float, latest: float) -> Resolution:
+    """A rank waits, at `now`, for a collective it launched earlier, which completes at
+    `completion` (`flight`) and which the last rank launched at `latest`. The compute since the
+    launch hid the call up to `now`; but the CPU the call took on this box (`own_cost`: Gloo's
+    threads, at the box's speed) came out of that compute, so the rank leaves at
+    max(now + own_cost, completion). Of its wait, the time until the latest launch is idle, the
+    rest communication (the call's own CPU included)."""
+    leave = max(now + own_cost, completion)
+    waited = leave - now
+    idle = min(max(0.0, latest - now), waited)
+    return Resolution(leave, waited - idle, idle)
 
 
 def send_delivery(arrival: float, link_free: float, link_s: float, cpu_s: float) -> float:

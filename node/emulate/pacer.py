@@ -31,7 +31,7 @@ import os
 import time
 from pathlib import Path
 
-from xronos.node.tp.clock import Clock, Meet, Runner
+from xronos.node.tp.clock import Clock, Launcher, Meet, Runner
 
 PACE_ROOT = Path("/run/xronos-pace")  # emulator's share files: <run group>/<rank group>
 _PR_SET_TIMERSLACK = 29
@@ -184,6 +184,14 @@ class PacedClock(Clock):
         self.pacer.pace()
         try:
             return super().meet(meet, run, rank, world)
+        finally:
+            self.pacer.restart()
+
+    def launch(self, meet: Meet, start: Launcher, rank: int, world: int) -> object:
+        """An asynchronous collective: the rank pays for its compute where it launches it."""
+        self.pacer.pace()
+        try:
+            return super().launch(meet, start, rank, world)
         finally:
             self.pacer.restart()
 

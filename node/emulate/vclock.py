@@ -15,7 +15,14 @@ A process runs on this clock when the emulator placed it in a virtual-mode rank 
 file named after the cgroup (`box_path`), re-read every RECHECK_S so a bench can change a box's
 speed mid-run. What it cannot model: memory-bandwidth and cache contention between co-located
 ranks (it inflates CPU time; the window minimum mostly takes it out), the real network stack,
-thermal throttling, one box's own jitter (the estimator hides it), compute/comm overlap.
+thermal throttling, one box's own jitter (the estimator hides it).
+
+Asynchronous all-reduces (`launch` ... `land`) overlap communication with compute: the launch
+ends a compute burst and records the rank's arrival; the call completes at the latest arrival
+(or when the link has carried the calls before it, `wire_free`) plus its cost, and the wait
+leaves at that completion or later, so compute between launch and wait hides the link. The CPU
+the call costs this box (Gloo's threads) is not hidden: it is charged on top of that compute
+(`arrivals.land`); a box with cores to spare would hide it too, which this does not model.
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xronos.node.emulate.arrivals import Account, Resolution, decode, encode, resolve, resolve_recv, send_delivery
+from xronos.node.emulate.arrivals import (Account, Resolution, decode, encode, flight, land, resolve, resolve_recv,
+                                          send_delivery)
 from xronos.node.emulate.estimator import DEFAULT_MODE, DEFAULT_WINDOW, Estimator, check_mode
 from xronos.node.emulate.link import Link
-from xronos.node.tp.clock import GROUP_OPS, Clock, Meet, Runner
+from xronos.node.tp.clock import GROUP_OPS, Clock, Launcher, Meet, Runner
 
 VCLOCK_ROOT = Path("/run/xronos-vclock")  # <run group>/<rank group>: that rank's box (JSON)
 
@@ -124,6 +132,11 @@ class VirtualClock(Clock):
         self.base = 0.0  # the last group-wide departure: the same on every rank
         self.account = Account()
         self.link_free = 0.0  # until when this rank's link carries earlier sends
+        # Asynchronous collectives launched and not yet resolved, in launch order (every rank
+        # launches the same ones in the same order), and until when the group's link carries the
+        # resolved ones: a later collective starts on the wire after them.
+        self._flights: list[_Ticket] = []
+        self.wire_free = 0.0
         # A burst's key: where it ends and every end before it since the last settle (an iteration
         # recurs as the same path; a first pass that differs, a re-planned one, get keys of their own)
         self._path = 0
@@ -187,6 +200,8 @@ class VirtualClock(Clock):
         ckey = (meet.op, meet.nbytes, world)
         own_cost = self.call_est.value(ckey) / self.box.host_cores  # this call's earlier samples
         if meet.op in GROUP_OPS:
+            if self._flights:  # resolved first: they are on the link before this one
+                self._resolve_flights(self._flights[-1])
             r = self._group(meet, run, rank, world, arrival, own_cost, ckey)
             self.base = r.leave
         elif meet.op in ("send", "isend"):
@@ -222,8 +237,50 @@ class VirtualClock(Clock):
         elif meet.op == "broadcast" and meet.peer is not None:
             nbytes = sizes[meet.peer]
         link_s = self.box.link.seconds(meet.op, nbytes, world)
-        r = resolve([self.base + o for o in offsets], costs, link_s, rank)
+        r = resolve([self.base + o for o in offsets], costs, link_s, rank, self.wire_free)
+        self.wire_free = max(self.wire_free, r.leave)
         return Resolution(r.leave, r.comm, max(0.0, r.leave - r.comm - arrival))
+
+    # -- asynchronous collectives ----------------------------------------------------------
+    def launch(self, meet: Meet, start: Launcher, rank: int, world: int) -> _Ticket:
+        assert meet.op.startswith("all_reduce"), meet.op  # the only asynchronous collective
+        self._burst(("launch", meet.op, meet.tag, meet.nbytes))
+        ckey = (meet.op, meet.nbytes, world)
+        own_cost = self.call_est.value(ckey) / self.box.host_cores
+        # Offsets from the base at the launch: a blocking collective before the wait moves it.
+        fl = start(self._slots(encode(rank, world, [self.t - self.base, own_cost, float(meet.nbytes)])))
+        ticket = _Ticket(meet, fl, self.base, own_cost, ckey, world)
+        self._flights.append(ticket)
+        self._resume()
+        return ticket
+
+    def land(self, ticket: object) -> tuple[float, float]:
+        assert isinstance(ticket, _Ticket)
+        self._burst(("land", ticket.meet.op, ticket.meet.tag, ticket.meet.nbytes))
+        now = self.t
+        if ticket in self._flights:
+            self._resolve_flights(ticket)
+        r = land(now, ticket.own_cost, ticket.completion, ticket.latest)
+        self.account.book(r)
+        self.t = r.leave
+        self._resume()
+        return now, r.leave
+
+    def _resolve_flights(self, upto: _Ticket) -> None:
+        """Finish the flights up to `upto`, in launch order (the link carries them in that order),
+        and set each one's completion. No virtual time passes here: that is `land`'s."""
+        while self._flights:
+            tk = self._flights.pop(0)
+            back, cpu = tk.flight.finish()
+            offsets, costs, _ = decode([float(x) for x in back], tk.world, 3)
+            self.call_est.add(tk.ckey, cpu)
+            link_s = self.box.link.seconds(tk.meet.op, tk.meet.nbytes, tk.world)
+            arrivals = [tk.base + o for o in offsets]
+            _, tk.completion = flight(arrivals, costs, link_s, self.wire_free)
+            tk.latest = max(arrivals)
+            self.wire_free = tk.completion
+            if tk is upto:
+                return
 
     # -- the record ------------------------------------------------------------------------
     def describe(self) -> dict[str, object]:
@@ -231,6 +288,15 @@ class VirtualClock(Clock):
         return {"clock": self.name, "cpu_mode": "virtual", "host_cores": self.box.host_cores,
                 "estimator": self.box.estimator, "window": self.box.window,
                 "bandwidth_Bps": self.box.link.bandwidth_Bps, "latency_s": self.box.link.latency_s}
+
+
+class _Ticket:
+    """A launched collective as the clock keeps it until it is resolved and waited for."""
+
+    def __init__(self, meet: Meet, flight, base: float, own_cost: float, ckey: tuple, world: int) -> None:
+        self.meet, self.flight, self.base, self.world = meet, flight, base, world
+        self.own_cost, self.ckey = own_cost, ckey
+        self.completion = self.latest = 0.0
 
 
 def _float64(values: list[float]):

@@ -19,8 +19,9 @@ from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import enter_region
+from xronos.node.tp.overlap import Stage
 
-from .common import (Dropout, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
+from .common import (Dropout, DropoutStreams, chunked, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
                      cfg_require, gelu_fn, init_std, num_labels)
 
 
@@ -62,13 +63,16 @@ class SelfAttention(nn.Module):
         self.attn_dropout = Dropout(d.attn_p, streams, partitioned=True)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.out(self.mix(x, mask))  # [B, S, hidden]
+
+    def mix(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention of this rank's heads: out's input [B, S, h*hd]."""
         B, S, _ = x.shape  # x [B, S, hidden], replicated
         lins = (self.query, self.key, self.value)
         x, _, adapters = enter_region(x, self.group, "attn", lins)  # adapters: their LoRA A's, if adapted
         q, k, v = (lin(x, a).view(B, S, self.n_local, self.head_dim).transpose(1, 2)
                    for lin, a in zip(lins, adapters))  # [B, h, S, hd]
-        y = attend(q, k, v, mask, self.head_dim ** -0.5, self.attn_dropout, causal=False)  # [B, S, h*hd]
-        return self.out(y)  # [B, S, hidden]
+        return attend(q, k, v, mask, self.head_dim ** -0.5, self.attn_dropout, causal=False)  # [B, S, h*hd]
 
 
 class MLP(nn.Module):
@@ -80,8 +84,11 @@ class MLP(nn.Module):
         self.down = RowParallelLinear(cols, d.hidden, group, kind="mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
+        return self.down(self.inner(x))
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden] -> [B, S, inter_local]
         x, _, (a,) = enter_region(x, self.group, "mlp", (self.up,))
-        return self.down(self.act(self.up(x, a)))
+        return self.act(self.up(x, a))
 
 
 class Layer(nn.Module):
@@ -96,6 +103,14 @@ class Layer(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # post-LN
         x = self.attn_ln(x + self.drop(self.attn(x, mask)))
         return self.mlp_ln(x + self.drop(self.mlp(x)))
+
+    def stages(self, masks: list[torch.Tensor | None]) -> list[Stage]:
+        """`forward` cut at its two all-reduces, for forward chunking (`overlap.run_chunked`)."""
+        attn, mlp = self.attn, self.mlp
+        return [(lambda x, c: attn.out.partial(attn.mix(x, masks[c])),
+                 lambda x, r: self.attn_ln(x + self.drop(attn.out.finish(r))), "attn"),
+                (lambda x, c: mlp.down.partial(mlp.inner(x)),
+                 lambda x, r: self.mlp_ln(x + self.drop(mlp.down.finish(r))), "mlp")]
 
 
 # Local module names -> HF names: inside layers.{i}. -> inside encoder.layer.{i}., and the rest
@@ -166,6 +181,8 @@ class Encoder(TPModel):
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
         x = self.emb_drop(self.emb_ln(x + self.position_embeddings(pos)))  # [B, S, hidden]
         mask = attention_mask_bool(attention_mask, causal=False)  # [B, 1, 1, S]
+        if self.group.chunks != 1:  # forward chunking (`chunked` refuses a bad count)
+            return chunked(x, mask, self.layers, self.group)
         for layer in self.layers:
             x = layer(x, mask)
         return x

@@ -15,6 +15,7 @@ from xronos.node.tp.layers import Sharded, vocab_parallel_cross_entropy
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import LORA_PARAMS
 from xronos.node.tp.mappings import boundary, copy_to_tp
+from xronos.node.tp.overlap import check_chunks, column_region, run_chunked
 from xronos.protocol.layout import Sizes
 
 from .specs import TensorSpec
@@ -263,8 +264,23 @@ def last_token_pool(h: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int 
 
 
 def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    """Vocab-parallel logits: replicated h [B, S, hidden] x local rows [V_local, hidden]."""
+    """Vocab-parallel logits: replicated h [B, S, hidden] x local rows [V_local, hidden]. With
+    overlap on, the head's weight gradient hides the input gradient's all-reduce (`column_region`)."""
+    if group.overlap and group.world_size > 1:
+        return column_region(h, group, "vocab", ((weight, None, False),))[2][0]
     return F.linear(copy_to_tp(h, group, "vocab"), weight)  # [B, S, V_local]
+
+
+def chunked(x: torch.Tensor, mask: torch.Tensor | None, blocks, group: TPGroup) -> torch.Tensor:
+    """x [B, S, hidden] through `blocks` (each cut into stages at its all-reduces: `stages(masks)`)
+    with the batch rows in `group.chunks` chunks, each chunk's all-reduces travelling while the
+    next chunk computes (`overlap.run_chunked`). Row by row the same sums as the blocks' forward.
+    Dropout draws its masks chunk by chunk (the same on every rank), so with dropout a chunked run
+    is not bit-comparable with an unchunked one."""
+    n = check_chunks(group.chunks, x.shape[0])
+    xs = list(torch.tensor_split(x, n))
+    masks = [None] * n if mask is None else list(torch.tensor_split(mask, n))
+    return torch.cat(run_chunked([s for b in blocks for s in b.stages(masks)], xs, group))
 
 
 def init_std(config: dict[str, Any]) -> float:

@@ -19,8 +19,9 @@ from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layers import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import enter_region
+from xronos.node.tp.overlap import Stage
 
-from .common import (Dropout, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
+from .common import (Dropout, chunked, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
                      cfg_require, gelu_fn, init_std, last_token_pool, lm_head_logits, num_labels)
 
 
@@ -66,12 +67,15 @@ class Attention(nn.Module):
             self.scale /= float(layer_idx + 1)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.resid_dropout(self.c_proj(self.mix(x, mask)))  # [B, S, hidden], summed over ranks
+
+    def mix(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention of this rank's heads: c_proj's input [B, S, h*hd]."""
         B, S, _ = x.shape  # x [B, S, hidden], replicated
         x, _, (a,) = enter_region(x, self.group, "attn", (self.c_attn,))  # a: c_attn's LoRA A, if adapted
         q, k, v = self.c_attn(x, a).split([self.width] * 3, dim=2)  # [B, S, h*hd]
         q, k, v = (t.view(B, S, self.n_local, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, h, S, hd]
-        y = attend(q, k, v, mask, self.scale, self.attn_dropout, causal=True)  # [B, S, h*hd]
-        return self.resid_dropout(self.c_proj(y))  # [B, S, hidden], summed over ranks
+        return attend(q, k, v, mask, self.scale, self.attn_dropout, causal=True)  # [B, S, h*hd]
 
 
 class MLP(nn.Module):
@@ -84,9 +88,11 @@ class MLP(nn.Module):
         self.dropout = Dropout(d.resid_p, streams)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
+        return self.dropout(self.c_proj(self.inner(x)))  # [B, S, hidden]
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden] -> [B, S, inner_local]
         x, _, (a,) = enter_region(x, self.group, "mlp", (self.c_fc,))
-        x = self.act(self.c_fc(x, a))  # [B, S, inner_local]
-        return self.dropout(self.c_proj(x))  # [B, S, hidden]
+        return self.act(self.c_fc(x, a))
 
 
 class Block(nn.Module):
@@ -101,6 +107,15 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
+
+    def stages(self, masks: list[torch.Tensor | None]) -> list[Stage]:
+        """`forward` cut at its two all-reduces, for forward chunking (`overlap.run_chunked`);
+        masks[c]: chunk c's attention mask."""
+        attn, mlp = self.attn, self.mlp
+        return [(lambda x, c: attn.c_proj.partial(attn.mix(self.ln_1(x), masks[c])),
+                 lambda x, r: x + attn.resid_dropout(attn.c_proj.finish(r)), "attn"),
+                (lambda x, c: mlp.c_proj.partial(mlp.inner(self.ln_2(x))),
+                 lambda x, r: x + mlp.dropout(mlp.c_proj.finish(r)), "mlp")]
 
 
 class GPT2(TPModel):
@@ -142,6 +157,8 @@ class GPT2(TPModel):
             x = x + t.wte(token_type_ids)
         x = t.drop(x)
         mask = attention_mask_bool(attention_mask, causal=True)  # [B, 1, S, S]
+        if self.group.chunks != 1:  # forward chunking (`chunked` refuses a bad count)
+            return t.ln_f(chunked(x, mask, t.h, self.group))
         for block in t.h:
             x = block(x, mask)
         return t.ln_f(x)  # [B, S, hidden]

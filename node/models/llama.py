@@ -35,8 +35,9 @@ from xronos.node.tp.layers import (ColumnParallelLinear, InRegion, RowParallelLi
                                    VocabParallelEmbedding)
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import enter_region
+from xronos.node.tp.overlap import Stage
 
-from .common import (Dropout, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
+from .common import (Dropout, chunked, DropoutStreams, Family, Head, TPModel, attend, attention_mask_bool, cfg_get,
                      cfg_require, gelu_fn, init_std, last_token_pool, lm_head_logits, num_labels)
 
 
@@ -257,6 +258,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.mix(x, mask, cos, sin))  # [B, S, hidden]
+
+    def mix(self, x: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
+            sin: torch.Tensor) -> torch.Tensor:
+        """The attention of this rank's heads: o_proj's input [B, S, n_q*hd]."""
         B, S, _ = x.shape  # [B, S, hidden], replicated
         hd = self.d.head_dim
         # The q/k norm weights [2 hd] (Qwen3) and the LoRA A's of adapted q/k/v enter with x: their
@@ -270,8 +276,7 @@ class Attention(nn.Module):
             q, k = rms_norm(q, w[:hd], self.d.eps), rms_norm(k, w[hd:], self.d.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, S, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = attend(q, k, v, mask, hd ** -0.5, self.attn_dropout, causal=True)  # [B, S, n_q*hd]
-        return self.o_proj(y)  # [B, S, hidden]
+        return attend(q, k, v, mask, hd ** -0.5, self.attn_dropout, causal=True)  # [B, S, n_q*hd]
 
 
 class MLP(nn.Module):
@@ -284,8 +289,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cols, d.hidden, group, bias=d.mlp_bias, kind="mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden]
+        return self.down_proj(self.inner(x))
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, hidden] -> [B, S, inter_local]
         x, _, (ag, au) = enter_region(x, self.group, "mlp", (self.gate_proj, self.up_proj))
-        return self.down_proj(self.act(self.gate_proj(x, ag)) * self.up_proj(x, au))
+        return self.act(self.gate_proj(x, ag)) * self.up_proj(x, au)
 
 
 class DecoderLayer(nn.Module):
@@ -300,6 +308,24 @@ class DecoderLayer(nn.Module):
                 sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def stages(self, masks: list[torch.Tensor | None], cos: torch.Tensor, sin: torch.Tensor) -> list[Stage]:
+        """`forward` cut at its two all-reduces, for forward chunking (`overlap.run_chunked`)."""
+        attn, mlp = self.self_attn, self.mlp
+        return [(lambda x, c: attn.o_proj.partial(attn.mix(self.input_layernorm(x), masks[c], cos, sin)),
+                 lambda x, r: x + attn.o_proj.finish(r), "attn"),
+                (lambda x, c: mlp.down_proj.partial(mlp.inner(self.post_attention_layernorm(x))),
+                 lambda x, r: x + mlp.down_proj.finish(r), "mlp")]
+
+
+class _WithRope:
+    """A decoder layer's stages with this forward's cos/sin bound (what `chunked` asks of a block)."""
+
+    def __init__(self, layer: DecoderLayer, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.layer, self.cos, self.sin = layer, cos, sin
+
+    def stages(self, masks: list[torch.Tensor | None]) -> list[Stage]:
+        return self.layer.stages(masks, self.cos, self.sin)
 
 
 class Llama(TPModel):
@@ -337,6 +363,9 @@ class Llama(TPModel):
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
         cos, sin = self.d.rope.cos_sin(S, x.device)  # [S, hd]
         mask = attention_mask_bool(attention_mask, causal=True)  # [B, 1, S, S]
+        if self.group.chunks != 1:  # forward chunking (`chunked` refuses a bad count)
+            blocks = [_WithRope(layer, cos, sin) for layer in self.model.layers]
+            return self.model.norm(chunked(x, mask, blocks, self.group))
         for layer in self.model.layers:
             x = layer(x, mask, cos, sin)
         return self.model.norm(x)

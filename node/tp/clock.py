@@ -13,13 +13,18 @@ Every collective reaches the clock as a `Meet` and a `Runner`: the clock calls t
 once (that is the real collective); a clock that must tell its peers something passes `slots`, a
 float64 tensor the runner carries with the collective (summed across the ranks, or, point to
 point, sent to the peer) and gives back.
+
+An asynchronous all-reduce (`TPGroup.all_reduce_async`, to overlap communication with compute)
+reaches the clock twice: `launch` when the rank starts it (a `Launcher`: the clock calls it once,
+with slots or None, and gets a `Flight` back at once) and `land` when the rank waits for it (the
+clock finishes the flight). What the rank computes in between is compute, and hides the call.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 GROUP_OPS = ("all_reduce_sum", "all_reduce_max", "broadcast", "all_gather", "barrier", "exchange")
 P2P_OPS = ("send", "isend", "recv")
@@ -43,6 +48,18 @@ class Meet(NamedTuple):
 Runner = Callable[[Any], tuple[Any, float]]
 
 
+class Flight(Protocol):
+    """A collective started and not yet waited for."""
+
+    def finish(self) -> tuple[Any, float]:
+        """Wait for it; (the slots that came back or None, as a `Runner` returns them; the process
+        CPU seconds the call cost: the launching call, Gloo's threads while it flew, the wait)."""
+
+
+# Starts the real collective, carrying the slots (or None), and returns at once.
+Launcher = Callable[[Any], Flight]
+
+
 class Clock:
     """Wall time (`time.perf_counter`): what a real box measures. Subclasses are emulations."""
 
@@ -57,6 +74,18 @@ class Clock:
         """Run the collective (`run`, exactly once); (start, end) on this clock."""
         t0 = time.perf_counter()
         run(None)
+        return t0, time.perf_counter()
+
+    def launch(self, meet: Meet, start: Launcher, rank: int, world: int) -> object:
+        """Start a collective (`start`, exactly once) without waiting for it; what `land` takes.
+        The launch is not a span: the rank's compute goes on."""
+        return start(None)
+
+    def land(self, ticket: object) -> tuple[float, float]:
+        """Wait for a launched collective: (start, end) of the wait on this clock (wall: what the
+        compute since the launch did not hide)."""
+        t0 = time.perf_counter()
+        ticket.finish()  # type: ignore[attr-defined]
         return t0, time.perf_counter()
 
     def skipped(self, meet: Meet) -> float:

@@ -30,10 +30,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from xronos.node.tp.clock import WALL, Clock, Meet, Runner
-
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-_SLOT_DTYPES = (torch.float32, torch.float64)  # tensors whose all-reduce can carry a clock's slots
+from xronos.node.tp.clock import WALL, Clock, Flight, Meet, Runner
+from xronos.node.tp.flight import _OPS, _SLOT_DTYPES, Pending, _Flight
 
 
 def _cpu(call: Callable[[], object]) -> float:
@@ -93,6 +91,11 @@ class TPGroup:
         self.trace = (world_size > 1 and not alone) if trace is None else trace
         self._tag: str | None = None
         self._joined = False  # this group set up the default process group (join) and ends it (leave)
+        # Overlap communication with compute where the sums stay the same (`node/tp/overlap.py`):
+        # the layers read it when they run. Off by default: the runtime sets it.
+        self.overlap = False
+        self.chunks = 1  # forward chunking: a rank's batch rows in this many chunks (1: none)
+        self.launched = 0  # asynchronous collectives started (a rank's count of overlapped ones)
 
     @classmethod
     def single(cls, *, trace: bool = False, clock: Clock | None = None) -> TPGroup:
@@ -176,16 +179,21 @@ class TPGroup:
         alone, the skipped ones are marks)."""
         meet = Meet(op, self._tag, nbytes, timed, peer)
         if self.world_size == 1 or self.alone:
-            if timed:
-                self.pause()
-                at = self.clock.skipped(meet)
-                if self.trace and self._tag is not None:
-                    self.spans.append(Span("mark", self._tag, at, 0.0))
+            self._skip(meet)
             return
-        start, end = self.clock.meet(meet, run, self.rank, self.world_size)
-        if timed:
-            self.timings.append((op, end - start))
-            self.spans.append(Span(op, self._tag, start, end - start))
+        self._record(meet, *self.clock.meet(meet, run, self.rank, self.world_size))
+
+    def _skip(self, meet: Meet) -> None:
+        if meet.timed:
+            self.pause()
+            at = self.clock.skipped(meet)
+            if self.trace and meet.tag is not None:
+                self.spans.append(Span("mark", meet.tag, at, 0.0))
+
+    def _record(self, meet: Meet, start: float, end: float) -> None:
+        if meet.timed:
+            self.timings.append((meet.op, end - start))
+            self.spans.append(Span(meet.op, meet.tag, start, end - start))
 
     def settle(self) -> None:
         """Where an iteration ends without a collective (after the optimizer step): the clock books
@@ -220,6 +228,28 @@ class TPGroup:
 
         self._meet(f"all_reduce_{op}", timed, n * t.element_size(), run)
         return t
+
+    def all_reduce_async(self, t: torch.Tensor, op: str = "sum", *, timed: bool = True) -> Pending:
+        """Start an all-reduce of `t` (in place, contiguous) and return at once, so that the rank
+        computes while it travels; `wait()` the result before touching `t`. Its span is the wait
+        (what the compute since the launch did not hide), tagged with the segment kind current at
+        the launch; a world of one marks there too. Wait in launch order (Gloo and the virtual
+        clock's link both carry them in that order)."""
+        meet = Meet(f"all_reduce_{op}", self._tag, t.numel() * t.element_size(), timed)
+        if self.world_size == 1 or self.alone:
+            return Pending(self, t, meet, None)
+
+        def start(slots: torch.Tensor | None) -> Flight:
+            return _Flight(t, slots, op, self.pg)
+
+        self.launched += 1
+        return Pending(self, t, meet, self.clock.launch(meet, start, self.rank, self.world_size))
+
+    def _land(self, p: Pending) -> None:
+        if p.ticket is None:
+            self._skip(p.meet)
+        else:
+            self._record(p.meet, *self.clock.land(p.ticket))
 
     def broadcast(self, t: torch.Tensor, src: int, *, timed: bool = True) -> torch.Tensor:
         def run(slots: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:

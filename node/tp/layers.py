@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .group import TPGroup
 from .layout import ShardLayout
 from .mappings import boundary, reduce_from_tp
+from .overlap import Entered
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class ColumnParallelLinear(Sharded):
     The input must already be inside the TP region (`copy_to_tp`), entered once for all column
     layers reading the same activation so backward needs a single all-reduce. With a LoRA adapter
     (A replicated, B split like W), A enters the region with x (`lora.enter_region`) and is passed
-    in as `lora_a`, so its partial gradient is summed in x's all-reduce.
+    in as `lora_a`, so its partial gradient is summed in x's all-reduce. With overlap on, the
+    region computed the product already and passes it in as an `overlap.Entered`.
     """
 
     lora_scale: float | None = None  # set by lora.add_lora
@@ -95,8 +97,12 @@ class ColumnParallelLinear(Sharded):
         self.bias = nn.Parameter(torch.empty(out.width)) if bias else None
         self.shards = {"weight": (1 if transposed else 0, out), **({"bias": (0, out)} if bias else {})}
 
-    def forward(self, x: torch.Tensor, lora_a: torch.Tensor | None = None) -> torch.Tensor:  # [..., in] -> [..., local_out]
-        y = _linear(x, self.weight, self.bias, self.transposed)
+    def forward(self, x: torch.Tensor,  # [..., in] -> [..., local_out]
+                lora_a: torch.Tensor | Entered | None = None) -> torch.Tensor:
+        if isinstance(lora_a, Entered):  # the region computed the product (overlap.column_region)
+            y, lora_a = lora_a
+        else:
+            y = _linear(x, self.weight, self.bias, self.transposed)
         if self.lora_scale is None:
             return y
         # Outside a world of one, A must come through the region entry (else its gradient is partial).
@@ -125,15 +131,23 @@ class RowParallelLinear(Sharded):
         self.shards = {"weight": (0 if transposed else 1, inp)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., local_in] -> [..., out]
+        return self.finish(reduce_from_tp(self.partial(x), self.group, self.kind))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # [..., local_in] -> [..., out (+ r)]
+        """This rank's part of the sum the all-reduce completes (forward chunking launches that
+        all-reduce itself: `mappings.reduce_from_tp_async`, then `finish`)."""
         # An empty inner dimension gives exact zeros, so a 0-unit rank adds nothing.
         part = _linear(x, self.weight, None, self.transposed)  # [..., out], this rank's partial sum
         if self.lora_scale is None:
-            y = reduce_from_tp(part, self.group, self.kind)
-            return y if self.bias is None else y + self.bias
+            return part
         u = F.linear(self.lora_dropout(x), self.lora_A)  # [..., r], partial
-        r = u.shape[-1]
         # One all-reduce of [..., out + r]; B after it, so dB needs no collective (u is full there).
-        y, u = reduce_from_tp(torch.cat((part, u), dim=-1), self.group, self.kind).split([self.out_features, r], -1)
+        return torch.cat((part, u), dim=-1)
+
+    def finish(self, reduced: torch.Tensor) -> torch.Tensor:  # [..., out (+ r)], summed -> [..., out]
+        if self.lora_scale is None:
+            return reduced if self.bias is None else reduced + self.bias
+        y, u = reduced.split([self.out_features, reduced.shape[-1] - self.out_features], -1)
         if self.bias is not None:
             y = y + self.bias
         return y + F.linear(u, self.lora_B) * self.lora_scale  # [..., out]

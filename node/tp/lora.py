@@ -40,6 +40,7 @@ import torch.nn as nn
 from .group import TPGroup
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import copy_to_tp, copy_to_tp_with
+from .overlap import Entered, column_region
 
 LORA_PARAMS = ("lora_A", "lora_B")
 # Task heads peft trains with task_type SEQ_CLS (its modules_to_save), by their HF module name.
@@ -177,21 +178,29 @@ def enter_region(x: torch.Tensor, group: TPGroup, kind: str,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
     """`copy_to_tp(x)` for the column layers that read x, carrying the replicated in-region
     tensors along: `extra` (Qwen3's q/k norm weights) and each adapted layer's A. Returns x inside
-    the region, extra, and per layer the A to pass to it (None: not adapted, or a world of one)."""
+    the region, extra, and per layer the A to pass to it (None: not adapted, or a world of one).
+    With `group.overlap` the region computes the layers' base products too, so that backward
+    overlaps its all-reduce with their weight gradients (`overlap.column_region`): each layer
+    gets an `overlap.Entered` (its product and its A) instead."""
     adapted = [layer.lora_scale is not None for layer in layers]
-    if group.world_size == 1 or (not any(adapted) and extra is None):
+    fused = group.overlap and group.world_size > 1  # the layers' products computed here (overlap.py)
+    if group.world_size == 1 or (not any(adapted) and extra is None and not fused):
         return copy_to_tp(x, group, kind), extra, [None] * len(layers)
     ws = ([extra] if extra is not None else []) + [layer.lora_A for layer, a in zip(layers, adapted) if a]
     # Qwen3's norm weights need no gradient in a LoRA job; A does: one buffer, one all-reduce.
-    flat = torch.cat([w.reshape(-1) for w in ws])
-    x, flat = copy_to_tp_with(x, flat, group, kind)
+    flat = torch.cat([w.reshape(-1) for w in ws]) if ws else None
+    if fused:
+        x, flat, ys = column_region(x, group, kind, layers, flat)
+    else:
+        x, flat = copy_to_tp_with(x, flat, group, kind)
     out, offset = [], 0
     for w in ws:
         out.append(flat[offset:offset + w.numel()].view(w.shape))
         offset += w.numel()
     extra_out = out.pop(0) if extra is not None else None
     it = iter(out)
-    return x, extra_out, [next(it) if a else None for a in adapted]
+    a_s = [next(it) if a else None for a in adapted]
+    return x, extra_out, ([Entered(y, a) for y, a in zip(ys, a_s)] if fused else a_s)
 
 
 def trainable_names(model: nn.Module) -> list[str]:

@@ -67,6 +67,47 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None, None
 
 
+class _LaunchReduce(torch.autograd.Function):
+    """`reduce_from_tp`'s forward all-reduce, launched and not waited for: returns its buffer (in
+    flight: nothing may read it before `_WaitReduce`). Backward: the identity, as the reduce's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: TPGroup, kind: str | None, box: list) -> torch.Tensor:  # type: ignore[override]
+        buf = x.clone(memory_format=torch.contiguous_format)
+        with group.segment(kind):
+            box.append(group.all_reduce_async(buf))
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None, None, None
+
+
+class _WaitReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buf: torch.Tensor, box: list) -> torch.Tensor:  # type: ignore[override]
+        box.pop().wait()
+        return buf.view_as(buf)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+class InFlight:
+    """A forward reduce launched by `reduce_from_tp_async`: `wait()` gives the summed tensor."""
+
+    def __init__(self, buf: torch.Tensor, box: list | None) -> None:
+        self.buf, self.box = buf, box
+
+    def wait(self) -> torch.Tensor:
+        if self.box is None:
+            return self.buf
+        out, self.box = _WaitReduce.apply(self.buf, self.box), None
+        self.buf = out
+        return out
+
+
 class _Boundary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: TPGroup, fwd: str | None, bwd: str | None) -> torch.Tensor:  # type: ignore[override]
@@ -110,6 +151,15 @@ def reduce_from_tp(x: torch.Tensor, group: TPGroup, kind: str | None = None) -> 
                 group.all_reduce(x)  # no communication: a traced world of one marks the boundary
         return x
     return _ReduceFromTP.apply(x, group, kind)
+
+
+def reduce_from_tp_async(x: torch.Tensor, group: TPGroup, kind: str | None = None) -> InFlight:
+    """`reduce_from_tp` that returns at once: the all-reduce travels while the rank computes
+    (forward chunking, `overlap.run_chunked`); `wait()` the result, in launch order."""
+    if group.world_size == 1:
+        return InFlight(reduce_from_tp(x, group, kind), None)
+    box: list = []
+    return InFlight(_LaunchReduce.apply(x, group, kind, box), box)
 
 
 def boundary(x: torch.Tensor, group: TPGroup, fwd: str | None = None, bwd: str | None = None) -> torch.Tensor:

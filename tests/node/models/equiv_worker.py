@@ -39,6 +39,9 @@ def full_logits(model, batch: dict, config: dict, layout: ShardLayout, group) ->
 
 
 def run_case(case: dict, rank: int, group, out: Path) -> None:
+    group.overlap = bool(case.get("overlap"))  # test_overlap_equivalence: the same bar, overlap on
+    group.launched = 0
+    group.chunks = case.get("chunks", 1)
     ckpt = Path(case["ckpt"])
     config = json.loads((ckpt / "config.json").read_text())
     family = family_for(config)
@@ -64,6 +67,7 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
     group.drain_spans()
     loss = model(*args)
     loss.backward()
+    launched = group.launched  # asynchronous all-reduces of the training step (not the evaluations after)
     # Every collective of forward + backward is tagged with its segment kind (per-kind compute).
     tags: dict[str, int] = {}
     for span in group.drain_spans():
@@ -102,7 +106,7 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
         if case.get("export"):
             state = {k.removeprefix("param/"): v for k, v in res.items() if k.startswith("param/")}
             save_hf_dir(out / f"{case['id']}-export", config, case["task"], state, ckpt)
-    info = {"loss": loss.item(), "rank0_loss": loss0.item(), "replicated_grad_diff": rep_diff,
+    info = {"launched": launched, "loss": loss.item(), "rank0_loss": loss0.item(), "replicated_grad_diff": rep_diff,
             "slice_reads": source.slice_reads if source else 0, "full_reads": source.full_reads if source else 0,
             "collectives": len(group.drain_timings()), "tags": tags}
     (out / f"{case['id']}.rank{rank}.json").write_text(json.dumps(info))

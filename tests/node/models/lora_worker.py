@@ -32,6 +32,9 @@ from xronos.node.rank.tpengine import clip_global_grad_norm, trainable  # noqa: 
 
 
 def run_case(case: dict, rank: int, group: TPGroup, out: Path) -> None:
+    group.overlap = bool(case.get("overlap"))  # test_overlap_equivalence: the same bar, overlap on
+    group.launched = 0
+    group.chunks = case.get("chunks", 1)
     start = Path(case["start"])
     config = json.loads((start / "config.json").read_text())
     family = family_for(config)
@@ -60,6 +63,7 @@ def run_case(case: dict, rank: int, group: TPGroup, out: Path) -> None:
     if logits is not None:
         res["logits_before"] = logits
     rep_diff, frozen_grads, tags = 0.0, 0, {}
+    launched = group.launched
     for step in range(STEPS):
         b = bs[step % len(bs)]
         group.drain_spans()
@@ -69,6 +73,8 @@ def run_case(case: dict, rank: int, group: TPGroup, out: Path) -> None:
             for span in group.drain_spans():
                 if span.name != "mark":
                     tags[str(span.tag)] = tags.get(str(span.tag), 0) + 1
+        if step == STEPS - 1:  # asynchronous all-reduces of the training steps (not the evaluations)
+            launched = group.launched - launched
         frozen_grads += sum(p.grad is not None for p in model.parameters() if not p.requires_grad)
         clip_global_grad_norm(model, replicated, MAX_GRAD_NORM, group)
         res[f"loss/{step}"] = loss.detach().reshape(1)
@@ -98,7 +104,7 @@ def run_case(case: dict, rank: int, group: TPGroup, out: Path) -> None:
         if case.get("export"):
             save_lora_exports(out / f"{case['id']}-export", config, case["task"], state, settings, modules,
                               start, merged=True)
-    info = {"modules": modules, "rep_diff": rep_diff, "frozen_grads": frozen_grads, "tags": tags,
+    info = {"launched": launched, "modules": modules, "rep_diff": rep_diff, "frozen_grads": frozen_grads, "tags": tags,
             "opt_params": sum(len(g["params"]) for g in opt.param_groups), "opt_states": len(opt.state),
             "trained": sorted(specs[n].hf_name for n in trained),
             "frozen_moved": frozen_moved if rank == 0 else None}

@@ -1,0 +1,261 @@
+"""Overlap on vs off, side by side, on the virtual clock (issue #37):
+
+    .venv/bin/python -m xronos.bench.overlap [--cells demo,n100x3-s64] [--modes off,bwd,c2] [--iters 6]
+
+Real ranks (one process each, one Gloo group on loopback, one compute thread) train a model of the
+cell's shape (random weights, `workloads.shape_config`; `demo`'s is `xronos demo`'s MiniLM) on the
+cell's emulated boxes: each rank's `TPGroup` runs on a `VirtualClock` of its box's speed (host
+cores) and the cell's link (1 Gbit/s, 0.5 ms a call, the cost model's). The layout is
+speed-proportional per segment kind (each kind's units cut by the largest remainder), the same in
+every mode. Modes take turns iteration by iteration, so all see the same host conditions: `off`
+(today: every all-reduce blocks), `bwd` (`TPGroup.overlap`: the input-gradient all-reduce of every
+column-parallel region beside its weight-gradient GEMMs, `node/tp/overlap.py`), `cN` (that, and
+`TPGroup.chunks` = N forward chunks). An iteration is forward, backward, AdamW step, from a common
+start (an untimed barrier) to the last rank's end, in virtual seconds. Reported per cell and mode:
+the median over the measured iterations, its ratio to the first mode's, and the share of the
+iteration the rank that computes most (it hardly idles) spends in collectives (the cells the issue
+targets have >= 30 % with overlap off). Results: bench/results/overlap.md and .json, with the
+clock and the host's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The cells: boxes as host cores (virtual speed), model shape, blocks, batch, sequence, task.
+# `demo`: `xronos demo`'s boxes (N100 0.9, Pi 5 0.5, Pi 4 0.3) and model (MiniLM-L6, BERT 384 wide).
+MINILM = dict(model_type="bert", hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+              intermediate_size=1536, vocab_size=30522, max_position_embeddings=512, type_vocab_size=2,
+              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0, pad_token_id=0)
+CELLS = {
+    "demo": dict(speeds=[0.9, 0.5, 0.3], shape="minilm", blocks=None, batch=8, seq=16, task="classify"),
+    # three N100 boxes on the same model: faster boxes, so communication is a larger share
+    "n100x3": dict(speeds=[0.9, 0.9, 0.9], shape="minilm", blocks=None, batch=8, seq=16, task="classify"),
+    # the same at 8 x 64 tokens: chunks of 4 rows still make GEMMs of 256 tokens
+    "n100x3-s64": dict(speeds=[0.9, 0.9, 0.9], shape="minilm", blocks=None, batch=8, seq=64, task="classify"),
+    "demo-s64": dict(speeds=[0.9, 0.5, 0.3], shape="minilm", blocks=None, batch=8, seq=64, task="classify"),
+    "set-a-gpt2m": dict(speeds=[0.45, 0.3, 0.3], shape="gpt2-medium", blocks=6, batch=8, seq=32, task="causal-lm"),
+    "set-a-roberta": dict(speeds=[0.45, 0.3, 0.3], shape="roberta-base", blocks=6, batch=8, seq=64, task="classify"),
+    "set-a-smollm2": dict(speeds=[0.45, 0.3, 0.3], shape="smollm2-360m", blocks=8, batch=8, seq=32,
+                          task="causal-lm"),
+}
+RATE_MBIT, LATENCY_S = 1000.0, 0.5e-3
+
+
+def proportional(total: int, speeds: list[float]) -> tuple[int, ...]:
+    """`total` units cut by speed, largest remainder first (a rank may get 0)."""
+    exact = [total * s / sum(speeds) for s in speeds]
+    counts = [int(e) for e in exact]
+    for i in sorted(range(len(speeds)), key=lambda i: exact[i] - counts[i], reverse=True)[:total - sum(counts)]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+def config_of(cell: dict) -> dict:
+    from xronos.bench.workloads import shape_config
+
+    config = dict(MINILM) if cell["shape"] == "minilm" else shape_config(cell["shape"], cell["blocks"])
+    prefix = {"gpt2": "GPT2", "bert": "Bert", "roberta": "Roberta", "llama": "Llama"}[config["model_type"]]
+    suffix = "LMHeadModel" if prefix == "GPT2" else "ForCausalLM"
+    config["architectures"] = [prefix + (suffix if cell["task"] == "causal-lm" else "ForSequenceClassification")]
+    return config
+
+
+def chunks_of(mode: str) -> int:
+    """Modes: `off`; `bwd` (backward overlap); `cN` (backward overlap and N forward chunks)."""
+    if mode in ("off", "bwd"):
+        return 1
+    if mode.startswith("c") and mode[1:].isdigit() and int(mode[1:]) >= 2:
+        return int(mode[1:])
+    raise ValueError(f"mode {mode!r}: off, bwd or cN (N >= 2 forward chunks)")
+
+
+def worker(job_file: str, rank_s: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from xronos.node.emulate.link import Link
+    from xronos.node.emulate.vclock import Box, VirtualClock
+    from xronos.node.models.loading import init_random
+    from xronos.node.models.registry import family_for
+    from xronos.node.tp.group import TPGroup
+    from xronos.node.tp.layout import ShardLayout
+
+    job, rank = json.loads(Path(job_file).read_text()), int(rank_s)
+    cell, speeds = job["cell"], job["cell"]["speeds"]
+    clock = VirtualClock(Box(speeds[rank], Link.mbit(RATE_MBIT, LATENCY_S), "med"))
+    group = TPGroup.join(rank, len(speeds), "127.0.0.1", job["port"], timeout_s=300, clock=clock)
+    config = config_of(cell)
+    family = family_for(config)
+    sizes = family.sizes(config)
+    layout = ShardLayout(*(proportional(getattr(sizes, k), speeds) for k in ("attn", "mlp", "vocab")), rank=rank)
+    model = init_random(family.build(config, cell["task"], layout, group), seed=0)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, config["vocab_size"], (cell["batch"], cell["seq"]), generator=gen)
+    labels = ids if cell["task"] == "causal-lm" else torch.randint(0, 2, (cell["batch"],), generator=gen)
+    rows = []
+    modes = job["modes"]
+    for it in range(len(modes) * (job["warmup"] + job["iters"])):
+        mode = modes[it % len(modes)]  # round robin: every mode under the same host conditions
+        group.overlap, group.chunks = mode != "off", chunks_of(mode)
+        # Every iteration starts together (untimed barrier): no rank's wait for the last iteration's
+        # slowest optimizer step lands in the next one, which runs in the other mode.
+        group.barrier(timed=False)
+        acc = clock.account
+        t0, w0, before = group.now(), time.perf_counter(), (acc.compute, acc.comm, acc.idle)
+        loss = model(ids, labels=labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        group.settle()
+        t1 = group.now()
+        after = (acc.compute, acc.comm, acc.idle)
+        rows.append({"mode": mode, "iteration_s": t1 - t0, "wall_s": time.perf_counter() - w0,
+                     **{k: a - b for k, a, b in zip(("compute_s", "comm_s", "idle_s"), after, before)},
+                     "launched": group.launched, "loss": loss.item()})
+    lay = {k: list(getattr(layout, k)) for k in ("attn", "mlp", "vocab")}
+    calls = {f"{k[0]} {k[1]} B": clock.call_est.value(k) for k in clock.call_est._hist}  # the calls' CPU (host s)
+    Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"layout": lay, "calls_cpu_s": calls, "rows": rows}))
+    group.leave()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: list[str]) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    job = {"cell": cell, "iters": iters, "warmup": warmup, "port": _free_port(), "out": str(work), "modes": modes}
+    (work / "job.json").write_text(json.dumps(job))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "xronos.bench.overlap", "worker", str(work / "job.json"), str(r)],
+                              env=env, stdout=(work / f"rank{r}.log").open("w"), stderr=subprocess.STDOUT)
+             for r in range(len(cell["speeds"]))]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"cell {name}: ranks exited {codes}; see {work}/rank*.log")
+    ranks = [json.loads((work / f"rank{r}.json").read_text())["rows"] for r in range(len(procs))]
+    res: dict = {"cell": name, **cell}
+    for mode in modes:
+        its = [i for i in range(len(ranks[0])) if ranks[0][i]["mode"] == mode][warmup:]
+        # from the common start to the last rank's end: the iteration
+        slowest = [max(rk[i]["iteration_s"] for rk in ranks) for i in its]
+        # the communication the iteration waits for: the share of it the rank that computes most
+        # (the slowest box for its share; it hardly idles) spends in collectives
+        busiest = max(range(len(ranks)), key=lambda r: sum(ranks[r][i]["compute_s"] for i in its))
+        exposed = [ranks[busiest][i]["comm_s"] / ranks[busiest][i]["iteration_s"] for i in its]
+        res[mode] = {"median_s": statistics.median(slowest),
+                     "compute_s": statistics.median(ranks[busiest][i]["compute_s"] for i in its), "min_s": min(slowest), "max_s": max(slowest),
+                    "exposed_comm_share": statistics.median(exposed),
+                    "wall_median_s": statistics.median(max(rk[i]["wall_s"] for rk in ranks) for i in its),
+                    "n": len(its)}
+    res["modes"] = modes
+    for mode in modes[1:]:
+        res[mode]["ratio"] = res[mode]["median_s"] / res[modes[0]]["median_s"]
+    res["layout"] = json.loads((work / "rank0.json").read_text())["layout"]
+    return res
+
+
+def markdown(results: list[dict], load: str, argv: list[str], seconds: float) -> str:
+    lines = ["# Overlap on vs off (issue #37)", "",
+             "Clock: **virtual** (each rank's compute at its box's speed, collectives on a modelled "
+             f"{RATE_MBIT:g} Mbit/s link, {LATENCY_S * 1e3:g} ms a call; wall seconds beside, for scale only: "
+             "the host is shared). Modes: `off` (every all-reduce blocks: today), `bwd` (the input-gradient "
+             "all-reduce of every column-parallel region runs while the region's weight-gradient GEMMs "
+             "compute, `node/tp/overlap.py`), `cN` (that, and the batch rows in N forward chunks, each "
+             "chunk's row-parallel all-reduces travelling while the next chunk computes). Modes take turns "
+             "iteration by iteration in one run; each figure is the median over the measured iterations of "
+             "the iteration (forward, backward, AdamW; from a common start to the last rank's end). `compute "
+             "s` and `comm share`: the compute of the rank that computes most, and the share of the "
+             "iteration it spends in collectives (a mode may change the compute itself: the fused "
+             "backward skips autograd's copies, chunks add per-op overhead). The "
+             "layout is speed-proportional per segment kind, the same in every mode.", "",
+             f"Command: `python -m xronos.bench.overlap {' '.join(argv)}`; {seconds / 60:.1f} min; "
+             f"load (`uptime`) at the end: {load}.", "",
+             "| cell | boxes (host cores) | model | blocks | batch x seq | run | mode | iteration s (virtual) "
+             "| / off | compute s | comm share | wall s | iterations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for mode in r["modes"]:
+            m = r[mode]
+            ratio = f"**{m['ratio']:.3f}**" if "ratio" in m else "1"
+            lines.append(f"| {r['cell']} | {', '.join(f'{s:g}' for s in r['speeds'])} | {r['shape']} | "
+                         f"{r['blocks'] or 'all'} | {r['batch']} x {r['seq']} | {r.get('repeat', 1)} | {mode} | "
+                         f"{m['median_s']:.4f} "
+                         f"(min {m['min_s']:.4f}, max {m['max_s']:.4f}) | {ratio} | {m['compute_s']:.4f} | "
+                         f"{m['exposed_comm_share']:.0%} | {m['wall_median_s']:.3f} | {m['n']} |")
+    cells = list(dict.fromkeys(r["cell"] for r in results))
+    if max(r.get("repeat", 1) for r in results) > 1:
+        lines += ["", "Ratios to `off` over the repeats (mean, and (max - min) / mean):", "",
+                  "| cell | mode | mean | spread | runs |", "|---|---|---|---|---|"]
+        for cell in cells:
+            runs = [r for r in results if r["cell"] == cell]
+            for mode in runs[0]["modes"][1:]:
+                xs = [r[mode]["ratio"] for r in runs]
+                mean = statistics.mean(xs)
+                lines.append(f"| {cell} | {mode} | **{mean:.3f}** | {(max(xs) - min(xs)) / mean:.1%} | "
+                             f"{', '.join(f'{x:.3f}' for x in xs)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":
+        worker(argv[1], argv[2])
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m xronos.bench.overlap", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", default="demo,set-a-gpt2m", help=f"comma-separated, of {', '.join(CELLS)}")
+    ap.add_argument("--modes", default="off,bwd,c2", help="off, bwd, cN (N forward chunks), the first the baseline")
+    ap.add_argument("--iters", type=int, default=8, help="measured iterations per mode")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every cell, interleaved")
+    ap.add_argument("--warmup", type=int, default=4, help="iterations per mode not counted (estimator windows)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = ap.parse_args(argv)
+    names = [c for c in args.cells.split(",") if c]
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        try:
+            chunks_of(m)
+        except ValueError as e:
+            ap.error(str(e))
+    bad = [c for c in names if c not in CELLS]
+    if bad:
+        ap.error(f"unknown cell(s) {bad}; known: {', '.join(CELLS)}")
+    t0 = time.monotonic()
+    results = []
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="overlap-bench-")  # kept when a cell fails: its ranks' logs
+    for rep in range(args.repeats):  # repeats interleaved: every cell, then every cell again
+        for name in names:
+            print(f"== {name} (repeat {rep + 1}/{args.repeats})", flush=True)
+            res = run_cell(name, CELLS[name], args.iters, args.warmup, Path(tmp) / f"{name}-{rep}", modes)
+            res["repeat"] = rep + 1
+            print(json.dumps(res), flush=True)
+            results.append(res)
+    shutil.rmtree(tmp) if not os.environ.get("XRONOS_BENCH_KEEP") else print("kept", tmp)
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overlap.json").write_text(json.dumps({"load": load, "results": results}, indent=1))
+    (args.out / "overlap.md").write_text(markdown(results, load, argv, time.monotonic() - t0))
+    print((args.out / "overlap.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Hide the wire in backward: the input-gradient all-reduce of a column-parallel region travels while
+the region's weight-gradient GEMMs run (Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`).
+
+Today the region's entry (`mappings.copy_to_tp`) all-reduces the input gradient in its backward,
+after autograd has run every column layer's backward node — each computes the layer's input and
+weight gradients together — so the all-reduce has nothing left to overlap with and blocks the rank.
+Here one autograd Function (`_ColumnRegion`) enters the region *and* computes the base products of
+every column layer reading x: its backward first sums the input gradient (x's uses inside the
+region, a LoRA adapter's, and each layer's g W), launches its all-reduce asynchronously
+(`TPGroup.all_reduce_async`), computes the weight and bias gradients (g^T x: as much work again
+as the input gradient), then waits. The sums are the same ones, in the same places; only when they
+happen moves. A LoRA job's frozen base has no weight gradient to compute: nothing is hidden then,
+and nothing changes.
+
+The region's passengers (`lora.enter_region`: Qwen3's q/k norm weights, the adapters' A's) ride
+in the same all-reduce as before. Each layer gets its product as an `Entered` instead of its A
+(`ColumnParallelLinear.forward` takes either), so the models' code does not change.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .group import TPGroup
+from .mappings import reduce_from_tp_async
+
+
+class Entered(NamedTuple):
+    """What a column layer gets from a region that computed its base product: y = x W^T + b
+    [..., local_out], and its LoRA A inside the region (None: not adapted)."""
+
+    y: torch.Tensor
+    a: torch.Tensor | None
+
+
+def _weight(w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return w.t() if transposed else w  # [out, in], as F.linear takes it
+
+
+class _ColumnRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, passenger: torch.Tensor, group: TPGroup, kind: str | None,  # type: ignore[override]
+                layers: tuple[tuple[bool, bool], ...], *params: torch.Tensor):
+        # layers: (has bias, transposed) per layer; params: each layer's weight, then its bias if any
+        ctx.group, ctx.kind, ctx.layers, ctx.pshape = group, kind, layers, passenger.shape
+        ctx.save_for_backward(x, *params)
+        ys, it = [], iter(params)
+        for has_bias, transposed in layers:
+            w = next(it)
+            ys.append(F.linear(x, _weight(w, transposed), next(it) if has_bias else None))
+        return (x.view_as(x), passenger.view_as(passenger), *ys)
+
+    @staticmethod
+    def backward(ctx, gx: torch.Tensor | None, gp: torch.Tensor | None,  # type: ignore[override]
+                 *gys: torch.Tensor | None):
+        x, *params = ctx.saved_tensors
+        needs = ctx.needs_input_grad[5:]
+        layers, it = [], iter(zip(params, needs))
+        for has_bias, transposed in ctx.layers:
+            w, w_needs = next(it)
+            b, b_needs = next(it) if has_bias else (None, False)
+            layers.append((w, b, transposed, w_needs, b_needs))
+        # The input gradient: x's uses inside the region, then each layer's g W ([..., in]).
+        fmt = torch.contiguous_format
+        dx = torch.zeros_like(x, memory_format=fmt) if gx is None else gx.clone(memory_format=fmt)
+        for (w, _, transposed, _, _), g in zip(layers, gys):
+            if g is not None:
+                dx += g.matmul(_weight(w, transposed))
+        gp = x.new_zeros(ctx.pshape) if gp is None else gp
+        n = dx.numel()
+        flat = torch.cat((dx.reshape(-1), gp.reshape(-1))) if gp.numel() else dx
+        with ctx.group.segment(ctx.kind):
+            pending = ctx.group.all_reduce_async(flat)
+        # While it travels: the weight and bias gradients, which need no communication.
+        grads: list[torch.Tensor | None] = []
+        x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        for (w, b, transposed, w_needs, b_needs), g in zip(layers, gys):
+            g2 = None if g is None else g.reshape(x2.shape[0], g.shape[-1])  # [tokens, local_out] (may be 0 wide)
+            if w_needs:
+                gw = torch.zeros_like(w) if g2 is None else (x2.t() @ g2 if transposed else g2.t() @ x2)
+                grads.append(gw)
+            else:
+                grads.append(None)
+            if b is not None:
+                grads.append((torch.zeros_like(b) if g2 is None else g2.sum(0)) if b_needs else None)
+        pending.wait()
+        # The passenger's gradient is copied out: a view would keep the whole buffer alive (as
+        # `mappings._CopyToTPWith`).
+        if flat is not dx:
+            dx, gp = flat[:n].view(x.shape), flat[n:].view(ctx.pshape).clone()
+        return (dx, gp, None, None, None, *grads)
+
+
+def column_region(x: torch.Tensor, group: TPGroup, kind: str | None,
+                  layers: tuple, passenger: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """Enter a tensor-parallel region with x [..., in] for the column layers `layers` (each a
+    `ColumnParallelLinear`, or a (weight, bias, transposed) triple) and compute their base
+    products, so that backward overlaps the input-gradient all-reduce with their weight
+    gradients. `passenger`: a replicated tensor used inside the region on this rank's part only
+    (as `copy_to_tp_with`), all-reduced with x's gradient. Returns x inside the region, the
+    passenger inside it, and each layer's product [..., local_out]."""
+    if group.world_size == 1:
+        raise ValueError("column_region is for a world of more than one rank (nothing to overlap)")
+    triples = [(m.weight, m.bias, m.transposed) if hasattr(m, "weight") else m for m in layers]
+    params: list[torch.Tensor] = []
+    for w, b, _ in triples:
+        params.append(w)
+        if b is not None:
+            params.append(b)
+    if passenger is not None and passenger.dtype != x.dtype:
+        raise ValueError(f"column_region: x is {x.dtype} but the passenger is {passenger.dtype} "
+                         "(one buffer holds both gradients)")
+    p = x.new_zeros(0) if passenger is None else passenger
+    spec = tuple((b is not None, tr) for _, b, tr in triples)
+    x_in, p_in, *ys = _ColumnRegion.apply(x, p, group, kind, spec, *params)
+    return x_in, (None if passenger is None else p_in), ys
+
+
+# -- forward chunking (Domino) ---------------------------------------------------------------------
+# A stage of a block: `pre(x, c)` computes chunk c's partial sum (the row-parallel layer's
+# `partial`), `post(x, reduced)` completes it (`finish`, dropout, the residual), `kind` tags the
+# all-reduce between them.
+Stage = tuple  # (pre, post, kind)
+
+
+def check_chunks(chunks: object, batch: int) -> int:
+    """The number of chunks a rank's batch rows are cut into, or ValueError naming it and the batch."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r} (batch size {batch})")
+    if chunks > batch:
+        raise ValueError(f"chunks {chunks} leaves a chunk without a row: the batch has {batch} rows "
+                         f"(at most {batch} chunks)")
+    return chunks
+
+
+def run_chunked(stages: list[Stage], xs: list[torch.Tensor], group: TPGroup) -> list[torch.Tensor]:
+    """Run the stages over the chunks `xs` so that chunk c's all-reduce of a stage travels while
+    chunk c+1 computes that stage and chunk c-1 the next (Domino, arXiv 2409.15241): stage by stage,
+    chunk by chunk, each chunk first completes its previous stage (waiting for its all-reduce,
+    launched one chunk's compute earlier), then launches this one's. Every rank launches and waits
+    in the same order. The sums are the unchunked ones, row by row."""
+    xs, flights, post = list(xs), [None] * len(xs), None
+    for pre, nxt, kind in stages:
+        for c, x in enumerate(xs):
+            if flights[c] is not None:
+                x = xs[c] = post(x, flights[c].wait())
+            flights[c] = reduce_from_tp_async(pre(x, c), group, kind)
+        post = nxt
+    return [post(x, f.wait()) for x, f in zip(xs, flights)] if post is not None else xs
