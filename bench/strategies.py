@@ -198,9 +198,10 @@ def tp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str):
         raise Infeasible(str(exc)) from None
 
 
-def loaded_profiles(ctx: Ctx, profiles: dict[str, dict], key: str) -> tuple[list, float]:
-    """Every rank's report (its device's profile `key`, node id `r<d> <device>`, memory the emulated
-    cap) as the planner loads it, and the reserve to plan with."""
+def loaded_profiles(ctx: Ctx, profiles: dict[str, dict], key: str, wire_ids: bool = False) -> tuple[list, float]:
+    """Every rank's report (its device's profile `key`, node id `r<d> <device>`, or `r<d>` with
+    `wire_ids`, as a Plan message needs them; memory the emulated cap) as the planner loads it, and
+    the reserve to plan with."""
     from xronos.gateway.plan.compatible import Loaded
     from xronos.protocol.messages import ProfileReport
 
@@ -209,7 +210,7 @@ def loaded_profiles(ctx: Ctx, profiles: dict[str, dict], key: str) -> tuple[list
         report = ProfileReport.model_validate(profiles[name][key])
         cap = ctx.caps[d]
         caps = report.capabilities.model_copy(update={"memory_available": NO_CAP if cap is None else int(cap)})
-        report = report.model_copy(update={"node_id": f"r{d} {name}", "capabilities": caps})
+        report = report.model_copy(update={"node_id": f"r{d}" if wire_ids else f"r{d} {name}", "capabilities": caps})
         loaded.append(Loaded(source=f"profile of rank {d} ({name})", report=report))
     # A profile that measured the process (runtime_bytes, profiler version 6) predicts the whole
     # resident set: the planner then plans against the cgroup's cap itself, the one the kernel
