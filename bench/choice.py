@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STRATEGIES = ("auto", "segment", "dp", "uniform", "paper")
+HOST_FRACTION = 0.8  # of this host's memory the cells' caps may take together
 
 
 @dataclass(frozen=True)
@@ -77,17 +78,27 @@ def _scenario(name: str):
 def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = None) -> dict:
     from xronos.bench import strategies as st
     from xronos.bench.harness import _param_count, environment
-    from xronos.bench.scenarios import PI5_SHARE
+    from xronos.bench.scenarios import GIB, PI5_SHARE, RUNTIME_RESERVE
     from xronos.bench.workloads import get_shape, kept_fraction, shape_config, write_checkpoint, write_dataset
     from xronos.node.emulate.cgroupfs import find_controller
+    from xronos.node.emulate.request import host_memory_bytes
 
     sc = _scenario(cell.scenario)
     config = shape_config(cell.model, cell.blocks)
     scale = kept_fraction(cell.model, cell.blocks)
-    caps = sc.memory_caps(scale)
+    caps, scale_note = sc.memory_caps(scale), None
+    host = host_memory_bytes()
+    if host is not None and sum(caps) > HOST_FRACTION * host:
+        # Five or eight boxes' scaled RAM exceeds this host's: every cap is scaled down alike until
+        # they fit (the LoRA cells' replicas fit every box either way; the planner says so per cell).
+        room = [(d.memory_gb * GIB - RUNTIME_RESERVE) for d in sc.devices]
+        fitted = (HOST_FRACTION * host - len(room) * RUNTIME_RESERVE) / sum(room)
+        scale_note = (f"memory scale {scale:.3f} (parameters kept) lowered to {fitted:.3f}: the {sc.n} boxes' caps "
+                      f"must fit this host's {host / GIB:.1f} GiB together")
+        scale, caps = fitted, sc.memory_caps(fitted)
     cpu = find_controller("cpu")
     doc: dict = {"cell": cell.__dict__, "environment": environment(cpu.version if cpu else None),
-                 "scenario": sc.describe(), "memory_caps": caps, "mem_scale": scale,
+                 "scenario": sc.describe(), "memory_caps": caps, "mem_scale": scale, "mem_scale_note": scale_note,
                  "parameters": _param_count(config), "strategies": {}}
     if doc["environment"].get("clock") != "virtual":
         raise SystemExit("bench.choice runs on the virtual clock (XRONOS_EMULATOR_CPU=virtual, the default)")
@@ -102,6 +113,7 @@ def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = No
         t0 = time.perf_counter()
         profiles = st.profile_devices(ctx, want_tp=not cell.lora, want_pp=False, want_lora=cell.lora)
         doc["profiling_s"] = time.perf_counter() - t0
+        doc["profiles"] = profiles  # what every plan below came from (the reports, as the nodes' would be)
         key = "tp-lora" if cell.lora else "tp"
         measured: dict[str, str] = {}
         for strat in STRATEGIES:
@@ -183,7 +195,8 @@ def table(doc: dict) -> str:
     tp = (doc["strategies"].get("segment") or {}).get("run")
     lines = [f"### {c['name']}: {c['model']} ({c['blocks']} blocks), {'LoRA r=8' if c['lora'] else 'full fine-tuning'}, "
              f"batch {c['batch_size']} x {c['seq_len']}; {doc['scenario']}",
-             "", f"{c['note']}. Clock: virtual (iteration seconds of the emulated boxes); link 1 Gbit/s modelled. "
+             "", f"{c['note']}." + (f" ({doc['mem_scale_note']}.)" if doc.get("mem_scale_note") else "")
+                 + " Clock: virtual (iteration seconds of the emulated boxes); link 1 Gbit/s modelled. "
                  f"Profiling {doc.get('profiling_s', 0):.0f} s wall; load at the end "
                  f"{', '.join(f'{x:.1f}' for x in doc['environment']['loadavg_end'])}.", "",
              "| strategy | plan | predicted s | measured s | error | vs TP only | ideal bound s | wall s |",
