@@ -19,7 +19,7 @@ error, the iteration relative to `segment` (TP only), the strategy's own ideal b
 continuous per-segment balance under the caps; DP: fractional rows; a mesh: its prediction) and
 the wall seconds the run took on this host. The cells:
 
-- `lora-a` / `lora-c`: LoRA r=8 (q_proj, v_proj) on a SmolLM2-360M shape (8 of 32 blocks, a
+- `lora-a` / `lora-c`: LoRA r=8 (q_proj, v_proj) on a SmolLM2-360M shape (8 of 32 blocks, batch 16 x 64, a
   classification head as the grid's), whose frozen base fits every box, on Set-A / Set-C. (Not the
   Qwen2.5-0.5B shape: transformers 5 loads a Qwen2 directory's tokenizer as Qwen2's own class, which
   turns the bench's word-level vocabulary into no ids at all.)

@@ -37,7 +37,6 @@ are planned, not proven jointly optimal.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
