@@ -25,7 +25,7 @@ from .msgtypes import (
     Code, TopicText, LoraRank, LoraAlpha, LoraTarget, Sample, Message,
 )
 from .msgnode import (
-    Availability, ArchSpec, Capabilities, ProfileRequest, LayerProfile, CollectiveProfile,
+    Availability, ArchSpec, Capabilities, ProfileRequest, LayerProfile, CollectiveProfile, RowsProbe,
     ProfileSettings, ProfileReport,
 )
 from .msgjob import (
@@ -55,7 +55,7 @@ __all__ = [
     "LayerName", "Column", "LearningRate", "Epochs", "Steps", "StepCount", "Fraction", "Megabytes",
     "Seed", "GradNorm", "HostName", "Eta", "Percent", "Code", "TopicText", "LoraRank", "LoraAlpha",
     "LoraTarget", "Sample", "Message", "Availability", "ArchSpec", "Capabilities", "ProfileRequest",
-    "LayerProfile", "CollectiveProfile", "ProfileSettings", "ProfileReport", "JobSpec", "PlanEntry", "Plan", "Assignment",
+    "LayerProfile", "CollectiveProfile", "RowsProbe", "ProfileSettings", "ProfileReport", "JobSpec", "PlanEntry", "Plan", "Assignment",
     "AssignmentAck", "JobStart", "JobPause", "JobResume", "JobCancel", "JobReshard", "JobControl",
     "JobControlAdapter", "InspectRequest", "InspectReport", "SPEC_VERSION", "mesh_of", "LoraShape", "LoraSpec", "ProfileKey", "Recipe", "IterationMetrics", "NodeFloats",
     "NodeBytes", "JobState", "NodeJobStatus", "ErrorResponse", "Transaction", "GatewayRequest",

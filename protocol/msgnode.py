@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from .layout import Kind, Sizes
 from .recipe import LoraShape, ProfileKey
 from .msgtypes import (
-    BatchSize, Bytes, Cores, Decay, Dim, Fraction, Heads, Host, Id, Int, Label, LayerName, Labels, Layers,
+    MAX_SECONDS, BatchSize, Bytes, Cores, Decay, Dim, Float, Fraction, Heads, Host, Id, Int, Label, LayerName, Labels, Layers,
     LoraRank, LoraTarget, Message, Positions, Sample, SeqLen, Seconds, Task, Temperature, Threads, Timestamp,
     Vocab,
 )
@@ -133,6 +133,18 @@ class ProfileSettings(Message):
         return cls(weight_decay=key.weight_decay, clip=key.clip, lora=key.lora.shape() if key.lora else None)
 
 
+class RowsProbe(Message):
+    """The one-block profiling set's whole iteration at full width with fewer rows than the
+    profile's batch (`rows`) and with the batch itself, medians of plain (hook-free) iterations on
+    the node's clock. A rank of data parallelism trains a few rows of each batch; what does not
+    shrink with them (the optimizer step, the clipping pass, each layer's dispatch) is the
+    difference between these and rows / batch (`gateway.plan.costmodel.rows_fixed_fraction`)."""
+
+    rows: BatchSize
+    seconds: Seconds
+    full_seconds: Float(gt=0, le=MAX_SECONDS)
+
+
 class ProfileReport(Message):
     node_id: Id
     request_id: Id
@@ -177,4 +189,12 @@ class ProfileReport(Message):
     # set of reports taken under different settings, and a report taken under other settings than
     # the job's, as it does another batch size or sequence length.
     settings: ProfileSettings | None = None
+    # The iteration at fewer rows (None: not measured, before profiler version 10, or a batch of 1).
+    rows_probe: RowsProbe | None = None
+
+    @model_validator(mode="after")
+    def _fewer_rows(self) -> ProfileReport:
+        if self.rows_probe is not None and not self.rows_probe.rows < self.batch_size:
+            raise ValueError(f"rows_probe.rows: must be below batch_size ({self.batch_size}), got {self.rows_probe.rows}")
+        return self
 

@@ -85,6 +85,8 @@ class NodeProfile:
     heap_slack_block: float = 0.0  # what each further block adds to them (0: not measured)
     # One block's holes at the profile's smallest width: (its shares per kind, bytes); None: not measured
     heap_small: tuple[Mapping[str, float], float] | None = None
+    # The iteration's share that does not shrink with the rows trained (`rows_fixed_fraction`)
+    rows_fixed: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class NodeCost:
     export_all: bool = True
     act_repl: float = 0.0  # the M_a in mem_repl (A's replicated part)
     grad_repl: float = 0.0  # the gradients in mem_repl (G's replicated part)
+    rows_fixed: float = 0.0  # the share of its times paid whatever the rows (NodeProfile.rows_fixed)
 
     def kind(self, kind: str) -> KindCost:
         if kind not in KINDS:
@@ -277,7 +280,31 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
                     act_fraction=acts_all / resident_all if resident_all > 0 else 0.0,
                     heap_slack=profile.heap_slack + depth * profile.heap_slack_block,
                     work_repl=work_repl, small_slack=small_slack, small_work=small_work,
-                    act_repl=act_repl, grad_repl=grad_repl)
+                    act_repl=act_repl, grad_repl=grad_repl, rows_fixed=profile.rows_fixed)
+
+
+MAX_ROWS_FIXED = 0.9  # a bound against a noisy probe: some of the time always follows the rows
+
+
+def rows_fixed_fraction(probe_rows: int, batch: int, seconds: float, full_seconds: float) -> float:
+    """The share a of an iteration at `batch` rows that a rank pays whatever its rows, from the
+    profile's iteration at `probe_rows` (`seconds`) and at the batch (`full_seconds`): with
+    T(r) = T(B) * (a + (1 - a) * r / B) through both points, a = (k - x) / (1 - x) where
+    k = seconds / full_seconds and x = probe_rows / batch; in [0, MAX_ROWS_FIXED]."""
+    if not 0 < probe_rows < batch:
+        raise ValueError(f"probe rows must be in (0, {batch}), got {probe_rows}")
+    if not (full_seconds > 0 and seconds >= 0):
+        raise ValueError(f"probe seconds must be >= 0 and the batch's > 0, got {seconds!r} and {full_seconds!r}")
+    x = probe_rows / batch
+    return min(MAX_ROWS_FIXED, max(0.0, (seconds / full_seconds - x) / (1 - x)))
+
+
+def rows_factor(node: NodeCost, rho: float) -> float:
+    """A node's times at rho times the profile's rows, as a multiple of its times at the profile's:
+    0 with no rows, else a + (1 - a) * rho (a = `NodeCost.rows_fixed`)."""
+    if rho < 0:
+        raise ValueError(f"rows must be >= 0, got a multiple {rho!r} of the profile's")
+    return 0.0 if rho == 0 else node.rows_fixed + (1 - node.rows_fixed) * rho
 
 
 def kind_time(kc: KindCost, s: float) -> float:

@@ -4,17 +4,21 @@ Every node holds a whole replica and takes `rows[d]` rows of each global batch o
 (`shares.py`); an iteration is the slowest node's compute, then whatever of the gradient
 all-reduce backward could not hide:
 
-    compute_d  = rows_d * t_d                 t_d = T_d(every kind at share 1) / B_p
+    compute_d  = T_d * (a_d + (1 - a_d) * rows_d / B_p)     (0 with no rows)
+                                              T_d = T_d(every kind at share 1), a_d its fixed share
     allreduce  = sum over DDP's buckets of max(link, slowest CPU)   (commmodel's alpha-beta ring)
     exposed    = C_last + max(0, (C - C_last) - f_bwd * max_d compute_d)
     iteration  = max_d compute_d + exposed
 
-- `t_d`, a row's time: the node's whole-model time at the profile's batch (`costmodel.time_at(node,
-  1)`: every layer at full width, the blocks B times) over the profile's rows B_p. The profile's
-  layer times include their share of the clipping pass and the AdamW step, which a rank pays once
-  per iteration whatever its rows: scaling them by rows under-predicts a small share (most under
-  full fine-tuning, where the step covers the whole replica; little under LoRA). The profile does
-  not time the step apart yet.
+- `T_d`: the node's whole-model time at the profile's batch (`costmodel.time_at(node, 1)`: every
+  layer at full width, the blocks B times). `a_d` (`NodeCost.rows_fixed`, from the profile's
+  `rows_probe`) is the share of it paid whatever the rows: the clipping pass and the AdamW step, each
+  layer's dispatch, and small GEMMs' lower speed per row. Without a probe (an older profile) a_d = 0
+  and a row costs T_d / B_p, which under-predicted ranks at 2-7 of 16 rows by 8-27 % (the Set-A
+  and Set-C LoRA cells of `bench/choice`). A rank with 0 rows is counted 0 (it still steps its
+  optimizer: not modelled).
+- Rows: each in turn to the node that would finish it soonest (`greedy_rows`), which minimises the
+  slowest node's time for any nondecreasing times; with a_d = 0 it is `shares.balanced_shares`.
 - The gradient all-reduce moves the trained parameters' bytes (`NodeCost.trained_full`: every
   weight in full fine-tuning, the adapters and a classifier's head under LoRA) in DDP's buckets
   (the first 1 MiB, then 25 MiB each, gradients in reverse order of the parameters: the last
@@ -34,11 +38,11 @@ all-reduce backward could not hide:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from xronos.gateway.plan.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, NodeComm
-from xronos.gateway.plan.costmodel import KindCost, NodeCost, time_at
+from xronos.gateway.plan.costmodel import KindCost, NodeCost, rows_factor, time_at
 from xronos.gateway.plan.memorymodel import memory_at
 from xronos.gateway.plan.shares import balanced_shares, check_shares
 from xronos.protocol.layout import KINDS
@@ -87,6 +91,36 @@ class DPPrediction:
         """Each node's need and cap (MiB), the ones over cap marked."""
         return "; ".join(f"{n.node_id} needs {n.memory / MiB:,.0f} MiB with {n.rows} rows, cap {n.cap / MiB:,.0f} MiB"
                          + ("" if n.fits else " (over)") for n in self.nodes)
+
+
+def rows_time(node: NodeCost, rows: int, profile_rows: int) -> float:
+    """Compute seconds of a whole replica on `node` training `rows` rows per iteration."""
+    return time_at(node, 1.0) * rows_factor(node, rows / profile_rows)
+
+
+def greedy_rows(time_of: Callable[[int, int], float], n: int, batch: int) -> list[int]:
+    """Each of `batch` rows in turn to the one of `n` workers that would finish it soonest
+    (`time_of(worker, rows)` nondecreasing in rows): the split with the least slowest time."""
+    rows = [0] * n
+    for _ in range(batch):
+        w = min(range(n), key=lambda w: (time_of(w, rows[w] + 1), w))
+        rows[w] += 1
+    return rows
+
+
+def _fluid_compute(nodes: Sequence[NodeCost], profile_rows: int, batch: int) -> float:
+    """The slowest node's compute with fractional rows, every working node busy the same time:
+    node d trains rho_d(T) = max(0, (T / T_d - a_d) / (1 - a_d)) profile batches; T by bisection."""
+    full = [time_at(n, 1.0) for n in nodes]
+
+    def rows_at(t: float) -> float:
+        return profile_rows * sum(max(0.0, (t / f - n.rows_fixed) / (1 - n.rows_fixed)) for n, f in zip(nodes, full))
+
+    lo, hi = 0.0, max(rows_time(n, batch, profile_rows) for n in nodes)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rows_at(mid) < batch else (lo, mid)
+    return hi
 
 
 def row_time(node: NodeCost, profile_rows: int) -> float:
@@ -162,8 +196,10 @@ def predict_dp(nodes: Sequence[NodeCost], caps: Sequence[float], profile_rows: i
         raise ValueError(f"backward_fraction must be in [0, 1], got {backward_fraction!r}")
     ids = [n.node_id for n in nodes]
     row_s = [row_time(n, profile_rows) for n in nodes]
-    if shares is None:
+    if shares is None and not any(n.rows_fixed for n in nodes):
         rows = list(balanced_shares([1 / t for t in row_s], batch))
+    elif shares is None:
+        rows = greedy_rows(lambda d, r: rows_time(nodes[d], r, profile_rows), len(nodes), batch)
     else:
         check_shares(shares, ids, batch)
         rows = [shares[i] for i in ids]
@@ -171,10 +207,10 @@ def predict_dp(nodes: Sequence[NodeCost], caps: Sequence[float], profile_rows: i
     grad_bytes = max(n.trained_full for n in nodes)
     sizes = bucket_sizes(grad_bytes)
     buckets = [allreduce_s(s, len(nodes), bandwidth_Bps, latency_s, cpu) for s in sizes]
-    compute = [r * t for r, t in zip(rows, row_s)]
+    compute = [rows_time(n, r, profile_rows) for n, r in zip(nodes, rows)]
     slowest = max(compute)
     exposed = _exposed(buckets, backward_fraction * slowest)
-    ideal_compute = batch / sum(1 / t for t in row_s)
+    ideal_compute = _fluid_compute(nodes, profile_rows, batch)
     out = tuple(DPNode(n.node_id, r, t, c, replica_memory(n, r, profile_rows), cap)
                 for n, r, t, c, cap in zip(nodes, rows, row_s, compute, caps))
     return DPPrediction(out, batch, grad_bytes, len(sizes), sum(buckets), exposed, slowest, slowest + exposed,

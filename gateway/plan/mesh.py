@@ -5,13 +5,14 @@ The runtime's contract (`protocol.messages.mesh_of`): rank r is in group r // tp
 and EVERY group holds the same layout; each group takes `rows[g]` of each global batch. So a mesh
 is (the groups, which node holds which TP rank, one layout, the rows per group), and
 
-    group g   compute_g = sum_seg max_i T_(g,i),seg(layout_i) * rows_g / B_p    + TP comm at rows_g
+    group g   compute_g = sum_seg max_i T_(g,i),seg(layout_i) * f_(g,i)(rows_g / B_p)  + TP comm at rows_g
     DP        each TP rank i's gradients (its shard's) all-reduced over the G nodes holding rank i,
               the tp rings side by side, in DDP's buckets, hidden behind the slowest group's
               backward as in `dpcost` (every bucket but the last)
     iteration = max_g compute_g + what backward does not hide
 
-Times and activations scale linearly with a group's rows (as `dpcost` scales a replica's).
+Times scale with a group's rows as `dpcost` scales a replica's (f = `costmodel.rows_factor`: the
+share the node pays whatever its rows, the rest in proportion); activations in proportion.
 
 **Search.** For every tp with 1 < tp < N dividing N (tp = 1 is `dp`, tp = N is `segment`):
 1. *Which nodes group together.* Up to `EXACT_MESH_NODES` (10) nodes every partition into groups
@@ -41,8 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 from xronos.gateway.plan.commmodel import CommVolume, NodeComm, comm_time
-from xronos.gateway.plan.costmodel import SEGMENTS, KindCost, NodeCost, layout_shares, segment_times
-from xronos.gateway.plan.dpcost import BACKWARD_FRACTION, _exposed, allreduce_s, bucket_sizes, row_time
+from xronos.gateway.plan.costmodel import SEGMENTS, KindCost, NodeCost, layout_shares, rows_factor, segment_times
+from xronos.gateway.plan.dpcost import BACKWARD_FRACTION, _exposed, allreduce_s, bucket_sizes, greedy_rows, row_time
 from xronos.gateway.plan.memorymodel import predict_memory
 from xronos.gateway.plan.model import MiB, InfeasiblePlan
 from xronos.gateway.plan.planner import plan
@@ -101,13 +102,16 @@ class MeshPrediction:
 
 
 def at_rows(node: NodeCost, rho: float) -> NodeCost:
-    """`node` training rho times the profile's rows: times scaled by rho, activations by rho,
-    temporaries never below the profile's (as `dpcost.replica_memory`)."""
+    """`node` training rho times the profile's rows: times by `costmodel.rows_factor` (the share paid
+    whatever the rows, the rest by rho), activations by rho, temporaries never below the profile's
+    (as `dpcost.replica_memory`)."""
+    f = rows_factor(node, rho)
+
     def kc(k: KindCost) -> KindCost:
-        return replace(k, fixed_s=k.fixed_s * rho, icpt_s=k.icpt_s * rho, slope_s=k.slope_s * rho,
+        return replace(k, fixed_s=k.fixed_s * f, icpt_s=k.icpt_s * f, slope_s=k.slope_s * f,
                        mem_slope=k.mem_slope - k.act_slope * (1 - rho), act_slope=k.act_slope * rho,
                        temp_slope=k.temp_slope * max(1.0, rho))
-    return replace(node, **{k: kc(node.kind(k)) for k in KINDS}, const_s=node.const_s * rho,
+    return replace(node, **{k: kc(node.kind(k)) for k in KINDS}, const_s=node.const_s * f,
                    mem_repl=node.mem_repl - node.act_repl * (1 - rho), act_repl=node.act_repl * rho,
                    temp_repl=node.temp_repl * max(1.0, rho))
 
@@ -208,15 +212,6 @@ def candidates(n: int, tp: int, speed: Sequence[float]) -> tuple[list, int]:
     return scored[:REFINE], len(parts)
 
 
-def _rows(group_time, G: int, batch: int) -> list[int]:
-    """Each row in turn to the group that would finish it soonest (group_time(g, rows) nondecreasing)."""
-    rows = [0] * G
-    for _ in range(batch):
-        g = min(range(G), key=lambda g: (group_time(g, rows[g] + 1), g))
-        rows[g] += 1
-    return rows
-
-
 def _evaluate(nodes, groups, layout, batch, caps, volume, profile_rows, bw, lat, cpu, f_bwd, scored):
     """The mesh at `layout` with the rows that its groups' real times give (module docstring)."""
     tp = len(groups[0])
@@ -232,12 +227,12 @@ def _evaluate(nodes, groups, layout, batch, caps, volume, profile_rows, bw, lat,
         return comm_time(v, tp, bw, lat, [cpu[d] for d in groups[g] if cpu[d] is not None])
 
     def compute(g: int, r: int) -> float:
-        return sum(max(seg_cache[d][s] for d in groups[g]) for s in SEGMENTS) * r / profile_rows
+        return sum(max(seg_cache[d][s] * rows_factor(nodes[d], r / profile_rows) for d in groups[g]) for s in SEGMENTS)
 
     def group_time(g: int, r: int) -> float:
         return compute(g, r) + tp_comm(g, r)
 
-    rows = _rows(group_time, len(groups), batch)
+    rows = greedy_rows(group_time, len(groups), batch)
     times = [group_time(g, r) for g, r in enumerate(rows)]
     slow = max(range(len(groups)), key=lambda g: times[g])
     window = f_bwd * compute(slow, rows[slow])
@@ -254,7 +249,7 @@ def _evaluate(nodes, groups, layout, batch, caps, volume, profile_rows, bw, lat,
         rho = rows[g] / profile_rows
         for i, d in enumerate(grp):
             mem = predict_memory(at_rows(nodes[d], rho), layout_shares(layout, i))
-            own = sum(seg_cache[d].values()) * rho
+            own = sum(seg_cache[d].values()) * rows_factor(nodes[d], rho)
             out.append(MeshNode(nodes[d].node_id, g, i, own, mem, caps[d]))
     ids = tuple(tuple(nodes[d].node_id for d in g) for g in groups)
     return MeshPrediction(tp, ids, layout, tuple(rows), tuple(out), compute(slow, rows[slow]), tp_comm(slow, rows[slow]),

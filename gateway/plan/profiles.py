@@ -25,7 +25,7 @@ from xronos.gateway.plan.compatible import Loaded, check_compatible
 from xronos.gateway.plan.commmodel import (
     DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, CommVolume, NodeComm, comm_time, node_comm, tp_comm_volume,
 )
-from xronos.gateway.plan.costmodel import Fit, LayerCost, NodeCost, NodeProfile, node_cost
+from xronos.gateway.plan.costmodel import Fit, LayerCost, NodeCost, NodeProfile, node_cost, rows_fixed_fraction
 from xronos.gateway.plan.planner import InfeasiblePlan, MiB, PlanResult, Strategy, plan
 from xronos.protocol.codec import MAX_PAYLOAD
 from xronos.protocol.layout import KINDS, NOUN, Sizes
@@ -261,7 +261,10 @@ def node_profile(report: ProfileReport) -> NodeProfile:
                        heap_slack_block=float(report.heap_slack_block_bytes),
                        heap_small=None if report.heap_slack_small_counts is None else (
                            {k: report.heap_slack_small_counts.total(k) / report.sizes.total(k) for k in KINDS},
-                           float(report.heap_slack_small_bytes)))
+                           float(report.heap_slack_small_bytes)),
+                       rows_fixed=0.0 if report.rows_probe is None else rows_fixed_fraction(
+                           report.rows_probe.rows, report.batch_size, report.rows_probe.seconds,
+                           report.rows_probe.full_seconds))
 
 
 def collective_cost(report: ProfileReport) -> NodeComm | None:

@@ -36,6 +36,13 @@ of every layer's time. Under a quota a rank that waited starts with its whole qu
 speed; the pause takes 22.7-33.8 % off the MiniLM one-block set's layer times at 0.3 core, and
 took the MiniLM's compute MAPE from 44.7 % to 5.5-13.5 % (bench/results/prediction-error.md).
 
+Rows: one more full-width set trains a quarter of the batch's rows (`probe_rows`), timed as whole
+plain iterations beside the full batch's (`ProfileReport.rows_probe`). A data-parallel rank trains a
+few rows of each batch, and a row's time is not the batch's over its rows: the optimizer step, the
+clipping pass and each layer's dispatch are paid once per iteration, and small GEMMs run slower per
+row (on the Set-A LoRA cell a rank's measured iteration at 2-7 rows was 8-27 % above the per-row
+prediction; `gateway.plan.costmodel.rows_fixed_fraction`).
+
 Communication: `commprobe` times all-reduces of the job's activation on this node's CPU (two Gloo
 ranks in this process over loopback, under its quota and threads); the planner's `comm_time`
 takes the longer of the link's time and the slowest node's CPU time per all-reduce.
@@ -78,7 +85,7 @@ from xronos.node.models.registry import arch_spec, config_from_arch, family_for
 from xronos.node.tp.lora import LoraSettings
 from xronos.protocol.layout import KINDS, QUANTA, Layout, Sizes
 from xronos.protocol.messages import (
-    ArchSpec, Capabilities, LayerProfile, LoraSpec, ProfileKey, ProfileReport, ProfileSettings,
+    ArchSpec, Capabilities, LayerProfile, LoraSpec, ProfileKey, ProfileReport, ProfileSettings, RowsProbe,
 )
 
 log = structlog.get_logger(__name__)
@@ -95,16 +102,24 @@ log = structlog.get_logger(__name__)
 #    (as the trainer); each layer's M_t without the moments' lazy creation inside its step.
 # 9: the smallest width's heap probes at 1 and 4 blocks three times each, medians (one pair of
 #    draws gave 11 to 21 MiB per block on the same RoBERTa-base shape).
+# 10: the whole one-block iteration at full width at a quarter of the batch's rows beside the batch
+#     itself (`ProfileReport.rows_probe`): what does not shrink with a data-parallel rank's rows.
 # (ProfileReport.settings, the job settings a report was taken under, is not a change of method and
 # needs no bump: the key holds those settings, so a report cached before it was recorded is served
 # with this request's settings, which are the ones it was measured under.)
-PROFILER_VERSION = 9
+PROFILER_VERSION = 10
 # The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
 # in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).
 DEFAULT_PAUSE_S = 0.001
 
 
 SHARES = (1.0, 0.5, 0.25)  # the widths profiled, as shares of each kind
+
+
+def probe_rows(batch_size: int) -> int | None:
+    """The rows of the fewer-rows run (`ProfileReport.rows_probe`): a quarter of the batch, at least
+    one; None for a batch of one row (nothing fewer to time)."""
+    return max(1, batch_size // 4) if batch_size > 1 else None
 
 
 def widths(sizes: Sizes, quanta: dict[str, int] = QUANTA) -> list[dict[str, int]]:
@@ -311,6 +326,8 @@ def profile(
                     largest = {k: ps.largest_tensor(k) for k in ps.groups}
                     params = {k: ps.param_bytes(k) for k in ps.groups}
                 plain = [ps.plain_iteration() for _ in range(warmup + max(3, iters // 2))][warmup:]
+                if full:
+                    full_plain = statistics.median(w for w, _ in plain)
                 med = {key: statistics.median(r.get(key, 0.0) for r in runs[warmup:]) for key in ps.groups}
                 med = without_hook_overhead(med, hooked[warmup:], plain)
                 for key in ps.groups:
@@ -320,6 +337,8 @@ def profile(
             finally:
                 ps.close()
             del ps
+        rows_probe = _rows_probe(small, task, steps[0], sizes, batch_size, seq_len, seed, clip, weight_decay, adapters,
+                                 pause, warmup, iters, full_plain, progress)
         if progress is not None:
             progress("all-reduce probe")
         scale, stat = _virtual_cpu_scale()
@@ -357,7 +376,7 @@ def profile(
         sizes=sizes, num_blocks=arch.num_layers, layers=layers, runtime_bytes=runtime,
         owner_bytes=owner, heap_slack_bytes=slack, heap_slack_block_bytes=slack_block, heap_slack_small_bytes=small,
         heap_slack_small_counts=Sizes(**small_counts) if small_counts != {k: sizes.total(k) for k in KINDS} else None,
-        collectives=collectives,
+        collectives=collectives, rows_probe=rows_probe,
         profile_seconds=time.perf_counter() - t_start, created_at=time.time())
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -366,6 +385,24 @@ def profile(
         tmp.replace(path)
     log.info("profile.done", seconds=round(report.profile_seconds, 2), layers=len(layers), H=H)
     return report
+
+
+def _rows_probe(small: dict[str, Any], task: str, run: dict[str, int], sizes: Sizes, batch_size: int, seq_len: int,
+               seed: int, clip: bool, weight_decay: float, adapters: LoraSettings | None, pause: float, warmup: int,
+               iters: int, full_plain: float, progress: Callable[[str], None] | None) -> RowsProbe | None:
+    """The full-width set's plain iteration at `probe_rows` rows, beside the batch's (`full_plain`)."""
+    rows = probe_rows(batch_size)
+    if rows is None or not full_plain > 0:
+        return None
+    if progress is not None:
+        progress(f"timing {rows} of the batch's {batch_size} rows")
+    layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
+    ps = ProfilingSet(small, task, layout, rows, seq_len, seed, clip, weight_decay, adapters, pause)
+    try:
+        plain = [ps.plain_iteration() for _ in range(warmup + max(3, iters // 2))][warmup:]
+    finally:
+        ps.close()
+    return RowsProbe(rows=rows, seconds=statistics.median(w for w, _ in plain), full_seconds=full_plain)
 
 
 def config_for(*, model_dir: str | Path | None = None, arch: dict[str, Any] | ArchSpec | None = None) -> dict[str, Any]:

@@ -293,6 +293,18 @@ def test_report_carries_the_collective_probe(reports: dict[str, ProfileReport]) 
         assert 0 < c.small_seconds < 1 and 0 < c.seconds < 1 and c.repeats >= 1
 
 
+def test_report_carries_the_iteration_at_fewer_rows(reports: dict[str, ProfileReport]) -> None:
+    """The full-width set's plain iteration at a quarter of the batch (here 1 of 2 rows) beside the
+    batch's: fewer rows take less time, and not less than nothing."""
+    assert prof.probe_rows(1) is None and prof.probe_rows(2) == 1 and prof.probe_rows(16) == 4
+    for r in reports.values():
+        p = r.rows_probe
+        assert p is not None and p.rows == 1
+        assert 0 < p.seconds < 1.5 * p.full_seconds  # a median of few iterations on a shared host: loose
+    with pytest.raises(ValueError, match=r"rows_probe.rows: must be below batch_size \(2\), got 2"):
+        ProfileReport.model_validate(r.model_dump() | {"rows_probe": {"rows": 2, "seconds": 0.1, "full_seconds": 0.2}})
+
+
 def test_one_optimizer_step_over_every_parameter_shared_by_count() -> None:
     """Timing steps one AdamW over all parameters, as the trainer does, and books each layer its
     parameter-count share: every parameter once, shares summing to the model."""

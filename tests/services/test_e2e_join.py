@@ -13,7 +13,11 @@ The model is sized (H = 768, 32 tokens) for compute to outweigh the all-reduces'
 The gateway runs with `join_restart_s = 0`: a real restart here (seconds: processes importing
 torch on a loaded 2-core machine) is not repaid within the steps of a test, and what this test
 checks is the path, not the arithmetic of repayment (`tests/gateway/test_jobjoin.py` does that).
-The bar on the predicted gain stays the live policy's 5 %."""
+The bar on the predicted gain stays the live policy's 5 %. The gateway models the boxes' link as
+10 Gbit/s, what their loopback is faster than: at the default 1 Gbit/s the predicted gain of the
+second rank was 4.9-8 % (the modelled all-reduces cost about what the second rank saves), so the
+test passed or failed by the profile's noise (CI, 2026-12-05: "predicted 0.174 -> 0.166 s/iteration
+(4.9% faster): the bar is 5% faster")."""
 
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ def test_a_node_switched_back_to_participate_joins_the_job_at_its_next_checkpoin
     stack = Stack(tmp_path, mqtt_broker, data_dir, base=f"xr{tmp_path.name[-6:].replace('-', '')}")
     try:
         model, data = make_case(stack.allowed, rows=80)
-        stack.gateway(join_restart_s=0.0)
+        stack.gateway(join_restart_s=0.0, bandwidth_mbps=10000.0)
         (tmp_path / "n1").mkdir()
         (tmp_path / "n1" / "participate.json").write_text(json.dumps({"participate": False}))
         for n in ("n0", "n1"):
@@ -82,6 +86,7 @@ def test_a_node_switched_back_to_participate_joins_the_job_at_its_next_checkpoin
         stack.client.request("job/pause", 60.0, job_id=job_id)
         stack.client.bus.publish_message(hastate.NodeCommand(participate=True), node_id="n1")
         decided = _wait_event(stack, job_id, "node 'n1' taken", "node 'n1' not taken")
+        print(decided)
         stack.client.request("job/resume", 60.0, job_id=job_id)
         assert "node 'n1' taken" in decided, decided
         final = stack.client.follow(job_id, lambda s: None, timeout=300)

@@ -20,7 +20,7 @@ from xronos.gateway.plan.dpcost import DPInfeasible, replica_memory
 from xronos.gateway.plan.model import InfeasiblePlan
 from xronos.gateway.plan.profiles import cost_inputs
 from xronos.protocol.layout import Sizes
-from xronos.protocol.messages import Plan
+from xronos.protocol.messages import Plan, RowsProbe
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -181,3 +181,27 @@ def test_plan_time_is_reported_at_16_and_64_nodes(n, record_property):
     print(f"auto plan over {n} nodes: {took:.3f} s (wall)")
     assert [c.strategy for c in choice.candidates] == ["segment", "dp", "mesh"]
     assert choice.winner.feasible and math.isfinite(choice.winner.iteration_s)
+
+
+def test_the_profiles_rows_probe_reaches_dp_and_mesh_predictions():
+    """A report's `rows_probe` (a quarter of the batch took 0.4 of its time: a fixed share of 0.2)
+    makes a rank's few rows cost more than their share of the batch, in `dp` and in a mesh's groups."""
+    def probed(item: Loaded) -> Loaded:
+        r = item.report
+        probe = RowsProbe(rows=r.batch_size // 4, seconds=0.4, full_seconds=1.0)
+        return Loaded(item.source, r.model_copy(update={"rows_probe": probe}))
+
+    items = [lora(f"n{i}", 1 + 0.5 * i, mem=int(1.4 * GiB)) for i in range(4)]
+    base = choose_reports(items, "auto", bandwidth_Bps=SLOW_LINK, reserve_mb=0)
+    with_probe = choose_reports([probed(x) for x in items], "auto", bandwidth_Bps=SLOW_LINK, reserve_mb=0)
+    by = {c.strategy: c for c in base.candidates}
+    probed_by = {c.strategy: c for c in with_probe.candidates}
+    # TP over every node trains the whole batch at every rank: unchanged
+    assert probed_by["segment"].iteration_s == pytest.approx(by["segment"].iteration_s)
+    assert probed_by["mesh"].compute_s > by["mesh"].compute_s
+    dp = probed_by["dp"].dp
+    assert dp is not None and not probed_by["dp"].feasible  # a replica does not fit 1.4 GiB either way
+    B = items[0].report.batch_size  # the profile's rows (row_s is the batch's time over them)
+    assert any(0 < n.rows < B for n in dp.nodes)
+    for n in dp.nodes:
+        assert n.compute_s == pytest.approx(n.row_s * B * (0.2 + 0.8 * n.rows / B) if n.rows else 0.0)

@@ -8,10 +8,11 @@ from dataclasses import replace
 import pytest
 
 from xronos.gateway.plan.commmodel import NodeComm
-from xronos.gateway.plan.costmodel import LayerCost, NodeProfile, node_cost, time_at
+from xronos.gateway.plan.costmodel import (LayerCost, NodeProfile, node_cost, rows_factor, rows_fixed_fraction,
+                                           time_at)
 from xronos.gateway.plan.memorymodel import memory_at
 from xronos.gateway.plan.dpcost import (DPInfeasible, allreduce_s, bucket_sizes, predict_dp, replica_memory,
-                                        require_fit, row_time)
+                                        require_fit, row_time, rows_time)
 from xronos.gateway.plan.refit import refit
 from xronos.gateway.plan.shares import ShareError
 
@@ -126,3 +127,36 @@ def test_bad_link_numbers_are_refused(kw, needle):
     with pytest.raises(ValueError) as e:
         predict_dp([FAST], [1e12], ROWS, 4, **kw)
     assert needle in str(e.value)
+
+
+def test_the_share_paid_whatever_the_rows_comes_from_the_profiles_probe():
+    # a quarter of 16 rows took 0.4 of the batch's time: a + (1 - a) / 4 = 0.4, a = 0.2
+    assert rows_fixed_fraction(4, 16, 0.4, 1.0) == pytest.approx(0.2)
+    assert rows_fixed_fraction(4, 16, 0.25, 1.0) == 0.0  # in proportion: nothing fixed
+    assert rows_fixed_fraction(4, 16, 0.1, 1.0) == 0.0  # faster than in proportion: noise, clamped
+    assert rows_fixed_fraction(4, 16, 1.5, 1.0) == 0.9  # slower than the batch: noise, bounded
+    with pytest.raises(ValueError, match=r"probe rows must be in \(0, 16\), got 16"):
+        rows_fixed_fraction(16, 16, 1.0, 1.0)
+    node = replace(FAST, rows_fixed=0.2)
+    assert rows_factor(node, 0) == 0.0 and rows_factor(node, 1.0) == 1.0
+    assert rows_factor(node, 0.25) == pytest.approx(0.4)
+    assert rows_time(node, 1, ROWS) == pytest.approx(2.45 * (0.2 + 0.8 / 4))
+
+
+def test_a_fixed_share_moves_rows_to_the_fast_node_and_into_the_prediction():
+    # fast: 2.45 * (0.2 + 0.8 r / 4), slow three times that. 8 rows: d'Hondt's 6 / 2 ends at
+    # 3.43 / 4.41 s, 7 / 1 at 3.92 / 2.94, 8 / 0 at 4.41: the greedy split takes 7 / 1.
+    nodes = [replace(FAST, rows_fixed=0.2), replace(SLOW, rows_fixed=0.2)]
+    pred = predict_dp(nodes, [1e12, 1e12], ROWS, 8, bandwidth_Bps=1e15, latency_s=0.0)
+    assert [n.rows for n in pred.nodes] == [7, 1]
+    assert pred.compute_s == pytest.approx(2.45 * (0.2 + 0.8 * 7 / 4))
+    # fluid: both busy T: 5 (T / 2.45 - 0.2) + 5 (T / 7.35 - 0.2) = 8 rows, T = 3.675 s
+    assert pred.ideal_s == pytest.approx(3.675)
+    # a slow node whose fixed share alone is longer than the fast one's whole batch gets no rows
+    heavy = [replace(FAST, rows_fixed=0.5), replace(SLOW, rows_fixed=0.5)]
+    assert [n.rows for n in predict_dp(heavy, [1e12, 1e12], ROWS, 8, bandwidth_Bps=1e15, latency_s=0.0).nodes] == [8, 0]
+    # a rank with no rows costs nothing; without a fixed share the split is d'Hondt's
+    assert predict_dp(nodes, [1e12, 1e12], ROWS, 8, shares={"fast": 8, "slow": 0}, bandwidth_Bps=1e15,
+                      latency_s=0.0).nodes[1].compute_s == 0.0
+    plain = predict_dp([FAST, SLOW], [1e12, 1e12], ROWS, 8, bandwidth_Bps=1e15, latency_s=0.0)
+    assert [n.rows for n in plain.nodes] == [6, 2]
