@@ -327,7 +327,7 @@ def profile(
                     params = {k: ps.param_bytes(k) for k in ps.groups}
                 plain = [ps.plain_iteration() for _ in range(warmup + max(3, iters // 2))][warmup:]
                 if full:
-                    full_plain = statistics.median(w for w, _ in plain)
+                    rows_probe = _rows_probe(ps, batch_size, plain, warmup, iters, progress)
                 med = {key: statistics.median(r.get(key, 0.0) for r in runs[warmup:]) for key in ps.groups}
                 med = without_hook_overhead(med, hooked[warmup:], plain)
                 for key in ps.groups:
@@ -337,8 +337,6 @@ def profile(
             finally:
                 ps.close()
             del ps
-        rows_probe = _rows_probe(small, task, steps[0], sizes, batch_size, seq_len, seed, clip, weight_decay, adapters,
-                                 pause, warmup, iters, full_plain, progress)
         if progress is not None:
             progress("all-reduce probe")
         scale, stat = _virtual_cpu_scale()
@@ -387,22 +385,21 @@ def profile(
     return report
 
 
-def _rows_probe(small: dict[str, Any], task: str, run: dict[str, int], sizes: Sizes, batch_size: int, seq_len: int,
-               seed: int, clip: bool, weight_decay: float, adapters: LoraSettings | None, pause: float, warmup: int,
-               iters: int, full_plain: float, progress: Callable[[str], None] | None) -> RowsProbe | None:
-    """The full-width set's plain iteration at `probe_rows` rows, beside the batch's (`full_plain`)."""
+def _rows_probe(ps: ProfilingSet, batch_size: int, plain: list[tuple[float, float]], warmup: int, iters: int,
+               progress: Callable[[str], None] | None) -> RowsProbe | None:
+    """The full-width set's plain iteration at `probe_rows` rows beside the batch's (`plain`, its
+    measured iterations), on the same model: a second full-width build would need its memory
+    again, above a heap that the first one's holes still fill (it was OOM-killed on a Pi 5 cap
+    profiling Llama-3.2-1B). Leaves `ps` at those rows: the last thing timed on it."""
     rows = probe_rows(batch_size)
-    if rows is None or not full_plain > 0:
+    full = statistics.median(w for w, _ in plain)
+    if rows is None or not full > 0:
         return None
     if progress is not None:
         progress(f"timing {rows} of the batch's {batch_size} rows")
-    layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
-    ps = ProfilingSet(small, task, layout, rows, seq_len, seed, clip, weight_decay, adapters, pause)
-    try:
-        plain = [ps.plain_iteration() for _ in range(warmup + max(3, iters // 2))][warmup:]
-    finally:
-        ps.close()
-    return RowsProbe(rows=rows, seconds=statistics.median(w for w, _ in plain), full_seconds=full_plain)
+    ps.use_rows(rows)
+    few = [ps.plain_iteration() for _ in range(warmup + max(3, iters // 2))][warmup:]
+    return RowsProbe(rows=rows, seconds=statistics.median(w for w, _ in few), full_seconds=full)
 
 
 def config_for(*, model_dir: str | Path | None = None, arch: dict[str, Any] | ArchSpec | None = None) -> dict[str, Any]:

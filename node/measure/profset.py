@@ -119,6 +119,14 @@ class ProfilingSet:
         self.labels = (torch.randint(0, self.model.num_labels, (B,), generator=g) if task == "classify"
                        else self.ids.clone())
 
+    def use_rows(self, rows: int) -> None:
+        """Train the first `rows` rows of the batch from now on (the profiler's fewer-rows run: the
+        same model, no second build). The clock's estimates were of the whole batch's bursts."""
+        if not 0 < rows <= self.ids.shape[0]:
+            raise ValueError(f"rows must be in [1, {self.ids.shape[0]}], got {rows}")
+        self.ids, self.mask, self.labels = self.ids[:rows], self.mask[:rows], self.labels[:rows]
+        self.group.clock.forget()
+
     def _groups(self, config: dict[str, Any], task: str, B: int, S: int, seed: int) -> dict[str, list]:
         """Parameters per layer key: block params by region, others by where they are first used."""
         self._batch(config, task, B, S, seed)
