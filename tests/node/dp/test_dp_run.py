@@ -37,6 +37,9 @@ CASES = {
     "gpt2-lm-full-mesh2x2-3,1": ("gpt2", "causal-lm", None, 4, "3,1", "attn=0,12;mlp=96,4;vocab=0,37"),
     "llama-cls-lora-mesh2x2-0,4": ("llama", "classify", ("q_proj", "v_proj", "down_proj"), 4, "0,4",
                                    "attn=6,2;mlp=32,68;vocab=38,0"),
+    # N = 5 and N = 1 (a one-group "mesh": no DDP at all, the whole batch)
+    "gpt2-cls-lora-dp5-1,0,1,1,1": ("gpt2", "classify", ("c_attn", "c_fc"), 5, "1,0,1,1,1", None),
+    "qwen3-lm-full-dp1-4": ("qwen3", "causal-lm", None, 1, "4", None),
 }
 FULL = {
     "roberta-cls-full-dp2-1,3": ("roberta", "classify", None, 2, "1,3", None),
