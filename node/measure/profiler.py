@@ -36,11 +36,11 @@ of every layer's time. Under a quota a rank that waited starts with its whole qu
 speed; the pause takes 22.7-33.8 % off the MiniLM one-block set's layer times at 0.3 core, and
 took the MiniLM's compute MAPE from 44.7 % to 5.5-13.5 % (bench/results/prediction-error.md).
 
-Rows: one more full-width set trains a quarter of the batch's rows (`probe_rows`), timed as whole
+Rows: the full-width set then trains a quarter of the batch's rows (`probe_rows`), timed as whole
 plain iterations beside the full batch's (`ProfileReport.rows_probe`). A data-parallel rank trains a
 few rows of each batch, and a row's time is not the batch's over its rows: the optimizer step, the
 clipping pass and each layer's dispatch are paid once per iteration, and small GEMMs run slower per
-row (on the Set-A LoRA cell a rank's measured iteration at 2-7 rows was 8-27 % above the per-row
+row (on bench/choice's LoRA cells replicas at 2-7 of 16 rows measured 8-27 % above the per-row
 prediction; `gateway.plan.costmodel.rows_fixed_fraction`).
 
 Communication: `commprobe` times all-reduces of the job's activation on this node's CPU (two Gloo
