@@ -2,7 +2,7 @@
 cells where the choice matters, in the virtual clock.
 
     .venv/bin/python -m xronos.bench.choice [--cells lora-a,full-a,lora-c,eight] [--iters 8 --warmup 3]
-        [--out bench/results]
+        [--repeats 1] [--out bench/results]
 
 Each cell profiles its emulated boxes once (`strategies.profile_devices`: the LoRA job's profile
 for a LoRA cell), then plans and trains, one after another, every strategy a job may ask for —
@@ -11,7 +11,9 @@ for a LoRA cell), then plans and trains, one after another, every strategy a job
 TP) and `paper` (the paper's head-tied greedy) — through the same `launch_local` ranks a job's
 engine runs (`RunConfig.shares` for a data-parallel plan). A strategy whose plan exceeds a cap is
 reported with the planner's reason, never run; a plan equal to one already measured in the cell
-(auto's pick, usually) takes that run's numbers and says so.
+(auto's pick, usually) takes that run's numbers and says so. With `--repeats R` every distinct plan
+runs R times, round by round in a rotated order (a slow minute of the host falls on every plan
+alike), and the table gives the median run and the repeats' spread.
 
 Columns: the plan (its candidate's label), predicted and measured iteration (virtual seconds:
 rank 0's median after the warm-up; every rank leaves an iteration together), the prediction's
@@ -75,7 +77,7 @@ def _scenario(name: str):
     return get_scenario(name)
 
 
-def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = None) -> dict:
+def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = None, repeats: int = 1) -> dict:
     from xronos.bench import strategies as st
     from xronos.bench.harness import _param_count, environment
     from xronos.bench.scenarios import GIB, PI5_SHARE, RUNTIME_RESERVE
@@ -115,24 +117,46 @@ def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = No
         doc["profiling_s"] = time.perf_counter() - t0
         doc["profiles"] = profiles  # what every plan below came from (the reports, as the nodes' would be)
         key = "tp-lora" if cell.lora else "tp"
-        measured: dict[str, str] = {}
+        first: dict[str, str] = {}  # plan key -> the first strategy that planned it
         for strat in STRATEGIES:
             doc["strategies"][strat] = entry = _plan(ctx, profiles, key, strat)
-            if "plan_key" not in entry:
-                continue
-            if entry["plan_key"] in measured:
-                entry["same_plan_as"] = measured[entry["plan_key"]]
+            if "plan_key" in entry:
+                first.setdefault(entry["plan_key"], strat)
+                if first[entry["plan_key"]] != strat:
+                    entry["same_plan_as"] = first[entry["plan_key"]]
+        distinct = list(first.values())
+        doc["repeats"] = repeats
+        for rnd in range(repeats):  # interleaved: each round every distinct plan once, the order rotated
+            k = rnd % len(distinct) if distinct else 0
+            for strat in distinct[k:] + distinct[:k]:
+                entry = doc["strategies"][strat]
+                if "failed" in entry:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    entry.setdefault("runs", []).append(_run(ctx, entry, cell.lora, warmup))
+                except Exception as exc:  # a strategy failing (e.g. OOM-killed) is a result, not a crash
+                    entry["failed"] = f"{type(exc).__name__}: {exc}"[-2000:]
+                entry["wall_s"] = entry.get("wall_s", 0.0) + time.perf_counter() - t0
+        for entry in doc["strategies"].values():
+            if entry.get("runs"):
+                entry["run"] = _median_run(entry["runs"])
+        for entry in doc["strategies"].values():
+            if entry.get("same_plan_as"):
                 entry["run"] = doc["strategies"][entry["same_plan_as"]].get("run")
-                continue
-            t0 = time.perf_counter()
-            try:
-                entry["run"] = _run(ctx, entry, cell.lora, warmup)
-                measured[entry["plan_key"]] = strat
-            except Exception as exc:  # a strategy failing (e.g. OOM-killed) is a result, not a crash
-                entry["failed"] = f"{type(exc).__name__}: {exc}"[-2000:]
-            entry["wall_s"] = time.perf_counter() - t0
     doc["environment"]["loadavg_end"] = os.getloadavg()
     return doc
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The repeats' median run (by iteration; the lower middle of an even count), with every
+    repeat's iteration and their spread (max / min - 1) beside it."""
+    its = sorted(r["iteration_s"] for r in runs)
+    mid = its[(len(its) - 1) // 2]
+    run = dict(next(r for r in runs if r["iteration_s"] == mid))
+    run["repeats_s"] = [r["iteration_s"] for r in runs]
+    run["spread"] = its[-1] / its[0] - 1 if its[0] > 0 else 0.0
+    return run
 
 
 def _plan(ctx, profiles: dict, key: str, strat: str) -> dict:
@@ -199,19 +223,21 @@ def table(doc: dict) -> str:
                  + " Clock: virtual (iteration seconds of the emulated boxes); link 1 Gbit/s modelled. "
                  f"Profiling {doc.get('profiling_s', 0):.0f} s wall; load at the end "
                  f"{', '.join(f'{x:.1f}' for x in doc['environment']['loadavg_end'])}.", "",
-             "| strategy | plan | predicted s | measured s | error | vs TP only | ideal bound s | wall s |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"Measured: the median of {doc.get('repeats', 1)} interleaved run(s) (spread: max / min - 1).", "",
+             "| strategy | plan | predicted s | measured s | spread | error | vs TP only | ideal bound s | wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, e in doc["strategies"].items():
         run = e.get("run")
         if "infeasible" in e or run is None:
             why = e.get("infeasible") or e.get("failed") or "not run"
-            lines.append(f"| {name} | {e.get('label', '-')} | {_f(e.get('predicted_s'))} | - | - | - | - | "
+            lines.append(f"| {name} | {e.get('label', '-')} | {_f(e.get('predicted_s'))} | - | - | - | - | - | "
                          f"{why.splitlines()[0][:160]} |")
             continue
         err = 100 * (e["predicted_s"] - run["iteration_s"]) / run["iteration_s"]
         rel = f"{run['iteration_s'] / tp['iteration_s']:.2f}" if tp else "-"
         same = f" (= {e['same_plan_as']})" if e.get("same_plan_as") else ""
-        lines.append(f"| {name} | {e['label']}{same} | {e['predicted_s']:.3f} | {run['iteration_s']:.3f} | "
+        spread = f"{100 * run['spread']:.1f}%" if "spread" in run else "-"
+        lines.append(f"| {name} | {e['label']}{same} | {e['predicted_s']:.3f} | {run['iteration_s']:.3f} | {spread} | "
                      f"{err:+.1f}% | {rel} | {_f(e.get('ideal_s'))} | {e.get('wall_s', 0):.0f} |")
     return "\n".join(lines)
 
@@ -226,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every distinct plan, interleaved round by round; the median is reported")
     args = ap.parse_args(argv)
     names = [n for n in args.cells.split(",") if n]
     unknown = [n for n in names if n not in CELLS]
@@ -233,10 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--cells: unknown {unknown}; known: {', '.join(CELLS)}")
     if not 0 <= args.warmup < args.iters:
         ap.error(f"--warmup {args.warmup} must be >= 0 and below --iters {args.iters}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for n in names:
-        doc = run_cell(CELLS[n], args.iters, args.warmup)
+        doc = run_cell(CELLS[n], args.iters, args.warmup, repeats=args.repeats)
         (out / f"choice-{n}.json").write_text(json.dumps(doc, indent=1, default=str))
         text = table(doc)
         (out / f"choice-{n}.md").write_text(text + "\n")

@@ -1,0 +1,34 @@
+"""`bench/choice`'s repeats (pure): the median run of interleaved repeats and its spread, and the
+table's columns; no ranks are run."""
+
+from __future__ import annotations
+
+import pytest
+
+from xronos.bench.choice import _median_run, table
+
+
+def _run(it: float) -> dict:
+    return {"clock": "virtual", "iteration_s": it, "wall_iteration_s": 2 * it, "ranks": []}
+
+
+def test_the_median_repeat_is_reported_with_every_repeat_and_the_spread():
+    run = _median_run([_run(6.3), _run(5.7), _run(6.0)])
+    assert run["iteration_s"] == 6.0 and run["repeats_s"] == [6.3, 5.7, 6.0]
+    assert run["spread"] == pytest.approx(6.3 / 5.7 - 1)
+    assert _median_run([_run(2.0), _run(1.0)])["iteration_s"] == 1.0  # an even count: the lower middle
+
+
+def test_the_table_shows_the_spread_and_the_same_plan_once_measured():
+    seg = {"label": "segment (TP over 3)", "predicted_s": 6.0, "ideal_s": 5.9, "wall_s": 90.0,
+           "run": _median_run([_run(6.3), _run(5.7), _run(6.0)])}
+    doc = {"cell": {"name": "full-a", "model": "llama-3.2-1b", "blocks": 6, "lora": False, "batch_size": 8,
+                    "seq_len": 32, "note": "full fine-tuning"},
+           "scenario": "Set-A", "profiling_s": 60.0, "environment": {"loadavg_end": (1.0, 1.0, 1.0)}, "repeats": 3,
+           "strategies": {"auto": {**seg, "same_plan_as": "segment"}, "segment": seg,
+                          "dp": {"infeasible": "data parallelism does not fit: r1 needs 10,949 MiB"}}}
+    text = table(doc)
+    assert "the median of 3 interleaved run(s)" in text
+    assert "| segment | segment (TP over 3) | 6.000 | 6.000 | 10.5% | +0.0% | 1.00 | 5.900 | 90 |" in text
+    assert "| auto | segment (TP over 3) (= segment) | 6.000 | 6.000 | 10.5% |" in text
+    assert "| dp | - | - | - | - | - | - | - | data parallelism does not fit" in text
