@@ -29,6 +29,6 @@ def test_the_table_shows_the_spread_and_the_same_plan_once_measured():
                           "dp": {"infeasible": "data parallelism does not fit: r1 needs 10,949 MiB"}}}
     text = table(doc)
     assert "the median of 3 interleaved run(s)" in text
-    assert "| segment | segment (TP over 3) | 6.000 | 6.000 | 10.5% | +0.0% | 1.00 | 5.900 | 90 |" in text
-    assert "| auto | segment (TP over 3) (= segment) | 6.000 | 6.000 | 10.5% |" in text
-    assert "| dp | - | - | - | - | - | - | - | data parallelism does not fit" in text
+    assert "| segment | segment (TP over 3) | 6.000 | 6.000 | 5.700 | 10.5% | +0.0% | +5.3% | 1.00 | 5.900 | 90 |" in text
+    assert "| auto | segment (TP over 3) (= segment) | 6.000 | 6.000 | 5.700 | 10.5% |" in text
+    assert "| dp | - | - | - | - | - | - | - | - | - | data parallelism does not fit" in text
