@@ -8,6 +8,7 @@ single-device transformers training and the uninterrupted run (20 fp32 steps, ma
 relative <= 1e-5, the issue's bar), for pure data parallelism (2 groups) and a 2x2 DP×TP mesh at a
 lopsided layout. The metrics list every re-split (0 bytes) and the final shares; the export's
 evaluation after training is the reference's (the held-out batches follow the final shares).
+Bad re-splits are refused before any process starts: tests/cli/test_run_shares.py.
 """
 
 from __future__ import annotations
@@ -74,18 +75,3 @@ def test_a_live_resplit_equals_the_uninterrupted_run_and_single_device_training(
         assert main(_argv(tmp_path, model_dir, data_file, nodes, shares, layout, "kept")) == 0
         max_abs, rel = runkit.compare(exported, runkit.model_class("causal-lm").from_pretrained(str(tmp_path / "kept")))
         assert max_abs <= dpkit.MAX_ABS and rel <= dpkit.MAX_REL, (max_abs, rel)
-
-
-@pytest.mark.parametrize("at,why", [
-    ("3:shares=3,2", "shares [3, 2] must be 2 integers >= 0 (one per data-parallel group) summing to the batch, 4"),
-    ("3:shares=1,1,2", "shares [1, 1, 2] must be 2 integers"),
-    ("3:shares=4,-0x", "--reshard-at 3: shares must be comma-separated integers >= 0"),
-])
-def test_a_bad_resplit_is_refused_before_any_process_starts(tmp_path: Path, capsys, at: str, why: str) -> None:
-    model_dir = runkit.make_model(tmp_path / "model", "gpt2", "causal-lm")
-    data_file = runkit.write_rows(tmp_path / "data.csv", dpkit.rows(ROWS, seed=7))
-    argv = _argv(tmp_path, model_dir, data_file, 2, "2,2", None, "out")
-    assert main([*argv, "--reshard-at", at]) != 0
-    err = capsys.readouterr().err
-    assert why in err, err
-    assert not (tmp_path / "out").exists()
