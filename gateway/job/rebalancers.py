@@ -206,7 +206,18 @@ class JobResplit:
         return predict_memory(at_rows(node, rows / profile_rows), _shares(layout, tp_rank))
 
     def moved(self, s: m.NodeJobStatus) -> bool:
-        return False  # a re-split moves nothing: no move cost to learn
+        """The owner's word on an applied re-split (nothing moved: no cost to learn). An order may
+        land later than the boundary it asked for: the metrics up to the step the ranks really
+        changed rows at ran under the old ones, so the policy measures afresh from there. True when
+        it re-synchronised (once per boundary; only the owner of this plan version speaks)."""
+        if s.plan_version != self.plan_version or s.rank != 0 or self.node_ids[0] != s.node_id \
+                or s.reshard_step is None or s.reshard_shares is None \
+                or tuple(s.reshard_shares) != self.policy.shares or s.reshard_step <= self.ignore_until:
+            return False
+        self.ignore_until = s.reshard_step
+        self.pending = {k: v for k, v in self.pending.items() if k > s.reshard_step}
+        self.policy.restart()
+        return True
 
     def observe(self, x: m.IterationMetrics) -> Decision | None:
         if x.plan_version != self.plan_version or x.rank >= len(self.node_ids) \

@@ -16,8 +16,12 @@ profile's rows probe) of the group's rank that is slowest in the profile, and B_
 `c_g` (the group's time at the profile's rows) is refitted from what the group measured: the median
 of its last `window` complete steps at its current rows r_g > 0 is t_g(r_g), so c_g = median /
 (a_g + (1 - a_g) r_g / B_p). A group with 0 rows measures nothing worth refitting (its ranks only
-step their optimizers): it keeps its profile's estimate (`GroupCost.full_s`), scaled by the median
-measured-over-profiled ratio of the groups that have rows (the boxes as the clock sees them now).
+step their optimizers): it keeps its last measured c_g (as the TP policy keeps a node's last speed
+for a kind it holds none of: a group that lost its rows because it was slow must not look fast the
+moment it stops measuring), or, never measured, its profile's estimate (`GroupCost.full_s`) scaled
+by the median measured-over-profiled ratio of the groups that have rows (the boxes as the clock
+sees them now). So a group that went to 0 rows gets rows back only when the others turn slower
+than it was, not when it itself speeds up (it is not measured): as the TP policy's 0-share kinds.
 
 **The split.** Each row in turn to the group that would finish it soonest (`dpcost.greedy_rows`:
 the least slowest group's time for nondecreasing t_g), no group beyond the rows its memory allows
@@ -140,6 +144,7 @@ class Resplitter:
         if self.max_rows is not None and len(self.max_rows) != n:
             raise ValueError(f"{len(self.max_rows)} row limits for {n} groups")
         self.samples = [deque(maxlen=self.config.window) for _ in range(n)]
+        self.last_scale: list[float | None] = [None] * n  # each group's scale when it last had rows
         self._skip = self.config.warmup
         self._measured = 0
         self._streak = 0
@@ -171,8 +176,8 @@ class Resplitter:
         self._measured += 1
 
     def scales(self) -> list[float] | None:
-        """Each group's measured over profiled time (c_g / full_s); a 0-row group the median of the
-        others'. None until every group with rows has a sample."""
+        """Each group's measured over profiled time (c_g / full_s); a 0-row group its last measured
+        one, or never measured the median of the others'. None until every group with rows has a sample."""
         B = self.profile_rows
         measured = {}
         for g, (r, q) in enumerate(zip(self.shares, self.samples)):
@@ -181,7 +186,8 @@ class Resplitter:
                     return None
                 measured[g] = statistics.median(q) / self.base[g].at(r, B)
         typical = statistics.median(measured.values())
-        return [measured.get(g, typical) for g in range(len(self.shares))]
+        return [measured[g] if g in measured else self.last_scale[g] if self.last_scale[g] is not None else typical
+                for g in range(len(self.shares))]
 
     def times(self, rows: Sequence[int], scales: Sequence[float]) -> list[float]:
         return [c.at(r, self.profile_rows, s) for c, r, s in zip(self.base, rows, scales)]
@@ -255,7 +261,16 @@ class Resplitter:
         # Back-off, as the TP policy's: a re-split soon after the previous one doubles the cooldown.
         self._cooldown = min(cfg.max_cooldown, 2 * self._cooldown) if self._since <= 2 * self._cooldown \
             else cfg.cooldown
+        scales = self.scales() if all(q or r == 0 for q, r in zip(self.samples, self.shares)) else None
+        if scales is not None:  # what each group was measured at, for when it has no rows to measure
+            self.last_scale = list(scales)
         self._previous, self.shares = self.shares, tuple(new)
+        self.restart()
+
+    def restart(self) -> None:
+        """Measure afresh (the steps since the last re-split may have run under the old rows: an
+        order applied later than asked): the samples start over after the warm-up."""
+        cfg = self.config
         for q in self.samples:  # times at other rows: the refit starts over at the new ones
             q.clear()
         self._skip = cfg.warmup

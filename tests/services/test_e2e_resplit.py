@@ -36,7 +36,7 @@ def test_a_slowed_box_loses_rows_live_and_the_export_equals_xronos_run(tmp_path,
         for rank, n in enumerate(("n0", "n1")):
             stack.node(n, wrap=lambda pid, rank=rank: boxes.add(rank, pid))
         stack.wait_nodes(2)
-        spec = job_spec(model, data, stack.allowed / "export", owner="n0", max_steps=80, checkpoint_interval=1000,
+        spec = job_spec(model, data, stack.allowed / "export", owner="n0", max_steps=120, checkpoint_interval=1000,
                         batch_size=8, nodes=["n0", "n1"], rebalance=True, strategy="dp")
         spec.pop("schema_version")
         accepted = stack.client.request("job/submit", 300.0, spec=m.JobSpec(**spec))
@@ -50,17 +50,20 @@ def test_a_slowed_box_loses_rows_live_and_the_export_equals_xronos_run(tmp_path,
     finally:
         stack.close()
 
+    events = "\n".join(final.events)
     applied = [(int(s), ast.literal_eval(rows)) for e in final.events for s, rows in APPLIED.findall(e)]
-    assert applied and len(applied) == final.replans, "\n".join(final.events)
-    assert applied[0][1][1] < first.shares[1], (first.shares, applied)  # the slowed box gave rows away
+    # (a re-split ordered near the end may find no boundary left: ordered, never applied)
+    assert applied and final.replans >= len(applied), events
+    assert applied[0][1][1] < first.shares[1], (first.shares, events)  # the slowed box gave rows away
+    assert all(rows[1] <= applied[0][1][1] for _, rows in applied), events  # and got none back
     assert final.plan.shares == applied[-1][1] and final.plan.layout() == first.layout()
-    assert any("re-split for step" in e and "faster" in e for e in final.events), final.events
+    assert "re-split for step" in events and "faster" in events, events
 
     ref = tmp_path / "ref"
     at = [a for s, rows in applied for a in ("--reshard-at", f"{s}:shares={','.join(map(str, rows))}")]
     argv = ["run", "--model", str(model), "--data", str(data), "--task", "classify", "--nodes", "2", "--shares",
             ",".join(map(str, first.shares)), "--batch-size", "8", "--seq-len", str(runkit.SEQ_LEN), "--lr", "1e-4",
-            "--max-steps", "80", "--seed", "3", "--export", str(ref), "--eval-fraction", "0.2", "--dropout", "0", *at]
+            "--max-steps", "120", "--seed", "3", "--export", str(ref), "--eval-fraction", "0.2", "--dropout", "0", *at]
     assert xronos(argv) == 0
     max_abs, rel = runkit.compare(_load(stack.allowed / "export"), _load(ref))
     assert max_abs <= 5e-4 and rel <= 1e-5

@@ -160,6 +160,24 @@ def test_the_live_re_balancer_re_splits_a_data_parallel_plan_and_the_plan_follow
     assert f"re-split applied at step {d.at_step}" in job.events[-1]
 
 
+def test_a_re_split_applied_later_than_ordered_restarts_the_measurements():
+    """The order for step 10 lands at step 14: metrics of steps up to 14 ran under the old rows; the
+    policy drops what it took of them and measures afresh from there (once per boundary)."""
+    from xronos.gateway.job.rebalancers import JobResplit
+
+    job, _ = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
+    policy = JobResplit.for_job(job)
+    policy.policy.moved_to((8, 0, 0, 0))
+    policy.ignore_until = 10
+    policy.policy.samples[0].extend([1.0, 1.0])
+    status = m.NodeJobStatus(node_id="a", job_id="j", plan_version=1, rank=0, status="running", step=15,
+                             reshard_step=14, reshard_layout=job.plan.layout(), reshard_s=0.0, reshard_bytes=0,
+                             reshard_shares=[8, 0, 0, 0], sent_at=2.0)
+    assert policy.moved(status) and policy.ignore_until == 14 and not policy.policy.samples[0]
+    assert not policy.moved(status)  # the same boundary again: nothing
+    assert not policy.moved(status.model_copy(update={"reshard_step": 20, "reshard_shares": [4, 4, 0, 0]}))
+
+
 def test_an_owner_refusing_a_re_split_keeps_the_plan():
     job, _ = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
     plan = job.plan

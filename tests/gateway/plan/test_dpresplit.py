@@ -76,6 +76,18 @@ def test_the_share_paid_whatever_the_rows_can_leave_a_slow_group_no_rows() -> No
     assert d.new == (4, 0) and d.predicted_new_s == pytest.approx(1.0) and d.gain == pytest.approx(1 / 3)
 
 
+def test_a_group_that_lost_its_rows_keeps_its_last_measured_speed() -> None:
+    # The case above: group 1 (c = 2 s) went to 0 rows. Group 0 then measures its model's 1.0 s at 4
+    # rows; group 1 measures only its optimizer step (ignored) and keeps c = 2: its first row would
+    # cost 1.25 s, more than group 0's whole batch. Scaled like the measured group instead (c = 1)
+    # it would look as fast as group 0 and win rows back once the cooldown is over: an oscillation.
+    p = Resplitter((2, 2), 4, [GroupCost(1.0, 0.5)] * 2, config=QUICK)
+    (d,) = feed(p, [0.75, 1.5], 5)
+    assert d.new == (4, 0) and p.last_scale == [1.0, 2.0]
+    assert feed(p, [1.0, 0.05], 12, 5) == []
+    assert p.last_reason.startswith("kept rows [4, 0]: predicted gain 0.0%")
+
+
 def test_a_group_with_no_rows_keeps_its_profile_estimate_at_the_measured_scale() -> None:
     # Group 0 (profiled 1 s per 4 rows) measures 2 s at 4 rows: the boxes run at 2x their profile.
     # Group 1, with no rows, was profiled twice as fast (0.5 s): t1(r) = 0.5 x 2 x r/4 = r/4, while
