@@ -240,12 +240,11 @@ class Resplitter:
         if self._streak < cfg.confirm:
             self.last_reason = f"kept rows {list(self.shares)}: gain {100 * gain:.1f}% seen {self._streak} of {cfg.confirm} times"
             return None
-        reason = (f"rows per group {list(self.shares)} -> {list(new)}: predicted {current:.4f} -> {planned:.4f} s per "
-                  f"iteration ({100 * gain:.1f}% faster), nothing moves")
+        reason = f"predicted {current:.4f} -> {planned:.4f} s per iteration ({100 * gain:.1f}% faster), nothing moves"
         decision = Resplit(step, self.shares, new, current, planned, tuple(predicted), tuple(scales), reason)
         self._switched(new)
         self.resplits.append(decision)
-        self.last_reason = f"re-split at step {step}: {reason}"
+        self.last_reason = f"re-split at step {step}: rows per group {list(self.shares)}: {reason}"
         return decision
 
     def moved_to(self, shares: Sequence[int]) -> None:

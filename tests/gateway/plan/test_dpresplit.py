@@ -42,8 +42,8 @@ def test_a_slow_group_loses_rows_after_warm_up_settling_and_confirmation() -> No
     assert d is not None and (d.step, d.old, d.new) == (4, (2, 2), (3, 1))
     assert d.predicted_old_s == pytest.approx(1.5) and d.predicted_new_s == pytest.approx(0.75)
     assert d.gain == pytest.approx(0.5) and d.predicted_group_s == pytest.approx((0.75, 0.75))
-    assert "rows per group [2, 2] -> [3, 1]" in d.reason and "50.0% faster" in d.reason
-    assert p.shares == (3, 1) and p.last_reason.startswith("re-split at step 4")
+    assert d.reason == "predicted 1.5000 -> 0.7500 s per iteration (50.0% faster), nothing moves"
+    assert p.shares == (3, 1) and p.last_reason == f"re-split at step 4: rows per group [3, 1]: {d.reason}"
     # Under the new split the times agree with the model: nothing more to do.
     assert feed(p, [0.75, 0.75], 8, 4) == []
     assert p.last_reason.startswith("kept rows [3, 1]: predicted gain 0.0%")
