@@ -196,8 +196,14 @@ class JobResplit:
             return all(cls._memory(nodes[r], layout, r % tp, rows, profile_rows) <= caps[r]
                        for r in range(g * tp, (g + 1) * tp))
 
-        # The most rows each group's nodes fit (memory grows with the rows' activations).
-        limits = [max([0] + [r for r in range(1, batch + 1) if fits(g, r)]) for g in range(groups)]
+        def most(g: int) -> int:  # the most rows the group's nodes fit: memory grows with the rows' activations
+            lo, hi = 0, batch
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(g, mid) else (lo, mid - 1)
+            return lo
+
+        limits = [most(g) for g in range(groups)]
         policy = Resplitter(tuple(plan.shares), profile_rows, group_costs(nodes, layout, groups), limits, config)
         return cls(job.plan_version, [e.node_id for e in plan.entries], tp, policy, nodes, layout, profile_rows, lead)
 

@@ -160,6 +160,18 @@ def test_the_live_re_balancer_re_splits_a_data_parallel_plan_and_the_plan_follow
     assert f"re-split applied at step {d.at_step}" in job.events[-1]
 
 
+def test_each_groups_rows_are_limited_by_its_nodes_memory_caps():
+    from xronos.gateway.job.rebalancers import JobResplit
+
+    job, _ = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
+    free = JobResplit.for_job(job)
+    assert list(free.policy.max_rows) == [8, 8, 8, 8]
+    cap = JobResplit._memory(free.nodes[3], job.plan.layout(), 0, 2, free.profile_rows)  # "d" fits 2 rows
+    plan = m.Plan.model_validate({**job.plan.model_dump(), "entries": [
+        e.model_copy(update={"memory_cap": cap}) if e.node_id == "d" else e for e in job.plan.entries]})
+    assert list(JobResplit.for_job(replace(job, plan=plan)).policy.max_rows) == [8, 8, 8, 2]
+
+
 def test_a_re_split_applied_later_than_ordered_restarts_the_measurements():
     """The order for step 10 lands at step 14: metrics of steps up to 14 ran under the old rows; the
     policy drops what it took of them and measures afresh from there (once per boundary)."""
