@@ -98,7 +98,8 @@ RUN: tuple[Flag, ...] = (
          "the rows live"),
     Flag("--rebalance", "rebalance", None,
          "re-plan live: rank 0 refits every rank's speed per segment kind from the measured compute and moves "
-         "the run to a better layout (as --reshard-at does) when the predicted gain is worth the move. Off by "
+         "the run to a better layout (as --reshard-at does) when the predicted gain is worth the move (with "
+         "--shares: re-splits the batch among the groups from each group's measured compute). Off by "
          "default: a local run keeps the layout it was given"),
 )
 

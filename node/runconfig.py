@@ -94,7 +94,7 @@ class RunConfig(RankConfig):
     shares: tuple[int, ...] | None = None
     progress: bool = True
     reshard_at: tuple[ReshardAt, ...] = ()  # in increasing step order; layouts of this world's size, or shares
-    rebalance: bool = False  # rank 0 re-plans live from measured speeds (`relayout.LiveRebalance`)
+    rebalance: bool = False  # rank 0 re-plans (with shares: re-splits) live from measured speeds (`relayout`)
 
     @model_validator(mode="after")
     def _reshards(self) -> RunConfig:
@@ -123,9 +123,9 @@ class RunConfig(RankConfig):
         if sum(self.shares) != self.recipe.batch_size:
             raise ValueError(f"shares: {list(self.shares)} sum to {sum(self.shares)} rows, the batch has "
                              f"{self.recipe.batch_size}")
-        if any(r.layout is not None for r in self.reshard_at) or self.rebalance:
-            raise ValueError("shares: a data-parallel run does not re-shard its layout (reshard_at with a layout, "
-                             "rebalance); it re-splits its rows (reshard_at with shares)")
+        if any(r.layout is not None for r in self.reshard_at):
+            raise ValueError("shares: a data-parallel run does not re-shard its layout (reshard_at with a layout); "
+                             "it re-splits its rows (reshard_at with shares, or rebalance)")
         return self
 
     def _check_resplit(self, r: ReshardAt) -> None:

@@ -16,7 +16,9 @@ batch (rows per group), which moves nothing (`Move.moved_bytes` 0).
 
 `ScheduledReshards` is the control of `xronos run --reshard-at`: the same settings on every rank,
 so no communication is needed to agree on the word. `LiveRebalance` is the control of `xronos run
---rebalance`: rank 0 runs a re-balancing policy on every rank's measured per-kind compute.
+--rebalance`: rank 0 runs a re-balancing policy on every rank's measured per-kind compute;
+`LiveResplit` is its data-parallel counterpart (`--shares ... --rebalance`): a re-split policy on
+every group's measured compute.
 """
 
 from __future__ import annotations
@@ -310,3 +312,63 @@ class LiveRebalance:
                          "gain": r.gain, "move_s": r.move_s, "reason": r.reason,
                          "applied": r.step in moved} for r in self.policy.replans],
         }
+
+
+class SplitPolicy(Protocol):
+    """What `LiveResplit` asks of a re-split policy (`xronos.gateway.plan.dpresplit.Resplitter`)."""
+
+    last_reason: str
+    resplits: list
+
+    def observe(self, group_s: list[float]) -> None: ...
+    def decide(self, step: int) -> Any: ...
+
+
+class LiveResplit:
+    """`xronos run --shares .. --rebalance`: rank 0 hosts a re-split policy (`make_policy(engine,
+    groups)`, composed by `xronos.cli.liverank`), fed each complete step's group times (a group's
+    slowest rank's compute). As `LiveRebalance`: one untimed all_gather per boundary carries every
+    rank's last compute and, in rank 0's row, the re-split it decided at the previous boundary (a
+    flag and the shares), which every rank then applies (a `Reshard` word with shares, the run's
+    layout kept). The re-splits and the policy's last reason go into the metrics document
+    (`engine.report_extra["rebalance"]`)."""
+
+    def __init__(self, engine: Any, make_policy: Callable[[Any, int], SplitPolicy]) -> None:
+        self.engine, self.make_policy = engine, make_policy
+        self.policy: SplitPolicy | None = None
+        self.pending: Any = None  # rank 0: the re-split decided at the last boundary, applied at this one
+
+    def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
+        import torch
+
+        eng = self.engine
+        rec = eng.last
+        if rec is None or group.world_size == 1:
+            return Word.GO
+        groups, tp = len(eng.shares), group.world_size // len(eng.shares)
+        row = torch.zeros(2 + groups, dtype=torch.float64)
+        row[0] = rec.compute_s
+        if group.rank == 0 and self.pending is not None:
+            row[1] = 1
+            row[2:] = torch.tensor(self.pending.new, dtype=torch.float64)
+        rows = group.all_gather(row, timed=False)
+        decided = rows[0]
+        if group.rank == 0:
+            self.pending = None
+            if self.policy is None:
+                self.policy = self.make_policy(eng, groups)
+            self.policy.observe([max(float(rows[r][0]) for r in range(g * tp, (g + 1) * tp)) for g in range(groups)])
+            self.pending = self.policy.decide(step + 1)
+            moved = {m.step for m in eng.moves}
+            eng.report_extra["rebalance"] = {
+                "last_reason": self.policy.last_reason,
+                "resplits": [{"step": r.step, "old": list(r.old), "new": list(r.new), "predicted_old_s": r.predicted_old_s,
+                              "predicted_new_s": r.predicted_new_s, "gain": r.gain, "reason": r.reason,
+                              "applied": r.step in moved} for r in self.policy.resplits],
+            }
+        if not int(decided[1]):
+            return Word.GO
+        return Reshard(self.engine_layout(), "rebalance", shares=tuple(int(x) for x in decided[2:].tolist()))
+
+    def engine_layout(self) -> Layout:
+        return self.engine.layout.layout()

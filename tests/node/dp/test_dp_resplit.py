@@ -75,3 +75,26 @@ def test_a_live_resplit_equals_the_uninterrupted_run_and_single_device_training(
         assert main(_argv(tmp_path, model_dir, data_file, nodes, shares, layout, "kept")) == 0
         max_abs, rel = runkit.compare(exported, runkit.model_class("causal-lm").from_pretrained(str(tmp_path / "kept")))
         assert max_abs <= dpkit.MAX_ABS and rel <= dpkit.MAX_REL, (max_abs, rel)
+
+
+@pytest.mark.slow
+def test_rebalance_re_splits_a_lopsided_data_parallel_run_and_keeps_the_contract(tmp_path: Path) -> None:
+    """`--shares 4,0 --rebalance` on two equal ranks: every row on group 0, group 1 idle at every
+    gradient all-reduce. Rank 0's policy (the gateway's `Resplitter`, no profile: unit groups) sees
+    group 0's time per row, takes the idle group for as fast, and re-splits live; the export still
+    equals single-device transformers training."""
+    model_dir = runkit.make_model(tmp_path / "model", "gpt2", "causal-lm")
+    data = dpkit.rows(ROWS, seed=7)
+    data_file = runkit.write_rows(tmp_path / "data.csv", data)
+    argv = _argv(tmp_path, model_dir, data_file, 2, "4,0", None, "out") + ["--rebalance"]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "out.json").read_text())
+    resplits = doc["rebalance"]["resplits"]
+    assert resplits and resplits[0]["old"] == [4, 0] and resplits[0]["new"][1] > 0, doc["rebalance"]
+    assert resplits[0]["gain"] > 0.05 and "faster" in resplits[0]["reason"]
+    applied = [(r["step"], r["new"]) for r in resplits if r["applied"]]
+    assert [(m["step"], m["new_shares"]) for m in doc["reshards"]] == applied and applied
+    assert doc["mesh"]["shares"] == applied[-1][1]
+    reference = dpkit.full_train(model_dir, data, "causal-lm", STEPS, ROWS - N_EVAL)
+    exported = runkit.model_class("causal-lm").from_pretrained(str(tmp_path / "out"))
+    dpkit.check(exported, reference, runkit.model_class("causal-lm").from_pretrained(str(model_dir)))
