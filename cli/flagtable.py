@@ -94,10 +94,12 @@ RUN: tuple[Flag, ...] = (
     Flag("--shares", "shares", "R1,...,RG",
          "data parallelism: G groups of --nodes/G ranks each (rank r in group r // (--nodes/G)), group g training "
          "R_g rows of every batch (sum = --batch-size, any of them 0); --layout/--units then give each group's "
-         "tensor-parallel layout (default: the whole model on every rank)"),
+         "tensor-parallel layout (default: the whole model on every rank); --reshard-at STEP:shares=.. re-splits "
+         "the rows live"),
     Flag("--rebalance", "rebalance", None,
          "re-plan live: rank 0 refits every rank's speed per segment kind from the measured compute and moves "
-         "the run to a better layout (as --reshard-at does) when the predicted gain is worth the move. Off by "
+         "the run to a better layout (as --reshard-at does) when the predicted gain is worth the move (with "
+         "--shares: re-splits the batch among the groups from each group's measured compute). Off by "
          "default: a local run keeps the layout it was given"),
 )
 

@@ -3,14 +3,19 @@
 The rank of `xronos.node.rank.localrank` with one more part, composed here because it joins two planes:
 the control source `xronos.node.rank.relayout.LiveRebalance`, whose policy on rank 0 is the gateway's
 `Rebalancer` over the unit cost model (a local run has no profile: speeds are learnt from the
-measured per-kind compute alone) and no memory caps (a local run states none).
+measured per-kind compute alone) and no memory caps (a local run states none). With shares (a
+data-parallel run) the control source is `LiveResplit` and the policy the gateway's `Resplitter`
+over equal unit groups (no profile: each group's time per row is learnt from its measured compute;
+a group with no rows is taken as fast as the measured ones until it is measured).
 """
 
 from __future__ import annotations
 
+from xronos.gateway.plan.dpresplit import GroupCost, Resplitter
 from xronos.gateway.plan.rebalance import NO_CAP, Rebalancer
 from xronos.gateway.plan.refit import unit_costs
-from xronos.node.rank.relayout import LiveRebalance, unit_bytes
+from xronos.node.rank.dpengine import DPEngine
+from xronos.node.rank.relayout import LiveRebalance, LiveResplit, unit_bytes
 from xronos.node.runconfig import RunConfig
 from xronos.node.rank.lifecycle import LocalFiles, MetricsFile, read_settings, run
 from xronos.node.rank.spawn import main_process
@@ -26,11 +31,20 @@ def make_policy(engine: TPEngine, world_size: int) -> Rebalancer:
                                  moments=0 if engine.lora is not None else 2))
 
 
+def make_split_policy(engine: DPEngine, groups: int) -> Resplitter:
+    """The owner's re-split policy, from the engine's current shares (the profile's rows: the batch)."""
+    return Resplitter(engine.shares, sum(engine.shares), [GroupCost(1.0, 0.0)] * groups)
+
+
 def main(argv: list[str]) -> int:
     cfg = read_settings(argv, RunConfig, "xronos.cli.liverank")
-    engine = TPEngine()
-    run(cfg, engine, weights=LocalFiles(cfg.recipe.model_dir), control=LiveRebalance(engine, make_policy),
-        sink=MetricsFile(progress=cfg.progress))
+    if cfg.shares:
+        engine: TPEngine = DPEngine()
+        control = LiveResplit(engine, make_split_policy)
+    else:
+        engine = TPEngine()
+        control = LiveRebalance(engine, make_policy)
+    run(cfg, engine, weights=LocalFiles(cfg.recipe.model_dir), control=control, sink=MetricsFile(progress=cfg.progress))
     return 0
 
 

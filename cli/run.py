@@ -50,7 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reshard-at", action="append", default=[], metavar="STEP:attn=..;mlp=..;vocab=..",
                    help="re-shard live at the boundary before step STEP to this layout (the --layout form, "
                    "same number of ranks): weights and AdamW state move between the running ranks, no "
-                   "restart; repeatable, steps increasing. For testing the move; its time is in --metrics")
+                   "restart; with --shares, STEP:shares=R1,..,RG re-splits the batch instead (rows per "
+                   "data-parallel group from STEP on, summing to --batch-size; the layout stays, nothing "
+                   "moves); repeatable, steps increasing. For testing the move; its time is in --metrics")
     p.add_argument("--cpu-shares", metavar="s1,...,sN",
                    help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
                    "quota, to emulate heterogeneous boxes on one machine (needs a writable cgroup)")
@@ -128,7 +130,7 @@ def resolve_layout(args: argparse.Namespace):
 
 
 def parse_reshard_at(texts: list[str]) -> list[dict]:
-    """`--reshard-at STEP:LAYOUT` values as RunConfig.reshard_at entries."""
+    """`--reshard-at STEP:LAYOUT` (or `STEP:shares=R1,..,RG`) values as RunConfig.reshard_at entries."""
     from xronos.protocol.layout import Layout
 
     out = []
@@ -143,6 +145,14 @@ def parse_reshard_at(texts: list[str]) -> list[dict]:
         except ValueError:
             raise ValueError(f"--reshard-at: expected STEP:attn=..;mlp=..;vocab=.. with STEP a step number "
                              f"(0, 1, ...), got {text!r}") from None
+        if layout.strip().startswith("shares="):
+            rows = layout.strip().removeprefix("shares=")
+            parts = rows.split(",")
+            if not all(x.strip().isascii() and x.strip().isdigit() for x in parts):  # as --layout's counts
+                raise ValueError(f"--reshard-at {n}: shares must be comma-separated integers >= 0 (rows per "
+                                 f"data-parallel group), got {rows!r}")
+            out.append({"step": n, "shares": tuple(int(x) for x in parts)})
+            continue
         try:
             out.append({"step": n, "layout": Layout.parse(layout)})
         except ValueError as exc:

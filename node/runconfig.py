@@ -68,12 +68,21 @@ class RankConfig(BaseModel):
 
 class ReshardAt(BaseModel):
     """A forced live re-shard: at the boundary before step `step` every rank moves to `layout`
-    (`xronos run --reshard-at STEP:LAYOUT`, for testing the move; `xronos.node.rank.relayout`)."""
+    (`xronos run --reshard-at STEP:LAYOUT`, for testing the move; `xronos.node.rank.relayout`), or,
+    in a data-parallel run (`RunConfig.shares`), the batch is re-split into `shares` rows per group
+    (`--reshard-at STEP:shares=R1,..,RG`; the layout stays, no weights move). Exactly one of the two."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     step: int = Field(ge=0)
-    layout: Layout
+    layout: Layout | None = None
+    shares: tuple[int, ...] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> ReshardAt:
+        if (self.layout is None) == (self.shares is None):
+            raise ValueError(f"reshard_at step {self.step}: give a layout or shares, exactly one")
+        return self
 
 
 class RunConfig(RankConfig):
@@ -84,8 +93,8 @@ class RunConfig(RankConfig):
     # r // layout.world_size, `protocol.mesh_of`). None: one tensor-parallel group of every rank.
     shares: tuple[int, ...] | None = None
     progress: bool = True
-    reshard_at: tuple[ReshardAt, ...] = ()  # in increasing step order, each of this world's size
-    rebalance: bool = False  # rank 0 re-plans live from measured speeds (`relayout.LiveRebalance`)
+    reshard_at: tuple[ReshardAt, ...] = ()  # in increasing step order; layouts of this world's size, or shares
+    rebalance: bool = False  # rank 0 re-plans (with shares: re-splits) live from measured speeds (`relayout`)
 
     @model_validator(mode="after")
     def _reshards(self) -> RunConfig:
@@ -95,7 +104,9 @@ class RunConfig(RankConfig):
         if steps != sorted(set(steps)):
             raise ValueError(f"reshard_at: steps {steps} must be distinct and increasing")
         for r in self.reshard_at:
-            if r.layout.world_size != self.layout.world_size:
+            if r.shares is not None:
+                self._check_resplit(r)
+            elif r.layout is not None and r.layout.world_size != self.layout.world_size:
                 raise ValueError(f"reshard_at step {r.step}: layout has {r.layout.world_size} ranks, the run "
                                  f"{self.layout.world_size}")
             last = self.recipe.max_steps
@@ -112,9 +123,21 @@ class RunConfig(RankConfig):
         if sum(self.shares) != self.recipe.batch_size:
             raise ValueError(f"shares: {list(self.shares)} sum to {sum(self.shares)} rows, the batch has "
                              f"{self.recipe.batch_size}")
-        if self.reshard_at or self.rebalance:
-            raise ValueError("shares: a data-parallel run does not re-shard its layout (reshard_at, rebalance)")
+        if any(r.layout is not None for r in self.reshard_at):
+            raise ValueError("shares: a data-parallel run does not re-shard its layout (reshard_at with a layout); "
+                             "it re-splits its rows (reshard_at with shares, or rebalance)")
         return self
+
+    def _check_resplit(self, r: ReshardAt) -> None:
+        """A share entry: only in a data-parallel run, one share per group, rows >= 0 summing to the batch."""
+        assert r.shares is not None
+        if self.shares is None:
+            raise ValueError(f"reshard_at step {r.step}: shares {list(r.shares)} re-split a data-parallel run's batch, "
+                             "and this run has no shares")
+        if len(r.shares) != len(self.shares) or any(isinstance(x, bool) or x < 0 for x in r.shares) \
+                or sum(r.shares) != self.recipe.batch_size:
+            raise ValueError(f"reshard_at step {r.step}: shares {list(r.shares)} must be {len(self.shares)} integers "
+                             f">= 0 (one per data-parallel group) summing to the batch, {self.recipe.batch_size}")
 
     @property
     def world_size(self) -> int:

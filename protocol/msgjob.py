@@ -182,12 +182,23 @@ class JobCancel(_Control):
 class JobReshard(_Control):
     """Gateway -> the owner (rank 0): move the running job to `layout` (same ranks) at the iteration
     boundary before step `at_step` (0-based; or the first boundary after it, when the order comes
-    late); the owner broadcasts it to every rank through the job's group (`xronos.node.rank.jobrank`)."""
+    late); the owner broadcasts it to every rank through the job's group (`xronos.node.rank.jobrank`).
+    A data-parallel job (its assignment's `shares`) keeps its layout (`layout` is then each group's,
+    as in its Assignment) and re-splits its batch: `shares`, rows of each global batch per
+    data-parallel group from that boundary on (no weights move). The node checks the group count
+    and the sum against its assignment, which this message does not know."""
 
     action: Literal["reshard"] = "reshard"
     at_step: Count
     layout: Layout
     reason: Text256
+    shares: Annotated[list[NonNegInt], Field(min_length=1, max_length=MAX_NODES)] | None = None
+
+    @model_validator(mode="after")
+    def _rows(self) -> JobReshard:
+        if self.shares is not None and sum(self.shares) < 1:
+            raise ValueError(f"shares: {self.shares} hold no rows; a batch has at least one")
+        return self
 
 
 JobControl = Annotated[Union[JobStart, JobPause, JobResume, JobCancel, JobReshard], Field(discriminator="action")]

@@ -108,6 +108,8 @@ class NodeJobStatus(Message):
     reshard_layout: Layout | None = None
     reshard_s: Seconds | None = None
     reshard_bytes: Bytes | None = None  # sent over the network by all ranks together (weights and moments)
+    # A data-parallel job's latest re-split (its layout kept): the rows per group from reshard_step on.
+    reshard_shares: Annotated[list[NonNegInt], Field(min_length=1, max_length=MAX_NODES)] | None = None
     # The owner's latest refused JobReshard (wrong world, counts that do not fit the model): why.
     # The gateway then drops the order it had pending; the job goes on under its plan.
     reshard_refused: Text256 | None = None

@@ -38,7 +38,8 @@ def messages(e: Effect, job: Job | None, reg: Registry, ports: tuple[int, int]) 
         yield from _assign(e, job, reg, ports)
     elif isinstance(e, Reshard):
         yield m.JobReshard(job_id=e.job_id, plan_version=e.plan_version, at_step=e.at_step,
-                           layout=e.layout, reason=e.reason), {"node_id": e.node}
+                           layout=e.layout, reason=e.reason,
+                           shares=list(e.shares) if e.shares is not None else None), {"node_id": e.node}
     elif isinstance(e, Control):
         for node in e.nodes:
             yield _CONTROLS[e.action](job_id=e.job_id, plan_version=e.plan_version), {"node_id": node}

@@ -454,7 +454,9 @@ def restart(job: Job, ctx: Ctx) -> Out:
         if job.pending_plan is not None:
             # The order may or may not have reached the owner: it is dropped, not re-sent. Should the
             # ranks apply it all the same, the owner's status says so and the plan follows (`reshard`).
-            job = note(job, ctx.now, f"re-shard to {job.pending_plan.layout().to_text()} was pending: dropped "
+            to = job.pending_plan.layout().to_text() if job.pending_plan.shares is None \
+                else f"rows per group {job.pending_plan.shares}"
+            job = note(job, ctx.now, f"re-shard to {to} was pending: dropped "
                         "(the owner's status makes it the plan if the ranks moved)", pending_plan=None)
         return replace(rejoin(job), deadline=ctx.now + ctx.timeouts.stall_s), []
     if job.awaiting == "inspect":

@@ -10,7 +10,9 @@ owner applies it at the first boundary at or after `at_step` regardless). The it
 the move are then left out of the policy's measurements: they ran under the old layout.
 A `Decision` is a re-plan to order (`layout` set) or the plan kept (`layout` None) for a reason
 other than the last one told (warming up, the gain below the bar, the move not repaid, a re-plan
-that does not fit the memory caps, ...).
+that does not fit the memory caps, ...). A data-parallel plan (shares) is re-split instead
+(`JobResplit`, the policy `xronos.gateway.plan.dpresplit`): its layout stays, its
+batch's rows per group follow the groups' measured speed, and nothing moves.
 """
 
 from __future__ import annotations
@@ -20,16 +22,14 @@ from dataclasses import dataclass, replace
 from xronos.gateway.plan.costmodel import NodeCost, node_cost, predict_time
 from xronos.gateway.plan.memorymodel import predict_memory
 from xronos.gateway.plan.profiles import node_profile
+from xronos.gateway.plan.dpresplit import Resplitter, group_costs
+from xronos.gateway.plan.mesh import at_rows
 from xronos.gateway.plan.rebalance import PolicyConfig, Rebalancer
 from xronos.protocol import messages as m
 from xronos.protocol.layout import KINDS, Layout
 
 from .types import Job, Rebalanced
 
-# A data-parallel plan (shares) is not re-balanced yet: its move would be a new split of the batch
-# (no weights move), but a re-shard order (`JobReshard`) carries a TP layout only.
-DP_KEPT = ("live re-balancing is off for a data-parallel plan: a new split of the batch cannot be ordered "
-           "yet (a re-shard order carries a tensor-parallel layout only)")
 GATED = ("llama", "qwen2", "qwen3")  # gated MLPs: three matrices per column
 PENDING_STEPS = 16  # incomplete steps kept while waiting for slower ranks' metrics
 
@@ -66,6 +66,22 @@ class Decision:
     predicted_compute_s: tuple[float, ...] = ()
     predicted_memory: tuple[float, ...] = ()
     predicted_bottleneck_s: float = 0.0
+    shares: tuple[int, ...] | None = None  # a data-parallel plan's re-split (`layout` its own)
+    old_shares: tuple[int, ...] | None = None
+
+
+def _costs(job: Job) -> list[NodeCost]:
+    """Every node's cost model from the job's profile, as the planner priced it (checkpoints on;
+    rank 0 the owner: its peak holds the data stack and the export's gather). ValueError when a
+    node of the plan has no profile."""
+    assert job.plan is not None
+    nodes = [e.node_id for e in job.plan.entries]
+    missing = [n for n in nodes if n not in job.profiles]
+    if missing:
+        raise ValueError(f"job {job.job_id}: no profile for {missing}, nothing to re-balance from")
+    recipe = job.spec.recipe
+    return [replace(node_cost(node_profile(job.profiles[n])), checkpoints=True,
+                    export_all=recipe.exports_whole_model, owner=d == 0) for d, n in enumerate(nodes)]
 
 
 class JobRebalance:
@@ -87,14 +103,10 @@ class JobRebalance:
         if job.plan is None:
             raise ValueError(f"job {job.job_id} has no plan to re-balance")
         nodes = [e.node_id for e in job.plan.entries]
-        missing = [n for n in nodes if n not in job.profiles]
-        if missing:
-            raise ValueError(f"job {job.job_id}: no profile for {missing}, nothing to re-balance from")
         # Rank 0 is the owner, as the planner marks it: its peak holds the data stack and the
         # export's gather, so a re-plan's memory for it is the plan's arithmetic, not a plain rank's.
         recipe = job.spec.recipe
-        base = [replace(node_cost(node_profile(job.profiles[n])), checkpoints=True,
-                        export_all=recipe.exports_whole_model, owner=d == 0) for d, n in enumerate(nodes)]
+        base = _costs(job)
         report = job.profiles[nodes[0]]
         ub = unit_bytes(report.arch, report.num_blocks, recipe.task, lora=recipe.lora is not None)
         policy = Rebalancer(job.plan.sizes, job.plan.layout(), base, [e.memory_cap for e in job.plan.entries],
@@ -155,12 +167,107 @@ class JobRebalance:
         return None
 
 
+class JobResplit:
+    """One plan version of a running data-parallel job (`Plan.shares`): its groups' measured speed
+    re-splits its batch (`dpresplit.Resplitter`); the layout stays and nothing moves. Fed and asked
+    as `JobRebalance` is (a complete step, a boundary `lead` steps ahead)."""
+
+    def __init__(self, plan_version: int, node_ids: list[str], tp: int, policy: Resplitter, nodes: list[NodeCost],
+                 layout: Layout, profile_rows: int, lead: int = 2) -> None:
+        self.plan_version, self.node_ids, self.tp, self.policy = plan_version, node_ids, tp, policy
+        self.nodes, self.layout, self.profile_rows, self.lead = nodes, layout, profile_rows, lead
+        self.pending: dict[int, dict[int, float]] = {}  # step -> rank -> compute_s
+        self.fed = 0
+        self.ignore_until = 0  # metrics of steps up to this one ran under a superseded split
+        self.told = ""
+
+    @classmethod
+    def for_job(cls, job: Job, config: PolicyConfig = PolicyConfig(), lead: int = 2) -> JobResplit:
+        """ValueError when the job has no data-parallel plan or a node of it has no profile."""
+        if job.plan is None or job.plan.shares is None:
+            raise ValueError(f"job {job.job_id} has no data-parallel plan to re-split")
+        plan, nodes = job.plan, _costs(job)
+        layout, groups, tp = plan.layout(), len(plan.shares), plan.tp_size
+        profile_rows = job.profiles[plan.entries[0].node_id].batch_size
+        caps = [e.memory_cap for e in plan.entries]
+        batch = sum(plan.shares)
+
+        def fits(g: int, rows: int) -> bool:
+            return all(cls._memory(nodes[r], layout, r % tp, rows, profile_rows) <= caps[r]
+                       for r in range(g * tp, (g + 1) * tp))
+
+        def most(g: int) -> int:  # the most rows the group's nodes fit: memory grows with the rows' activations
+            lo, hi = 0, batch
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(g, mid) else (lo, mid - 1)
+            return lo
+
+        limits = [most(g) for g in range(groups)]
+        policy = Resplitter(tuple(plan.shares), profile_rows, group_costs(nodes, layout, groups), limits, config)
+        return cls(job.plan_version, [e.node_id for e in plan.entries], tp, policy, nodes, layout, profile_rows, lead)
+
+    @staticmethod
+    def _memory(node: NodeCost, layout: Layout, tp_rank: int, rows: int, profile_rows: int) -> float:
+        return predict_memory(at_rows(node, rows / profile_rows), _shares(layout, tp_rank))
+
+    def moved(self, s: m.NodeJobStatus) -> bool:
+        """The owner's word on an applied re-split (nothing moved: no cost to learn). An order may
+        land later than the boundary it asked for: the metrics up to the step the ranks really
+        changed rows at ran under the old ones, so the policy measures afresh from there. True when
+        it re-synchronised (once per boundary; only the owner of this plan version speaks)."""
+        if s.plan_version != self.plan_version or s.rank != 0 or self.node_ids[0] != s.node_id \
+                or s.reshard_step is None or s.reshard_shares is None \
+                or tuple(s.reshard_shares) != self.policy.shares or s.reshard_step <= self.ignore_until:
+            return False
+        self.ignore_until = s.reshard_step
+        self.pending = {k: v for k, v in self.pending.items() if k > s.reshard_step}
+        self.policy.restart()
+        return True
+
+    def observe(self, x: m.IterationMetrics) -> Decision | None:
+        if x.plan_version != self.plan_version or x.rank >= len(self.node_ids) \
+                or self.node_ids[x.rank] != x.node_id or x.step <= max(self.fed, self.ignore_until):
+            return None
+        row = self.pending.setdefault(x.step, {})
+        row[x.rank] = x.compute_s
+        if len(row) < len(self.node_ids):
+            for old in [s for s in self.pending if s < x.step - PENDING_STEPS]:
+                del self.pending[old]
+            return None
+        del self.pending[x.step]
+        for old in [s for s in self.pending if s < x.step]:
+            del self.pending[old]
+        self.fed = x.step
+        tp = self.tp
+        self.policy.observe([max(row[r] for r in range(g * tp, (g + 1) * tp))  # a group waits for its slowest
+                             for g in range(len(self.node_ids) // tp)])
+        at = x.step + self.lead
+        d = self.policy.decide(at)
+        if d is not None:
+            self.ignore_until = at  # iterations before the re-split ran under the old rows
+            self.pending.clear()
+            compute, memory = [], []
+            for r, node in enumerate(self.nodes):
+                g, rho = r // tp, d.new[r // tp] / self.profile_rows
+                own = predict_time(at_rows(node, rho), _shares(self.layout, r % tp))  # the rank's own, scaled
+                compute.append(own * d.scale[g] if d.new[g] else 0.0)
+                memory.append(self._memory(node, self.layout, r % tp, d.new[g], self.profile_rows))
+            return Decision(at, self.layout, d.reason, self.layout, d.gain, tuple(compute), tuple(memory),
+                            d.predicted_new_s, d.new, d.old)
+        reason = self.policy.last_reason
+        if reason != self.told:
+            self.told = reason
+            return Decision(at, None, reason, self.layout)
+        return None
+
+
 class Rebalancers:
     """The gateway's policies, one per running job, each for the plan version it was built for."""
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
-        self.by_job: dict[str, tuple[int, JobRebalance | None]] = {}
+        self.by_job: dict[str, tuple[int, JobRebalance | JobResplit | None]] = {}
 
     def observe(self, job: Job | None, x: m.IterationMetrics) -> Rebalanced | None:
         """Feed `x` to its job's policy; its decision as the state machine's event. Raises
@@ -170,18 +277,17 @@ class Rebalancers:
             self.by_job.pop(x.job_id, None)
             return None
         version, policy = self.by_job.get(x.job_id, (-1, None))
-        if job.plan.shares is not None:  # data parallelism: said once per plan version, then quiet
-            if version == job.plan_version:
-                return None
-            self.by_job[x.job_id] = (job.plan_version, None)
-            return Rebalanced(job.plan_version, x.step, None, DP_KEPT, job.plan.layout())
         ordered = job.pending_plan if job.pending_plan is not None else job.plan
+        make = JobResplit.for_job if job.plan.shares is not None else JobRebalance.for_job
         # A new plan version, or an order the ranks refused (or a gateway restart dropped): the
-        # policy's layout is not the one the ranks run or were ordered to; it starts again from the plan.
-        stale = policy is not None and policy.policy.layout != ordered.layout()
+        # policy's layout (or shares) is not what the ranks run or were ordered to; it starts again from the plan.
+        if isinstance(policy, JobResplit):
+            stale = policy.policy.shares != tuple(ordered.shares or ())
+        else:
+            stale = policy is not None and policy.policy.layout != ordered.layout()
         if version != job.plan_version or stale:
             self.by_job[x.job_id] = (job.plan_version, None)
-            policy = JobRebalance.for_job(job, self.config)  # e.g. a node without a profile: ValueError
+            policy = make(job, self.config)  # e.g. a node without a profile: ValueError
             self.by_job[x.job_id] = (job.plan_version, policy)
         if policy is None:
             return None
@@ -193,7 +299,8 @@ class Rebalancers:
         if d is None:
             return None
         return Rebalanced(policy.plan_version, d.at_step, d.layout, d.reason, d.old, d.gain,
-                          d.predicted_compute_s, d.predicted_memory, d.predicted_bottleneck_s)
+                          d.predicted_compute_s, d.predicted_memory, d.predicted_bottleneck_s,
+                          d.shares, d.old_shares)
 
     def moved(self, msg: m.NodeJobStatus) -> None:
         """A re-shard's measured cost refits the job's policy."""

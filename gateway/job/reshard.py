@@ -2,7 +2,8 @@
 dispatches to them. The policy's word (`Rebalanced`, from `rebalancers`) becomes an order to the
 owner (`Reshard`) with the plan it makes kept as `Job.pending_plan`, or the reason the plan is
 kept; the owner's status then makes that plan the job's (the ranks moved) or drops it (the owner
-refused the order)."""
+refused the order). A data-parallel plan's word is a re-split (new `Plan.shares`, the layout kept),
+ordered, pending and applied the same way."""
 
 from __future__ import annotations
 
@@ -43,19 +44,15 @@ def on_rebalanced(job: Job, ev: Rebalanced, ctx: Ctx) -> Out:
     if job.total_steps and ev.at_step >= job.total_steps:  # no boundary left to move at
         why = f"not ordered: the job ends before step {ev.at_step}; {ev.reason}"
         return replace(job, last_replan_reason=short(why, MAX_REASON_CHARS), updated_at=ctx.now), []
+    if plan.shares is not None or ev.shares is not None:
+        return _resplit(job, plan, ev, ctx, reason)
     try:
         ev.layout.check(plan.sizes, world_size=len(plan.entries), quanta=None)
     except ValueError as exc:  # never from the policy: it plans over the same sizes
         return note(job, ctx.now, f"re-plan refused: {exc}"), []
-    over = [(e.node_id, mem, e.memory_cap) for e, mem in zip(plan.entries, ev.predicted_memory)
-            if mem > e.memory_cap]
-    if over:  # the policy checks the caps too; an order past them is never sent
-        node, mem, cap = over[0]
-        why = short(f"re-plan not applied, plan kept: node {node!r} would need {mem / 2**20:.0f} MiB, over its "
-                    f"cap of {cap / 2**20:.0f} MiB (memory cap)", MAX_REASON_CHARS)
-        if why == job.last_replan_reason:
-            return job, []
-        return note(job, ctx.now, why, last_replan_reason=why), []
+    kept = _over_caps(job, plan, ev, "re-plan", ctx)
+    if kept is not None:
+        return kept
     entries = [e.model_copy(update={
         "attn": ev.layout.attn[e.rank], "mlp": ev.layout.mlp[e.rank], "vocab": ev.layout.vocab[e.rank],
         **({"predicted_compute_s": ev.predicted_compute_s[e.rank]} if ev.predicted_compute_s else {}),
@@ -70,18 +67,67 @@ def on_rebalanced(job: Job, ev: Rebalanced, ctx: Ctx) -> Out:
     return job, [Reshard(job.job_id, job.plan_version, job.rank0 or job.owner, ev.at_step, ev.layout, reason)]
 
 
+def _over_caps(job: Job, plan: m.Plan, ev: Rebalanced, what: str, ctx: Ctx) -> Out | None:
+    """The plan kept when the decision's predicted memory puts a node over its cap (the policy
+    checks the caps too; an order past them is never sent); None when it fits."""
+    over = [(e.node_id, mem, e.memory_cap) for e, mem in zip(plan.entries, ev.predicted_memory)
+            if mem > e.memory_cap]
+    if not over:
+        return None
+    node, mem, cap = over[0]
+    why = short(f"{what} not applied, plan kept: node {node!r} would need {mem / 2**20:.0f} MiB, over its "
+                f"cap of {cap / 2**20:.0f} MiB (memory cap)", MAX_REASON_CHARS)
+    if why == job.last_replan_reason:
+        return job, []
+    return note(job, ctx.now, why, last_replan_reason=why), []
+
+
+def _resplit(job: Job, plan: m.Plan, ev: Rebalanced, ctx: Ctx, reason: str) -> Out:
+    """A data-parallel plan's re-split: the owner is ordered the new rows per group (the plan's
+    layout kept); the plan it makes waits as `pending_plan` until the owner says the ranks took it."""
+    if plan.shares is None or ev.shares is None or ev.layout != plan.layout() \
+            or (ev.old_shares is not None and tuple(ev.old_shares) != tuple(plan.shares)):
+        return job, []  # a decision of another kind or for another split (stale): nothing to order
+    try:
+        pending = m.Plan.model_validate({**plan.model_dump(), "shares": list(ev.shares), "entries": [
+            e.model_copy(update={
+                **({"predicted_compute_s": ev.predicted_compute_s[e.rank]} if ev.predicted_compute_s else {}),
+                **({"predicted_memory": ev.predicted_memory[e.rank]} if ev.predicted_memory else {})})
+            for e in plan.entries],
+            **({"predicted_iteration_s": ev.predicted_bottleneck_s + plan.comm_s} if ev.predicted_bottleneck_s else {})})
+        batch = job.spec.recipe.batch_size
+        if sum(ev.shares) != batch:
+            raise ValueError(f"shares {list(ev.shares)} sum to {sum(ev.shares)} rows, the batch has {batch}")
+    except ValueError as exc:  # never from the policy: it splits the same batch over the same groups
+        return note(job, ctx.now, f"re-split refused: {exc}"), []
+    kept = _over_caps(job, plan, ev, "re-split", ctx)
+    if kept is not None:
+        return kept
+    job = note(job, ctx.now, f"re-split for step {ev.at_step}: rows per group {list(plan.shares)} -> "
+               f"{list(ev.shares)}; {ev.reason}", pending_plan=pending, replans=job.replans + 1,
+               last_replan_reason=reason)
+    return job, [Reshard(job.job_id, job.plan_version, job.rank0 or job.owner, ev.at_step, plan.layout(), reason,
+                         tuple(ev.shares))]
+
+
 def owner_reshard_status(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
     """The owner's status (already checked to be the owner's, for the current plan) on re-shards:
-    the ranks moved to a new layout, or the owner refused an order. Anything else: the job as is."""
+    the ranks moved to a new layout (or a data-parallel plan's to new shares), or the owner refused
+    an order. Anything else: the job as is."""
     if s.reshard_step is not None and s.reshard_step != job.last_reshard_step \
-            and s.reshard_layout is not None and job.plan is not None \
-            and s.reshard_layout.world_size == len(job.plan.entries):
-        try:
-            s.reshard_layout.check(job.plan.sizes, quanta=None)
-        except ValueError:
-            pass  # not a layout of this model: nothing the owner moved to
-        else:
-            job = _resharded(job, ctx, s)
+            and s.reshard_layout is not None and job.plan is not None:
+        plan = job.plan
+        if plan.shares is not None:
+            if s.reshard_shares is not None and s.reshard_layout == plan.layout() \
+                    and len(s.reshard_shares) == len(plan.shares) and sum(s.reshard_shares) == sum(plan.shares):
+                job = _resplit_applied(job, ctx, s)
+        elif s.reshard_layout.world_size == len(plan.entries) and s.reshard_shares is None:
+            try:
+                s.reshard_layout.check(plan.sizes, quanta=None)
+            except ValueError:
+                pass  # not a layout of this model: nothing the owner moved to
+            else:
+                job = _resharded(job, ctx, s)
     if s.reshard_refused is not None and s.reshard_refused != job.reshard_refused:
         job = _refused_reshard(job, ctx, s.reshard_refused)
     return job
@@ -94,6 +140,19 @@ def _refused_reshard(job: Job, ctx: Ctx, why: str) -> Job:
         return job
     reason = short(f"re-shard refused by the ranks, plan kept: {why}", MAX_REASON_CHARS)
     return note(job, ctx.now, reason, pending_plan=None, last_replan_reason=reason)
+
+
+def _resplit_applied(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
+    """The owner says every rank trains `s.reshard_shares` rows per group from `s.reshard_step` on:
+    the plan's shares are those (the ordered plan's predictions with them), the measured sums restart."""
+    assert s.reshard_shares is not None and job.plan is not None
+    pending = _ordered(job)
+    if pending is not None and pending.shares == s.reshard_shares:
+        plan = pending
+    else:  # not the ordered split (never from our owner): its shares, the plan's predictions
+        plan = m.Plan.model_validate({**job.plan.model_dump(), "shares": list(s.reshard_shares)})
+    return note(job, ctx.now, f"re-split applied at step {s.reshard_step}: rows per group {list(s.reshard_shares)}",
+                plan=plan, pending_plan=None, agg={}, peak_rss={}, last_reshard_step=s.reshard_step)
 
 
 def _resharded(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:

@@ -273,7 +273,8 @@ class Tick:
 @dataclass(frozen=True)
 class Rebalanced:
     """The gateway's re-balancing policy decided (`xronos.gateway.job.rebalancers`): a re-plan to `layout`
-    at the boundary before `at_step`, or (`layout` None) the plan kept for `reason`."""
+    at the boundary before `at_step` (a data-parallel plan's: to `shares`, its layout kept), or
+    (`layout` None) the plan kept for `reason`."""
 
     plan_version: int
     at_step: int
@@ -284,6 +285,9 @@ class Rebalanced:
     predicted_compute_s: tuple[float, ...] = ()  # per rank, at the new layout
     predicted_memory: tuple[float, ...] = ()
     predicted_bottleneck_s: float = 0.0
+    # A data-parallel plan's re-split (`layout` then the plan's own, kept): rows per group, new and old.
+    shares: tuple[int, ...] | None = None
+    old_shares: tuple[int, ...] | None = None
 
 
 Event = Union[Inspected, Profiled, Acked, NodeDown, NodeUp, Metrics, Status, Command, Tick, Rebalanced]
@@ -329,7 +333,8 @@ class Control:
 
 @dataclass(frozen=True)
 class Reshard:
-    """Order the owner to move the running job to `layout` at the boundary before `at_step`."""
+    """Order the owner to move the running job to `layout` at the boundary before `at_step` (with
+    `shares`, a data-parallel job: its layout kept, its batch re-split into those rows per group)."""
 
     job_id: str
     plan_version: int
@@ -337,6 +342,7 @@ class Reshard:
     at_step: int
     layout: Layout
     reason: str
+    shares: tuple[int, ...] | None = None
 
 
 Effect = Union[Respond, Inspect, Profile, Assign, Control, Reshard]

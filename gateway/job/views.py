@@ -20,7 +20,7 @@ def milestone(job: Job) -> tuple:
     """What is written to disk and published at once when it changes (not only every few seconds):
     a restart must not forget a phase, a plan, a checkpoint or a re-shard ordered or applied."""
     return (job.phase, job.plan_version, job.checkpoint_step, job.replans, job.pending_plan is None,
-            job.last_reshard_step, job.plan.layout() if job.plan else None)
+            job.last_reshard_step, job.plan.layout() if job.plan else None, job.plan.shares if job.plan else None)
 
 
 def nodes_of(job: Job) -> set[str]:

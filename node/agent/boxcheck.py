@@ -58,11 +58,16 @@ def assignment_problem_on_box(a: m.Assignment, spec: m.JobSpec, shape: tuple[m.A
     if shape is None:
         return None
     arch, task = shape
-    shares = {k: a.layout.share(k, a.rank) for k in ("attn", "mlp", "vocab")}
+    # With shares the layout is each data-parallel group's: this rank holds TP rank r % tp of it and
+    # trains its group's rows (a 0-row rank still holds its replica, its gradients and AdamW state:
+    # counted at one row). A live re-split that gives the group more rows is priced by the gateway.
+    tp = a.layout.world_size
+    shares = {k: a.layout.share(k, a.rank % tp) for k in ("attn", "mlp", "vocab")}
     # dropout None is the checkpoint's own (usually on): counted as the explicit attention path
     r = spec.recipe
-    need = estimate(arch, task, r.batch_size, r.seq_len, lora=r.lora is not None, scores=r.dropout != 0.0, **shares)
-    return box.over(f"rank {a.rank} of {a.job_id} (batch_size {r.batch_size} x seq_len {r.seq_len}, "
+    rows = r.batch_size if a.shares is None else max(1, a.shares[a.rank // tp])
+    need = estimate(arch, task, rows, r.seq_len, lora=r.lora is not None, scores=r.dropout != 0.0, **shares)
+    return box.over(f"rank {a.rank} of {a.job_id} (batch_size {rows} x seq_len {r.seq_len}, "
                     f"{shares['attn']:.0%} of the attention, {shares['mlp']:.0%} of the MLP, {shares['vocab']:.0%} "
                     f"of the vocabulary)", need, freed)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from xronos.common.paths import confine_path
 from xronos.protocol.layout import KINDS, NOUN, QUANTA, Layout, LayoutError
-from xronos.protocol.messages import Assignment, JobSpec
+from xronos.protocol.messages import Assignment, JobReshard, JobSpec
 
 
 def _overlap(a: Path, b: Path) -> bool:
@@ -131,6 +131,33 @@ def assignment_problem(a: Assignment, spec: JobSpec) -> str | None:
     except LayoutError as exc:
         return f"layout {layout.to_text()}: {exc}"
     return None
+
+
+def reshard_problem(c: JobReshard, a: Assignment) -> None:
+    """ValueError naming the field when the owner must refuse re-shard order `c` of its running job
+    `a`, before it reaches the ranks: a tensor-parallel job's layout must be of its world (and it
+    has no shares to re-split); a data-parallel job (`a.shares`) keeps its layout live and re-splits
+    its batch — one share per data-parallel group, rows >= 0 summing to the batch. (The counts
+    against the model are every rank's check at the boundary, `relayout`.)"""
+    head = f"reshard for {c.job_id} v{c.plan_version}"
+    if a.shares is None:
+        if c.shares is not None:
+            raise ValueError(f"{head}: shares {c.shares}: the job is tensor-parallel (no data-parallel groups), "
+                             "its live change is a layout")
+        if c.layout.world_size != a.world_size:
+            raise ValueError(f"reshard for {c.job_id}: layout has {c.layout.world_size} ranks, the job {a.world_size}")
+        return
+    if c.layout != a.layout:
+        raise ValueError(f"{head}: layout {c.layout.to_text()} differs from the job's {a.layout.to_text()}: a "
+                         "data-parallel job keeps its layout live (it re-splits its batch: shares)")
+    if c.shares is None:
+        raise ValueError(f"{head}: shares missing: a data-parallel job's live change is a new split of its batch")
+    if len(c.shares) != len(a.shares):
+        raise ValueError(f"{head}: shares {c.shares} name {len(c.shares)} data-parallel groups, the job has "
+                         f"{len(a.shares)}")
+    batch = a.spec.recipe.batch_size
+    if sum(c.shares) != batch:
+        raise ValueError(f"{head}: shares {c.shares} sum to {sum(c.shares)} rows, the batch has {batch}")
 
 
 def _model_sizes(model_dir: str):

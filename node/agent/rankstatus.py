@@ -29,9 +29,10 @@ def status_update(job_id: str, ev: msg.RankEvent, now: str) -> tuple[str, dict[s
     if isinstance(ev, msg.Cancelled):
         return "cancelled", {"detail": None, "job_fault": False}
     if isinstance(ev, msg.Resharded):  # the owner's: the gateway hears the step the ranks moved at
-        log.info("resharded", job_id=job_id, step=ev.step, layout=ev.layout.to_text(), reason=ev.reason)
+        log.info("resharded", job_id=job_id, step=ev.step, layout=ev.layout.to_text(), shares=ev.shares,
+                 reason=ev.reason)
         return now, {"reshard_step": ev.step, "reshard_layout": ev.layout, "reshard_s": ev.seconds,
-                     "reshard_bytes": ev.moved_bytes}
+                     "reshard_bytes": ev.moved_bytes, "reshard_shares": ev.shares}
     if isinstance(ev, msg.ReshardRefused):  # the owner's: the gateway drops the order it had pending
         log.warning("reshard_refused", job_id=job_id, detail=ev.detail)
         return now, {"reshard_refused": ev.detail[:256] or "refused"}

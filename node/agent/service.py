@@ -42,7 +42,7 @@ from xronos.node.agent import participation
 from xronos.node.agent.boxcheck import Box, assignment_problem_on_box, owner_arch, resident_bytes
 from xronos.node.agent.catalog import CatalogPublisher
 from xronos.node.agent.config import NodeConfig, detect_data_host, job_dir
-from xronos.node.agent.jobcheck import assignment_problem
+from xronos.node.agent.jobcheck import assignment_problem, reshard_problem
 from xronos.node.agent.owncaps import OwnCapabilities
 from xronos.node.agent.rankstatus import status_update
 from xronos.node.agent.requests import WorkerRequests
@@ -312,9 +312,7 @@ class NodeService:
             if a.rank != 0:
                 raise ValueError(f"reshard for {c.job_id} v{c.plan_version}: only the owner (rank 0) takes it, "
                                  f"this node is rank {a.rank}")
-            if c.layout.world_size != a.world_size:
-                raise ValueError(f"reshard for {c.job_id}: layout has {c.layout.world_size} ranks, "
-                                 f"the job {a.world_size}")
+            reshard_problem(c, a)  # ValueError naming the field: refused here, nothing sent to the ranks
             if self.child is not None:  # the owner broadcasts it to every rank at the boundary
                 self.child.send(order_for(c))
         elif self.child is not None:

@@ -23,11 +23,15 @@ same model and do nothing. A checkpoint is consolidated (full tensors), so it re
 mesh, shares or layout, or under plain TP (`TPEngine`), and vice versa; its state.json says the
 layout and shares it was saved under.
 
-Not here (this round): live re-shard or re-balance (`capabilities.live_reshard` is False: a new
-split of the batch would move no weights, but the control word carries only a layout today; a
-re-shard word is refused as any layout the engine cannot take, and the run goes on). Evaluation:
-each group its share of the held-out batches, whole batches in proportion to the shares, the sums
-added over the DP group.
+Live, the run keeps its layout and re-splits its batch (`capabilities.live_reshard`): a `Reshard`
+word with shares (and the run's layout) makes every rank train its group's new rows from the next
+step (`relayout.resplit`): the engine's shares, its mesh's and its rows channel's change at the same
+boundary on every rank, a group may go to or from 0 rows (its replica then joins the gradient
+all-reduce with zeros), and nothing moves — every rank holds its whole TP shard and the same AdamW
+state whatever its rows. A word with another layout, group count or batch is refused (LayoutError:
+the run goes on as it was). The checkpoints, the evaluation and the report follow the current
+shares. Evaluation: each group its share of the held-out batches, whole batches in proportion to
+the shares, the sums added over the DP group.
 
 Metrics (`IterationRecord`, as `TPEngine`'s): compute per segment kind from the rank's timeline
 (its TP group's spans, its DP group's and the world's data spans on the one clock); comm and idle
@@ -57,20 +61,20 @@ from xronos.node.rank.lifecycle import Capabilities, EvalResult, Rank, RankResul
 from xronos.node.rank.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
 from xronos.node.rank.tpengine import (TPEngine, _exchange_timings, clip_global_grad_norm, eval_result, eval_sums,
                                        stop_unless_finite)
-from xronos.protocol.layout import LayoutError
 
 
 class DPEngine(TPEngine):
     """`TPEngine` over a DP×TP mesh (module docstring). Inherits the checkpoint and export writers
     (run on the owner's group, over its TP group)."""
 
-    capabilities = Capabilities(live_reshard=False, checkpoints=True)
+    capabilities = Capabilities(live_reshard=True, checkpoints=True)  # live: a new split of the batch
 
     def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
         cfg, world = rank.cfg, rank.group
         self.world = world
         if not cfg.shares:
             raise ValueError("the data-parallel engine needs shares (RunConfig.shares)")
+        self.shares: tuple[int, ...] = tuple(cfg.shares)  # the current rows per group (a re-split changes them)
         self.mesh: Mesh = form_mesh(world, cfg.layout.world_size, cfg.shares)
         # The model in its TP group; its weights over the world: the owner serves every rank of every group.
         self.build_model(rank, weights, start, self.mesh.tp, self.mesh.tp.rank)
@@ -92,12 +96,26 @@ class DPEngine(TPEngine):
 
     def step(self, rank: Rank, batches: Iterator[tuple[int, Rows]], step: int) -> IterationRecord:
         rec = dp_step(self, rank, batches, step)
+        if self._reshard_s:
+            rec, self._reshard_s = replace(rec, reshard_s=self._reshard_s), 0.0
         self.last = rec
         return rec
 
     def reshard(self, rank: Rank, word: Reshard, step: int) -> None:
-        # LayoutError: refused at the boundary by every rank alike (lifecycle._loop), the run goes on
-        raise LayoutError("a data-parallel run does not re-shard live (this round): its mesh and shares stay")
+        """Live, at the boundary: a new split of the batch (`relayout.resplit`; no weights move). A
+        word it cannot take raises LayoutError on every rank alike (lifecycle._loop): the run goes on."""
+        from xronos.node.rank.relayout import resplit
+
+        m = resplit(self, rank, word, step)
+        self.moves.append(m)
+        self._reshard_s += m.seconds
+
+    def set_shares(self, rank: Rank, shares: tuple[int, ...]) -> None:
+        """From the next step on, `shares` rows per group: the engine's, the mesh's and the rows
+        channel's (the owner sends, and every rank receives, by them)."""
+        self.shares = tuple(shares)
+        self.mesh = replace(self.mesh, shares=self.shares)
+        rank.data.shares = self.shares
 
     def _owner_group(self, rank: Rank) -> Rank | None:
         """The owner's group as `TPEngine`'s writers see a run: its TP group (None elsewhere)."""
@@ -106,7 +124,7 @@ class DPEngine(TPEngine):
     def checkpoint(self, rank: Rank, ckpt_dir: str | None, meta: dict[str, Any]) -> None:
         mine = self._owner_group(rank)
         if mine is not None:
-            super().checkpoint(mine, ckpt_dir, {**meta, "shares": list(rank.cfg.shares)})
+            super().checkpoint(mine, ckpt_dir, {**meta, "shares": list(self.shares)})
         for g in self.groups:
             g.drain_timings()
             g.drain_spans()
@@ -138,7 +156,10 @@ class DPEngine(TPEngine):
         records = [[IterationRecord.from_row(row) for row in p.tolist()] for p in per_rank]
         summaries = [replace(summarize(r % tp, cfg.layout, recs), rank=r) for r, recs in enumerate(records)]
         print(format_table(summaries), flush=True)
-        print(f"data parallel: {len(cfg.shares)} groups of {tp} rank(s), rows per group {list(cfg.shares)}", flush=True)
+        print(f"data parallel: {len(self.shares)} groups of {tp} rank(s), rows per group {list(self.shares)}", flush=True)
+        for m in self.moves:
+            print(f"re-split before step {m.step} ({m.reason}): rows per group {list(m.old_shares or ())} -> "
+                  f"{list(m.new_shares or ())}, nothing moved", flush=True)
         for name, ev in (("before", result.eval_before), ("after", result.eval_after)):
             if ev is not None:
                 metric = f"accuracy {ev.accuracy:.4f}" if ev.accuracy is not None else f"perplexity {ev.perplexity:.3f}"
@@ -146,10 +167,13 @@ class DPEngine(TPEngine):
         return {
             "clock": rank.group.clock.describe(),
             "config": cfg.model_dump(exclude={"rank", "rendezvous_host", "rendezvous_port", "group_key"}),
-            "mesh": {"tp": tp, "shares": list(cfg.shares), "sync": self.dp.sync.mode},
+            "mesh": {"tp": tp, "shares": list(self.shares), "sync": self.dp.sync.mode},  # the final shares
             "eval_before": asdict(result.eval_before) if result.eval_before else None,
             "eval_after": asdict(result.eval_after) if result.eval_after else None,
-            "reshards": [],
+            # live re-splits: when, why, old and new shares (the layout kept), 0 bytes, the slowest rank's seconds
+            "reshards": [{**m.as_dict(), "seconds": max(r.reshard_s for recs in records for r in recs
+                                                        if r.step == m.step)}
+                         for m in self.moves],
             "ranks": [{"summary": asdict(s), "iterations": [asdict(r) for r in recs]}
                       for s, recs in zip(summaries, records)],
             **self.report_extra,

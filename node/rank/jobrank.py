@@ -8,7 +8,8 @@ job and a local run of the same spec and plan export the same model. What a job 
   files) — from the base checkpoint, or on resume from its last consolidated checkpoint (weights
   and AdamW moments, saved under any layout of this model);
 - its control source (`JobControl`): the node service's orders (`messages.RankOrder` on stdin:
-  pause, resume, cancel, and on the owner a live re-shard), of which the owner broadcasts its latest
+  pause, resume, cancel, and on the owner a live re-shard, or a data-parallel job's re-split of its
+  batch), of which the owner broadcasts its latest
   at every iteration boundary, so all ranks pause, resume, stop or move at the same boundary; EOF on
   stdin means the node service died, and so does this process (as it does through PR_SET_PDEATHSIG);
 - consolidated checkpoints every `checkpoint_interval` steps;
@@ -44,15 +45,21 @@ from xronos.node.tp.group import TPGroup
 PAUSE = 1  # besides Word.GO and Word.STOP: the owner holds every rank at the boundary
 
 
+RESHARD, RESPLIT = 1, 2  # the control row's flag: a new layout; the layout with new shares (data parallelism)
+
+
 class JobControl:
     """The node service's latest order, read from stdin on a thread; the owner broadcasts it each
     step. A re-shard order (the owner's only) travels in the same broadcast: every rank moves at
-    the same boundary, the first at or after `at_step`."""
+    the same boundary, the first at or after `at_step`. `tp` is the ranks of the layout (every
+    rank's, or with data parallelism each group's), `groups` the job's data-parallel groups (0:
+    none), whose new shares a data-parallel job's order carries in the same row."""
 
     CODES = {msg.Pause: PAUSE, msg.Resume: int(Word.GO), msg.Cancel: int(Word.STOP)}
 
-    def __init__(self, events: EventPipe, world_size: int) -> None:
-        self.code, self.paused, self.events, self.world_size = int(Word.GO), False, events, world_size
+    def __init__(self, events: EventPipe, tp: int, groups: int = 0) -> None:
+        self.code, self.paused, self.events = int(Word.GO), False, events
+        self.tp, self.groups = tp, groups
         self.reshard: msg.Reshard | None = None  # the owner's pending order
         self.reason = "rebalance"  # the owner's reason for the re-shard it is broadcasting
         self.changed = threading.Event()
@@ -66,9 +73,9 @@ class JobControl:
                 print(f"order refused: {exc}"[:msg.DETAIL], file=sys.stderr)
                 continue
             if isinstance(order, msg.Reshard):  # a later order replaces one still pending
-                if order.layout.world_size != self.world_size:  # the node service checks this too
-                    self.events.send(msg.ReshardRefused(
-                        detail=f"layout has {order.layout.world_size} ranks, the job {self.world_size}"))
+                why = self._unsendable(order)  # the node service checks these too
+                if why:
+                    self.events.send(msg.ReshardRefused(detail=why))
                 else:
                     self.reshard = order
                 continue
@@ -76,16 +83,30 @@ class JobControl:
             self.changed.set()
         os._exit(137)  # stdin closed: the node service is gone, and this rank with it
 
+    def _unsendable(self, order: msg.Reshard) -> str | None:
+        """Why an order cannot travel in the control row (its shape is the job's), or None. What
+        fits the row but not the run (counts off the model, shares off the batch) is refused at
+        the boundary by every rank alike (the engine's `reshard`)."""
+        if order.layout.world_size != self.tp:
+            return f"layout has {order.layout.world_size} ranks, the job {self.tp}" + (
+                " per data-parallel group" if self.groups else "")
+        if order.shares is not None and not self.groups:
+            return f"shares {order.shares}: the job is tensor-parallel (no data-parallel groups to re-split)"
+        if order.shares is not None and len(order.shares) != self.groups:
+            return f"shares {order.shares} name {len(order.shares)} data-parallel groups, the job has {self.groups}"
+        return None
+
     def _order(self, group: TPGroup, step: int) -> torch.Tensor:
-        """The owner's row: [code, re-shard flag, counts...] (world-size counts per kind)."""
-        n = group.world_size
-        row = torch.zeros(2 + 3 * n, dtype=torch.int64)
+        """The owner's row: [code, re-shard flag, the layout's counts (3 x tp), the shares (groups)]."""
+        row = torch.zeros(2 + 3 * self.tp + self.groups, dtype=torch.int64)
         row[0] = self.code if group.rank == 0 else int(Word.GO)
         order = self.reshard if group.rank == 0 else None
         if order is not None and step >= order.at_step and row[0] == int(Word.GO):
             self.reshard, self.reason = None, order.reason
-            row[1] = 1
-            row[2:] = torch.tensor(counts_row(order.layout), dtype=torch.int64)
+            row[1] = RESPLIT if order.shares is not None else RESHARD
+            row[2:2 + 3 * self.tp] = torch.tensor(counts_row(order.layout), dtype=torch.int64)
+            if order.shares is not None:
+                row[2 + 3 * self.tp:] = torch.tensor(order.shares, dtype=torch.int64)
         return row
 
     def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
@@ -106,8 +127,10 @@ class JobControl:
                 self.paused = False
                 self.events.send(msg.Status(status="running"))
             if code == int(Word.GO) and int(flag[1]):
-                layout = from_counts_row([int(x) for x in flag[2:].tolist()], group.world_size)
-                return Reshard(layout, self.reason if group.rank == 0 else "rebalance")
+                values = [int(x) for x in flag[2:].tolist()]
+                layout = from_counts_row(values[:3 * self.tp], self.tp)
+                shares = tuple(values[3 * self.tp:]) if int(flag[1]) == RESPLIT else None
+                return Reshard(layout, self.reason if group.rank == 0 else "rebalance", shares=shares)
             return Word(code)
 
 
@@ -141,7 +164,8 @@ class JobEvents(Sink):
             move = rank.engine.last_move()
             self.events.send(msg.Resharded(step=step, layout=word.layout, reason=word.reason[:256],
                                            seconds=move.seconds if move else None,
-                                           moved_bytes=move.moved_bytes if move else None))
+                                           moved_bytes=move.moved_bytes if move else None,
+                                           shares=list(word.shares) if word.shares is not None else None))
 
     def reshard_refused(self, rank: Rank, step: int, word: Reshard, reason: str) -> None:
         if rank.owner:
@@ -194,7 +218,8 @@ def main(argv: list[str]) -> int:
                               {"job_id": job.job_id, "plan_version": job.plan_version})
     try:
         engine = DPEngine() if job.run.shares else TPEngine()  # shares: the plan's data-parallel mesh
-        run(job.run, engine, weights=weights(job), control=JobControl(events, job.run.world_size), sink=sink,
+        control = JobControl(events, job.run.layout.world_size, len(job.run.shares or ()))
+        run(job.run, engine, weights=weights(job), control=control, sink=sink,
             checkpoints=checkpoints, start=job.resume_step, allowed_dirs=job.allowed_dirs)
     except Exception as exc:  # reported to the node service, which tells the gateway
         traceback.print_exc()

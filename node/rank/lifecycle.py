@@ -28,8 +28,9 @@ handed to `run`.
 Where a rank's loop is extended: the iteration boundary in `_loop` — every rank stands there
 together, between two steps, after the control source's word. A live re-shard is such a word: a
 `Reshard` carrying a new layout, which every rank hears at the same boundary and hands to the
-engine's `reshard` (it moves its slices and optimizer state there, `xronos.node.tp.reshard`), and
-then to the sink's `resharded`; a change to what trains (frozen base weights and
+engine's `reshard` (it moves its slices and optimizer state there, `xronos.node.tp.reshard`; a
+data-parallel run's word carries new shares instead, a new split of the batch that moves no
+weights), and then to the sink's `resharded`; a change to what trains (frozen base weights and
 adapter parameters) belongs in the engine's `build` (the optimizer, clipping, checkpoints and
 moments cover the parameters that require a gradient).
 """
@@ -162,10 +163,14 @@ class Word(enum.IntEnum):
 @dataclass(frozen=True)
 class Reshard:
     """A word that carries a new layout (same world): every rank moves to it at this boundary,
-    before the step. `reason` says why (shown in the metrics and a job's events)."""
+    before the step. `reason` says why (shown in the metrics and a job's events). With `shares`
+    (a data-parallel run's: rows of each global batch per data-parallel group, the run's layout
+    kept) it is a re-split of the batch instead: from this step on each group trains its new rows,
+    and no weights move (`xronos.node.rank.dpengine.DPEngine.reshard`)."""
 
     layout: Layout
     reason: str = "scheduled"
+    shares: tuple[int, ...] | None = None
 
 
 class Control(Protocol):

@@ -79,7 +79,8 @@ class Checkpointed(_Message):
 
 
 class Resharded(_Message):
-    """The owner's: every rank moved to `layout` at the boundary before `step`."""
+    """The owner's: every rank moved to `layout` at the boundary before `step` (a data-parallel
+    job's re-split: its layout kept, `shares` the rows per group from then on, 0 bytes moved)."""
 
     kind: Literal["resharded"] = "resharded"
     step: Count
@@ -87,6 +88,7 @@ class Resharded(_Message):
     reason: Text256
     seconds: Seconds | None = None
     moved_bytes: Bytes | None = None
+    shares: Annotated[list[NonNegInt], Field(min_length=1, max_length=m.MAX_NODES)] | None = None
 
 
 class ReshardRefused(_Message):
@@ -136,12 +138,14 @@ class Cancel(_Message):
 
 
 class Reshard(_Message):
-    """The owner's only: move every rank to `layout` at the first boundary at or after `at_step`."""
+    """The owner's only: move every rank to `layout` at the first boundary at or after `at_step`;
+    with `shares` (a data-parallel job, its layout kept), re-split the batch into those rows per group."""
 
     kind: Literal["reshard"] = "reshard"
     at_step: Count
     layout: Layout
     reason: Text256 = "rebalance"
+    shares: Annotated[list[NonNegInt], Field(min_length=1, max_length=m.MAX_NODES)] | None = None
 
 
 RankOrder = Annotated[Union[Pause, Resume, Cancel, Reshard], Field(discriminator="kind")]
@@ -162,5 +166,5 @@ def read_order(line: str | bytes) -> RankOrder:
 def order_for(control: m.JobPause | m.JobResume | m.JobCancel | m.JobReshard) -> RankOrder:
     """The rank's order for the gateway's control of a running job."""
     if isinstance(control, m.JobReshard):
-        return Reshard(at_step=control.at_step, layout=control.layout, reason=control.reason)
+        return Reshard(at_step=control.at_step, layout=control.layout, reason=control.reason, shares=control.shares)
     return {"pause": Pause, "resume": Resume, "cancel": Cancel}[control.action]()

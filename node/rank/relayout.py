@@ -11,9 +11,14 @@ nothing fails on purpose): `XRONOS_RESHARD_MARK=DIR` makes every rank write `DIR
 (its process id) as it enters the exchange, and `XRONOS_RESHARD_HOLD=<rank>:<seconds>` makes that
 rank wait there (< 60 s) while its peers wait for its slices.
 
+`resplit(engine, rank, word, step)` is `DPEngine.reshard`: a data-parallel run's new split of the
+batch (rows per group), which moves nothing (`Move.moved_bytes` 0).
+
 `ScheduledReshards` is the control of `xronos run --reshard-at`: the same settings on every rank,
 so no communication is needed to agree on the word. `LiveRebalance` is the control of `xronos run
---rebalance`: rank 0 runs a re-balancing policy on every rank's measured per-kind compute.
+--rebalance`: rank 0 runs a re-balancing policy on every rank's measured per-kind compute;
+`LiveResplit` is its data-parallel counterpart (`--shares ... --rebalance`): a re-split policy on
+every group's measured compute.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ class Move:
     new: str
     seconds: float  # this rank's wall time at the boundary
     moved_bytes: int  # over the network, all ranks together (weights and moments)
+    # A data-parallel run's re-split (`resplit`): rows per group before and after (old == new layout)
+    old_shares: tuple[int, ...] | None = None
+    new_shares: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,14 +69,23 @@ def from_counts_row(counts: list[int], world_size: int) -> Layout:
 
 
 class ScheduledReshards:
-    """Re-shard at the given steps (`RunConfig.reshard_at`), else go on."""
+    """Re-shard (or, with shares, re-split a data-parallel run's batch) at the given steps
+    (`RunConfig.reshard_at`), else go on."""
 
-    def __init__(self, schedule: tuple[ReshardAt, ...]) -> None:
-        self.at = {r.step: r.layout for r in schedule}
+    def __init__(self, schedule: tuple[ReshardAt, ...], layout: Layout | None = None) -> None:
+        """`layout`: the run's, which a share entry keeps (its word carries it)."""
+        self.at = {r.step: r for r in schedule}
+        self.layout = layout
 
     def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
-        layout = self.at.get(step)
-        return Word.GO if layout is None else Reshard(layout, f"--reshard-at {step}")
+        r = self.at.get(step)
+        if r is None:
+            return Word.GO
+        if r.shares is not None:
+            assert self.layout is not None, "a share entry needs the run's layout"
+            return Reshard(self.layout, f"--reshard-at {step}", shares=r.shares)
+        assert r.layout is not None
+        return Reshard(r.layout, f"--reshard-at {step}")
 
 
 class SpecCache:
@@ -93,6 +110,9 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     group, cfg = rank.group, rank.cfg
     old = engine.layout.layout()
     new = word.layout
+    if word.shares is not None:
+        raise LayoutError(f"re-split at step {step}: shares {list(word.shares)}, but the run is tensor-parallel "
+                          "(no data-parallel groups)")
     if new.world_size != group.world_size:
         raise LayoutError(f"re-shard at step {step}: layout has {new.world_size} ranks, the world {group.world_size}")
     # The kinds' quanta too, as for an Assignment: every layout a plan or the policy makes cuts on them.
@@ -120,6 +140,34 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     group.drain_timings()
     group.drain_spans()
     return Move(step, word.reason, old.to_text(), new.to_text(), group.now() - t0, sent)
+
+
+def resplit(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
+    """`DPEngine.reshard`: the data-parallel run trains `word.shares` rows per group from `step` on.
+    Nothing moves (every rank holds its whole TP shard and the same optimizer state whatever its
+    rows) and nothing is exchanged (every rank heard the same word): the engine's shares and its
+    rows channel's change, on every rank at the same boundary. A word of another layout, group
+    count or batch is refused (LayoutError) before anything changes, the same on every rank."""
+    cfg = rank.cfg
+    old, new, layout = tuple(engine.shares), word.shares, cfg.layout
+    if new is None:
+        raise LayoutError(f"re-shard at step {step}: a data-parallel run keeps its layout live ({layout.to_text()}); "
+                          "its live change is a new split of the batch (shares)")
+    if word.layout != layout:
+        raise LayoutError(f"re-split at step {step}: layout {word.layout.to_text()} differs from the run's "
+                          f"{layout.to_text()}: a data-parallel run keeps its layout live")
+    new = tuple(new)
+    if len(new) != len(old):
+        raise LayoutError(f"re-split at step {step}: shares {list(new)} name {len(new)} data-parallel groups, the "
+                          f"run has {len(old)}")
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in new):
+        raise LayoutError(f"re-split at step {step}: shares {list(new)}: rows per group must be integers >= 0")
+    if sum(new) != cfg.recipe.batch_size:
+        raise LayoutError(f"re-split at step {step}: shares {list(new)} sum to {sum(new)} rows, the batch has "
+                          f"{cfg.recipe.batch_size}")
+    t0 = rank.group.now()
+    engine.set_shares(rank, new)
+    return Move(step, word.reason, layout.to_text(), layout.to_text(), rank.group.now() - t0, 0, old, new)
 
 
 MARK_ENV, HOLD_ENV = "XRONOS_RESHARD_MARK", "XRONOS_RESHARD_HOLD"
@@ -264,3 +312,63 @@ class LiveRebalance:
                          "gain": r.gain, "move_s": r.move_s, "reason": r.reason,
                          "applied": r.step in moved} for r in self.policy.replans],
         }
+
+
+class SplitPolicy(Protocol):
+    """What `LiveResplit` asks of a re-split policy (`xronos.gateway.plan.dpresplit.Resplitter`)."""
+
+    last_reason: str
+    resplits: list
+
+    def observe(self, group_s: list[float]) -> None: ...
+    def decide(self, step: int) -> Any: ...
+
+
+class LiveResplit:
+    """`xronos run --shares .. --rebalance`: rank 0 hosts a re-split policy (`make_policy(engine,
+    groups)`, composed by `xronos.cli.liverank`), fed each complete step's group times (a group's
+    slowest rank's compute). As `LiveRebalance`: one untimed all_gather per boundary carries every
+    rank's last compute and, in rank 0's row, the re-split it decided at the previous boundary (a
+    flag and the shares), which every rank then applies (a `Reshard` word with shares, the run's
+    layout kept). The re-splits and the policy's last reason go into the metrics document
+    (`engine.report_extra["rebalance"]`)."""
+
+    def __init__(self, engine: Any, make_policy: Callable[[Any, int], SplitPolicy]) -> None:
+        self.engine, self.make_policy = engine, make_policy
+        self.policy: SplitPolicy | None = None
+        self.pending: Any = None  # rank 0: the re-split decided at the last boundary, applied at this one
+
+    def at_boundary(self, group: TPGroup, step: int) -> Word | Reshard:
+        import torch
+
+        eng = self.engine
+        rec = eng.last
+        if rec is None or group.world_size == 1:
+            return Word.GO
+        groups, tp = len(eng.shares), group.world_size // len(eng.shares)
+        row = torch.zeros(2 + groups, dtype=torch.float64)
+        row[0] = rec.compute_s
+        if group.rank == 0 and self.pending is not None:
+            row[1] = 1
+            row[2:] = torch.tensor(self.pending.new, dtype=torch.float64)
+        rows = group.all_gather(row, timed=False)
+        decided = rows[0]
+        if group.rank == 0:
+            self.pending = None
+            if self.policy is None:
+                self.policy = self.make_policy(eng, groups)
+            self.policy.observe([max(float(rows[r][0]) for r in range(g * tp, (g + 1) * tp)) for g in range(groups)])
+            self.pending = self.policy.decide(step + 1)
+            moved = {m.step for m in eng.moves}
+            eng.report_extra["rebalance"] = {
+                "last_reason": self.policy.last_reason,
+                "resplits": [{"step": r.step, "old": list(r.old), "new": list(r.new), "predicted_old_s": r.predicted_old_s,
+                              "predicted_new_s": r.predicted_new_s, "gain": r.gain, "reason": r.reason,
+                              "applied": r.step in moved} for r in self.policy.resplits],
+            }
+        if not int(decided[1]):
+            return Word.GO
+        return Reshard(self.engine_layout(), "rebalance", shares=tuple(int(x) for x in decided[2:].tolist()))
+
+    def engine_layout(self) -> Layout:
+        return self.engine.layout.layout()

@@ -162,6 +162,8 @@ def preflight(cfg: RunConfig, nodes: int) -> Preflight:
     sizes = family.sizes(config)
     cfg.layout.check(sizes, world_size=nodes)
     for move in cfg.reshard_at:
+        if move.layout is None:  # a data-parallel re-split (shares, checked by RunConfig): the layout stays
+            continue
         try:
             move.layout.check(sizes, world_size=nodes)
         except ValueError as exc:

@@ -43,7 +43,18 @@ def _argv(good, tmp_path: Path, nodes: int, *split: str) -> list[str]:
         (2, ("--shares", "2,2", "--strategy", "segment"), "give either --shares (a hand-chosen data-parallel mesh) "
                                                           "or --strategy, not both"),
         (4, ("--shares", "2,2", "--layout=" + LAYOUT2, "--reshard-at", "1:" + LAYOUT2),
-         "--shares: a data-parallel run does not re-shard its layout (--reshard-at, rebalance)"),
+         "--shares: a data-parallel run does not re-shard its layout (--reshard-at with a layout)"),
+        # a live re-split of the batch: one share per group, >= 0, summing to the batch; only with --shares
+        (2, ("--shares", "2,2", "--reshard-at", "3:shares=3,2"), "--reshard-at step 3: shares [3, 2] must be 2 "
+                                                                 "integers >= 0 (one per data-parallel group) summing "
+                                                                 "to the batch, 4"),
+        (2, ("--shares", "2,2", "--reshard-at", "3:shares=1,1,2"), "--reshard-at step 3: shares [1, 1, 2] must be 2"),
+        (2, ("--shares", "2,2", "--reshard-at", "3:shares=4,-0"), "--reshard-at 3: shares must be comma-separated "
+                                                                  "integers >= 0 (rows per data-parallel group), got "
+                                                                  "'4,-0'"),
+        (2, ("--layout=" + LAYOUT2, "--reshard-at", "3:shares=2,2"), "--reshard-at step 3: shares [2, 2] re-split a "
+                                                                     "data-parallel run's batch, and this run has no "
+                                                                     "shares"),
     ],
 )
 def test_bad_shares_are_one_clean_error_line(good, tmp_path, capsys, monkeypatch, nodes, split, message) -> None:

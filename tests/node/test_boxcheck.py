@@ -92,6 +92,22 @@ def test_an_assignment_over_the_box_is_refused_and_what_a_replaced_rank_frees_co
     assert assignment_problem_on_box(a, spec, None, box) is None  # shape unknown: the child's limits bound it
 
 
+def test_a_data_parallel_rank_is_checked_at_its_tp_rank_of_its_groups_layout_and_its_rows():
+    """With shares the layout is each group's (here a whole replica per rank): rank 1 holds TP rank
+    0 of it and trains its group's rows (a 0-row rank counted at one row). Before this, rank 1 of a
+    pure data-parallel job raised IndexError, and its node never acked a `dp` plan."""
+    a, spec = assignment(4096)
+    dp = a.model_copy(update={"layout": Layout(attn=(4,), mlp=(256,), vocab=(1000,)), "shares": [4094, 2]})
+    dp = m.Assignment.model_validate(dp.model_dump())
+    box = Box(cores=2, available=4 << 30, reserve_mb=512)
+    assert assignment_problem_on_box(dp, spec, (TINY, "causal-lm"), box) is None  # 2 rows of a whole replica
+    big = m.Assignment.model_validate({**dp.model_dump(), "shares": [2, 4094]})
+    why = assignment_problem_on_box(big, spec, (TINY, "causal-lm"), box)
+    assert why is not None and why.startswith("rank 1 of j (batch_size 4094 x seq_len 128, 100% of the attention")
+    idle = m.Assignment.model_validate({**dp.model_dump(), "shares": [4096, 0]})
+    assert assignment_problem_on_box(idle, spec, (TINY, "causal-lm"), box) is None
+
+
 @pytest.mark.parametrize("field, value", [("threads", 257), ("threads", 4096), ("batch_size", 4097),
                                           ("batch_size", 65536), ("seq_len", 2**17 + 1)])
 def test_the_schema_stops_at_what_any_supported_box_can_do(field, value):

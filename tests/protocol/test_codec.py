@@ -1,6 +1,8 @@
 import json
 import math
 
+import re
+
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -54,6 +56,22 @@ def test_reshard_order_is_bounded_and_checked():
         decode(topic, msgpack.packb({**order, "reason": "x" * 257}))
     with pytest.raises(DecodeError, match="at_step"):
         decode(topic, msgpack.packb({**order, "at_step": -1}))
+
+
+def test_a_re_split_order_carries_strict_shares():
+    """A data-parallel job's re-split (`JobReshard.shares`, additive: an order without it is a TP
+    re-shard as before): rows per group, each >= 0, at least one row in all, integers only. The
+    group count and the sum are the node's to check against its assignment (node/agent/jobcheck.py)."""
+    topic = TABLE.build("node.control", node_id="n")
+    order = {"action": "reshard", "job_id": "j", "plan_version": 3, "at_step": 7, "reason": "r",
+             "layout": {"attn": [12], "mlp": [100], "vocab": [37]}, "shares": [3, 0, 1]}
+    back = decode(topic, msgpack.packb(order))
+    assert type(back) is m.JobReshard and back.shares == [3, 0, 1]
+    assert decode(topic, msgpack.packb({k: v for k, v in order.items() if k != "shares"})).shares is None
+    for shares, why in (([3, -1], "shares.1"), ([0, 0], "shares: [0, 0] hold no rows"), ([], "shares"),
+                        ([1.5, 2], "shares.0"), (["2", 2], "shares.0"), ([True, 3], "shares.0")):
+        with pytest.raises(DecodeError, match=re.escape(why)) as err:
+            decode(topic, msgpack.packb({**order, "shares": shares}))
 
 
 def test_tuples_arrive_as_lists_and_still_validate_strictly():

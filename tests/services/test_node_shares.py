@@ -1,8 +1,10 @@
 """A data-parallel job through real node services (`xronos node --config`, two processes) on a real
 broker: each node gets an Assignment carrying the plan's shares (rows per data-parallel group),
-accepts it (its layout is each group's, not the world's), starts its rank on JobStart, and the job
-completes with the model single-device transformers training makes. The second node has no model
-and no data: its replica and its rows come from the owner over Gloo."""
+accepts it (its layout is each group's, not the world's), starts its rank on JobStart, re-splits
+its batch live on a JobReshard with shares (bad ones refused by the owner's service, naming the
+field), and the job completes with the model single-device transformers training makes; the
+owner's retained status, read by the gateway's job machine, makes the new shares the plan's. The
+second node has no model and no data: its replica and its rows come from the owner over Gloo."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import paho.mqtt.client as paho
@@ -21,7 +24,8 @@ from xronos.node.agent.jobcheck import assignment_problem
 from xronos.node.rank.local import free_port
 from xronos.protocol import messages as m
 from xronos.protocol.codec import decode, encode
-from xronos.protocol.layout import Layout
+from xronos.gateway.job import machine as J
+from xronos.protocol.layout import Layout, Sizes
 from xronos.protocol.topics import TopicTable
 
 pytestmark = pytest.mark.slow
@@ -48,13 +52,14 @@ class Nodes:
                                                     str(cfg)], stdout=f, stderr=subprocess.STDOUT))
         self.status: dict[str, m.NodeJobStatus] = {}
         self.acks: dict[str, m.AssignmentAck] = {}
+        self.errors: list[m.ErrorResponse] = []
         self.online: set[str] = set()
         self.lock = threading.Lock()
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"t-{time.monotonic_ns()}")
         self.client.on_message = self._on
         self.client.connect(broker.host, broker.port)
         self.client.loop_start()
-        for key in ("node.availability", "node.job", "node.ack"):
+        for key in ("node.availability", "node.job", "node.ack", "node.error"):
             for n in ("n0", "n1"):
                 self.client.subscribe(self.table.build(key, node_id=n), qos=1)
         self.wait(lambda: self.online == {"n0", "n1"}, 60)
@@ -72,6 +77,8 @@ class Nodes:
                 self.status[params["node_id"]] = decode(msg.topic, msg.payload, table=self.table)
             elif entry.key == "node.ack":
                 self.acks[params["node_id"]] = decode(msg.topic, msg.payload, table=self.table)
+            elif entry.key == "node.error":
+                self.errors.append(decode(msg.topic, msg.payload, table=self.table))
 
     def wait(self, until, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -118,14 +125,46 @@ def test_a_data_parallel_job_through_two_node_services(tmp_path, mqtt_broker) ->
                 rendezvous_port=port, group_key="ab" * 32, layout=WHOLE, spec=spec, shares=[3, 1]))
         nodes.wait(lambda: len(nodes.acks) == 2, 60)
         assert all(a.accepted for a in nodes.acks.values()), nodes.acks
+        # Started and held at the first boundary (the pause follows the start in each node's loop),
+        # the owner is ordered re-splits: bad orders are refused by its service (the field named,
+        # nothing reaches the ranks), the good one is taken at the boundary before step 5.
         for n in ("n0", "n1"):
             nodes.send(n, "node.control", m.JobStart(job_id="j", plan_version=1))
+            nodes.send(n, "node.control", m.JobPause(job_id="j", plan_version=1))
+        nodes.wait(lambda: nodes.status.get("n0") is not None and nodes.status["n0"].status == "paused", 120)
+        order = {"job_id": "j", "plan_version": 1, "at_step": 5, "layout": WHOLE, "reason": "test"}
+        for bad in ({"shares": [2, 3]}, {"shares": [1, 1, 2]}, {"layout": Layout(attn=(6, 6), mlp=(64, 36),
+                                                                                  vocab=(32, 5)), "shares": [1, 3]}):
+            nodes.send("n0", "node.control", m.JobReshard(**{**order, **bad}))
+        nodes.send("n1", "node.control", m.JobReshard(**order, shares=[1, 3]))  # not the owner
+        nodes.wait(lambda: len(nodes.errors) == 4, 60)
+        details = " | ".join(e.message for e in nodes.errors)  # n0's and n1's, in any order
+        for why in ("shares [2, 3] sum to 5 rows, the batch has 4",
+                    "shares [1, 1, 2] name 3 data-parallel groups, the job has 2",
+                    "differs from the job's attn=12;mlp=100;vocab=37: a data-parallel job keeps its layout live",
+                    "only the owner (rank 0) takes it"):
+            assert details.count(why) == 1, (why, details)
+        nodes.send("n0", "node.control", m.JobReshard(**order, shares=[1, 3]))
+        for n in ("n0", "n1"):
+            nodes.send(n, "node.control", m.JobResume(job_id="j", plan_version=1))
         nodes.wait(lambda: all(nodes.status.get(n) is not None and nodes.status[n].status in ("completed", "failed")
                                for n in ("n0", "n1")), 300)
         assert [nodes.status[n].status for n in ("n0", "n1")] == ["completed", "completed"], nodes.status
-        assert nodes.status["n0"].step == 12 and nodes.status["n0"].checkpoint_step == 6
+        owner = nodes.status["n0"]
+        assert owner.step == 12 and owner.checkpoint_step == 6
+        assert owner.reshard_shares == [1, 3] and owner.reshard_layout == WHOLE and owner.reshard_bytes == 0
+        assert owner.reshard_step == 5 and owner.reshard_refused is None
     finally:
         nodes.close()
+    # The gateway's job machine hears the owner's retained status: the plan's shares follow.
+    plan = m.Plan(job_id="j", version=1, strategy="dp", sizes=Sizes(attn=12, mlp=100, vocab=37), shares=[3, 1],
+                  entries=[m.PlanEntry(node_id=n, rank=r, attn=12, mlp=100, vocab=37, predicted_compute_s=0.1,
+                                       predicted_memory=1.0, memory_cap=2.0) for r, n in enumerate(("n0", "n1"))],
+                  predicted_iteration_s=0.1, ideal_iteration_s=0.1, comm_s=0.0)
+    job = replace(J.new_job("j", spec, None, J.Ctx(now=0.0, online=frozenset({"n0", "n1"})))[0], phase="running",
+                  plan=plan, plan_version=1, accepted=True, total_steps=12)
+    job, _ = J.handle(job, J.Status(owner), J.Ctx(now=1.0, online=frozenset({"n0", "n1"})))
+    assert job.plan.shares == [1, 3] and job.last_reshard_step == owner.reshard_step
     from transformers import AutoModelForSequenceClassification
 
     rows = [{"text": t, "label": i % 2} for i, t in enumerate(runkit.texts(40))]  # make_case's

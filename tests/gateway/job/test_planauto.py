@@ -1,7 +1,7 @@
 """A job planned by `auto` through the state machine (`gateway.job.planning.plan_job`): submit,
 inspect, profiles in, then the plan with the strategy chosen and the runner-up in its event and
 the candidates in the answer; a forced `dp` that cannot fit refused by name; bad batch shares
-refused with their reason; the live re-balancer leaving a data-parallel plan alone with a note.
+refused with their reason; the live re-balancer re-splitting a data-parallel plan's batch.
 Pure: the bench's synthetic profile reports, no broker, no torch."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from xronos.bench.plan_speed import synthetic_report
 from xronos.gateway.job import machine as J
 from xronos.gateway.job.planning import plan_job, plan_text
-from xronos.gateway.job.rebalancers import DP_KEPT, Rebalancers
+from xronos.gateway.job.rebalancers import Rebalancers
 from xronos.gateway.job.types import Net, Planned
 from xronos.gateway.plan.rebalance import PolicyConfig
 from xronos.gateway.plan.shares import ShareError
@@ -113,18 +113,94 @@ def test_the_plan_text_says_rows_and_groups():
     assert "; group 1 (3 rows) c=" in plan_text(mesh)
 
 
-def test_the_live_re_balancer_leaves_a_data_parallel_plan_alone_and_says_why():
+def test_the_live_re_balancer_re_splits_a_data_parallel_plan_and_the_plan_follows():
+    """A node measured slower than its profile loses rows: the policy's word orders the owner a
+    re-split (the layout kept, `JobReshard.shares`), the plan it makes waits until the owner says
+    the ranks took it, then the plan's shares are the new ones (same plan version)."""
+    from xronos.gateway.job.effects import messages
+    from xronos.gateway.registry import Registry
+
     job, _ = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
     job = replace(job, phase="running", accepted=True)
-    rebal = Rebalancers(PolicyConfig())
-    x = m.IterationMetrics(job_id="j", plan_version=1, node_id="a", rank=0, step=3, epoch=0, loss=1.0,
-                           compute_s=0.1, comm_s=0.0, idle_s=0.0, iteration_s=0.1, voluntary_ctx_switches=0,
-                           involuntary_ctx_switches=0, peak_rss=1)
-    decision = rebal.observe(job, x)
-    assert decision.layout is None and decision.reason == DP_KEPT and decision.old == job.plan.layout()
-    assert rebal.observe(job, x.model_copy(update={"step": 4})) is None  # said once per plan version
-    job2, effects = J.handle(job, decision, J.Ctx(now=1.0, online=frozenset(NODES)))
-    assert effects == [] and job2.last_replan_reason.startswith("live re-balancing is off for a data-parallel plan")
+    plan, old = job.plan, tuple(job.plan.shares)
+    rebal = Rebalancers(PolicyConfig(warmup=1, settle=2, confirm=2))
+    ctx = J.Ctx(now=1.0, online=frozenset(NODES))
+    # Each rank measures its plan's prediction, but the last node (rank 3) runs 3x slower.
+    predicted = [e.predicted_compute_s for e in plan.entries]
+    said = []
+    for step in range(1, 8):
+        for e in plan.entries:
+            x = m.IterationMetrics(job_id="j", plan_version=1, node_id=e.node_id, rank=e.rank, step=step, epoch=0,
+                                   loss=1.0, compute_s=predicted[e.rank] * (3 if e.rank == 3 else 1), comm_s=0.0,
+                                   idle_s=0.0, iteration_s=0.1, voluntary_ctx_switches=0, involuntary_ctx_switches=0,
+                                   peak_rss=1)
+            d = rebal.observe(job, x)
+            if d is not None:
+                said.append(d)
+                job, effects = J.handle(job, d, ctx)
+        if job.pending_plan is not None:
+            break
+    assert [d.shares is None for d in said[:-1]] == [True] * (len(said) - 1)  # warming up, settling, confirming
+    d = said[-1]
+    assert d.layout == plan.layout() and d.old_shares == old and sum(d.shares) == sum(old)
+    assert d.shares[3] < old[3] and "nothing moves" in d.reason
+    (order,) = effects
+    assert order.shares == d.shares and order.layout == plan.layout() and order.node == "a"
+    ((msg, params),) = list(messages(order, job, Registry(), (29500, 29600)))
+    assert isinstance(msg, m.JobReshard) and msg.shares == list(d.shares) and params == {"node_id": "a"}
+    assert job.pending_plan.shares == list(d.shares) and job.plan.shares == list(old) and job.replans == 1
+    assert job.events[-1].endswith(f"rows per group {list(old)} -> {list(d.shares)}; {d.reason}")
+    # The owner's word: the ranks took the new rows at the ordered boundary.
+    status = m.NodeJobStatus(node_id="a", job_id="j", plan_version=1, rank=0, status="running", step=d.at_step,
+                             reshard_step=d.at_step, reshard_layout=plan.layout(), reshard_s=0.0, reshard_bytes=0,
+                             reshard_shares=list(d.shares), sent_at=2.0)
+    job, _ = J.handle(job, J.Status(status), ctx)
+    assert job.plan.shares == list(d.shares) and job.pending_plan is None and job.plan_version == 1
+    assert job.last_reshard_step == d.at_step and job.plan.layout() == plan.layout()
+    assert f"re-split applied at step {d.at_step}" in job.events[-1]
+
+
+def test_each_groups_rows_are_limited_by_its_nodes_memory_caps():
+    from xronos.gateway.job.rebalancers import JobResplit
+
+    job, _ = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
+    free = JobResplit.for_job(job)
+    assert list(free.policy.max_rows) == [8, 8, 8, 8]
+    cap = JobResplit._memory(free.nodes[3], job.plan.layout(), 0, 2, free.profile_rows)  # "d" fits 2 rows
+    plan = m.Plan.model_validate({**job.plan.model_dump(), "entries": [
+        e.model_copy(update={"memory_cap": cap}) if e.node_id == "d" else e for e in job.plan.entries]})
+    assert list(JobResplit.for_job(replace(job, plan=plan)).policy.max_rows) == [8, 8, 8, 2]
+
+
+def test_a_re_split_applied_later_than_ordered_restarts_the_measurements():
+    """The order for step 10 lands at step 14: metrics of steps up to 14 ran under the old rows; the
+    policy drops what it took of them and measures afresh from there (once per boundary)."""
+    from xronos.gateway.job.rebalancers import JobResplit
+
+    job, _ = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
+    policy = JobResplit.for_job(job)
+    policy.policy.moved_to((8, 0, 0, 0))
+    policy.ignore_until = 10
+    policy.policy.samples[0].extend([1.0, 1.0])
+    status = m.NodeJobStatus(node_id="a", job_id="j", plan_version=1, rank=0, status="running", step=15,
+                             reshard_step=14, reshard_layout=job.plan.layout(), reshard_s=0.0, reshard_bytes=0,
+                             reshard_shares=[8, 0, 0, 0], sent_at=2.0)
+    assert policy.moved(status) and policy.ignore_until == 14 and not policy.policy.samples[0]
+    assert not policy.moved(status)  # the same boundary again: nothing
+    assert not policy.moved(status.model_copy(update={"reshard_step": 20, "reshard_shares": [4, 4, 0, 0]}))
+
+
+def test_an_owner_refusing_a_re_split_keeps_the_plan():
+    job, _ = submit({n: report(n, 1 + 0.5 * i) for i, n in enumerate(NODES)})
+    plan = job.plan
+    pending = m.Plan.model_validate({**plan.model_dump(), "shares": [8, 0, 0, 0]})
+    job = replace(job, phase="running", accepted=True, pending_plan=pending)
+    status = m.NodeJobStatus(node_id="a", job_id="j", plan_version=1, rank=0, status="running", step=3,
+                             reshard_refused="re-split at step 5 refused: shares [8, 0, 0] name 3 groups",
+                             sent_at=2.0)
+    job, _ = J.handle(job, J.Status(status), J.Ctx(now=1.0, online=frozenset(NODES)))
+    assert job.pending_plan is None and job.plan.shares == plan.shares
+    assert job.last_replan_reason.startswith("re-shard refused by the ranks, plan kept: re-split at step 5")
 
 
 def test_planned_keeps_the_plan_for_callers_that_want_only_it():
