@@ -164,6 +164,8 @@ class DPEngine(TPEngine):
             if ev is not None:
                 metric = f"accuracy {ev.accuracy:.4f}" if ev.accuracy is not None else f"perplexity {ev.perplexity:.3f}"
                 print(f"eval {name} training: loss {ev.loss:.4f}, {metric} ({ev.rows} rows)", flush=True)
+        from xronos.node.rank.relayout import settled_extra  # (lazy, as reshard's: relayout is above the engines)
+
         return {
             "clock": rank.group.clock.describe(),
             "config": cfg.model_dump(exclude={"rank", "rendezvous_host", "rendezvous_port", "group_key"}),
@@ -176,7 +178,7 @@ class DPEngine(TPEngine):
                          for m in self.moves],
             "ranks": [{"summary": asdict(s), "iterations": [asdict(r) for r in recs]}
                       for s, recs in zip(summaries, records)],
-            **self.report_extra,
+            **settled_extra(self),
         }
 
 

@@ -314,6 +314,20 @@ class LiveRebalance:
         }
 
 
+def settled_extra(engine: Any) -> dict[str, Any]:
+    """`engine.report_extra` with each live re-plan's or re-split's `applied` read off the moves the
+    engine made. The controls write it at a boundary, before that boundary's move: a re-plan taken
+    at the next-to-last boundary is applied at the last one, after which no boundary rewrote it
+    (`applied: false` beside its move in `reshards`)."""
+    extra = dict(engine.report_extra)
+    section = extra.get("rebalance")
+    if section:
+        moved = {m.step for m in engine.moves}
+        extra["rebalance"] = {**section, **{key: [{**r, "applied": r["step"] in moved} for r in section[key]]
+                                            for key in ("replans", "resplits") if key in section}}
+    return extra
+
+
 class SplitPolicy(Protocol):
     """What `LiveResplit` asks of a re-split policy (`xronos.gateway.plan.dpresplit.Resplitter`)."""
 

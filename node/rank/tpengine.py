@@ -291,6 +291,8 @@ class TPEngine(Engine):
         for m in self.moves:
             print(f"re-sharded before step {m.step} ({m.reason}): {m.old} -> {m.new}, {m.moved_bytes} bytes, "
                   f"{m.seconds:.3f} s", flush=True)
+        from xronos.node.rank.relayout import settled_extra  # (lazy, as reshard's: relayout is above the engines)
+
         return {
             "clock": rank.group.clock.describe(),  # what the seconds below are: virtual or wall
             "config": cfg.model_dump(exclude={"rank", "rendezvous_host", "rendezvous_port", "group_key"}),
@@ -302,5 +304,5 @@ class TPEngine(Engine):
                          for m in self.moves],
             "ranks": [{"summary": asdict(s), "iterations": [asdict(r) for r in recs]}
                       for s, recs in zip(summaries, records)],
-            **self.report_extra,
+            **settled_extra(self),
         }

@@ -58,3 +58,22 @@ def test_rebalance_moves_a_lopsided_run_and_keeps_the_contract(tmp_path: Path, c
     assert all(m["reason"].startswith("rebalance: ") for m in moves)
     assert doc["ranks"][1]["summary"]["mlp"] > 0  # rank 1 took a share of the work
     assert "re-sharded before step" in capfd.readouterr().out
+
+
+def test_a_replan_applied_at_the_last_boundary_is_reported_applied() -> None:
+    """The control writes the re-plans at a boundary, before that boundary's move: the one decided
+    at the next-to-last boundary and applied at the last was left `applied: false` beside its move
+    (a flaky failure of the test above, 2026-12-05, when a second re-plan landed before step 19).
+    The report reads `applied` off the engine's moves (`relayout.settled_extra`)."""
+    from types import SimpleNamespace
+
+    from xronos.node.rank.relayout import settled_extra
+
+    replans = [{"step": 8, "new": "a", "applied": True}, {"step": 19, "new": "b", "applied": False},
+               {"step": 20, "new": "c", "applied": False}]  # decided at the last boundary: never applied
+    engine = SimpleNamespace(report_extra={"rebalance": {"last_reason": "x", "replans": replans}},
+                             moves=[SimpleNamespace(step=8), SimpleNamespace(step=19)])
+    got = settled_extra(engine)["rebalance"]
+    assert [r["applied"] for r in got["replans"]] == [True, True, False] and got["last_reason"] == "x"
+    assert engine.report_extra["rebalance"]["replans"][1]["applied"] is False  # the engine's own is left alone
+    assert settled_extra(SimpleNamespace(report_extra={}, moves=[])) == {}
