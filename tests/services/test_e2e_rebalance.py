@@ -10,6 +10,7 @@ equal to `xronos run` with the same layouts from the same steps (`--reshard-at`)
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -46,20 +47,26 @@ def boxes():
     conf.close()
 
 
+def submit_on_two_boxes(stack: Stack, boxes: Confinement, **job) -> tuple[Path, Path, dict]:
+    """The case's model and data, the gateway and nodes n0, n1 in the boxes' ranks 0 and 1, and a
+    job of `job` (job_spec's fields) on them, owned by n0: (model, data, the submit's answer)."""
+    model, data = make_case(stack.allowed, rows=80)
+    stack.gateway()
+    for rank, n in enumerate(("n0", "n1")):
+        stack.node(n, wrap=lambda pid, rank=rank: boxes.add(rank, pid))
+    stack.wait_nodes(2)
+    spec = job_spec(model, data, stack.allowed / "export", owner="n0", checkpoint_interval=1000, batch_size=8,
+                    nodes=["n0", "n1"], rebalance=True, **job)
+    spec.pop("schema_version")
+    return model, data, stack.client.request("job/submit", 300.0, spec=m.JobSpec(**spec))
+
+
 def test_a_slowed_box_is_re_planned_live_and_the_export_equals_xronos_run(tmp_path, mqtt_broker, boxes):
     data_dir = tmp_path / "owner-data"
     data_dir.mkdir()
     stack = Stack(tmp_path, mqtt_broker, data_dir, base=f"xr{tmp_path.name[-6:].replace('-', '')}")
     try:
-        model, data = make_case(stack.allowed, rows=80)
-        stack.gateway()
-        for rank, n in enumerate(("n0", "n1")):
-            stack.node(n, wrap=lambda pid, rank=rank: boxes.add(rank, pid))
-        stack.wait_nodes(2)
-        spec = job_spec(model, data, stack.allowed / "export", owner="n0", max_steps=120, checkpoint_interval=1000,
-                        batch_size=8, nodes=["n0", "n1"], rebalance=True, strategy="uniform")
-        spec.pop("schema_version")
-        accepted = stack.client.request("job/submit", 300.0, spec=m.JobSpec(**spec))
+        model, data, accepted = submit_on_two_boxes(stack, boxes, max_steps=120, strategy="uniform")
         job_id, first = accepted["job_id"], m.Plan.model_validate(accepted["plan"]).layout()
         assert [e["node_id"] for e in accepted["plan"]["entries"]] == ["n0", "n1"] and first.attn == (6, 6)
         state = _wait_step(stack, job_id, 6)

@@ -16,9 +16,9 @@ import pytest
 
 from stack import Stack
 from test_e2e import _load
-from test_e2e_rebalance import boxes, make_case  # noqa: F401  (boxes: the fixture)
+from test_e2e_rebalance import boxes, submit_on_two_boxes  # noqa: F401  (boxes: the fixture)
 from xronos.cli.main import main as xronos
-from jobkit import job_spec, runkit
+from jobkit import runkit
 from xronos.protocol import messages as m
 
 pytestmark = pytest.mark.slow
@@ -31,15 +31,7 @@ def test_a_slowed_box_loses_rows_live_and_the_export_equals_xronos_run(tmp_path,
     data_dir.mkdir()
     stack = Stack(tmp_path, mqtt_broker, data_dir, base=f"xd{tmp_path.name[-6:].replace('-', '')}")
     try:
-        model, data = make_case(stack.allowed, rows=80)
-        stack.gateway()
-        for rank, n in enumerate(("n0", "n1")):
-            stack.node(n, wrap=lambda pid, rank=rank: boxes.add(rank, pid))
-        stack.wait_nodes(2)
-        spec = job_spec(model, data, stack.allowed / "export", owner="n0", max_steps=60, checkpoint_interval=1000,
-                        batch_size=8, nodes=["n0", "n1"], rebalance=True, strategy="dp")
-        spec.pop("schema_version")
-        accepted = stack.client.request("job/submit", 300.0, spec=m.JobSpec(**spec))
+        model, data, accepted = submit_on_two_boxes(stack, boxes, max_steps=60, strategy="dp")
         job_id, first = accepted["job_id"], m.Plan.model_validate(accepted["plan"])
         assert [e.node_id for e in first.entries] == ["n0", "n1"] and first.shares is not None
         # Planned on equal boxes; from its first step on, n1 computes at an eighth of a core's speed.
