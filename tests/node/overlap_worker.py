@@ -1,6 +1,6 @@
 """A rank of tests/node/test_overlap_world.py: compute, an all-reduce, compute, on a virtual clock;
 the all-reduce blocking or launched before the second compute and waited for after it, alternate
-iterations. Writes per iteration the mode, the virtual iteration time, the compute before and
+iterations. Writes per iteration the mode, its virtual start and time, the compute before and
 after the all-reduce (the clock's account) and whether the sum came out exact (JSON)."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> None:
             work(job["after"])
         group.settle()
         t1, c2 = group.now(), clock.account.compute
-        rows.append({"overlap": overlap, "iteration_s": t1 - t0, "before_s": c1 - c0, "after_s": c2 - c1,
+        rows.append({"overlap": overlap, "t0": t0, "iteration_s": t1 - t0, "before_s": c1 - c0, "after_s": c2 - c1,
                      "exact": bool(torch.equal(x, torch.full_like(x, sum(range(1, job["world"] + 1)))))})
         group.barrier(timed=False)
     Path(job["out"], f"rank{rank}.json").write_text(json.dumps(rows))
