@@ -53,6 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "restart; with --shares, STEP:shares=R1,..,RG re-splits the batch instead (rows per "
                    "data-parallel group from STEP on, summing to --batch-size; the layout stays, nothing "
                    "moves); repeatable, steps increasing. For testing the move; its time is in --metrics")
+    p.add_argument("--overlap", default="off", metavar="{off,bwd,cN}",
+                   help="hide the tensor-parallel all-reduces behind compute: bwd (each input-gradient "
+                   "all-reduce beside its weight-gradient GEMMs), cN (that, and the batch rows in N forward "
+                   "chunks, each chunk's all-reduces travelling while the next computes; N <= --batch-size) "
+                   "or off (default). The sums stay the same ones")
     p.add_argument("--cpu-shares", metavar="s1,...,sN",
                    help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
                    "quota, to emulate heterogeneous boxes on one machine (needs a writable cgroup)")
@@ -160,6 +165,20 @@ def parse_reshard_at(texts: list[str]) -> list[dict]:
     return out
 
 
+def parse_overlap(text: str):
+    """`--overlap off|bwd|cN` as RunConfig.overlap (None: off); ValueError naming the value otherwise."""
+    from xronos.protocol.messages import MAX_CHUNKS, Overlap
+
+    if text == "off":
+        return None
+    if text == "bwd":
+        return Overlap(backward=True)
+    n = text[1:]
+    if not (text.startswith("c") and n.isdigit() and 2 <= int(n) <= MAX_CHUNKS):
+        raise ValueError(f"--overlap {text!r}: off, bwd or cN with N forward chunks, 2 <= N <= {MAX_CHUNKS}")
+    return Overlap(backward=True, chunks=int(n))
+
+
 def config_from_args(args: argparse.Namespace, layout):
     """The RunConfig the flags describe (`flagtable.RUN`); ValueError naming the flags otherwise."""
     from pydantic import ValidationError
@@ -178,7 +197,8 @@ def config_from_args(args: argparse.Namespace, layout):
         raise FileNotFoundError(f"--metrics {args.metrics}: directory does not exist")
     fields = flagtable.collect(args, flagtable.RUN)
     try:
-        return RunConfig(**fields, layout=layout, progress=True, reshard_at=parse_reshard_at(args.reshard_at))
+        return RunConfig(**fields, layout=layout, progress=True, reshard_at=parse_reshard_at(args.reshard_at),
+                         overlap=parse_overlap(getattr(args, "overlap", "off")))
     except ValidationError as exc:
         msg = flagtable.problems(exc.errors(), args, flagtable.RUN, _RULE_NAMES)
         raise ValueError(re.sub(r"ranks, the run (\d+)", r"ranks, but --nodes is \1", msg)) from None
@@ -189,7 +209,7 @@ _RULE_NAMES = (("epochs/max_steps", "--max-steps"), ("data_format:", "--data-for
                ("export_gguf:", "--export-gguf:"), ("export_merged:", "--export-merged:"),
                ("without lora (LoRA)", "without --lora-r (LoRA)"), ("for task ", "for --task "),
                ("of task ", "of --task "), ("reshard_at", "--reshard-at"), ("or rebalance (", "or --rebalance ("),
-               ("shares:", "--shares:"))
+               ("shares:", "--shares:"), ("overlap:", "--overlap:"))
 
 
 def handle(args: argparse.Namespace) -> int:

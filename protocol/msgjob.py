@@ -15,13 +15,37 @@ from .msgtypes import (
     JobStrategy,
     Text4k, Text256, UnitCount, WorldSize,
 )
-from .recipe import Recipe
+from .recipe import Part, Recipe
 
 
 # The job spec's own schema version: 3 made it a `Recipe` plus the job's own fields. A spec file
 # of version 2 (every setting at top level) is mapped once, where files are read
 # (`xronos.protocol.specfile.upgrade_spec`); on the wire the gateway and the nodes speak one version.
 SPEC_VERSION = 3
+
+
+# Forward chunks a plan may ask for (node/tp/overlap.py): past a few, each chunk's GEMMs get too
+# small to gain; the bound keeps a message from asking a rank for millions of tiny chunks.
+MAX_CHUNKS = 64
+OverlapChoice = Literal["auto", "off", "on"]
+
+
+class Overlap(Part):
+    """How a tensor-parallel plan hides its all-reduces behind compute (issue #37,
+    `xronos.node.tp.overlap`): `backward` runs each column-parallel region's input-gradient
+    all-reduce while the region's weight gradients compute; `chunks` > 1 also cuts the batch rows
+    into that many forward chunks, each chunk's all-reduces travelling while the next computes.
+    Only the timing changes: the sums are the same ones."""
+
+    backward: bool
+    chunks: Annotated[int, Field(ge=1, le=MAX_CHUNKS)] = 1
+
+
+def check_overlap_rows(overlap: Overlap | None, rows: int, field: str) -> None:
+    """ValueError naming `field` when a chunk would have no row of a batch of `rows`."""
+    if overlap is not None and overlap.chunks > rows:
+        raise ValueError(f"{field}: chunks {overlap.chunks} leaves a chunk without a row: the batch has {rows} "
+                         f"rows (at most {rows} chunks)")
 
 
 class JobSpec(Message):
@@ -41,11 +65,21 @@ class JobSpec(Message):
     # and re-shards the running job at an iteration boundary when the predicted gain repays the move.
     # On by default: a job runs on boxes whose other work changes their speed, the case it is for.
     rebalance: bool = True
+    # Overlap of a tensor-parallel plan's all-reduces with compute (`Overlap`): `auto` lets the
+    # planner pick the mode it predicts fastest (none among them), `on` the fastest overlapping
+    # one, `off` none. `chunks` forces the forward chunk count (with `on`). Off by default: the
+    # prediction is checked on the bench's cells only (docs/planning.md).
+    overlap: OverlapChoice = "off"
+    chunks: Annotated[int, Field(ge=1, le=MAX_CHUNKS)] | None = None
 
     @model_validator(mode="after")
     def _has_export(self) -> JobSpec:
         if self.recipe.export_dir is None:
             raise ValueError("recipe.export_dir: a job must name where its export goes")
+        if self.chunks is not None:
+            if self.overlap != "on":
+                raise ValueError(f"chunks: {self.chunks} forward chunks need overlap 'on', not {self.overlap!r}")
+            check_overlap_rows(Overlap(backward=True, chunks=self.chunks), self.recipe.batch_size, "chunks")
         return self
 
 
@@ -74,9 +108,13 @@ class Plan(Message):
     # Data parallelism: rows of each global batch per data-parallel group, in group order (see
     # `mesh_of`). None: one tensor-parallel group over every entry (the TP strategies).
     shares: Annotated[list[NonNegInt], Field(min_length=1, max_length=MAX_NODES)] | None = None
+    # A tensor-parallel plan's overlap of communication with compute (None: every all-reduce blocks).
+    overlap: Overlap | None = None
 
     @model_validator(mode="after")
     def _covers_model(self) -> Plan:
+        if self.overlap is not None and self.shares is not None:
+            raise ValueError("overlap: a data-parallel plan (shares) does not overlap; only a tensor-parallel one")
         if [e.rank for e in self.entries] != list(range(len(self.entries))):
             raise ValueError(f"entries: ranks must be 0..N-1 in order, got {[e.rank for e in self.entries]}")
         if self.entries:
@@ -135,11 +173,15 @@ class Assignment(Message):
     # other right after joining, so a stranger at the rendezvous port gets no data
     # (node/tp/groupkey.py). Never logged, never retained; kept out of reprs.
     group_key: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", repr=False)]
+    overlap: Overlap | None = None  # Plan.overlap
 
     @model_validator(mode="after")
     def _consistent(self) -> Assignment:
         if self.rank >= self.world_size:
             raise ValueError(f"rank: {self.rank} is not below world_size {self.world_size}")
+        if self.overlap is not None and self.shares is not None:
+            raise ValueError("overlap: a data-parallel assignment (shares) does not overlap; only a tensor-parallel one")
+        check_overlap_rows(self.overlap, self.spec.recipe.batch_size, "overlap")
         tp = mesh_of(self.world_size, self.shares)
         if self.layout.world_size != tp:
             groups = "" if self.shares is None else f" in data-parallel groups of {tp} (shares {self.shares})"

@@ -33,6 +33,7 @@ def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> Planne
                             bandwidth_Bps=ctx.net.bandwidth_Bps, latency_s=ctx.net.latency_s,
                             batch_size=recipe.batch_size, seq_len=recipe.seq_len, task=recipe.task,
                             settings=job_settings(job.spec), batch=recipe.batch_size,
+                            overlap=job.spec.overlap, chunks=job.spec.chunks,
                             checkpoints=True,  # a job's owner gathers consolidated checkpoints
                             export_merged=recipe.exports_whole_model)
     result = choice.winner.tp

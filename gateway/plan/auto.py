@@ -25,21 +25,24 @@ from xronos.gateway.plan.compatible import Loaded
 from xronos.gateway.plan.dpcost import require_fit
 from xronos.gateway.plan.model import MiB, InfeasiblePlan
 from xronos.gateway.plan.profiles import DEFAULT_RESERVE_MB, cost_inputs, plan_message, reserve_note
-from xronos.protocol.messages import Plan, PlanEntry
+from xronos.protocol.messages import Overlap, Plan, PlanEntry
 
 
 def choose_reports(loaded: Sequence[Loaded], strategy: str, *, reserve_mb: float = DEFAULT_RESERVE_MB,
-                   batch: int | None = None, **kw: Any) -> Choice:
+                   batch: int | None = None, overlap: str = "off", chunks: int | None = None,
+                   **kw: Any) -> Choice:
     """The candidates `strategy` asks for over the reports (ranks in given order) and the pick;
     `kw` as `profiles.cost_inputs` (the job's batch_size, seq_len, ... and the link). `batch`: the
-    global batch the shares split (default: the profiles' batch, which a job's must equal)."""
+    global batch the shares split (default: the profiles' batch, which a job's must equal).
+    `overlap`/`chunks`: a TP candidate's overlap of its all-reduces (`choose.with_overlap`)."""
     ins = cost_inputs(loaded, reserve_mb=reserve_mb, **kw)
     bw = kw.get("bandwidth_Bps")
     lat = kw.get("latency_s")
     link = {k: v for k, v in (("bandwidth_Bps", bw), ("latency_s", lat)) if v is not None}
     try:
         choice = choose(list(ins.nodes), ins.sizes, list(ins.caps), ins.volume, ins.comm_s, ins.profile_rows,
-                        batch or ins.profile_rows, strategy, node_cpu=ins.node_cpu, **link)
+                        batch or ins.profile_rows, strategy, node_cpu=ins.node_cpu, overlap=overlap,
+                        chunks=chunks, shape=ins.shape, **link)
     except InfeasiblePlan as exc:
         raise reserve_note(exc, loaded, ins.caps, reserve_mb) from None
     if strategy == "dp":
@@ -51,7 +54,12 @@ def choice_message(choice: Choice, job_id: str, version: int = 0) -> Plan:
     """The protocol's Plan message for the chosen candidate (module docstring)."""
     w = choice.winner
     if w.tp is not None:
-        return plan_message(w.tp, job_id, version)
+        msg = plan_message(w.tp, job_id, version)
+        if w.overlap is None or not w.overlap.mode.on:
+            return msg
+        mode = w.overlap.mode
+        return msg.model_copy(update={"overlap": Overlap(backward=mode.backward, chunks=mode.chunks),
+                                      "predicted_iteration_s": w.iteration_s})
     if w.dp is not None:
         p = w.dp
         sizes = choice.sizes

@@ -14,6 +14,10 @@ Candidates (`auto` predicts all of them):
 - `mesh`     DP×TP: the nodes cut into equal TP groups, one common layout, batch rows per group by
              group speed (`mesh.py` says which meshes are searched, exactly and beyond).
 
+A TP candidate may hide its all-reduces behind compute (issue #37; the job's `overlap`):
+`overlapcost.predict_modes` predicts each overlap mode for its layout and the fastest is kept
+(`with_overlap`); its label names the mode. The layout is the one planned without overlap.
+
 `auto` picks the feasible candidate with the least predicted iteration; a tie (within
 `TIE_REL`) goes to the earlier candidate in the order above, so to TP `segment` first: the
 strategy with the most field time. `paper` and `uniform` stay forced strategies (baselines): the
@@ -34,6 +38,8 @@ from xronos.gateway.plan.costmodel import NodeCost
 from xronos.gateway.plan.dpcost import DPPrediction, predict_dp
 from xronos.gateway.plan.mesh import MeshPrediction, plan_mesh
 from xronos.gateway.plan.model import MiB
+from xronos.gateway.plan.overlapcost import MODES, OFF, OverlapMode, OverlapPrediction, TPShape, best_mode, \
+    fixed_share, predict_modes
 from xronos.gateway.plan.planner import DEFAULT_BUDGET, InfeasiblePlan, PlanResult, plan
 from xronos.protocol.layout import Sizes
 
@@ -60,6 +66,7 @@ class Candidate:
     tp: PlanResult | None = None
     dp: DPPrediction | None = None
     mesh: MeshPrediction | None = None
+    overlap: OverlapPrediction | None = None  # a TP candidate's overlap mode (None: every all-reduce blocks)
 
     def summary(self) -> str:
         """One line: the label and its predicted time, or why it cannot run."""
@@ -104,6 +111,34 @@ def tp_candidate(result: PlanResult, label: str | None = None) -> Candidate:
                      None if result.feasible else "over the memory cap: " + "; ".join(over), tp=result)
 
 
+def with_overlap(c: Candidate, nodes: Sequence[NodeCost], shape: TPShape | None, overlap: str,
+                 chunks: int | None, *, bandwidth_Bps: float, latency_s: float,
+                 node_cpu: Sequence[NodeComm | None]) -> Candidate:
+    """A TP candidate with the overlap mode the job asks for: `off` as it is; `auto` the fastest
+    predicted mode (`off` among them); `on` the fastest overlapping one, or `chunks` forward chunks."""
+    if overlap not in ("auto", "off", "on"):
+        raise ValueError(f"overlap must be auto, off or on, got {overlap!r}")
+    if chunks is not None and shape is not None and chunks > shape.rows:
+        raise ValueError(f"chunks {chunks} leaves a chunk without a row: the batch has {shape.rows} rows "
+                         f"(at most {shape.rows} chunks)")
+    if c.tp is None or overlap == "off" or shape is None or len(c.tp.rows) < 2:
+        return c
+    modes: tuple[OverlapMode, ...] = MODES if overlap == "auto" else tuple(m for m in MODES if m != OFF)
+    if chunks is not None:
+        modes = (OverlapMode(True, chunks),)
+    preds = predict_modes(c.tp.segment_s, c.tp.predicted_iteration_s, shape, len(c.tp.rows),
+                          bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, node_cpu=node_cpu,
+                          rows_fixed=fixed_share([n.rows_fixed for n in nodes]), modes=modes)
+    if not preds:
+        return c
+    p = best_mode(preds)
+    if not p.mode.on:
+        return c
+    return replace(c, label=f"{c.label}, overlap {p.mode.label}", iteration_s=p.iteration_s,
+                   compute_s=c.compute_s + p.chunk_overhead_s,
+                   comm_s=max(0.0, p.iteration_s - c.compute_s - p.chunk_overhead_s), overlap=p)
+
+
 def dp_candidate(pred: DPPrediction) -> Candidate:
     node, need, cap = _worst([(n.node_id, n.memory, n.cap) for n in pred.nodes])
     why = None if pred.feasible else "a replica does not fit every node: " + pred.shortfall()
@@ -124,25 +159,32 @@ def _none(strategy: str, label: str, why: str) -> Candidate:
 def choose(nodes: Sequence[NodeCost], sizes: Sizes, caps: Sequence[float], volume: CommVolume, comm_s: float,
            profile_rows: int, batch: int, strategy: str = "auto", *,
            bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS, latency_s: float = DEFAULT_LATENCY_S,
-           node_cpu: Sequence[NodeComm | None] = (), budget: int = DEFAULT_BUDGET) -> Choice:
+           node_cpu: Sequence[NodeComm | None] = (), budget: int = DEFAULT_BUDGET,
+           overlap: str = "off", chunks: int | None = None, shape: TPShape | None = None) -> Choice:
     """Predict the candidates `strategy` asks for over `nodes` (rank order, the owner first) and pick.
 
     `volume`/`comm_s`: TP's activation all-reduces over every node at the profile's rows and their
     time (`commmodel`); `profile_rows`: the batch the profiles were taken at; `batch`: the job's
     global batch. A forced TP strategy raises InfeasiblePlan as `planner.plan` does; a forced `dp`
-    returns its (possibly infeasible) candidate: `dpcost.require_fit` refuses it by name."""
+    returns its (possibly infeasible) candidate: `dpcost.require_fit` refuses it by name.
+    `overlap`/`chunks`/`shape`: the job's overlap setting and what the overlap model needs
+    (`with_overlap`; without a shape no overlap is predicted)."""
+    def hide(c: Candidate) -> Candidate:
+        return with_overlap(c, nodes, shape, overlap, chunks, bandwidth_Bps=bandwidth_Bps, latency_s=latency_s,
+                            node_cpu=node_cpu)
+
     if strategy not in CHOICES:
         raise ValueError(f"strategy must be one of {CHOICES}, got {strategy!r}")
     owned = [replace(nodes[0], owner=True), *nodes[1:]] if nodes else []
     if strategy in ("segment", "paper", "uniform"):
-        c = tp_candidate(plan(nodes, sizes, strategy, caps, comm_s, budget=budget))  # type: ignore[arg-type]
+        c = hide(tp_candidate(plan(nodes, sizes, strategy, caps, comm_s, budget=budget)))  # type: ignore[arg-type]
         return Choice(strategy, sizes, c, (c,), f"{strategy} was asked for")
     if strategy == "dp":
         c = dp_candidate(_dp(owned, caps, profile_rows, batch, bandwidth_Bps, latency_s, node_cpu))
         return Choice(strategy, sizes, c, (c,), "dp was asked for")
     cands = []
     try:
-        cands.append(tp_candidate(plan(nodes, sizes, "segment", caps, comm_s, budget=budget)))
+        cands.append(hide(tp_candidate(plan(nodes, sizes, "segment", caps, comm_s, budget=budget))))
     except InfeasiblePlan as exc:
         cands.append(_none("segment", f"segment (TP over {len(nodes)})", str(exc)))
     if len(nodes) > 1:  # one node: DP and meshes are the segment plan again

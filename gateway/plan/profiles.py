@@ -26,6 +26,7 @@ from xronos.gateway.plan.commmodel import (
     DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, CommVolume, NodeComm, comm_time, node_comm, tp_comm_volume,
 )
 from xronos.gateway.plan.costmodel import Fit, LayerCost, NodeCost, NodeProfile, node_cost, rows_fixed_fraction
+from xronos.gateway.plan.overlapcost import TPShape
 from xronos.gateway.plan.planner import InfeasiblePlan, MiB, PlanResult, Strategy, plan
 from xronos.protocol.codec import MAX_PAYLOAD
 from xronos.protocol.layout import KINDS, NOUN, Sizes
@@ -296,6 +297,7 @@ class CostInputs:
     node_cpu: tuple[NodeComm | None, ...]
     sizes: Sizes
     profile_rows: int
+    shape: TPShape | None = None  # what the overlap model needs (None: the reports do not say LoRA or not)
 
 
 def cost_inputs(
@@ -332,7 +334,11 @@ def cost_inputs(
     # fine-tuning, the adapters (and a classifier's head) under LoRA.
     nodes = [replace(nd, checkpoints=checkpoints, exports=exports, export_all=export_merged) for nd in nodes]
     caps = tuple(memory_cap(item.report, reserve_mb) for item in loaded)
-    return CostInputs(tuple(nodes), caps, volume, comm, per_node, r0.sizes, r0.batch_size)
+    lora = settings.lora if settings is not None else (r0.settings.lora if r0.settings is not None else None)
+    known = settings is not None or r0.settings is not None
+    shape = TPShape(4.0 * r0.batch_size * r0.seq_len * r0.arch.hidden_size, r0.num_blocks, r0.task,
+                    r0.batch_size, lora is None) if known else None
+    return CostInputs(tuple(nodes), caps, volume, comm, per_node, r0.sizes, r0.batch_size, shape)
 
 
 def reserve_note(exc: InfeasiblePlan, loaded: Sequence[Loaded], caps: Sequence[float],

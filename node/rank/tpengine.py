@@ -187,6 +187,9 @@ class TPEngine(Engine):
         self._reshard_s = 0.0  # booked on the next iteration's record
 
     def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
+        overlap = getattr(rank.cfg, "overlap", None)
+        if overlap is not None:  # the plan's overlap of the all-reduces with compute (node/tp/overlap.py)
+            rank.group.overlap, rank.group.chunks = overlap.backward, overlap.chunks
         self.build_model(rank, weights, start, rank.group, rank.cfg.rank)
 
     def build_model(self, rank: Rank, weights: WeightSource, start: int, group: TPGroup, tp_rank: int) -> None:
@@ -217,7 +220,13 @@ class TPEngine(Engine):
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s + start, cfg.recipe.warmup_steps))
 
     def evaluate(self, rank: Rank) -> EvalResult | None:
-        result = evaluate(self.model, rank.cfg, rank.data, rank.facts.n_train, rank.facts.n_eval)
+        # Held-out batches may be shorter than the chunks (the last one), and evaluation has no
+        # backward to hide: its forward runs unchunked, every all-reduce blocking as ever.
+        chunks, rank.group.chunks = rank.group.chunks, 1
+        try:
+            result = evaluate(self.model, rank.cfg, rank.data, rank.facts.n_train, rank.facts.n_eval)
+        finally:
+            rank.group.chunks = chunks
         memwatch.phase("eval")
         return result
 
@@ -295,6 +304,8 @@ class TPEngine(Engine):
 
         return {
             "clock": rank.group.clock.describe(),  # what the seconds below are: virtual or wall
+            # overlap of the all-reduces with compute: rank 0's asynchronous ones (0: none ran)
+            "async_allreduces": rank.group.launched,
             "config": cfg.model_dump(exclude={"rank", "rendezvous_host", "rendezvous_port", "group_key"}),
             "eval_before": asdict(result.eval_before) if result.eval_before else None,
             "eval_after": asdict(result.eval_after) if result.eval_after else None,

@@ -31,7 +31,7 @@ def make_case(tmp: Path, rows: int = 40, family: str = "gpt2") -> tuple[Path, Pa
     return model, data
 
 
-_JOB_KEYS = {"name", "owner", "strategy", "checkpoint_interval", "nodes", "reserve_mb", "rebalance"}
+_JOB_KEYS = {"name", "owner", "strategy", "checkpoint_interval", "nodes", "reserve_mb", "rebalance", "overlap", "chunks"}
 
 
 def job_spec(model: Path, data: Path, export: Path, owner: str = "n0", lora: dict | None = None, **kw) -> dict:

@@ -1,0 +1,200 @@
+"""What hiding the wire saves a tensor-parallel plan (issue #37): the predicted iteration of a
+layout with its all-reduces overlapped with compute, per overlap mode. Pure Python, no I/O.
+
+The modes are the node runtime's (`node/tp/overlap.py`):
+
+- `off`     every all-reduce blocks its rank (the plan's prediction as `planner` makes it);
+- `bwd`     backward: each column-parallel region's input-gradient all-reduce travels while the
+            region's weight-gradient GEMMs run (Megatron's async input-gradient all-reduce);
+- `cN`      that, and forward chunking: the batch rows in N chunks, chunk k's row-parallel
+            all-reduce travelling while chunk k+1 computes (Domino).
+
+**Model.** The plan's per-segment bottleneck compute (`PlanResult.segment_s`: the slowest node in
+each segment, which every rank waits for at the segment's barrier) is cut per block into the
+forward pass, the input-gradient work, and the column layers' weight gradients, which are the only
+work that can hide a backward all-reduce:
+
+    full fine-tuning   forward 1/3, weight gradients 1/3 of which the column layers' half (1/6),
+                       the rest of backward 1/2
+    LoRA               forward 1/2, backward 1/2; the frozen base has no weight gradient: nothing
+                       hides a backward all-reduce (the adapters' gradients are tiny)
+
+(a GEMM's backward is two GEMMs of its forward's size; half of a block's weights are column-
+parallel: QKV vs the output projection, the MLP's up vs its down). The link and the CPU are two
+resources each used in order, and each all-reduce takes the longer of the link's time and the
+slowest node's CPU for it (`commmodel.comm_time`). The forward pass is simulated as the runtime
+schedules it: stage by stage (each block's attention, then its MLP), chunk by chunk; a chunk's
+stage starts once its previous stage's all-reduce has landed, and an all-reduce starts once its
+chunk's compute is done and the link is free. Backward runs each region's chunks in turn: chunk
+by chunk the input gradient, the all-reduce, and beside it (`bwd`) or before it (`off`) the
+weight gradients; autograd does not interleave the chunks. The vocabulary segment and the
+replicated one run as today, except that with `bwd` a trained causal-LM head's weight gradient
+hides its input gradient's all-reduce.
+
+**What chunks cost.** A chunk of r of the batch's B rows costs `T (a + (1 - a) r / B)`: the same
+fixed share `a` as data parallelism's rows (`costmodel.rows_factor`, the profile's rows probe),
+so N chunks cost `T (1 + (N - 1) a)` instead of T. Without a probe, `a` is `DEFAULT_CHUNK_FIXED`
+(what `bench/overlap.py` measured: chunking into two added 8-21 % to the blocks' compute).
+An asynchronous call's own CPU (Gloo's threads) is paid on the CPU beside the compute.
+
+**Prediction.** A mode's iteration is the plan's (`PlanResult.predicted_iteration_s`, unchanged)
+less what the simulation says the mode saves over `off`; `off` is the plan as it is. The ideal
+bound stays the planner's (no overlap), so a plan below it shows the gain past it.
+
+Not modelled: the optimizer step (timed inside each layer's cost, so split like the rest), the
+attention scores' share of a block (no weights, counted as weight GEMMs), the per-node spread
+inside a segment (the slowest node's time is used throughout), and the extra memory of chunking
+(none: a chunk's activations are the batch's, cut in rows).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from xronos.gateway.plan.commmodel import CommVolume, NodeComm, comm_time
+
+__all__ = ["DEFAULT_CHUNK_FIXED", "MODES", "OverlapMode", "OverlapPrediction", "TPShape", "mode_of",
+           "predict_modes", "best_mode", "fixed_share"]
+
+DEFAULT_CHUNK_FIXED = 0.15
+MAX_CHUNKS = 8  # the runtime accepts more (up to the batch's rows); the planner never gains past this
+
+
+@dataclass(frozen=True)
+class OverlapMode:
+    backward: bool  # the input-gradient all-reduces beside the weight gradients
+    chunks: int  # forward chunks (1: none)
+
+    @property
+    def label(self) -> str:
+        if self.chunks > 1:
+            return f"c{self.chunks}"
+        return "bwd" if self.backward else "off"
+
+    @property
+    def on(self) -> bool:
+        return self.backward or self.chunks > 1
+
+
+OFF = OverlapMode(False, 1)
+MODES: tuple[OverlapMode, ...] = (OFF, OverlapMode(True, 1), OverlapMode(True, 2), OverlapMode(True, 4))
+
+
+def mode_of(label: str) -> OverlapMode:
+    """`off`, `bwd` or `cN` (N >= 2) as a mode; ValueError naming the label otherwise."""
+    if label == "off":
+        return OFF
+    if label == "bwd":
+        return OverlapMode(True, 1)
+    if label.startswith("c") and label[1:].isdigit() and int(label[1:]) >= 2:
+        return OverlapMode(True, int(label[1:]))
+    raise ValueError(f"overlap mode {label!r}: off, bwd or cN (N >= 2 forward chunks)")
+
+
+@dataclass(frozen=True)
+class TPShape:
+    """What the overlap model needs of a job besides the plan: one activation all-reduce's bytes
+    (batch x seq x hidden x 4), the blocks, the task, the batch's rows (no chunk without one) and
+    whether the base weights train (False: LoRA)."""
+
+    act_bytes: float
+    blocks: int
+    task: str
+    rows: int
+    trains_weights: bool
+
+
+@dataclass(frozen=True)
+class OverlapPrediction:
+    mode: OverlapMode
+    iteration_s: float  # predicted, with the mode
+    saved_s: float  # what the mode saves over `off` (negative: it costs)
+    chunk_overhead_s: float  # the compute chunking adds
+
+
+def _link(nbytes: float, n: int, bandwidth_Bps: float, latency_s: float, cpu: Sequence[NodeComm]) -> float:
+    return comm_time(CommVolume(1, nbytes), n, bandwidth_Bps, latency_s, cpu)
+
+
+def _call_cpu(nbytes: float, n: int, cpu: Sequence[NodeComm]) -> float:
+    return max((c.allreduce_s(nbytes, n) for c in cpu), default=0.0)
+
+
+def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: int, bandwidth_Bps: float,
+              latency_s: float, cpu: Sequence[NodeComm], fixed: float) -> tuple[float, float]:
+    """(iteration seconds, chunking's added compute) of the mode, in the module's model."""
+    B, c = shape.blocks, mode.chunks
+    grow = 1 + (c - 1) * fixed  # N chunks' compute over one pass's
+    f, w_col = (1 / 3, 1 / 6) if shape.trains_weights else (1 / 2, 0.0)
+    g = 1 - f - w_col
+    # one chunk's compute per block: attention's stage, then the MLP's
+    stages = [seg.get(kind, 0.0) / max(B, 1) * grow / c for kind in ("attn", "mlp")]
+    l_chunk = _link(shape.act_bytes / c, n, bandwidth_Bps, latency_s, cpu)
+    own = _call_cpu(shape.act_bytes / c, n, cpu) if mode.on else 0.0  # an async call's CPU beside compute
+    # forward: stage-major, chunk-minor (`overlap.run_chunked`); c = 1 blocks at every all-reduce
+    t_cpu, t_link, ready = 0.0, 0.0, [0.0] * c
+    for _ in range(B):
+        for t_stage in stages:
+            for k in range(c):
+                start = max(t_cpu, ready[k])
+                t_cpu = start + f * t_stage + (own if c > 1 else 0.0)
+                t_link = ready[k] = max(t_cpu, t_link) + l_chunk
+                if c == 1:
+                    t_cpu = t_link
+    forward = max(t_cpu, *ready)
+    # backward: region by region, chunk by chunk; the input gradient, then the weight gradients
+    # beside (bwd) or before (off) the all-reduce
+    per_region = 0.0
+    for t_stage in stages:
+        for _ in range(c):
+            if mode.backward:
+                per_region += g * t_stage + max(w_col * t_stage + own, l_chunk)
+            else:
+                per_region += g * t_stage + w_col * t_stage + l_chunk
+    backward = B * per_region
+    # the vocabulary segment: the embedding's all-reduce, and a causal LM head's input-gradient one,
+    # which a trained head's weight gradient hides under bwd (cross-entropy's three small
+    # all-reduces block in every mode alike: they do not change what a mode saves)
+    l_act = _link(shape.act_bytes, n, bandwidth_Bps, latency_s, cpu)
+    vocab = seg.get("vocab", 0.0) + l_act
+    if shape.task == "causal-lm":
+        head_w = seg.get("vocab", 0.0) / 3 if shape.trains_weights else 0.0
+        vocab += max(l_act - head_w, 0.0) if mode.backward else l_act
+    return forward + backward + vocab + seg.get("out", 0.0), (grow - 1) * (seg.get("attn", 0.0) + seg.get("mlp", 0.0))
+
+
+def predict_modes(seg: Mapping[str, float], predicted_s: float, shape: TPShape, n_nodes: int, *,
+                  bandwidth_Bps: float, latency_s: float, node_cpu: Sequence[NodeComm | None] = (),
+                  rows_fixed: float | None = None, modes: Sequence[OverlapMode] = MODES
+                  ) -> tuple[OverlapPrediction, ...]:
+    """Each mode's prediction for a plan with per-segment bottleneck compute `seg` and predicted
+    iteration `predicted_s` (without overlap) on `n_nodes` nodes. Modes with more chunks than the
+    batch has rows are left out; so is everything but `off` for one node (nothing to hide)."""
+    cpu = [c for c in node_cpu if c is not None]
+    fixed = DEFAULT_CHUNK_FIXED if rows_fixed is None or rows_fixed <= 0 else rows_fixed
+    link = (n_nodes, bandwidth_Bps, latency_s, cpu, fixed)
+    base, _ = _simulate(seg, shape, OFF, *link)
+    out = []
+    for m in modes:
+        if m.chunks > shape.rows or (n_nodes < 2 and m.on):
+            continue
+        t, extra = _simulate(seg, shape, m, *link)
+        out.append(OverlapPrediction(m, predicted_s - (base - t), base - t, extra))
+    return tuple(out)
+
+
+def best_mode(preds: Sequence[OverlapPrediction]) -> OverlapPrediction:
+    """The fastest prediction; `off` (the first) on a tie within a millisecond's thousandth."""
+    best = preds[0]
+    for p in preds[1:]:
+        if p.iteration_s < best.iteration_s * (1 - 1e-6):
+            best = p
+    return best
+
+
+def fixed_share(values: Sequence[float]) -> float | None:
+    """The chunk model's fixed share from the nodes' `rows_fixed` (the largest measured; None: none)."""
+    measured = [v for v in values if v > 0 and math.isfinite(v)]
+    return max(measured) if measured else None

@@ -1,0 +1,131 @@
+"""The overlap model (`gateway.plan.overlapcost`) by hand-computed cases, and the planner carrying a
+TP candidate's overlap mode into the Plan (`choose.with_overlap`, `auto.choice_message`). Pure."""
+
+from __future__ import annotations
+
+import pytest
+
+from xronos.bench.plan_speed import synthetic_report
+from xronos.gateway.plan.auto import choice_message
+from xronos.gateway.plan.choose import choose
+from xronos.gateway.plan.compatible import Loaded
+from xronos.gateway.plan.overlapcost import MODES, OFF, OverlapMode, TPShape, best_mode, mode_of, predict_modes
+from xronos.gateway.plan.profiles import cost_inputs
+from xronos.protocol.messages import Overlap, Plan
+
+ACT = 1000.0  # bytes of one activation all-reduce
+BW = ACT / 0.04  # so that one all-reduce between two nodes takes 0.04 s (no latency)
+SEG = {"attn": 0.3, "mlp": 0.3, "vocab": 0.0, "out": 0.0}  # one block: 0.3 s per stage
+FULL = TPShape(ACT, blocks=1, task="classify", rows=4, trains_weights=True)
+
+
+def _modes(shape=FULL, seg=SEG, n=2, fixed=1e-12, modes=MODES):
+    preds = predict_modes(seg, 1.0, shape, n, bandwidth_Bps=BW, latency_s=0.0, rows_fixed=fixed, modes=modes)
+    return {p.mode.label: p for p in preds}
+
+
+def test_off_is_the_plan_as_it_is():
+    p = _modes()["off"]
+    assert p.saved_s == 0 and p.iteration_s == 1.0 and p.chunk_overhead_s == 0
+
+
+def test_backward_overlap_hides_each_regions_all_reduce_behind_its_column_weight_gradients():
+    # Full fine-tuning: per stage of 0.3 s, forward 0.1, the column weight gradients 0.05, the rest
+    # of backward 0.15. Off, a region's backward is 0.15 + 0.05 + 0.04; with bwd 0.15 + max(0.05,
+    # 0.04): 0.04 saved per region, two regions.
+    assert _modes()["bwd"].saved_s == pytest.approx(0.08)
+    assert _modes()["bwd"].iteration_s == pytest.approx(0.92)
+
+
+def test_forward_chunks_pipeline_each_chunks_all_reduce_behind_the_next_chunks_compute():
+    # c2, no chunk overhead: chunk-stages of 0.05 s compute and 0.02 s link. Forward: compute
+    # 0-0.05 (link to 0.07), 0.05-0.10 (link to 0.12), then the MLP stage 0.10-0.15 (link to 0.17)
+    # and 0.15-0.20 (link to 0.22): 0.22 against 2 x (0.1 + 0.04) = 0.28. Backward, per region and
+    # chunk: 0.075 + max(0.025, 0.02) = 0.1, so 0.4 against 0.48. Saved: 0.06 + 0.08.
+    p = _modes()["c2"]
+    assert p.saved_s == pytest.approx(0.14) and p.chunk_overhead_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_chunks_cost_compute_by_the_fixed_share_and_can_lose():
+    # Half of each chunk's time paid whatever its rows: two chunks cost 1.5 x the blocks' compute.
+    p = _modes(fixed=0.5)
+    assert p["c2"].chunk_overhead_s == pytest.approx(0.3)
+    assert p["c2"].saved_s < 0 < p["bwd"].saved_s
+    assert best_mode(list(p.values())).mode.label == "bwd"
+
+
+def test_lora_has_no_weight_gradient_to_hide_behind():
+    lora = TPShape(ACT, blocks=1, task="causal-lm", rows=4, trains_weights=False)
+    p = _modes(shape=lora)
+    assert p["bwd"].saved_s == pytest.approx(0.0)
+    assert p["c2"].saved_s > 0  # forward chunking still pipelines the forward all-reduces
+    costly = _modes(shape=lora, fixed=0.5)  # ... unless chunks cost more compute than they hide
+    assert best_mode(list(costly.values())).mode == OFF  # bwd ties with off: the tie goes to off
+
+
+def test_one_node_and_chunks_past_the_rows_are_not_offered():
+    assert list(_modes(n=1)) == ["off"]
+    two_rows = TPShape(ACT, blocks=1, task="classify", rows=2, trains_weights=True)
+    assert list(_modes(shape=two_rows)) == ["off", "bwd", "c2"]
+
+
+def test_a_free_link_gains_nothing_and_chunking_only_costs():
+    p = predict_modes(SEG, 1.0, FULL, 2, bandwidth_Bps=1e30, latency_s=0.0, rows_fixed=0.2)
+    by = {x.mode.label: x for x in p}
+    assert by["bwd"].saved_s == pytest.approx(0.0) and by["c2"].saved_s < 0 and by["c4"].saved_s < by["c2"].saved_s
+
+
+@pytest.mark.parametrize("label", ["x", "c1", "c", "c-2", "2", "on"])
+def test_a_bad_mode_label_is_refused_naming_it(label):
+    with pytest.raises(ValueError, match=f"overlap mode '{label}': off, bwd or cN"):
+        mode_of(label)
+    assert mode_of("c3") == OverlapMode(True, 3) and mode_of("bwd") == OverlapMode(True, 1) and mode_of("off") == OFF
+
+
+# -- the planner ----------------------------------------------------------------------------------
+
+SLOW = 100e6 / 8
+
+
+def _inputs(n: int = 3):
+    items = [Loaded(f"n{i}.json", synthetic_report(f"n{i}", slowness=1 + 0.5 * i, units=16, num_blocks=4))
+             for i in range(n)]
+    ins = cost_inputs(items, reserve_mb=0, bandwidth_Bps=SLOW)
+    r = items[0].report
+    shape = TPShape(4.0 * r.batch_size * r.seq_len * r.arch.hidden_size, r.num_blocks, r.task, r.batch_size, True)
+    return ins, shape
+
+
+def _choose(ins, shape, strategy="segment", **kw):
+    return choose(list(ins.nodes), ins.sizes, list(ins.caps), ins.volume, ins.comm_s, ins.profile_rows,
+                  ins.profile_rows, strategy, bandwidth_Bps=SLOW, shape=shape, **kw)
+
+
+def test_the_planner_keeps_the_fastest_mode_and_the_plan_carries_it():
+    ins, shape = _inputs()
+    off = _choose(ins, shape).winner
+    on = _choose(ins, shape, overlap="on").winner
+    assert off.overlap is None and on.overlap is not None and on.overlap.mode.on
+    assert on.iteration_s == pytest.approx(off.iteration_s - on.overlap.saved_s) and on.iteration_s < off.iteration_s
+    assert on.label.startswith("segment (TP over 3), overlap ") and on.tp.layout == off.tp.layout
+    msg = choice_message(_choose(ins, shape, overlap="on"), "j")
+    assert msg.overlap == Overlap(backward=True, chunks=on.overlap.mode.chunks)
+    assert msg.predicted_iteration_s == pytest.approx(on.iteration_s)
+    assert msg.ideal_iteration_s == off.tp.ideal_iteration_s  # the bound stays the one without overlap
+    assert Plan.model_validate_json(msg.model_dump_json()) == msg
+    forced = _choose(ins, shape, overlap="on", chunks=2).winner
+    assert forced.overlap.mode == OverlapMode(True, 2)
+    assert choice_message(_choose(ins, shape), "j").overlap is None
+
+
+def test_auto_overlap_picks_off_when_nothing_gains_and_refuses_chunks_past_the_batch():
+    ins, shape = _inputs()
+    frozen = TPShape(shape.act_bytes, shape.blocks, shape.task, shape.rows, trains_weights=False)
+    # LoRA on a fast link: chunking only adds compute, bwd hides nothing: auto keeps every all-reduce blocking
+    fast = choose(list(ins.nodes), ins.sizes, list(ins.caps), ins.volume, 0.0, ins.profile_rows, ins.profile_rows,
+                  "segment", bandwidth_Bps=1e30, latency_s=0.0, shape=frozen, overlap="auto").winner
+    assert fast.overlap is None
+    with pytest.raises(ValueError, match=r"chunks 9 leaves a chunk without a row: the batch has 8 rows"):
+        _choose(ins, shape, overlap="on", chunks=9)
+    with pytest.raises(ValueError, match="overlap must be auto, off or on, got 'yes'"):
+        _choose(ins, shape, overlap="yes")

@@ -1,0 +1,62 @@
+"""A plan's overlap of its all-reduces on the wire (`Overlap` on Plan and Assignment; a job's
+`overlap`/`chunks`): bad values refused naming the field, the batch and the count (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from xronos.protocol import messages as m
+from xronos.protocol.layout import Layout, Sizes
+
+from protocol_samples import SPEC  # noqa: E402
+
+LAYOUT = Layout(attn=(4, 8), mlp=(1024, 2048), vocab=(20000, 30257))
+
+
+def _assignment(**kw) -> m.Assignment:
+    base = dict(job_id="j", plan_version=1, node_id="b", rank=1, world_size=2, rendezvous_host="h",
+                rendezvous_port=29500, group_key="0f" * 32, layout=LAYOUT, spec=SPEC)
+    return m.Assignment(**{**base, **kw})
+
+
+def test_an_assignment_carries_the_overlap_and_refuses_a_chunk_without_a_row() -> None:
+    batch = SPEC.recipe.batch_size
+    a = _assignment(overlap=m.Overlap(backward=True, chunks=batch))
+    assert m.Assignment.model_validate_json(a.model_dump_json()) == a
+    assert _assignment().overlap is None  # an older gateway's assignment: every all-reduce blocks
+    with pytest.raises(ValidationError, match=rf"overlap: chunks {batch + 1} leaves a chunk without a row: the "
+                                              rf"batch has {batch} rows"):
+        _assignment(overlap=m.Overlap(backward=True, chunks=batch + 1))
+    with pytest.raises(ValidationError, match="a data-parallel assignment"):
+        _assignment(overlap=m.Overlap(backward=True), layout=Layout(attn=(12,), mlp=(3072,), vocab=(50257,)),
+                    shares=[batch, 0])
+
+
+@pytest.mark.parametrize("chunks", [0, -1, m.MAX_CHUNKS + 1, 2.5, "2", True])
+def test_a_chunk_count_that_is_not_a_positive_integer_in_bounds_is_refused(chunks) -> None:
+    with pytest.raises(ValidationError, match="chunks"):
+        m.Overlap(backward=True, chunks=chunks)
+
+
+def test_a_job_asks_for_overlap_and_chunks_only_with_on_and_within_its_batch() -> None:
+    batch = SPEC.recipe.batch_size
+    data = SPEC.model_dump()
+    assert SPEC.overlap == "off" and SPEC.chunks is None
+    assert m.JobSpec.model_validate({**data, "overlap": "on", "chunks": batch}).chunks == batch
+    with pytest.raises(ValidationError, match="chunks: 2 forward chunks need overlap 'on', not 'auto'"):
+        m.JobSpec.model_validate({**data, "overlap": "auto", "chunks": 2})
+    with pytest.raises(ValidationError, match=rf"chunks: chunks {batch + 1} leaves a chunk without a row: the batch "
+                                              rf"has {batch} rows"):
+        m.JobSpec.model_validate({**data, "overlap": "on", "chunks": batch + 1})
+    with pytest.raises(ValidationError, match="overlap"):
+        m.JobSpec.model_validate({**data, "overlap": "yes"})
+
+
+def test_a_data_parallel_plan_does_not_overlap() -> None:
+    entry = m.PlanEntry(node_id="a", rank=0, attn=4, mlp=256, vocab=1000, predicted_compute_s=0.1,
+                        predicted_memory=1e9, memory_cap=2e9)
+    with pytest.raises(ValidationError, match="overlap: a data-parallel plan"):
+        m.Plan(job_id="j", version=1, strategy="dp", sizes=Sizes(attn=4, mlp=256, vocab=1000), entries=[entry],
+               shares=[8], predicted_iteration_s=0.2, ideal_iteration_s=0.2, comm_s=0.01,
+               overlap=m.Overlap(backward=True))
