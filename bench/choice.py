@@ -29,6 +29,12 @@ the wall seconds the run took on this host. The cells:
   memory caps (parameters kept): a whole replica does not fit a Pi 5, TP does;
 - `eight`: the LoRA job on an eight-box fleet (two MiniPCs, two LattePandas, four Pi 5s), where
   groups are worth forming.
+- `overlap-a` (issue #37): full fine-tuning of a GPT-2-medium shape (6 of 24 blocks, 8 x 64) on
+  Set-A, where TP's activation all-reduces are a large share of the iteration; run it with
+  `--strategies segment,segment+bwd,segment+c2,segment+c4,segment+auto`: the TP plan with its
+  all-reduces overlapped with compute (`segment+bwd`, `+cN` forced; `+on`/`+auto` the planner's
+  pick, `gateway/plan/overlapcost.py`), each predicted and measured like the rest. The ideal bound
+  stays the one without overlap.
 """
 
 from __future__ import annotations
@@ -44,6 +50,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STRATEGIES = ("auto", "segment", "dp", "uniform", "paper")
+# TP `segment` with its all-reduces overlapped with compute (issue #37): `segment+MODE`, MODE one of
+# bwd (forced), cN (forced N forward chunks), on (the planner's fastest overlapping mode) or auto
+# (its fastest mode, none among them). `--strategies` picks any of these and STRATEGIES.
+OVERLAPPED = ("segment+bwd", "segment+c2", "segment+c4", "segment+on", "segment+auto")
+
+
+def overlap_args(strat: str) -> tuple[str, dict]:
+    """A bench strategy as the planner's strategy and its overlap keywords (`choose_reports`)."""
+    base, _, mode = strat.partition("+")
+    if not mode:
+        return base, {}
+    if mode in ("on", "auto"):
+        return base, {"overlap": mode}
+    if mode == "bwd":
+        return base, {"overlap": "on", "chunks": 1}
+    if mode.startswith("c") and mode[1:].isdigit():
+        return base, {"overlap": "on", "chunks": int(mode[1:])}
+    raise ValueError(f"strategy {strat!r}: overlap mode bwd, cN, on or auto")
 HOST_FRACTION = 0.8  # of this host's memory the cells' caps may take together
 
 
@@ -65,6 +89,9 @@ CELLS = {
                          note="full fine-tuning, a replica does not fit a Pi 5"),
     "lora-c": ChoiceCell("lora-c", "set-c", "smollm2-360m", 8, True, batch_size=16, note="LoRA r=8, base fits every box"),
     "eight": ChoiceCell("eight", "eight", "smollm2-360m", 8, True, batch_size=16, note="LoRA r=8 on eight boxes"),
+    # issue #37: TP whose activation all-reduces are a large share of the iteration
+    "overlap-a": ChoiceCell("overlap-a", "set-a", "gpt2-medium", 6, False, seq_len=64,
+                            note="full fine-tuning, TP's activation all-reduces a large share"),
 }
 
 
@@ -77,7 +104,8 @@ def _scenario(name: str):
     return get_scenario(name)
 
 
-def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = None, repeats: int = 1) -> dict:
+def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = None, repeats: int = 1,
+             strategies: tuple[str, ...] = STRATEGIES) -> dict:
     from xronos.bench import strategies as st
     from xronos.bench.harness import _param_count, environment
     from xronos.bench.scenarios import GIB, PI5_SHARE, RUNTIME_RESERVE
@@ -118,7 +146,7 @@ def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = No
         doc["profiles"] = profiles  # what every plan below came from (the reports, as the nodes' would be)
         key = "tp-lora" if cell.lora else "tp"
         first: dict[str, str] = {}  # plan key -> the first strategy that planned it
-        for strat in STRATEGIES:
+        for strat in strategies:
             doc["strategies"][strat] = entry = _plan(ctx, profiles, key, strat)
             if "plan_key" in entry:
                 first.setdefault(entry["plan_key"], strat)
@@ -165,9 +193,10 @@ def _plan(ctx, profiles: dict, key: str, strat: str) -> dict:
     from xronos.gateway.plan.auto import choice_message, choose_reports
 
     loaded, reserve_mb = st.loaded_profiles(ctx, profiles, key, wire_ids=True)
+    base, overlap = overlap_args(strat)
     try:
-        choice = choose_reports(loaded, strat, reserve_mb=reserve_mb, exports=False, batch=ctx.batch_size,
-                                bandwidth_Bps=st.planning_bw_bps(ctx), latency_s=st.NOMINAL_LATENCY_S)
+        choice = choose_reports(loaded, base, reserve_mb=reserve_mb, exports=False, batch=ctx.batch_size,
+                                bandwidth_Bps=st.planning_bw_bps(ctx), latency_s=st.NOMINAL_LATENCY_S, **overlap)
     except ValueError as exc:  # InfeasiblePlan, DPInfeasible: the planner's own reasons
         return {"infeasible": str(exc)[-2000:]}
     w = choice.winner
@@ -181,8 +210,9 @@ def _plan(ctx, profiles: dict, key: str, strat: str) -> dict:
         return out
     plan = choice_message(choice, "bench")
     order = [int(e.node_id[1:]) for e in plan.entries]  # "r<d>": the rank's device
-    out.update(layout=plan.layout().model_dump(mode="json"), shares=plan.shares, devices=order,
-               plan_key=f"{plan.layout().to_text()} {plan.shares} {order}")
+    mode = plan.overlap.model_dump(mode="json") if plan.overlap else None
+    out.update(layout=plan.layout().model_dump(mode="json"), shares=plan.shares, devices=order, overlap=mode,
+               plan_key=f"{plan.layout().to_text()} {plan.shares} {order} {mode}")
     return out
 
 
@@ -191,13 +221,15 @@ def _run(ctx, entry: dict, lora: bool, warmup: int) -> dict:
     from xronos.node.rank.local import launch_local
     from xronos.node.runconfig import RunConfig
     from xronos.protocol.layout import Layout
+    from xronos.protocol.messages import Overlap
     from xronos.protocol.recipe import LoraSpec
 
     metrics = ctx.work / f"metrics-{len(list(ctx.work.glob('metrics-*')))}.json"
     spec = LoraSpec(r=ctx.lora_r, alpha=ctx.lora_alpha, targets=list(ctx.lora_targets)) if lora else None
     shares = tuple(entry["shares"]) if entry["shares"] else None
     cfg = RunConfig(recipe=st.cell_recipe(ctx, lora=spec), layout=Layout.model_validate(entry["layout"]),
-                    shares=shares, threads=1, metrics_path=str(metrics), progress=False, gloo_timeout_s=600)
+                    shares=shares, threads=1, metrics_path=str(metrics), progress=False, gloo_timeout_s=600,
+                    overlap=Overlap(**entry["overlap"]) if entry.get("overlap") else None)
     order = entry["devices"]
     with st.confine(ctx, st.limits(ctx, order)) as conf:
         launch_local(cfg, cfg.world_size, wrap=conf.wrap, echo_rank0=False)
@@ -257,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+                    help=f"comma-separated, of {', '.join(STRATEGIES + OVERLAPPED)} (default: {','.join(STRATEGIES)})")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every distinct plan, interleaved round by round; the median is reported")
     args = ap.parse_args(argv)
@@ -268,10 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--warmup {args.warmup} must be >= 0 and below --iters {args.iters}")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    strategies = tuple(x for x in args.strategies.split(",") if x)
+    bad = [x for x in strategies if x not in STRATEGIES + OVERLAPPED]
+    if bad or not strategies:
+        ap.error(f"--strategies: unknown {bad}; known: {', '.join(STRATEGIES + OVERLAPPED)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for n in names:
-        doc = run_cell(CELLS[n], args.iters, args.warmup, repeats=args.repeats)
+        doc = run_cell(CELLS[n], args.iters, args.warmup, repeats=args.repeats, strategies=strategies)
         (out / f"choice-{n}.json").write_text(json.dumps(doc, indent=1, default=str))
         text = table(doc)
         (out / f"choice-{n}.md").write_text(text + "\n")

@@ -76,6 +76,9 @@ class JobSpec(Message):
     def _has_export(self) -> JobSpec:
         if self.recipe.export_dir is None:
             raise ValueError("recipe.export_dir: a job must name where its export goes")
+        if self.overlap == "on" and self.strategy == "dp":
+            raise ValueError("overlap: 'on' overlaps a tensor-parallel plan's all-reduces; strategy 'dp' has none "
+                             "(its gradient all-reduce already runs beside backward)")
         if self.chunks is not None:
             if self.overlap != "on":
                 raise ValueError(f"chunks: {self.chunks} forward chunks need overlap 'on', not {self.overlap!r}")

@@ -51,6 +51,9 @@ def test_a_job_asks_for_overlap_and_chunks_only_with_on_and_within_its_batch() -
         m.JobSpec.model_validate({**data, "overlap": "on", "chunks": batch + 1})
     with pytest.raises(ValidationError, match="overlap"):
         m.JobSpec.model_validate({**data, "overlap": "yes"})
+    with pytest.raises(ValidationError, match="overlap: 'on' overlaps a tensor-parallel plan's all-reduces; "
+                                              "strategy 'dp' has none"):
+        m.JobSpec.model_validate({**data, "overlap": "on", "strategy": "dp"})
 
 
 def test_a_data_parallel_plan_does_not_overlap() -> None:
