@@ -32,3 +32,14 @@ def test_the_table_shows_the_spread_and_the_same_plan_once_measured():
     assert "| segment | segment (TP over 3) | 6.000 | 6.000 | 5.700 | 10.5% | +0.0% | +5.3% | 1.00 | 5.900 | 90 |" in text
     assert "| auto | segment (TP over 3) (= segment) | 6.000 | 6.000 | 5.700 | 10.5% |" in text
     assert "| dp | - | - | - | - | - | - | - | - | - | data parallelism does not fit" in text
+
+
+def test_an_overlapped_strategy_is_the_planners_strategy_with_its_overlap_keywords():
+    from xronos.bench.choice import overlap_args
+
+    assert overlap_args("segment") == ("segment", {})
+    assert overlap_args("segment+bwd") == ("segment", {"overlap": "on", "chunks": 1})
+    assert overlap_args("segment+c4") == ("segment", {"overlap": "on", "chunks": 4})
+    assert overlap_args("segment+auto") == ("segment", {"overlap": "auto"})
+    with pytest.raises(ValueError, match="strategy 'segment\\+x': overlap mode bwd, cN, on or auto"):
+        overlap_args("segment+x")
