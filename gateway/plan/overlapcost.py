@@ -31,10 +31,16 @@ weight gradients; autograd does not interleave the chunks. The vocabulary segmen
 replicated one run as today, except that with `bwd` a trained causal-LM head's weight gradient
 hides its input gradient's all-reduce.
 
-**What chunks cost.** A chunk of r of the batch's B rows costs `T (a + (1 - a) r / B)`: the same
-fixed share `a` as data parallelism's rows (`costmodel.rows_factor`, the profile's rows probe),
-so N chunks cost `T (1 + (N - 1) a)` instead of T. Without a probe, `a` is `DEFAULT_CHUNK_FIXED`
-(what `bench/overlap.py` measured: chunking into two added 8-21 % to the blocks' compute).
+**What chunks cost.** A chunk of r of the batch's B rows costs `T (a + (1 - a) r / B)`, so N
+chunks cost `T (1 + (N - 1) a)` of the blocks' compute T instead of T: every chunk pays each
+operation's dispatch again. Under LoRA `a` is the profile's own fixed share (`rows_fixed`, the
+rows probe that data parallelism's rows use: dispatch and small GEMMs' lower speed, the tiny
+adapters' step). A full fine-tune's rows probe is mostly its AdamW step, paid once per iteration
+and not per chunk (0.32-0.36 on `bench/choice`'s `overlap-a` profiles, where a chunk measured
+0.06-0.07): there, and without a probe, `a` is `FULL_CHUNK_FIXED`, what that cell measured per
+extra chunk (chunking 8 x 64 tokens of GPT-2-medium's blocks into two added 6.9 % to the slowest
+box's compute, into four 3 x 5.8 %). Smaller GEMMs pay more (`bench/overlap.py`'s MiniLM at 8 x 16
+tokens: 21 %), which this under-predicts.
 An asynchronous call's own CPU (Gloo's threads) is paid on the CPU beside the compute.
 
 **Prediction.** A mode's iteration is the plan's (`PlanResult.predicted_iteration_s`, unchanged)
@@ -55,10 +61,10 @@ from dataclasses import dataclass
 
 from xronos.gateway.plan.commmodel import CommVolume, NodeComm, comm_time
 
-__all__ = ["DEFAULT_CHUNK_FIXED", "MODES", "OverlapMode", "OverlapPrediction", "TPShape", "mode_of",
+__all__ = ["FULL_CHUNK_FIXED", "MODES", "OverlapMode", "OverlapPrediction", "TPShape", "mode_of",
            "predict_modes", "best_mode", "fixed_share"]
 
-DEFAULT_CHUNK_FIXED = 0.15
+FULL_CHUNK_FIXED = 0.07
 MAX_CHUNKS = 8  # the runtime accepts more (up to the batch's rows); the planner never gains past this
 
 
@@ -167,13 +173,16 @@ def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: in
 
 def predict_modes(seg: Mapping[str, float], predicted_s: float, shape: TPShape, n_nodes: int, *,
                   bandwidth_Bps: float, latency_s: float, node_cpu: Sequence[NodeComm | None] = (),
-                  rows_fixed: float | None = None, modes: Sequence[OverlapMode] = MODES
-                  ) -> tuple[OverlapPrediction, ...]:
+                  rows_fixed: float | None = None, modes: Sequence[OverlapMode] = MODES,
+                  chunk_fixed: float | None = None) -> tuple[OverlapPrediction, ...]:
     """Each mode's prediction for a plan with per-segment bottleneck compute `seg` and predicted
-    iteration `predicted_s` (without overlap) on `n_nodes` nodes. Modes with more chunks than the
+    iteration `predicted_s` (without overlap) on `n_nodes` nodes; `rows_fixed`: the profiles'
+    fixed share (`fixed_share`), what a chunk costs under LoRA (module docstring); `chunk_fixed`,
+    when given, is that share whatever the job. Modes with more chunks than the
     batch has rows are left out; so is everything but `off` for one node (nothing to hide)."""
     cpu = [c for c in node_cpu if c is not None]
-    fixed = DEFAULT_CHUNK_FIXED if rows_fixed is None or rows_fixed <= 0 else rows_fixed
+    lora_probe = not shape.trains_weights and rows_fixed is not None and rows_fixed > 0
+    fixed = chunk_fixed if chunk_fixed is not None else rows_fixed if lora_probe else FULL_CHUNK_FIXED
     link = (n_nodes, bandwidth_Bps, latency_s, cpu, fixed)
     base, _ = _simulate(seg, shape, OFF, *link)
     out = []

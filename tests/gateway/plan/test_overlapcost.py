@@ -9,7 +9,7 @@ from xronos.bench.plan_speed import synthetic_report
 from xronos.gateway.plan.auto import choice_message
 from xronos.gateway.plan.choose import choose
 from xronos.gateway.plan.compatible import Loaded
-from xronos.gateway.plan.overlapcost import MODES, OFF, OverlapMode, TPShape, best_mode, mode_of, predict_modes
+from xronos.gateway.plan.overlapcost import FULL_CHUNK_FIXED, MODES, OFF, OverlapMode, TPShape, best_mode, mode_of, predict_modes
 from xronos.gateway.plan.profiles import cost_inputs
 from xronos.protocol.messages import Overlap, Plan
 
@@ -20,7 +20,7 @@ FULL = TPShape(ACT, blocks=1, task="classify", rows=4, trains_weights=True)
 
 
 def _modes(shape=FULL, seg=SEG, n=2, fixed=1e-12, modes=MODES):
-    preds = predict_modes(seg, 1.0, shape, n, bandwidth_Bps=BW, latency_s=0.0, rows_fixed=fixed, modes=modes)
+    preds = predict_modes(seg, 1.0, shape, n, bandwidth_Bps=BW, latency_s=0.0, chunk_fixed=fixed, modes=modes)
     return {p.mode.label: p for p in preds}
 
 
@@ -63,6 +63,16 @@ def test_lora_has_no_weight_gradient_to_hide_behind():
     assert best_mode(list(costly.values())).mode == OFF  # bwd ties with off: the tie goes to off
 
 
+def test_a_chunks_fixed_share_is_the_lora_profiles_own_and_a_full_fine_tunes_the_measured_constant():
+    lora = TPShape(ACT, blocks=1, task="classify", rows=4, trains_weights=False)
+    def overhead(shape, rows_fixed):
+        preds = predict_modes(SEG, 1.0, shape, 2, bandwidth_Bps=BW, latency_s=0.0, rows_fixed=rows_fixed)
+        return {p.mode.label: p.chunk_overhead_s for p in preds}["c2"]
+    assert overhead(lora, 0.25) == pytest.approx(0.25 * 0.6)  # the blocks' 0.6 s, once more a quarter
+    # a full fine-tune's probe is mostly its AdamW step, paid once: the constant instead
+    assert overhead(FULL, 0.35) == overhead(FULL, None) == overhead(lora, None) == pytest.approx(FULL_CHUNK_FIXED * 0.6)
+
+
 def test_one_node_and_chunks_past_the_rows_are_not_offered():
     assert list(_modes(n=1)) == ["off"]
     two_rows = TPShape(ACT, blocks=1, task="classify", rows=2, trains_weights=True)
@@ -70,7 +80,7 @@ def test_one_node_and_chunks_past_the_rows_are_not_offered():
 
 
 def test_a_free_link_gains_nothing_and_chunking_only_costs():
-    p = predict_modes(SEG, 1.0, FULL, 2, bandwidth_Bps=1e30, latency_s=0.0, rows_fixed=0.2)
+    p = predict_modes(SEG, 1.0, FULL, 2, bandwidth_Bps=1e30, latency_s=0.0, chunk_fixed=0.2)
     by = {x.mode.label: x for x in p}
     assert by["bwd"].saved_s == pytest.approx(0.0) and by["c2"].saved_s < 0 and by["c4"].saved_s < by["c2"].saved_s
 
