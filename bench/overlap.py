@@ -187,6 +187,7 @@ def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: 
                     "wall_median_s": statistics.median(max(rk[i]["wall_s"] for rk in ranks) for i in its),
                     "n": len(its)}
     res["modes"] = modes
+    res["losses"] = [row["loss"] for row in ranks[0]]  # every iteration's, in order: the same on any clock
     for mode in modes[1:]:
         res[mode]["ratio"] = res[mode]["median_s"] / res[modes[0]]["median_s"]
     res["layout"] = json.loads((work / "rank0.json").read_text())["layout"]
