@@ -15,7 +15,8 @@ start (an untimed barrier) to the last rank's end, in virtual seconds. Reported 
 the median over the measured iterations, its ratio to the first mode's, and the share of the
 iteration the rank that computes most (it hardly idles) spends in collectives (the cells the issue
 targets have >= 30 % with overlap off). Results: bench/results/overlap.md and .json, with the
-clock and the host's load.
+clock and the host's load. bench/overlap_wall.py runs the same worker on the wall clock too (two
+ranks pinned one per core, behind a real 1 Gbit/s link) beside the virtual clock.
 """
 
 from __future__ import annotations
