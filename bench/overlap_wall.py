@@ -15,7 +15,8 @@ worker runs where the wall clock is faithful too, and both clocks' gains are set
   `VirtualClock` whose link is the real one's: 1000 Mbit/s and the per-call latency measured first
   on the real link (`probe`: the mean of back-to-back 4-byte all-reduces between the pinned ranks
   in their namespaces; the time of one all-reduce of the cell's activation size is measured too,
-  beside what the model says of it).
+  beside what the model says of it). With `--fitted`, a third run per repeat models the link at
+  the rate the real one delivered at that size as well (`fitted_mbit`).
 
 Modes take turns iteration by iteration inside each run (as in bench/overlap.py); the repeats run
 back to back in pairs: wall then virtual, per cell, repeat after repeat. Per mode: each clock's
@@ -46,6 +47,15 @@ TARGET_POINTS = 5.0  # the issue's bound on |wall gain - virtual gain|
 def gain_points(wall_ratio: float, virtual_ratio: float) -> float:
     """Wall gain minus virtual gain, in points, a gain being 1 - the ratio to `off`."""
     return 100.0 * ((1.0 - wall_ratio) - (1.0 - virtual_ratio))
+
+
+def fitted_mbit(nbytes: int, seconds: float, latency_s: float, world: int = 2) -> float:
+    """The link rate (Mbit/s) at which the model's ring all-reduce, latency + 2(N-1)/N x bytes /
+    bandwidth, takes `seconds` for `nbytes`: what the real link delivered at that size."""
+    if not seconds > latency_s:
+        raise ValueError(f"an all-reduce of {nbytes} B took {seconds:.6f} s, not more than the "
+                         f"per-call latency {latency_s:.6f} s: no bandwidth to fit")
+    return 2 * (world - 1) / world * nbytes * 8 / (seconds - latency_s) / 1e6
 
 
 def pair_rows(wall: dict, virtual: dict) -> list[dict]:
@@ -119,16 +129,26 @@ def markdown(doc: dict) -> str:
                     f"({r['virtual_min_s']:.4f}, {r['virtual_max_s']:.4f}) | {r['virtual_ratio']:.3f} | "
                     f"{r['gain_diff_points']:+.1f} | {r['wall_comm_share']:.0%} / {r['virtual_comm_share']:.0%} "
                     f"| {r['n']} |")
-    lines += ["", "Over the repeats (ratios: mean, spread = (max - min) / mean; gain diff: mean, min .. max):", "",
-              "| cell | mode | wall / off | spread | virtual / off | spread | gain diff (points) | within 5 |",
-              "|---|---|---|---|---|---|---|---|"]
-    for cell in doc["cells"]:
-        for s in cell["summary"]:
+    lines += ["", "Over the repeats (ratios: mean, spread = (max - min) / mean; gain diff: mean, min .. max):", ""]
+    lines += _summary(doc["cells"], "summary")
+    if "fit_mbit" in doc:
+        lines += ["", f"The same wall runs beside a third run per repeat, **virtual on the fitted link**: the "
+                  f"measured latency and {doc['fit_mbit']:.0f} Mbit/s, the rate at which the model's all-reduce "
+                  "of the cell's activation takes what it took on the real link:", ""]
+        lines += _summary(doc["cells"], "summary_fitted")
+    return "\n".join(lines) + "\n"
+
+
+def _summary(cells: list[dict], key: str) -> list[str]:
+    lines = ["| cell | mode | wall / off | spread | virtual / off | spread | gain diff (points) | within 5 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for cell in cells:
+        for s in cell[key]:
             lines.append(f"| {cell['cell']} | {s['mode']} | **{s['wall_ratio']:.3f}** | {s['wall_spread']:.1%} | "
                          f"**{s['virtual_ratio']:.3f}** | {s['virtual_spread']:.1%} | "
                          f"**{s['gain_diff_points']:+.1f}** ({s['gain_diff_min']:+.1f} .. "
                          f"{s['gain_diff_max']:+.1f}) | {'yes' if s['within'] else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 # -- the link probe (a rank process) ---------------------------------------------------------------
@@ -226,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=4, help="iterations per mode not counted")
     ap.add_argument("--repeats", type=int, default=3, help="wall + virtual pairs of runs, back to back")
     ap.add_argument("--rate-mbit", type=float, default=1000.0, help="the real link's rate (and the model's)")
+    ap.add_argument("--fitted", action="store_true",
+                    help="also a virtual run per repeat on the link fitted to the real one (measured rate too)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
     names, modes = [c for c in args.cells.split(",") if c], [m for m in args.modes.split(",") if m]
@@ -245,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     from xronos.node.emulate.confinement import EmulatorError
 
     doc: dict = {"argv": argv, "rate_mbit": args.rate_mbit, "load_start": _uptime(), "quota": cpu_quota(),
-                 "order": "back to back in pairs: per repeat, per cell, the wall run then the virtual run",
+                 "order": "back to back: per repeat, per cell, the wall run then the virtual run"
+                 + (" then the virtual run on the fitted link" if args.fitted else ""),
                  "cores": list(CORES), "cells": []}
     t0 = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="overlap-wall-"))
@@ -257,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             big = first["batch"] * first["seq"] * config["hidden_size"] * 4  # one activation, fp32
             doc["link"] = measure_link(net, tmp, big, args.rate_mbit)
             print("link:", json.dumps(doc["link"]), flush=True)
+            if args.fitted:
+                doc["fit_mbit"] = fitted_mbit(big, doc["link"]["big_s"], doc["link"]["latency_s"])
             runs: dict[str, list] = {n: [] for n in names}
             for rep in range(args.repeats):
                 for name in names:
@@ -268,16 +293,26 @@ def main(argv: list[str] | None = None) -> int:
                     virtual = run_cell(name, cell, args.iters, args.warmup, tmp / f"{name}-{rep}-virtual", modes,
                                        {"clock": "virtual", "cores": list(CORES), "rate_mbit": args.rate_mbit,
                                         "latency_s": doc["link"]["latency_s"]})
-                    rows = pair_rows(wall, virtual)
-                    print(json.dumps(rows), flush=True)
-                    runs[name].append({"rows": rows, "wall": wall, "virtual": virtual})
+                    run = {"rows": pair_rows(wall, virtual), "wall": wall, "virtual": virtual}
+                    if args.fitted:
+                        print(f"== {name} repeat {rep + 1}/{args.repeats}: virtual, fitted link", flush=True)
+                        run["fitted"] = run_cell(name, cell, args.iters, args.warmup, tmp / f"{name}-{rep}-fit",
+                                                 modes, {"clock": "virtual", "cores": list(CORES),
+                                                         "rate_mbit": doc["fit_mbit"],
+                                                         "latency_s": doc["link"]["latency_s"]})
+                        run["rows_fitted"] = pair_rows(wall, run["fitted"])
+                    print(json.dumps({k: v for k, v in run.items() if k.startswith("rows")}), flush=True)
+                    runs[name].append(run)
     except EmulatorError as exc:
         print(f"overlap_wall: {exc}", file=sys.stderr)
         return 2
     for name in names:
         reps = [r["rows"] for r in runs[name]]
         doc["cells"].append({"cell": name, **CELLS[name], "repeats": reps, "summary": summarise(reps),
-                             "runs": [{"wall": r["wall"], "virtual": r["virtual"]} for r in runs[name]]})
+                             "runs": [{k: v for k, v in r.items() if not k.startswith("rows")} for r in runs[name]]})
+        if args.fitted:
+            fits = [r["rows_fitted"] for r in runs[name]]
+            doc["cells"][-1].update(repeats_fitted=fits, summary_fitted=summarise(fits))
     doc["load_end"], doc["seconds"] = _uptime(), time.monotonic() - t0
     import shutil
 

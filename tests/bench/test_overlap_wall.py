@@ -10,7 +10,7 @@ import pytest
 
 from xronos.bench import overlap_wall
 from xronos.bench.overlap import iteration_of
-from xronos.bench.overlap_wall import gain_points, markdown, pair_rows, summarise
+from xronos.bench.overlap_wall import fitted_mbit, gain_points, markdown, pair_rows, summarise
 
 
 def _run(medians: dict[str, float], share: float = 0.4, n: int = 10) -> dict:
@@ -22,6 +22,18 @@ def test_gain_difference_is_wall_gain_minus_virtual_gain_in_points():
     assert gain_points(0.80, 0.85) == pytest.approx(5.0)  # wall gains 20 %, virtual 15 %
     assert gain_points(0.95, 0.85) == pytest.approx(-10.0)
     assert gain_points(1.0, 1.0) == 0.0
+
+
+def test_the_fitted_rate_is_what_makes_the_models_all_reduce_take_the_measured_time():
+    from xronos.node.emulate.link import Link
+
+    rate = fitted_mbit(786432, 9.0e-3, 0.4e-3)
+    assert rate == pytest.approx(786432 * 8 / 8.6e-3 / 1e6)  # two ranks: each link carries the bytes once
+    assert Link.mbit(rate, 0.4e-3).seconds("all_reduce_sum", 786432, 2) == pytest.approx(9.0e-3)
+    assert Link.mbit(fitted_mbit(1000, 2e-3, 1e-3, world=3), 1e-3).seconds("all_reduce_sum", 1000, 3) \
+        == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match="took 0.000300 s, not more than the per-call latency 0.000400 s"):
+        fitted_mbit(4, 0.3e-3, 0.4e-3)
 
 
 def test_pair_rows_ratio_each_clock_to_its_own_off():
@@ -77,6 +89,12 @@ def test_the_table_names_both_clocks_the_link_the_load_and_the_gain_difference()
     assert "load average: 0.31" in text and "load average: 1.02" in text and "-1 / 100000" in text
     assert "| pair-s64 | 1 | c2 | 0.5100 (0.4590, 0.5610) | 0.850 | 0.3600 (0.3240, 0.3960) | 0.900 | +5.0 |" in text
     assert "| pair-s64 | c2 | **0.850** | 0.0% | **0.900** | 0.0% | **+5.0** (+5.0 .. +5.0) | yes |" in text
+    assert "fitted link" not in text
+    fits = [pair_rows(_run({"off": 0.6, "c2": 0.51}), _run({"off": 0.5, "c2": 0.41}))]
+    doc["cells"][0].update(repeats_fitted=fits, summary_fitted=summarise(fits))
+    text = markdown(dict(doc, fit_mbit=712.4))
+    assert "**virtual on the fitted link**: the measured latency and 712 Mbit/s" in text
+    assert text.endswith("| pair-s64 | c2 | **0.850** | 0.0% | **0.820** | 0.0% | **-3.0** (-3.0 .. -3.0) | yes |\n")
 
 
 def test_refuses_cells_of_more_than_two_ranks_and_a_baseline_other_than_off(capsys):
