@@ -248,8 +248,10 @@ def markdown(results: list[dict], load: str, argv: list[str], seconds: float) ->
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "worker":
+        from xronos.node.rank.spawn import exit_process
+
         worker(argv[1], argv[2])
-        return 0
+        exit_process(0)  # past Gloo's teardown, which aborts a finished rank now and then (spawn.py)
     ap = argparse.ArgumentParser(prog="python -m xronos.bench.overlap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default="demo,set-a-gpt2m", help=f"comma-separated, of {', '.join(CELLS)}")

@@ -236,8 +236,10 @@ def cpu_quota() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "probe":
+        from xronos.node.rank.spawn import exit_process
+
         probe(argv[1], argv[2])
-        return 0
+        exit_process(0)  # past Gloo's teardown (see bench/overlap.py)
     ap = argparse.ArgumentParser(prog="python -m xronos.bench.overlap_wall", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default="pair-s64", help=f"comma-separated two-rank cells, of {', '.join(CELLS)}")
