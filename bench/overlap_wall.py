@@ -72,6 +72,7 @@ def pair_rows(wall: dict, virtual: dict) -> list[dict]:
                      "virtual_s": v["median_s"], "virtual_min_s": v["min_s"], "virtual_max_s": v["max_s"],
                      "wall_ratio": wr, "virtual_ratio": vr, "gain_diff_points": gain_points(wr, vr),
                      "wall_comm_share": w["exposed_comm_share"], "virtual_comm_share": v["exposed_comm_share"],
+                     "wall_compute_s": w["compute_s"], "virtual_compute_s": v["compute_s"],
                      "n": min(w["n"], v["n"])})
     return rows
 
@@ -94,6 +95,9 @@ def summarise(repeats: list[list[dict]]) -> list[dict]:
     return out
 
 
+_VNET = {"loopback": "on loopback", "netns": "their traffic on the same netns link (its time modelled)"}
+
+
 def markdown(doc: dict) -> str:
     link = doc["link"]
     lines = ["# Overlap's gain: wall clock vs virtual clock, two ranks (issue #37)", "",
@@ -101,25 +105,29 @@ def markdown(doc: dict) -> str:
              f"in its own network namespace behind a real {doc['rate_mbit']:g} Mbit/s link (veth + bridge, "
              "tc tbf both ways, no added delay), the group on the wall clock; an iteration runs from the "
              "first rank out of an untimed barrier to the last rank's end, in wall seconds. **virtual**: "
-             "the same two ranks, pinned the same way, on loopback, each on a virtual clock of 1.0 host core "
+             f"the same two ranks, pinned the same way, {_VNET[doc.get('virtual_net', 'loopback')]}, each on a "
+             "virtual clock of 1.0 host core "
              f"whose link is modelled at {doc['rate_mbit']:g} Mbit/s and {link['latency_s'] * 1e6:.0f} us a "
              "call: the real link's latency, measured just before (the mean wall time of "
              f"{link['calls']} back-to-back 4-byte all-reduces between the pinned ranks through their "
              f"namespaces, median of {link['loops']} loops; one call after an untimed barrier, the slower "
-             f"rank's: median {link['single_s'] * 1e6:.0f} us). One all-reduce of the cell's activation "
+             f"rank's: median {link['single_s'] * 1e6:.0f} us). One all-reduce of {link.get('cell', 'the')}'s activation "
              f"({link['big_bytes'] / 1e3:.0f} kB) took {link['big_s'] * 1e3:.2f} ms on the real link "
              f"(median of {link['big_calls']}), the model says {link['big_model_s'] * 1e3:.2f} ms. Modes "
              "take turns iteration by iteration in each run (`off`: every all-reduce blocks; `bwd`: the "
              "input-gradient all-reduce beside the weight-gradient GEMMs; `cN`: that and N forward "
              f"chunks); runs {doc['order']}. Gain = 1 - ratio to `off`; **gain diff** = wall gain - "
              "virtual gain, in points (the issue: within 5). `comm share`: the share of the iteration "
-             "the rank that computes most spends in collectives (wall: waits for the peer included).", "",
+             "the rank that computes most spends in collectives (wall: waits for the peer included); "
+             "`compute s`: that rank's median compute (wall: the iteration less its time in collectives, so "
+             "the CPU that communication in flight takes from the core, and the launches, count as compute; "
+             "virtual: its clock's compute, Gloo's CPU for launched calls included).", "",
              f"Command: `python -m xronos.bench.overlap_wall {' '.join(doc['argv'])}`; "
              f"{doc['seconds'] / 60:.1f} min. Load (`uptime`) at the start: {doc['load_start']}; at the end: "
              f"{doc['load_end']}. CPU quota: {doc['quota']}.", "",
              "| cell | run | mode | wall s (min, max) | wall / off | virtual s (min, max) | virtual / off "
-             "| gain diff (points) | comm share wall / virtual | iterations |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| gain diff (points) | comm share wall / virtual | compute s wall / virtual | iterations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell in doc["cells"]:
         for k, rep in enumerate(cell["repeats"]):
             for r in rep:
@@ -128,7 +136,7 @@ def markdown(doc: dict) -> str:
                     f"{r['wall_max_s']:.4f}) | {r['wall_ratio']:.3f} | {r['virtual_s']:.4f} "
                     f"({r['virtual_min_s']:.4f}, {r['virtual_max_s']:.4f}) | {r['virtual_ratio']:.3f} | "
                     f"{r['gain_diff_points']:+.1f} | {r['wall_comm_share']:.0%} / {r['virtual_comm_share']:.0%} "
-                    f"| {r['n']} |")
+                    f"| {r['wall_compute_s']:.3f} / {r['virtual_compute_s']:.3f} | {r['n']} |")
     lines += ["", "Over the repeats (ratios: mean, spread = (max - min) / mean; gain diff: mean, min .. max):", ""]
     lines += _summary(doc["cells"], "summary")
     if "fit_mbit" in doc:
@@ -136,6 +144,8 @@ def markdown(doc: dict) -> str:
                   f"measured latency and {doc['fit_mbit']:.0f} Mbit/s, the rate at which the model's all-reduce "
                   "of the cell's activation takes what it took on the real link:", ""]
         lines += _summary(doc["cells"], "summary_fitted")
+    if doc.get("notes"):  # a reading of these figures, written after the run
+        lines += ["", "Reading:", "", *(f"- {n}" for n in doc["notes"])]
     return "\n".join(lines) + "\n"
 
 
@@ -248,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=4, help="iterations per mode not counted")
     ap.add_argument("--repeats", type=int, default=3, help="wall + virtual pairs of runs, back to back")
     ap.add_argument("--rate-mbit", type=float, default=1000.0, help="the real link's rate (and the model's)")
+    ap.add_argument("--virtual-net", choices=("loopback", "netns"), default="loopback",
+                    help="where the virtual runs' real traffic goes: loopback, or the same netns link as the "
+                         "wall runs' (the link's time is modelled either way; the CPU the call takes is measured)")
     ap.add_argument("--fitted", action="store_true",
                     help="also a virtual run per repeat on the link fitted to the real one (measured rate too)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -277,10 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Network(2, rate_mbit=args.rate_mbit) as net:
             doc["network"] = net.describe()
+            vnet = net if args.virtual_net == "netns" else None
+            doc["virtual_net"] = args.virtual_net
             first = CELLS[names[0]]
             config = config_of(first)
             big = first["batch"] * first["seq"] * config["hidden_size"] * 4  # one activation, fp32
-            doc["link"] = measure_link(net, tmp, big, args.rate_mbit)
+            doc["link"] = dict(measure_link(net, tmp, big, args.rate_mbit), cell=names[0])
             print("link:", json.dumps(doc["link"]), flush=True)
             if args.fitted:
                 doc["fit_mbit"] = fitted_mbit(big, doc["link"]["big_s"], doc["link"]["latency_s"])
@@ -294,14 +309,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"== {name} repeat {rep + 1}/{args.repeats}: virtual", flush=True)
                     virtual = run_cell(name, cell, args.iters, args.warmup, tmp / f"{name}-{rep}-virtual", modes,
                                        {"clock": "virtual", "cores": list(CORES), "rate_mbit": args.rate_mbit,
-                                        "latency_s": doc["link"]["latency_s"]})
+                                        "latency_s": doc["link"]["latency_s"]}, placement=vnet)
                     run = {"rows": pair_rows(wall, virtual), "wall": wall, "virtual": virtual}
                     if args.fitted:
                         print(f"== {name} repeat {rep + 1}/{args.repeats}: virtual, fitted link", flush=True)
                         run["fitted"] = run_cell(name, cell, args.iters, args.warmup, tmp / f"{name}-{rep}-fit",
                                                  modes, {"clock": "virtual", "cores": list(CORES),
                                                          "rate_mbit": doc["fit_mbit"],
-                                                         "latency_s": doc["link"]["latency_s"]})
+                                                         "latency_s": doc["link"]["latency_s"]}, placement=vnet)
                         run["rows_fitted"] = pair_rows(wall, run["fitted"])
                     print(json.dumps({k: v for k, v in run.items() if k.startswith("rows")}), flush=True)
                     runs[name].append(run)

@@ -15,7 +15,7 @@ from xronos.bench.overlap_wall import fitted_mbit, gain_points, markdown, pair_r
 
 def _run(medians: dict[str, float], share: float = 0.4, n: int = 10) -> dict:
     return {"modes": list(medians), **{m: {"median_s": s, "min_s": s * 0.9, "max_s": s * 1.1, "n": n,
-                                          "exposed_comm_share": share} for m, s in medians.items()}}
+                                          "exposed_comm_share": share, "compute_s": s / 2} for m, s in medians.items()}}
 
 
 def test_gain_difference_is_wall_gain_minus_virtual_gain_in_points():
@@ -87,7 +87,7 @@ def test_the_table_names_both_clocks_the_link_the_load_and_the_gain_difference()
     assert "**wall**" in text and "**virtual**" in text and "150 us a call" in text
     assert "took 7.10 ms on the real link" in text and "the model says 6.44 ms" in text
     assert "load average: 0.31" in text and "load average: 1.02" in text and "-1 / 100000" in text
-    assert "| pair-s64 | 1 | c2 | 0.5100 (0.4590, 0.5610) | 0.850 | 0.3600 (0.3240, 0.3960) | 0.900 | +5.0 |" in text
+    assert "| pair-s64 | 1 | c2 | 0.5100 (0.4590, 0.5610) | 0.850 | 0.3600 (0.3240, 0.3960) | 0.900 | +5.0 | 40% / 40% | 0.255 / 0.180 | 10 |" in text
     assert "| pair-s64 | c2 | **0.850** | 0.0% | **0.900** | 0.0% | **+5.0** (+5.0 .. +5.0) | yes |" in text
     assert "fitted link" not in text
     fits = [pair_rows(_run({"off": 0.6, "c2": 0.51}), _run({"off": 0.5, "c2": 0.41}))]
