@@ -11,7 +11,8 @@ worker runs where the wall clock is faithful too, and both clocks' gains are set
   namespace behind a real 1 Gbit/s link (`bench.netem.Network`: veth + bridge + tc tbf both ways;
   no added delay). An iteration: from the first rank out of an untimed barrier to the last rank's
   end (perf_counter is CLOCK_MONOTONIC: one clock for both processes).
-- virtual: the same two ranks (1.0 host core each), pinned the same way, on loopback, each on a
+- virtual: the same two ranks (1.0 host core each), pinned the same way, on loopback (with
+  `--virtual-net netns` on the same link: the calls' CPU then measured on that stack), each on a
   `VirtualClock` whose link is the real one's: 1000 Mbit/s and the per-call latency measured first
   on the real link (`probe`: the mean of back-to-back 4-byte all-reduces between the pinned ranks
   in their namespaces; the time of one all-reduce of the cell's activation size is measured too,
