@@ -15,7 +15,8 @@ start (an untimed barrier) to the last rank's end, in virtual seconds. Reported 
 the median over the measured iterations, its ratio to the first mode's, and the share of the
 iteration the rank that computes most (it hardly idles) spends in collectives (the cells the issue
 targets have >= 30 % with overlap off). Results: bench/results/overlap.md and .json, with the
-clock and the host's load.
+clock and the host's load. bench/overlap_wall.py runs the same worker on the wall clock too (two
+ranks pinned one per core, behind a real 1 Gbit/s link) beside the virtual clock.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ CELLS = {
     # the same at 8 x 64 tokens: chunks of 4 rows still make GEMMs of 256 tokens
     "n100x3-s64": dict(speeds=[0.9, 0.9, 0.9], shape="minilm", blocks=None, batch=8, seq=64, task="classify"),
     "demo-s64": dict(speeds=[0.9, 0.5, 0.3], shape="minilm", blocks=None, batch=8, seq=64, task="classify"),
+    # two host cores (the wall-time check, bench/overlap_wall.py: one rank per core, a real link)
+    "pair-s64": dict(speeds=[1.0, 1.0], shape="minilm", blocks=None, batch=8, seq=64, task="classify"),
+    "pair-s128": dict(speeds=[1.0, 1.0], shape="minilm", blocks=None, batch=8, seq=128, task="classify"),
     "set-a-gpt2m": dict(speeds=[0.45, 0.3, 0.3], shape="gpt2-medium", blocks=6, batch=8, seq=32, task="causal-lm"),
     "set-a-roberta": dict(speeds=[0.45, 0.3, 0.3], shape="roberta-base", blocks=6, batch=8, seq=64, task="classify"),
     "set-a-smollm2": dict(speeds=[0.45, 0.3, 0.3], shape="smollm2-360m", blocks=8, batch=8, seq=32,
@@ -78,6 +82,9 @@ def chunks_of(mode: str) -> int:
 
 
 def worker(job_file: str, rank_s: str) -> None:
+    job, rank = json.loads(Path(job_file).read_text()), int(rank_s)
+    if job.get("cores"):  # pinned before torch starts a thread: every thread (Gloo's too) inherits it
+        os.sched_setaffinity(0, {job["cores"][rank]})
     import torch
 
     torch.set_num_threads(1)
@@ -88,10 +95,13 @@ def worker(job_file: str, rank_s: str) -> None:
     from xronos.node.tp.group import TPGroup
     from xronos.node.tp.layout import ShardLayout
 
-    job, rank = json.loads(Path(job_file).read_text()), int(rank_s)
     cell, speeds = job["cell"], job["cell"]["speeds"]
-    clock = VirtualClock(Box(speeds[rank], Link.mbit(RATE_MBIT, LATENCY_S), "med"))
-    group = TPGroup.join(rank, len(speeds), "127.0.0.1", job["port"], timeout_s=300, clock=clock)
+    # `wall` (bench/overlap_wall.py): the group on the wall clock, as a real box's; else virtual,
+    # on the modelled link (the wall check models its real link's measured latency)
+    wall = job.get("clock") == "wall"
+    clock = None if wall else VirtualClock(Box(speeds[rank], Link.mbit(job.get("rate_mbit", RATE_MBIT),
+                                                                        job.get("latency_s", LATENCY_S)), "med"))
+    group = TPGroup.join(rank, len(speeds), job.get("host", "127.0.0.1"), job["port"], timeout_s=300, clock=clock)
     config = config_of(cell)
     family = family_for(config)
     sizes = family.sizes(config)
@@ -110,20 +120,27 @@ def worker(job_file: str, rank_s: str) -> None:
         # Every iteration starts together (untimed barrier): no rank's wait for the last iteration's
         # slowest optimizer step lands in the next one, which runs in the other mode.
         group.barrier(timed=False)
-        acc = clock.account
-        t0, w0, before = group.now(), time.perf_counter(), (acc.compute, acc.comm, acc.idle)
+        group.drain_timings()
+        acc = None if wall else clock.account
+        t0, w0 = group.now(), time.perf_counter()
+        before = (0.0, 0.0, 0.0) if wall else (acc.compute, acc.comm, acc.idle)
         loss = model(ids, labels=labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         group.settle()
-        t1 = group.now()
-        after = (acc.compute, acc.comm, acc.idle)
-        rows.append({"mode": mode, "iteration_s": t1 - t0, "wall_s": time.perf_counter() - w0,
+        t1, w1 = group.now(), time.perf_counter()
+        if wall:  # time in collectives (waits for the peer included: wall time cannot tell them apart)
+            comm = sum(s for _, s in group.drain_timings())
+            after = (t1 - t0 - comm, comm, 0.0)
+        else:
+            after = (acc.compute, acc.comm, acc.idle)
+        # w0/w1: perf_counter is CLOCK_MONOTONIC, one clock for every process of the host
+        rows.append({"mode": mode, "iteration_s": t1 - t0, "wall_s": w1 - w0, "w0": w0, "w1": w1,
                      **{k: a - b for k, a, b in zip(("compute_s", "comm_s", "idle_s"), after, before)},
                      "launched": group.launched, "loss": loss.item()})
     lay = {k: list(getattr(layout, k)) for k in ("attn", "mlp", "vocab")}
-    calls = {f"{k[0]} {k[1]} B": clock.call_est.value(k) for k in clock.call_est._hist}  # the calls' CPU (host s)
+    calls = {} if wall else {f"{k[0]} {k[1]} B": clock.call_est.value(k) for k in clock.call_est._hist}  # host s
     Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"layout": lay, "calls_cpu_s": calls, "rows": rows}))
     group.leave()
 
@@ -136,13 +153,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: list[str]) -> dict:
+def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: list[str],
+             extra: dict | None = None, placement=None) -> dict:
+    """`extra`: more of the job (bench/overlap_wall.py: clock, latency_s, cores); `placement`: a
+    `bench.netem.Network` the ranks run behind (None: loopback)."""
     work.mkdir(parents=True, exist_ok=True)
-    job = {"cell": cell, "iters": iters, "warmup": warmup, "port": _free_port(), "out": str(work), "modes": modes}
+    job = {"cell": cell, "iters": iters, "warmup": warmup, "port": _free_port(), "out": str(work), "modes": modes,
+           **(extra or {})}
+    if placement is not None:
+        job["host"] = placement.rendezvous_host
     (work / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "xronos.bench.overlap", "worker", str(work / "job.json"), str(r)],
-                              env=env, stdout=(work / f"rank{r}.log").open("w"), stderr=subprocess.STDOUT)
+    argv = [sys.executable, "-m", "xronos.bench.overlap", "worker", str(work / "job.json")]
+    procs = [subprocess.Popen([*(placement.argv_prefix(r) if placement else ()), *argv, str(r)],
+                              env={**env, **(placement.env(r) if placement else {})},
+                              stdout=(work / f"rank{r}.log").open("w"), stderr=subprocess.STDOUT)
              for r in range(len(cell["speeds"]))]
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -152,7 +177,7 @@ def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: 
     for mode in modes:
         its = [i for i in range(len(ranks[0])) if ranks[0][i]["mode"] == mode][warmup:]
         # from the common start to the last rank's end: the iteration
-        slowest = [max(rk[i]["iteration_s"] for rk in ranks) for i in its]
+        slowest = [iteration_of([rk[i] for rk in ranks], (extra or {}).get("clock") == "wall") for i in its]
         # the communication the iteration waits for: the share of it the rank that computes most
         # (the slowest box for its share; it hardly idles) spends in collectives
         busiest = max(range(len(ranks)), key=lambda r: sum(ranks[r][i]["compute_s"] for i in its))
@@ -163,10 +188,19 @@ def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: 
                     "wall_median_s": statistics.median(max(rk[i]["wall_s"] for rk in ranks) for i in its),
                     "n": len(its)}
     res["modes"] = modes
+    res["losses"] = [row["loss"] for row in ranks[0]]  # every iteration's, in order: the same on any clock
     for mode in modes[1:]:
         res[mode]["ratio"] = res[mode]["median_s"] / res[modes[0]]["median_s"]
     res["layout"] = json.loads((work / "rank0.json").read_text())["layout"]
     return res
+
+
+def iteration_of(rows: list[dict], wall: bool) -> float:
+    """One iteration from every rank's row: virtual, the longest rank's (the barrier gives every
+    rank the same start); wall, from the first rank out of the barrier to the last rank's end."""
+    if wall:
+        return max(r["w1"] for r in rows) - min(r["w0"] for r in rows)
+    return max(r["iteration_s"] for r in rows)
 
 
 def markdown(results: list[dict], load: str, argv: list[str], seconds: float) -> str:
@@ -214,8 +248,10 @@ def markdown(results: list[dict], load: str, argv: list[str], seconds: float) ->
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "worker":
+        from xronos.node.rank.spawn import exit_process
+
         worker(argv[1], argv[2])
-        return 0
+        exit_process(0)  # past Gloo's teardown, which aborts a finished rank now and then (spawn.py)
     ap = argparse.ArgumentParser(prog="python -m xronos.bench.overlap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default="demo,set-a-gpt2m", help=f"comma-separated, of {', '.join(CELLS)}")
