@@ -31,6 +31,10 @@ CASES = {
     "llama-cls-N2-bwd": ("llama", "classify", Layout(attn=(2, 6), mlp=(96, 4), vocab=(38, 0)), "bwd", None),
     "qwen3-lm-N2-c2-lora": ("qwen3", "causal-lm", Layout(attn=(4, 2), mlp=(32, 68), vocab=(0, 229)), "c2",
                             ("q_proj", "v_proj", "down_proj")),
+    "bert-cls-N4-c2": ("bert", "classify", Layout(attn=(3, 0, 8, 1), mlp=(0, 64, 32, 4), vocab=(32, 7, 0, 0)), "c2",
+                       None),
+    "llama-lm-N5-c3": ("llama", "causal-lm", Layout(attn=(1, 2, 0, 3, 2), mlp=(32, 0, 32, 32, 4),
+                                                     vocab=(0, 32, 6, 0, 0)), "c3", None),
 }
 
 
