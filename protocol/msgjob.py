@@ -76,6 +76,10 @@ class JobSpec(Message):
     def _has_export(self) -> JobSpec:
         if self.recipe.export_dir is None:
             raise ValueError("recipe.export_dir: a job must name where its export goes")
+        return self
+
+    @model_validator(mode="after")
+    def _overlap(self) -> JobSpec:
         if self.overlap == "on" and self.strategy == "dp":
             raise ValueError("overlap: 'on' overlaps a tensor-parallel plan's all-reduces; strategy 'dp' has none "
                              "(its gradient all-reduce already runs beside backward)")

@@ -26,7 +26,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 # 2: the per-segment layout (Assignment.layout, Plan entries per kind, ProfileReport.sizes).
 # Data parallelism (a plan's and an assignment's batch `shares`, strategies `auto` and `dp`) added
 # fields without bumping it: an older node refuses an assignment carrying `shares` by name (every
-# message forbids unknown fields), while every stored profile and job table stays readable.
+# message forbids unknown fields), while every stored profile and job table stays readable. So did
+# overlap (a plan's and an assignment's `overlap`, a job's `overlap` and `chunks`).
 SCHEMA_VERSION = 2
 
 Task = Literal["classify", "causal-lm"]
