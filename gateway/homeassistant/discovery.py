@@ -294,11 +294,15 @@ def finish_time(now: float, eta_s: float | None) -> str | None:
 
 
 def plan_strategy(plan: Any) -> str | None:
-    """A plan's parallelism in a few words: its strategy, and for data parallelism its groups."""
+    """A plan's parallelism in a few words: its strategy, for data parallelism its groups, for
+    tensor parallelism its overlap of the all-reduces with compute."""
     if plan is None:
         return None
     if not plan.shares:
-        return plan.strategy
+        o = getattr(plan, "overlap", None)
+        if o is None:
+            return plan.strategy
+        return f"{plan.strategy}, overlap " + (f"{o.chunks} chunks" if o.chunks > 1 else "backward")
     tp = plan.tp_size
     return f"dp ({len(plan.shares)} replicas)" if tp == 1 else f"dp ({len(plan.shares)} groups of TP {tp})"
 

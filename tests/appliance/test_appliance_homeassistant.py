@@ -243,21 +243,23 @@ def test_gateway_state_shows_live_re_plans():
 def test_gateway_state_names_the_parallelism_chosen():
     """The Parallelism sensor: the running plan's strategy (data parallelism with its groups), the
     job's asked-for strategy as the attribute; unknown without a plan."""
-    from xronos.protocol.messages import Plan, PlanEntry
+    from xronos.protocol.messages import Overlap, Plan, PlanEntry
     (_, gw), *_ = all_configs()
     c = gw["cmps"]["strategy"]
     assert c["name"] == "Parallelism" and c["entity_category"] == "diagnostic"
     sizes = {"attn": 4, "mlp": 64, "vocab": 100}
 
-    def plan(shares, counts):
+    def plan(shares, counts, overlap=None):
         entries = [PlanEntry(node_id=f"n{r}", rank=r, attn=a, mlp=m, vocab=v, predicted_compute_s=0.1,
                              predicted_memory=1.0, memory_cap=2.0) for r, (a, m, v) in enumerate(counts)]
         return Plan(job_id="j1", version=1, strategy="dp" if shares else "segment", sizes=sizes, entries=entries,
-                    predicted_iteration_s=1.0, ideal_iteration_s=1.0, comm_s=0.0, shares=shares)
+                    predicted_iteration_s=1.0, ideal_iteration_s=1.0, comm_s=0.0, shares=shares, overlap=overlap)
 
     whole, half = (4, 64, 100), (2, 32, 50)
     for p, text in ((plan(None, [half, half]), "segment"), (plan([3, 1], [whole, whole]), "dp (2 replicas)"),
-                    (plan([2, 2], [half, half, half, half]), "dp (2 groups of TP 2)")):
+                    (plan([2, 2], [half, half, half, half]), "dp (2 groups of TP 2)"),
+                    (plan(None, [half, half], Overlap(backward=True, chunks=2)), "segment, overlap 2 chunks"),
+                    (plan(None, [half, half], Overlap(backward=True)), "segment, overlap backward")):
         value_json = json.loads(ha.gateway_state(job(plan=p), nodes_online=2, now=0.0, spec=spec()).model_dump_json())
         assert render(c["value_template"], value_json) == text
         assert json.loads(render(c["json_attributes_template"], value_json)) == {"asked": "auto"}
