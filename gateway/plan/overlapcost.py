@@ -65,7 +65,6 @@ __all__ = ["FULL_CHUNK_FIXED", "MODES", "OverlapMode", "OverlapPrediction", "TPS
            "predict_modes", "best_mode", "fixed_share"]
 
 FULL_CHUNK_FIXED = 0.07
-MAX_CHUNKS = 8  # the runtime accepts more (up to the batch's rows); the planner never gains past this
 
 
 @dataclass(frozen=True)
