@@ -137,7 +137,7 @@ def _plan_or_profile(job: Job, ctx: Ctx, nodes: tuple[str, ...]) -> Out:
     if missing:
         phase = "recovering" if job.phase == "recovering" else "profiling"
         job, reqs = _request_ids(job, missing)
-        job = replace(job, phase=phase, awaiting="profiles", waiting=missing,
+        job = replace(job, phase=phase, awaiting="profiles", waiting=missing, offline_since={},
                       deadline=ctx.now + ctx.timeouts.profile_s, updated_at=ctx.now)
         return job, [Profile(job.job_id, reqs)]
     if not nodes:
@@ -245,6 +245,7 @@ def _on_profiled(job: Job, ev: Profiled, ctx: Ctx) -> Out:
         return job, []
     waiting = tuple(n for n in job.waiting if n != ev.node_id)
     requests = tuple(r for r in job.requests if r[1] != ev.node_id)
+    job = replace(job, offline_since={n: t for n, t in job.offline_since.items() if n != ev.node_id})
     error = ev.error if ev.report is None else profile_mismatch(job, ev.report)
     if ev.report is not None and error is None:
         job = replace(job, profiles={**job.profiles, ev.node_id: ev.report}, waiting=waiting, requests=requests)
@@ -302,14 +303,21 @@ def _on_down(job: Job, ev: NodeDown, ctx: Ctx) -> Out:
     if job.awaiting in ("inspect", "profiles") and node in job.waiting:
         if job.awaiting == "inspect":
             return _refuse(job, ctx, f"owner {node!r} went offline")
-        rid = next((r for r, n in job.requests if n == node), "")
-        return _on_profiled(job, Profiled(node, rid, None, "went offline"), ctx)
+        if node in job.offline_since:
+            return job, []
+        # Its profiling goes on without the broker, and the report comes once it is back: wait a while.
+        return note(job, ctx.now, f"node {node!r} went offline while profiling: its profile is awaited "
+                    f"{ctx.timeouts.profile_offline_s:.0f} s more",
+                    offline_since={**job.offline_since, node: ctx.now}), []
     if job.phase in ("assigning", "running", "paused") and node in job.plan_nodes:
         return _recover(job, ctx, f"node {node!r} went offline", known_cause=True)
     return job, []
 
 
 def _on_up(job: Job, ev: NodeUp, ctx: Ctx) -> Out:
+    if ev.node_id in job.offline_since:  # back while profiling: its report is awaited as before
+        job = note(job, ctx.now, f"node {ev.node_id!r} is back; its profile is awaited",
+                   offline_since={n: t for n, t in job.offline_since.items() if n != ev.node_id})
     if ev.node_id in job.excluded:
         job = replace(job, excluded=tuple(n for n in job.excluded if n != ev.node_id))
     if job.phase == "recovering" and job.awaiting == "retry":
@@ -390,6 +398,12 @@ def _on_command(job: Job, ev: Command, ctx: Ctx) -> Out:
 
 
 def _on_tick(job: Job, _ev: Tick, ctx: Ctx) -> Out:
+    if job.awaiting == "profiles":
+        for node, since in job.offline_since.items():
+            if node in job.waiting and ctx.now > since + ctx.timeouts.profile_offline_s:
+                rid = next((r for r, n in job.requests if n == node), "")
+                return _on_profiled(job, Profiled(node, rid, None, f"went offline for more than "
+                                                  f"{ctx.timeouts.profile_offline_s:.0f} s while profiling"), ctx)
     if job.recover_deadline is not None and ctx.now > job.recover_deadline:
         return _fail(job, ctx, f"could not recover within {ctx.timeouts.recover_s:.0f} s: "
                      f"{job.events[-1] if job.events else ''}")

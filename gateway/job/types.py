@@ -29,6 +29,9 @@ RespondTo = Literal["job/submit", "plan/preview"]
 class Timeouts:
     inspect_s: float = 120.0  # the owner's first inspection imports torch, transformers, datasets
     profile_s: float = 600.0
+    # A node that drops off the broker while it profiles (a Wi-Fi blip, a broker restart) keeps
+    # profiling: its report is awaited this long before its profile counts as failed.
+    profile_offline_s: float = 60.0
     ack_s: float = 60.0
     stall_s: float = 300.0  # running without a metric this long = a silent failure
     recover_s: float = 900.0  # give up re-planning after this long
@@ -69,6 +72,8 @@ class Job:
     waiting: tuple[str, ...] = ()  # nodes whose answer is awaited
     # (request id, node id) of the inspection or profile requests in flight: only these answers count.
     requests: tuple[tuple[str, str], ...] = ()
+    # Nodes whose profile is awaited and that went offline meanwhile: since when (`profile_offline_s`)
+    offline_since: dict[str, float] = field(default_factory=dict)
     request_seq: int = 0  # request ids are "<job id>.<seq>"
     deadline: float | None = None
     recover_deadline: float | None = None

@@ -453,3 +453,41 @@ def test_job_state_says_which_clock_its_seconds_are_on():
     assert m.JobState.model_validate_json(view.model_dump_json()).clock == "virtual"
     with pytest.raises(ValueError):
         m.IterationMetrics(**{**metric("a", 0, 3).m.model_dump(), "clock": "sundial"})
+
+
+def test_a_node_that_drops_off_the_broker_while_profiling_is_waited_for_a_while():
+    """Its profiling goes on without the broker and its report comes after the reconnect (the
+    node's bus queues it): a blip costs nothing; a node that stays away is dropped after
+    `profile_offline_s`, and an owner that stays away refuses the job, naming why."""
+    to = replace(TO, profile_offline_s=5.0)
+
+    def c(now, online=("a", "b", "c")):
+        return replace(ctx(now, online), timeouts=to)
+
+    job, _ = J.new_job("j", SPEC, "t1", c(0))
+    job, eff = J.handle(job, inspected(job), c(1))
+    assert job.awaiting == "profiles" and job.waiting == ("a", "b", "c")
+    job, eff = J.handle(job, J.NodeDown("b"), c(2, ("a", "c")))
+    assert eff == [] and job.waiting == ("a", "b", "c") and job.offline_since == {"b": 2}
+    assert "node 'b' went offline while profiling: its profile is awaited 5 s more" in job.events[-1]
+    job, eff = J.handle(job, J.Tick(), c(6.5, ("a", "c")))
+    assert eff == [] and "b" in job.waiting
+    job, _ = J.handle(job, J.NodeUp("b"), c(7))
+    assert job.offline_since == {} and "node 'b' is back; its profile is awaited" in job.events[-1]
+    job, _ = J.handle(job, J.Tick(), c(12))  # back: no offline clock runs for it any more
+    job, _ = J.handle(job, profiled(job, "b"), c(13))
+    assert "b" in job.profiles and job.waiting == ("a", "c")
+    # c drops off and stays away: its profile counts as failed, the job goes on without it
+    job, _ = J.handle(job, J.NodeDown("c"), c(14, ("a", "b")))
+    job, _ = J.handle(job, profiled(job, "a"), c(15, ("a", "b")))
+    job, eff = J.handle(job, J.Tick(), c(19.5, ("a", "b")))
+    assert kinds(eff) == ["Respond", "Assign"] and [e.node_id for e in eff[1].plan.entries] == ["a", "b"]
+    assert any("leaving out 'c': it could not profile: went offline for more than 5 s while profiling" in e
+               for e in job.events), job.events
+    # the owner staying away refuses the job (as any unusable owner does before acceptance)
+    job, _ = J.new_job("k", SPEC, "t2", c(0))
+    job, _ = J.handle(job, inspected(job), c(1))
+    job, _ = J.handle(job, J.NodeDown("a"), c(2, ("b", "c")))
+    assert job.phase == "profiling"
+    job, eff = J.handle(job, J.Tick(), c(7.5, ("b", "c")))
+    assert job.phase == "failed" and "went offline for more than 5 s while profiling" in job.error
