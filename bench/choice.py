@@ -61,13 +61,17 @@ def overlap_args(strat: str) -> tuple[str, dict]:
     base, _, mode = strat.partition("+")
     if not mode:
         return base, {}
+    from xronos.gateway.plan.overlapcost import mode_of
+
     if mode in ("on", "auto"):
         return base, {"overlap": mode}
-    if mode == "bwd":
-        return base, {"overlap": "on", "chunks": 1}
-    if mode.startswith("c") and mode[1:].isdigit():
-        return base, {"overlap": "on", "chunks": int(mode[1:])}
-    raise ValueError(f"strategy {strat!r}: overlap mode bwd, cN, on or auto")
+    try:
+        forced = mode_of(mode)
+    except ValueError:
+        forced = None
+    if forced is None or not forced.on:
+        raise ValueError(f"strategy {strat!r}: overlap mode bwd, cN, on or auto")
+    return base, {"overlap": "on", "chunks": forced.chunks}
 HOST_FRACTION = 0.8  # of this host's memory the cells' caps may take together
 
 

@@ -72,13 +72,23 @@ def config_of(cell: dict) -> dict:
     return config
 
 
+def parse_modes(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """`--modes` as a list of mode labels; a bad one is the parser's error, naming it."""
+    modes = [m for m in text.split(",") if m]
+    for m in modes:
+        try:
+            chunks_of(m)
+        except ValueError as e:
+            ap.error(str(e))
+    return modes
+
+
 def chunks_of(mode: str) -> int:
-    """Modes: `off`; `bwd` (backward overlap); `cN` (backward overlap and N forward chunks)."""
-    if mode in ("off", "bwd"):
-        return 1
-    if mode.startswith("c") and mode[1:].isdigit() and int(mode[1:]) >= 2:
-        return int(mode[1:])
-    raise ValueError(f"mode {mode!r}: off, bwd or cN (N >= 2 forward chunks)")
+    """Modes: `off`; `bwd` (backward overlap); `cN` (backward overlap and N forward chunks). The
+    planner's labels (`overlapcost.mode_of`, which refuses any other)."""
+    from xronos.gateway.plan.overlapcost import mode_of
+
+    return mode_of(mode).chunks
 
 
 def worker(job_file: str, rank_s: str) -> None:
@@ -262,12 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
     names = [c for c in args.cells.split(",") if c]
-    modes = [m for m in args.modes.split(",") if m]
-    for m in modes:
-        try:
-            chunks_of(m)
-        except ValueError as e:
-            ap.error(str(e))
+    modes = parse_modes(ap, args.modes)
     bad = [c for c in names if c not in CELLS]
     if bad:
         ap.error(f"unknown cell(s) {bad}; known: {', '.join(CELLS)}")

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from xronos.bench.overlap import CELLS, chunks_of, config_of, run_cell
+from xronos.bench.overlap import CELLS, config_of, parse_modes, run_cell
 
 CORES = (0, 1)  # one rank per core
 TARGET_POINTS = 5.0  # the bound on |wall gain - virtual gain|
@@ -266,12 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also a virtual run per repeat on the link fitted to the real one (measured rate too)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
-    names, modes = [c for c in args.cells.split(",") if c], [m for m in args.modes.split(",") if m]
-    for m in modes:
-        try:
-            chunks_of(m)
-        except ValueError as e:
-            ap.error(str(e))
+    names, modes = [c for c in args.cells.split(",") if c], parse_modes(ap, args.modes)
     if modes[0] != "off":
         ap.error(f"--modes must start with off (the baseline the gains are measured from), got {modes[0]!r}")
     bad = [c for c in names if c not in CELLS or len(CELLS[c]["speeds"]) != 2]

@@ -167,16 +167,16 @@ def parse_reshard_at(texts: list[str]) -> list[dict]:
 
 def parse_overlap(text: str):
     """`--overlap off|bwd|cN` as RunConfig.overlap (None: off); ValueError naming the value otherwise."""
+    from xronos.gateway.plan.overlapcost import mode_of
     from xronos.protocol.messages import MAX_CHUNKS, Overlap
 
-    if text == "off":
-        return None
-    if text == "bwd":
-        return Overlap(backward=True)
-    n = text[1:]
-    if not (text.startswith("c") and n.isdigit() and 2 <= int(n) <= MAX_CHUNKS):
+    try:
+        mode = mode_of(text)
+    except ValueError:
+        mode = None
+    if mode is None or mode.chunks > MAX_CHUNKS:
         raise ValueError(f"--overlap {text!r}: off, bwd or cN with N forward chunks, 2 <= N <= {MAX_CHUNKS}")
-    return Overlap(backward=True, chunks=int(n))
+    return Overlap(backward=mode.backward, chunks=mode.chunks) if mode.on else None
 
 
 def config_from_args(args: argparse.Namespace, layout):

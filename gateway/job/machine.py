@@ -17,14 +17,13 @@ Nodes speak only for themselves: an answer counts only if it carries the request
 to that node; a status or metric only if its rank is the node's rank in the current plan; and
 completion, checkpoints, evaluations and the export only from rank 0 (the owner).
 `abort(job, ctx, reason)` fails a job whose transition raised unexpectedly (the service's guard);
-`prune` bounds the history of finished jobs. The live re-shard transitions (the policy's
+what the table keeps of finished jobs (`prune`, `finished`) is `retention`'s. The live re-shard transitions (the policy's
 `Rebalanced`, the owner's word on a re-shard) are in `reshard`; a node that joins a running job
 (taken into its next plan at a checkpoint) in `join`; the event history in `history`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 
 from xronos.protocol import messages as m
@@ -35,6 +34,7 @@ from .join import rejoin
 from .planning import plan_text
 from .progress import apply_metrics
 from .reshard import on_rebalanced, owner_reshard_status
+from .retention import finished, prune
 from .types import (
     ACTIVE, TERMINAL, Acked, Agg, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job, JoinPolicy,
     Metrics, Net, NodeDown, NodeUp, Out, Planned, Profile, Profiled, Rebalanced, Reshard, Respond, Status, Tick,
@@ -44,7 +44,7 @@ from .types import (
 __all__ = ["ACTIVE", "TERMINAL", "Acked", "Agg", "Assign", "Command", "Control", "Ctx", "Effect", "Event",
            "Inspect", "Inspected", "Job", "JoinPolicy", "Metrics", "Net", "NodeDown", "NodeUp", "Out", "Profile",
            "Profiled", "Rebalanced", "Reshard", "Respond", "Status", "Tick", "Timeouts", "abort", "handle", "new_job",
-           "occupies",
+           "occupies", "finished",
            "prune", "restart", "schedule", "MAX_ERROR_CHARS", "MAX_EVENT_CHARS", "MAX_EVENTS"]
 
 MAX_ERROR_CHARS = 1000  # the event history's bounds (MAX_EVENTS, MAX_EVENT_CHARS) are `history`'s
@@ -485,23 +485,3 @@ def restart(job: Job, ctx: Ctx) -> Out:
             [Assign(job.job_id, job.plan, job.resume_step)]
     # recovering, between attempts: retry once the retained availability has arrived
     return replace(job, awaiting="retry", deadline=ctx.now + ctx.timeouts.retry_s), []
-
-
-# --- history ---------------------------------------------------------------------------------
-def prune(jobs: Mapping[str, Job], now: float, keep: int, max_age_s: float) -> tuple[dict[str, Job], list[str]]:
-    """Bound the history: finished jobs older than `max_age_s` go, and of the rest only the newest
-    `keep`. Unfinished jobs are never pruned. Returns (kept table, ids of the jobs dropped)."""
-    done = sorted((j for j in jobs.values() if j.phase in TERMINAL), key=lambda j: (j.updated_at, j.created_at))
-    old = {j.job_id for j in done if now - j.updated_at > max_age_s}
-    young = [j for j in done if j.job_id not in old]
-    old |= {j.job_id for j in young[: max(len(young) - keep, 0)]}
-    return {k: j for k, j in jobs.items() if k not in old}, sorted(old)
-
-
-def finished(job: Job) -> Job:
-    """A finished job as the history keeps it: without its profiles and in-flight bookkeeping."""
-    if job.phase not in TERMINAL or not (job.profiles or job.requests or job.waiting or job.join_requests
-                                         or job.join_plan):
-        return job
-    return replace(job, profiles={}, requests=(), waiting=(), awaiting="", deadline=None, recover_deadline=None,
-                   join_requests=(), join_plan=None)

@@ -491,3 +491,4 @@ def test_a_node_that_drops_off_the_broker_while_profiling_is_waited_for_a_while(
     assert job.phase == "profiling"
     job, eff = J.handle(job, J.Tick(), c(7.5, ("b", "c")))
     assert job.phase == "failed" and "went offline for more than 5 s while profiling" in job.error
+    assert J.finished(replace(job, offline_since={"b": 3.0})).offline_since == {}  # the history keeps none
