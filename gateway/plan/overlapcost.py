@@ -5,22 +5,25 @@ The modes are the node runtime's (`node/tp/overlap.py`):
 
 - `off`     every all-reduce blocks its rank (the plan's prediction as `planner` makes it);
 - `bwd`     backward: each column-parallel region's input-gradient all-reduce travels while the
-            region's weight-gradient GEMMs run (Megatron's async input-gradient all-reduce);
+            region's weight-gradient GEMMs run (Megatron's async input-gradient all-reduce), its
+            row layer's among them (left late by that layer: `overlap.late_weight_linear`);
 - `cN`      that, and forward chunking: the batch rows in N chunks, chunk k's row-parallel
             all-reduce travelling while chunk k+1 computes (Domino).
 
 **Model.** The plan's per-segment bottleneck compute (`PlanResult.segment_s`: the slowest node in
 each segment, which every rank waits for at the segment's barrier) is cut per block into the
-forward pass, the input-gradient work, and the column layers' weight gradients, which are the only
-work that can hide a backward all-reduce:
+forward pass, the input-gradient work, and the weight gradients, which are the only work that can
+hide a backward all-reduce:
 
-    full fine-tuning   forward 1/3, weight gradients 1/3 of which the column layers' half (1/6),
-                       the rest of backward 1/2
+    full fine-tuning   forward 1/3, weight gradients 1/3 (the region's column layers' and its row
+                       layer's, which the runtime leaves late for the region's window), the rest of
+                       backward 1/3
     LoRA               forward 1/2, backward 1/2; the frozen base has no weight gradient: nothing
                        hides a backward all-reduce (the adapters' gradients are tiny)
 
-(a GEMM's backward is two GEMMs of its forward's size; half of a block's weights are column-
-parallel: QKV vs the output projection, the MLP's up vs its down). The link and the CPU are two
+(a GEMM's backward is two GEMMs of its forward's size: its input's gradient and its weight's).
+Until the row layers' weight gradients were left late (2026-12-06) only the column layers' half
+(1/6) hid the all-reduce; the first `overlap-a` runs in `docs/planning.md` were made so. The link and the CPU are two
 resources each used in order, and each all-reduce takes the longer of the link's time and the
 slowest node's CPU for it (`commmodel.comm_time`). The forward pass is simulated as the runtime
 schedules it: stage by stage (each block's attention, then its MLP), chunk by chunk; a chunk's
@@ -132,8 +135,8 @@ def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: in
     """(iteration seconds, chunking's added compute) of the mode, in the module's model."""
     B, c = shape.blocks, mode.chunks
     grow = 1 + (c - 1) * fixed  # N chunks' compute over one pass's
-    f, w_col = (1 / 3, 1 / 6) if shape.trains_weights else (1 / 2, 0.0)
-    g = 1 - f - w_col
+    f, w = (1 / 3, 1 / 3) if shape.trains_weights else (1 / 2, 0.0)
+    g = 1 - f - w
     # one chunk's compute per block: attention's stage, then the MLP's
     stages = [seg.get(kind, 0.0) / max(B, 1) * grow / c for kind in ("attn", "mlp")]
     l_chunk = _link(shape.act_bytes / c, n, bandwidth_Bps, latency_s, cpu)
@@ -155,9 +158,9 @@ def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: in
     for t_stage in stages:
         for _ in range(c):
             if mode.backward:
-                per_region += g * t_stage + max(w_col * t_stage + own, l_chunk)
+                per_region += g * t_stage + max(w * t_stage + own, l_chunk)
             else:
-                per_region += g * t_stage + w_col * t_stage + l_chunk
+                per_region += g * t_stage + w * t_stage + l_chunk
     backward = B * per_region
     # the vocabulary segment: the embedding's all-reduce, and a causal LM head's input-gradient one,
     # which a trained head's weight gradient hides under bwd (cross-entropy's three small

@@ -96,6 +96,7 @@ class TPGroup:
         self.overlap = False
         self.chunks = 1  # forward chunking: a rank's batch rows in this many chunks (1: none)
         self.launched = 0  # asynchronous collectives started (a rank's count of overlapped ones)
+        self.late: list = []  # weight gradients a row layer left for the next region's window (overlap.py)
 
     @classmethod
     def single(cls, *, trace: bool = False, clock: Clock | None = None) -> TPGroup:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .group import TPGroup
 from .layout import ShardLayout
 from .mappings import boundary, reduce_from_tp
-from .overlap import Entered
+from .overlap import Entered, late_weight_linear
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,10 @@ class RowParallelLinear(Sharded):
         """This rank's part of the sum the all-reduce completes (forward chunking launches that
         all-reduce itself: `mappings.reduce_from_tp_async`, then `finish`)."""
         # An empty inner dimension gives exact zeros, so a 0-unit rank adds nothing.
-        part = _linear(x, self.weight, None, self.transposed)  # [..., out], this rank's partial sum
+        if self.group.overlap and self.group.world_size > 1:  # its weight gradient hides a region's all-reduce
+            part = late_weight_linear(x, self.weight, self.group, self.transposed)  # [..., out]
+        else:
+            part = _linear(x, self.weight, None, self.transposed)  # [..., out], this rank's partial sum
         if self.lora_scale is None:
             return part
         u = F.linear(self.lora_dropout(x), self.lora_A)  # [..., r], partial

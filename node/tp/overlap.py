@@ -15,6 +15,20 @@ and nothing changes.
 The region's passengers (`lora.enter_region`: Qwen3's q/k norm weights, the adapters' A's) ride
 in the same all-reduce as before. Each layer gets its product as an `Entered` instead of its A
 (`ColumnParallelLinear.forward` takes either), so the models' code does not change.
+
+The region's own weight gradients are a small window (a sixth of a block's work: QKV's and the
+MLP's up projection's), often shorter than the all-reduce on a 1 Gbit/s link. So the row-parallel
+layer that closes each region (the attention's output projection, the MLP's down projection,
+`late_weight_linear`) leaves its weight gradient for later, as zero-bubble pipeline schedules split
+backward into B and W: its backward computes only the input gradient and queues g^T x on the group
+(`TPGroup.late`). Every region runs that queue inside its all-reduce's window, before its own
+weight gradients, which doubles the MLP's window (both its projections' weight gradients) and adds
+the output projection's to attention's. In backward a row layer always comes before the column
+region that entered its stage, so the queue is empty again once that region ran; a callback queued
+on autograd's engine runs whatever is left when the backward pass ends (any caller of
+`loss.backward()`, nothing to remember). Each weight gets the same g^T x, added to its `.grad` as
+autograd's accumulation does; only when it happens moves. What it costs: the row layer's input and
+output gradient stay alive until the region runs (one region's activations at most).
 """
 
 from __future__ import annotations
@@ -74,7 +88,9 @@ class _ColumnRegion(torch.autograd.Function):
         flat = torch.cat((dx.reshape(-1), gp.reshape(-1))) if gp.numel() else dx
         with ctx.group.segment(ctx.kind):
             pending = ctx.group.all_reduce_async(flat)
-        # While it travels: the weight and bias gradients, which need no communication.
+        # While it travels: the weight gradients the region's row layers left (`late_weight_linear`),
+        # then the region's own weight and bias gradients; none needs communication.
+        run_late(ctx.group)
         grads: list[torch.Tensor | None] = []
         x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
         for (w, b, transposed, w_needs, b_needs), g in zip(layers, gys):
@@ -92,6 +108,63 @@ class _ColumnRegion(torch.autograd.Function):
         if flat is not dx:
             dx, gp = flat[:n].view(x.shape), flat[n:].view(ctx.pshape).clone()
         return (dx, gp, None, None, None, *grads)
+
+
+class _LateWeight(torch.autograd.Function):
+    """y = x W^T (W [out, in], or [in, out] transposed) whose backward gives the input gradient at
+    once and queues the weight's, g^T x, on the group (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, group: TPGroup, transposed: bool):  # type: ignore[override]
+        ctx.group, ctx.transposed = group, transposed
+        ctx.save_for_backward(x, w)
+        return F.linear(x, _weight(w, transposed))  # [..., out]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        dx = g.matmul(_weight(w, ctx.transposed)) if ctx.needs_input_grad[0] else None  # [..., in]
+        if ctx.needs_input_grad[1]:
+            transposed = ctx.transposed
+
+            def weight_grad() -> None:
+                x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
+                g2 = g.reshape(x2.shape[0], g.shape[-1])  # [tokens, out]
+                _accumulate(w, x2.t() @ g2 if transposed else g2.t() @ x2)
+
+            _queue_late(ctx.group, weight_grad)
+        return dx, None, None, None
+
+
+def _accumulate(w: torch.Tensor, gw: torch.Tensor) -> None:
+    """Add a weight gradient computed outside autograd to `w.grad`, as its accumulation would."""
+    with torch.no_grad():
+        if w.grad is None:
+            w.grad = gw
+        else:
+            w.grad.add_(gw)
+
+
+def _queue_late(group: TPGroup, work) -> None:
+    if not group.late:
+        # Whatever no region ran by the end of this backward pass runs then (DDP finalizes its
+        # buckets the same way): a caller of loss.backward() has nothing to flush.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: run_late(group))  # type: ignore[attr-defined]
+    group.late.append(work)
+
+
+def run_late(group: TPGroup) -> None:
+    """Run the weight gradients the row layers left on `group`, oldest first."""
+    while group.late:
+        group.late.pop(0)()
+
+
+def late_weight_linear(x: torch.Tensor, weight: torch.Tensor, group: TPGroup, transposed: bool) -> torch.Tensor:
+    """x [..., in] times a row-parallel layer's local weight, its weight gradient left to the next
+    column region's all-reduce window (module docstring). A frozen weight has nothing to leave."""
+    if not weight.requires_grad or not torch.is_grad_enabled():
+        return F.linear(x, _weight(weight, transposed))
+    return _LateWeight.apply(x, weight, group, transposed)
 
 
 def column_region(x: torch.Tensor, group: TPGroup, kind: str | None,

@@ -60,3 +60,43 @@ def test_chunked_forward_and_backward_are_the_unchunked_ones(family):
         group.chunks = bad
         with pytest.raises(ValueError, match=rf"chunks must be a positive integer, got {bad!r} \(batch size 5\)"):
             model(ids, labels=ids)
+
+
+class _Late:
+    """What late_weight_linear needs of a group: the queue of late weight gradients."""
+
+    def __init__(self) -> None:
+        self.late: list = []
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_late_weight_gradient_is_autograds_once_backward_ends(transposed):
+    from xronos.node.tp.overlap import late_weight_linear
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 4, 6, generator=gen, requires_grad=True)
+    w0 = torch.randn((6, 5) if transposed else (5, 6), generator=gen)
+    ref_w = w0.clone().requires_grad_(True)
+    ref = torch.nn.functional.linear(x, ref_w.t() if transposed else ref_w)
+    (ref * ref).sum().backward()
+    ref_dx, x.grad = x.grad, None
+
+    w = w0.clone().requires_grad_(True)
+    group = _Late()
+    for _ in range(2):  # the second pass accumulates onto the first's, as autograd does
+        y = late_weight_linear(x, w, group, transposed)
+        assert y.shape == (3, 4, 5)
+        (y * y).sum().backward()  # no region ran the queue: the end of backward did
+        assert group.late == []
+    torch.testing.assert_close(x.grad, 2 * ref_dx)
+    torch.testing.assert_close(w.grad, 2 * ref_w.grad)
+
+
+def test_a_frozen_weight_leaves_nothing_late():
+    from xronos.node.tp.overlap import late_weight_linear
+
+    x = torch.randn(2, 6, requires_grad=True)
+    w = torch.randn(5, 6)
+    group = _Late()
+    late_weight_linear(x, w, group, False).sum().backward()
+    assert group.late == [] and w.grad is None and x.grad is not None
