@@ -315,14 +315,22 @@ def _on_down(job: Job, ev: NodeDown, ctx: Ctx) -> Out:
 
 
 def _on_up(job: Job, ev: NodeUp, ctx: Ctx) -> Out:
-    if ev.node_id in job.offline_since:  # back while profiling: its report is awaited as before
-        job = note(job, ctx.now, f"node {ev.node_id!r} is back; its profile is awaited",
+    out: list = []
+    if ev.node_id in job.offline_since:
+        # Back while profiling. After a broker blip its profiling went on and the report is queued;
+        # after a service restart the request is gone. Asking again with the same request id is
+        # safe either way: a node still profiling it ignores the duplicate, one that finished
+        # answers from its profile cache, a restarted one profiles anew (its first answer counts).
+        job = note(job, ctx.now, f"node {ev.node_id!r} is back; its profile is asked for again",
                    offline_since={n: t for n, t in job.offline_since.items() if n != ev.node_id})
+        again = tuple(r for r in job.requests if r[1] == ev.node_id)
+        if job.awaiting == "profiles" and ev.node_id in job.waiting and again:
+            out.append(Profile(job.job_id, again))
     if ev.node_id in job.excluded:
         job = replace(job, excluded=tuple(n for n in job.excluded if n != ev.node_id))
     if job.phase == "recovering" and job.awaiting == "retry":
         return _replan(note(job, ctx.now, f"node {ev.node_id!r} is back"), ctx)
-    return job, []
+    return job, out
 
 
 def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:

@@ -472,8 +472,12 @@ def test_a_node_that_drops_off_the_broker_while_profiling_is_waited_for_a_while(
     assert "node 'b' went offline while profiling: its profile is awaited 5 s more" in job.events[-1]
     job, eff = J.handle(job, J.Tick(), c(6.5, ("a", "c")))
     assert eff == [] and "b" in job.waiting
-    job, _ = J.handle(job, J.NodeUp("b"), c(7))
-    assert job.offline_since == {} and "node 'b' is back; its profile is awaited" in job.events[-1]
+    rid = dict((n, r) for r, n in job.requests)["b"]
+    job, eff = J.handle(job, J.NodeUp("b"), c(7))
+    assert job.offline_since == {} and "node 'b' is back; its profile is asked for again" in job.events[-1]
+    # asked again with the same request id: a service that restarted lost the request; one that
+    # kept it ignores the duplicate (node/agent/requests.py), and only the first answer counts
+    assert eff == [J.Profile("j", ((rid, "b"),))]
     job, _ = J.handle(job, J.Tick(), c(12))  # back: no offline clock runs for it any more
     job, _ = J.handle(job, profiled(job, "b"), c(13))
     assert "b" in job.profiles and job.waiting == ("a", "c")
