@@ -33,6 +33,7 @@ output gradient stay alive until the region runs (one region's activations at mo
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -128,8 +129,9 @@ class _LateWeight(torch.autograd.Function):
             transposed = ctx.transposed
 
             def weight_grad() -> None:
-                x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
-                g2 = g.reshape(x2.shape[0], g.shape[-1])  # [tokens, out]
+                tokens = math.prod(x.shape[:-1])  # (a 0-unit rank's x is [..., 0]: no -1 to infer)
+                x2 = x.reshape(tokens, x.shape[-1])  # [tokens, in]
+                g2 = g.reshape(tokens, g.shape[-1])  # [tokens, out]
                 _accumulate(w, x2.t() @ g2 if transposed else g2.t() @ x2)
 
             _queue_late(ctx.group, weight_grad)

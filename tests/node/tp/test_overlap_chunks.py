@@ -92,6 +92,18 @@ def test_a_late_weight_gradient_is_autograds_once_backward_ends(transposed):
     torch.testing.assert_close(w.grad, 2 * ref_w.grad)
 
 
+def test_a_rank_holding_none_of_a_row_layer_leaves_an_empty_gradient():
+    from xronos.node.tp.overlap import late_weight_linear
+
+    x = torch.randn(2, 3, 0, requires_grad=True)  # a 0-unit rank's input: [..., 0]
+    w = torch.randn(5, 0, requires_grad=True)
+    group = _Late()
+    y = late_weight_linear(x, w, group, False)
+    assert torch.equal(y, torch.zeros(2, 3, 5))
+    y.sum().backward()
+    assert w.grad is not None and w.grad.shape == (5, 0) and x.grad.shape == (2, 3, 0)
+
+
 def test_a_frozen_weight_leaves_nothing_late():
     from xronos.node.tp.overlap import late_weight_linear
 
