@@ -97,6 +97,7 @@ class TPGroup:
         self.chunks = 1  # forward chunking: a rank's batch rows in this many chunks (1: none)
         self.launched = 0  # asynchronous collectives started (a rank's count of overlapped ones)
         self.late: list = []  # weight gradients a row layer left for the next region's window (overlap.py)
+        self.late_task = -1  # the backward pass (autograd graph task) they belong to
 
     @classmethod
     def single(cls, *, trace: bool = False, clock: Clock | None = None) -> TPGroup:

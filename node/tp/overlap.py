@@ -148,9 +148,14 @@ def _accumulate(w: torch.Tensor, gw: torch.Tensor) -> None:
 
 
 def _queue_late(group: TPGroup, work) -> None:
-    if not group.late:
-        # Whatever no region ran by the end of this backward pass runs then (DDP finalizes its
+    task = torch._C._current_graph_task_id()  # this backward pass
+    if group.late_task != task:
+        # The first late gradient of this pass. Work left by a pass that raised (its callback never
+        # ran) belongs to that pass's gradients, which nobody applies: dropped, never added to
+        # this one's. Whatever no region runs by this pass's end runs then (DDP finalizes its
         # buckets the same way): a caller of loss.backward() has nothing to flush.
+        group.late.clear()
+        group.late_task = task
         torch.autograd.Variable._execution_engine.queue_callback(lambda: run_late(group))  # type: ignore[attr-defined]
     group.late.append(work)
 

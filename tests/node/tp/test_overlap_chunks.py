@@ -67,6 +67,7 @@ class _Late:
 
     def __init__(self) -> None:
         self.late: list = []
+        self.late_task = -1
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -102,6 +103,31 @@ def test_a_rank_holding_none_of_a_row_layer_leaves_an_empty_gradient():
     assert torch.equal(y, torch.zeros(2, 3, 5))
     y.sum().backward()
     assert w.grad is not None and w.grad.shape == (5, 0) and x.grad.shape == (2, 3, 0)
+
+
+def test_a_backward_pass_that_raised_leaves_nothing_for_the_next():
+    from xronos.node.tp.overlap import late_weight_linear
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 6, generator=gen, requires_grad=True)
+    w = torch.randn(5, 6, generator=gen, requires_grad=True)
+    group = _Late()
+    y = late_weight_linear(Boom.apply(x), w, group, False)
+    with pytest.raises(RuntimeError, match="boom"):
+        y.sum().backward()  # the row layer queued its weight gradient, then the pass raised
+    assert len(group.late) == 1 and w.grad is None
+    late_weight_linear(x, w, group, False).sum().backward()
+    assert group.late == []
+    torch.testing.assert_close(w.grad, torch.ones(4, 5).t() @ x)  # this pass's alone
 
 
 def test_a_frozen_weight_leaves_nothing_late():
