@@ -17,10 +17,11 @@ per-cell ratios; a cell that fails is reported, not fatal.
 
 On the virtual clock (the default, `--cpu-mode`; the link is then modelled at the cell's rate, not
 shaped) `--repeats N` runs every cell N times, repeats interleaved (all cells, then all again), and
-`--estimators min,med` each repeat under each burst estimator in turn; grid-repeats.md tables per
+`--estimators min,med` each repeat under each burst estimator in turn; grid-targets.md tables per
 cell and estimator xronos/uniform of every repeat, its spread ((max - min) / mean), and the
-product's figures (xronos/ideal, worst idle, compute MAPE, xronos/pp) as means. The first
-estimator's first repeat is the cell's result file; the others are `<cell>_<estimator>_r<k>`.
+product's figures against issue #33's targets (`gridtargets.py`, which also reads them back from the
+files). The first estimator's first repeat is the cell's result file; the others are
+`<cell>_<estimator>_r<k>`.
 """
 
 from __future__ import annotations
@@ -187,40 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         results.write(tta, args.out)
     write_summary(docs, tta, args.out, time.time() - t0)
     if args.repeats > 1 or len(estimators) > 1:
-        md = repeats_markdown(runs, args)
-        results.atomic_write(args.out / "grid-repeats.md", md.encode())
+        from xronos.bench import gridtargets
+
+        md = gridtargets.markdown(gridtargets.targets(runs), str(args.out))
+        results.atomic_write(args.out / "grid-targets.md", md.encode())
         print(md)
     return 0
-
-
-def repeats_markdown(runs: dict[tuple[str, str], list[dict]], args) -> str:
-    """Per cell and estimator: xronos/uniform of every repeat, its spread, the product's figures."""
-    import statistics
-
-    def mean(xs: list) -> str:
-        xs = [x for x in xs if x is not None]
-        return "–" if not xs else f"{statistics.mean(xs):.3f}"
-
-    lines = ["# Grid, repeated", "",
-             f"`python -m xronos.bench.grid --cpu-mode {args.cpu_mode} --repeats {args.repeats} --estimators "
-             f"{args.estimators}{' --quick' if args.quick else ''}{f' --cells {args.cells}' if args.cells else ''}`. "
-             f"Clock: **{'virtual' if args.cpu_mode == 'virtual' else 'wall'}**. Repeats interleaved (every cell, "
-             "then every cell again); spread = (max - min) / mean of xronos/uniform over the repeats; the other "
-             "figures are means over the repeats. Load: each run's at start.", "",
-             "| cell | estimator | xronos/uniform per repeat | mean | spread % | xronos/ideal (measured) | "
-             "worst idle xronos % | MAPE xronos % | xronos/pp | load |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for (cell, est), docs in runs.items():
-        xu = [d["ratios"].get("xronos/uniform") for d in docs]
-        ok = [x for x in xu if x is not None]
-        spread = f"{100 * (max(ok) - min(ok)) / statistics.mean(ok):.1f}" if len(ok) > 1 else "–"
-        idle = [100 * d["summary"]["xronos"]["max_idle_ratio"] for d in docs if "xronos" in d["summary"]]
-        mape = [d["summary"]["xronos"].get("mape_pct") for d in docs if "xronos" in d["summary"]]
-        lines.append(f"| {cell} | {est} | " + ", ".join("–" if x is None else f"{x:.3f}" for x in xu)
-                     + f" | {mean(xu)} | {spread} | {mean([d['ratios'].get('xronos/ideal (measured fit)') for d in docs])} | "
-                     f"{'–' if not idle else f'{max(idle):.1f}'} | {mean(mape)} | "
-                     f"{mean([d['ratios'].get('xronos/pp') for d in docs])} | "
-                     + ", ".join(f"{d['environment']['loadavg_start'][0]:.1f}" for d in docs) + " |")
-    return "\n".join(lines) + "\n"
 
 
 def rerender(cells: list[CellSpec], out: Path, with_tta: bool) -> int:
