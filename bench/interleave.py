@@ -120,6 +120,11 @@ def run_cell(spec, pairs: int, phase: int, warmup: int, scratch: str | None = No
             doc["quotas"] = conf.quotas()
         doc["run_wall_s"] = time.perf_counter() - t0
         m = json.loads(metrics.read_text())
+    moved = [r["step"] for r in m.get("reshards", [])]
+    if moved != [s for s, _ in phases[1:]]:  # a refused move leaves phases that are not what they say
+        why = "; ".join(r["refused"] for r in m.get("reshards_refused", [])) or "no reason recorded"
+        raise RuntimeError(f"the run moved before steps {moved}, not {[s for s, _ in phases[1:]]}: {why}")
+    doc["reshard_s"] = [r["seconds"] for r in m["reshards"]]
     doc["clock"] = m.get("clock")
     doc["ranks"] = [r["iterations"] for r in m["ranks"]]
     doc["figures"] = pair_figures(doc["ranks"], pairs, phase, warmup)

@@ -35,7 +35,7 @@ from xronos.node.runconfig import ReshardAt
 from xronos.node.rank.lifecycle import Rank, Reshard, Word
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
-from xronos.node.tp.reshard import moved_bytes, reshard, specs_per_rank, transfer_plan
+from xronos.node.tp.reshard import move_peak_bytes, moved_bytes, reshard, specs_per_rank, transfer_plan
 from xronos.protocol.layout import Layout, LayoutError
 
 
@@ -106,7 +106,8 @@ class SpecCache:
 
 def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     """Collective: `engine` (a TPEngine: model, opt, layout, specs, replicated) goes on under
-    `word.layout`. A layout of another world or model is refused on every rank alike."""
+    `word.layout`. A layout of another world or model, or a move some rank has no memory for
+    (`check_room`), is refused on every rank alike, before anything moves."""
     group, cfg = rank.group, rank.cfg
     old = engine.layout.layout()
     new = word.layout
@@ -121,6 +122,7 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     plan = transfer_plan(engine.spec_cache(old), engine.spec_cache(new))
     shard = ShardLayout.of(new, group.rank)
     sent = moved_bytes(plan, engine.model, engine.opt)
+    check_room(group, move_peak_bytes(plan, engine.model, engine.opt, group.rank), memory_room(), step)
     lora = engine.lora
 
     def build_new() -> Any:  # the engine's build at the new layout (adapters included), on the meta device
@@ -140,6 +142,32 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     group.drain_timings()
     group.drain_spans()
     return Move(step, word.reason, old.to_text(), new.to_text(), group.now() - t0, sent)
+
+
+def memory_room() -> int:
+    """Bytes this process may still allocate: the memory available to it (its cgroup's limit less
+    its usage where that is tighter than the host's MemAvailable) and the free chunks of its own
+    heap, which the training ranks' allocator keeps (`node/measure/allocator.py`) and a new
+    allocation reuses before it asks the kernel for more."""
+    from xronos.node.box.capabilities import memory
+    from xronos.node.measure import memwatch
+
+    return memory()[1] + memwatch.heap().get("free", 0)
+
+
+def check_room(group: TPGroup, need: int, room: int, step: int) -> None:
+    """Collective: every rank tells its (need, room) and all refuse alike (LayoutError, naming the
+    first rank short and its figures) when any rank would have to allocate more than it has: the
+    kernel would kill that rank mid-move (a Set-B TinyLlama rank was, under its memory cap,
+    moving from uniform's layout to xronos's), and a refused move leaves the run as it was."""
+    import torch
+
+    mine = torch.tensor([float(need), float(room)], dtype=torch.float64)
+    for r, t in enumerate(group.all_gather(mine, timed=False)):
+        n, m = float(t[0]), float(t[1])
+        if n > m:
+            raise LayoutError(f"re-shard at step {step}: rank {r} would need {n / 2**20:,.0f} MiB more during the "
+                              f"move (its new shards and the pieces in flight) and has room for {m / 2**20:,.0f} MiB")
 
 
 def resplit(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:

@@ -36,6 +36,7 @@ from xronos.node.rank.lifecycle import (Capabilities, Engine, EvalResult, JobFau
 from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import add_lora
+from xronos.protocol.layout import LayoutError
 
 
 def lr_factor(step: int, warmup_steps: int) -> float:
@@ -182,6 +183,7 @@ class TPEngine(Engine):
     def __init__(self) -> None:
         self.lora: Any = None  # the family's LoRA settings (set at build; None: full fine-tuning)
         self.moves: list = []  # live re-shards (relayout.Move), in order
+        self.refused: list[dict[str, Any]] = []  # re-shards refused before anything moved: step, reason, why
         self.last: IterationRecord | None = None  # the latest step's record (what a re-balancer measures)
         self.report_extra: dict[str, Any] = {}  # sections others add to the metrics document (re-plans)
         self._reshard_s = 0.0  # booked on the next iteration's record
@@ -249,7 +251,11 @@ class TPEngine(Engine):
 
         if not hasattr(self, "spec_cache"):
             self.spec_cache = SpecCache(self.family, rank.facts.config, rank.cfg.recipe.task, rank.cfg.recipe.dropout, self.lora)
-        m = move(self, rank, word, step)
+        try:
+            m = move(self, rank, word, step)
+        except LayoutError as exc:  # refused alike on every rank, before anything moved (the caller goes on)
+            self.refused.append({"step": step, "reason": word.reason, "refused": str(exc)})
+            raise
         self.moves.append(m)
         self._reshard_s += m.seconds
 
@@ -300,6 +306,9 @@ class TPEngine(Engine):
         for m in self.moves:
             print(f"re-sharded before step {m.step} ({m.reason}): {m.old} -> {m.new}, {m.moved_bytes} bytes, "
                   f"{m.seconds:.3f} s", flush=True)
+        for r in self.refused:
+            print(f"re-shard before step {r['step']} ({r['reason']}) refused, the run went on as it was: "
+                  f"{r['refused']}", flush=True)
         from xronos.node.rank.relayout import settled_extra  # (lazy, as reshard's: relayout is above the engines)
 
         return {
@@ -313,6 +322,7 @@ class TPEngine(Engine):
             "reshards": [{**m.as_dict(), "seconds": max(r.reshard_s for recs in records for r in recs
                                                         if r.step == m.step)}
                          for m in self.moves],
+            "reshards_refused": self.refused,
             "ranks": [{"summary": asdict(s), "iterations": [asdict(r) for r in recs]}
                       for s, recs in zip(summaries, records)],
             **settled_extra(self),

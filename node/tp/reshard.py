@@ -13,7 +13,9 @@ count is a replicated scalar and stays), keeps what stays on itself, and receive
 The model is rebuilt at the new layout on the meta device (`Family.build`) and the moved tensors
 are installed as its parameters; the optimizer object is kept (the LR scheduler holds it, and its
 hyper-parameters and step count stay) and re-pointed at the new parameters with the moved state.
-Peak memory during the move: the old shard, the new shard and the outgoing and incoming buffers.
+Peak memory during the move: the old shard, the new shard and the outgoing and incoming buffers
+(`move_peak_bytes`); a move a rank has no room for is refused before anything moves
+(`xronos.node.rank.relayout.move`).
 """
 
 from __future__ import annotations
@@ -148,6 +150,25 @@ def moved_bytes(plan: TransferPlan, model: nn.Module, opt: torch.optim.Optimizer
     moments = _moment_names(opt, params) if opt is not None else {}
     return sum(plan.piece_elements(p) * len(_kinds(p.name, moments)) * params[p.name].element_size()
                for (src, dst), pieces in plan.moves.items() if src != dst for p in pieces)
+
+
+def move_peak_bytes(plan: TransferPlan, model: nn.Module, opt: torch.optim.Optimizer | None, rank: int) -> int:
+    """Bytes `rank` allocates during the move on top of what it holds (`reshard` keeps the old shard
+    until the new one is whole): its new local part of every partitioned tensor (weights and
+    per-element optimizer state), and its outgoing and incoming pieces, packed per dtype, which are
+    alive while the new parts fill."""
+    params = dict(model.named_parameters())
+    moments = _moment_names(opt, params) if opt is not None else {}
+
+    def size(p: Piece) -> int:
+        return plan.piece_elements(p) * len(_kinds(p.name, moments)) * params[p.name].element_size()
+
+    total = 0
+    for (src, dst), pieces in plan.moves.items():
+        n = sum(size(p) for p in pieces)
+        total += n if dst == rank else 0  # the new part: every piece it ends with, its own included
+        total += n if src != dst and rank in (src, dst) else 0  # in flight: packed to send, or received
+    return total
 
 
 def _moment_names(opt: torch.optim.Optimizer, params: Mapping[str, nn.Parameter]) -> dict[str, list[str]]:

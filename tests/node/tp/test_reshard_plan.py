@@ -119,3 +119,37 @@ def test_plans_between_different_models_or_worlds_are_refused():
     other = specs_per_rank(f2, c2, t2, Layout(attn=(3, 3), mlp=(64, 6), vocab=(20, 21)))
     with pytest.raises(LayoutError, match="differ between the layouts"):
         transfer_plan(two, other)
+
+
+def test_a_ranks_peak_during_the_move_is_its_new_part_and_its_pieces_in_flight():
+    """Rank 1 receives 32 MLP columns: it allocates its whole new part of every partitioned tensor
+    (what it keeps and what comes) and the incoming pieces' buffer; with AdamW's two moments, three
+    times that."""
+    from xronos.node.rank.optim import adamw
+    from xronos.node.rank.optstate import allocate_state
+    from xronos.node.tp.group import TPGroup
+    from xronos.node.tp.layout import ShardLayout
+    from xronos.node.tp.reshard import move_peak_bytes
+
+    family, config, task = _model("gpt2-lm")
+    a = Layout(attn=(3, 3), mlp=(64, 6), vocab=(20, 21))
+    b = Layout(attn=(3, 3), mlp=(32, 38), vocab=(20, 21))
+    plan = transfer_plan(specs_per_rank(family, config, task, a), specs_per_rank(family, config, task, b))
+    model = family.build(config, task, ShardLayout.of(a, 1), TPGroup.alone(2, 1))
+    fresh, incoming, outgoing = plan.elements(0, 1) + plan.elements(1, 1), plan.elements(0, 1), plan.elements(1, 0)
+    assert outgoing == 0
+    assert move_peak_bytes(plan, model, None, 1) == 4 * (fresh + incoming)
+    opt = adamw(model.parameters(), lr=1e-3)
+    allocate_state(opt)
+    assert move_peak_bytes(plan, model, opt, 1) == 3 * 4 * (fresh + incoming)
+
+
+def test_a_move_a_rank_has_no_room_for_is_refused_naming_the_rank_and_the_figures():
+    from xronos.node.rank.relayout import check_room, memory_room
+    from xronos.node.tp.group import TPGroup
+
+    group = TPGroup.single()
+    check_room(group, 10 << 20, 11 << 20, 5)  # fits: nothing happens
+    with pytest.raises(LayoutError, match=r"re-shard at step 5: rank 0 would need 12 MiB more .* room for 11 MiB"):
+        check_room(group, 12 << 20, 11 << 20, 5)
+    assert memory_room() > 0
