@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+import xronos.node.measure.allocator as allocator  # (the module alone: not the measuring room)
 from xronos.node.runconfig import ReshardAt
 from xronos.node.rank.lifecycle import Rank, Reshard, Word
 from xronos.node.tp.group import TPGroup
@@ -122,6 +123,10 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
     plan = transfer_plan(engine.spec_cache(old), engine.spec_cache(new))
     shard = ShardLayout.of(new, group.rank)
     sent = moved_bytes(plan, engine.model, engine.opt)
+    # The heap's free chunks go back to the kernel first (the ranks' allocator keeps them,
+    # `node/measure/allocator.py`): fragmented, they may not fit the move's tensors, so the room is
+    # what the kernel will still give this process.
+    allocator.trim()
     check_room(group, move_peak_bytes(plan, engine.model, engine.opt, group.rank), memory_room(), step)
     lora = engine.lora
 
@@ -135,6 +140,9 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
 
     _announce(group.rank, step)
     engine.model = reshard(engine.model, engine.opt, plan, build_new, group)
+    # The old shard and the buffers are free now: handed back, not kept as holes beside the new
+    # shard (a Set-B TinyLlama rank, kept, was killed under its cap after its second move).
+    allocator.trim()
     engine.layout = shard
     engine.specs = engine.model.tensor_specs()
     engine.replicated = {name for name, s in engine.specs.items() if s.dim is None}
@@ -146,13 +154,10 @@ def move(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
 
 def memory_room() -> int:
     """Bytes this process may still allocate: the memory available to it (its cgroup's limit less
-    its usage where that is tighter than the host's MemAvailable) and the free chunks of its own
-    heap, which the training ranks' allocator keeps (`node/measure/allocator.py`) and a new
-    allocation reuses before it asks the kernel for more."""
+    its usage where that is tighter than the host's MemAvailable)."""
     from xronos.node.box.capabilities import memory
-    from xronos.node.measure import memwatch
 
-    return memory()[1] + memwatch.heap().get("free", 0)
+    return memory()[1]
 
 
 def check_room(group: TPGroup, need: int, room: int, step: int) -> None:
