@@ -66,6 +66,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -200,6 +201,36 @@ def without_hook_overhead(med: dict[str, float], hooked: list[tuple[float, float
     return {k: (v - over * v / total if k in blk else v) for k, v in med.items()}
 
 
+# The heap probes run where memory can decide a plan: where the whole model's training state on
+# this one box, times this, exceeds the memory the box has. The holes they measure were at most
+# ~0.7x the in-use peak (a qwen2.5-1.5b LoRA rank: 526 MiB in use, a heap spanning 750-870 MiB,
+# node/measure/allocator.py), so with the whole model fitting three times over no plan's memory
+# check can turn on them; the probes are then skipped (their fields stay 0: not measured), which
+# took `make demo`'s MiniLM profile from ~20 s to ~6 s of which they were ~15 s.
+HEAP_HEADROOM = 3
+HEAP_ENV = "XRONOS_PROFILE_HEAP"  # "auto" (the default: as above) or "always" (tests, measurements)
+
+
+def heap_always() -> bool:
+    text = os.environ.get(HEAP_ENV, "auto").strip().lower()
+    if text not in ("auto", "always"):
+        raise ValueError(f"{HEAP_ENV} must be auto or always, got {text!r}")
+    return text == "always"
+
+
+def heap_can_bind(layers: list[tuple[str, int, int, int]], num_blocks: int, runtime_bytes: int,
+                  available: int) -> bool:
+    """Whether the heap's holes could decide a plan on a box with `available` bytes: `layers` as
+    (kind, M_w, M_a, M_t) at full width (the block's once, counted `num_blocks` times)."""
+    full = sum((num_blocks if kind == "blk" else 1) * (w + a) for kind, w, a, _ in layers)
+    full += max((t for *_, t in layers), default=0) + runtime_bytes
+    return HEAP_HEADROOM * full > available
+
+
+def _unprobed(report: ProfileReport) -> bool:
+    return report.heap_slack_bytes == 0 and report.heap_slack_small_counts is None
+
+
 def one_block_config(config: dict[str, Any]) -> dict[str, Any]:
     """The same model with one transformer block (the profiling set), pad id defined."""
     return blocks_config(config, 1)
@@ -258,6 +289,7 @@ def profile(
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     if threads is not None:
         _check_positive_int("threads", threads)
+    always = heap_always()  # a wrong setting is refused before anything is measured
     family = family_for(config)
     key = ProfileKey(task=task, batch_size=batch_size, seq_len=seq_len, weight_decay=weight_decay, clip=clip, lora=lora)
     adapters = family.lora_settings(lora)
@@ -282,8 +314,14 @@ def profile(
             except (OSError, ValueError) as exc:  # a damaged cache entry is measured again, not fatal
                 log.warning("profile.cache_unreadable", path=str(path), error=str(exc)[:200])
             else:
-                log.info("profile.cache_hit", path=str(path))
-                return cached.model_copy(update=ids)
+                mem_of = [(l.kind, l.weight_bytes, l.activation_bytes, l.temp_bytes) for l in cached.layers]
+                if _unprobed(cached) and (always or heap_can_bind(
+                        mem_of, cached.num_blocks, cached.runtime_bytes, caps.memory_available)):
+                    # taken where memory could not bind, without the heap probes; here it can
+                    log.info("profile.cache_without_heap", path=str(path))
+                else:
+                    log.info("profile.cache_hit", path=str(path))
+                    return cached.model_copy(update=ids)
 
     sizes = family.sizes(config)
     H = sizes.attn
@@ -351,13 +389,19 @@ def profile(
                      weight_decay=weight_decay,
                      lora=None if adapters is None else dict(r=adapters.r, alpha=adapters.alpha,
                                                              dropout=adapters.dropout, targets=list(adapters.targets)))
-        if progress is not None:
-            progress("heap probes (7 fresh processes)")
         small_counts = widths(sizes)[-1]
-        full_layout = {k: (sizes.total(k), 0) for k in KINDS}
-        small_layout = {k: (small_counts[k], sizes.total(k) - small_counts[k]) for k in KINDS}
-        slack = (measure_in_child(heap_job | {"layout": full_layout, "blocks": 1}, threads) or {}).get("slack", 0)
-        small, slack_block = slack_per_depth(heap_job | {"layout": small_layout}, threads)
+        slack = small = slack_block = 0
+        probe_heap = always or heap_can_bind([(k.split(".")[0], *mem[k]) for k in mem], arch.num_layers,
+                                                    runtime, caps.memory_available)
+        if probe_heap:
+            if progress is not None:
+                progress("heap probes (7 fresh processes)")
+            full_layout = {k: (sizes.total(k), 0) for k in KINDS}
+            small_layout = {k: (small_counts[k], sizes.total(k) - small_counts[k]) for k in KINDS}
+            slack = (measure_in_child(heap_job | {"layout": full_layout, "blocks": 1}, threads) or {}).get("slack", 0)
+            small, slack_block = slack_per_depth(heap_job | {"layout": small_layout}, threads)
+        else:
+            log.info("profile.heap_skipped", available=caps.memory_available, headroom=HEAP_HEADROOM)
     finally:
         torch.set_num_threads(before)
     layers = []
@@ -373,7 +417,8 @@ def profile(
         **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
         sizes=sizes, num_blocks=arch.num_layers, layers=layers, runtime_bytes=runtime,
         owner_bytes=owner, heap_slack_bytes=slack, heap_slack_block_bytes=slack_block, heap_slack_small_bytes=small,
-        heap_slack_small_counts=Sizes(**small_counts) if small_counts != {k: sizes.total(k) for k in KINDS} else None,
+        heap_slack_small_counts=Sizes(**small_counts)
+        if probe_heap and small_counts != {k: sizes.total(k) for k in KINDS} else None,
         collectives=collectives, rows_probe=rows_probe,
         profile_seconds=time.perf_counter() - t_start, created_at=time.time())
     if path is not None:

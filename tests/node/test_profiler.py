@@ -28,9 +28,11 @@ E, I, V, P, H = 64, 256, 500, 128, 4
 def reports() -> dict[str, ProfileReport]:
     torch.set_num_threads(1)
     out = {}
-    for task in ("classify", "causal-lm"):
-        config = prof.config_for(arch=shape("tiny-gpt2", task))
-        out[task] = prof.profile(config, task, B, S, threads=1, iters=3, warmup=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(prof.HEAP_ENV, "always")  # the heap probes too, which a tiny model on a big host skips
+        for task in ("classify", "causal-lm"):
+            config = prof.config_for(arch=shape("tiny-gpt2", task))
+            out[task] = prof.profile(config, task, B, S, threads=1, iters=3, warmup=1)
     return out
 
 
@@ -438,3 +440,31 @@ def test_memory_counts_no_temporary_for_adamws_moments() -> None:
     finally:
         ps.close()
 
+
+
+def test_heap_probes_run_only_where_memory_can_bind() -> None:
+    """The whole model's training state (every block's M_w + M_a, the largest M_t, the runtime) three
+    times over against the box's memory: MiniLM's ~0.9 GiB on a 23 GiB host skips them, the
+    same on a 2 GiB box runs them."""
+    mib = 1 << 20
+    layers = [("emb", 180 * mib, 2 * mib, 40 * mib), ("blk", 28 * mib, 6 * mib, 4 * mib), ("out", 1 * mib, 0, 1 * mib)]
+    full = 180 * mib + 2 * mib + 6 * (34 * mib) + 1 * mib + 40 * mib + 300 * mib  # 727 MiB
+    assert not prof.heap_can_bind(layers, 6, 300 * mib, 23 << 30)
+    assert prof.heap_can_bind(layers, 6, 300 * mib, 2 << 30)
+    assert prof.heap_can_bind(layers, 6, 300 * mib, 3 * full + 1) is False
+    assert prof.heap_can_bind(layers, 6, 300 * mib, 3 * full - 1) is True
+
+
+def test_a_profile_without_heap_probes_skips_them_and_its_cache_entry_is_measured_again_where_they_matter(
+        tmp_path, monkeypatch) -> None:
+    config = prof.config_for(arch=shape("tiny-gpt2", "classify"))
+    first = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path)
+    assert first.heap_slack_bytes == 0 and first.heap_slack_small_counts is None  # a tiny model, a big host
+    again = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path)
+    assert again.created_at == first.created_at  # served from the cache
+    monkeypatch.setenv(prof.HEAP_ENV, "always")
+    probed = prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1, cache_dir=tmp_path)
+    assert probed.created_at != first.created_at and probed.heap_slack_small_counts is not None
+    monkeypatch.setenv(prof.HEAP_ENV, "sometimes")
+    with pytest.raises(ValueError, match="XRONOS_PROFILE_HEAP must be auto or always"):
+        prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1)

@@ -124,7 +124,10 @@ class Node:
 
 
 @pytest.fixture
-def node(tmp_path, mqtt_broker):
+def node(tmp_path, mqtt_broker, monkeypatch):
+    # The heap probes (the profile child's own children) even for a tiny model on a big host,
+    # which skips them (`profiler.heap_can_bind`): the tests kill the node while one runs.
+    monkeypatch.setenv("XRONOS_PROFILE_HEAP", "always")
     n = Node(tmp_path, mqtt_broker, tmp_path)
     yield n
     n.close()
