@@ -86,9 +86,9 @@ def register(subparsers) -> None:
     p.add_argument("--cpu-mode", choices=("virtual", "quota", "pace"), default="virtual",
                    help="how the devices' speeds are made: virtual clock (default) or wall clock under CFS "
                         "quotas / pacing (XRONOS_EMULATOR_CPU)")
-    p.add_argument("--estimator", default="med",
-                   help="virtual clock: a burst's CPU time estimate over its last 32 samples: med (default), "
-                        "min, mean, raw or qNN (XRONOS_EMULATOR_ESTIMATOR)")
+    p.add_argument("--estimator", default="min",
+                   help="virtual clock: a burst's CPU time estimate over its last 32 samples: min (default), "
+                        "med, mean, raw or qNN (XRONOS_EMULATOR_ESTIMATOR)")
     p.set_defaults(func=handler)
 
 
@@ -126,12 +126,15 @@ def _handle(args) -> int:
 
 
 @contextlib.contextmanager
-def cpu_mode(mode: str, estimator: str = "med") -> Iterator[None]:
+def cpu_mode(mode: str, estimator: str | None = None) -> Iterator[None]:
     """The emulator's mode and estimator for everything confined inside (children inherit them);
     the environment as it was afterwards."""
     from xronos.node.emulate.cpumode import CPU_MODE_ENV, ESTIMATOR_ENV, default_cpu_mode, default_estimator
 
+    from xronos.node.emulate.estimator import DEFAULT_MODE
+
     saved = {k: os.environ.get(k) for k in (CPU_MODE_ENV, ESTIMATOR_ENV)}
+    estimator = DEFAULT_MODE if estimator is None else estimator
     os.environ[CPU_MODE_ENV], os.environ[ESTIMATOR_ENV] = mode, estimator
     try:
         default_cpu_mode(), default_estimator()  # refuse a bad one now, naming it

@@ -36,6 +36,7 @@ from xronos.bench.harness import CellSpec
 from xronos.bench.netem import PAPER_RATE_MBIT
 from xronos.bench.workloads import realistic_blocks
 from xronos.node.emulate.cpumode import CPU_MODE_ENV
+from xronos.node.emulate.estimator import DEFAULT_MODE
 
 TP = ("xronos", "xronos-paper", "uniform", "pp")  # every cell: CellSpec's default network, the paper's 1 Gbit/s
 # Iterations per strategy, the first WARMUP excluded: the first step runs 1.5-2.5x slow (allocation),
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="run nothing: re-summarize the cells' JSON already in --out, rewrite tables and plots")
     ap.add_argument("--cpu-mode", choices=("virtual", "quota", "pace"), default="virtual")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every cell, interleaved (3 for stability)")
-    ap.add_argument("--estimators", default="med", help="virtual clock: burst estimators, each repeat under each")
+    ap.add_argument("--estimators", default=DEFAULT_MODE, help="virtual clock: burst estimators, each repeat under each")
     ap.add_argument("--cells", default="", help="only these cells (names, comma-separated)")
     args = ap.parse_args(argv)
     cells = QUICK if args.quick else STANDARD
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return rerender(cells, args.out, with_tta=True)
     from xronos.bench.command import cpu_mode
 
-    estimators = [e for e in args.estimators.split(",") if e] if args.cpu_mode == "virtual" else ["med"]
+    estimators = [e for e in args.estimators.split(",") if e] if args.cpu_mode == "virtual" else [DEFAULT_MODE]
     if args.repeats < 1 or not estimators:
         raise SystemExit("--repeats must be >= 1 and --estimators name at least one")
     for est in estimators:

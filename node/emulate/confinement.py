@@ -63,7 +63,7 @@ class Confinement(Scoped):
                  cpu_mode: str | None = None, pin: bool | None = None, link: Link | None = None,
                  estimator: str | None = None, window: int | None = None) -> None:
         """`link`, `estimator`, `window`: virtual mode's modelled network (1 Gbit/s by default) and
-        burst estimator (XRONOS_EMULATOR_ESTIMATOR, else the window median over 32 samples)."""
+        burst estimator (XRONOS_EMULATOR_ESTIMATOR, else the window minimum over 32 samples)."""
         self.limits = list(limits)
         self.period_us = period_us
         self.cpu_mode = default_cpu_mode() if cpu_mode is None else cpu_mode

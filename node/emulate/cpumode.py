@@ -22,7 +22,7 @@ POLL_ENV = "XRONOS_EMULATOR_POLL_S"  # for measuring the poller's effect: second
 # can be run any way; quota and pace are wall clocks, a stress test of the host's scheduler.
 CPU_MODES = ("virtual", "quota", "pace")
 CPU_MODE_ENV = "XRONOS_EMULATOR_CPU"
-ESTIMATOR_ENV = "XRONOS_EMULATOR_ESTIMATOR"  # virtual mode's burst estimator (`estimator.MODES`, qNN; default med)
+ESTIMATOR_ENV = "XRONOS_EMULATOR_ESTIMATOR"  # virtual mode's burst estimator (`estimator.MODES`, qNN; default min)
 
 # XRONOS_EMULATOR_PIN=1 pins quota-mode ranks as paced ones are (`assign_cores`). Off by default: 3+3
 # demos ran 9 % faster pinned, no better predicted or balanced, the comm probe worse (demo-idle.md §5-6).

@@ -8,10 +8,10 @@ where its wall time varied 4-5x (`../shared/emulation/REPORT.md`, E1). So, as Si
 `SMPI_SAMPLE` reuses a benchmarked block, a burst is charged a statistic of its key's last
 `window` samples instead of its own noisy sample:
 
-- `min`: the uncontended cost (the prototype's choice: 1-5 % idle floor under load 2-9), but it
-  sits under the mean burst (~30 % for short, memory-bound bursts), so absolute virtual times read
-  low, and it depends on how finely the work is cut into bursts (see DEFAULT_MODE);
-- `med` (the default): the window median: the typical burst, additive across a split;
+- `min` (the default): the uncontended cost (the prototype's choice: 1-5 % idle floor under load
+  2-9), but it sits under the mean burst (~30 % for short, memory-bound bursts), so absolute
+  virtual times read low, and it depends on how finely the work is cut into bursts (see DEFAULT_MODE);
+- `med`: the window median: the typical burst, additive across a split;
 - `qNN`: the NN-th percentile (q25: between the two);
 - `mean`, `raw` (the burst's own sample: no smoothing, as bad as quotas under load).
 A key's first sample is dropped when its second arrives: the first run of a recurring burst pays
@@ -30,12 +30,18 @@ from collections import deque
 from collections.abc import Hashable
 
 MODES = ("min", "med", "mean", "raw")  # and qNN, 0 <= NN <= 100
-# The window median, chosen by measurement (bench/results/vclock-*.md, a Set-A cell): with the
-# minimum, a profile (a burst per layer hook) read 7-25 % under the run (a burst per collective) —
-# the sum of the parts' minima is below the minimum of their sum — while the median of the parts
-# sums to the median of the whole; the median also gave the lower idle floor under load here
-# (1.7/0.7/0.2 % against 2.9/2.4/1.2 % at load 15) and reads closer to wall time on a quiet core.
-DEFAULT_MODE = "med"
+# The window minimum, chosen by measurement. Noise on a shared host only ever slows a burst, and
+# the lower envelope of a few samples is steady where their median is not: with xronos's and
+# uniform's layouts alternated inside one run (bench/results/interleave*.md: a live re-shard clears
+# the windows, so each phase's estimates rest on a handful of samples), xronos/uniform moved
+# 0.1-1.1 % between pairs under the minimum and 2.8-7.2 % under the median on the four
+# heterogeneous grid cells; on the grid (bench/results/vgrid) the profiles predicted the runs'
+# compute within 3.9-8.7 % under the minimum against 5.9-18.9 % under the median, and balanced
+# work idled at most 1.8-2.4 % per rank at load ~1 against 2.6-3.0 % (vclock-floor-quiet.md).
+# The price: absolute virtual times read low (under the mean burst), and a profile's per-layer
+# minima sum below a run's per-collective minimum on fine-grained work. The median was the
+# default before the within-run comparison existed.
+DEFAULT_MODE = "min"
 DEFAULT_WINDOW = 32
 
 

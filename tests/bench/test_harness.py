@@ -49,7 +49,7 @@ def test_a_cell_nothing_fits_is_reported_infeasible_without_running(tmp_path: Pa
             "--mem-scale", "1/8", "--no-plots", "--out", str(tmp_path)]
     assert main(args) == 0  # a result, not an error
     doc = json.loads((tmp_path / "set-a_mobilellama-1.4b_s32_b24.json").read_text())
-    assert doc["environment"]["clock"] == "virtual" and doc["environment"]["estimator"] == "med"
+    assert doc["environment"]["clock"] == "virtual" and doc["environment"]["estimator"] == "min"
     assert set(doc["strategies"]) == {"xronos", "uniform", "pp", "hf-tp"}
     assert all("needs at least" in e["infeasible"] for e in doc["strategies"].values())
     assert "| xronos | INFEASIBLE: mobilellama-1.4b with 24 blocks needs at least" in capsys.readouterr().out
