@@ -130,7 +130,6 @@ def cpu_mode(mode: str, estimator: str | None = None) -> Iterator[None]:
     """The emulator's mode and estimator for everything confined inside (children inherit them);
     the environment as it was afterwards."""
     from xronos.node.emulate.cpumode import CPU_MODE_ENV, ESTIMATOR_ENV, default_cpu_mode, default_estimator
-
     from xronos.node.emulate.estimator import DEFAULT_MODE
 
     saved = {k: os.environ.get(k) for k in (CPU_MODE_ENV, ESTIMATOR_ENV)}

@@ -34,6 +34,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("uniform", "xronos")  # every pair: uniform's phase, then xronos's
+KEPT = ("step", "iteration_s", "compute_s", "comm_s", "idle_s", "reshard_s", "wall_s")  # per iteration, per rank
 
 
 def schedule(pairs: int, phase: int) -> list[tuple[int, str]]:
@@ -126,7 +127,7 @@ def run_cell(spec, pairs: int, phase: int, warmup: int, scratch: str | None = No
         raise RuntimeError(f"the run moved before steps {moved}, not {[s for s, _ in phases[1:]]}: {why}")
     doc["reshard_s"] = [r["seconds"] for r in m["reshards"]]
     doc["clock"] = m.get("clock")
-    doc["ranks"] = [r["iterations"] for r in m["ranks"]]
+    doc["ranks"] = [[{k: it[k] for k in KEPT if k in it} for it in r["iterations"]] for r in m["ranks"]]
     doc["figures"] = pair_figures(doc["ranks"], pairs, phase, warmup)
     doc["loadavg_end"] = os.getloadavg()
     return doc
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             docs.append(doc)
             print(markdown([doc]), flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    results.atomic_write(a.out / f"{a.name}.json", json.dumps(docs, indent=1).encode())
+    results.atomic_write(a.out / f"{a.name}.json", json.dumps(docs).encode())
     md = markdown(docs)
     results.atomic_write(a.out / f"{a.name}.md", md.encode())
     print(md)
