@@ -37,7 +37,8 @@ MODES = ("min", "med", "mean", "raw")  # and qNN, 0 <= NN <= 100
 # 0.1-1.1 % between pairs under the minimum and 2.8-7.2 % under the median on the four
 # heterogeneous grid cells; on the grid (bench/results/vgrid) the profiles predicted the runs'
 # compute within 3.9-8.7 % under the minimum against 5.9-18.9 % under the median, and balanced
-# work idled at most 1.8-2.4 % per rank at load ~1 against 2.6-3.0 % (vclock-floor-quiet.md).
+# work idled at most 1.8-2.4 % per rank at load ~1 against 2.6-3.0 % (vclock-floor-quiet.md; and
+# 0.8-1.1 % against 2.1-2.2 % in vclock-floor-default.md).
 # The price: absolute virtual times read low (under the mean burst), and a profile's per-layer
 # minima sum below a run's per-collective minimum on fine-grained work. The median was the
 # default before the within-run comparison existed.
