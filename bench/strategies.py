@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -130,6 +131,7 @@ def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int | None = 
     the virtual clock, whose estimator needs samples (a median of 2-3 under load 17 put a Set-A
     MiniPC at 2.0 Pi 5s, the run at 1.4), and which profiles at host speed (~40 s a device)."""
     from xronos.bench.profile_device import ProfileJob
+    from xronos.node.measure.profiler import HEAP_ENV
 
     if iters is None:
         iters = 8 if virtual() else 3
@@ -151,9 +153,11 @@ def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int | None = 
     with confine(ctx, [RankLimits(ctx.shares[d], None, name) for name, d in first.items()]) as conf:
         procs = {}
         for r, (name, d) in enumerate(first.items()):
+            # The heap probes always: the profile sees this host's memory, but the device it stands
+            # for has the cell's cap, which the plans bind against (the profiler would skip them here).
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "xronos.bench.profile_device", str(ctx.work / f"profile-{d}.json")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, HEAP_ENV: "always"})
             conf.add(r, procs[name].pid)
         errs = {name: p.communicate()[1] for name, p in procs.items()}
     out: dict[str, dict] = {}
