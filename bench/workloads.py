@@ -193,7 +193,38 @@ def write_checkpoint(out_dir: Path, config: dict, *, num_labels: int = 2, seed: 
     model = AutoModelForSequenceClassification.from_config(cfg)
     model.save_pretrained(str(out_dir))
     write_tokenizer(out_dir, cfg.vocab_size)
+    if not _tokenizes(out_dir, cfg.vocab_size):
+        # transformers loads some families' tokenizers as their own class whatever the files say
+        # (Qwen2's rebuilds a byte-level BPE: the word-level vocabulary tokenized "w5 w7" to nothing
+        # and gained an <|endoftext|> past the embedding); a byte-level one it keeps.
+        write_byte_tokenizer(out_dir)
     return out_dir
+
+
+def _tokenizes(model_dir: Path, vocab_size: int) -> bool:
+    """Whether the product's loader reads the directory's tokenizer as written: ids for a sample,
+    every id within the embedding."""
+    from xronos.node.data.batches import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    return bool(tok("w5 w7")["input_ids"]) and len(tok) <= vocab_size
+
+
+def write_byte_tokenizer(out_dir: Path) -> None:
+    """A byte-level BPE without merges: every byte one token (ids < 261), EOS <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", eos_token="<|endoftext|>", model_max_length=1 << 20)
+    fast.save_pretrained(str(out_dir))
 
 
 def write_dataset(path: Path, rows: int, seq_len: int, vocab_size: int, *, seed: int = 0) -> Path:

@@ -5,6 +5,8 @@ pad id and tokenizer); the layer shapes must still be the ones `node/models/shap
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoConfig
 
@@ -28,3 +30,19 @@ def test_bench_shape_matches_the_built_in_shape(name: str) -> None:
     built_in = shape(name, "classify")
     assert {k: v for k, v in ours.items() if k not in _FREE} == {k: v for k, v in built_in.items() if k not in _FREE}
     assert ours["num_layers"] == PAPER_BLOCKS[name]
+
+
+def test_a_bench_checkpoint_tokenizes_as_the_product_loads_it_for_every_family(tmp_path):
+    """transformers loads a qwen2 checkpoint's tokenizer as Qwen2's own class whatever the files
+    say, which turned the bench's word-level vocabulary into no ids at all (and one past the
+    embedding): such a checkpoint gets a byte-level tokenizer instead."""
+    from xronos.bench.workloads import write_checkpoint
+    from xronos.node.data.batches import check_vocabulary, load_tokenizer
+
+    tiny = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64)
+    for model_type in ("qwen2", "llama"):
+        d = write_checkpoint(tmp_path / model_type, dict(tiny, model_type=model_type))
+        tok = load_tokenizer(d)
+        assert tok("w5 w7 w300")["input_ids"], model_type
+        check_vocabulary(tok, json.loads((d / "config.json").read_text()), d)
