@@ -248,20 +248,24 @@ def run_cell(spec: CellSpec, scratch: str | None = None) -> dict:
     runnable = dataclasses.replace(spec, strategies=tuple(s for s in spec.strategies if s not in short))
     if runnable.strategies:
         with tempfile.TemporaryDirectory(prefix="xronos-bench-", dir=scratch) as tmp:
-            work = Path(tmp)
-            model_dir = write_checkpoint(work / "model", config, seed=spec.seed)
-            rows = spec.batch_size * (spec.iters + 2)
-            data = write_dataset(work / "data.jsonl", rows, spec.seq_len, get_shape(spec.model)["vocab_size"],
-                                 seed=spec.seed)
-            ctx = st.Ctx(work, model_dir, data, config, sc.shares(spec.unit_share), caps,
-                         [d.name for d in sc.devices], spec.batch_size, spec.seq_len, spec.micro_batches,
-                         spec.iters, spec.lr, spec.seed, bandwidth_mbit=spec.bandwidth_mbit,
-                         lora_r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_targets=spec.lora_targets or None)
+            ctx = cell_context(spec, sc, config, caps, Path(tmp))
             doc["strategies"] |= run_strategies(runnable, sc, config, ctx, doc)
         doc["strategies"] = {s: doc["strategies"][s] for s in spec.strategies}  # the spec's order
     env["loadavg_end"] = os.getloadavg()
     env["finished_at"] = time.time()
     return doc
+
+
+def cell_context(spec: CellSpec, sc: Scenario, config: dict, caps: list[int | None], work: Path) -> st.Ctx:
+    """The cell's checkpoint and data in `work` (rows for `spec.iters` steps) and what every strategy
+    run needs to know about it."""
+    model_dir = write_checkpoint(work / "model", config, seed=spec.seed)
+    rows = spec.batch_size * (spec.iters + 2)
+    data = write_dataset(work / "data.jsonl", rows, spec.seq_len, get_shape(spec.model)["vocab_size"], seed=spec.seed)
+    return st.Ctx(work, model_dir, data, config, sc.shares(spec.unit_share), caps, [d.name for d in sc.devices],
+                  spec.batch_size, spec.seq_len, spec.micro_batches, spec.iters, spec.lr, spec.seed,
+                  bandwidth_mbit=spec.bandwidth_mbit, lora_r=spec.lora_r, lora_alpha=spec.lora_alpha,
+                  lora_targets=spec.lora_targets or None)
 
 
 def _scale_basis(spec: CellSpec) -> str:

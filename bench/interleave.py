@@ -75,27 +75,26 @@ def pair_figures(ranks: list[list[dict]], pairs: int, phase: int, warmup: int) -
             "spread": (max(ratios) - min(ratios)) / mean if mean > 0 else 0.0}
 
 
+def interleaved(spec, pairs: int, phase: int, warmup: int):
+    """The grid cell's spec with this run's steps (its data rows follow them) and warm-up."""
+    return dataclasses.replace(spec, iters=2 * pairs * phase, warmup=warmup)
+
+
 def run_cell(spec, pairs: int, phase: int, warmup: int, scratch: str | None = None) -> dict:
     """Profile and plan the cell as the grid does, then one run alternating the two layouts."""
     from xronos.bench import harness
     from xronos.bench import strategies as st
-    from xronos.bench.workloads import get_shape, write_checkpoint, write_dataset
     from xronos.node.rank.local import launch_local
     from xronos.node.runconfig import ReshardAt, RunConfig
 
+    spec = interleaved(spec, pairs, phase, warmup)
     sc, config = harness.validate(spec)
     caps = harness.cell_caps(spec, sc)
-    steps = 2 * pairs * phase
     doc: dict = {"cell": spec.cell_name, "pairs": pairs, "phase": phase, "warmup": warmup,
                  "loadavg_start": os.getloadavg(), "started_at": time.time()}
     with tempfile.TemporaryDirectory(prefix="xronos-interleave-", dir=scratch) as tmp:
         work = Path(tmp)
-        model_dir = write_checkpoint(work / "model", config, seed=spec.seed)
-        data = write_dataset(work / "data.jsonl", spec.batch_size * (steps + 2), spec.seq_len,
-                             get_shape(spec.model)["vocab_size"], seed=spec.seed)
-        ctx = st.Ctx(work, model_dir, data, config, sc.shares(spec.unit_share), caps, [d.name for d in sc.devices],
-                     spec.batch_size, spec.seq_len, spec.micro_batches, steps, spec.lr, spec.seed,
-                     bandwidth_mbit=spec.bandwidth_mbit)
+        ctx = harness.cell_context(spec, sc, config, caps, work)
         t0 = time.perf_counter()
         profiles = st.profile_devices(ctx, True, False)
         doc["profiling_s"] = time.perf_counter() - t0
@@ -187,15 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     for est in estimators:
         with cpu_mode("virtual", est):
             for c in names:
-                validate(known[c])
+                validate(interleaved(known[c], a.pairs, a.phase, a.warmup))
     docs = []
     for c in names:
         for est in estimators:
             print(f"== {c} ({est})", flush=True)
-            spec = dataclasses.replace(known[c], iters=2 * a.pairs * a.phase)
             with cpu_mode("virtual", est):
                 try:
-                    doc = run_cell(spec, a.pairs, a.phase, a.warmup)
+                    doc = run_cell(known[c], a.pairs, a.phase, a.warmup)
                 except Exception as exc:  # a cell failing is a result, not the end of the bench
                     doc = {"cell": c, "error": f"{type(exc).__name__}: {exc}"[-2000:]}
             doc["estimator"] = est

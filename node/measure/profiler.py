@@ -206,7 +206,8 @@ def without_hook_overhead(med: dict[str, float], hooked: list[tuple[float, float
 # ~0.7x the in-use peak (a qwen2.5-1.5b LoRA rank: 526 MiB in use, a heap spanning 750-870 MiB,
 # node/measure/allocator.py), so with the whole model fitting three times over no plan's memory
 # check can turn on them; the probes are then skipped (their fields stay 0: not measured), which
-# took `make demo`'s MiniLM profile from ~20 s to ~6 s of which they were ~15 s.
+# took `make demo`'s MiniLM profile from ~20 s to ~5 s of wall time on a 2-core host at load ~1-3,
+# of which they were ~15 s.
 HEAP_HEADROOM = 3
 HEAP_ENV = "XRONOS_PROFILE_HEAP"  # "auto" (the default: as above) or "always" (tests, measurements)
 
@@ -390,7 +391,7 @@ def profile(
                      lora=None if adapters is None else dict(r=adapters.r, alpha=adapters.alpha,
                                                              dropout=adapters.dropout, targets=list(adapters.targets)))
         small_counts = widths(sizes)[-1]
-        slack = small = slack_block = 0
+        slack = slack_small = slack_block = 0
         probe_heap = always or heap_can_bind([(k.split(".")[0], *mem[k]) for k in mem], arch.num_layers,
                                                     runtime, caps.memory_available)
         if probe_heap:
@@ -399,7 +400,7 @@ def profile(
             full_layout = {k: (sizes.total(k), 0) for k in KINDS}
             small_layout = {k: (small_counts[k], sizes.total(k) - small_counts[k]) for k in KINDS}
             slack = (measure_in_child(heap_job | {"layout": full_layout, "blocks": 1}, threads) or {}).get("slack", 0)
-            small, slack_block = slack_per_depth(heap_job | {"layout": small_layout}, threads)
+            slack_small, slack_block = slack_per_depth(heap_job | {"layout": small_layout}, threads)
         else:
             log.info("profile.heap_skipped", available=caps.memory_available, headroom=HEAP_HEADROOM)
     finally:
@@ -416,7 +417,7 @@ def profile(
     report = ProfileReport(
         **ids, arch=arch, task=task, batch_size=batch_size, seq_len=seq_len, threads=threads,
         sizes=sizes, num_blocks=arch.num_layers, layers=layers, runtime_bytes=runtime,
-        owner_bytes=owner, heap_slack_bytes=slack, heap_slack_block_bytes=slack_block, heap_slack_small_bytes=small,
+        owner_bytes=owner, heap_slack_bytes=slack, heap_slack_block_bytes=slack_block, heap_slack_small_bytes=slack_small,
         heap_slack_small_counts=Sizes(**small_counts)
         if probe_heap and small_counts != {k: sizes.total(k) for k in KINDS} else None,
         collectives=collectives, rows_probe=rows_probe,
