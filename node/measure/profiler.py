@@ -34,7 +34,9 @@ before the optimizer step, which follows the clipping all-reduce) the profiled r
 (`collective_pause_s`: one CFS period under a CPU quota, 1 ms without) and the sleep is left out
 of every layer's time. Under a quota a rank that waited starts with its whole quota at full core
 speed; the pause takes 22.7-33.8 % off the MiniLM one-block set's layer times at 0.3 core, and
-took the MiniLM's compute MAPE from 44.7 % to 5.5-13.5 % (bench/results/prediction-error.md).
+took the MiniLM's compute MAPE from 44.7 % to 5.5-13.5 % (bench/results/prediction-error.md). On
+the virtual clock it goes the other way: a thread that slept computes the next burst slower, and
+without the pause the demo's small shards read 10-24 % over their prediction.
 
 Rows: the full-width set then trains a quarter of the batch's rows (`probe_rows`), timed as whole
 plain iterations beside the full batch's (`ProfileReport.rows_probe`). A data-parallel rank trains a
@@ -109,8 +111,9 @@ log = structlog.get_logger(__name__)
 # needs no bump: the key holds those settings, so a report cached before it was recorded is served
 # with this request's settings, which are the ones it was measured under.)
 PROFILER_VERSION = 10
-# The pause without a CPU quota: long enough for the kernel to put the thread to sleep, as a wait
-# in a Gloo collective does; under a quota it is one CFS period (see `collective_pause_s`).
+# The pause without a CPU quota (and on the virtual clock): long enough for the kernel to put the
+# thread to sleep, as a wait in a Gloo collective does; under a quota it is one CFS period (see
+# `collective_pause_s`).
 DEFAULT_PAUSE_S = 0.001
 
 
@@ -147,21 +150,32 @@ def collective_pause_s() -> float:
     collective; under a CFS quota (the emulator, a container's CPU limit) it comes back with its
     whole quota for the period and runs it at full core speed. Measured on the real MiniLM at
     shares 0.9/0.5/0.3 a profile taken back to back mispredicted the ranks' compute by 44.7 %
-    (MAPE; 5.5-13.5 % with the pause, bench/results/prediction-error.md). One period is the longest a wait can matter: the quota refills every period."""
+    (MAPE; 5.5-13.5 % with the pause, bench/results/prediction-error.md). One period is the longest a wait can matter: the quota refills every period.
+
+    On the virtual clock a wait banks no quota, but the thread that slept still pays for having
+    slept: the compute after each wait costs it more CPU than the same compute back to back. Two
+    ranks of MiniLM at halves, speed 1.0, batch 8 x 16 (thread CPU per iteration, window minimum,
+    25 collectives): alone 63.4-68.2 ms, alone with a sleep at every skipped collective 70.5-73.2 ms
+    (whatever the sleep, 0.2 to 3 ms), in a real Gloo group 70.7-73.1 ms; at a 0.15 share 29.9,
+    34.3 and 35.6 ms. So the virtual profile sleeps too (DEFAULT_PAUSE_S), or it predicts each
+    rank's compute low by ~0.2-0.3 ms a collective, most on the small shards of slow boxes."""
     import os
 
     from xronos.node.box.capabilities import cgroup_cpu_period_s
 
     from xronos.node.emulate import process_clock
 
-    if process_clock() is not None:
-        return 0.0  # a paced or virtual rank banks nothing while it waits: there is nothing to mimic
+    clock = process_clock()
+    if clock is not None and clock.name != "virtual":
+        return 0.0  # a paced rank sleeps at every reading of the profiler's clock already (its pacer)
     forced = os.environ.get("XRONOS_PROFILE_PAUSE_S")  # for measuring the pause's effect (0: none)
     if forced is not None:
         value = float(forced)
         if not 0 <= value < 1:
             raise ValueError(f"XRONOS_PROFILE_PAUSE_S must be in [0, 1) s, got {forced!r}")
         return value
+    if clock is not None:
+        return DEFAULT_PAUSE_S  # virtual: no quota refills; the wake-up after the wait is what to mimic
     period = cgroup_cpu_period_s()
     return DEFAULT_PAUSE_S if period is None else period
 

@@ -287,6 +287,23 @@ def test_pause_at_skipped_collectives_is_left_out_of_layer_times() -> None:
     assert prof.collective_pause_s() > 0
 
 
+def test_pause_on_each_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The virtual clock's profile pauses too (a thread that slept computes its next burst slower,
+    and training sleeps at every collective); a paced one does not (its pacer sleeps already)."""
+    import types
+
+    import xronos.node.emulate as emulate
+
+    monkeypatch.delenv("XRONOS_PROFILE_PAUSE_S", raising=False)
+    monkeypatch.setattr(emulate, "process_clock", lambda: types.SimpleNamespace(name="virtual"))
+    assert prof.collective_pause_s() == prof.DEFAULT_PAUSE_S
+    monkeypatch.setenv("XRONOS_PROFILE_PAUSE_S", "0")
+    assert prof.collective_pause_s() == 0.0  # measuring its effect
+    monkeypatch.setattr(emulate, "process_clock", lambda: types.SimpleNamespace(name="wall"))
+    monkeypatch.delenv("XRONOS_PROFILE_PAUSE_S")
+    assert prof.collective_pause_s() == 0.0
+
+
 def test_report_carries_the_collective_probe(reports: dict[str, ProfileReport]) -> None:
     """Two real Gloo ranks in the profiling process all-reduced the job's [B, S, E] activation."""
     for r in reports.values():
