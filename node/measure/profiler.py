@@ -110,7 +110,9 @@ log = structlog.get_logger(__name__)
 # (ProfileReport.settings, the job settings a report was taken under, is not a change of method and
 # needs no bump: the key holds those settings, so a report cached before it was recorded is served
 # with this request's settings, which are the ones it was measured under.)
-PROFILER_VERSION = 10
+# 11: without clipping, the trainer's inf/nan look over the gradients (`all_finite`) is timed with
+#     each layer, as the clipping pass is with it.
+PROFILER_VERSION = 11
 # The pause without a CPU quota (and on the virtual clock): long enough for the kernel to put the
 # thread to sleep, as a wait in a Gloo collective does; under a quota it is one CFS period (see
 # `collective_pause_s`).

@@ -287,6 +287,31 @@ def test_pause_at_skipped_collectives_is_left_out_of_layer_times() -> None:
     assert prof.collective_pause_s() > 0
 
 
+def test_without_clipping_the_trainers_finite_check_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that does not clip still reads every gradient once per step (the trainer's inf/nan
+    look): the profile times that read with each layer, as it times the clipping pass."""
+    from xronos.node.measure import profset
+    from xronos.protocol.layout import Layout
+
+    seen: list[int] = []
+    real = profset.all_finite
+    monkeypatch.setattr(profset, "all_finite", lambda grads: seen.append(len(grads)) or real(grads))
+    torch.set_num_threads(1)
+    config = prof.one_block_config(prof.config_for(arch=shape("tiny-gpt2", "classify")))
+    ps = profset.ProfilingSet(config, "classify", Layout(attn=(H, 0), mlp=(I, 0), vocab=(V, 0)), B, S, 0, False)
+    try:
+        ps.iteration()
+        assert len(seen) == len(ps.opts) and all(n > 0 for n in seen)  # every trained layer, once
+        seen.clear()
+        clipped = profset.ProfilingSet(config, "classify", Layout(attn=(H, 0), mlp=(I, 0), vocab=(V, 0)), B, S, 0,
+                                       True)
+        clipped.iteration()
+        clipped.close()
+        assert seen == []  # clipping reads the gradients for their norm instead
+    finally:
+        ps.close()
+
+
 def test_pause_on_each_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """The virtual clock's profile pauses too (a thread that slept computes its next burst slower,
     and training sleeps at every collective); a paced one does not (its pacer sleeps already)."""
