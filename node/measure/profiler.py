@@ -111,7 +111,8 @@ log = structlog.get_logger(__name__)
 # needs no bump: the key holds those settings, so a report cached before it was recorded is served
 # with this request's settings, which are the ones it was measured under.)
 # 11: without clipping, the trainer's inf/nan look over the gradients (`all_finite`) is timed with
-#     each layer, as the clipping pass is with it.
+#     each layer, as the clipping pass is with it; on the virtual clock the layers sum to the plain
+#     iteration's time (`to_plain_total`).
 PROFILER_VERSION = 11
 # The pause without a CPU quota (and on the virtual clock): long enough for the kernel to put the
 # thread to sleep, as a wait in a Gloo collective does; under a quota it is one CFS period (see
@@ -215,6 +216,25 @@ def without_hook_overhead(med: dict[str, float], hooked: list[tuple[float, float
     over = min(over, 0.5 * total)  # a bound against a noisy measurement, never the whole block
     log.debug("profile.hook_overhead", seconds=round(over, 6), block_s=round(total, 6))
     return {k: (v - over * v / total if k in blk else v) for k, v in med.items()}
+
+
+def to_plain_total(med: dict[str, float], plain: list[tuple[float, float]]) -> dict[str, float]:
+    """On the virtual clock: the layers' medians scaled to sum to the plain iteration's (`plain`:
+    (clock, CPU) pairs of the iterations without hooks, whose bursts end where training's do, at
+    the collectives). Every hook reading ends a burst, and the clock charges a burst the minimum
+    of its recent samples, so the hooked iteration's many small minima carried the noise of each
+    piece: three profiles of MiniLM on one quiet host (speed 1.0, the one-block set, the 6-block
+    prediction) gave 148-222 ms at full width and 24-50 ms at a 0.09 share with the hooks' cost
+    taken out by process CPU (`without_hook_overhead`, which the wall clock keeps), 164-179 and
+    33-42 ms (three of four at 33.2-33.6) sized by the plain iteration, whose builds read within
+    5 % of each other; the 6-block model in a real three-rank group read 118, 60 and 37 ms at 2/3,
+    1/4 and 0.09. The hooks' own cost goes with the rescaling."""
+    total = sum(med.values())
+    if not plain or total <= 0:
+        return med
+    k = statistics.median(w for w, _ in plain) / total
+    log.debug("profile.to_plain_total", factor=round(k, 4), hooked_s=round(total, 6))
+    return {key: v * k for key, v in med.items()}
 
 
 # The heap probes run where memory can decide a plan: where the whole model's training state on
@@ -384,7 +404,8 @@ def profile(
                 if full:
                     rows_probe = _rows_probe(ps, batch_size, plain, warmup, iters, progress)
                 med = {key: statistics.median(r.get(key, 0.0) for r in runs[warmup:]) for key in ps.groups}
-                med = without_hook_overhead(med, hooked[warmup:], plain)
+                # the hooks split the iteration; on the virtual clock the plain one sizes it
+                med = to_plain_total(med, plain) if ps.virtual else without_hook_overhead(med, hooked[warmup:], plain)
                 for key in ps.groups:
                     seg = ps.segment(key)
                     share = ps.layout.share(seg, 0) if seg else 1.0

@@ -9,7 +9,7 @@ import pytest
 
 from xronos.gateway.plan.commmodel import CommVolume, comm_time, tp_comm_volume
 from xronos.gateway.plan.costmodel import (
-    LayerCost, NodeProfile, fit_affine, fit_error, kind_time, node_cost, predict_time, segment_times,
+    LayerCost, NodeProfile, fit_affine, fit_error, kind_time, layer_time, node_cost, predict_time, segment_times,
     time_at,
 )
 from xronos.gateway.plan.memorymodel import memory_at, predict_memory
@@ -37,8 +37,9 @@ def test_segments_by_hand():
     # The block remainder (2 x 0.05) splits between the attention and the MLP segment.
     # no load_bytes; transient bytes of one block, M_a + M_t + gradients (no param_bytes: M_w / 4):
     # 40 + 80 + 50; then the activations (M_a) and the gradients in M_w (M_w / 4), B = 2 blocks
-    assert astuple(node.attn) == pytest.approx((0.05, 2 * 0.025, 2 * 0.3, 2 * 240, 80, 0, 170, 2 * 40, 2 * 50))
-    assert node.mlp.fixed_s == pytest.approx(0.05) and node.mlp.icpt_s == pytest.approx(0.1)
+    # The partitioned layers' intercepts (2 x 0.025 and 2 x 0.05) are paid at any share: in fixed_s.
+    assert astuple(node.attn) == pytest.approx((0.05 + 2 * 0.025, 0.0, 2 * 0.3, 2 * 240, 80, 0, 170, 2 * 40, 2 * 50))
+    assert node.mlp.fixed_s == pytest.approx(0.05 + 0.1) and node.mlp.icpt_s == 0.0
     assert node.mlp.slope_s == pytest.approx(1.0) and node.mlp.mem_slope == 2 * 460
     assert astuple(node.vocab) == pytest.approx((0.0, 0.0, 0.4, 110, 50, 0, 85, 10, 25))  # exactly linear: intercept 0
     assert (node.act_repl, node.grad_repl) == pytest.approx((2 * 4 + 6, 2 * 2 + 15))
@@ -49,9 +50,10 @@ def test_segments_by_hand():
     assert seg["vocab"] == pytest.approx(0.4 * 0.75)
     assert seg["out"] == 0.2
     assert predict_time(node, SH) == pytest.approx(sum(seg.values()))
-    # A node with none of a kind still runs the replicated part of that kind's segment.
+    # A node with none of a kind still runs the replicated part of that kind's segment, and its
+    # partitioned layers on empty weights (the intercept).
     none = segment_times(node, {"attn": 0.0, "mlp": 0.5, "vocab": 0.75})
-    assert none["attn"] == pytest.approx(0.05)
+    assert none["attn"] == pytest.approx(0.05 + 0.05)
 
 
 def test_eq6_7_linear_time_by_hand():
@@ -95,11 +97,14 @@ def test_activations_and_gradients_count_the_larger_not_both():
     assert predict_memory(acts_heavy, full_attn) == pytest.approx(predict_memory(plain, full_attn) - (19 + 100))
 
 
-def test_affine_time_pays_intercept_only_with_a_share():
+def test_affine_intercept_is_paid_at_any_share():
+    """A node with no heads runs the attention's layers on empty weights: it pays their intercept
+    (every op dispatched, zeros all-reduced) and not their slope."""
     node = node_cost(PROFILE, fit="affine")
-    assert node.attn.icpt_s == pytest.approx(2 * 0.025)
-    assert kind_time(node.attn, 0.0) == node.attn.fixed_s  # no heads: no partitioned cost
+    assert node.attn.fixed_s == pytest.approx(0.05 + 2 * 0.025) and node.attn.icpt_s == 0.0
+    assert kind_time(node.attn, 0.0) == pytest.approx(0.05 + 0.05)
     assert kind_time(node.attn, 0.5) == pytest.approx(0.05 + 0.05 + 0.3)
+    assert layer_time(PROFILE.layers[1], 0.0) == pytest.approx(0.025)  # the same for one layer
     # Memory does not depend on the time fit.
     assert predict_memory(node, SH) == predict_memory(node_cost(PROFILE, "linear"), SH)
 

@@ -35,10 +35,12 @@ def test_roundtrip_and_conversion(tmp_path):
     attn = prof.layers[1]
     assert attn.partitioned and attn.time_samples == tuple(tuple(s) for s in report.layers[1].time_samples)
     assert [l.segment for l in prof.layers] == ["vocab", "attn", "mlp", None, None]
-    # synthetic partitioned layers cost 0.002 + work * p: the affine fit recovers it exactly.
+    # synthetic partitioned layers cost 0.002 + work * p: the affine fit recovers it exactly, and
+    # the intercept is paid at any share (with half the blocks' norms, 2 x 0.002 / 2, in a block kind)
     cost = node_cost(prof)
-    assert cost.attn.icpt_s == pytest.approx(2 * 0.002) and cost.mlp.icpt_s == pytest.approx(2 * 0.002)
-    assert cost.vocab.icpt_s == pytest.approx(0.002)
+    assert cost.attn.fixed_s == pytest.approx(0.002 + 2 * 0.002) and cost.mlp.fixed_s == pytest.approx(0.006)
+    assert cost.vocab.fixed_s == pytest.approx(0.002)
+    assert cost.attn.icpt_s == cost.mlp.icpt_s == cost.vocab.icpt_s == 0.0
 
 
 def test_heap_slack_is_optional_and_reaches_the_cost_model(tmp_path):
