@@ -382,6 +382,15 @@ def test_hook_overhead_comes_out_of_the_block_layers_only() -> None:
     assert prof.without_hook_overhead(med, [(1.0, 1.0)], [(0.0, 0.0)])["blk.mlp"] == pytest.approx(0.006)  # bounded
 
 
+def test_on_the_virtual_clock_the_plain_iteration_sizes_the_layers() -> None:
+    """The hooks give the split, the plain iteration (cut only at the collectives) the total."""
+    med = {"emb": 0.010, "blk.attn": 0.006, "blk.mlp": 0.012, "blk.rest": 0.002, "out": 0.001}
+    out = prof.to_plain_total(med, [(0.0434, 0.05), (0.0420, 0.05), (0.0500, 0.05)])  # median 0.0434
+    assert sum(out.values()) == pytest.approx(0.0434)
+    assert all(out[k] / med[k] == pytest.approx(0.0434 / 0.031) for k in med)  # every layer alike
+    assert prof.to_plain_total(med, []) == med  # nothing to size it by
+
+
 def test_lora_profile_is_its_own_and_counts_a_frozen_base(reports: dict[str, ProfileReport], tmp_path: Path) -> None:
     """A LoRA job's profiling set trains the adapters on a frozen base: the frozen layers' weight
     memory is their weights alone (no gradient, no AdamW moments), the adapters and the trained
