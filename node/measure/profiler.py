@@ -223,7 +223,7 @@ def to_plain_total(med: dict[str, float], plain: list[tuple[float, float]]) -> d
     (clock, CPU) pairs of the iterations without hooks, whose bursts end where training's do, at
     the collectives). Every hook reading ends a burst, and the clock charges a burst the minimum
     of its recent samples, so the hooked iteration's many small minima carried the noise of each
-    piece: three profiles of MiniLM on one quiet host (speed 1.0, the one-block set, the 6-block
+    piece: four profiles of MiniLM on one quiet host (speed 1.0, the one-block set, the 6-block
     prediction) gave 148-222 ms at full width and 24-50 ms at a 0.09 share with the hooks' cost
     taken out by process CPU (`without_hook_overhead`, which the wall clock keeps), 164-179 and
     33-42 ms (three of four at 33.2-33.6) sized by the plain iteration, whose builds read within
