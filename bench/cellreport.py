@@ -114,13 +114,14 @@ def markdown(doc: dict) -> str:
     if doc["ratios"]:
         lines += ["", "Ratios (iteration time; < 1 means the first is faster): " + ", ".join(
             f"**{k}** {v:.3f}" for k, v in doc["ratios"].items())]
-    ideal = doc.get("measured_ideal")
-    if ideal and ideal.get("method") == "per-kind":
-        parts = ", ".join(f"{k} {v:.3f}" for k, v in ideal["per_kind_s"].items())
-        lines += ["", f"Measured-fit ideal compute (per kind, `measured_ideal`): {parts} s = "
-                  f"{ideal['compute_s']:.3f} s; with whole attention units {ideal['compute_whole_heads_s']:.3f} s"]
-    elif ideal:
-        lines += ["", f"Measured-fit ideal compute (node totals; no per-kind metrics): {ideal['compute_s']:.3f} s"]
+    for key, job in (("measured_ideal", ""), ("measured_ideal_lora", " of the LoRA job")):
+        ideal = doc.get(key)
+        if ideal and ideal.get("method") == "per-kind":
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in ideal["per_kind_s"].items())
+            lines += ["", f"Measured-fit ideal compute{job} (per kind, `{key}`): {parts} s = "
+                      f"{ideal['compute_s']:.3f} s; with whole attention units {ideal['compute_whole_heads_s']:.3f} s"]
+        elif ideal:
+            lines += ["", f"Measured-fit ideal compute{job} (node totals; no per-kind metrics): {ideal['compute_s']:.3f} s"]
     lines += ["", f"Ideal ratio to uniform from the device speeds alone (N·min s / Σs): "
               f"{sc['ideal_ratio_to_uniform_from_speeds']:.3f}"]
     return "\n".join(lines) + "\n"

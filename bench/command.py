@@ -71,10 +71,11 @@ def register(subparsers) -> None:
     p.add_argument("--bandwidth-mbit", type=float, default=1000.0,
                    help="every rank's link rate, emulated with network namespaces + tc (default 1000: the "
                         "paper's 1 Gbit/s LAN; needs root); 0 = plain loopback, no limit")
-    p.add_argument("--lora-r", type=int, default=8, help="xronos-lora: the adapters' rank (default 8)")
-    p.add_argument("--lora-alpha", type=float, default=16.0, help="xronos-lora: adapter scale alpha / r (default 16)")
+    p.add_argument("--lora-r", type=int, default=8,
+                   help="the LoRA strategies (xronos-lora, uniform-lora, pp-lora): the adapters' rank (default 8)")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="the LoRA strategies: adapter scale alpha / r (default 16)")
     p.add_argument("--lora-targets", default="",
-                   help="xronos-lora: comma list of target modules (peft's names; default: the family's, peft's)")
+                   help="the LoRA strategies: comma list of target modules (peft's names; default: the family's, peft's)")
     p.add_argument("--name", default=None, help="result file name (default from the cell)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     p.add_argument("--no-plots", action="store_true")

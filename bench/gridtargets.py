@@ -19,6 +19,9 @@ bound on every run):
 - on Set-A: xronos/uniform within 3 % of the ideal ratio, the measured-fit ideal over uniform
   (the speeds-only ratio, which leaves communication and replicated work out, is shown beside it);
 - between the estimators: xronos/uniform's mean moves <= 2 %.
+
+A cell whose `xronos` trained LoRA adapters (the LoRA cell: `xronos-lora`, its full fine-tuning
+infeasible) is read against its own job: `uniform-lora` and `pp-lora` stand for uniform and pp.
 """
 
 from __future__ import annotations
@@ -41,10 +44,17 @@ SET_A_GAP_PCT = 3.0  # xronos/uniform within this of the ideal ratio, on Set-A
 ESTIMATOR_MOVE_PCT = 2.0
 
 
+def job_suffix(doc: dict) -> str:
+    """"" when the cell measured xronos' full fine-tuning, "-lora" when only its LoRA job ran."""
+    s = doc.get("summary", {})
+    return "-lora" if "xronos" not in s and "xronos-lora" in s else ""
+
+
 def comm_mape_pct(doc: dict) -> float | None:
     """Per node, |plan's comm - rank's comm| / rank's comm, averaged (None: no TP plan or no comm)."""
-    x = doc.get("summary", {}).get("xronos")
-    plan = doc.get("strategies", {}).get("xronos", {}).get("plan") or {}
+    name = "xronos" + job_suffix(doc)
+    x = doc.get("summary", {}).get(name)
+    plan = doc.get("strategies", {}).get(name, {}).get("plan") or {}
     if not x or plan.get("comm_s") is None:
         return None
     errs = [abs(plan["comm_s"] - n["comm_s"]) / n["comm_s"] for n in x["nodes"] if n.get("comm_s")]
@@ -53,18 +63,18 @@ def comm_mape_pct(doc: dict) -> float | None:
 
 def figures(doc: dict) -> dict[str, float | None]:
     """One run's figures, as the targets name them."""
-    r, s = doc.get("ratios", {}), doc.get("summary", {})
-    x, u = s.get("xronos"), s.get("uniform")
+    r, s, j = doc.get("ratios", {}), doc.get("summary", {}), job_suffix(doc)
+    x, u = s.get(f"xronos{j}"), s.get(f"uniform{j}")
     ideal_over_uniform = None
     if x and u and x.get("ideal_measured_s"):
         ideal_over_uniform = x["ideal_measured_s"] / u["iteration_s"]
     return {
-        "xronos/uniform": r.get("xronos/uniform"),
-        "xronos/ideal": r.get("xronos/ideal (measured fit)"),
+        "xronos/uniform": r.get(f"xronos{j}/uniform{j}"),
+        "xronos/ideal": r.get(f"xronos{j}/ideal (measured fit)"),
         "worst idle %": 100 * x["max_idle_ratio"] if x else None,
         "compute MAPE %": x.get("mape_pct") if x else None,
         "comm MAPE %": comm_mape_pct(doc),
-        "xronos/pp": r.get("xronos/pp"),
+        "xronos/pp": r.get(f"xronos{j}/pp{j}"),
         "ideal/uniform": ideal_over_uniform,
         "speeds ideal/uniform": doc.get("scenario", {}).get("ideal_ratio_to_uniform_from_speeds"),
         "load": (doc.get("environment", {}).get("loadavg_start") or [None])[0],

@@ -59,8 +59,8 @@ class CellSpec:
     # LAN is 1 Gbit/s. 0 = plain loopback (no limit).
     bandwidth_mbit: float = netem.PAPER_RATE_MBIT
     lr: float = 2e-5
-    # The LoRA strategies' adapters (`xronos-lora`): rank, alpha, target modules (peft's names;
-    # empty: the family's default, peft's). Full fine-tuning strategies ignore them.
+    # The LoRA strategies' adapters (`xronos-lora`, `uniform-lora`, `pp-lora`): rank, alpha, target
+    # modules (peft's names; empty: the family's default, peft's). Full fine-tuning ignores them.
     lora_r: int = 8
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
@@ -128,7 +128,7 @@ def validate(spec: CellSpec) -> tuple[Scenario, dict]:
     max_pos = config.get("n_positions") or config.get("max_position_embeddings")
     if spec.seq_len > max_pos - 2:
         raise ValueError(f"--seq-len {spec.seq_len} exceeds what {spec.model} can take ({max_pos - 2})")
-    if spec.batch_size % spec.micro_batches and "pp" in spec.strategies:
+    if spec.batch_size % spec.micro_batches and any(s in st.PP_STRATEGIES for s in spec.strategies):
         raise ValueError(f"batch {spec.batch_size} does not split into {spec.micro_batches} micro-batches")
     if not (spec.unit_share > 0 and math.isfinite(spec.unit_share)):
         raise ValueError(f"unit share must be > 0, got {spec.unit_share}")
@@ -282,12 +282,13 @@ def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc:
     this cell is not run again: it gets that run's numbers and says so (`same_layout_as`), so two
     identical plans never show run-to-run noise as a difference."""
     want_tp = any(s in st.TP_STRATEGIES and s not in st.LORA_STRATEGIES for s in spec.strategies)
-    want_lora = any(s in st.LORA_STRATEGIES for s in spec.strategies)
+    want_lora = any(s in st.TP_STRATEGIES and s in st.LORA_STRATEGIES for s in spec.strategies)
     tp_reason = _tp_unavailable(ctx.model_dir) if want_tp or want_lora else None
     want_hf_caps = "hf-tp" in spec.strategies and any(c is not None for c in ctx.caps)
     t0 = time.perf_counter()
     profiles = st.profile_devices(ctx, (want_tp or want_hf_caps) and tp_reason is None, "pp" in spec.strategies,
-                                  want_lora=want_lora and tp_reason is None)
+                                  want_lora=want_lora and tp_reason is None,
+                                  want_pp_lora="pp-lora" in spec.strategies)
     doc["profiling_s"] = time.perf_counter() - t0
     doc["profiles"] = profiles
     out: dict[str, dict] = {}
@@ -314,15 +315,15 @@ def run_strategies(spec: CellSpec, sc: Scenario, config: dict, ctx: st.Ctx, doc:
                 else:
                     entry["raw"] = st.run_tp(ctx, plan.layout, strat)
                     measured[key] = strat
-            elif strat == "pp":
+            elif strat in st.PP_STRATEGIES:
                 from xronos.bench.pp_plan import InfeasiblePipeline
 
                 try:
-                    plan = st.pp_plan(ctx, profiles)
+                    plan = st.pp_plan(ctx, profiles, strat)
                 except InfeasiblePipeline as exc:
                     raise st.Infeasible(str(exc)) from None
                 entry["plan"] = _plan_dict(plan)
-                entry["raw"] = st.run_pp(ctx, plan)
+                entry["raw"] = st.run_pp(ctx, plan, strat)
             else:
                 from xronos.bench.hftp_worker import supported
 

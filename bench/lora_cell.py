@@ -9,9 +9,10 @@ paper's 1 Gbit/s links:
 
 - `qwen2.5-1.5b` (random weights, 7 of 28 blocks): full fine-tuning (`xronos`, 16 B per parameter)
   and LoRA (`xronos-lora`, r = 8 on peft's default targets q_proj/v_proj: the frozen base at 4 B
-  per parameter, the adapters and the classification head at 16 B). Each is checked against the
-  caps on its own (`harness.memory_shortfall`, then the planner over the devices' profiles: full
-  fine-tuning's profile for `xronos`, the LoRA job's for `xronos-lora`); one that cannot fit is
+  per parameter, the adapters and the classification head at 16 B), beside the same LoRA job under
+  the even split (`uniform-lora`) and the pipeline (`pp-lora`). Each is checked against the caps
+  on its own (`harness.memory_shortfall`, then its planner over the devices' profiles: full
+  fine-tuning's profile for `xronos`, the LoRA job's for the others); one that cannot fit is
   reported infeasible, with the numbers, and never run.
 - `smollm2-360m` (8 of 32 blocks): full fine-tuning of a shape that fits the same devices.
 
@@ -56,7 +57,7 @@ def _cell(model: str, strategies: tuple[str, ...], **kw) -> CellSpec:
 
 
 CELLS: list[CellSpec] = [
-    _cell(LORA_MODEL, ("xronos", "xronos-lora"), lora_r=8),
+    _cell(LORA_MODEL, ("xronos", "xronos-lora", "uniform-lora", "pp-lora"), lora_r=8),
     _cell(FIT_MODEL, ("xronos",)),
 ]
 
@@ -120,6 +121,9 @@ def markdown(docs: list[dict], seconds: float) -> str:
                 it, rss = r["result"], "–"
             lines.append(f"| {r['model']} ({r['blocks']}) | {r['training']} (`{r['strategy']}`) | "
                          f"{r['state_gib']:.2f} GiB: {r['state_what']} | {caps} | {planned} | {it} | {rss} |")
+    for d in docs:
+        if d.get("ratios"):
+            lines += ["", f"{d['spec']['cell_name']}: " + ", ".join(f"**{k}** {v:.3f}" for k, v in d["ratios"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -150,9 +154,23 @@ def plan_only(spec: CellSpec) -> dict:
                          [d.name for d in sc.devices], spec.batch_size, spec.seq_len, spec.micro_batches,
                          spec.iters, spec.lr, spec.seed, bandwidth_mbit=spec.bandwidth_mbit,
                          lora_r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_targets=spec.lora_targets or None)
-            profiles = st.profile_devices(ctx, any(s not in st.LORA_STRATEGIES for s in runnable), False,
-                                          want_lora=any(s in st.LORA_STRATEGIES for s in runnable))
+            tp = [s for s in runnable if s in st.TP_STRATEGIES]
+            profiles = st.profile_devices(ctx, any(s not in st.LORA_STRATEGIES for s in tp), "pp" in runnable,
+                                          want_lora=any(s in st.LORA_STRATEGIES for s in tp),
+                                          want_pp_lora="pp-lora" in runnable)
             for s in runnable:
+                if s in st.PP_STRATEGIES:
+                    from xronos.bench.pp_plan import InfeasiblePipeline
+
+                    try:
+                        pipe = st.pp_plan(ctx, profiles, s)
+                    except InfeasiblePipeline as exc:
+                        out[s] = {"infeasible": str(exc)[-1000:]}
+                        continue
+                    out[s] = {"feasible": [(x.device, x.start, x.stop) for x in pipe.stages],
+                              "planned_gib": [round(x.memory / 2**30, 3) for x in pipe.stages],
+                              "predicted_iteration_s": pipe.predicted_iteration_s}
+                    continue
                 try:
                     plan = st.tp_plan(ctx, profiles, s)
                 except st.Infeasible as exc:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import io
 
 COLORS = {"xronos": "#1f77b4", "xronos-paper": "#6baed6", "xronos-optimal": "#9ecae1", "uniform": "#d62728",
-          "pp": "#2ca02c", "hf-tp": "#9467bd"}
+          "pp": "#2ca02c", "hf-tp": "#9467bd", "xronos-lora": "#08519c", "uniform-lora": "#fb6a4a",
+          "pp-lora": "#74c476"}
 
 
 def _plt():

@@ -6,6 +6,11 @@ with just its blocks (and a one-row vocabulary when it does not own the embeddin
 owned tensors read from the safetensors file with their block indices shifted. The forward of
 each piece calls the very transformers modules (and mask helpers) the full model calls, so the
 pipeline computes what `AutoModelForSequenceClassification` computes — tests compare gradients.
+
+A stage may train LoRA adapters on its frozen share of the base instead (`add_lora`): peft's own
+LoRA layers, injected in place, the adapters drawn as the TP engine draws them (so both engines
+train the same adapters from the same start) and the classification head trained, as peft's
+SEQ_CLS task and the TP engine train it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,14 @@ ADAPTERS: dict[str, Adapter] = {
                        ("roberta.embeddings",), ("classifier",), "num_hidden_layers"),
     "bert": Adapter("BertForSequenceClassification", "bert.encoder.layer",
                     ("bert.embeddings",), ("bert.pooler", "classifier"), "num_hidden_layers"),
+    "qwen2": Adapter("Qwen2ForSequenceClassification", "model.layers", ("model.embed_tokens",),
+                     ("model.norm", "score"), "num_hidden_layers"),
 }
+# Families whose decoder runs as LLaMA's does (rotary embeddings from the base model, a causal mask,
+# last-token pooling).
+LLAMA_LIKE = ("llama", "qwen2")
+# The TP engine's LoRA tensor names (peft's saved ones) against peft's module names in a live model.
+PEFT_ADAPTER = ".default"
 
 
 # Every dropout probability of the four families' configs (what the engine's `dropout=` overrides).
@@ -137,7 +149,9 @@ class Stage(nn.Module):
         return hf_name if self._is_owned(hf_name) and not hf_name.startswith(ad.blocks + ".") else None
 
     def hf_name(self, local_name: str) -> str:
+        """The checkpoint's (or, for an adapter, the TP engine's and peft's saved) tensor name."""
         ad = ADAPTERS[self.family]
+        local_name = local_name.replace(f".lora_A{PEFT_ADAPTER}.", ".lora_A.").replace(f".lora_B{PEFT_ADAPTER}.", ".lora_B.")
         m = re.match(re.escape(ad.blocks) + r"\.(\d+)\.(.*)", local_name)
         if m:
             return f"{ad.blocks}.{int(m.group(1)) + self.span.blocks.start}.{m.group(2)}"
@@ -167,7 +181,47 @@ class Stage(nn.Module):
         self.missing = sorted(n for n in params if self._is_owned(n) and n not in loaded)
 
     def owned_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """What this stage trains (and its optimizer holds)."""
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def add_lora(self, r: int, alpha: float, targets: tuple[str, ...], dropout: float = 0.0) -> list[str]:
+        """Train LoRA adapters (rank r, scale alpha / r, on the blocks' `targets` modules) on this
+        stage's frozen share of the base, and the classification head where the stage holds it.
+        Each adapter starts as the TP engine's does (`loading.fresh_tensor`: A kaiming-uniform,
+        seeded by its name; B zeros). Returns the adapted modules' checkpoint names."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        from xronos.node.models.loading import fresh_tensor
+        from xronos.node.tp.lora import TRAINED_HEADS
+
+        blocks = _get(self.model, ADAPTERS[self.family].blocks)
+        if not len(blocks):  # nothing here to adapt: the stage only freezes what it holds
+            adapted = []
+        else:
+            inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                               lora_dropout=dropout, fan_in_fan_out=self.family == "gpt2"),
+                                    blocks)
+            adapted = []
+            for name, p in self.model.named_parameters():
+                if f".lora_A{PEFT_ADAPTER}." in name:
+                    hf = self.hf_name(name)
+                    p.copy_(fresh_tensor(hf, tuple(p.shape), "uniform", p.shape[1] ** -0.5))
+                    adapted.append(hf.removesuffix(".lora_A.weight"))
+                elif f".lora_B{PEFT_ADAPTER}." in name:
+                    p.zero_()
+            if not adapted:
+                raise ValueError(f"no module of this {self.family} stage is named {sorted(targets)}")
+        for name, p in self.model.named_parameters():
+            trained = ".lora_" in name or name.split(".", 1)[0] in TRAINED_HEADS
+            p.requires_grad_(trained and self._is_owned(name))
+        self.lora_modules = sorted(adapted)
+        return self.lora_modules
+
+    @property
+    def trains(self) -> bool:
+        """Does this stage hold anything its optimizer steps? (Not a frozen embedding alone.)"""
+        return any(p.requires_grad for p in self.model.parameters())
 
     # -- forward pieces -----------------------------------------------------------------------
     def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
@@ -177,11 +231,11 @@ class Stage(nn.Module):
         b, s = input_ids.shape
         like = torch.empty(b, s, self.config.hidden_size)
         pos = torch.arange(s).unsqueeze(0)
-        if self.family in ("llama", "gpt2"):
+        if self.family in (*LLAMA_LIKE, "gpt2"):
             mask = create_causal_mask(config=self.config, inputs_embeds=like,
                                       attention_mask=attention_mask, cache=None, position_ids=pos)
             ctx = {"attention_mask": mask, "position_ids": pos}
-            if self.family == "llama":
+            if self.family in LLAMA_LIKE:
                 ctx["position_embeddings"] = self.model.model.rotary_emb(like, position_ids=pos)
             return ctx
         base = getattr(self.model, self.model.base_model_prefix)
@@ -191,7 +245,7 @@ class Stage(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         m = self.model
-        if self.family == "llama":
+        if self.family in LLAMA_LIKE:
             return m.model.embed_tokens(input_ids)  # [b, s, h]
         if self.family == "gpt2":
             pos = torch.arange(input_ids.shape[1]).unsqueeze(0)
@@ -202,8 +256,8 @@ class Stage(nn.Module):
     def head(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """[b, s, h] -> [b, num_labels], pooled as the transformers class pools."""
         m = self.model
-        if self.family in ("llama", "gpt2"):
-            norm = m.model.norm if self.family == "llama" else m.transformer.ln_f
+        if self.family in (*LLAMA_LIKE, "gpt2"):
+            norm = m.model.norm if self.family in LLAMA_LIKE else m.transformer.ln_f
             logits = m.score(norm(h))  # [b, s, L]
             pad = self.config.pad_token_id
             if pad is None:

@@ -5,6 +5,11 @@ modules a stage runs, and separately that layer's AdamW step (once per iteration
 two AdamW moments = 16 B per fp32 parameter). Activation bytes per micro-batch are the saved
 tensors autograd keeps for backward (measured with saved-tensor hooks). All blocks share a shape,
 so one block stands for all B. Median over `iters` after `warmup`.
+
+With `lora` the profile is the LoRA job's: the stage trains adapters on a frozen base
+(`Stage.add_lora`), so a layer's backward skips its frozen weights' gradients (the frozen
+embedding runs forward only), its AdamW step covers what it trains, and its resident bytes are
+4 B per frozen parameter and 16 B per trained one.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ def _saved_bytes(fn) -> tuple[torch.Tensor, int]:
 
 
 def profile_layers(model_dir: str, micro_rows: int, seq_len: int, *, iters: int = 5, warmup: int = 2,
-                   pad_token_id: int = 0, seed: int = 0) -> dict:
-    """{"times": [t_emb, t_blk, t_out], "weights": [...], "acts": [...], "hidden": H} (s, bytes)."""
+                   pad_token_id: int = 0, seed: int = 0, lora=None) -> dict:
+    """{"times": [t_emb, t_blk, t_out], "weights": [...], "acts": [...], "params": [...], "hidden": H}
+    (s, bytes, parameter counts). `lora`: the LoraSettings of the LoRA job, None for full fine-tuning."""
     import json
     from pathlib import Path
 
@@ -42,6 +48,8 @@ def profile_layers(model_dir: str, micro_rows: int, seq_len: int, *, iters: int 
     B = num_blocks(config)
     torch.manual_seed(seed)
     stage = Stage(model_dir, StageSpan(0, B + 2, B), pad_token_id)
+    if lora is not None:
+        stage.add_lora(lora.r, lora.alpha, lora.targets, lora.dropout)
     stage.train()
     H = stage.config.hidden_size
     g = torch.Generator().manual_seed(seed)
@@ -50,12 +58,13 @@ def profile_layers(model_dir: str, micro_rows: int, seq_len: int, *, iters: int 
     labels = torch.randint(0, 2, (micro_rows,), generator=g)
     block = _get(stage.model, ADAPTERS[stage.family].blocks)[0]
     ad = ADAPTERS[stage.family]
-    groups = {
+    layers = {
         "emb": [p for n, p in stage.model.named_parameters() if n.startswith(tuple(m + "." for m in ad.embed))],
         "blk": list(block.parameters()),
         "out": [p for n, p in stage.model.named_parameters() if n.startswith(tuple(m + "." for m in ad.head))],
     }
-    opts = {k: torch.optim.AdamW(v, lr=1e-5) for k, v in groups.items()}
+    groups = {k: [p for p in v if p.requires_grad] for k, v in layers.items()}
+    opts = {k: torch.optim.AdamW(v, lr=1e-5) if v else None for k, v in groups.items()}
 
     def run_emb():
         return stage.embed(ids, None)
@@ -76,20 +85,26 @@ def profile_layers(model_dir: str, micro_rows: int, seq_len: int, *, iters: int 
         for i in range(warmup + iters):
             t0 = time.perf_counter()
             out, saved = _saved_bytes(fn)
-            out.backward(torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out))
+            if out.requires_grad:  # not a frozen embedding
+                out.backward(torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out))
             t1 = time.perf_counter()
-            opts[key].step()
-            opts[key].zero_grad(set_to_none=True)
+            if opts[key] is not None:
+                opts[key].step()
+                opts[key].zero_grad(set_to_none=True)
             if i >= warmup:
                 fb.append(t1 - t0)
                 st.append(time.perf_counter() - t1)
             acts[key] = saved
         times[key], steps[key] = statistics.median(fb), statistics.median(st)
-    weights = {k: 16 * sum(p.numel() for p in v) for k, v in groups.items()}
+    # weights, gradients and two AdamW moments of what is trained; the weights alone of what is frozen
+    weights = {k: sum((16 if p.requires_grad else 4) * p.numel() for p in v) for k, v in layers.items()}
+    params = {k: sum(p.numel() for p in v) for k, v in layers.items()}
     return {"times": [times["emb"], times["blk"], times["out"]],  # per micro-batch, forward + backward
             "step_times": [steps["emb"], steps["blk"], steps["out"]],  # AdamW, once per iteration
             "weights": [weights["emb"], weights["blk"], weights["out"]],
-            "acts": [acts["emb"], acts["blk"], acts["out"]], "hidden": H, "num_blocks": B}
+            "params": [params["emb"], params["blk"], params["out"]],
+            "acts": [acts["emb"], acts["blk"], acts["out"]], "hidden": H, "num_blocks": B,
+            "lora": None if lora is None else {"r": lora.r, "targets": list(lora.targets)}}
 
 
 def chain(profile: dict, micro_batches: int) -> tuple[list[float], list[float], list[float]]:
@@ -102,3 +117,11 @@ def chain(profile: dict, micro_batches: int) -> tuple[list[float], list[float], 
 
     slot = [t + s / micro_batches for t, s in zip(profile["times"], profile["step_times"])]
     return expand(slot), expand(profile["weights"]), expand(profile["acts"])
+
+
+def chain_params(profile: dict) -> list[float]:
+    """Parameters per layer of the B + 2 chain (a profile from before they were recorded: its
+    full fine-tuning weights at 16 B per parameter)."""
+    B = profile["num_blocks"]
+    per = profile.get("params") or [w / 16 for w in profile["weights"]]
+    return [per[0]] + [per[1]] * B + [per[2]]

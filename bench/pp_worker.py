@@ -6,7 +6,9 @@ and broadcasts each global batch; it is split into micro-batches that flow throu
 a 1F1B schedule: activations forward and gradients backward over Gloo point-to-point through the
 rank's `TPGroup` (sends are asynchronous, receives block, which is what makes the schedule
 deadlock-free). Gradients accumulate over the micro-batches, then every stage takes its own AdamW
-step.
+step. With the recipe's `lora` every stage trains LoRA adapters on its frozen share of the base
+(`Stage.add_lora`); a gradient then flows back only as far as the first stage that trains
+something (a first stage holding the frozen embedding alone gets none, and runs forward only).
 
 Per iteration and rank we record the time on the group's clock (virtual on the virtual clock, whose
 point-to-point model is eager: a send goes on at once, a receive waits for the bytes), the time
@@ -26,6 +28,7 @@ from pydantic import Field
 from xronos.bench.baseline import Baseline
 from xronos.bench.pp_model import Stage, StageSpan, num_blocks
 from xronos.node.data.batches import Batch
+from xronos.node.models.registry import family_for
 from xronos.node.rank.optim import adamw
 from xronos.node.runconfig import RankConfig
 from xronos.node.rank.lifecycle import (
@@ -40,7 +43,8 @@ class PPRankConfig(RankConfig):
     # dropout overrides all dropout probabilities; its task is classify (`_classify`).
     micro_batches: int = Field(default=8, gt=0)
     spans: list[tuple[int, int]] = Field(min_length=1)  # layer range per pipeline rank
-    grads_dir: str | None = None  # tests: write this stage's gradients after the first step
+    grads_dir: str | None = None  # tests: write this stage's gradients after step `grads_step`
+    grads_step: int = Field(default=0, ge=0)
 
     @property
     def world_size(self) -> int:
@@ -52,13 +56,17 @@ FIELDS = ("iteration_s", "cpu_s", "recv_wait_s", "send_wait_s", "data_s", "loss"
 
 
 class Pipe:
-    """1F1B over one stage; `prev`/`next` are neighbouring ranks or None."""
+    """1F1B over one stage; `prev`/`next` are neighbouring ranks or None. `trains[r]`: does stage r
+    train anything; a stage runs backward only if it or a stage before it does, and sends its input's
+    gradient back only if a stage before it does."""
 
-    def __init__(self, stage: Stage, group: TPGroup, M: int, hidden: int) -> None:
+    def __init__(self, stage: Stage, group: TPGroup, M: int, hidden: int, trains: list[bool]) -> None:
         self.stage, self.group, self.M, self.hidden = stage, group, M, hidden
         self.rank, self.world = group.rank, group.world_size
         self.prev = self.rank - 1 if self.rank > 0 else None
         self.next = self.rank + 1 if self.rank < self.world - 1 else None
+        self.grad_back = any(trains[:self.rank])  # the input's gradient is wanted upstream
+        self.backward_here = self.grad_back or trains[self.rank]
         self.recv_wait = self.send_wait = 0.0
         self.pending: list[dist.Work] = []
 
@@ -86,7 +94,7 @@ class Pipe:
                 x_in, x = None, mb["input_ids"]
             else:
                 b, s = mb["input_ids"].shape
-                x_in = self._recv((b, s, self.hidden), self.prev).requires_grad_()
+                x_in = self._recv((b, s, self.hidden), self.prev).requires_grad_(self.grad_back)
                 x = x_in
             out = self.stage(x, mb)
             if self.next is None:
@@ -98,11 +106,13 @@ class Pipe:
 
         def backward(i: int) -> None:
             x_in, out = saved.pop(i)
+            if not self.backward_here:
+                return
             if self.next is None:
                 out.backward()
             else:
                 out.backward(self._recv(tuple(out.shape), self.next))
-            if self.prev is not None:
+            if self.grad_back:
                 self._send(x_in.grad, self.prev)
 
         warmup = min(self.world - self.rank - 1, self.M)
@@ -143,8 +153,16 @@ class PP(Baseline):
         self.stage = Stage(weights.model_dir, StageSpan(start_l, stop_l, B), rank.facts.pad_token_id,
                            dropout=cfg.recipe.dropout)
         self.stage.train()
-        self.opt = adamw([p for _, p in self.stage.owned_parameters()], lr=cfg.recipe.lr, weight_decay=cfg.recipe.weight_decay)
-        self.pipe = Pipe(self.stage, rank.group, cfg.micro_batches, self.stage.config.hidden_size)
+        trains = [True] * cfg.world_size
+        # the TP engine's settings of the recipe's adapters on this family (its default targets too)
+        lora = family_for(rank.facts.config).lora_settings(cfg.recipe.lora) if cfg.recipe.lora else None
+        if lora is not None:
+            self.stage.add_lora(lora.r, lora.alpha, lora.targets, lora.dropout)
+            # under LoRA a stage trains iff it holds a block (its adapters) or the head
+            trains = [StageSpan(a, b, B).owns_head or len(StageSpan(a, b, B).blocks) > 0 for a, b in cfg.spans]
+        owned = [p for _, p in self.stage.owned_parameters()]
+        self.opt = adamw(owned, lr=cfg.recipe.lr, weight_decay=cfg.recipe.weight_decay) if owned else None
+        self.pipe = Pipe(self.stage, rank.group, cfg.micro_batches, self.stage.config.hidden_size, trains)
 
     def train(self, rank: Rank, batch: Batch, step: int) -> tuple[float, dict[str, float]]:
         cfg, pipe = rank.cfg, self.pipe
@@ -152,10 +170,11 @@ class PP(Baseline):
         micro = [dict(zip(inputs, parts)) for parts in zip(*(v.tensor_split(cfg.micro_batches) for v in inputs.values()))]
         pipe.recv_wait = pipe.send_wait = 0.0
         loss = pipe.step(micro, cfg.recipe.batch_size)
-        if cfg.grads_dir is not None and step == 0:
+        if cfg.grads_dir is not None and step == cfg.grads_step:
             _save_grads(self.stage, cfg.grads_dir, cfg.rank)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        if self.opt is not None:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         return loss, {"recv_wait_s": pipe.recv_wait, "send_wait_s": pipe.send_wait}
 
     def report(self, rank: Rank, per_rank: list[torch.Tensor], result: RankResult) -> dict:

@@ -2,7 +2,8 @@
 
 Run inside the device's cgroup, so the times are those of that device's CPU share: the Xronos
 profiler's report (the planner's input, paper §IV-A) and the pipeline baseline's per-layer
-micro-batch profile (Asteroid's input). Both are written as JSON (no pickle).
+micro-batch profile (Asteroid's input), each for full fine-tuning or the LoRA job. All are written
+as JSON (no pickle).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class ProfileJob(BaseModel):
     iters: int = 5
     # The LoRA job's profile (issue 17): the profiling set trains these adapters on a frozen base.
     tp_lora_out: str | None = None
+    pp_lora_out: str | None = None  # the pipeline's per-layer profile of the same LoRA job
     lora_r: int = 8
     lora_targets: list[str] | None = None
 
@@ -63,6 +65,14 @@ def main(argv: list[str]) -> int:
 
         Path(job.pp_out).write_text(json.dumps(profile_layers(job.model_dir, job.micro_rows, job.seq_len,
                                                               iters=job.iters, warmup=1)))
+    if job.pp_lora_out is not None:
+        from xronos.bench.pp_profile import profile_layers
+        from xronos.node.models.registry import family_for
+
+        config = json.loads((Path(job.model_dir) / "config.json").read_text())
+        lora = family_for(config).lora_settings(LoraSpec(r=job.lora_r, targets=job.lora_targets))
+        Path(job.pp_lora_out).write_text(json.dumps(profile_layers(job.model_dir, job.micro_rows, job.seq_len,
+                                                                   iters=job.iters, warmup=1, lora=lora)))
     return 0
 
 

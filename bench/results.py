@@ -28,6 +28,11 @@ from xronos.bench.cellreport import markdown
 
 TP_NAMES = ("xronos", "xronos-paper", "uniform", "xronos-optimal")  # the last: results from before issue 11
 XRONOS = ("xronos", "xronos-paper", "xronos-optimal")
+# The LoRA job trains something else than full fine-tuning: its strategies are compared, and its
+# measured ideal fitted, among themselves (`LORA_SUFFIX` names each one's full fine-tuning twin).
+LORA_SUFFIX = "-lora"
+LORA_TP_NAMES = ("xronos-lora", "uniform-lora")
+LORA_XRONOS = ("xronos-lora",)
 KINDS = ("attn", "mlp", "vocab")
 
 
@@ -108,10 +113,15 @@ def summarize(doc: dict) -> dict:
     shares = doc["scenario"]["shares"]
     summ = {k: summarize_strategy(k, v, shares, warmup) for k, v in doc["strategies"].items()}
     doc["summary"] = {k: v for k, v in summ.items() if v is not None}
-    ideal = measured_ideal(doc["summary"], doc.get("model", {}).get("kind_parameters"))
-    if ideal is not None:
-        doc["measured_ideal"] = ideal
-        for x in XRONOS:
+    # the LoRA job computes less per unit (no gradients of the frozen base's weights): its
+    # ideal is fitted on its own runs only
+    kind_params = doc.get("model", {}).get("kind_parameters")
+    for key, names, xs in (("measured_ideal", TP_NAMES, XRONOS), ("measured_ideal_lora", LORA_TP_NAMES, LORA_XRONOS)):
+        ideal = measured_ideal(doc["summary"], kind_params, names)
+        if ideal is None:
+            continue
+        doc[key] = ideal
+        for x in xs:
             if x in doc["summary"]:
                 x_sum = doc["summary"][x]
                 extra = x_sum["comm_s"] + max(n["data_s"] for n in x_sum["nodes"])
@@ -123,7 +133,7 @@ def summarize(doc: dict) -> dict:
 
 
 # -- the measured ideal ----------------------------------------------------------------------------
-def measured_ideal(summary: dict, kind_params: dict | None = None) -> dict | None:
+def measured_ideal(summary: dict, kind_params: dict | None = None, names: tuple[str, ...] = TP_NAMES) -> dict | None:
     """The best compute time any layout could reach, from this cell's *measured* per-node compute
     (not the profile): a lower bound to compare xronos' iteration with (plus its communication).
 
@@ -149,8 +159,9 @@ def measured_ideal(summary: dict, kind_params: dict | None = None) -> dict | Non
     intercept-to-slope ratio (the same kernels at another speed: b = t / (kappa + x), a = kappa b;
     kappa = 0 if no node gave a fit); a node that never held the kind gets the fastest slope seen.
     The memory caps are not applied here (a relaxation: still a lower bound, looser only where a
-    cap binds). Returns None when no TP strategy ran."""
-    runs = _distinct_runs(summary)
+    cap binds). `names`: the TP strategies whose runs to fit (full fine-tuning's, or the LoRA
+    job's). Returns None when none of them ran."""
+    runs = _distinct_runs(summary, names)
     if not runs:
         return None
     D = len(runs[0]["nodes"])
@@ -191,10 +202,10 @@ def measured_ideal(summary: dict, kind_params: dict | None = None) -> dict | Non
     return {"method": "total", "fits": {"total": fits}, "compute_s": _balance(fits, 1.0)}
 
 
-def _distinct_runs(summary: dict) -> list[dict]:
+def _distinct_runs(summary: dict, names: tuple[str, ...] = TP_NAMES) -> list[dict]:
     """The TP strategies' summaries, one per distinct layout (a reused measurement counts once)."""
     seen, out = set(), []
-    for k in TP_NAMES:
+    for k in names:
         s = summary.get(k)
         if not s or "compute_s" not in s["nodes"][0]:
             continue
@@ -271,22 +282,24 @@ def ratios(s: dict) -> dict:
         return s[a]["iteration_s"] / s[b]["iteration_s"] if a in s and b in s else None
 
     out = {}
-    for x in XRONOS:
+    for x in (*XRONOS, *LORA_XRONOS):
         if x not in s:
             continue
-        out[f"{x}/uniform"] = r(x, "uniform")
+        sfx = LORA_SUFFIX if x in LORA_XRONOS else ""  # the LoRA job against the LoRA job only
+        out[f"{x}/uniform{sfx}"] = r(x, f"uniform{sfx}")
         if x == "xronos":
             out["xronos/xronos-paper"] = r(x, "xronos-paper")
-        out[f"{x}/pp"] = r(x, "pp")
-        out[f"{x}/hf-tp"] = r(x, "hf-tp")
+        out[f"{x}/pp{sfx}"] = r(x, f"pp{sfx}")
+        if not sfx:
+            out[f"{x}/hf-tp"] = r(x, "hf-tp")
         if s[x].get("ideal_measured_s"):
             out[f"{x}/ideal (measured fit)"] = s[x]["iteration_s"] / s[x]["ideal_measured_s"]
         if s[x].get("ideal_measured_whole_heads_s"):
             out[f"{x}/ideal (measured fit, whole heads)"] = s[x]["iteration_s"] / s[x]["ideal_measured_whole_heads_s"]
         if s[x].get("ideal_iteration_s"):
             out[f"{x}/ideal (profile)"] = s[x]["iteration_s"] / s[x]["ideal_iteration_s"]
-            if "uniform" in s:  # share of the ideal gain over uniform that was captured
-                u, i = s["uniform"]["iteration_s"], s[x]["ideal_iteration_s"]
+            if f"uniform{sfx}" in s:  # share of the ideal gain over uniform that was captured
+                u, i = s[f"uniform{sfx}"]["iteration_s"], s[x]["ideal_iteration_s"]
                 # Only where there is a gain to capture: on equal devices u - i is run-to-run noise,
                 # and a ratio over it means nothing (the homogeneous control read -55 once).
                 out[f"{x} gain captured"] = (u - s[x]["iteration_s"]) / (u - i) if u > 1.05 * i else None

@@ -10,8 +10,10 @@ rank confined to its device's CPU share and memory cap:
 - `xronos-lora`: `xronos` (the per-segment planner) training LoRA adapters on the frozen base
   (the cell's `lora_r`, `lora_targets`), planned over LoRA profiles of the devices (the profiling
   set trains the same adapters: no weight gradients for frozen weights, optimizer state for the
-  adapters and the head only);
+  adapters and the head only); `uniform-lora`: the even split training the same adapters;
 - `pp`: the Asteroid-style pipeline (stages from the DP over the devices' layer profiles);
+  `pp-lora`: the same pipeline training the same adapters (peft's LoRA layers in each stage, the
+  adapters drawn as the TP engine draws them), planned over LoRA layer profiles;
 - `hf-tp`: transformers' own even TP, where the model's sizes divide the rank count.
 On the virtual clock (the emulator's default mode) the link is modelled at `Ctx.bandwidth_mbit`
 (`xronos.node.emulate.link`); on the wall clock (quota, pace), with `Ctx.bandwidth_mbit` set, every
@@ -41,9 +43,13 @@ from xronos.protocol.recipe import LoraSpec, Recipe
 
 log = structlog.get_logger(__name__)
 # Bench strategy -> planner strategy (`xronos.gateway.plan.planner.STRATEGIES`).
-TP_STRATEGIES = {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform", "xronos-lora": "segment"}
-LORA_STRATEGIES = ("xronos-lora",)  # TP strategies that train LoRA adapters (Ctx.lora) on a frozen base
-STRATEGIES = (*TP_STRATEGIES, "pp", "hf-tp")
+TP_STRATEGIES = {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform", "xronos-lora": "segment",
+                 "uniform-lora": "uniform"}
+PP_STRATEGIES = ("pp", "pp-lora")
+# Strategies that train LoRA adapters (Ctx.lora_*) on a frozen base, each against its full
+# fine-tuning counterpart (what the ratios pair it with).
+LORA_STRATEGIES = ("xronos-lora", "uniform-lora", "pp-lora")
+STRATEGIES = (*TP_STRATEGIES, *PP_STRATEGIES, "hf-tp")
 NOMINAL_BW_BPS = 1e9 / 8  # 1 Gbit/s Ethernet (the paper's LAN) for planning inputs on loopback
 NOMINAL_LATENCY_S = 0.5e-3
 
@@ -124,10 +130,11 @@ def planning_caps(ctx: Ctx) -> list[float]:
 
 # -- profiling ------------------------------------------------------------------------------------
 def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int | None = None,
-                    want_lora: bool = False) -> dict[str, dict]:
+                    want_lora: bool = False, want_pp_lora: bool = False) -> dict[str, dict]:
     """Profile each distinct device once, inside its own cgroup, all devices at the same time (their
     shares fit the machine together): {device name: {"tp": ProfileReport JSON, "pp": layer profile,
-    "tp-lora": the ProfileReport of the LoRA job (`want_lora`)}}. `iters`: 3 on the wall clock; 8 on
+    "tp-lora": the ProfileReport of the LoRA job (`want_lora`), "pp-lora": its layer profile
+    (`want_pp_lora`)}}. `iters`: 3 on the wall clock; 8 on
     the virtual clock, whose estimator needs samples (a median of 2-3 under load 17 put a Set-A
     MiniPC at 2.0 Pi 5s, the run at 1.4), and which profiles at host speed (~40 s a device)."""
     from xronos.bench.profile_device import ProfileJob
@@ -144,6 +151,7 @@ def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int | None = 
                                 tp_out=str(ctx.work / f"tp-{d}.json") if want_tp else None,
                                 pp_out=str(ctx.work / f"pp-{d}.json") if want_pp else None,
                                 tp_lora_out=str(ctx.work / f"tp-lora-{d}.json") if want_lora else None,
+                                pp_lora_out=str(ctx.work / f"pp-lora-{d}.json") if want_pp_lora else None,
                                 lora_r=ctx.lora_r,
                                 lora_targets=list(ctx.lora_targets) if ctx.lora_targets else None)
         (ctx.work / f"profile-{d}.json").write_text(jobs[name].model_dump_json())
@@ -168,7 +176,7 @@ def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int | None = 
                                f"killer):\n{errs[name].decode(errors='replace')[-2000:]}")
         job = jobs[name]
         out[name] = {k.replace("_", "-"): json.loads(Path(getattr(job, f"{k}_out")).read_text())
-                     for k in ("tp", "pp", "tp_lora") if getattr(job, f"{k}_out")}
+                     for k in ("tp", "pp", "tp_lora", "pp_lora") if getattr(job, f"{k}_out")}
     return out
 
 
@@ -224,8 +232,17 @@ def loaded_profiles(ctx: Ctx, profiles: dict[str, dict], key: str, wire_ids: boo
 
 
 def profile_key(strategy: str) -> str:
-    """Which of a device's profiles plans this strategy: the LoRA job's own, or full fine-tuning's."""
-    return "tp-lora" if strategy in LORA_STRATEGIES else "tp"
+    """Which of a device's profiles plans this strategy: the LoRA job's own, or full fine-tuning's;
+    the engine's, or the pipeline's per-layer one."""
+    kind = "pp" if strategy in PP_STRATEGIES else "tp"
+    return f"{kind}-lora" if strategy in LORA_STRATEGIES else kind
+
+
+def lora_spec(ctx: Ctx, strategy: str) -> LoraSpec | None:
+    """The adapters a strategy trains (None: full fine-tuning)."""
+    if strategy not in LORA_STRATEGIES:
+        return None
+    return LoraSpec(r=ctx.lora_r, alpha=ctx.lora_alpha, targets=list(ctx.lora_targets) if ctx.lora_targets else None)
 
 
 def over_cap(plan) -> str | None:
@@ -255,9 +272,7 @@ def run_tp(ctx: Ctx, layout, tag: str) -> dict:
     from xronos.node.runconfig import RunConfig
 
     metrics = ctx.work / f"metrics-{tag}.json"
-    lora = LoraSpec(r=ctx.lora_r, alpha=ctx.lora_alpha, targets=list(ctx.lora_targets) if ctx.lora_targets else None) \
-        if tag in LORA_STRATEGIES else None
-    cfg = RunConfig(recipe=cell_recipe(ctx, lora=lora), layout=layout, threads=1, metrics_path=str(metrics),
+    cfg = RunConfig(recipe=cell_recipe(ctx, lora=lora_spec(ctx, tag)), layout=layout, threads=1, metrics_path=str(metrics),
                     progress=False, gloo_timeout_s=600)
     n = layout.world_size
     with confine(ctx, limits(ctx, list(range(n)))) as conf, network(ctx, n) as net:
@@ -277,37 +292,39 @@ def run_tp(ctx: Ctx, layout, tag: str) -> dict:
 
 
 # -- pipeline -----------------------------------------------------------------------------------
-def pp_plan(ctx: Ctx, profiles: dict[str, dict]):
+def pp_plan(ctx: Ctx, profiles: dict[str, dict], strategy: str = "pp"):
     from xronos.bench.pp_plan import plan_pipeline
-    from xronos.bench.pp_profile import chain
+    from xronos.bench.pp_profile import chain, chain_params
 
+    key = profile_key(strategy)
     times, weights, acts = [], None, None
     for name in ctx.device_names:
-        t, weights, acts = chain(profiles[name]["pp"], ctx.micro_batches)
+        t, weights, acts = chain(profiles[name][key], ctx.micro_batches)
         times.append(t)
-    hidden = profiles[ctx.device_names[0]]["pp"]["hidden"]
+    first = profiles[ctx.device_names[0]][key]
+    hidden = first["hidden"]
     rows = max(1, ctx.batch_size // ctx.micro_batches)
     msg = rows * ctx.seq_len * hidden * 4  # one fp32 activation (and its gradient) per boundary
     boundary = [2 * (NOMINAL_LATENCY_S + msg / planning_bw_bps(ctx))] * len(weights)
-    # On top of 16 B per parameter: two fp32 copies of a stage's largest layer, held briefly (the
+    # On top of its training state: two fp32 copies of a stage's largest layer, held briefly (the
     # checkpoint tensor while it is copied in, the embedding's dense per-micro-batch gradient before it
     # is accumulated, the per-tensor AdamW temporaries; freed heap stays resident, node/measure/allocator.py).
     # Without it a Pi 5 stage holding the TinyLlama embedding and two blocks was planned at 2.31 GiB
     # of its 2.41 GiB budget and OOM-killed at 2.84 GiB resident; an embedding-only stage peaked at
     # ~2.9 GiB RSS with 1.0 GiB of weights, gradients and AdamW state.
-    transient = [w / 2 for w in weights]
+    transient = [8 * p for p in chain_params(first)]
     return plan_pipeline(times, weights, acts, boundary, planning_caps(ctx), ctx.micro_batches, transient)
 
 
-def run_pp(ctx: Ctx, plan) -> dict:
+def run_pp(ctx: Ctx, plan, strategy: str = "pp") -> dict:
     from xronos.bench.pp_worker import PPRankConfig
     from xronos.node.rank.local import spawn_ranks
 
     if len(plan.stages) < 2:
         raise ValueError("the pipeline plan put the whole model on one device; nothing to pipeline")
     order = [s.device for s in plan.stages]
-    metrics = ctx.work / "metrics-pp.json"
-    cfg = PPRankConfig(recipe=cell_recipe(ctx), micro_batches=ctx.micro_batches,
+    metrics = ctx.work / f"metrics-{strategy}.json"
+    cfg = PPRankConfig(recipe=cell_recipe(ctx, lora=lora_spec(ctx, strategy)), micro_batches=ctx.micro_batches,
                        spans=[(s.start, s.stop) for s in plan.stages], metrics_path=str(metrics), gloo_timeout_s=600)
     with confine(ctx, limits(ctx, order)) as conf, network(ctx, len(order)) as net:
         spawn_ranks("xronos.bench.pp_worker", [cfg] * len(order), conf.wrap, placement=net)

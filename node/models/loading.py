@@ -153,6 +153,15 @@ def _generator(*key: object) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(zlib.crc32(":".join(map(str, key)).encode()))
 
 
+def fresh_tensor(hf_name: str, shape: tuple[int, ...], kind: str, std: float,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The whole tensor `hf_name` as a run draws it when the checkpoint lacks it (a LoRA adapter,
+    a new task head): seeded by its name, so every engine that trains it starts from the same values."""
+    t = torch.empty(shape, dtype=dtype)
+    _fill(t, kind, std, _generator("missing", hf_name))
+    return t
+
+
 def _fill(t: torch.Tensor, kind: str, std: float, gen: torch.Generator) -> None:
     if kind == "normal":
         t.copy_(torch.empty(t.shape, dtype=t.dtype).normal_(0.0, std, generator=gen))
@@ -185,12 +194,9 @@ def materialize(model: nn.Module, source: ShardSource) -> nn.Module:
             # A fresh LoRA adapter is the normal start of a LoRA run, not news.
             (log.debug if ".lora_" in spec.hf_name else log.warning)(
                 "initialising tensor absent from checkpoint", tensor=spec.hf_name, init=spec.init)
-            if spec.dim is None:
-                _fill(param, spec.init, spec.std, _generator("missing", spec.hf_name))
-            else:  # a partitioned fresh tensor (a LoRA A of a row layer): this rank's slice of one full draw
-                full = torch.empty(spec.full_shape, dtype=param.dtype)
-                _fill(full, spec.init, spec.std, _generator("missing", spec.hf_name))
-                param.copy_(spec.take(full))
+            full = fresh_tensor(spec.hf_name, spec.full_shape, spec.init, spec.std, param.dtype)
+            # a partitioned fresh tensor (a LoRA A of a row layer): this rank's slice of one full draw
+            param.copy_(full if spec.dim is None else spec.take(full))
             continue
         if tuple(t.shape) != tuple(param.shape):
             raise ValueError(f"{spec.hf_name}: read shape {list(t.shape)}, local parameter {list(param.shape)}")

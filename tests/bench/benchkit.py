@@ -20,6 +20,9 @@ TINY = {
     "bert": dict(model_type="bert", hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                  intermediate_size=64, vocab_size=100, max_position_embeddings=64, pad_token_id=0,
                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "qwen2": dict(model_type="qwen2", hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, pad_token_id=0,
+                  tie_word_embeddings=False, vocab_size=300),  # a qwen2 checkpoint gets a byte-level tokenizer (261 ids)
 }
 
 

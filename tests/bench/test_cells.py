@@ -25,10 +25,12 @@ from xronos.protocol.layout import Layout, Sizes
 def test_strategy_names_and_planner_mapping(monkeypatch) -> None:
     from xronos.gateway.plan import planner
 
-    assert st.STRATEGIES == ("xronos", "xronos-paper", "uniform", "xronos-lora", "pp", "hf-tp")
+    assert st.STRATEGIES == ("xronos", "xronos-paper", "uniform", "xronos-lora", "uniform-lora", "pp", "pp-lora",
+                             "hf-tp")
     assert st.TP_STRATEGIES == {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform",
-                                "xronos-lora": "segment"}
-    assert [st.planner_strategy(s) for s in st.TP_STRATEGIES] == ["segment", "paper", "uniform", "segment"]
+                                "xronos-lora": "segment", "uniform-lora": "uniform"}
+    assert [st.planner_strategy(s) for s in st.TP_STRATEGIES] == ["segment", "paper", "uniform", "segment", "uniform"]
+    assert [st.profile_key(s) for s in ("xronos", "uniform-lora", "pp", "pp-lora")] == ["tp", "tp-lora", "pp", "pp-lora"]
     assert set(st.TP_STRATEGIES.values()) <= set(planner.STRATEGIES)
 
 
@@ -148,7 +150,7 @@ def test_infeasible_plans_are_shown_not_timed_and_equal_layouts_run_once(monkeyp
     monkeypatch.setattr(st, "profile_devices", lambda ctx, tp, pp, **kw: {})
     monkeypatch.setattr(st, "tp_plan", lambda ctx, profiles, s: plans[s])
     monkeypatch.setattr(st, "run_tp", lambda ctx, layout, tag: launched.append(tag) or _ranks(layout))
-    def pp_plan(ctx, profiles):
+    def pp_plan(ctx, profiles, strategy):
         raise InfeasiblePipeline("no cut fits: stage 0 needs 4 GiB")
 
     monkeypatch.setattr(st, "pp_plan", pp_plan)

@@ -37,6 +37,21 @@ def test_figures_and_verdicts_of_one_cell_over_repeats():
     assert "set-a" not in v  # only Set-A is held to the ideal's ratio
 
 
+def test_a_lora_cell_is_read_against_its_own_job():
+    """The LoRA cell measures xronos-lora (its full fine-tuning infeasible): its baselines are
+    uniform-lora and pp-lora, never a full fine-tuning run."""
+    d = _doc(0.9)
+    d["ratios"] = {"xronos-lora/uniform-lora": 0.8, "xronos-lora/ideal (measured fit)": 1.04,
+                   "xronos-lora/pp-lora": 0.5, "xronos-lora/uniform": 0.1}
+    d["summary"]["xronos-lora"] = d["summary"].pop("xronos")
+    d["summary"]["uniform-lora"] = d["summary"].pop("uniform")
+    d["strategies"] = {"xronos": {"infeasible": "no plan"}, "xronos-lora": d["strategies"]["xronos"]}
+    f = gt.figures(d)
+    assert (f["xronos/uniform"], f["xronos/ideal"], f["xronos/pp"]) == (0.8, 1.04, 0.5)
+    assert f["worst idle %"] == pytest.approx(2.0) and f["comm MAPE %"] == pytest.approx(0.0)
+    assert f["ideal/uniform"] == pytest.approx(1.0 / (1.0 / 0.9))
+
+
 def test_aim_is_told_apart_from_the_target():
     (row,) = gt.targets({("c", "med"): [_doc(0.9, ideal=1.01, idle=0.025, mape=3.0)]})
     assert row["verdicts"]["xronos/ideal"] == "met (aim met)"

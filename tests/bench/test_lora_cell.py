@@ -24,7 +24,7 @@ from test_cells import SIZES, _doc, _plan, _ranks
 def test_the_cells_are_set_a_at_the_grid_depth_and_scale() -> None:
     lora, fit = CELLS
     assert (lora.scenario, lora.model, lora.blocks) == ("set-a", LORA_MODEL, realistic_blocks(LORA_MODEL))
-    assert lora.blocks == 7 and lora.mem_scale == "kept" and lora.strategies == ("xronos", "xronos-lora")
+    assert lora.blocks == 7 and lora.mem_scale == "kept" and lora.strategies == ("xronos", "xronos-lora", "uniform-lora", "pp-lora")
     assert (fit.scenario, fit.model, fit.blocks, fit.mem_scale) == ("set-a", FIT_MODEL, 8, "kept")
     assert fit.strategies == ("xronos",)
     assert lora.seq_len == fit.seq_len == 256
@@ -97,7 +97,8 @@ def test_bad_lora_options_are_refused_naming_them() -> None:
 def test_the_lora_strategy_plans_on_lora_profiles_and_never_shares_a_full_run(monkeypatch, tmp_path: Path) -> None:
     layout = Layout.tied((2, 1, 1), SIZES)  # the same layout for both: still two runs
     asked, launched = [], []
-    monkeypatch.setattr(st, "profile_devices", lambda ctx, tp, pp, want_lora=False: asked.append((tp, pp, want_lora)) or {})
+    monkeypatch.setattr(st, "profile_devices", lambda ctx, tp, pp, want_lora=False, want_pp_lora=False:
+                        asked.append((tp, pp, want_lora)) or {})
     monkeypatch.setattr(st, "tp_plan", lambda ctx, profiles, s: _plan(layout))
     monkeypatch.setattr(st, "run_tp", lambda ctx, lay, tag: launched.append(tag) or _ranks(lay))
     monkeypatch.setattr(harness, "_tp_unavailable", lambda model_dir: None)
@@ -127,3 +128,39 @@ def test_the_side_by_side_table(monkeypatch) -> None:
     md = markdown([doc], 60.0)
     assert "| qwen2.5-1.5b (7/28) | LoRA r=8 (`xronos-lora`) | 2.09 GiB" in md
     assert "| 1024 / 1024 / 1024 |" in md and "INFEASIBLE: plan exceeds the memory caps" in md
+
+
+def test_the_lora_job_is_compared_with_the_lora_job_only(monkeypatch, tmp_path: Path) -> None:
+    """uniform-lora and pp-lora are xronos-lora's baselines (its ratios, its own measured ideal),
+    never full fine-tuning's; pp-lora plans over the pipeline's LoRA layer profiles."""
+    from test_harness import _doc as _tp_doc
+
+    doc = _tp_doc()
+    s = doc["strategies"]
+    s["xronos-lora"], s["uniform-lora"] = s.pop("xronos"), s.pop("uniform")
+    pp_iters = [{"iteration_s": 4.0, "recv_wait_s": 1.0, "cpu_s": 1.0, "voluntary_ctx_switches": 1,
+                 "involuntary_ctx_switches": 1, "peak_rss": 2**30}] * 3
+    s["pp-lora"] = {"plan": {"stages": []}, "raw": {"ranks": [{"device": d, "span": [d, d + 1], "iterations": pp_iters}
+                                                                for d in range(3)]}}
+    s["uniform"] = {"plan": s["uniform-lora"]["plan"], "raw": {"ranks": [
+        {**r, "iterations": [{**it, "iteration_s": 1.0} for it in r["iterations"]]} for r in s["uniform-lora"]["raw"]["ranks"]]}}
+    doc = summarize(doc)
+    r = doc["ratios"]
+    assert r["xronos-lora/uniform-lora"] == pytest.approx(1.8 / 2.2) and r["xronos-lora/pp-lora"] == pytest.approx(1.8 / 4.0)
+    assert not any(k.startswith("xronos-lora/") and k.split("/")[1] in ("uniform", "pp") for k in r)
+    assert "measured_ideal_lora" in doc and "measured_ideal" in doc  # each job fitted on its own runs
+    assert doc["measured_ideal_lora"]["compute_s"] != doc["measured_ideal"]["compute_s"]
+    assert "xronos-lora/ideal (measured fit)" in r
+
+    asked, planned = [], []
+    monkeypatch.setattr(st, "profile_devices", lambda ctx, tp, pp, want_lora=False, want_pp_lora=False:
+                        asked.append((tp, pp, want_lora, want_pp_lora)) or {})
+    from xronos.bench.pp_plan import PPPlan
+
+    monkeypatch.setattr(st, "pp_plan", lambda ctx, profiles, strat: planned.append(strat) or PPPlan((), 1.0, 1.0, 8))
+    monkeypatch.setattr(st, "run_pp", lambda ctx, plan, strat: {"ran": strat})
+    monkeypatch.setattr(harness, "_tp_unavailable", lambda model_dir: None)
+    spec = CellSpec("set-a", LORA_MODEL, ("pp-lora",), blocks=2)
+    ctx = SimpleNamespace(model_dir=tmp_path, caps=[6 * GIB, 3 * GIB, 3 * GIB])
+    out = run_strategies(spec, get_scenario("set-a"), {"model_type": "qwen2"}, ctx, {})
+    assert asked == [(False, False, False, True)] and planned == ["pp-lora"] and out["pp-lora"]["raw"] == {"ran": "pp-lora"}

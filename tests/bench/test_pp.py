@@ -1,4 +1,5 @@
-"""The pipeline baseline trains the same function as single-device transformers: equal gradients."""
+"""The pipeline baseline trains the same function as single-device transformers: equal gradients,
+in full fine-tuning and with LoRA adapters (against peft's LoRA layers on the whole model)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from benchkit import TINY, _data, _reference
     ("gpt2", [(0, 3), (3, 6)]),
     ("roberta", [(0, 1), (1, 5), (5, 6)]),
     ("bert", [(0, 4), (4, 6)]),
+    ("qwen2", [(0, 3), (3, 6)]),
 ])
 def test_pipeline_gradients_equal_single_device(tmp_path: Path, family: str, spans) -> None:
     model_dir = write_checkpoint(tmp_path / "model", TINY[family])
@@ -44,6 +46,80 @@ def test_pipeline_gradients_equal_single_device(tmp_path: Path, family: str, spa
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
     last = json.loads((tmp_path / "m.json").read_text())["ranks"][-1]["iterations"][0]
     assert last["loss"] == pytest.approx(ref_loss, rel=1e-5)
+
+
+def _lora_reference(model_dir: Path, data: Path, targets: list[str], steps: int) -> tuple[list[float], dict]:
+    """Single-device transformers with peft's LoRA layers, the adapters drawn as the TP engine draws
+    them, the head trained: the losses of `steps` AdamW steps and the last step's gradients."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoModelForSequenceClassification
+
+    from xronos.node.data.batches import BatchSource
+    from xronos.node.models.loading import fresh_tensor
+    from xronos.node.rank.optim import adamw
+    from xronos.node.runconfig import RunConfig
+    from xronos.protocol.layout import Layout
+
+    run = RunConfig(recipe=dict(model_dir=str(model_dir), data_path=str(data), task="classify", batch_size=8,
+                                seq_len=16, lr=1e-3, max_steps=steps, seed=0, eval_fraction=0.0, max_grad_norm=None),
+                    layout=Layout(attn=(1,), mlp=(1,), vocab=(1,)))
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8.0, target_modules=targets,
+                                       fan_in_fan_out=model.config.model_type == "gpt2"), model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            hf = n.replace(".default.", ".")
+            if ".lora_A." in n:
+                p.copy_(fresh_tensor(hf, tuple(p.shape), "uniform", p.shape[1] ** -0.5))
+            p.requires_grad_(".lora_" in n or n.split(".")[0] in ("score", "classifier"))
+    model.train()
+    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses, batches = [], BatchSource(run.recipe, 2).train_batches()
+    for step in range(steps):
+        _, b = next(batches)
+        kw = {"token_type_ids": b.token_type_ids} if b.token_type_ids is not None else {}
+        loss = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels, **kw).loss
+        loss.backward()
+        losses.append(float(loss))
+        if step < steps - 1:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return losses, {n.replace(".default.", "."): p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, spans, targets", [
+    ("llama", [(0, 1), (1, 4), (4, 6)], ["q_proj", "v_proj"]),  # a first stage with the frozen embedding alone
+    ("gpt2", [(0, 3), (3, 6)], ["c_attn"]),  # Conv1D: peft's fan_in_fan_out
+])
+def test_pipeline_lora_trains_what_peft_trains_on_one_device(tmp_path: Path, family: str, spans, targets) -> None:
+    """Two steps (the second after an AdamW step, so the adapters' A gradients are not zero): the
+    pipeline's losses and last gradients equal peft's on the whole model."""
+    model_dir = write_checkpoint(tmp_path / "model", TINY[family])
+    data = _data(tmp_path / "data.jsonl")
+    cfg = PPRankConfig(recipe=dict(task="classify", model_dir=str(model_dir), data_path=str(data), batch_size=8,
+                                   seq_len=16, lr=1e-3, max_steps=2, eval_fraction=0.0, max_grad_norm=None,
+                                   lora=dict(r=4, alpha=8.0, targets=targets)),
+                       micro_batches=4, spans=spans, metrics_path=str(tmp_path / "m.json"),
+                       grads_dir=str(tmp_path / "grads"), grads_step=1, gloo_timeout_s=60)
+    spawn_ranks("xronos.bench.pp_worker", [cfg] * len(spans), timeout_s=240)
+    ref_losses, ref = _lora_reference(model_dir, data, targets, 2)
+    got: dict[str, torch.Tensor] = {}
+    for r in range(len(spans)):
+        path = tmp_path / "grads" / f"grads-rank{r}.safetensors"
+        part = load_file(str(path)) if path.stat().st_size > 16 else {}
+        assert not set(part) & set(got), "a tensor is owned by two stages"
+        got.update(part)
+    assert set(got) == set(ref), (sorted(set(ref) - set(got)), sorted(set(got) - set(ref)))
+    assert any(".lora_A." in n for n in ref) and all(".lora_" in n or n.split(".")[0] in ("score", "classifier")
+                                                    for n in ref)
+    for name, g in ref.items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    iters = json.loads((tmp_path / "m.json").read_text())["ranks"][-1]["iterations"]
+    assert [it["loss"] for it in iters] == pytest.approx(ref_losses, rel=1e-5)
 
 
 def test_dp_puts_more_layers_on_the_faster_device_and_respects_memory() -> None:
