@@ -218,11 +218,6 @@ class Stage(nn.Module):
         self.lora_modules = sorted(adapted)
         return self.lora_modules
 
-    @property
-    def trains(self) -> bool:
-        """Does this stage hold anything its optimizer steps? (Not a frozen embedding alone.)"""
-        return any(p.requires_grad for p in self.model.parameters())
-
     # -- forward pieces -----------------------------------------------------------------------
     def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
         """Per-micro-batch inputs every block needs (masks, positions): no parameters involved."""
