@@ -6,6 +6,12 @@ two AdamW moments = 16 B per fp32 parameter). Activation bytes per micro-batch a
 tensors autograd keeps for backward (measured with saved-tensor hooks). All blocks share a shape,
 so one block stands for all B. Median over `iters` after `warmup`.
 
+The ruler is the one the stages train on: wall time on a real box and under the emulator's quota
+or pacing; on the virtual clock the process's clock, a burst's CPU time (window minimum per
+recurring burst) over the emulated box's speed, with a pause before each micro-batch as a stage
+waits in its receives (`readings.collective_pause_s`). Timed in wall seconds there, every box
+would read the host's speed and the pipeline would be planned as if all boxes were alike.
+
 With `lora` the profile is the LoRA job's: the stage trains adapters on a frozen base
 (`Stage.add_lora`), so a layer's backward skips its frozen weights' gradients (the frozen
 embedding runs forward only), its AdamW step covers what it trains, and its resident bytes are
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from xronos.bench.pp_model import ADAPTERS, Stage, StageSpan, _get
+from xronos.node.measure.readings import collective_pause_s
 
 
 def _saved_bytes(fn) -> tuple[torch.Tensor, int]:
@@ -79,21 +86,31 @@ def profile_layers(model_dir: str, micro_rows: int, seq_len: int, *, iters: int 
         h = torch.randn(micro_rows, seq_len, H, generator=g).requires_grad_()
         return F.cross_entropy(stage.head(h, ids).float(), labels, reduction="sum")
 
+    clock = _virtual_clock()
+    now = clock.now if clock is not None else time.perf_counter
+    pause = collective_pause_s() if clock is not None else 0.0
     times, steps, acts = {}, {}, {}
     for key, fn in (("emb", run_emb), ("blk", run_blk), ("out", run_out)):
         fb, st = [], []
+        if clock is not None:
+            clock.forget()  # the layers' bursts recur under the same keys: one layer's minima are its own
         for i in range(warmup + iters):
-            t0 = time.perf_counter()
+            if pause:
+                time.sleep(pause)
+            t0 = now()
             out, saved = _saved_bytes(fn)
             if out.requires_grad:  # not a frozen embedding
                 out.backward(torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out))
-            t1 = time.perf_counter()
+            t1 = now()
             if opts[key] is not None:
                 opts[key].step()
                 opts[key].zero_grad(set_to_none=True)
+            t2 = now()
+            if clock is not None:
+                clock.settle()  # the next iteration's bursts recur with the same keys
             if i >= warmup:
                 fb.append(t1 - t0)
-                st.append(time.perf_counter() - t1)
+                st.append(t2 - t1)
             acts[key] = saved
         times[key], steps[key] = statistics.median(fb), statistics.median(st)
     # weights, gradients and two AdamW moments of what is trained; the weights alone of what is frozen
@@ -105,6 +122,14 @@ def profile_layers(model_dir: str, micro_rows: int, seq_len: int, *, iters: int 
             "params": [params["emb"], params["blk"], params["out"]],
             "acts": [acts["emb"], acts["blk"], acts["out"]], "hidden": H, "num_blocks": B,
             "lora": None if lora is None else {"r": lora.r, "targets": list(lora.targets)}}
+
+
+def _virtual_clock():
+    """This process's virtual clock (an emulated box on the virtual clock), else None."""
+    from xronos.node.emulate import process_clock
+
+    clock = process_clock()
+    return clock if clock is not None and clock.name == "virtual" else None
 
 
 def chain(profile: dict, micro_batches: int) -> tuple[list[float], list[float], list[float]]:

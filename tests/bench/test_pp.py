@@ -198,3 +198,25 @@ def _brute(order, times, mem, act, comm, caps, M):
         if ok and (best is None or worst < best):
             best = worst
     return best
+
+
+def test_the_layer_profile_reads_the_virtual_clock_of_an_emulated_box(tmp_path: Path, monkeypatch) -> None:
+    """On the virtual clock a layer's time is its burst's CPU time over the box's speed (here a
+    fake thread clock: 10 ms of CPU per burst, a box worth half a core), not the host's wall time."""
+    import itertools
+
+    from xronos.bench.pp_profile import profile_layers
+    from xronos.node import emulate
+    from xronos.node.emulate.vclock import Box, VirtualClock
+
+    model_dir = write_checkpoint(tmp_path / "model", TINY["llama"])
+    cpu = itertools.count(0.0, 0.01)
+    monkeypatch.setenv("XRONOS_PROFILE_PAUSE_S", "0")
+    emulate.reset_for_tests(VirtualClock(Box(host_cores=0.5), thread_time=lambda: next(cpu)))
+    try:
+        prof = profile_layers(str(model_dir), 2, 8, iters=3, warmup=1)
+    finally:
+        emulate.reset_for_tests()
+    assert prof["times"] == pytest.approx([0.02] * 3) and prof["step_times"] == pytest.approx([0.02] * 3)
+    wall = profile_layers(str(model_dir), 2, 8, iters=3, warmup=1)  # no emulated box: wall seconds
+    assert all(0 < t < 1 for t in wall["times"]) and wall["times"] != pytest.approx([0.02] * 3)
