@@ -105,7 +105,7 @@ def summarize_strategy(name: str, entry: dict, shares: list[float], warmup: int)
         if plan.get("ideal_compute_s") is not None:
             # The lower bound: fractional perfect balance + the communication measured here.
             out["ideal_iteration_s"] = plan["ideal_compute_s"] + out["comm_s"] + max(n["data_s"] for n in nodes)
-    elif "stages" in plan:  # a pipeline plan: its predicted iteration, beside the measured one
+    elif plan.get("predicted_iteration_s") is not None:  # a pipeline plan's, beside the measured one
         out["predicted_iteration_s"] = plan["predicted_iteration_s"]
     return out
 
