@@ -22,9 +22,10 @@ continuous per-segment balance under the caps; DP: fractional rows; a mesh: its 
 the wall seconds the run took on this host. The cells:
 
 - `lora-a` / `lora-c`: LoRA r=8 (q_proj, v_proj) on a SmolLM2-360M shape (8 of 32 blocks, batch 16 x 64, a
-  classification head as the grid's), whose frozen base fits every box, on Set-A / Set-C. (Not the
-  Qwen2.5-0.5B shape: transformers 5 loads a Qwen2 directory's tokenizer as Qwen2's own class, which
-  turns the bench's word-level vocabulary into no ids at all.)
+  classification head as the grid's), whose frozen base fits every box, on Set-A / Set-C.
+- `lora-qwen-a`: the LoRA cell's job (`bench/lora_cell.py`): LoRA r=8 on a Qwen2.5-1.5B shape (7 of
+  28 blocks, batch 8 x 256) on Set-A under the grid's caps, where TP holds the attention in two
+  KV-head groups over three boxes.
 - `full-a`: full fine-tuning of a Llama-3.2-1B shape (6 of 16 blocks) on Set-A under the grid's
   memory caps (parameters kept): a whole replica does not fit a Pi 5, TP does;
 - `eight`: the LoRA job on an eight-box fleet (two MiniPCs, two LattePandas, four Pi 5s), where
@@ -91,6 +92,8 @@ CELLS = {
     "lora-a": ChoiceCell("lora-a", "set-a", "smollm2-360m", 8, True, batch_size=16, note="LoRA r=8, base fits every box"),
     "full-a": ChoiceCell("full-a", "set-a", "llama-3.2-1b", 6, False, seq_len=32,
                          note="full fine-tuning, a replica does not fit a Pi 5"),
+    "lora-qwen-a": ChoiceCell("lora-qwen-a", "set-a", "qwen2.5-1.5b", 7, True, seq_len=256, batch_size=8,
+                              note="the LoRA cell's job: LoRA r=8, two KV-head groups over three boxes"),
     "lora-c": ChoiceCell("lora-c", "set-c", "smollm2-360m", 8, True, batch_size=16, note="LoRA r=8, base fits every box"),
     "eight": ChoiceCell("eight", "eight", "smollm2-360m", 8, True, batch_size=16, note="LoRA r=8 on eight boxes"),
     # issue #37: TP whose activation all-reduces are a large share of the iteration
