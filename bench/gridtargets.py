@@ -174,10 +174,12 @@ def load_runs(out: Path, cells: list[str], first_estimator: str) -> dict[tuple[s
     for path in sorted(out.glob("*.json")):
         stem = path.stem
         m = _REPEAT.match(stem)
-        cell, est, rep = (m["cell"], m["est"], int(m["rep"])) if m else (stem, first_estimator, 0)
+        cell, est, rep = (m["cell"], m["est"], int(m["rep"])) if m else (stem, None, 0)
         if cell not in cells:
             continue
         doc = results.summarize(json.loads(path.read_text()))
+        # the first repeat's file names no estimator: its document does (older ones: `first_estimator`)
+        est = est or doc.get("environment", {}).get("estimator") or first_estimator
         runs.setdefault((cell, est), []).append((rep, doc))
     return {k: [d for _, d in sorted(v, key=lambda t: t[0])] for k, v in sorted(
         runs.items(), key=lambda kv: (cells.index(kv[0][0]), kv[0][1] != first_estimator, kv[0][1]))}
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--first-estimator", default="med",
-                    help="the estimator the grid ran first (its first repeat is <cell>.json)")
+                    help="the estimator the grid ran first (its first repeat is <cell>.json), for result "
+                         "files that do not record theirs")
     args = ap.parse_args(argv)
     runs = load_runs(args.out, [c.cell_name for c in STANDARD], args.first_estimator)
     if not runs:

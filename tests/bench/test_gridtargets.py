@@ -109,3 +109,17 @@ def test_load_runs_orders_repeats_and_estimators(tmp_path, monkeypatch):
     assert list(runs) == [("cellA", "med"), ("cellA", "min")]
     assert [d["ratios"]["xronos/uniform"] for d in runs[("cellA", "med")]] == [0.9, 0.91]
     assert [d["ratios"]["xronos/uniform"] for d in runs[("cellA", "min")]] == [0.95, 0.96]
+
+
+def test_the_first_repeat_is_filed_under_the_estimator_its_document_names(tmp_path, monkeypatch):
+    """`<cell>.json` names no estimator; a grid run under `min` first must not be read as `med`."""
+    from xronos.bench import results
+
+    monkeypatch.setattr(results, "summarize", lambda doc: doc)
+    doc = _doc(0.9)
+    doc["environment"]["estimator"] = "min"
+    (tmp_path / "cellA.json").write_text(json.dumps(doc))
+    (tmp_path / "cellA_min_r1.json").write_text(json.dumps(_doc(0.92)))
+    runs = gt.load_runs(tmp_path, ["cellA"], "med")
+    assert list(runs) == [("cellA", "min")]
+    assert [d["ratios"]["xronos/uniform"] for d in runs[("cellA", "min")]] == [0.9, 0.92]
