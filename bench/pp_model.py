@@ -50,7 +50,8 @@ ADAPTERS: dict[str, Adapter] = {
 # Families whose decoder runs as LLaMA's does (rotary embeddings from the base model, a causal mask,
 # last-token pooling).
 LLAMA_LIKE = ("llama", "qwen2")
-# The TP engine's LoRA tensor names (peft's saved ones) against peft's module names in a live model.
+# peft's adapter name inside a live model's parameter names (`q_proj.lora_A.default.weight`), which
+# the saved adapter and the TP engine leave out (`q_proj.lora_A.weight`).
 PEFT_ADAPTER = ".default"
 
 

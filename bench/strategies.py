@@ -46,8 +46,8 @@ log = structlog.get_logger(__name__)
 TP_STRATEGIES = {"xronos": "segment", "xronos-paper": "paper", "uniform": "uniform", "xronos-lora": "segment",
                  "uniform-lora": "uniform"}
 PP_STRATEGIES = ("pp", "pp-lora")
-# Strategies that train LoRA adapters (Ctx.lora_*) on a frozen base, each against its full
-# fine-tuning counterpart (what the ratios pair it with).
+# Strategies that train LoRA adapters (Ctx.lora_*) on a frozen base; the ratios compare them among
+# themselves, never with full fine-tuning (`results.LORA_SUFFIX`).
 LORA_STRATEGIES = ("xronos-lora", "uniform-lora", "pp-lora")
 STRATEGIES = (*TP_STRATEGIES, *PP_STRATEGIES, "hf-tp")
 NOMINAL_BW_BPS = 1e9 / 8  # 1 Gbit/s Ethernet (the paper's LAN) for planning inputs on loopback
