@@ -159,7 +159,7 @@ class PP(Baseline):
         if lora is not None:
             self.stage.add_lora(lora.r, lora.alpha, lora.targets, lora.dropout)
             # under LoRA a stage trains iff it holds a block (its adapters) or the head
-            trains = [StageSpan(a, b, B).owns_head or len(StageSpan(a, b, B).blocks) > 0 for a, b in cfg.spans]
+            trains = [span.owns_head or len(span.blocks) > 0 for span in (StageSpan(a, b, B) for a, b in cfg.spans)]
         owned = [p for _, p in self.stage.owned_parameters()]
         self.opt = adamw(owned, lr=cfg.recipe.lr, weight_decay=cfg.recipe.weight_decay) if owned else None
         self.pipe = Pipe(self.stage, rank.group, cfg.micro_batches, self.stage.config.hidden_size, trains)
