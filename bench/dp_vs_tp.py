@@ -27,13 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from xronos.common.ports import free_port
 
 QWEN_05B = dict(family="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
                 intermediate_size=4864, vocab_size=151936, max_positions=32768, num_labels=2,
@@ -145,12 +146,6 @@ def child(job_path: str, rank: int) -> None:
     group.leave()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace) -> dict:
     from contextlib import nullcontext
 
@@ -163,7 +158,7 @@ def run(args: argparse.Namespace) -> dict:
         with net_cm as net:
             job = {"config": _config(args.blocks), "ranks": args.ranks, "batch": args.batch, "seq": args.seq,
                    "iters": args.iters, "warmup": args.warmup, "lora_r": args.lora_r, "threads": 1,
-                   "host": net.rendezvous_host if net else "127.0.0.1", "port": _free_port(),
+                   "host": net.rendezvous_host if net else "127.0.0.1", "port": free_port(),
                    "out": str(Path(tmp) / "out.json")}
             job_path = Path(tmp) / "job.json"
             job_path.write_text(json.dumps(job))

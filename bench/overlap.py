@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from xronos.common.ports import free_port
+
 # The cells: boxes as host cores (virtual speed), model shape, blocks, batch, sequence, task.
 # `demo`: `xronos demo`'s boxes (N100 0.9, Pi 5 0.5, Pi 4 0.3) and model (MiniLM-L6, BERT 384 wide).
 MINILM = dict(model_type="bert", hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
@@ -155,20 +157,12 @@ def worker(job_file: str, rank_s: str) -> None:
     group.leave()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: list[str],
              extra: dict | None = None, placement=None) -> dict:
     """`extra`: more of the job (bench/overlap_wall.py: clock, latency_s, cores); `placement`: a
     `bench.netem.Network` the ranks run behind (None: loopback)."""
     work.mkdir(parents=True, exist_ok=True)
-    job = {"cell": cell, "iters": iters, "warmup": warmup, "port": _free_port(), "out": str(work), "modes": modes,
+    job = {"cell": cell, "iters": iters, "warmup": warmup, "port": free_port(), "out": str(work), "modes": modes,
            **(extra or {})}
     if placement is not None:
         job["host"] = placement.rendezvous_host

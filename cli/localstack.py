@@ -13,17 +13,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xronos.cli.mqttclient import GatewayClient
-from xronos.node.rank.local import free_port
+from xronos.common.ports import free_port
 from xronos.protocol.transport import BrokerSettings
 
 
 class LocalStack:
+    PORTS = 21
+
     def __init__(self, workdir: Path, host: str, port: int, allowed: Path, base: str = "xronos",
                  keepalive: int = 2) -> None:
         self.dir, self.host, self.port, self.allowed, self.base = workdir, host, port, allowed, base
         self.keepalive = keepalive
         self.procs: dict[str, subprocess.Popen] = {}
-        self.port0 = free_port()
+        self.port0 = free_port(n=self.PORTS)  # the gateway's rendezvous range
         self.client = GatewayClient(BrokerSettings(host=host, port=port), base)
 
     def _broker_toml(self) -> str:
@@ -44,7 +46,7 @@ class LocalStack:
     def gateway(self, profile_timeout_s: float = 300.0, **extra: object) -> subprocess.Popen:
         lines = "".join(f"{k} = {v}\n" for k, v in extra.items())
         return self._spawn("gateway", "gateway", f'state_dir = "{self.dir / "gateway-state"}"\n'
-                           f"rendezvous_port_min = {self.port0}\nrendezvous_port_max = {self.port0 + 20}\n"
+                           f"rendezvous_port_min = {self.port0}\nrendezvous_port_max = {self.port0 + self.PORTS - 1}\n"
                            f"ack_timeout_s = 20.0\nprofile_timeout_s = {float(profile_timeout_s)}\n{lines}"
                            + self._broker_toml())
 

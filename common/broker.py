@@ -14,13 +14,9 @@ from typing import Any
 
 import structlog
 
+from xronos.common.ports import free_port
+
 log = structlog.get_logger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _check_bindable(host: str, port: int) -> None:

@@ -12,7 +12,6 @@ progress bar — is echoed live and every rank's stdout is inherited.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,6 +21,7 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
+from xronos.common.ports import free_port
 from xronos.node.rank.spawn import ChildProcess, rank_env
 from xronos.node.runconfig import RunConfig
 from xronos.node.tp.groupkey import new_key
@@ -52,12 +52,6 @@ class RankFailed(RuntimeError):
         self.rank, self.returncode, self.tail = rank, returncode, tail
         how = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
         super().__init__(f"rank {rank} {how}; its last stderr lines:\n{tail}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def launch_local(config: RunConfig, n: int, wrap: Wrap | None = None, echo_rank0: bool = True,

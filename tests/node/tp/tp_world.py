@@ -9,18 +9,13 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from xronos.common.ports import free_port
 
 
 def run_world(script: Path, world: int, job: dict[str, Any], workdir: Path, timeout: float = 240) -> None:
