@@ -93,7 +93,7 @@ def worker(a: argparse.Namespace) -> None:
         if it >= a.warmup:
             rows.append(dict(virtual_s=t1v - t0v, wall_s=wall, seg_wall=sum(seg_wall), seg_cpu=sum(seg_cpu),
                              estimate=estimate, coll_wall=sum(coll_wall), coll_virtual=sum(coll_virtual),
-                             idle_virtual=idle_v, idle_wall=idle_w))
+                             idle_virtual=idle_v, idle_wall=idle_w, seg_walls=seg_wall, coll_walls=coll_wall))
     group.leave()
     Path(a.out).write_text(json.dumps(dict(rank=a.rank, speed=speeds[a.rank], work=work[a.rank], reps=reps,
                                            rows=rows)))
@@ -150,7 +150,50 @@ def account(ranks: list[dict]) -> dict:
              statistics.mean(x["idle_wall"] / x["wall_s"] for x in rk["rows"])) for rk in ranks]
     return dict(virtual_s=v, wall_s=w, ratio=w / v, diff_s=diff, terms=terms,
                 unexplained_s=diff - sum(terms.values()), unexplained_pct=100 * (diff - sum(terms.values())) / w,
-                idle=idle, spread_pct=100 * statistics.pstdev(x["virtual_s"] for x in r0) / v)
+                idle=idle, idle_terms=idle_terms(ranks) if len(ranks) > 1 else None,
+                spread_pct=100 * statistics.pstdev(x["virtual_s"] for x in r0) / v)
+
+
+def idle_terms(ranks: list[dict]) -> list[dict]:
+    """The wall clock's idle per rank, term by term (seconds per iteration, means over iterations),
+    and the virtual clock's idle set against the part of it the work makes:
+
+    - `systematic`: segments x (the longest rank's mean segment - this rank's): what the ranks' mean
+      segment lengths make a rank wait, the idle a plan can act on.
+    - `jitter`: what the segments' variation adds: in each segment a rank waits for whichever rank
+      ran longest *that time* (the mean of a maximum is above the maximum of the means). The window
+      minimum removes it by design (a burst is charged its recurring best): the host's per-burst
+      noise, not the boxes'.
+    - `exit`: the rest of the wall idle: ranks leaving a loopback collective at different moments
+      (the virtual clock releases them together).
+
+    The two clocks' iterations differ too (the loopback transfer's wall time against the modelled
+    link's; jitter and exit), so `systematic_pct` is the systematic idle over the wall iteration less
+    those terms: the iteration the virtual clock models. `left_points` = virtual idle % - that: what
+    is left once the terms are accounted (the estimator's bias differing between bursts of unequal
+    size, off-CPU time differing between the ranks)."""
+    iters = min(len(rk["rows"]) for rk in ranks)
+    n = len(ranks)
+    rows_of = [rk["rows"][:iters] for rk in ranks]
+    mean_seg = [statistics.mean(v for x in rows for v in x["seg_walls"]) for rows in rows_of]
+    out = []
+    for r in range(n):
+        mine = rows_of[r]
+        lag = statistics.mean(
+            sum(max(seg) - seg[r] for seg in zip(*(rows_of[q][i]["seg_walls"] for q in range(n))))
+            for i in range(iters))
+        wall_s = statistics.mean(x["wall_s"] for x in mine)
+        idle_w = statistics.mean(x["idle_wall"] for x in mine)
+        systematic = len(mine[0]["seg_walls"]) * (max(mean_seg) - mean_seg[r])
+        transfer_excess = statistics.mean((x["coll_wall"] - x["idle_wall"]) - (x["coll_virtual"] - x["idle_virtual"])
+                                          for x in mine)
+        jitter, exit_ = lag - systematic, idle_w - lag
+        base = wall_s - transfer_excess - jitter - exit_
+        virt = statistics.mean(x["idle_virtual"] for x in mine) / statistics.mean(x["virtual_s"] for x in mine)
+        out.append(dict(virtual_pct=100 * virt, wall_pct=100 * idle_w / wall_s, systematic_s=systematic,
+                        jitter_s=jitter, exit_s=exit_, transfer_excess_s=transfer_excess,
+                        systematic_pct=100 * systematic / base, left_points=100 * virt - 100 * systematic / base))
+    return out
 
 
 def spinners(n: int) -> list[subprocess.Popen]:
@@ -174,7 +217,9 @@ def cmd_validate(a: argparse.Namespace) -> dict:
                   f"{acc['terms']['estimator']:.4f} collectives {acc['terms']['collectives']:.4f} unexplained "
                   f"{acc['unexplained_pct']:.1f} %  idle v/w " + " ".join(f"{100 * i:.1f}/{100 * j:.1f}"
                                                                     for i, j in acc["idle"])
-                  + f"  load {load[0]:.1f}", flush=True)
+                  + f"  load {load[0]:.1f}"
+                  + ("  idle left, points " + " ".join(f"{t['left_points']:+.1f}" for t in acc["idle_terms"])
+                     if acc["idle_terms"] else ""), flush=True)
     return dict(kind="validate", clock="virtual and wall side by side", args=vars(a), cases=out)
 
 
@@ -264,6 +309,20 @@ def render(doc: dict) -> str:
                          f"{c['virtual_s']:.4f} | {c['ratio']:.3f} | {1e3 * t['off_cpu']:.2f} | "
                          f"{1e3 * t['estimator']:.2f} | {1e3 * t['collectives']:.2f} | {c['unexplained_pct']:.1f} | "
                          + " · ".join(f"{100 * i:.1f} / {100 * j:.1f}" for i, j in c["idle"]) + " |")
+        lines += ["", "Idle term by term (`idle_terms`; ms per iteration, means over iterations): the wall "
+                  "clock's idle = systematic (the ranks' mean segment lengths: what the work makes a rank wait) + "
+                  "jitter (each segment waits for whichever rank ran longest that time; the window minimum removes "
+                  "it by design) + exit (ranks leaving a loopback collective at different moments; the virtual "
+                  "clock releases them together). Systematic % is over the wall iteration less the loopback "
+                  "transfer's excess over the modelled link, jitter and exit (the iteration the virtual clock "
+                  "models); left = virtual idle % - systematic %, in points.\n",
+                  "| case | estimator | rank | virtual idle % | wall idle % | systematic ms | jitter ms | exit ms | "
+                  "transfer excess ms | systematic % | left, points |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in doc["cases"]:
+            for r, t in enumerate(c.get("idle_terms") or []):
+                lines.append(f"| {c['case']} | {c['estimator']} | {r} | {t['virtual_pct']:.1f} | {t['wall_pct']:.1f} | "
+                             f"{1e3 * t['systematic_s']:.2f} | {1e3 * t['jitter_s']:.2f} | {1e3 * t['exit_s']:.2f} | "
+                             f"{1e3 * t['transfer_excess_s']:.2f} | {t['systematic_pct']:.1f} | {t['left_points']:+.1f} |")
         return "\n".join(lines) + "\n"
     lines = [f"### Idle floor of balanced work on the virtual clock\n",
              f"`python -m xronos.bench.vclock_bench floor --speeds {a['speeds']} --load {a['load']} --repeats "
