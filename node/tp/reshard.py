@@ -13,13 +13,21 @@ count is a replicated scalar and stays), keeps what stays on itself, and receive
 The model is rebuilt at the new layout on the meta device (`Family.build`) and the moved tensors
 are installed as its parameters; the optimizer object is kept (the LR scheduler holds it, and its
 hyper-parameters and step count stay) and re-pointed at the new parameters with the moved state.
-Peak memory during the move: the old shard, the new shard and the outgoing and incoming buffers
-(`move_peak_bytes`); a move a rank has no room for is refused before anything moves
-(`xronos.node.rank.relayout.move`).
+
+The tensors move in batches (`move_batches`: consecutive tensors up to `MOVE_BATCH_BYTES` of full
+tensor, weights and moments; the same batches on every rank, from the plan alone), one exchange
+each, and a batch's old local parts are freed as soon as its new parts are whole. So a rank holds
+at most its old shard, the new parts of the batches done, and one batch's pieces in flight, not a
+second whole shard beside the first: a Set-B TinyLlama rank on a LattePanda's cap needed 2,088 MiB
+more for the move in one exchange, with 1,643 MiB of room. `move_peak_bytes` is that peak, and a
+move a rank has no room for is refused before anything moves (`xronos.node.rank.relayout.move`);
+every check that can refuse a move runs before the first exchange, since after it the old shard is
+going.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +42,7 @@ from xronos.node.tp.layout import ShardLayout
 from xronos.protocol.layout import Layout, LayoutError
 
 Specs = Mapping[str, TensorSpec]
+MOVE_BATCH_BYTES = 64 << 20  # full tensors (weights and moments) per exchange: the peak's step
 
 
 @dataclass(frozen=True)
@@ -152,23 +161,51 @@ def moved_bytes(plan: TransferPlan, model: nn.Module, opt: torch.optim.Optimizer
                for (src, dst), pieces in plan.moves.items() if src != dst for p in pieces)
 
 
-def move_peak_bytes(plan: TransferPlan, model: nn.Module, opt: torch.optim.Optimizer | None, rank: int) -> int:
-    """Bytes `rank` allocates during the move on top of what it holds (`reshard` keeps the old shard
-    until the new one is whole): its new local part of every partitioned tensor (weights and
-    per-element optimizer state), and its outgoing and incoming pieces, packed per dtype, which are
-    alive while the new parts fill."""
+def move_batches(plan: TransferPlan, model: nn.Module, opt: torch.optim.Optimizer | None,
+                 batch_bytes: int = MOVE_BATCH_BYTES) -> list[list[str]]:
+    """The partitioned tensors in the order they move, cut into consecutive batches of at most
+    `batch_bytes` of full tensor (weights and per-element moments; a bigger tensor is a batch of
+    its own). From the plan, the dtypes and the moments only, so every rank cuts the same batches."""
+    params = dict(model.named_parameters())
+    moments = _moment_names(opt, params) if opt is not None else {}
+    out: list[list[str]] = []
+    size = 0
+    for name, shape in plan.shapes.items():
+        n = math.prod(shape) * len(_kinds(name, moments)) * params[name].element_size()
+        if not out or size + n > batch_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += n
+    return out
+
+
+def move_peak_bytes(plan: TransferPlan, model: nn.Module, opt: torch.optim.Optimizer | None, rank: int,
+                    batch_bytes: int = MOVE_BATCH_BYTES) -> int:
+    """Bytes `rank` holds at the worst moment of the move on top of what it holds before: over the
+    batches, the new parts of the batches done and of this one (weights and per-element optimizer
+    state), less the old parts of the batches done (freed), plus this batch's outgoing and incoming
+    pieces, packed per dtype, alive while its new parts fill."""
     params = dict(model.named_parameters())
     moments = _moment_names(opt, params) if opt is not None else {}
 
     def size(p: Piece) -> int:
         return plan.piece_elements(p) * len(_kinds(p.name, moments)) * params[p.name].element_size()
 
-    total = 0
+    new: dict[str, int] = defaultdict(int)
+    old: dict[str, int] = defaultdict(int)
+    flight: dict[str, int] = defaultdict(int)
     for (src, dst), pieces in plan.moves.items():
-        n = sum(size(p) for p in pieces)
-        total += n if dst == rank else 0  # the new part: every piece it ends with, its own included
-        total += n if src != dst and rank in (src, dst) else 0  # in flight: packed to send, or received
-    return total
+        for p in pieces:
+            new[p.name] += size(p) if dst == rank else 0  # every piece it ends with, its own included
+            old[p.name] += size(p) if src == rank else 0  # every piece it starts with goes somewhere
+            flight[p.name] += size(p) if src != dst and rank in (src, dst) else 0  # packed, or received
+    peak = held = 0
+    for batch in move_batches(plan, model, opt, batch_bytes):
+        held += sum(new[n] for n in batch)
+        peak = max(peak, held + sum(flight[n] for n in batch))
+        held -= sum(old[n] for n in batch)
+    return peak
 
 
 def _moment_names(opt: torch.optim.Optimizer, params: Mapping[str, nn.Parameter]) -> dict[str, list[str]]:
@@ -186,58 +223,68 @@ def _kinds(name: str, moments: Mapping[str, list[str]]) -> list[str]:
 
 @torch.no_grad()
 def reshard(model: nn.Module, opt: torch.optim.Optimizer | None, plan: TransferPlan, build_new: Any,
-            group: TPGroup) -> nn.Module:
+            group: TPGroup, batch_bytes: int = MOVE_BATCH_BYTES) -> nn.Module:
     """Collective: move `model` (and `opt`'s per-element state) to the layout `plan` leads to.
     `build_new()` makes the model at the new layout on the meta device. Returns the new model, its
     parameters holding the moved tensors; `opt` now steps them. Every rank calls it with the same
-    plan, and with the same optimizer state present (same trainable parameters, same steps)."""
+    plan, and with the same optimizer state present (same trainable parameters, same steps).
+    A LayoutError comes before anything moves, the old model whole; once the tensors move, the old
+    model's partitioned tensors are freed batch by batch (`move_batches`) and it is not to be used."""
     rank = group.rank
     params = dict(model.named_parameters())
     moments = _moment_names(opt, params) if opt is not None else {}
+    new_model = build_new()
+    new_specs = new_model.tensor_specs()
+    for name, old_p in params.items():
+        if name not in plan.shapes and tuple(old_p.shape) != new_specs[name].local_shape:
+            raise LayoutError(f"re-shard: {name} is replicated as {list(old_p.shape)}, the new layout needs "
+                              f"{list(new_specs[name].local_shape)}")
 
     def local(name: str, kind: str) -> torch.Tensor:
         p = params[name]
         return p.detach() if kind == "weight" else opt.state[p][kind]
 
-    # Outgoing: per peer and dtype, every piece of every tensor kind, flattened in plan order.
-    sends: dict[int, list[torch.Tensor]] = {}
-    recvs: dict[int, list[torch.Tensor]] = {}
     dtypes = sorted({str(local(n, k).dtype) for n in plan.shapes for k in _kinds(n, moments)})
-    for peer in range(group.world_size):
-        if peer == rank:
-            continue
-        out = _pack(plan.pieces(rank, peer), local, moments, dtypes)
-        if out:
-            sends[peer] = out
-        size = _sizes(plan, plan.pieces(peer, rank), local, moments, dtypes)
-        if size:
-            recvs[peer] = [torch.empty(n, dtype=getattr(torch, dt.removeprefix("torch."))) for dt, n in size]
-    group.exchange(sends, recvs)
-
-    new_model = build_new()
-    new_specs = new_model.tensor_specs()
     fresh: dict[tuple[str, str], torch.Tensor] = {}
-    for name in plan.shapes:
-        shape = new_specs[name].local_shape
-        for k in _kinds(name, moments):
-            fresh[(name, k)] = torch.empty(shape, dtype=local(name, k).dtype)
-    for src in range(group.world_size):
-        pieces = plan.pieces(src, rank)
-        if src == rank:
-            for p in pieces:
-                for k in _kinds(p.name, moments):
-                    fresh[(p.name, k)].narrow(p.dim, p.dst_off, p.length).copy_(
-                        local(p.name, k).narrow(p.dim, p.src_off, p.length))
-        elif pieces:
-            _unpack(plan, pieces, recvs[src], fresh, moments, dtypes)
-    del sends, recvs
+    for batch in move_batches(plan, model, opt, batch_bytes):
+        names = set(batch)
+
+        def only(pieces: Sequence[Piece]) -> list[Piece]:
+            return [p for p in pieces if p.name in names]
+
+        # Outgoing: per peer and dtype, every piece of the batch's tensor kinds, flattened in plan order.
+        sends: dict[int, list[torch.Tensor]] = {}
+        recvs: dict[int, list[torch.Tensor]] = {}
+        for peer in range(group.world_size):
+            if peer == rank:
+                continue
+            out = _pack(only(plan.pieces(rank, peer)), local, moments, dtypes)
+            if out:
+                sends[peer] = out
+            size = _sizes(plan, only(plan.pieces(peer, rank)), local, moments, dtypes)
+            if size:
+                recvs[peer] = [torch.empty(n, dtype=getattr(torch, dt.removeprefix("torch."))) for dt, n in size]
+        group.exchange(sends, recvs)
+        del sends
+        for name in batch:
+            for k in _kinds(name, moments):
+                fresh[(name, k)] = torch.empty(new_specs[name].local_shape, dtype=local(name, k).dtype)
+        for src in range(group.world_size):
+            pieces = only(plan.pieces(src, rank))
+            if src == rank:
+                for p in pieces:
+                    for k in _kinds(p.name, moments):
+                        fresh[(p.name, k)].narrow(p.dim, p.dst_off, p.length).copy_(
+                            local(p.name, k).narrow(p.dim, p.src_off, p.length))
+            elif pieces:
+                _unpack(plan, pieces, recvs[src], fresh, moments, dtypes)
+        del recvs
+        for name in batch:  # the old parts are whole elsewhere now: their memory goes to the next batch
+            _free(params[name], opt, moments.get(name, []))
 
     new_params = {}
     for name, old_p in params.items():
         t = fresh.get((name, "weight"), old_p.detach())  # a replicated tensor stays as it is
-        if tuple(t.shape) != new_specs[name].local_shape:
-            raise LayoutError(f"re-shard: {name} ends as {list(t.shape)}, the new layout needs "
-                              f"{list(new_specs[name].local_shape)}")
         new_params[name] = nn.Parameter(t, requires_grad=old_p.requires_grad)
         module_name, _, leaf = name.rpartition(".")
         setattr(new_model.get_submodule(module_name), leaf, new_params[name])
@@ -245,6 +292,16 @@ def reshard(model: nn.Module, opt: torch.optim.Optimizer | None, plan: TransferP
     if opt is not None:
         _repoint(opt, params, new_params, {key: t for key, t in fresh.items() if key[1] != "weight"})
     return new_model
+
+
+def _free(p: nn.Parameter, opt: torch.optim.Optimizer | None, moments: Sequence[str]) -> None:
+    """Let go of a moved parameter's old local part: its storage, its gradient and its moments (the
+    Parameter object stays, keyed in the optimizer until `_repoint`)."""
+    p.data = torch.empty(0, dtype=p.dtype)
+    p.grad = None
+    if opt is not None and p in opt.state:
+        for k in moments:
+            opt.state[p][k] = torch.empty(0, dtype=opt.state[p][k].dtype)
 
 
 def _pack(pieces: Sequence[Piece], local, moments, dtypes: list[str]) -> list[torch.Tensor]:

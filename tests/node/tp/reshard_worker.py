@@ -93,8 +93,11 @@ def run_case(case: dict, rank: int, group, out: Path) -> None:
 
     plan = transfer_plan(specs_per_rank(family, config, task, old, lora=lora),
                          specs_per_rank(family, config, task, new, lora=lora))
-    moved = reshard(model, opt, plan, lambda: build(new), group)
+    # every other case one tensor per exchange (a batch budget of 1 byte), the old parts freed as it goes
+    moved = reshard(model, opt, plan, lambda: build(new), group, **({"batch_bytes": 1} if case.get("batched") else {}))
     new_specs = moved.tensor_specs()
+    # the old shard's moved parts are gone (freed batch by batch), its replicated tensors live on in `moved`
+    assert all(p.numel() == 0 for n, p in model.named_parameters() if n in plan.shapes), case["name"]
     for name, p in moved.named_parameters():
         spec = new_specs[name]
         want = spec.take(full[spec.hf_name])

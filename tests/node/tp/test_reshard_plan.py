@@ -144,6 +144,48 @@ def test_a_ranks_peak_during_the_move_is_its_new_part_and_its_pieces_in_flight()
     assert move_peak_bytes(plan, model, opt, 1) == 3 * 4 * (fresh + incoming)
 
 
+def test_moving_tensor_by_tensor_frees_as_it_goes_and_the_peak_is_one_tensor_not_a_second_shard():
+    """With one tensor per exchange the rank holds, at worst, the new parts of the tensors done, less
+    their old parts, and one tensor's new part and pieces in flight: never more than in one exchange,
+    never less than the largest tensor's share or the shard's growth."""
+    from xronos.node.rank.optim import adamw
+    from xronos.node.rank.optstate import allocate_state
+    from xronos.node.tp.group import TPGroup
+    from xronos.node.tp.layout import ShardLayout
+    from xronos.node.tp.reshard import move_batches, move_peak_bytes
+
+    family, config, task = _model("gpt2-lm")
+    a = Layout(attn=(6, 0), mlp=(70, 0), vocab=(41, 0))  # rank 1 starts empty and ends with most of it
+    b = Layout(attn=(1, 5), mlp=(6, 64), vocab=(1, 40))
+    plan = transfer_plan(specs_per_rank(family, config, task, a), specs_per_rank(family, config, task, b))
+
+    def built(rank: int):
+        model = family.build(config, task, ShardLayout.of(a, rank), TPGroup.alone(2, rank))
+        opt = adamw(model.parameters(), lr=1e-3)
+        allocate_state(opt)
+        return model, opt
+
+    model1, opt1 = built(1)
+    assert move_batches(plan, model1, opt1) == [list(plan.shapes)]  # a small model: one exchange
+    assert move_batches(plan, model1, opt1, batch_bytes=1) == [[n] for n in plan.shapes]
+    # rank 1 holds nothing partitioned before: it ends with its new part whichever way, but has one
+    # tensor's pieces in flight at a time instead of all of them
+    new1 = 3 * 4 * plan.elements(0, 1)
+    flights = [3 * 4 * sum(plan.piece_elements(p) for p in plan.pieces(0, 1) if p.name == n) for n in plan.shapes]
+    whole1 = move_peak_bytes(plan, model1, opt1, 1)
+    one1 = move_peak_bytes(plan, model1, opt1, 1, batch_bytes=1)
+    assert whole1 == 2 * new1
+    assert new1 <= one1 <= new1 + max(flights) and one1 < whole1
+    # rank 0 gives most of its shard away: in one exchange it holds its new part beside all it sends;
+    # tensor by tensor, at worst a tensor's worth, less the old parts already freed (the first tensor:
+    # nothing freed yet)
+    model0, opt0 = built(0)
+    whole0, one0 = move_peak_bytes(plan, model0, opt0, 0), move_peak_bytes(plan, model0, opt0, 0, batch_bytes=1)
+    assert whole0 == 3 * 4 * (plan.elements(0, 0) + plan.elements(0, 1))
+    assert flights[0] <= one0 <= max(flights) + max(3 * 4 * plan.piece_elements(p) for p in plan.pieces(0, 0))
+    assert one0 < whole0 / 10, (one0, whole0)
+
+
 def test_a_move_a_rank_has_no_room_for_is_refused_naming_the_rank_and_the_figures():
     from xronos.node.rank.relayout import check_room, memory_room
     from xronos.node.tp.group import TPGroup
