@@ -175,7 +175,8 @@ def check_room(group: TPGroup, need: int, room: int, step: int) -> None:
         n, m = float(t[0]), float(t[1])
         if n > m:
             raise LayoutError(f"re-shard at step {step}: rank {r} would need {n / 2**20:,.0f} MiB more during the "
-                              f"move (its new shards and the pieces in flight) and has room for {m / 2**20:,.0f} MiB")
+                              f"move (its new parts, less the old ones freed batch by batch, and a batch's pieces in flight) "
+                              f"and has room for {m / 2**20:,.0f} MiB")
 
 
 def resplit(engine: Any, rank: Rank, word: Reshard, step: int) -> Move:
