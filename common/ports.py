@@ -30,14 +30,19 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def _candidates(n: int) -> list[int]:
+def _candidates(n: int, tries: int = 2000) -> list[int]:
+    """Random first ports of `n`-port blocks outside the ephemeral range (none if it covers all)."""
     lo, hi = ephemeral_range()
     spans = [(a, b) for a, b in ((_LOW, lo - n), (hi + 1, 65536 - n)) if b > a]
-    if not spans:  # the ephemeral range covers everything: the kernel's choice is all there is
-        return []
-    starts = [p for a, b in spans for p in range(a, b)]
-    random.shuffle(starts)
-    return starts
+    total = sum(b - a for a, b in spans)
+    out = []
+    for k in (random.randrange(total) for _ in range(tries if total else 0)):
+        for a, b in spans:
+            if k < b - a:
+                out.append(a + k)
+                break
+            k -= b - a
+    return out
 
 
 def _bindable(host: str, port: int) -> bool:
@@ -53,7 +58,7 @@ def free_port(host: str = "127.0.0.1", n: int = 1) -> int:
     """The first of `n` consecutive ports free on `host`, outside the ephemeral range, not given
     before by this process."""
     with _lock:
-        for base in _candidates(n)[:2000]:
+        for base in _candidates(n):
             ports = range(base, base + n)
             if _given.isdisjoint(ports) and all(_bindable(host, p) for p in ports):
                 _given.update(ports)
