@@ -93,7 +93,7 @@ def worker(a: argparse.Namespace) -> None:
         if it >= a.warmup:
             rows.append(dict(virtual_s=t1v - t0v, wall_s=wall, seg_wall=sum(seg_wall), seg_cpu=sum(seg_cpu),
                              estimate=estimate, coll_wall=sum(coll_wall), coll_virtual=sum(coll_virtual),
-                             idle_virtual=idle_v, idle_wall=idle_w, seg_walls=seg_wall, coll_walls=coll_wall))
+                             idle_virtual=idle_v, idle_wall=idle_w, seg_walls=seg_wall))
     group.leave()
     Path(a.out).write_text(json.dumps(dict(rank=a.rank, speed=speeds[a.rank], work=work[a.rank], reps=reps,
                                            rows=rows)))

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xronos.common.broker import EmbeddedBroker, free_port
+from xronos.common.broker import EmbeddedBroker
+from xronos.common.ports import free_port
 
 FALLBACK_NOTES: list[str] = []  # printed in pytest's terminal summary by conftest
 

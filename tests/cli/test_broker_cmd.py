@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from xronos.cli.main import build_parser
-from xronos.common.broker import free_port
+from xronos.common.ports import free_port
 from xronos.protocol.transport import BrokerSettings, MqttBus
 
 
