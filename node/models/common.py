@@ -15,7 +15,7 @@ from xronos.node.tp.layers import Sharded, vocab_parallel_cross_entropy
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import LORA_PARAMS
 from xronos.node.tp.mappings import boundary, copy_to_tp
-from xronos.node.tp.overlap import check_chunks, column_region, run_chunked
+from xronos.node.tp.overlap import check_chunks, chunked_pass, column_region
 from xronos.protocol.layout import Sizes
 
 from .specs import TensorSpec
@@ -278,9 +278,8 @@ def chunked(x: torch.Tensor, mask: torch.Tensor | None, blocks, group: TPGroup) 
     Dropout draws its masks chunk by chunk (the same on every rank), so with dropout a chunked run
     is not bit-comparable with an unchunked one."""
     n = check_chunks(group.chunks, x.shape[0])
-    xs = list(torch.tensor_split(x, n))
     masks = [None] * n if mask is None else list(torch.tensor_split(mask, n))
-    return torch.cat(run_chunked([s for b in blocks for s in b.stages(masks)], xs, group))
+    return chunked_pass([s for b in blocks for s in b.stages(masks)], x, n, group)
 
 
 def init_std(config: dict[str, Any]) -> float:

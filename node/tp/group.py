@@ -98,6 +98,9 @@ class TPGroup:
         self.launched = 0  # asynchronous collectives started (a rank's count of overlapped ones)
         self.late: list = []  # weight gradients a row layer left for the next region's window (overlap.py)
         self.late_task = -1  # the backward pass (autograd graph task) they belong to
+        # Inside a chunked pass's forward: where the current cell's region entries go (overlap.py's
+        # `enter_cut`); None elsewhere.
+        self.entries: list | None = None
 
     @classmethod
     def single(cls, *, trace: bool = False, clock: Clock | None = None) -> TPGroup:

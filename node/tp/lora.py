@@ -40,7 +40,7 @@ import torch.nn as nn
 from .group import TPGroup
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import copy_to_tp, copy_to_tp_with
-from .overlap import Entered, column_region
+from .overlap import Entered, column_region, enter_cut
 
 LORA_PARAMS = ("lora_A", "lora_B")
 # Task heads peft trains with task_type SEQ_CLS (its modules_to_save), by their HF module name.
@@ -181,8 +181,15 @@ def enter_region(x: torch.Tensor, group: TPGroup, kind: str,
     the region, extra, and per layer the A to pass to it (None: not adapted, or a world of one).
     With `group.overlap` the region computes the layers' base products too, so that backward
     overlaps its all-reduce with their weight gradients (`overlap.column_region`): each layer
-    gets an `overlap.Entered` (its product and its A) instead."""
+    gets an `overlap.Entered` (its product and its A) instead. Inside a chunked pass
+    (`group.entries`) each of them enters as a leaf of the chunk's cell, whose backward the pass
+    all-reduces itself (`overlap.enter_cut`)."""
     adapted = [layer.lora_scale is not None for layer in layers]
+    if group.entries is not None:
+        x = enter_cut(x, group)
+        extra = None if extra is None else enter_cut(extra, group, passenger=True)
+        return x, extra, [enter_cut(layer.lora_A, group, passenger=True) if a else None
+                          for layer, a in zip(layers, adapted)]
     fused = group.overlap and group.world_size > 1  # the layers' products computed here (overlap.py)
     if group.world_size == 1 or (not any(adapted) and extra is None and not fused):
         return copy_to_tp(x, group, kind), extra, [None] * len(layers)

@@ -217,17 +217,154 @@ def check_chunks(chunks: object, batch: int) -> int:
     return chunks
 
 
-def run_chunked(stages: list[Stage], xs: list[torch.Tensor], group: TPGroup) -> list[torch.Tensor]:
+class _Cell:
+    """One chunk's pass through one stage, a graph of its own: the stage's input as a leaf, the
+    tensors that entered its region as `(outside, inside, passenger)` (the inside a leaf: the graph
+    is cut where the region's backward all-reduce would be), and the stage's output."""
+
+    __slots__ = ("x", "entries", "out", "kind")
+
+    def __init__(self, x: torch.Tensor, kind: str | None) -> None:
+        self.x, self.kind, self.entries, self.out = x, kind, [], None
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+def enter_cut(t: torch.Tensor, group: TPGroup, passenger: bool = False) -> torch.Tensor:
+    """Inside a chunked pass that records its cells (`group.entries`), a tensor entering a
+    column-parallel region: a leaf whose gradient the pass's backward driver all-reduces itself
+    (`_Tape`), in place of the region entry's own all-reduce (`mappings.copy_to_tp`). `passenger`:
+    a replicated tensor used inside on this rank's part only (`copy_to_tp_with`)."""
+    inside = _leaf(t)
+    group.entries.append((t, inside, passenger))
+    return inside
+
+
+def run_chunked(stages: list[Stage], xs: list[torch.Tensor], group: TPGroup,
+                cells: list[list[_Cell]] | None = None) -> list[torch.Tensor]:
     """Run the stages over the chunks `xs` so that chunk c's all-reduce of a stage travels while
     chunk c+1 computes that stage and chunk c-1 the next (Domino, arXiv 2409.15241): stage by stage,
     chunk by chunk, each chunk first completes its previous stage (waiting for its all-reduce,
     launched one chunk's compute earlier), then launches this one's. Every rank launches and waits
-    in the same order. The sums are the unchunked ones, row by row."""
-    xs, flights, post = list(xs), [None] * len(xs), None
+    in the same order. The sums are the unchunked ones, row by row. `cells`: record each chunk's
+    pass through each stage as a graph of its own (`_Cell`), for `chunked_pass`'s backward."""
+    xs, flights, post, prev = list(xs), [None] * len(xs), None, None
     for pre, nxt, kind in stages:
+        row = [] if cells is not None else None
         for c, x in enumerate(xs):
             if flights[c] is not None:
                 x = xs[c] = post(x, flights[c].wait())
-            flights[c] = reduce_from_tp_async(pre(x, c), group, kind)
-        post = nxt
-    return [post(x, f.wait()) for x, f in zip(xs, flights)] if post is not None else xs
+                if prev is not None:
+                    prev[c].out = x
+            if row is not None:
+                x = xs[c] = _leaf(x)
+                row.append(_Cell(x, kind))
+                group.entries = row[-1].entries
+            try:
+                flights[c] = reduce_from_tp_async(pre(x, c), group, kind)
+            finally:
+                group.entries = None
+        if row is not None:
+            cells.append(row)
+        post, prev = nxt, row
+    if post is None:
+        return xs
+    outs = [post(x, f.wait()) for x, f in zip(xs, flights)]
+    if prev is not None:
+        for cell, out in zip(prev, outs):
+            cell.out = out
+    return outs
+
+
+class _Tape:
+    """The backward of a chunked pass, Domino's (arXiv 2409.15241): stage by stage from the last,
+    chunk by chunk, each chunk's stage backward runs up to its region's entry, whose input gradient
+    (with the passengers', as `copy_to_tp_with` sums them) is all-reduced asynchronously while the
+    *next* chunk's stage backward computes; the chunk then waits for it only when it comes back to
+    run the rest of the stage (the replicated part before the region: a norm, the residual) and
+    its previous stage. Autograd alone cannot run this order: on one graph its ready queue takes
+    each chunk's region entry straight to the replicated part, blocking on the all-reduce there, so
+    each cell is a graph of its own (`_Cell`) and this drives them (as reentrant checkpointing
+    runs its segments' backward inside a Function's). The sums are the unchunked ones."""
+
+    def __init__(self, cells: list[list[_Cell]], group: TPGroup) -> None:
+        self.cells, self.group = cells, group
+
+    def _local(self, cell: _Cell, g: torch.Tensor | None):
+        """The stage backward up to the region entry; its all-reduce launched (None: nothing
+        needs a gradient there, alike on every rank: what needs one is the model's, not a layout's)."""
+        if g is None or cell.out is None or not cell.out.requires_grad:
+            return None
+        torch.autograd.backward([cell.out], [g])
+        grads = [inside.grad if inside.grad is not None else torch.zeros_like(inside)
+                 for _, inside, _ in cell.entries if inside.requires_grad]
+        if not grads:
+            return cell, None, None
+        buf = torch.cat([t.reshape(-1) for t in grads])
+        with self.group.segment(cell.kind):
+            return cell, buf, self.group.all_reduce_async(buf)
+
+    def _finish(self, cell: _Cell, buf: torch.Tensor | None, pending) -> torch.Tensor | None:
+        """Wait for the cell's all-reduce, run the rest of its backward: its input's gradient."""
+        if pending is not None:
+            pending.wait()
+            outs, grads, offset = [], [], 0
+            for outside, inside, passenger in cell.entries:
+                if inside.requires_grad:
+                    g = buf[offset:offset + inside.numel()].view(inside.shape)
+                    offset += inside.numel()
+                    outs.append(outside)
+                    # a passenger's gradient is copied out: a view would keep the whole buffer
+                    # alive as long as the parameter's .grad (as `mappings._CopyToTPWith`)
+                    grads.append(g.clone() if passenger else g)
+            torch.autograd.backward(outs, grads)
+        return cell.x.grad
+
+    def backward(self, gs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The chunks' output gradients -> their input gradients."""
+        flying = [None] * len(gs)
+        for row in reversed(self.cells):
+            for c, cell in enumerate(row):
+                if flying[c] is not None:
+                    gs[c] = self._finish(*flying[c])
+                flying[c] = self._local(cell, gs[c])
+                if flying[c] is None:
+                    gs[c] = None
+        out = [self._finish(*f) if f is not None else None for f in flying]
+        self.cells = []
+        return out
+
+
+class _ChunkedPass(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, stages: list, group: TPGroup,  # type: ignore[override]
+                n: int) -> torch.Tensor:
+        cells: list[list[_Cell]] = []
+        xs = [_leaf(t).requires_grad_(ctx.needs_input_grad[0]) for t in torch.tensor_split(x.detach(), n)]
+        with torch.enable_grad():
+            outs = run_chunked(stages, xs, group, cells)
+        ctx.tape, ctx.n = _Tape(cells, group), n
+        return torch.cat([o.detach() for o in outs])
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        tape, ctx.tape = ctx.tape, None
+        if tape is None:
+            raise RuntimeError("a chunked pass's backward runs once (its cells' graphs are freed)")
+        gx = tape.backward(list(torch.tensor_split(g, ctx.n)))
+        dx = None if any(t is None for t in gx) or not ctx.needs_input_grad[0] else torch.cat(gx)
+        return dx, None, None, None, None
+
+
+def chunked_pass(stages: list[Stage], x: torch.Tensor, n: int, group: TPGroup) -> torch.Tensor:
+    """x [B, ...] through the stages with its rows in n chunks, the forward's row-parallel
+    all-reduces overlapped chunk by chunk (`run_chunked`) and, when a backward will come, the
+    backward's region all-reduces too (`_Tape`). Row by row the unchunked sums."""
+    if not torch.is_grad_enabled():
+        return torch.cat(run_chunked(stages, list(torch.tensor_split(x, n)), group))
+    # The anchor keeps the pass in the graph when x needs no gradient (a LoRA job's frozen
+    # embeddings): its parameters' gradients come through the pass's own backward.
+    anchor = x.new_zeros(0).requires_grad_()
+    return _ChunkedPass.apply(x, anchor, stages, group, n)
