@@ -52,7 +52,7 @@ from pathlib import Path
 
 STRATEGIES = ("auto", "segment", "dp", "uniform", "paper")
 # TP `segment` with its all-reduces overlapped with compute (issue #37): `segment+MODE`, MODE one of
-# bwd (forced), cN (forced N forward chunks), on (the planner's fastest overlapping mode) or auto
+# bwd (forced), cN (forced N chunks), on (the planner's fastest overlapping mode) or auto
 # (its fastest mode, none among them). `--strategies` picks any of these and STRATEGIES.
 OVERLAPPED = ("segment+bwd", "segment+c2", "segment+c4", "segment+on", "segment+auto")
 

@@ -9,8 +9,9 @@ cores) and the cell's link (1 Gbit/s, 0.5 ms a call, the cost model's). The layo
 speed-proportional per segment kind (each kind's units cut by the largest remainder), the same in
 every mode. Modes take turns iteration by iteration, so all see the same host conditions: `off`
 (today: every all-reduce blocks), `bwd` (`TPGroup.overlap`: the input-gradient all-reduce of every
-column-parallel region beside its weight-gradient GEMMs, `node/tp/overlap.py`), `cN` (that, and
-`TPGroup.chunks` = N forward chunks). An iteration is forward, backward, AdamW step, from a common
+column-parallel region beside its weight-gradient GEMMs, `node/tp/overlap.py`), `cN`
+(`TPGroup.chunks` = N chunks of the batch rows, each chunk's all-reduces travelling while the next
+chunk computes, forward and backward). An iteration is forward, backward, AdamW step, from a common
 start (an untimed barrier) to the last rank's end, in virtual seconds. Reported per cell and mode:
 the median over the measured iterations, its ratio to the first mode's, and the share of the
 iteration the rank that computes most (it hardly idles) spends in collectives (the cells the issue
@@ -86,7 +87,7 @@ def parse_modes(ap: argparse.ArgumentParser, text: str) -> list[str]:
 
 
 def chunks_of(mode: str) -> int:
-    """Modes: `off`; `bwd` (backward overlap); `cN` (backward overlap and N forward chunks). The
+    """Modes: `off`; `bwd` (backward overlap); `cN` (N chunks, forward and backward). The
     planner's labels (`overlapcost.mode_of`, which refuses any other)."""
     from xronos.gateway.plan.overlapcost import mode_of
 
@@ -213,8 +214,8 @@ def markdown(results: list[dict], load: str, argv: list[str], seconds: float) ->
              f"{RATE_MBIT:g} Mbit/s link, {LATENCY_S * 1e3:g} ms a call; wall seconds beside, for scale only: "
              "the host is shared). Modes: `off` (every all-reduce blocks: today), `bwd` (the input-gradient "
              "all-reduce of every column-parallel region runs while the region's weight-gradient GEMMs "
-             "compute, `node/tp/overlap.py`), `cN` (that, and the batch rows in N forward chunks, each "
-             "chunk's row-parallel all-reduces travelling while the next chunk computes). Modes take turns "
+             "compute, `node/tp/overlap.py`), `cN` (the batch rows in N chunks, each "
+             "chunk's all-reduces travelling while the next chunk computes, in forward and backward). Modes take turns "
              "iteration by iteration in one run; each figure is the median over the measured iterations of "
              "the iteration (forward, backward, AdamW; from a common start to the last rank's end). `compute "
              "s` and `comm share`: the compute of the rank that computes most, and the share of the "
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xronos.bench.overlap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default="demo,set-a-gpt2m", help=f"comma-separated, of {', '.join(CELLS)}")
-    ap.add_argument("--modes", default="off,bwd,c2", help="off, bwd, cN (N forward chunks), the first the baseline")
+    ap.add_argument("--modes", default="off,bwd,c2", help="off, bwd, cN (N chunks), the first the baseline")
     ap.add_argument("--iters", type=int, default=8, help="measured iterations per mode")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every cell, interleaved")
     ap.add_argument("--warmup", type=int, default=4, help="iterations per mode not counted (estimator windows)")

@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tensor-parallel plans: hide the all-reduces behind compute (issue 37): auto (the fastest "
                         "predicted mode, none among them), on (the fastest overlapping one) or off (default)")
     p.add_argument("--chunks", type=positive_int, default=None, metavar="N",
-                   help="with --overlap on: N forward chunks (default: the planner's pick)")
+                   help="with --overlap on: N chunks (default: the planner's pick)")
     p.add_argument("--job-id", default=None, type=id_arg, help="job id written into --json output (default preview)")
     p.add_argument("--json", action="store_true", help="print the protocol Plan message as JSON")
     p.set_defaults(func=run)

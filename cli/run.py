@@ -55,8 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "moves); repeatable, steps increasing. For testing the move; its time is in --metrics")
     p.add_argument("--overlap", default="off", metavar="{off,bwd,cN}",
                    help="hide the tensor-parallel all-reduces behind compute: bwd (each input-gradient "
-                   "all-reduce beside its weight-gradient GEMMs), cN (that, and the batch rows in N forward "
-                   "chunks, each chunk's all-reduces travelling while the next computes; N <= --batch-size) "
+                   "all-reduce beside its weight-gradient GEMMs), cN (the batch rows in N chunks, each "
+                   "chunk's all-reduces travelling while the next chunk computes, forward and backward; "
+                   "N <= --batch-size) "
                    "or off (default). The sums stay the same ones")
     p.add_argument("--cpu-shares", metavar="s1,...,sN",
                    help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
@@ -175,7 +176,7 @@ def parse_overlap(text: str):
     except ValueError:
         mode = None
     if mode is None or mode.chunks > MAX_CHUNKS:
-        raise ValueError(f"--overlap {text!r}: off, bwd or cN with N forward chunks, 2 <= N <= {MAX_CHUNKS}")
+        raise ValueError(f"--overlap {text!r}: off, bwd or cN with N chunks, 2 <= N <= {MAX_CHUNKS}")
     return Overlap(backward=mode.backward, chunks=mode.chunks) if mode.on else None
 
 

@@ -33,8 +33,9 @@ OverlapChoice = Literal["auto", "off", "on"]
 class Overlap(Part):
     """How a tensor-parallel plan hides its all-reduces behind compute (issue #37,
     `xronos.node.tp.overlap`): `backward` runs each column-parallel region's input-gradient
-    all-reduce while the region's weight gradients compute; `chunks` > 1 also cuts the batch rows
-    into that many forward chunks, each chunk's all-reduces travelling while the next computes.
+    all-reduce while the region's weight gradients compute; `chunks` > 1 instead cuts the batch
+    rows into that many chunks, each chunk's all-reduces travelling while the next chunk computes,
+    in forward and backward alike.
     Only the timing changes: the sums are the same ones."""
 
     backward: bool
@@ -67,7 +68,7 @@ class JobSpec(Message):
     rebalance: bool = True
     # Overlap of a tensor-parallel plan's all-reduces with compute (`Overlap`): `auto` lets the
     # planner pick the mode it predicts fastest (none among them), `on` the fastest overlapping
-    # one, `off` none. `chunks` forces the forward chunk count (with `on`). Off by default: the
+    # one, `off` none. `chunks` forces the chunk count (with `on`). Off by default: the
     # prediction is checked on the bench's cells only (docs/planning.md).
     overlap: OverlapChoice = "off"
     chunks: Annotated[int, Field(ge=1, le=MAX_CHUNKS)] | None = None
@@ -85,7 +86,7 @@ class JobSpec(Message):
                              "(its gradient all-reduce already runs beside backward)")
         if self.chunks is not None:
             if self.overlap != "on":
-                raise ValueError(f"chunks: {self.chunks} forward chunks need overlap 'on', not {self.overlap!r}")
+                raise ValueError(f"chunks: {self.chunks} chunks need overlap 'on', not {self.overlap!r}")
             check_overlap_rows(Overlap(backward=True, chunks=self.chunks), self.recipe.batch_size, "chunks")
         return self
 

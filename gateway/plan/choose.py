@@ -115,7 +115,7 @@ def with_overlap(c: Candidate, nodes: Sequence[NodeCost], shape: TPShape | None,
                  chunks: int | None, *, bandwidth_Bps: float, latency_s: float,
                  node_cpu: Sequence[NodeComm | None]) -> Candidate:
     """A TP candidate with the overlap mode the job asks for: `off` as it is; `auto` the fastest
-    predicted mode (`off` among them); `on` the fastest overlapping one, or `chunks` forward chunks."""
+    predicted mode (`off` among them); `on` the fastest overlapping one, or `chunks` chunks."""
     if overlap not in ("auto", "off", "on"):
         raise ValueError(f"overlap must be auto, off or on, got {overlap!r}")
     if chunks is not None and shape is not None and chunks > shape.rows:

@@ -7,8 +7,9 @@ The modes are the node runtime's (`node/tp/overlap.py`):
 - `bwd`     backward: each column-parallel region's input-gradient all-reduce travels while the
             region's weight-gradient GEMMs run (Megatron's async input-gradient all-reduce), its
             row layer's among them (left late by that layer: `overlap.late_weight_linear`);
-- `cN`      that, and forward chunking: the batch rows in N chunks, chunk k's row-parallel
-            all-reduce travelling while chunk k+1 computes (Domino).
+- `cN`      chunking: the batch rows in N chunks, chunk k's all-reduces travelling while chunk
+            k+1 computes, in the forward (the row-parallel layers') and the backward (the column
+            regions' input gradients) alike (Domino).
 
 **Model.** The plan's per-segment bottleneck compute (`PlanResult.segment_s`: the slowest node in
 each segment, which every rank waits for at the segment's barrier) is cut per block into the
@@ -28,9 +29,11 @@ resources each used in order, and each all-reduce takes the longer of the link's
 slowest node's CPU for it (`commmodel.comm_time`). The forward pass is simulated as the runtime
 schedules it: stage by stage (each block's attention, then its MLP), chunk by chunk; a chunk's
 stage starts once its previous stage's all-reduce has landed, and an all-reduce starts once its
-chunk's compute is done and the link is free. Backward runs each region's chunks in turn: chunk
-by chunk the input gradient, the all-reduce, and beside it (`bwd`) or before it (`off`) the
-weight gradients; autograd does not interleave the chunks. The vocabulary segment and the
+chunk's compute is done and the link is free. Backward without chunks runs region by region: the
+input gradient, the all-reduce, and beside it (`bwd`) or before it (`off`) the weight gradients.
+With chunks it is scheduled as the forward, stages in reverse (`overlap._Tape`, Domino's
+backward): a chunk's whole stage backward (input and weight gradients, 2/3 of a full fine-tune's
+stage, 1/2 of a LoRA job's) hides the previous chunk's all-reduce. The vocabulary segment and the
 replicated one run as today, except that with `bwd` a trained causal-LM head's weight gradient
 hides its input gradient's all-reduce.
 
@@ -73,7 +76,7 @@ FULL_CHUNK_FIXED = 0.07
 @dataclass(frozen=True)
 class OverlapMode:
     backward: bool  # the input-gradient all-reduces beside the weight gradients
-    chunks: int  # forward chunks (1: none)
+    chunks: int  # the batch rows in this many chunks (1: none)
 
     @property
     def label(self) -> str:
@@ -98,7 +101,7 @@ def mode_of(label: str) -> OverlapMode:
         return OverlapMode(True, 1)
     if label.startswith("c") and label[1:].isdigit() and int(label[1:]) >= 2:
         return OverlapMode(True, int(label[1:]))
-    raise ValueError(f"overlap mode {label!r}: off, bwd or cN (N >= 2 forward chunks)")
+    raise ValueError(f"overlap mode {label!r}: off, bwd or cN (N >= 2 chunks)")
 
 
 @dataclass(frozen=True)
@@ -152,16 +155,28 @@ def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: in
                 if c == 1:
                     t_cpu = t_link
     forward = max(t_cpu, *ready)
-    # backward: region by region, chunk by chunk; the input gradient, then the weight gradients
-    # beside (bwd) or before (off) the all-reduce
-    per_region = 0.0
-    for t_stage in stages:
-        for _ in range(c):
+    if c > 1:
+        # backward chunked as the forward (`overlap._Tape`): stage by stage from the last, chunk by
+        # chunk, a chunk's stage backward (input and weight gradients) once its previous all-reduce
+        # (the stage after, in forward order) has landed; its all-reduce then travels while the
+        # next chunk computes
+        t_cpu, t_link, ready = 0.0, 0.0, [0.0] * c
+        for _ in range(B):
+            for t_stage in reversed(stages):
+                for k in range(c):
+                    t_cpu = max(t_cpu, ready[k]) + (g + w) * t_stage + own
+                    t_link = ready[k] = max(t_cpu, t_link) + l_chunk
+        backward = max(t_cpu, *ready)
+    else:
+        # backward: region by region; the input gradient, then the weight gradients beside (bwd)
+        # or before (off) the all-reduce
+        per_region = 0.0
+        for t_stage in stages:
             if mode.backward:
                 per_region += g * t_stage + max(w * t_stage + own, l_chunk)
             else:
                 per_region += g * t_stage + w * t_stage + l_chunk
-    backward = B * per_region
+        backward = B * per_region
     # the vocabulary segment: the embedding's all-reduce, and a causal LM head's input-gradient one,
     # which a trained head's weight gradient hides under bwd (cross-entropy's three small
     # all-reduces block in every mode alike: they do not change what a mode saves)

@@ -105,7 +105,7 @@ class Layer(nn.Module):
         return self.mlp_ln(x + self.drop(self.mlp(x)))
 
     def stages(self, masks: list[torch.Tensor | None]) -> list[Stage]:
-        """`forward` cut at its two all-reduces, for forward chunking (`overlap.run_chunked`)."""
+        """`forward` cut at its two all-reduces, for chunking (`overlap.run_chunked`)."""
         attn, mlp = self.attn, self.mlp
         return [(lambda x, c: attn.out.partial(attn.mix(x, masks[c])),
                  lambda x, r: self.attn_ln(x + self.drop(attn.out.finish(r))), "attn"),
@@ -181,7 +181,7 @@ class Encoder(TPModel):
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
         x = self.emb_drop(self.emb_ln(x + self.position_embeddings(pos)))  # [B, S, hidden]
         mask = attention_mask_bool(attention_mask, causal=False)  # [B, 1, 1, S]
-        if self.group.chunks != 1:  # forward chunking (`chunked` refuses a bad count)
+        if self.group.chunks != 1:  # chunking (`chunked` refuses a bad count)
             return chunked(x, mask, self.layers, self.group)
         for layer in self.layers:
             x = layer(x, mask)

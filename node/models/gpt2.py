@@ -109,7 +109,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
     def stages(self, masks: list[torch.Tensor | None]) -> list[Stage]:
-        """`forward` cut at its two all-reduces, for forward chunking (`overlap.run_chunked`);
+        """`forward` cut at its two all-reduces, for chunking (`overlap.run_chunked`);
         masks[c]: chunk c's attention mask."""
         attn, mlp = self.attn, self.mlp
         return [(lambda x, c: attn.c_proj.partial(attn.mix(self.ln_1(x), masks[c])),
@@ -157,7 +157,7 @@ class GPT2(TPModel):
             x = x + t.wte(token_type_ids)
         x = t.drop(x)
         mask = attention_mask_bool(attention_mask, causal=True)  # [B, 1, S, S]
-        if self.group.chunks != 1:  # forward chunking (`chunked` refuses a bad count)
+        if self.group.chunks != 1:  # chunking (`chunked` refuses a bad count)
             return t.ln_f(chunked(x, mask, t.h, self.group))
         for block in t.h:
             x = block(x, mask)

@@ -310,7 +310,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def stages(self, masks: list[torch.Tensor | None], cos: torch.Tensor, sin: torch.Tensor) -> list[Stage]:
-        """`forward` cut at its two all-reduces, for forward chunking (`overlap.run_chunked`)."""
+        """`forward` cut at its two all-reduces, for chunking (`overlap.run_chunked`)."""
         attn, mlp = self.self_attn, self.mlp
         return [(lambda x, c: attn.o_proj.partial(attn.mix(self.input_layernorm(x), masks[c], cos, sin)),
                  lambda x, r: x + attn.o_proj.finish(r), "attn"),
@@ -363,7 +363,7 @@ class Llama(TPModel):
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
         cos, sin = self.d.rope.cos_sin(S, x.device)  # [S, hd]
         mask = attention_mask_bool(attention_mask, causal=True)  # [B, 1, S, S]
-        if self.group.chunks != 1:  # forward chunking (`chunked` refuses a bad count)
+        if self.group.chunks != 1:  # chunking (`chunked` refuses a bad count)
             blocks = [_WithRope(layer, cos, sin) for layer in self.model.layers]
             return self.model.norm(chunked(x, mask, blocks, self.group))
         for layer in self.model.layers:

@@ -94,7 +94,7 @@ class TPGroup:
         # Overlap communication with compute where the sums stay the same (`node/tp/overlap.py`):
         # the layers read it when they run. Off by default: the runtime sets it.
         self.overlap = False
-        self.chunks = 1  # forward chunking: a rank's batch rows in this many chunks (1: none)
+        self.chunks = 1  # chunking: a rank's batch rows in this many chunks (1: none)
         self.launched = 0  # asynchronous collectives started (a rank's count of overlapped ones)
         self.late: list = []  # weight gradients a row layer left for the next region's window (overlap.py)
         self.late_task = -1  # the backward pass (autograd graph task) they belong to

@@ -1,5 +1,7 @@
-"""Hide the wire in backward: the input-gradient all-reduce of a column-parallel region travels while
-the region's weight-gradient GEMMs run (Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`).
+"""Hide the wire: in backward, the input-gradient all-reduce of a column-parallel region travels while
+the region's weight-gradient GEMMs run (Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`);
+with the batch rows in chunks, each chunk's all-reduces travel while the next chunk computes, in
+forward and backward (Domino, at the end of this module).
 
 Today the region's entry (`mappings.copy_to_tp`) all-reduces the input gradient in its backward,
 after autograd has run every column layer's backward node — each computes the layer's input and
@@ -200,7 +202,7 @@ def column_region(x: torch.Tensor, group: TPGroup, kind: str | None,
     return x_in, (None if passenger is None else p_in), ys
 
 
-# -- forward chunking (Domino) ---------------------------------------------------------------------
+# -- chunking (Domino) -----------------------------------------------------------------------------
 # A stage of a block: `pre(x, c)` computes chunk c's partial sum (the row-parallel layer's
 # `partial`), `post(x, reduced)` completes it (`finish`, dropout, the residual), `kind` tags the
 # all-reduce between them.

@@ -25,7 +25,7 @@ def good(tmp_path_factory) -> tuple[Path, Path]:
     ("extra", "message"),
     [
         (("--overlap", "c5"), "--overlap: chunks 5 leaves a chunk without a row: the batch has 4 rows"),
-        (("--overlap", "c1"), "--overlap 'c1': off, bwd or cN with N forward chunks, 2 <= N <= 64"),
+        (("--overlap", "c1"), "--overlap 'c1': off, bwd or cN with N chunks, 2 <= N <= 64"),
         (("--overlap", "yes"), "--overlap 'yes': off, bwd or cN"),
         (("--overlap", "bwd", "--shares", "4"), "--overlap: a data-parallel run (shares) does not overlap"),
     ],

@@ -1,5 +1,5 @@
 """`xronos run --overlap` == single-device training: the overlap of the all-reduces with compute
-(the input-gradient all-reduces beside the weight gradients; forward chunks) reaches the ranks
+(the input-gradient all-reduces beside the weight gradients; chunks) reaches the ranks
 through the run's config and changes only the timing. Each case runs the real command on a
 lopsided layout and compares every exported parameter with the plain transformers (+ peft) loop,
 as tests/node/test_contract.py and tests/node/dp/test_dp_run.py do; the metrics show the

@@ -44,7 +44,7 @@ def test_a_job_asks_for_overlap_and_chunks_only_with_on_and_within_its_batch() -
     data = SPEC.model_dump()
     assert SPEC.overlap == "off" and SPEC.chunks is None
     assert m.JobSpec.model_validate({**data, "overlap": "on", "chunks": batch}).chunks == batch
-    with pytest.raises(ValidationError, match="chunks: 2 forward chunks need overlap 'on', not 'auto'"):
+    with pytest.raises(ValidationError, match="chunks: 2 chunks need overlap 'on', not 'auto'"):
         m.JobSpec.model_validate({**data, "overlap": "auto", "chunks": 2})
     with pytest.raises(ValidationError, match=rf"chunks: chunks {batch + 1} leaves a chunk without a row: the batch "
                                               rf"has {batch} rows"):

@@ -44,7 +44,7 @@ def test_job_end_to_end_survives_gateway_restart_and_equals_xronos_run(stack, tm
         stack.node(n)
     stack.wait_nodes(3)
     # The reference is the plan's one layout: no live re-balancing here (test_e2e_rebalance has it).
-    # The job overlaps its all-reduces with compute in two forward chunks (the reference does not:
+    # The job overlaps its all-reduces with compute in two chunks (the reference does not:
     # only the timing may differ).
     spec = job_spec(model, data, stack.allowed / "export", owner="n0", max_steps=24, checkpoint_interval=8,
                     strategy="segment", rebalance=False, overlap="on", chunks=2)

@@ -47,10 +47,24 @@ def test_the_row_layers_late_weight_gradients_widen_the_window():
 def test_forward_chunks_pipeline_each_chunks_all_reduce_behind_the_next_chunks_compute():
     # c2, no chunk overhead: chunk-stages of 0.05 s compute and 0.02 s link. Forward: compute
     # 0-0.05 (link to 0.07), 0.05-0.10 (link to 0.12), then the MLP stage 0.10-0.15 (link to 0.17)
-    # and 0.15-0.20 (link to 0.22): 0.22 against 2 x (0.1 + 0.04) = 0.28. Backward, per region and
-    # chunk: 0.05 + max(0.05, 0.02) = 0.1, so 0.4 against 0.48. Saved: 0.06 + 0.08.
+    # and 0.15-0.20 (link to 0.22): 0.22 against 2 x (0.1 + 0.04) = 0.28. Backward the same way,
+    # stages reversed, 0.1 of compute per chunk-stage (its input and weight gradients): the MLP's
+    # 0-0.1 (link to 0.12) and 0.1-0.2 (to 0.22), attention's 0.2-0.3 and 0.3-0.4, the last link to
+    # 0.42, against 2 x (0.2 + 0.04) = 0.48. Saved: 0.06 + 0.06.
     p = _modes()["c2"]
-    assert p.saved_s == pytest.approx(0.14) and p.chunk_overhead_s == pytest.approx(0.0, abs=1e-9)
+    assert p.saved_s == pytest.approx(0.12) and p.chunk_overhead_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_chunked_backward_hides_a_link_longer_than_the_weight_gradients():
+    # An all-reduce of 0.16 s per activation (0.08 per chunk), LoRA (no weight gradient: bwd hides
+    # nothing): per chunk-stage, forward 0.075 and backward 0.075 of compute, 0.08 of link. The
+    # link is the bottleneck: forward 0.075 + 4 x 0.08 = 0.395, backward the same, against
+    # 2 x (0.15 + 0.16) = 0.62 each way. Saved: 2 x 0.225.
+    lora = TPShape(ACT, blocks=1, task="classify", rows=4, trains_weights=False)
+    preds = predict_modes(SEG, 1.0, lora, 2, bandwidth_Bps=ACT / 0.16, latency_s=0.0, chunk_fixed=1e-12)
+    by = {p.mode.label: p for p in preds}
+    assert by["bwd"].saved_s == pytest.approx(0.0, abs=1e-9)
+    assert by["c2"].saved_s == pytest.approx(0.45)
 
 
 def test_chunks_cost_compute_by_the_fixed_share_and_can_lose():

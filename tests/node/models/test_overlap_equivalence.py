@@ -3,9 +3,9 @@ weight-gradient GEMMs, `node/tp/overlap.py`) meets the same bar as overlap off: 
 against transformers (one step: loss, logits, every gradient, AdamW; test_equivalence's checks and
 tolerances) and LoRA against peft (20 fp32 steps; test_lora's), on lopsided layouts with N = 2..3
 (ranks with 0 units of a kind included), for GPT-2, BERT, RoBERTa, LLaMA (GQA and MHA), Qwen2,
-Qwen3 (q/k norms riding in the region's all-reduce); with forward chunking too (`TPGroup.chunks`:
-2 or 3 chunks of the batch's 3 rows, each chunk's row-parallel all-reduces launched while the
-next chunk computes). Each case also shows that the overlapped path ran: every backward region
+Qwen3 (q/k norms riding in the region's all-reduce); with chunking too (`TPGroup.chunks`:
+2 or 3 chunks of the batch's 3 rows, each chunk's all-reduces launched while the next chunk
+computes, in forward and backward: `overlap.run_chunked`, `overlap._Tape`). Each case also shows that the overlapped path ran: every backward region
 all-reduce, and every chunk's forward reduce, was launched asynchronously; chunking adds only the
 chunks' own forward reduces."""
 
@@ -26,7 +26,7 @@ from tp_world import run_world
 HERE = Path(__file__).parent
 PHASES = [[((0, 1), 2)], [((0, 1, 2), 3)]]
 # full fine-tuning: (kind, units per rank) head-tied, or a MIXED layout (per kind) by N
-# (kind, units per rank head-tied or None: MIXED[N]'s layout, forward chunks of the batch's 3 rows)
+# (kind, units per rank head-tied or None: MIXED[N]'s layout, chunks of the batch's 3 rows)
 FULL = {2: [("gpt2-lm", (1, 3), 1), ("bert-cls", (3, 1), 1), ("llama-gqa-lm", None, 1),
             ("gpt2-cls", (0, 4), 3), ("llama-mha-lm", None, 2), ("roberta-cls", None, 2)],
         3: [("gpt2-lm", None, 1), ("qwen3-lm", None, 1), ("llama-cls", (1, 0, 1), 1),

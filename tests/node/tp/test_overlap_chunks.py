@@ -1,5 +1,5 @@
-"""Forward chunking's settings and its exactness in a world of one (in process; across real Gloo
-ranks: tests/node/models/test_overlap_equivalence.py)."""
+"""Chunking's settings, its exactness and its backward schedule in a world of one (in process;
+across real Gloo ranks: tests/node/models/test_overlap_equivalence.py)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,52 @@ def test_chunked_forward_and_backward_are_the_unchunked_ones(family):
         group.chunks = bad
         with pytest.raises(ValueError, match=rf"chunks must be a positive integer, got {bad!r} \(batch size 5\)"):
             model(ids, labels=ids)
+
+
+@pytest.mark.parametrize("family,chunks", [("gpt2", 2), ("llama", 3), ("qwen3", 2)])
+def test_the_backward_all_reduces_of_one_chunk_travel_while_the_next_chunk_computes(family, chunks):
+    """Domino's backward (`overlap._Tape`): every block region's input-gradient all-reduce is
+    launched asynchronously and waited for only after the other chunks' stage backward launched
+    theirs: `chunks` of them in flight, waited in launch order, and the model's own compute
+    between a launch and its wait."""
+    group = TPGroup.single()
+    model = _model(family, group)
+    group.chunks = chunks
+    log: list[tuple[str, int]] = []
+    launch = group.all_reduce_async
+
+    def logged(t, *a, **k):
+        i = sum(1 for e in log if e[0] == "launch")
+        log.append(("launch", i))
+        pending = launch(t, *a, **k)
+        wait = pending.wait
+
+        def waited():
+            log.append(("wait", i))
+            return wait()
+
+        pending.wait = waited
+        return pending
+
+    group.all_reduce_async = logged
+    # a row layer's weight gradient: the model's compute, between the all-reduces
+    for name, p in model.named_parameters():
+        if name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight", "o_proj.weight", "down_proj.weight")):
+            p.register_hook(lambda g: log.append(("compute", -1)))
+    ids = torch.randint(1, ARCH["vocab_size"], (5, 7), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).backward()
+    launches = [i for e, i in log if e == "launch"]
+    waits = [i for e, i in log if e == "wait"]
+    assert len(launches) == 2 * ARCH["num_layers"] * chunks  # attention and MLP of every block, per chunk
+    assert waits == launches  # in launch order, each once
+    in_flight, peak = 0, 0
+    for e, _ in log:
+        in_flight += {"launch": 1, "wait": -1}.get(e, 0)
+        peak = max(peak, in_flight)
+    assert peak == chunks
+    for i in launches[:-chunks]:  # between a launch and its wait, the next chunk's stage computed
+        a, b = log.index(("launch", i)), log.index(("wait", i))
+        assert ("compute", -1) in log[a:b] and ("launch", i + 1) in log[a:b], log[a:b]
 
 
 class _Late:
