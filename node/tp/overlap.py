@@ -220,14 +220,16 @@ def check_chunks(chunks: object, batch: int) -> int:
 
 
 class _Cell:
-    """One chunk's pass through one stage, a graph of its own: the stage's input as a leaf, the
-    tensors that entered its region as `(outside, inside, passenger)` (the inside a leaf: the graph
-    is cut where the region's backward all-reduce would be), and the stage's output."""
+    """One chunk's pass through one stage: its input `x` (as the stage's region entry reads it,
+    through a norm maybe: the previous cell's output, in that cell's graph), `res` (the same values
+    as a leaf, for the residual the stage adds after its all-reduce), the tensors that entered its
+    region as `(outside, inside, passenger)` (the inside a leaf: the graph is cut where the region's
+    backward all-reduce would be) and its output."""
 
-    __slots__ = ("x", "entries", "out", "kind")
+    __slots__ = ("x", "res", "entries", "out", "kind")
 
-    def __init__(self, x: torch.Tensor, kind: str | None) -> None:
-        self.x, self.kind, self.entries, self.out = x, kind, [], None
+    def __init__(self, x: torch.Tensor, res: torch.Tensor, kind: str | None) -> None:
+        self.x, self.res, self.kind, self.entries, self.out = x, res, kind, [], None
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -251,18 +253,20 @@ def run_chunked(stages: list[Stage], xs: list[torch.Tensor], group: TPGroup,
     chunk by chunk, each chunk first completes its previous stage (waiting for its all-reduce,
     launched one chunk's compute earlier), then launches this one's. Every rank launches and waits
     in the same order. The sums are the unchunked ones, row by row. `cells`: record each chunk's
-    pass through each stage as a graph of its own (`_Cell`), for `chunked_pass`'s backward."""
+    pass through each stage (`_Cell`), for `chunked_pass`'s backward."""
     xs, flights, post, prev = list(xs), [None] * len(xs), None, None
+    res = list(xs)  # what each chunk's stage adds its result to (its input: a leaf when recording)
     for pre, nxt, kind in stages:
         row = [] if cells is not None else None
         for c, x in enumerate(xs):
             if flights[c] is not None:
-                x = xs[c] = post(x, flights[c].wait())
+                x = xs[c] = post(res[c], flights[c].wait())
                 if prev is not None:
                     prev[c].out = x
+            res[c] = x
             if row is not None:
-                x = xs[c] = _leaf(x)
-                row.append(_Cell(x, kind))
+                res[c] = _leaf(x)
+                row.append(_Cell(x, res[c], kind))
                 group.entries = row[-1].entries
             try:
                 flights[c] = reduce_from_tp_async(pre(x, c), group, kind)
@@ -273,7 +277,7 @@ def run_chunked(stages: list[Stage], xs: list[torch.Tensor], group: TPGroup,
         post, prev = nxt, row
     if post is None:
         return xs
-    outs = [post(x, f.wait()) for x, f in zip(xs, flights)]
+    outs = [post(r, f.wait()) for r, f in zip(res, flights)]
     if prev is not None:
         for cell, out in zip(prev, outs):
             cell.out = out
@@ -284,57 +288,76 @@ class _Tape:
     """The backward of a chunked pass, Domino's (arXiv 2409.15241): stage by stage from the last,
     chunk by chunk, each chunk's stage backward runs up to its region's entry, whose input gradient
     (with the passengers', as `copy_to_tp_with` sums them) is all-reduced asynchronously while the
-    *next* chunk's stage backward computes; the chunk then waits for it only when it comes back to
-    run the rest of the stage (the replicated part before the region: a norm, the residual) and
-    its previous stage. Autograd alone cannot run this order: on one graph its ready queue takes
-    each chunk's region entry straight to the replicated part, blocking on the all-reduce there, so
-    each cell is a graph of its own (`_Cell`) and this drives them (as reentrant checkpointing
-    runs its segments' backward inside a Function's). The sums are the unchunked ones."""
+    *next* chunk's stage backward computes; the chunk waits for it only when it comes back for its
+    previous stage, whose backward it runs in one go with the rest of this one (the replicated part
+    before the region: a norm; the residual's gradient). Autograd alone cannot run this order: on
+    one graph its ready queue takes each chunk's region entry straight on to the replicated part,
+    blocking on the all-reduce there; so the graph is cut at every region entry and at every
+    stage's residual (`_Cell`), and this drives the pieces (as reentrant checkpointing runs its
+    segments' backward inside a Function's). The sums are the unchunked ones."""
 
     def __init__(self, cells: list[list[_Cell]], group: TPGroup) -> None:
         self.cells, self.group = cells, group
 
-    def _local(self, cell: _Cell, g: torch.Tensor | None):
-        """The stage backward up to the region entry; its all-reduce launched (None: nothing
-        needs a gradient there, alike on every rank: what needs one is the model's, not a layout's)."""
-        if g is None or cell.out is None or not cell.out.requires_grad:
-            return None
-        torch.autograd.backward([cell.out], [g])
+    @staticmethod
+    def _run(roots: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """One backward from `roots` (tensor, gradient): the same tensor's gradients summed."""
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for t, g in roots:
+            if g is None or not t.requires_grad:
+                continue
+            for i, seen in enumerate(tensors):
+                if seen is t:  # a region entered with the stage's input itself (BERT's post-norm)
+                    grads[i] = grads[i] + g
+                    break
+            else:
+                tensors.append(t)
+                grads.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+    def _launch(self, cell: _Cell):
+        """After a backward reached the cell's region entries: their all-reduce, launched."""
         grads = [inside.grad if inside.grad is not None else torch.zeros_like(inside)
                  for _, inside, _ in cell.entries if inside.requires_grad]
-        if not grads:
+        if not grads:  # nothing there needs a gradient (alike on every rank: the model's, not a layout's)
             return cell, None, None
         buf = torch.cat([t.reshape(-1) for t in grads])
         with self.group.segment(cell.kind):
             return cell, buf, self.group.all_reduce_async(buf)
 
-    def _finish(self, cell: _Cell, buf: torch.Tensor | None, pending) -> torch.Tensor | None:
-        """Wait for the cell's all-reduce, run the rest of its backward: its input's gradient."""
+    @staticmethod
+    def _rest(cell: _Cell, buf: torch.Tensor | None, pending) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Wait for the cell's all-reduce: the roots of the rest of its backward (the summed
+        gradients at its region entries, the residual's at its input)."""
+        roots = [(cell.x, cell.res.grad)]
         if pending is not None:
             pending.wait()
-            outs, grads, offset = [], [], 0
+            offset = 0
             for outside, inside, passenger in cell.entries:
                 if inside.requires_grad:
                     g = buf[offset:offset + inside.numel()].view(inside.shape)
                     offset += inside.numel()
-                    outs.append(outside)
                     # a passenger's gradient is copied out: a view would keep the whole buffer
                     # alive as long as the parameter's .grad (as `mappings._CopyToTPWith`)
-                    grads.append(g.clone() if passenger else g)
-            torch.autograd.backward(outs, grads)
-        return cell.x.grad
+                    roots.append((outside, g.clone() if passenger else g))
+        cell.res = cell.out = None
+        cell.entries = []
+        return roots
 
     def backward(self, gs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """The chunks' output gradients -> their input gradients."""
-        flying = [None] * len(gs)
-        for row in reversed(self.cells):
-            for c, cell in enumerate(row):
-                if flying[c] is not None:
-                    gs[c] = self._finish(*flying[c])
-                flying[c] = self._local(cell, gs[c])
-                if flying[c] is None:
-                    gs[c] = None
-        out = [self._finish(*f) if f is not None else None for f in flying]
+        flying: list = [None] * len(gs)
+        for s in reversed(range(len(self.cells))):
+            for c, cell in enumerate(self.cells[s]):
+                # the rest of the stage after this one (its all-reduce waited for) and this stage
+                # up to its region entries, in one backward
+                self._run(self._rest(*flying[c]) if flying[c] is not None else [(cell.out, gs[c])])
+                flying[c] = self._launch(cell)
+        for f in flying:
+            self._run(self._rest(*f))
+        out = [cell.x.grad for cell in self.cells[0]] if self.cells else gs
         self.cells = []
         return out
 
