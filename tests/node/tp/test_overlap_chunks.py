@@ -62,6 +62,41 @@ def test_chunked_forward_and_backward_are_the_unchunked_ones(family):
             model(ids, labels=ids)
 
 
+@pytest.mark.parametrize("family,targets,regions", [("qwen3", ("q_proj", "v_proj", "down_proj"), 4),
+                                                     ("gpt2", ("c_fc",), 3)])
+def test_a_chunked_lora_pass_gives_the_adapters_the_unchunked_gradients(family, targets, regions):
+    """LoRA: the embeddings frozen (the pass's input needs no gradient: `_ChunkedPass`'s anchor),
+    the adapters' A's entering their regions as passengers of the chunk's cell; GPT-2's first
+    attention region has nothing to train, so its cells launch no all-reduce."""
+    from xronos.node.tp.lora import LoraSettings, add_lora, trainable_names
+
+    ids = torch.randint(1, ARCH["vocab_size"], (4, 7), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for chunks in (1, 2, 4):
+        group = TPGroup.single()
+        model = _model(family, group)
+        add_lora(model, LoraSettings(r=4, alpha=8.0, targets=targets))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("lora_A", "lora_B")):  # add_lora leaves them to the loader
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+        group.chunks = chunks
+        launched = []
+        launch = group.all_reduce_async
+        group.all_reduce_async = lambda t, *a, **k: launched.append(t.numel()) or launch(t, *a, **k)
+        loss = model(ids, labels=ids)
+        loss.backward()
+        # a region all-reduce per chunk where something before or in it trains
+        assert len(launched) == (regions * chunks if chunks > 1 else 0), launched
+        out[chunks] = (loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+        assert sorted(out[chunks][1]) == sorted(trainable_names(model))
+    for chunks in (2, 4):
+        torch.testing.assert_close(out[chunks][0], out[1][0], rtol=1e-6, atol=1e-7)
+        for name, g in out[1][1].items():
+            assert g is not None and out[chunks][1][name] is not None, name
+            torch.testing.assert_close(out[chunks][1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("family,chunks", [("gpt2", 2), ("llama", 3), ("qwen3", 2)])
 def test_the_backward_all_reduces_of_one_chunk_travel_while_the_next_chunk_computes(family, chunks):
     """Domino's backward (`overlap._Tape`): every block region's input-gradient all-reduce is
