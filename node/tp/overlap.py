@@ -332,6 +332,9 @@ class _Tape:
         """Wait for the cell's all-reduce: the roots of the rest of its backward (the summed
         gradients at its region entries, the residual's at its input)."""
         roots = [(cell.x, cell.res.grad)]
+        # Nothing of the cell is needed once these roots ran: dropped now, so that backward frees
+        # each stage's activations as it goes, as autograd does on one graph.
+        cell.x = cell.res = cell.out = None
         if pending is not None:
             pending.wait()
             offset = 0
@@ -342,12 +345,14 @@ class _Tape:
                     # a passenger's gradient is copied out: a view would keep the whole buffer
                     # alive as long as the parameter's .grad (as `mappings._CopyToTPWith`)
                     roots.append((outside, g.clone() if passenger else g))
-        cell.res = cell.out = None
         cell.entries = []
         return roots
 
     def backward(self, gs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """The chunks' output gradients -> their input gradients."""
+        if not self.cells:
+            return gs
+        firsts = [cell.x for cell in self.cells[0]]  # the pass's input chunks: their gradients are the answer
         flying: list = [None] * len(gs)
         for s in reversed(range(len(self.cells))):
             for c, cell in enumerate(self.cells[s]):
@@ -357,9 +362,8 @@ class _Tape:
                 flying[c] = self._launch(cell)
         for f in flying:
             self._run(self._rest(*f))
-        out = [cell.x.grad for cell in self.cells[0]] if self.cells else gs
         self.cells = []
-        return out
+        return [x.grad for x in firsts]
 
 
 class _ChunkedPass(torch.autograd.Function):
