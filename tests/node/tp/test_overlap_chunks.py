@@ -143,6 +143,42 @@ def test_the_backward_all_reduces_of_one_chunk_travel_while_the_next_chunk_compu
         assert ("compute", -1) in log[a:b] and ("launch", i + 1) in log[a:b], log[a:b]
 
 
+def test_a_chunked_backward_frees_each_stages_activations_as_it_goes():
+    """Once a chunk's stage has run the rest of its backward, the pass holds nothing of it (the
+    cell's input, residual leaf and output): backward's peak is autograd's own, not every stage's
+    input kept to the end."""
+    chunks = 2
+    group = TPGroup.single()
+    model = _model("gpt2", group)
+    group.chunks = chunks
+    ids = torch.randint(1, ARCH["vocab_size"], (4, 7), generator=torch.Generator().manual_seed(5))
+    loss = model(ids, labels=ids)
+    seen, todo, tape = set(), [loss.grad_fn], None
+    while todo and tape is None:  # the pass's node in the graph, to look at its cells
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        tape = getattr(node, "tape", None)
+        todo += [f for f, _ in node.next_functions]
+    assert tape is not None
+    stages = len(tape.cells)
+    alive: list[int] = []
+    launch = group.all_reduce_async
+
+    def counted(t, *a, **k):
+        alive.append(sum(cell.x is not None for row in tape.cells for cell in row))
+        return launch(t, *a, **k)
+
+    group.all_reduce_async = counted
+    loss.backward()
+    assert len(alive) == stages * chunks
+    for k, n_alive in enumerate(alive):
+        s, c = stages - 1 - k // chunks, k % chunks
+        # the rows not reached yet and this one, and of the row after it the chunks still flying
+        assert n_alive == (s + 1) * chunks + (chunks - c - 1 if s + 1 < stages else 0), (k, alive)
+
+
 class _Late:
     """What late_weight_linear needs of a group: the queue of late weight gradients."""
 
