@@ -32,6 +32,10 @@ class _Ledger:
     def _others() -> float:
         return time.process_time() - time.thread_time()
 
+    def reset(self) -> None:
+        """Count from now: what the threads took until here is paid already."""
+        self.mark = self._others()
+
     def advance(self) -> None:
         now = self._others()
         spent, self.mark = max(0.0, now - self.mark), now
@@ -62,7 +66,7 @@ class _Flight:
             self.works.append(dist.all_reduce(slots, group=pg, async_op=True))
         self.launch_cpu = time.process_time() - c0
         self.others = 0.0
-        _LEDGER.mark = _LEDGER._others()  # the threads' CPU during the launch is in launch_cpu
+        _LEDGER.reset()  # the threads' CPU during the launch is in launch_cpu
         _LEDGER.live.append(self)
 
     def completed(self) -> bool:
