@@ -112,8 +112,8 @@ def worker(job_file: str, rank_s: str) -> None:
     # `wall` (bench/overlap_wall.py): the group on the wall clock, as a real box's; else virtual,
     # on the modelled link (the wall check models its real link's measured latency)
     wall = job.get("clock") == "wall"
-    clock = None if wall else VirtualClock(Box(speeds[rank], Link.mbit(job.get("rate_mbit", RATE_MBIT),
-                                                                        job.get("latency_s", LATENCY_S)), "med"))
+    link = Link.mbit(job.get("rate_mbit", RATE_MBIT), job.get("latency_s", LATENCY_S), job.get("stack_s_per_byte", 0.0))
+    clock = None if wall else VirtualClock(Box(speeds[rank], link, "med"))
     group = TPGroup.join(rank, len(speeds), job.get("host", "127.0.0.1"), job["port"], timeout_s=300, clock=clock)
     config = config_of(cell)
     family = family_for(config)
@@ -208,10 +208,13 @@ def iteration_of(rows: list[dict], wall: bool) -> float:
     return max(r["iteration_s"] for r in rows)
 
 
-def markdown(results: list[dict], load: str, argv: list[str], seconds: float) -> str:
+def markdown(results: list[dict], load: str, argv: list[str], seconds: float, stack_ns: float = 0.0) -> str:
+    stack = (f"; the network stack's CPU charged to each end at {stack_ns:g} ns of a host core a byte carried, "
+             "beside each call's measured CPU, at the box's speed" if stack_ns else
+             "; no network-stack CPU beyond each call's measured CPU")
     lines = ["# Overlap on vs off (issue #37)", "",
              "Clock: **virtual** (each rank's compute at its box's speed, collectives on a modelled "
-             f"{RATE_MBIT:g} Mbit/s link, {LATENCY_S * 1e3:g} ms a call; wall seconds beside, for scale only: "
+             f"{RATE_MBIT:g} Mbit/s link, {LATENCY_S * 1e3:g} ms a call{stack}; wall seconds beside, for scale only: "
              "the host is shared). Modes: `off` (every all-reduce blocks: today), `bwd` (the input-gradient "
              "all-reduce of every column-parallel region runs while the region's weight-gradient GEMMs "
              "compute, `node/tp/overlap.py`), `cN` (the batch rows in N chunks, each "
@@ -264,8 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=8, help="measured iterations per mode")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every cell, interleaved")
     ap.add_argument("--warmup", type=int, default=4, help="iterations per mode not counted (estimator windows)")
+    ap.add_argument("--stack-ns", type=float, default=0.0,
+                    help="the link's network-stack CPU, ns of a host core per byte carried, charged to each end "
+                         "beside a call's measured CPU (bench/stack_probe.py measures it on a real link; 0: none)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
+    if not (args.stack_ns >= 0 and args.stack_ns < float("inf")):
+        ap.error(f"--stack-ns must be a finite number >= 0, got {args.stack_ns}")
     names = [c for c in args.cells.split(",") if c]
     modes = parse_modes(ap, args.modes)
     bad = [c for c in names if c not in CELLS]
@@ -280,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):  # repeats interleaved: every cell, then every cell again
         for name in names:
             print(f"== {name} (repeat {rep + 1}/{args.repeats})", flush=True)
-            res = run_cell(name, CELLS[name], args.iters, args.warmup, Path(tmp) / f"{name}-{rep}", modes)
+            res = run_cell(name, CELLS[name], args.iters, args.warmup, Path(tmp) / f"{name}-{rep}", modes,
+                           {"stack_s_per_byte": args.stack_ns * 1e-9})
             res["repeat"] = rep + 1
             print(json.dumps(res), flush=True)
             results.append(res)
@@ -288,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overlap.json").write_text(json.dumps({"load": load, "results": results}, indent=1))
-    (args.out / "overlap.md").write_text(markdown(results, load, argv, time.monotonic() - t0))
+    (args.out / "overlap.md").write_text(markdown(results, load, argv, time.monotonic() - t0, args.stack_ns))
     print((args.out / "overlap.md").read_text())
     return 0
 

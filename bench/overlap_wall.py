@@ -16,8 +16,11 @@ worker runs where the wall clock is faithful too, and both clocks' gains are set
   `VirtualClock` whose link is the real one's: 1000 Mbit/s and the per-call latency measured first
   on the real link (`probe`: the mean of back-to-back 4-byte all-reduces between the pinned ranks
   in their namespaces; the time of one all-reduce of the cell's activation size is measured too,
-  beside what the model says of it). With `--fitted`, a third run per repeat models the link at
-  the rate the real one delivered at that size as well (`fitted_mbit`).
+  beside what the model says of it). The link's `stack_s_per_byte` is measured first too
+  (`bench.stack_probe`: what a call in flight takes from a computing core on the real link beyond
+  what the clock charges it over loopback, with no training in it); `--stack off` models the link
+  without it, as the grid's virtual runs do. With `--fitted`, a third run per repeat models the
+  link at the rate the real one delivered at that size as well (`fitted_mbit`).
 
 Modes take turns iteration by iteration inside each run (as in bench/overlap.py); the repeats run
 back to back in pairs: wall then virtual, per cell, repeat after repeat. Per mode: each clock's
@@ -114,7 +117,8 @@ def markdown(doc: dict) -> str:
              f"namespaces, median of {link['loops']} loops; one call after an untimed barrier, the slower "
              f"rank's: median {link['single_s'] * 1e6:.0f} us). One all-reduce of {link.get('cell', 'the')}'s activation "
              f"({link['big_bytes'] / 1e3:.0f} kB) took {link['big_s'] * 1e3:.2f} ms on the real link "
-             f"(median of {link['big_calls']}), the model says {link['big_model_s'] * 1e3:.2f} ms. Modes "
+             f"(median of {link['big_calls']}), the model says {link['big_model_s'] * 1e3:.2f} ms. "
+             + _stack_text(doc) + " Modes "
              "take turns iteration by iteration in each run (`off`: every all-reduce blocks; `bwd`: the "
              "input-gradient all-reduce beside the weight-gradient GEMMs; `cN`: N chunks, each "
              "chunk's all-reduces beside the next chunk's compute, forward and backward); "
@@ -149,6 +153,20 @@ def markdown(doc: dict) -> str:
     if doc.get("notes"):  # a reading of these figures, written after the run
         lines += ["", "Reading:", "", *(f"- {n}" for n in doc["notes"])]
     return "\n".join(lines) + "\n"
+
+
+def _stack_text(doc: dict) -> str:
+    stack = doc.get("stack")
+    if stack is None:
+        return ("The virtual link charges no network-stack CPU beyond the calls' measured CPU"
+                + (" (its traffic runs on the real stack, which the calls' CPU then includes)."
+                   if doc.get("virtual_net") == "netns" else "."))
+    sizes = ", ".join(f"{int(n) / 1e3:.0f} kB {(s['real_steal_s'] - s['loop_charge_s']) * 1e3:.2f} ms"
+                      for n, s in stack["sizes"].items())
+    return (f"The virtual link charges each end {doc['stack_s_per_byte'] * 1e9:.2f} ns of CPU a byte carried "
+            "for the network stack, measured just before (`bench.stack_probe`: a GEMM burst with one all-reduce "
+            "in flight on the real link took this much more wall time than alone, beyond what the clock "
+            f"charges the call over loopback: {sizes}; the least-squares slope through the origin).")
 
 
 def _summary(cells: list[dict], key: str) -> list[str]:
@@ -263,11 +281,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--virtual-net", choices=("loopback", "netns"), default="loopback",
                     help="where the virtual runs' real traffic goes: loopback, or the same netns link as the "
                          "wall runs' (the link's time is modelled either way; the CPU the call takes is measured)")
+    ap.add_argument("--stack", choices=("probe", "off"), default="probe",
+                    help="the virtual link's network-stack CPU per byte: measured by bench.stack_probe on the real "
+                         "link first (default), or none (off; also with --virtual-net netns, where it is measured)")
+    ap.add_argument("--stack-reps", type=int, default=40, help="the stack probe's repeats per size and kind")
     ap.add_argument("--fitted", action="store_true",
                     help="also a virtual run per repeat on the link fitted to the real one (measured rate too)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
     names, modes = [c for c in args.cells.split(",") if c], parse_modes(ap, args.modes)
+    if args.stack_reps < 5:
+        ap.error(f"--stack-reps must be at least 5, got {args.stack_reps}")
     if modes[0] != "off":
         ap.error(f"--modes must start with off (the baseline the gains are measured from), got {modes[0]!r}")
     bad = [c for c in names if c not in CELLS or len(CELLS[c]["speeds"]) != 2]
@@ -294,6 +318,16 @@ def main(argv: list[str] | None = None) -> int:
             big = first["batch"] * first["seq"] * config["hidden_size"] * 4  # one activation, fp32
             doc["link"] = dict(measure_link(net, tmp, big, args.rate_mbit), cell=names[0])
             print("link:", json.dumps(doc["link"]), flush=True)
+            stack_s = 0.0
+            if args.stack == "probe" and args.virtual_net == "loopback":
+                from xronos.bench import stack_probe
+
+                probed = stack_probe.measure(net, tmp / "stack", [big // 4, big // 2, big, 2 * big],
+                                             args.stack_reps, rate_mbit=args.rate_mbit)
+                doc["stack"] = probed
+                stack_s = probed["stack_s_per_byte"]
+                print(f"stack: {stack_s * 1e9:.2f} ns a byte", flush=True)
+            doc["stack_s_per_byte"] = stack_s
             if args.fitted:
                 doc["fit_mbit"] = fitted_mbit(big, doc["link"]["big_s"], doc["link"]["latency_s"])
             runs: dict[str, list] = {n: [] for n in names}
@@ -306,14 +340,16 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"== {name} repeat {rep + 1}/{args.repeats}: virtual", flush=True)
                     virtual = run_cell(name, cell, args.iters, args.warmup, tmp / f"{name}-{rep}-virtual", modes,
                                        {"clock": "virtual", "cores": list(CORES), "rate_mbit": args.rate_mbit,
-                                        "latency_s": doc["link"]["latency_s"]}, placement=vnet)
+                                        "latency_s": doc["link"]["latency_s"], "stack_s_per_byte": stack_s},
+                                       placement=vnet)
                     run = {"rows": pair_rows(wall, virtual), "wall": wall, "virtual": virtual}
                     if args.fitted:
                         print(f"== {name} repeat {rep + 1}/{args.repeats}: virtual, fitted link", flush=True)
                         run["fitted"] = run_cell(name, cell, args.iters, args.warmup, tmp / f"{name}-{rep}-fit",
                                                  modes, {"clock": "virtual", "cores": list(CORES),
                                                          "rate_mbit": doc["fit_mbit"],
-                                                         "latency_s": doc["link"]["latency_s"]}, placement=vnet)
+                                                         "latency_s": doc["link"]["latency_s"],
+                                                         "stack_s_per_byte": stack_s}, placement=vnet)
                         run["rows_fitted"] = pair_rows(wall, run["fitted"])
                     print(json.dumps({k: v for k, v in run.items() if k.startswith("rows")}), flush=True)
                     runs[name].append(run)

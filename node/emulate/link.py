@@ -12,8 +12,14 @@ per call, 1 Gbit/s by default), so that the bench compares plans, not two comm m
 - point to point: latency + bytes / bandwidth;
 - exchange (a live re-shard: every rank sends and receives at once, full duplex): latency + the
   largest of any rank's bytes out or in / bandwidth.
-Not modelled: the real network stack, TCP on the boxes' CPUs, NIC interrupts, switch queueing.
-The CPU a collective costs the boxes themselves is measured instead (`VirtualClock`).
+The CPU a collective costs the boxes themselves is measured (`VirtualClock`: the calling process's
+threads, Gloo's among them, over loopback). What loopback does not show is the kernel's work on a
+real link: there a transfer is sent and delivered from softirqs on the core that happens to run,
+which is the computing thread's while a call is in flight, so a call hidden behind compute still
+takes CPU from it. `stack_s_per_byte` charges that to each end's box, per byte its link carries
+(`wire_bytes`), in seconds of one host core (the clock divides by the box's speed as for compute).
+It is 0 unless a bench measured it on a real link (`bench/overlap_wall.py`'s stack probe).
+Not modelled: TCP's dynamics, NIC offloads and interrupts on real boxes, switch queueing.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ DEFAULT_LATENCY_S = 0.5e-3
 class Link:
     bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS
     latency_s: float = DEFAULT_LATENCY_S
+    # the network stack's CPU per byte carried beyond what the call's threads show on loopback
+    stack_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.bandwidth_Bps, bool) or not (isinstance(self.bandwidth_Bps, (int, float))
@@ -40,28 +48,43 @@ class Link:
         if isinstance(self.latency_s, bool) or not (isinstance(self.latency_s, (int, float))
                                                    and self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(f"link latency must be finite and >= 0 s, got {self.latency_s!r}")
+        if isinstance(self.stack_s_per_byte, bool) or not (isinstance(self.stack_s_per_byte, (int, float))
+                                                          and self.stack_s_per_byte >= 0
+                                                          and math.isfinite(self.stack_s_per_byte)):
+            raise ValueError(f"link stack CPU must be finite and >= 0 s per byte, got {self.stack_s_per_byte!r}")
 
     @classmethod
-    def mbit(cls, rate_mbit: float, latency_s: float = DEFAULT_LATENCY_S) -> Link:
+    def mbit(cls, rate_mbit: float, latency_s: float = DEFAULT_LATENCY_S, stack_s_per_byte: float = 0.0) -> Link:
         """A link of `rate_mbit` Mbit/s (the bench's unit)."""
         if not (isinstance(rate_mbit, (int, float)) and rate_mbit > 0 and math.isfinite(rate_mbit)):
             raise ValueError(f"link rate must be finite and > 0 Mbit/s, got {rate_mbit!r}")
-        return cls(rate_mbit * 1e6 / 8, latency_s)
+        return cls(rate_mbit * 1e6 / 8, latency_s, stack_s_per_byte)
 
     def seconds(self, op: str, nbytes: float, world: int) -> float:
         """The link's time for one collective `op` of `nbytes` (per rank; exchange: the largest any
         rank sends or receives) among `world` ranks; 0 for a world of one."""
         if world <= 1 and op not in ("send", "isend", "recv"):
             return 0.0
-        n, b, a = world, float(nbytes), self.latency_s
-        if op.startswith("all_reduce"):
-            return a + 2 * (n - 1) / n * b / self.bandwidth_Bps
-        if op in ("all_gather", "broadcast"):
-            return a + (n - 1) * b / self.bandwidth_Bps
-        if op == "barrier":
-            return a
-        if op in ("send", "isend", "recv", "exchange"):
-            return a + b / self.bandwidth_Bps
-        if op == "wait":
+        a = 0.0 if op == "wait" else self.latency_s
+        return a + self.wire_bytes(op, nbytes, world) / self.bandwidth_Bps
+
+    def stack_seconds(self, op: str, nbytes: float, world: int) -> float:
+        """The network stack's CPU (seconds of one host core) for one rank's part in `op`."""
+        return self.stack_s_per_byte * self.wire_bytes(op, nbytes, world) if self.stack_s_per_byte else 0.0
+
+    @staticmethod
+    def wire_bytes(op: str, nbytes: float, world: int) -> float:
+        """The bytes one rank's link carries for `op` in the direction that carries most: the term
+        the bandwidth divides (a ring all-reduce's rank sends, and receives, 2(N-1)/N of the tensor)."""
+        if world <= 1 and op not in ("send", "isend", "recv"):
             return 0.0
+        n, b = world, float(nbytes)
+        if op.startswith("all_reduce"):
+            return 2 * (n - 1) / n * b
+        if op in ("all_gather", "broadcast"):
+            return (n - 1) * b
+        if op in ("barrier", "wait"):
+            return 0.0
+        if op in ("send", "isend", "recv", "exchange"):
+            return b
         raise ValueError(f"no link model for collective {op!r}")

@@ -14,14 +14,15 @@ A process runs on this clock when the emulator placed it in a virtual-mode rank 
 (`Confinement(cpu_mode="virtual")`): its box (speed in host cores, link, estimator) is a small JSON
 file named after the cgroup (`box_path`), re-read every RECHECK_S so a bench can change a box's
 speed mid-run. What it cannot model: memory-bandwidth and cache contention between co-located
-ranks (it inflates CPU time; the window minimum mostly takes it out), the real network stack,
-thermal throttling, one box's own jitter (the estimator hides it).
+ranks (it inflates CPU time; the window minimum mostly takes it out), the real network stack
+(but for the CPU it takes per byte, when the link says it: `Link.stack_s_per_byte`), thermal throttling, one box's own jitter (the estimator hides it).
 
 Asynchronous all-reduces (`launch` ... `land`) overlap communication with compute: the launch
 ends a compute burst and records the rank's arrival; the call completes at the latest arrival
 (or when the link has carried the calls before it, `wire_free`) plus its cost, and the wait
 leaves at that completion or later, so compute between launch and wait hides the link. The CPU
-the call costs this box (Gloo's threads) is not hidden: it is charged on top of that compute
+the call costs this box (Gloo's threads, and the network stack's work the link models) is not
+hidden: it is charged on top of that compute
 (`arrivals.land`); a box with cores to spare would hide it too, which this does not model.
 """
 
@@ -69,14 +70,19 @@ class Box:
 
     def to_json(self) -> str:
         return json.dumps({"host_cores": self.host_cores, "bandwidth_Bps": self.link.bandwidth_Bps,
-                           "latency_s": self.link.latency_s, "estimator": self.estimator, "window": self.window})
+                           "latency_s": self.link.latency_s, "stack_s_per_byte": self.link.stack_s_per_byte,
+                           "estimator": self.estimator, "window": self.window})
 
     @classmethod
     def from_json(cls, text: str) -> Box:
         d = json.loads(text)
-        if not isinstance(d, dict) or set(d) != {"host_cores", "bandwidth_Bps", "latency_s", "estimator", "window"}:
+        if not isinstance(d, dict) or set(d) != _BOX_KEYS:
             raise ValueError(f"not a box: {text[:200]!r}")
-        return cls(d["host_cores"], Link(d["bandwidth_Bps"], d["latency_s"]), d["estimator"], d["window"])
+        return cls(d["host_cores"], Link(d["bandwidth_Bps"], d["latency_s"], d["stack_s_per_byte"]),
+                   d["estimator"], d["window"])
+
+
+_BOX_KEYS = {"host_cores", "bandwidth_Bps", "latency_s", "stack_s_per_byte", "estimator", "window"}
 
 
 def box_path(run: str, rank_group: str, root: Path = VCLOCK_ROOT) -> Path:
@@ -198,7 +204,7 @@ class VirtualClock(Clock):
         self._burst((meet.op, meet.tag, meet.nbytes))
         arrival = self.t
         ckey = (meet.op, meet.nbytes, world)
-        own_cost = self.call_est.value(ckey) / self.box.host_cores  # this call's earlier samples
+        own_cost = self._own_cost(ckey)
         if meet.op in GROUP_OPS:
             if self._flights:  # resolved first: they are on the link before this one
                 self._resolve_flights(self._flights[-1])
@@ -225,6 +231,12 @@ class VirtualClock(Clock):
         self._resume()
         return arrival, r.leave
 
+    def _own_cost(self, ckey: tuple) -> float:
+        """What a call costs this box's CPU, in its time: the call's earlier samples (the process's
+        threads, measured) and the network stack's work the link models beyond them."""
+        op, nbytes, world = ckey
+        return (self.call_est.value(ckey) + self.box.link.stack_seconds(op, nbytes, world)) / self.box.host_cores
+
     def _group(self, meet: Meet, run: Runner, rank: int, world: int, arrival: float, own_cost: float,
                ckey: tuple) -> Resolution:
         slots = self._slots(encode(rank, world, [arrival - self.base, own_cost, float(meet.nbytes)]))
@@ -246,7 +258,7 @@ class VirtualClock(Clock):
         assert meet.op.startswith("all_reduce"), meet.op  # the only asynchronous collective
         self._burst(("launch", meet.op, meet.tag, meet.nbytes))
         ckey = (meet.op, meet.nbytes, world)
-        own_cost = self.call_est.value(ckey) / self.box.host_cores
+        own_cost = self._own_cost(ckey)
         # Offsets from the base at the launch: a blocking collective before the wait moves it.
         fl = start(self._slots(encode(rank, world, [self.t - self.base, own_cost, float(meet.nbytes)])))
         ticket = _Ticket(meet, fl, self.base, own_cost, ckey, world)
@@ -287,7 +299,8 @@ class VirtualClock(Clock):
         """What a result file says about this clock."""
         return {"clock": self.name, "cpu_mode": "virtual", "host_cores": self.box.host_cores,
                 "estimator": self.box.estimator, "window": self.box.window,
-                "bandwidth_Bps": self.box.link.bandwidth_Bps, "latency_s": self.box.link.latency_s}
+                "bandwidth_Bps": self.box.link.bandwidth_Bps, "latency_s": self.box.link.latency_s,
+                "stack_s_per_byte": self.box.link.stack_s_per_byte}
 
 
 class _Ticket:

@@ -92,9 +92,12 @@ def _time(pgs: list[dist.ProcessGroup], elements: int, repeats: int, warmup: int
 
 
 def probe_collectives(batch_size: int, seq_len: int, hidden_size: int, *, repeats: int = 30,
-                      warmup: int = 3, cpu_scale: float | None = None, cpu_stat: str = "min") -> CollectiveProfile:
+                      warmup: int = 3, cpu_scale: float | None = None, cpu_stat: str = "min",
+                      stack_s_per_byte: float = 0.0) -> CollectiveProfile:
     """All-reduce cost on this node's CPU at the job's activation size and at 4 bytes (`cpu_scale`:
-    see `_time`)."""
+    see `_time`). On the virtual clock (`cpu_scale`) each is charged the network stack's CPU the
+    clock's link models beside it too (`stack_s_per_byte` per byte carried: a two-rank ring carries
+    the tensor), as `VirtualClock` charges a call, so the profile and the run share one ruler."""
     elements = batch_size * seq_len * hidden_size
     if elements <= SMALL_ELEMENTS:
         raise ValueError(f"activation of {elements} elements is too small to probe")
@@ -102,6 +105,9 @@ def probe_collectives(batch_size: int, seq_len: int, hidden_size: int, *, repeat
     try:
         small = _time(pgs, SMALL_ELEMENTS, repeats, warmup, cpu_scale, cpu_stat)
         big = _time(pgs, elements, repeats, warmup, cpu_scale, cpu_stat)
+        if cpu_scale is not None:
+            small += stack_s_per_byte * 4 * SMALL_ELEMENTS * cpu_scale
+            big += stack_s_per_byte * 4 * elements * cpu_scale
     finally:
         for pg in pgs:
             shutdown = getattr(pg, "shutdown", None)

@@ -85,7 +85,8 @@ from xronos.node.measure.commprobe import probe_collectives
 from xronos.node.measure.heapprobe import blocks_config, measure_in_child, slack_per_depth
 from xronos.node.measure.profset import ProfileTooLarge, ProfilingSet, floor_bytes
 from xronos.node.measure.readings import (  # noqa: F401 (DEFAULT_PAUSE_S: the profiler's public name)
-    DEFAULT_PAUSE_S, collective_pause_s, to_plain_total, virtual_cpu_scale, without_hook_overhead,
+    DEFAULT_PAUSE_S, collective_pause_s, to_plain_total, virtual_cpu_scale, virtual_stack_s_per_byte,
+    without_hook_overhead,
 )
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
 from xronos.node.tp.lora import LoraSettings
@@ -326,7 +327,8 @@ def profile(
         if progress is not None:
             progress("all-reduce probe")
         scale, stat = virtual_cpu_scale()
-        collectives = probe_collectives(batch_size, seq_len, arch.hidden_size, cpu_scale=scale, cpu_stat=stat)
+        collectives = probe_collectives(batch_size, seq_len, arch.hidden_size, cpu_scale=scale, cpu_stat=stat,
+                                        stack_s_per_byte=virtual_stack_s_per_byte())
         runtime = memprobe.runtime_rss()  # after the probe: a training rank's process has joined a Gloo group too
         owner = memprobe.owner_rss()
         # The heap's holes of one block at full width and at the smallest profiled one, and their

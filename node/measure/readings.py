@@ -63,6 +63,15 @@ def virtual_cpu_scale() -> tuple[float | None, str]:
     return (None, "min") if box is None else (1.0 / box.host_cores, "min")  # as VirtualClock.call_est
 
 
+def virtual_stack_s_per_byte() -> float:
+    """The network-stack CPU per byte carried that the virtual clock's link charges beside a call's
+    measured CPU (`Link.stack_s_per_byte`), 0 off the virtual clock."""
+    from xronos.node.emulate import process_clock
+
+    box = getattr(process_clock(), "box", None)
+    return 0.0 if box is None else box.link.stack_s_per_byte
+
+
 def without_hook_overhead(med: dict[str, float], hooked: list[tuple[float, float]],
                           plain: list[tuple[float, float]]) -> dict[str, float]:
     """Layer medians with the hooks' own cost taken out of the block's layers. The module hooks

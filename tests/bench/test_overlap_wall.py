@@ -90,6 +90,10 @@ def test_the_table_names_both_clocks_the_link_the_load_and_the_gain_difference()
     assert "| pair-s64 | 1 | c2 | 0.5100 (0.4590, 0.5610) | 0.850 | 0.3600 (0.3240, 0.3960) | 0.900 | +5.0 | 40% / 40% | 0.255 / 0.180 | 10 |" in text
     assert "| pair-s64 | c2 | **0.850** | 0.0% | **0.900** | 0.0% | **+5.0** (+5.0 .. +5.0) | yes |" in text
     assert "fitted link" not in text
+    assert "charges no network-stack CPU beyond the calls' measured CPU." in text
+    stack = {"sizes": {"393216": {"real_steal_s": 1.1e-3, "loop_charge_s": 0.3e-3}}, "stack_s_per_byte": 2.03e-9}
+    assert ("charges each end 2.03 ns of CPU a byte carried" in markdown(dict(doc, stack=stack, stack_s_per_byte=2.03e-9))
+            and "393 kB 0.80 ms" in markdown(dict(doc, stack=stack, stack_s_per_byte=2.03e-9)))
     fits = [pair_rows(_run({"off": 0.6, "c2": 0.51}), _run({"off": 0.5, "c2": 0.41}))]
     doc["cells"][0].update(repeats_fitted=fits, summary_fitted=summarise(fits))
     text = markdown(dict(doc, fit_mbit=712.4))
@@ -125,8 +129,11 @@ def test_a_tiny_check_runs_both_clocks_and_they_train_the_same_numbers(netns, tm
                         dict(speeds=[1.0, 1.0], shape="minilm", blocks=None, batch=2, seq=8, task="classify"))
     monkeypatch.setenv("XRONOS_BENCH_KEEP", "")
     assert overlap_wall.main(["--cells", "pair-tiny", "--modes", "off,c2", "--iters", "1", "--warmup", "1",
-                              "--repeats", "1", "--out", str(tmp_path)]) == 0
+                              "--repeats", "1", "--stack-reps", "5", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "overlap-wall.json").read_text())
+    # the stack probe ran on the real link and on loopback, and its slope went to the virtual runs
+    assert sorted(doc["stack"]["sizes"]) == sorted(str(n) for n in (6144, 12288, 24576, 49152))
+    assert doc["stack_s_per_byte"] == doc["stack"]["stack_s_per_byte"] >= 0
     assert doc["network"]["rate_mbit"] == 1000.0 and doc["network"]["kind"] == "netns"
     assert 0 < doc["link"]["latency_s"] < 0.1 and doc["link"]["big_bytes"] == 2 * 8 * 384 * 4
     (cell,) = doc["cells"]

@@ -105,6 +105,24 @@ def test_a_negative_latency_is_refused() -> None:
         Link(latency_s=-1e-3)
 
 
+def test_the_stacks_cpu_is_per_byte_the_link_carries() -> None:
+    link = Link(bandwidth_Bps=1e6, latency_s=1e-3, stack_s_per_byte=2e-9)
+    assert link.stack_seconds("all_reduce_sum", 3000, 3) == pytest.approx(2e-9 * 2 * 2 / 3 * 3000)
+    assert link.stack_seconds("all_reduce_sum", 3000, 2) == pytest.approx(2e-9 * 3000)  # a pair: the tensor
+    assert link.stack_seconds("broadcast", 1000, 3) == pytest.approx(2e-9 * 2000)
+    assert link.stack_seconds("barrier", 0, 4) == 0.0 and link.stack_seconds("all_reduce_sum", 3000, 1) == 0.0
+    assert Link().stack_seconds("all_reduce_sum", 3000, 2) == 0.0  # none unless measured
+    # the link's time is unchanged by it
+    assert link.seconds("all_reduce_sum", 3000, 3) == Link(1e6, 1e-3).seconds("all_reduce_sum", 3000, 3)
+    assert Link.mbit(8.0, 0.0, 1e-9).stack_s_per_byte == 1e-9
+
+
+@pytest.mark.parametrize("bad", [-1e-9, math.inf, math.nan, True])
+def test_a_bad_stack_cost_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="link stack CPU must be finite and >= 0 s per byte"):
+        Link(stack_s_per_byte=bad)
+
+
 # -- arrivals and idle -----------------------------------------------------------------------------
 def test_everyone_leaves_at_the_latest_arrival_plus_the_longer_cost() -> None:
     arrivals, costs = [1.0, 1.3, 1.1], [0.001, 0.004, 0.002]
@@ -158,7 +176,7 @@ def test_boxes_beyond_the_hosts_memory_are_refused_by_name() -> None:
 
 
 def test_the_box_file_round_trips_and_refuses_garbage(tmp_path: Path) -> None:
-    box = Box(0.45, Link.mbit(100), "q25", 16)
+    box = Box(0.45, Link.mbit(100, 0.2e-3, 1.8e-9), "q25", 16)
     write_box(tmp_path / "run" / "rank0", box)
     assert read_box(tmp_path / "run" / "rank0") == box
     (tmp_path / "bad").write_text('{"host_cores": 0, "bandwidth_Bps": 1, "latency_s": 0, "estimator": "min", "window": 3}')

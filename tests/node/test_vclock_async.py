@@ -135,6 +135,20 @@ def test_the_calls_cpu_is_charged_to_the_box_even_when_the_link_is_hidden() -> N
     assert out[1][1] - t0[1] == pytest.approx(0.100 + 0.002)
 
 
+def test_the_links_stack_cpu_is_charged_beside_the_calls_own_at_the_boxs_speed() -> None:
+    # 1 ns a byte: the 10 kB call's stack takes 10 us of a host core, 20 us of a half-speed box
+    link = Link(1e6, 0.0, 1e-9)
+    fakes = [Fake(), Fake()]
+    clocks = [VirtualClock(Box(c, link, "min"), thread_time=lambda f=f: f.thread, wall=lambda: 0.0, slots=list)
+              for f, c in zip(fakes, (0.5, 1.0))]
+    for it in range(2):
+        tickets = _launch(clocks, fakes, [0.001, 0.001], Wire(cpu=0.002))
+        t0 = [c.t for c in clocks]
+        out = _land(clocks, fakes, tickets, [0.050, 0.100])
+    assert out[0][1] - t0[0] == pytest.approx(0.100 + (0.002 + 10e-6) / 0.5)
+    assert out[1][1] - t0[1] == pytest.approx(0.100 + 0.002 + 10e-6)
+
+
 def test_two_flights_share_the_link_in_launch_order_and_a_blocking_call_queues_behind() -> None:
     fakes, clocks = _ranks(2)
     first = _launch(clocks, fakes, [0.001, 0.001], Wire())

@@ -99,12 +99,12 @@ def test_a_virtual_rank_finds_its_box_and_bad_boxes_are_refused_before_anything_
         pytest.skip("no writable cgroup cpu controller here")
     # a speed above one host core is fine in virtual mode (a box faster than this host's core)
     with Confinement([RankLimits(1.5, box="n100"), RankLimits(0.3, box="pi4")], cpu_mode="virtual",
-                     link=Link.mbit(100), estimator="q25") as conf:
+                     link=Link.mbit(100, stack_s_per_byte=2e-9), estimator="q25") as conf:
         assert conf._poller is None and conf.cores is None
         assert [q["clock"] for q in conf.quotas()] == ["virtual", "virtual"]
         described, threads = json.loads(confined_output(conf, 1, VIRTUAL_CHILD))
         assert described == {"clock": "virtual", "cpu_mode": "virtual", "host_cores": 0.3, "estimator": "q25",
-                             "window": 32, "bandwidth_Bps": 100e6 / 8, "latency_s": 0.5e-3}
+                             "window": 32, "bandwidth_Bps": 100e6 / 8, "latency_s": 0.5e-3, "stack_s_per_byte": 2e-9}
         assert threads == 1  # the clock counts one thread's CPU time
         conf.set_share(1, 0.15)
         assert json.loads(confined_output(conf, 1, VIRTUAL_CHILD))[0]["host_cores"] == 0.15

@@ -1,0 +1,72 @@
+"""The network-stack probe's arithmetic, and one tiny run of it through a real netns link and on
+loopback (nothing timed is asserted: host timing is the bench's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from xronos.bench import stack_probe
+from xronos.bench.stack_probe import per_byte, stack_of, summarise
+
+
+def test_the_slope_is_least_squares_through_the_origin_and_never_negative():
+    assert per_byte([(1e6, 2e-3), (2e6, 4e-3)]) == pytest.approx(2e-9)
+    assert per_byte([(1e6, 1e-3), (2e6, 3e-3)]) == pytest.approx((1e6 * 1e-3 + 2e6 * 3e-3) / (1e12 + 4e12))
+    assert per_byte([(1e6, -1e-3)]) == 0.0  # loopback's charge covered all the real link took
+    for bad in ([], [(0, 1e-3)], [(1e6, float("nan"))]):
+        with pytest.raises(ValueError, match="need points of bytes > 0 and finite seconds"):
+            per_byte(bad)
+
+
+def _rows(n: int, alone: list[float], flight: list[float], charges: list[float]) -> dict[str, list[dict]]:
+    return {f"alone{n}": [{"wall": w, "burst_thread": 0.020, "charge": 0.0} for w in alone],
+            f"flight{n}": [{"wall": w, "burst_thread": 0.0205, "charge": c} for w, c in zip(flight, charges)]}
+
+
+def test_steal_is_a_median_difference_and_charge_the_clocks_minimum():
+    rows = _rows(1000, [0.020, 0.021, 0.030], [0.022, 0.0225, 0.040], [0.4e-3, 0.3e-3, 0.9e-3])
+    (s,) = summarise(rows, [1000]).values()
+    assert s["steal_s"] == pytest.approx(0.0225 - 0.021)
+    assert s["charge_s"] == pytest.approx(0.3e-3) and s["thread_s"] == pytest.approx(0.5e-3)
+
+
+def test_the_stack_is_the_real_links_steal_beyond_loopbacks_charge():
+    sizes = [1_000_000, 2_000_000]
+
+    def rank(steal: tuple[float, float], charge: tuple[float, float]) -> dict:
+        return {str(n): {"steal_s": s, "charge_s": c, "thread_s": 0.0} for n, s, c in zip(sizes, steal, charge)}
+
+    real = [rank((2.5e-3, 4.5e-3), (1e-3, 1.6e-3)), rank((2.3e-3, 4.3e-3), (1e-3, 1.6e-3))]
+    loop = [rank((0.7e-3, 1.1e-3), (0.4e-3, 0.4e-3)), rank((0.9e-3, 1.3e-3), (0.4e-3, 0.4e-3))]
+    doc = stack_of(real, loop, sizes)
+    s = doc["sizes"]["1000000"]
+    assert s["real_steal_s"] == pytest.approx(2.4e-3) and s["loop_steal_s"] == pytest.approx(0.8e-3)
+    assert s["loop_charge_s"] == pytest.approx(0.4e-3)
+    assert doc["stack_s_per_byte"] == pytest.approx(per_byte([(1e6, 2.0e-3), (2e6, 4.0e-3)])) == pytest.approx(2e-9)
+
+
+def test_bad_sizes_and_reps_are_refused_by_name(capsys):
+    for argv, msg in ((["--sizes", "10"], "multiples of 4 bytes"), (["--sizes", "4k"], "comma-separated byte counts"),
+                      (["--reps", "2"], "--reps must be at least 5")):
+        with pytest.raises(SystemExit):
+            stack_probe.main(argv)
+        assert msg in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_tiny_probe_runs_on_the_real_link_and_on_loopback(tmp_path: Path):
+    from xronos.bench import netem
+    from xronos.node.emulate.confinement import EmulatorError
+
+    try:
+        netem.check_available()
+    except EmulatorError as exc:
+        pytest.skip(f"network namespaces unavailable here: {exc}")
+    assert stack_probe.main(["--sizes", "4096,65536", "--reps", "5", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "stack-probe.json").read_text())
+    assert len(doc["real"]) == len(doc["loopback"]) == 2 and doc["stack_s_per_byte"] >= 0
+    assert set(doc["sizes"]) == {"4096", "65536"} and doc["burst_s"] == pytest.approx(0.020)
+    assert "| 65536 |" in (tmp_path / "stack-probe.md").read_text()

@@ -1,0 +1,21 @@
+"""The profile's all-reduce probe on the virtual clock's ruler: a call's measured CPU at the box's
+speed, plus the network stack's CPU the clock's link models beside it (as `VirtualClock` charges
+a call). Two real Gloo ranks over loopback, in this process."""
+
+from __future__ import annotations
+
+import pytest
+
+from xronos.node.measure.commprobe import probe_collectives
+
+
+def test_the_stack_the_link_models_is_charged_per_byte_on_the_virtual_ruler() -> None:
+    # 1 ms a byte: far above what the loopback call itself costs, so the sum shows through its noise
+    plain = probe_collectives(2, 4, 8, repeats=3, warmup=1, cpu_scale=2.0)
+    stacked = probe_collectives(2, 4, 8, repeats=3, warmup=1, cpu_scale=2.0, stack_s_per_byte=1e-3)
+    assert plain.nbytes == stacked.nbytes == 2 * 4 * 8 * 4
+    assert stacked.seconds == pytest.approx(plain.seconds + 1e-3 * 256 * 2.0, abs=0.05)
+    assert stacked.small_seconds == pytest.approx(plain.small_seconds + 1e-3 * 4 * 2.0, abs=0.004)
+    # off the virtual clock (wall seconds) the real link's stack is in what is timed: nothing added
+    wall = probe_collectives(2, 4, 8, repeats=3, warmup=1, stack_s_per_byte=1e-3)
+    assert wall.seconds < 0.2
