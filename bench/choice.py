@@ -112,7 +112,7 @@ def _scenario(name: str):
 
 
 def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = None, repeats: int = 1,
-             strategies: tuple[str, ...] = STRATEGIES) -> dict:
+             strategies: tuple[str, ...] = STRATEGIES, stack_s_per_byte: float = 0.0) -> dict:
     from xronos.bench import strategies as st
     from xronos.bench.harness import _param_count, environment
     from xronos.bench.scenarios import GIB, PI5_SHARE, RUNTIME_RESERVE
@@ -146,7 +146,9 @@ def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = No
                              get_shape(cell.model)["vocab_size"], seed=0)
         ctx = st.Ctx(work, model_dir, data, config, sc.shares(PI5_SHARE), caps, [d.name for d in sc.devices],
                      cell.batch_size, cell.seq_len, cell.batch_size, iters, 2e-5, 0, bandwidth_mbit=1000.0,
-                     lora_r=8, lora_alpha=16.0, lora_targets=("q_proj", "v_proj") if cell.lora else None)
+                     lora_r=8, lora_alpha=16.0, lora_targets=("q_proj", "v_proj") if cell.lora else None,
+                     stack_s_per_byte=stack_s_per_byte)
+        doc["stack_s_per_byte"] = stack_s_per_byte
         t0 = time.perf_counter()
         profiles = st.profile_devices(ctx, want_tp=not cell.lora, want_pp=False, want_lora=cell.lora)
         doc["profiling_s"] = time.perf_counter() - t0
@@ -259,7 +261,9 @@ def table(doc: dict) -> str:
     lines = [f"### {c['name']}: {c['model']} ({c['blocks']} blocks), {'LoRA r=8' if c['lora'] else 'full fine-tuning'}, "
              f"batch {c['batch_size']} x {c['seq_len']}; {doc['scenario']}",
              "", f"{c['note']}." + (f" ({doc['mem_scale_note']}.)" if doc.get("mem_scale_note") else "")
-                 + " Clock: virtual (iteration seconds of the emulated boxes); link 1 Gbit/s modelled. "
+                 + " Clock: virtual (iteration seconds of the emulated boxes); link 1 Gbit/s modelled"
+                 + (f", its network stack's CPU charged at {doc['stack_s_per_byte'] * 1e9:g} ns of a host core a "
+                    "byte carried (profiles and runs)" if doc.get("stack_s_per_byte") else "") + ". "
                  f"Profiling {doc.get('profiling_s', 0):.0f} s wall; load at the end "
                  f"{', '.join(f'{x:.1f}' for x in doc['environment']['loadavg_end'])}.", "",
              f"Measured: the median of {doc.get('repeats', 1)} interleaved run(s); least: the fastest of them "
@@ -300,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated, of {', '.join(STRATEGIES + OVERLAPPED)} (default: {','.join(STRATEGIES)})")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every distinct plan, interleaved round by round; the median is reported")
+    ap.add_argument("--stack-ns", type=float, default=0.0,
+                    help="the link's network-stack CPU, ns of a host core per byte carried (bench/stack_probe.py "
+                         "measures it on a real link), in the profiles and the runs; 0: none")
     args = ap.parse_args(argv)
+    if not (args.stack_ns >= 0 and args.stack_ns < float("inf")):
+        ap.error(f"--stack-ns must be a finite number >= 0, got {args.stack_ns}")
     names = [n for n in args.cells.split(",") if n]
     unknown = [n for n in names if n not in CELLS]
     if unknown:
@@ -316,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for n in names:
-        doc = run_cell(CELLS[n], args.iters, args.warmup, repeats=args.repeats, strategies=strategies)
+        doc = run_cell(CELLS[n], args.iters, args.warmup, repeats=args.repeats, strategies=strategies,
+                       stack_s_per_byte=args.stack_ns * 1e-9)
         (out / f"choice-{n}.json").write_text(json.dumps(doc, indent=1, default=str))
         text = table(doc)
         (out / f"choice-{n}.md").write_text(text + "\n")

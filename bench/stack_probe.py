@@ -57,7 +57,8 @@ def summarise(rows: dict[str, list[dict]], sizes: list[int]) -> dict[str, dict[s
     out = {}
     for n in sizes:
         alone, flight = rows[f"alone{n}"], rows[f"flight{n}"]
-        out[str(n)] = {"steal_s": statistics.median(r["wall"] for r in flight) - statistics.median(r["wall"] for r in alone),
+        steal = statistics.median(r["wall"] for r in flight) - statistics.median(r["wall"] for r in alone)
+        out[str(n)] = {"steal_s": steal,
                        "charge_s": min(r["charge"] for r in flight),
                        "thread_s": statistics.median(r["burst_thread"] for r in flight)
                        - statistics.median(r["burst_thread"] for r in alone)}
@@ -172,7 +173,8 @@ def markdown(doc: dict) -> str:
              "| real steal - loopback charge ms |", "|---|---|---|---|---|---|---|"]
     for n, s in doc["sizes"].items():
         lines.append(f"| {int(n)} | {s['real_steal_s'] * 1e3:.3f} | {s['real_charge_s'] * 1e3:.3f} | "
-                     f"{s['real_thread_s'] * 1e3:.3f} | {s['loop_steal_s'] * 1e3:.3f} | {s['loop_charge_s'] * 1e3:.3f} | "
+                     f"{s['real_thread_s'] * 1e3:.3f} | {s['loop_steal_s'] * 1e3:.3f} | "
+                     f"{s['loop_charge_s'] * 1e3:.3f} | "
                      f"{(s['real_steal_s'] - s['loop_charge_s']) * 1e3:.3f} |")
     lines += ["", f"**stack_s_per_byte = {doc['stack_s_per_byte'] * 1e9:.2f} ns** a byte carried (least squares "
               "through the origin of the last column over the bytes)."]
@@ -215,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     t0, start = time.monotonic(), _uptime()
     try:
         with Network(2, rate_mbit=args.rate_mbit) as net:
-            doc = measure(net, Path(tempfile.mkdtemp(prefix="stack-probe-")), sizes, args.reps, rate_mbit=args.rate_mbit)
+            doc = measure(net, Path(tempfile.mkdtemp(prefix="stack-probe-")), sizes, args.reps,
+                          rate_mbit=args.rate_mbit)
     except EmulatorError as exc:
         print(f"stack_probe: {exc}", file=sys.stderr)
         return 2

@@ -74,6 +74,8 @@ class Ctx:
     eval_fraction: float = 0.0  # > 0 only for the time-to-accuracy run (trainer evaluates the tail)
     dropout: float | None = None  # override every dropout probability (None: the checkpoint's)
     bandwidth_mbit: float = 0.0  # emulated link rate per rank (bench/netem.py); 0: plain loopback
+    # virtual clock: the link's network-stack CPU per byte carried (`Link.stack_s_per_byte`), profile and run
+    stack_s_per_byte: float = 0.0
     # LoRA strategies' adapters: rank, alpha, target module names (None: the family's default).
     lora_r: int = 8
     lora_alpha: float = 16.0
@@ -91,7 +93,8 @@ def virtual() -> bool:
 
 def confine(ctx: Ctx, lims: list[RankLimits]) -> Confinement:
     """The ranks' groups in the emulator's mode; on the virtual clock, with the cell's link."""
-    return Confinement(lims, top_weight=True, link=Link(planning_bw_bps(ctx), NOMINAL_LATENCY_S))
+    link = Link(planning_bw_bps(ctx), NOMINAL_LATENCY_S, ctx.stack_s_per_byte)
+    return Confinement(lims, top_weight=True, link=link)
 
 
 def planning_bw_bps(ctx: Ctx) -> float:

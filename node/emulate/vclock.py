@@ -14,8 +14,9 @@ A process runs on this clock when the emulator placed it in a virtual-mode rank 
 (`Confinement(cpu_mode="virtual")`): its box (speed in host cores, link, estimator) is a small JSON
 file named after the cgroup (`box_path`), re-read every RECHECK_S so a bench can change a box's
 speed mid-run. What it cannot model: memory-bandwidth and cache contention between co-located
-ranks (it inflates CPU time; the window minimum mostly takes it out), the real network stack
-(but for the CPU it takes per byte, when the link says it: `Link.stack_s_per_byte`), thermal throttling, one box's own jitter (the estimator hides it).
+ranks (it inflates CPU time; the window minimum mostly takes it out), the real network stack (but
+for the CPU it takes per byte, when the link says it: `Link.stack_s_per_byte`), thermal throttling,
+one box's own jitter (the estimator hides it).
 
 Asynchronous all-reduces (`launch` ... `land`) overlap communication with compute: the launch
 ends a compute burst and records the rank's arrival; the call completes at the latest arrival
