@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stack", choices=("probe", "off"), default="probe",
                     help="the virtual link's network-stack CPU per byte: measured by bench.stack_probe on the real "
                          "link first (default), or none (off; also with --virtual-net netns, where it is measured)")
-    ap.add_argument("--stack-reps", type=int, default=40, help="the stack probe's repeats per size and kind")
+    ap.add_argument("--stack-reps", type=int, default=60, help="the stack probe's repeats per size and kind")
     ap.add_argument("--fitted", action="store_true",
                     help="also a virtual run per repeat on the link fitted to the real one (measured rate too)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")

@@ -1,7 +1,7 @@
 """What a real link's network stack takes from a computing core, beyond what the virtual clock
 measures of a call over loopback (issue #37): the link's `stack_s_per_byte`.
 
-    .venv/bin/python -m xronos.bench.stack_probe [--sizes 196608,393216,786432,1572864] [--reps 40]
+    .venv/bin/python -m xronos.bench.stack_probe [--sizes 196608,393216,786432,1572864] [--reps 60]
 
 Why: an all-reduce hidden behind compute is not free on the wall clock. On the virtual clock a
 call's CPU is its process's threads' (Gloo's), measured over loopback, where the sending thread's
@@ -16,8 +16,9 @@ mode in it:
 - a fixed compute burst (a loop of GEMMs, longer than the largest transfer takes on the link),
   timed alone and with one asynchronous all-reduce of `size` bytes launched just before it and
   waited for just after, interleaved, `reps` times per size;
-- **steal** (per size): the median wall time of launch + burst + wait less the burst's alone, on
-  the real link: what a hidden call costs the core in wall time;
+- **steal** (per size): the median, over the reps, of the wall time of launch + burst + wait less
+  that of the burst alone just before it, on the real link: what a hidden call costs the core in
+  wall time;
 - **charge** (per size): what the clock charges the same call over loopback (the process's CPU
   from the launch to the end of the wait, less the computing thread's during the burst: the
   launch, Gloo's threads, the wait), its minimum over the reps as the clock's `call_est`;
@@ -57,11 +58,12 @@ def summarise(rows: dict[str, list[dict]], sizes: list[int]) -> dict[str, dict[s
     out = {}
     for n in sizes:
         alone, flight = rows[f"alone{n}"], rows[f"flight{n}"]
-        steal = statistics.median(r["wall"] for r in flight) - statistics.median(r["wall"] for r in alone)
+        # paired: each call's burst against the alone burst just before it, so the host's drift over
+        # the run (this VM's vCPUs change speed by tens of percent between minutes) cancels
+        steal = statistics.median(f["wall"] - a["wall"] for a, f in zip(alone, flight))
         out[str(n)] = {"steal_s": steal,
                        "charge_s": min(r["charge"] for r in flight),
-                       "thread_s": statistics.median(r["burst_thread"] for r in flight)
-                       - statistics.median(r["burst_thread"] for r in alone)}
+                       "thread_s": statistics.median(f["burst_thread"] - a["burst_thread"] for a, f in zip(alone, flight))}
     return out
 
 
@@ -145,7 +147,7 @@ def run(net, work: Path, sizes: list[int], reps: int, burst_s: float) -> list[di
     return [summarise(json.loads((work / f"rank{r}.json").read_text()), sizes) for r in range(2)]
 
 
-def measure(net, work: Path, sizes: list[int], reps: int = 40, burst_s: float | None = None,
+def measure(net, work: Path, sizes: list[int], reps: int = 60, burst_s: float | None = None,
             rate_mbit: float = 1000.0) -> dict[str, object]:
     """The probe on `net`'s real link, then on loopback, and the link's `stack_s_per_byte`. The
     burst lasts twice the largest transfer on the link (at least 20 ms), so every call is hidden."""
@@ -162,8 +164,8 @@ def markdown(doc: dict) -> str:
              f"a {doc['burst_s'] * 1e3:.0f} ms GEMM burst alone and with one asynchronous all-reduce in flight "
              f"over it, interleaved, {doc['reps']} times per size (the first 3 not counted), on the real "
              f"{doc['rate_mbit']:g} Mbit/s link (netns + veth + bridge + tc tbf) and on loopback. "
-             "**steal**: the median wall time of launch + burst + wait less the burst's alone (the ranks' "
-             "mean); **charge**: what the virtual clock charges the call (the process's CPU from launch to "
+             "**steal**: the median over the reps of the wall time of launch + burst + wait less that of the "
+             "burst alone just before it (the ranks' mean); **charge**: what the virtual clock charges the call (the process's CPU from launch to "
              "the end of the wait less the computing thread's during the burst; its minimum); "
              "**thread**: the computing thread's own CPU time grows by this with the call in flight (softirq "
              "work done in its time). Wall seconds.", "",
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xronos.bench.stack_probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="196608,393216,786432,1572864", help="all-reduce sizes in bytes")
-    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--rate-mbit", type=float, default=1000.0)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
