@@ -22,8 +22,10 @@ def test_the_slope_is_least_squares_through_the_origin_and_never_negative():
 
 
 def _rows(n: int, alone: list[float], flight: list[float], charges: list[float]) -> dict[str, list[dict]]:
-    return {f"alone{n}": [{"wall": w, "burst_thread": 0.020, "charge": 0.0} for w in alone],
-            f"flight{n}": [{"wall": w, "burst_thread": 0.0205, "charge": c} for w, c in zip(flight, charges)]}
+    return {f"alone{n}": [{"wall": w, "burst_thread": 0.020, "charge": 0.0, "blocking": 0.002, "done": None}
+                          for w in alone],
+            f"flight{n}": [{"wall": w, "burst_thread": 0.0205, "charge": c, "blocking": 0.002 + 0.001 * k,
+                            "done": 0.005 if k else None} for k, (w, c) in enumerate(zip(flight, charges))]}
 
 
 def test_steal_is_the_median_of_paired_differences_and_charge_the_clocks_minimum():
@@ -32,13 +34,15 @@ def test_steal_is_the_median_of_paired_differences_and_charge_the_clocks_minimum
     (s,) = summarise(rows, [1000]).values()
     assert s["steal_s"] == pytest.approx(0.0015)
     assert s["charge_s"] == pytest.approx(0.3e-3) and s["thread_s"] == pytest.approx(0.5e-3)
+    assert s["blocking_s"] == pytest.approx(0.003) and s["done_s"] == pytest.approx(0.005)  # never seen: left out
 
 
 def test_the_stack_is_the_real_links_steal_beyond_loopbacks_charge():
     sizes = [1_000_000, 2_000_000]
 
     def rank(steal: tuple[float, float], charge: tuple[float, float]) -> dict:
-        return {str(n): {"steal_s": s, "charge_s": c, "thread_s": 0.0} for n, s, c in zip(sizes, steal, charge)}
+        return {str(n): {"steal_s": s, "charge_s": c, "thread_s": 0.0, "blocking_s": 1e-3, "done_s": 2e-3}
+                for n, s, c in zip(sizes, steal, charge)}
 
     real = [rank((2.5e-3, 4.5e-3), (1e-3, 1.6e-3)), rank((2.3e-3, 4.3e-3), (1e-3, 1.6e-3))]
     loop = [rank((0.7e-3, 1.1e-3), (0.4e-3, 0.4e-3)), rank((0.9e-3, 1.3e-3), (0.4e-3, 0.4e-3))]
