@@ -99,6 +99,9 @@ def worker(job_file: str, rank_s: str) -> None:
     from xronos.node.tp.group import TPGroup
 
     group = TPGroup.join(rank, 2, job["host"], job["port"], timeout_s=120)
+    from xronos.node.tp import progress
+
+    progress.promote()  # as a rank's first overlapped call does (XRONOS_COMM_THREADS)
     tensors = {n: torch.ones(n // 4) for n in job["sizes"]}
     a, w = torch.randn(64, 384), torch.randn(384, 1536)
     t0 = time.thread_time()

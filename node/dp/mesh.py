@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from xronos.node.tp import progress
 from xronos.node.tp.clock import Clock, Meet, Runner
 from xronos.node.tp.group import TPGroup
 
@@ -82,7 +83,7 @@ class Mesh:
 
 
 def _group(ranks: list[int], me: int) -> tuple[dist.ProcessGroup | None, int]:
-    pg = dist.new_group(ranks) if len(ranks) > 1 else None
+    pg = progress.made(lambda: dist.new_group(ranks)) if len(ranks) > 1 else None
     return pg, ranks.index(me) if me in ranks else -1
 
 

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from xronos.node.tp import progress
 from xronos.node.tp.clock import WALL, Clock, Flight, Meet, Runner
 from xronos.node.tp.flight import _OPS, _SLOT_DTYPES, Pending, _Flight
 
@@ -136,8 +137,8 @@ class TPGroup:
         (`xronos.node.emulate.process_clock()`), else wall time."""
         if world_size == 1:
             return cls.single(trace=True, clock=clock)
-        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        progress.made(lambda: dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank,
+                                                      world_size=world_size, timeout=timedelta(seconds=timeout_s)))
         group = cls(dist.group.WORLD, rank, world_size, clock=clock)
         group._joined = True
         return group
@@ -247,6 +248,8 @@ class TPGroup:
         def start(slots: torch.Tensor | None) -> Flight:
             return _Flight(t, slots, op, self.pg)
 
+        if self.launched == 0:
+            progress.promote()  # Gloo's threads ahead of this one while calls fly (progress.py)
         self.launched += 1
         return Pending(self, t, meet, self.clock.launch(meet, start, self.rank, self.world_size))
 
