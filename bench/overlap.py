@@ -112,7 +112,8 @@ def worker(job_file: str, rank_s: str) -> None:
     # `wall` (bench/overlap_wall.py): the group on the wall clock, as a real box's; else virtual,
     # on the modelled link (the wall check models its real link's measured latency)
     wall = job.get("clock") == "wall"
-    link = Link.mbit(job.get("rate_mbit", RATE_MBIT), job.get("latency_s", LATENCY_S), job.get("stack_s_per_byte", 0.0))
+    link = Link.mbit(job.get("rate_mbit", RATE_MBIT), job.get("latency_s", LATENCY_S),
+                     job.get("stack_s_per_byte", 0.0))
     clock = None if wall else VirtualClock(Box(speeds[rank], link, "med"))
     group = TPGroup.join(rank, len(speeds), job.get("host", "127.0.0.1"), job["port"], timeout_s=300, clock=clock)
     config = config_of(cell)

@@ -118,7 +118,7 @@ def markdown(doc: dict) -> str:
              f"rank's: median {link['single_s'] * 1e6:.0f} us). One all-reduce of {link.get('cell', 'the')}'s activation "
              f"({link['big_bytes'] / 1e3:.0f} kB) took {link['big_s'] * 1e3:.2f} ms on the real link "
              f"(median of {link['big_calls']}), the model says {link['big_model_s'] * 1e3:.2f} ms. "
-             + _stack_text(doc) + " Modes "
+             + _stack_text(doc) + _threads_text(doc) + " Modes "
              "take turns iteration by iteration in each run (`off`: every all-reduce blocks; `bwd`: the "
              "input-gradient all-reduce beside the weight-gradient GEMMs; `cN`: N chunks, each "
              "chunk's all-reduces beside the next chunk's compute, forward and backward); "
@@ -153,6 +153,15 @@ def markdown(doc: dict) -> str:
     if doc.get("notes"):  # a reading of these figures, written after the run
         lines += ["", "Reading:", "", *(f"- {n}" for n in doc["notes"])]
     return "\n".join(lines) + "\n"
+
+
+def _threads_text(doc: dict) -> str:
+    if doc.get("comm_threads") == "fifo":
+        return (" Each rank raises Gloo's threads to SCHED_FIFO 1 at its first overlapped call "
+                "(`node/tp/progress.py`), so a call in flight moves while the core computes.")
+    if doc.get("comm_threads") == "off":
+        return " Gloo's threads stay at normal priority (XRONOS_COMM_THREADS=off)."
+    return ""
 
 
 def _stack_text(doc: dict) -> str:
@@ -302,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     from xronos.bench.netem import Network
     from xronos.node.emulate.confinement import EmulatorError
 
+    from xronos.node.tp import progress
+
     doc: dict = {"argv": argv, "rate_mbit": args.rate_mbit, "load_start": _uptime(), "quota": cpu_quota(),
+                 "comm_threads": progress.mode(),
                  "order": "back to back: per repeat, per cell, the wall run then the virtual run"
                  + (" then the virtual run on the fitted link" if args.fitted else ""),
                  "cores": list(CORES), "cells": []}

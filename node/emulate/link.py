@@ -18,7 +18,8 @@ real link: there a transfer is sent and delivered from softirqs on the core that
 which is the computing thread's while a call is in flight, so a call hidden behind compute still
 takes CPU from it. `stack_s_per_byte` charges that to each end's box, per byte its link carries
 (`wire_bytes`), in seconds of one host core (the clock divides by the box's speed as for compute).
-It is 0 unless a bench measured it on a real link (`bench/overlap_wall.py`'s stack probe).
+It is 0 unless a bench measured it on a real link (`bench/stack_probe.py`, which
+`bench/overlap_wall.py` runs first).
 Not modelled: TCP's dynamics, NIC offloads and interrupts on real boxes, switch queueing.
 """
 

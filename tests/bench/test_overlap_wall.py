@@ -91,6 +91,8 @@ def test_the_table_names_both_clocks_the_link_the_load_and_the_gain_difference()
     assert "| pair-s64 | c2 | **0.850** | 0.0% | **0.900** | 0.0% | **+5.0** (+5.0 .. +5.0) | yes |" in text
     assert "fitted link" not in text
     assert "charges no network-stack CPU beyond the calls' measured CPU." in text
+    assert "raises Gloo's threads to SCHED_FIFO 1" in markdown(dict(doc, comm_threads="fifo"))
+    assert "(XRONOS_COMM_THREADS=off)" in markdown(dict(doc, comm_threads="off"))
     stack = {"sizes": {"393216": {"real_steal_s": 1.1e-3, "loop_charge_s": 0.3e-3}}, "stack_s_per_byte": 2.03e-9}
     assert ("charges each end 2.03 ns of CPU a byte carried" in markdown(dict(doc, stack=stack, stack_s_per_byte=2.03e-9))
             and "393 kB 0.80 ms" in markdown(dict(doc, stack=stack, stack_s_per_byte=2.03e-9)))
