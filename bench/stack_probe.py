@@ -67,7 +67,8 @@ def summarise(rows: dict[str, list[dict]], sizes: list[int]) -> dict[str, dict[s
                        # when the call was first seen complete, between two GEMMs of the burst
                        "done_s": statistics.median(done) if done else math.nan,
                        "charge_s": min(r["charge"] for r in flight),
-                       "thread_s": statistics.median(f["burst_thread"] - a["burst_thread"] for a, f in zip(alone, flight))}
+                       "thread_s": statistics.median(f["burst_thread"] - a["burst_thread"]
+                                                     for a, f in zip(alone, flight))}
     return out
 
 
@@ -184,12 +185,15 @@ def markdown(doc: dict) -> str:
              f"over it, interleaved, {doc['reps']} times per size (the first 3 not counted), on the real "
              f"{doc['rate_mbit']:g} Mbit/s link (netns + veth + bridge + tc tbf) and on loopback. "
              "**steal**: the median over the reps of the wall time of launch + burst + wait less that of the "
-             "burst alone just before it (the ranks' mean); **charge**: what the virtual clock charges the call (the process's CPU from launch to "
-             "the end of the wait less the computing thread's during the burst; its minimum); "
+             "burst alone just before it (the ranks' mean); **charge**: what the virtual clock charges the "
+             "call (the process's CPU from launch to the end of the wait less the computing thread's during the burst; its minimum); "
              "**thread**: the computing thread's own CPU time grows by this with the call in flight (softirq "
              "work done in its time); **blocking**: one blocking all-reduce of the size with the core free; "
              "**complete under compute**: when the call in flight was first seen complete (polled between the "
-             "burst's GEMMs), from its launch. Wall seconds.", "",
+             "burst's GEMMs), from its launch. Wall seconds. Gloo's threads: "
+             + ("raised to SCHED_FIFO 1 (`node/tp/progress.py`, as a rank's first overlapped call does)"
+                if doc.get("comm_threads", "fifo") == "fifo" else "normal priority (XRONOS_COMM_THREADS=off)")
+             + ".", "",
              f"Command: `python -m xronos.bench.stack_probe {' '.join(doc['argv'])}`; {doc['seconds'] / 60:.1f} min. "
              f"Load (`uptime`) at the start: {doc['load_start']}; at the end: {doc['load_end']}.", "",
              "| bytes | real steal ms | real charge ms | real thread ms | loopback steal ms | loopback charge ms "
@@ -252,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     except EmulatorError as exc:
         print(f"stack_probe: {exc}", file=sys.stderr)
         return 2
-    doc.update(argv=argv, rate_mbit=args.rate_mbit, load_start=start, load_end=_uptime(), seconds=time.monotonic() - t0)
+    from xronos.node.tp import progress
+
+    doc.update(argv=argv, rate_mbit=args.rate_mbit, load_start=start, load_end=_uptime(), seconds=time.monotonic() - t0,
+               comm_threads=progress.mode())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "stack-probe.json").write_text(json.dumps(doc, indent=1))
     (args.out / "stack-probe.md").write_text(markdown(doc))
