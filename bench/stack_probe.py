@@ -26,7 +26,11 @@ mode in it:
   charge (loopback) over the bytes each rank's link carries (a two-rank all-reduce: the tensor).
 
 Both runs' steal and charge are reported, so what loopback itself costs beyond the clock's charge
-shows too. Results: bench/results/stack-probe.md and .json.
+shows too. Beside them, per size: one blocking all-reduce with the core free, and when the call in
+flight was first seen complete (polled between the burst's GEMMs) — a call beside a busy core
+moves only when Gloo's threads get the core. The ranks raise those threads as a rank's first
+overlapped call does (`node/tp/progress.py`; `XRONOS_COMM_THREADS=off` leaves them normal, and the
+result says which). Results: bench/results/stack-probe.md and .json.
 """
 
 from __future__ import annotations
