@@ -42,8 +42,9 @@ import time
 from pathlib import Path
 
 from xronos.bench.overlap import CELLS, config_of, parse_modes, run_cell
+from xronos.bench import stack_probe
+from xronos.bench.stack_probe import CORES, uptime
 
-CORES = (0, 1)  # one rank per core
 TARGET_POINTS = 5.0  # the issue's bound on |wall gain - virtual gain|
 
 
@@ -253,10 +254,6 @@ def measure_link(net, work: Path, big_bytes: int, rate_mbit: float, calls: int =
 
 
 # -- the run ----------------------------------------------------------------------------------------
-def _uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def cpu_quota() -> str:
     """This process's CFS quota as the kernel states it (cgroup v2 cpu.max, or v1's quota/period)."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
@@ -313,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from xronos.node.tp import progress
 
-    doc: dict = {"argv": argv, "rate_mbit": args.rate_mbit, "load_start": _uptime(), "quota": cpu_quota(),
+    doc: dict = {"argv": argv, "rate_mbit": args.rate_mbit, "load_start": uptime(), "quota": cpu_quota(),
                  "comm_threads": progress.mode(),
                  "order": "back to back: per repeat, per cell, the wall run then the virtual run"
                  + (" then the virtual run on the fitted link" if args.fitted else ""),
@@ -332,8 +329,6 @@ def main(argv: list[str] | None = None) -> int:
             print("link:", json.dumps(doc["link"]), flush=True)
             stack_s = 0.0
             if args.stack == "probe" and args.virtual_net == "loopback":
-                from xronos.bench import stack_probe
-
                 probed = stack_probe.measure(net, tmp / "stack", [big // 4, big // 2, big, 2 * big],
                                              args.stack_reps, rate_mbit=args.rate_mbit)
                 doc["stack"] = probed
@@ -375,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.fitted:
             fits = [r["rows_fitted"] for r in runs[name]]
             doc["cells"][-1].update(repeats_fitted=fits, summary_fitted=summarise(fits))
-    doc["load_end"], doc["seconds"] = _uptime(), time.monotonic() - t0
+    doc["load_end"], doc["seconds"] = uptime(), time.monotonic() - t0
     import shutil
 
     shutil.rmtree(tmp) if not os.environ.get("XRONOS_BENCH_KEEP") else print("kept", tmp)

@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-CORES = (0, 1)
+CORES = (0, 1)  # one rank per core (bench/overlap_wall.py's too)
 
 
 # -- the arithmetic (pure) -------------------------------------------------------------------------
@@ -220,7 +220,8 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _uptime() -> str:
+def uptime() -> str:
+    """The host's load as `uptime` prints it (a result file's record of what else ran)."""
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     from xronos.bench.netem import Network
     from xronos.node.emulate.confinement import EmulatorError
 
-    t0, start = time.monotonic(), _uptime()
+    t0, start = time.monotonic(), uptime()
     try:
         with Network(2, rate_mbit=args.rate_mbit) as net:
             doc = measure(net, Path(tempfile.mkdtemp(prefix="stack-probe-")), sizes, args.reps,
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from xronos.node.tp import progress
 
-    doc.update(argv=argv, rate_mbit=args.rate_mbit, load_start=start, load_end=_uptime(), seconds=time.monotonic() - t0,
+    doc.update(argv=argv, rate_mbit=args.rate_mbit, load_start=start, load_end=uptime(), seconds=time.monotonic() - t0,
                comm_threads=progress.mode())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "stack-probe.json").write_text(json.dumps(doc, indent=1))

@@ -16,6 +16,16 @@ def test_the_stack_the_link_models_is_charged_per_byte_on_the_virtual_ruler() ->
     assert plain.nbytes == stacked.nbytes == 2 * 4 * 8 * 4
     assert stacked.seconds == pytest.approx(plain.seconds + 1e-3 * 256 * 2.0, abs=0.05)
     assert stacked.small_seconds == pytest.approx(plain.small_seconds + 1e-3 * 4 * 2.0, abs=0.004)
-    # off the virtual clock (wall seconds) the real link's stack is in what is timed: nothing added
+
+
+def test_off_the_virtual_clock_nothing_is_added(monkeypatch) -> None:
+    # wall seconds: the real link's stack is in what is timed already. The timing itself is faked
+    # here (the pairs stay real), so the check is exact and does not time the machine.
+    from xronos.node.measure import commprobe
+
+    monkeypatch.setattr(commprobe, "_time", lambda pgs, elements, *a: 1e-3 * elements)
     wall = probe_collectives(2, 4, 8, repeats=3, warmup=1, stack_s_per_byte=1e-3)
-    assert wall.seconds < 0.2
+    assert (wall.seconds, wall.small_seconds) == (pytest.approx(1e-3 * 64), pytest.approx(1e-3 * 1))
+    virtual = probe_collectives(2, 4, 8, repeats=3, warmup=1, cpu_scale=2.0, stack_s_per_byte=1e-3)
+    assert virtual.seconds == pytest.approx(1e-3 * 64 + 1e-3 * 256 * 2.0)
+    assert virtual.small_seconds == pytest.approx(1e-3 + 1e-3 * 4 * 2.0)
