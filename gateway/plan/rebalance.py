@@ -27,9 +27,9 @@ the node has been measured there. Switch only when
     relative standard errors of the current prediction (`noise`: noisy boxes need a larger gain),
   - the move pays for itself: its predicted cost is repaid by the predicted gain within `payback`
     iterations. The cost is bytes that change hands (`moved_units` x `unit_bytes`, weights and
-    AdamW moments) / `bandwidth_Bps` + `move_fixed_s`, times the median ratio of measured to so
-    predicted seconds over the moves seen (`observe_move`): refitted from measured re-shards
-    once one happened,
+    AdamW moments) / `bandwidth_Bps` + `move_fixed_s` until a move was measured, then the move
+    model refitted from the last five measured moves (`observe_move`; `refit.fit_move`: a fixed
+    part and a part per byte, so a small move's fixed cost is not read as a slow link),
   - and both held at `confirm` consecutive evaluations (hysteresis: noise must persist to act).
 After a switch the policy discards the first `warmup` iterations under the new layout, then needs
 `settle` fresh ones (twice as many for a move within the cooldown), and for `cooldown` iterations
@@ -50,7 +50,6 @@ plan.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -58,8 +57,8 @@ from typing import Mapping, Sequence
 from xronos.gateway.plan.costmodel import NodeCost, kind_time
 from xronos.gateway.plan.planner import plan
 from xronos.gateway.plan.refit import (
-    barrier_time, continues, level_shift, measured_costs, moved_units, noise, reach_fraction, speed_factors,
-    step_within_caps, with_rest,
+    barrier_time, continues, fit_move, level_shift, measured_costs, moved_units, noise, reach_fraction,
+    speed_factors, step_within_caps, with_rest,
 )
 from xronos.protocol.layout import KINDS, Layout, Sizes
 
@@ -152,7 +151,7 @@ class Rebalancer:
         self.fresh = [0] * n  # per rank: samples at its current level
         self.anchors: list[dict[str, tuple[float, float]]] = [{} for _ in range(n)]  # (share, seconds)
         self.last_factors: list[dict[str, float]] = [{} for _ in range(n)]  # at the last switch
-        self.move_ratios: deque = deque(maxlen=5)  # measured / prior seconds of the moves seen
+        self.moves: deque = deque(maxlen=5)  # (bytes, seconds) of the last measured moves
         self._measured = 0  # iterations measured since the last switch (or the start)
         self._skip = self.config.warmup
         self._wait = 0  # iterations left in the cooldown
@@ -224,19 +223,16 @@ class Rebalancer:
         self.shifts.append((d, f"rank {d} runs at {ratio:.2f}x its previous time (seen {self._observed})"))
 
     def observe_move(self, moved_bytes: float, seconds: float) -> None:
-        """A finished move's cost: the move model becomes the prior (bytes / bandwidth + fixed)
-        times the median ratio of measured to prior over the (last five) moves."""
-        if not (seconds > 0 and math.isfinite(seconds)) or not moved_bytes >= 0:
+        """A finished move's bytes and seconds: the move model is refitted from the last five
+        (`move_model`); a broken measurement (not finite, not positive) is ignored."""
+        if not (seconds > 0 and math.isfinite(seconds)) or not (moved_bytes >= 0 and math.isfinite(moved_bytes)):
             return
-        prior = moved_bytes / self.bandwidth_Bps + self.move_fixed_s
-        if prior > 0:
-            self.move_ratios.append(seconds / prior)
-        else:  # nothing to scale: the measured move is the fixed part
-            self.move_fixed_s = seconds
+        self.moves.append((float(moved_bytes), float(seconds)))
 
     @property
-    def move_scale(self) -> float:
-        return statistics.median(self.move_ratios) if self.move_ratios else 1.0
+    def move_model(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per byte) of a move: the prior, refitted from the measured moves."""
+        return fit_move(self.moves, 1.0 / self.bandwidth_Bps, self.move_fixed_s)
 
     def set_caps(self, caps: Sequence[float]) -> None:
         if len(caps) != self.layout.world_size:
@@ -267,7 +263,12 @@ class Rebalancer:
     def move_seconds(self, new: Layout) -> float:
         moved = moved_units(self.layout, new)
         nbytes = sum(moved[k] * self.unit_bytes[k] for k in KINDS)
-        return (nbytes / self.bandwidth_Bps + self.move_fixed_s) * self.move_scale
+        return self.move_cost(nbytes)
+
+    def move_cost(self, nbytes: float) -> float:
+        """Seconds a move of `nbytes` is predicted to take (`move_model`)."""
+        fixed, per_byte = self.move_model
+        return fixed + nbytes * per_byte
 
     # -- decision ----------------------------------------------------------------------------
     def decide(self, step: int) -> Replan | None:

@@ -245,3 +245,43 @@ def step_within_caps(layout: Layout, target: Layout, alpha: float, base: Sequenc
             return step, alpha
         alpha /= 2  # a rounded step past a cap: a shorter one
     return layout, 0.0
+
+
+def fit_move(moves: Sequence[tuple[float, float]], per_byte: float, fixed: float) -> tuple[float, float]:
+    """A re-shard's cost model, (fixed seconds, seconds per byte), from the measured moves
+    (bytes, seconds) and the prior (`fixed` + bytes x `per_byte`: the link's bandwidth).
+
+    A move costs a part that does not grow with its bytes (the ranks meet at the boundary, build the
+    new shard's tensors and optimizer state, free the old) and its bytes over the link. One number
+    cannot say which part a measurement exceeded the prior by, and the two guesses fail unequally:
+    scaling the whole prior by measured / prior (as this did) read a 16 %-of-the-way first move that
+    took 10x its 5 ms prior as a link ten times slower, priced the whole move at 0.5 s instead of
+    about 0.1, and the payback test then kept a box slowed 7.5x on its share for the rest of the
+    job; taking the excess as fixed errs once, on the next big move, which is then measured. So:
+      - moves of one size (the largest under twice the smallest): at their median size the model
+        gives their median time; what exceeds the prior there is fixed, and a move faster than the
+        prior scales both parts down (the link is faster than assumed);
+      - moves of sizes at least 2x apart: the least-squares line through them (seconds against
+        bytes), its intercept at least 0; a line that falls with the bytes is noise, read as one size.
+    """
+    pts = [(b, s) for b, s in moves if b >= 0 and s > 0 and math.isfinite(b) and math.isfinite(s)]
+    if not pts:
+        return fixed, per_byte
+    sizes = [b for b, _ in pts]
+    if len(pts) >= 2 and max(sizes) >= 2 * min(sizes):
+        n = len(pts)
+        mb, ms = sum(sizes) / n, sum(s for _, s in pts) / n
+        sbb = sum((b - mb) ** 2 for b in sizes)
+        slope = sum((b - mb) * (s - ms) for b, s in pts) / sbb
+        if slope > 0:
+            intercept = ms - slope * mb
+            if intercept >= 0:
+                return intercept, slope
+            return 0.0, sum(b * s for b, s in pts) / sum(b * b for b in sizes)  # through the origin
+    b, s = statistics.median(sizes), statistics.median(s for _, s in pts)
+    prior = fixed + b * per_byte
+    if prior <= 0:
+        return s, per_byte
+    if s >= prior:
+        return fixed + (s - prior), per_byte
+    return fixed * s / prior, per_byte * s / prior

@@ -82,13 +82,17 @@ def test_a_slowed_box_is_re_planned_live_and_the_export_equals_xronos_run(tmp_pa
     applied = [(int(s), Layout.parse(t)) for e in final.events for s, t in APPLIED.findall(e)]
     assert len(applied) == final.replans, final.events
     assert applied[-1][1] == final.plan.layout() != first
-    # The first re-plan follows the slowed box: n1 gives work away (a later one may fine-tune it).
-    # Counted in block weights held, not per kind: a per-kind measurement may still favour one kind
-    # (under a CPU quota a first move of attn 6,6 -> 5,7 with mlp 384,384 -> 608,160 was seen; a
-    # real box slows down as a whole; `bench/results/demo-idle.md`).
+    # The policy follows the slowed box: in the end n1 holds less than it started with. Counted in
+    # block weights held, not per kind: a per-kind measurement may still favour one kind (under a
+    # CPU quota a first move of attn 6,6 -> 5,7 with mlp 384,384 -> 608,160 was seen; a real box
+    # slows down as a whole; `bench/results/demo-idle.md`). Not the *first* move: the new speed
+    # reaches n1's clock up to half a second after set_share, and in 2 runs of 13 a small move
+    # towards n1 came before it, on the two boxes' measured noise at equal speed. The move
+    # model then read that move's fixed cost as a slow link and never moved the work back
+    # (`refit.fit_move`; test_rebalance's small-first-move case).
     def block_weights(layout: Layout, rank: int) -> int:
         return layout.attn[rank] * 4 * 192 * 16 + layout.mlp[rank] * 2 * 192  # q|k|v + out; in + out
-    assert block_weights(applied[0][1], 1) < block_weights(first, 1), (first, applied)
+    assert block_weights(applied[-1][1], 1) < block_weights(first, 1), (first, applied)
 
     ref = tmp_path / "ref"
     at = [a for s, lay in applied for a in ("--reshard-at", f"{s}:{lay.to_text()}")]
@@ -96,3 +100,44 @@ def test_a_slowed_box_is_re_planned_live_and_the_export_equals_xronos_run(tmp_pa
                                   extra=("--eval-fraction", "0.2", "--dropout", "0", *at))) == 0
     max_abs, rel = runkit.compare(_load(stack.allowed / "export"), _load(ref))
     assert max_abs <= 5e-4 and rel <= 1e-5
+
+
+def test_a_box_that_changes_twice_is_followed_twice(tmp_path, mqtt_broker, boxes):
+    """n0 slows down, the policy gives n1 more; then n0 recovers and n1 slows down 7.5x, and the
+    policy must move the work back. The first move is a small one (reach: 16 % of the way in the
+    run this was written from), and its measured cost — mostly the fixed part a move pays whatever
+    it carries — once priced the second, whole move at 10x its cost: the job then ran at n1's pace
+    to the end ("the move (0.515 s) is not repaid within 10 iterations")."""
+    data_dir = tmp_path / "owner-data"
+    data_dir.mkdir()
+    stack = Stack(tmp_path, mqtt_broker, data_dir, base=f"xr{tmp_path.name[-6:].replace('-', '')}")
+    try:
+        _, _, accepted = submit_on_two_boxes(stack, boxes, max_steps=240, strategy="uniform")
+        job_id, first = accepted["job_id"], m.Plan.model_validate(accepted["plan"]).layout()
+        _wait_step(stack, job_id, 3)
+        boxes.set_share(0, 0.45)
+        seen: list[m.JobState] = []
+
+        def moved_once(s: m.JobState) -> None:
+            seen.append(s)
+            if any(APPLIED.search(e) for e in s.events) or s.phase != "running":
+                raise StopIteration
+
+        try:
+            stack.client.follow(job_id, moved_once, timeout=300)
+        except StopIteration:
+            pass
+        assert seen and seen[-1].phase == "running", (seen[-1:], stack.logs())
+        boxes.set_share(0, 0.9)
+        boxes.set_share(1, 0.12)
+        final = stack.client.follow(job_id, lambda s: None, timeout=400)
+        assert final.phase == "completed", (final, stack.logs())
+    finally:
+        stack.close()
+    applied = [Layout.parse(t) for e in final.events for _, t in APPLIED.findall(e)]
+    assert len(applied) >= 2, final.events
+
+    def block_weights(layout: Layout, rank: int) -> int:
+        return layout.attn[rank] * 4 * 192 * 16 + layout.mlp[rank] * 2 * 192
+    assert block_weights(applied[0], 1) > block_weights(first, 1), (first, applied)  # n0 slowed: n1 got more
+    assert block_weights(applied[-1], 1) < block_weights(first, 1), (first, applied, final.last_replan_reason)

@@ -374,7 +374,7 @@ def test_live_rebalancing_orders_the_owner_and_follows_its_report(tmp_path):
     state = [s for _, s in h.seen("job.state")][-1]
     assert state.plan.layout() == order.layout and state.last_replan_reason.startswith("cooling down")
     policy = h.gw.nodes.rebal.by_job[job_id][1].policy  # the measured move refits the policy's move model
-    assert list(policy.move_ratios) == [0.1 / (1_000_000 / policy.bandwidth_Bps + policy.move_fixed_s)]
+    assert list(policy.moves) == [(1_000_000, 0.1)]
     assert any(f"re-plan for step {order.at_step}" in e and "faster" in e for e in state.events)
     assert any(f"re-shard applied at step {order.at_step}" in e for e in state.events)
     h.gw.homeassistant.publish_state()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from xronos.bench.plan_speed import synthetic_report
 from xronos.gateway.job import machine as J
 from xronos.gateway.job.progress import state_view
@@ -322,11 +324,11 @@ def test_a_measured_move_reaches_the_policy_once_and_only_from_this_plans_owner(
     assert not reb.moved(status(node_id="b", rank=1))  # not the owner
     assert not reb.moved(status(plan_version=2))  # another plan's
     assert not reb.moved(status(reshard_bytes=None))  # an older node's status: nothing to scale by
-    assert reb.policy.move_scale == 1.0
+    assert list(reb.policy.moves) == []
     assert reb.moved(status())
-    assert abs(reb.policy.move_scale - 3.0) < 1e-9
+    assert reb.policy.move_cost(100e6) == pytest.approx(prior * 3)  # the measured move, at its size
     assert not reb.moved(status(step=12))  # the same boundary, re-published with a later step
-    assert len(reb.policy.move_ratios) == 1
+    assert list(reb.policy.moves) == [(100e6, prior * 3)]
 
 
 def test_a_re_plans_memory_for_the_owner_is_the_planners():

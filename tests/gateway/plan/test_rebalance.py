@@ -150,3 +150,34 @@ def test_bad_input_is_refused():
         policy.observe([dict.fromkeys(KINDS, 0.1)] * 3)
     with pytest.raises(ValueError, match="window must be >= 1"):
         PolicyConfig(window=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_box_slowed_after_a_small_first_move_is_still_followed(seed):
+    """The case test_e2e_rebalance met in 2 runs of 13: an early, small move (noise, or the owner's
+    extra work) gives the box that is about to slow down a little more, and the owner measures that
+    move at 10x its bytes' prior (its fixed part). Then the box slows 7.5x. The policy must still
+    move the work away once its cooldown allows: the small move's cost must not price the big one."""
+    sizes = Sizes(attn=12, mlp=768, vocab=37)  # the e2e test's GPT-2 classifier, milliseconds a step
+    start = Layout(attn=(6, 6), mlp=(384, 384), vocab=(32, 5))
+    policy = Rebalancer(sizes, start, unit_costs(["n0", "n1"]), [NO_CAP] * 2,
+                        {"attn": 0.25e6, "mlp": 7e3, "vocab": 2.3e3}, bandwidth_Bps=125e6)
+
+    def truth(step):
+        base = {"attn": 0.004, "mlp": 0.008, "vocab": 0.001}
+        return [node("n0", {k: v / 0.9 for k, v in base.items()}, fixed=0.0005),
+                node("n1", {k: v / (0.12 if step >= 15 else 0.9) for k, v in base.items()}, fixed=0.0005)]
+
+    rng, replans = random.Random(seed), []
+    for step in range(120):
+        if step == 11:
+            small = Layout(attn=(6, 6), mlp=(352, 416), vocab=(32, 5))
+            policy.observe_move(sum(moved_units(policy.layout, small)[k] * policy.unit_bytes[k] for k in KINDS), 0.05)
+            policy.moved_to(small)
+        r = policy.decide(step)
+        if r is not None:
+            replans.append(r)
+        policy.observe(measure(truth(step), policy.layout, rng, 0.1))
+    assert replans, policy.last_reason
+    assert replans[0].new.mlp[1] < 352 and replans[0].new.attn[1] < 6  # away from the slowed box
+    assert policy.layout.mlp[1] <= 128

@@ -169,14 +169,33 @@ def test_the_move_cost_is_refitted_from_measured_moves():
     policy = Rebalancer(SIZES, lay, true, [NO_CAP] * 2, UNIT_BYTES, bandwidth_Bps=100e6, move_fixed_s=0.5)
     other = plan(cell([1.5, 1.0]), SIZES, "segment", [NO_CAP] * 2).layout
     nbytes = sum(moved_units(lay, other)[k] * UNIT_BYTES[k] for k in KINDS)
-    prior = nbytes / 100e6 + 0.5
-    assert policy.move_seconds(other) == pytest.approx(prior)
-    policy.observe_move(200e6, 2 * (200e6 / 100e6 + 0.5))  # moves measured at twice the prior
-    policy.observe_move(100e6, 3 * (100e6 / 100e6 + 0.5))
-    policy.observe_move(50e6, 2 * (50e6 / 100e6 + 0.5))
-    assert policy.move_scale == 2.0 and policy.move_seconds(other) == pytest.approx(2 * prior)
+    assert policy.move_seconds(other) == pytest.approx(nbytes / 100e6 + 0.5)  # the prior
+    # moves of three sizes on a link half as fast, with 1 s fixed: the line through them
+    for b in (200e6, 100e6, 50e6):
+        policy.observe_move(b, 1.0 + b / 50e6)
+    assert policy.move_model == pytest.approx((1.0, 1 / 50e6))
+    assert policy.move_seconds(other) == pytest.approx(1.0 + nbytes / 50e6)
     policy.observe_move(1e6, float("nan"))  # a broken measurement is ignored
-    assert policy.move_scale == 2.0
+    policy.observe_move(float("inf"), 1.0)
+    assert len(policy.moves) == 3
+
+
+def test_a_small_moves_fixed_cost_is_not_read_as_a_slow_link():
+    """One move of a few bytes measures mostly what a move costs whatever it carries. Read as a
+    link 10x slower (the whole prior scaled), it priced the next, whole move at 10x its cost and
+    kept a box slowed 7.5x on its share for the rest of a job (test_e2e_rebalance, 2 runs in 13)."""
+    policy = Rebalancer(SIZES, plan(cell([1.0, 1.0]), SIZES, "segment", [NO_CAP] * 2).layout, cell([1.0, 1.0]),
+                        [NO_CAP] * 2, UNIT_BYTES, bandwidth_Bps=125e6)
+    policy.observe_move(0.6e6, 0.05)  # 5 ms of bytes, 45 ms of the rest
+    fixed, per_byte = policy.move_model
+    assert fixed == pytest.approx(0.05 - 0.6e6 / 125e6) and per_byte == pytest.approx(1 / 125e6)
+    assert policy.move_cost(0.6e6) == pytest.approx(0.05)  # the measured move, at its size
+    assert policy.move_cost(5.4e6) == pytest.approx(0.0432 + fixed)  # not 10 x 0.0432
+    policy.observe_move(0.7e6, 0.03)  # the same size again: their medians
+    assert policy.move_cost(0.65e6) == pytest.approx(0.04)
+    faster = Rebalancer(policy.sizes, policy.layout, policy.base, [NO_CAP] * 2, UNIT_BYTES, bandwidth_Bps=125e6)
+    faster.observe_move(5e6, 0.02)  # half the prior: the link is faster than assumed
+    assert faster.move_model == pytest.approx((0.0, 0.5 / 125e6))
 
 
 def test_the_two_share_refit_recovers_the_intercept():
