@@ -11,7 +11,8 @@ every mode. Modes take turns iteration by iteration, so all see the same host co
 (today: every all-reduce blocks), `bwd` (`TPGroup.overlap`: the input-gradient all-reduce of every
 column-parallel region beside its weight-gradient GEMMs, `node/tp/overlap.py`), `cN`
 (`TPGroup.chunks` = N chunks of the batch rows, each chunk's all-reduces travelling while the next
-chunk computes, forward and backward). An iteration is forward, backward, AdamW step, from a common
+chunk computes, forward and backward). An iteration is forward, backward, the trainer's AdamW step
+(`node/rank/optim.adamw`: fused), from a common
 start (an untimed barrier) to the last rank's end, in virtual seconds. Reported per cell and mode:
 the median over the measured iterations, its ratio to the first mode's, and the share of the
 iteration the rank that computes most (it hardly idles) spends in collectives (the cells the issue
@@ -98,6 +99,9 @@ def worker(job_file: str, rank_s: str) -> None:
     job, rank = json.loads(Path(job_file).read_text()), int(rank_s)
     if job.get("cores"):  # pinned before torch starts a thread: every thread (Gloo's too) inherits it
         os.sched_setaffinity(0, {job["cores"][rank]})
+        from xronos.node.tp import progress
+
+        progress.pinned_default(job["cores"])  # Gloo's threads at real-time priority: one rank per core
     import torch
 
     torch.set_num_threads(1)
@@ -105,6 +109,7 @@ def worker(job_file: str, rank_s: str) -> None:
     from xronos.node.emulate.vclock import Box, VirtualClock
     from xronos.node.models.loading import init_random
     from xronos.node.models.registry import family_for
+    from xronos.node.rank.optim import adamw
     from xronos.node.tp.group import TPGroup
     from xronos.node.tp.layout import ShardLayout
 
@@ -122,7 +127,10 @@ def worker(job_file: str, rank_s: str) -> None:
     layout = ShardLayout(*(proportional(getattr(sizes, k), speeds) for k in ("attn", "mlp", "vocab")), rank=rank)
     model = init_random(family.build(config, cell["task"], layout, group), seed=0)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    # The trainer's optimizer (fused AdamW): torch's default `foreach` step took 62 ms of a
+    # 97 ms n100x3 iteration's host CPU where the trainer's takes 11, and so diluted the
+    # communication share that overlap acts on.
+    opt = adamw(model.parameters(), lr=1e-5)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, config["vocab_size"], (cell["batch"], cell["seq"]), generator=gen)
     labels = ids if cell["task"] == "causal-lm" else torch.randint(0, 2, (cell["batch"],), generator=gen)
@@ -221,7 +229,7 @@ def markdown(results: list[dict], load: str, argv: list[str], seconds: float, st
              "compute, `node/tp/overlap.py`), `cN` (the batch rows in N chunks, each "
              "chunk's all-reduces travelling while the next chunk computes, in forward and backward). Modes take turns "
              "iteration by iteration in one run; each figure is the median over the measured iterations of "
-             "the iteration (forward, backward, AdamW; from a common start to the last rank's end). `compute "
+             "the iteration (forward, backward, the trainer's fused AdamW; from a common start to the last rank's end). `compute "
              "s` and `comm share`: the compute of the rank that computes most, and the share of the "
              "iteration it spends in collectives (a mode may change the compute itself: the fused "
              "backward skips autograd's copies, chunks add per-op overhead). The "

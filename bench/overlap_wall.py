@@ -307,11 +307,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"needs cores {CORES} (one per rank); this process may use {sorted(os.sched_getaffinity(0))}")
     from xronos.bench.netem import Network
     from xronos.node.emulate.confinement import EmulatorError
-
     from xronos.node.tp import progress
 
+    # One rank per core: the ranks raise Gloo's threads to real-time priority, safe there, unless
+    # XRONOS_COMM_THREADS says otherwise (node/tp/progress.py: `pinned_default`)
+    try:
+        threads = progress.parse(os.environ.get(progress.ENV, "fifo"))
+    except ValueError as exc:
+        ap.error(str(exc))
+
     doc: dict = {"argv": argv, "rate_mbit": args.rate_mbit, "load_start": uptime(), "quota": cpu_quota(),
-                 "comm_threads": progress.mode(),
+                 "comm_threads": threads,
                  "order": "back to back: per repeat, per cell, the wall run then the virtual run"
                  + (" then the virtual run on the fitted link" if args.fitted else ""),
                  "cores": list(CORES), "cells": []}

@@ -271,8 +271,8 @@ def fit_move(moves: Sequence[tuple[float, float]], per_byte: float, fixed: float
     if len(pts) >= 2 and max(sizes) >= 2 * min(sizes):
         n = len(pts)
         mb, ms = sum(sizes) / n, sum(s for _, s in pts) / n
-        sbb = sum((b - mb) ** 2 for b in sizes)
-        slope = sum((b - mb) * (s - ms) for b, s in pts) / sbb
+        sbb = sum((b - mb) ** 2 for b in sizes)  # > 0 unless every move was empty
+        slope = sum((b - mb) * (s - ms) for b, s in pts) / sbb if sbb > 0 else 0.0
         if slope > 0:
             intercept = ms - slope * mb
             if intercept >= 0:

@@ -10,12 +10,19 @@ launch beside the burst; with Gloo's threads at SCHED_FIFO priority 1 it complet
 a real-time thread takes the core as soon as it is woken. Those threads mostly wait on sockets,
 so they take the core for the few microseconds a step needs and give it back.
 
-So the first asynchronous launch raises the process's Gloo threads (those that appeared while a
-process group was made: `made`) to SCHED_FIFO 1. That needs the right to: root, CAP_SYS_NICE, or an
-RLIMIT_RTPRIO of at least 1 (systemd: `LimitRTPRIO=1` and `RestrictRealtime=no`, which the node's
-unit does not grant by default: docs/install.md). Without it the attempt is logged once and the run
-goes on, its calls moving only at the computing thread's slice ends. `XRONOS_COMM_THREADS=off`
-turns the attempt off (`fifo`, the default, tries it).
+With `XRONOS_COMM_THREADS=fifo` the first asynchronous launch raises the process's Gloo threads
+(those that appeared while a process group was made: `made`) to SCHED_FIFO 1. That needs the right
+to: root, CAP_SYS_NICE, or an RLIMIT_RTPRIO of at least 1 (systemd: `LimitRTPRIO=1` and
+`RestrictRealtime=no`, which the node's unit does not grant by default: docs/install.md). Without it
+the attempt is logged once and the run goes on, its calls moving only at the computing thread's
+slice ends.
+
+It is off by default (`off`), for only where every rank has cores of its own (one rank per box, or
+ranks pinned one per core, as `bench/overlap_wall.py` and `bench/stack_probe.py` run them, which
+turn it on). A real-time thread is not time-sliced with normal ones, and Gloo's TCP loop does not
+always sleep: with three ranks on two cores (`bench/overlap.py`'s demo cell) two ranks' loops spun
+at 93 % of a core each, the third rank's threads — real-time too, at the same priority — never
+got a core, and the run stood still for 14 minutes.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import structlog
 log = structlog.get_logger(__name__)
 
 ENV = "XRONOS_COMM_THREADS"
-MODES = ("fifo", "off")
+MODES = ("off", "fifo")
 PRIORITY = 1  # the lowest real-time priority: above every normal thread, below the kernel's own
 
 _made: set[int] = set()  # Gloo's threads: those that appeared while a process group was made
@@ -40,11 +47,23 @@ T = TypeVar("T")
 
 
 def mode() -> str:
-    """`XRONOS_COMM_THREADS`, checked: `fifo` (the default) or `off`."""
-    value = os.environ.get(ENV, "fifo").strip().lower() or "fifo"
+    """`XRONOS_COMM_THREADS`, checked: `off` (the default) or `fifo`."""
+    return parse(os.environ.get(ENV, "off"))
+
+
+def parse(text: str) -> str:
+    """A value of `XRONOS_COMM_THREADS`; ValueError naming the variable and the value."""
+    value = text.strip().lower() or "off"
     if value not in MODES:
-        raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, got {os.environ.get(ENV)!r}")
+        raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, got {text!r}")
     return value
+
+
+def pinned_default(cores: list[int]) -> None:
+    """A process whose ranks are pinned one per core (the wall-time benches): `fifo` unless the
+    environment says otherwise — the one placement where it is safe (module docstring)."""
+    if len(set(cores)) == len(cores):
+        os.environ.setdefault(ENV, "fifo")
 
 
 def _threads() -> set[int]:
@@ -63,8 +82,8 @@ def made(make: Callable[[], T]) -> T:
 
 
 def promote() -> int:
-    """Raise the noted threads not raised yet to SCHED_FIFO 1 (once each; nothing after a refusal
-    or with `XRONOS_COMM_THREADS=off`). Returns how many were raised now."""
+    """With `XRONOS_COMM_THREADS=fifo`, raise the noted threads not raised yet to SCHED_FIFO 1 (once
+    each; nothing after a refusal). Returns how many were raised now."""
     global _refused
     todo = _made - _done
     if not todo or _refused or mode() == "off" or not hasattr(os, "sched_setscheduler"):
@@ -79,7 +98,7 @@ def promote() -> int:
             _refused = True
             log.warning("tp.comm_threads_not_raised", reason=str(exc), threads=len(todo),
                         hint="root, CAP_SYS_NICE or LimitRTPRIO=1 with RestrictRealtime=no; calls in flight "
-                             f"then move only when the computing thread yields the core ({ENV}=off hides this)")
+                             f"then move only when the computing thread yields the core ({ENV}=off: not tried)")
             return raised
         else:
             raised += 1

@@ -196,6 +196,10 @@ def test_a_small_moves_fixed_cost_is_not_read_as_a_slow_link():
     faster = Rebalancer(policy.sizes, policy.layout, policy.base, [NO_CAP] * 2, UNIT_BYTES, bandwidth_Bps=125e6)
     faster.observe_move(5e6, 0.02)  # half the prior: the link is faster than assumed
     assert faster.move_model == pytest.approx((0.0, 0.5 / 125e6))
+    empty = Rebalancer(policy.sizes, policy.layout, policy.base, [NO_CAP] * 2, UNIT_BYTES, bandwidth_Bps=125e6)
+    empty.observe_move(0, 0.02)
+    empty.observe_move(0, 0.04)  # moves that carried nothing: what a move costs is their median
+    assert empty.move_model == pytest.approx((0.03, 1 / 125e6))
 
 
 def test_the_two_share_refit_recovers_the_intercept():

@@ -25,12 +25,14 @@ def _waiter() -> tuple[threading.Thread, threading.Event]:
     return t, stop
 
 
-def test_the_mode_is_fifo_by_default_and_anything_else_is_refused_by_name(monkeypatch):
-    assert progress.mode() == "fifo"
-    monkeypatch.setenv(progress.ENV, " OFF ")
+def test_the_mode_is_off_by_default_and_anything_else_is_refused_by_name(monkeypatch):
+    """Off unless asked: a real-time Gloo loop that spins starves ranks sharing its core (module
+    docstring: three ranks on two cores stood still)."""
     assert progress.mode() == "off"
+    monkeypatch.setenv(progress.ENV, " FIFO ")
+    assert progress.mode() == "fifo"
     monkeypatch.setenv(progress.ENV, "rt")
-    with pytest.raises(ValueError, match="XRONOS_COMM_THREADS must be one of fifo, off, got 'rt'"):
+    with pytest.raises(ValueError, match="XRONOS_COMM_THREADS must be one of off, fifo, got 'rt'"):
         progress.mode()
 
 
@@ -48,6 +50,7 @@ def test_threads_that_appear_while_a_group_is_made_are_noted_and_no_others():
 
 @pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="no sched_setscheduler here")
 def test_the_noted_threads_are_raised_once(monkeypatch):
+    monkeypatch.setenv(progress.ENV, "fifo")
     t, stop = _waiter()
     try:
         progress.made(t.start)
@@ -62,11 +65,13 @@ def test_the_noted_threads_are_raised_once(monkeypatch):
         stop.set()
 
 
-def test_off_raises_nothing(monkeypatch):
+@pytest.mark.parametrize("value", [None, "off"])
+def test_off_raises_nothing(monkeypatch, value):
     calls = []
     monkeypatch.setattr(os, "sched_setscheduler", lambda *a: calls.append(a))
     progress._made.add(12345)
-    monkeypatch.setenv(progress.ENV, "off")
+    if value is not None:
+        monkeypatch.setenv(progress.ENV, value)
     assert progress.promote() == 0 and calls == []
 
 
@@ -78,6 +83,7 @@ def test_a_refusal_is_logged_once_and_not_retried(monkeypatch, capsys):
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    monkeypatch.setenv(progress.ENV, "fifo")
     progress._made.update({101, 102})
     assert progress.promote() == 0 and len(calls) == 1
     progress._made.add(103)
@@ -93,5 +99,22 @@ def test_a_thread_gone_is_skipped(monkeypatch):
             raise ProcessLookupError(3, "No such process")
 
     monkeypatch.setattr(os, "sched_setscheduler", gone)
+    monkeypatch.setenv(progress.ENV, "fifo")
     progress._made.update({101, 102})
     assert progress.promote() == 1 and progress._done == {101, 102}
+
+
+def test_pinned_ranks_default_to_fifo_and_shared_cores_do_not(monkeypatch):
+    """The wall-time benches pin one rank per core, the one placement where real-time Gloo threads
+    are safe; ranks sharing a core keep the default; an explicit setting wins."""
+    monkeypatch.setenv(progress.ENV, "unset")  # recorded, so the test's own writes are undone
+    monkeypatch.delenv(progress.ENV)
+    progress.pinned_default([0, 1, 1])
+    assert progress.mode() == "off"
+    progress.pinned_default([0, 1])
+    assert progress.mode() == "fifo"
+    monkeypatch.setenv(progress.ENV, "off")
+    progress.pinned_default([0, 1])
+    assert progress.mode() == "off"
+    with pytest.raises(ValueError, match="got 'sometimes'"):
+        progress.parse("sometimes")
