@@ -12,7 +12,7 @@ every mode. Modes take turns iteration by iteration, so all see the same host co
 column-parallel region beside its weight-gradient GEMMs, `node/tp/overlap.py`), `cN`
 (`TPGroup.chunks` = N chunks of the batch rows, each chunk's all-reduces travelling while the next
 chunk computes, forward and backward). An iteration is forward, backward, the trainer's AdamW step
-(`node/rank/optim.adamw`: fused), from a common
+(`adamw` in `node/rank/optim.py`: fused), from a common
 start (an untimed barrier) to the last rank's end, in virtual seconds. Reported per cell and mode:
 the median over the measured iterations, its ratio to the first mode's, and the share of the
 iteration the rank that computes most (it hardly idles) spends in collectives (the cells the issue
@@ -99,9 +99,6 @@ def worker(job_file: str, rank_s: str) -> None:
     job, rank = json.loads(Path(job_file).read_text()), int(rank_s)
     if job.get("cores"):  # pinned before torch starts a thread: every thread (Gloo's too) inherits it
         os.sched_setaffinity(0, {job["cores"][rank]})
-        from xronos.node.tp import progress
-
-        progress.pinned_default(job["cores"])  # Gloo's threads at real-time priority: one rank per core
     import torch
 
     torch.set_num_threads(1)
@@ -177,7 +174,9 @@ def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: 
     if placement is not None:
         job["host"] = placement.rendezvous_host
     (work / "job.json").write_text(json.dumps(job))
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    from xronos.node.rank.spawn import rank_env
+
+    env = rank_env(1)  # as a training rank runs: one thread, the ranks' allocator setting
     argv = [sys.executable, "-m", "xronos.bench.overlap", "worker", str(work / "job.json")]
     procs = [subprocess.Popen([*(placement.argv_prefix(r) if placement else ()), *argv, str(r)],
                               env={**env, **(placement.env(r) if placement else {})},
@@ -229,7 +228,8 @@ def markdown(results: list[dict], load: str, argv: list[str], seconds: float, st
              "compute, `node/tp/overlap.py`), `cN` (the batch rows in N chunks, each "
              "chunk's all-reduces travelling while the next chunk computes, in forward and backward). Modes take turns "
              "iteration by iteration in one run; each figure is the median over the measured iterations of "
-             "the iteration (forward, backward, the trainer's fused AdamW; from a common start to the last rank's end). `compute "
+             "the iteration (forward, backward, the trainer's fused AdamW; from a common start to the last "
+             "rank's end). `compute "
              "s` and `comm share`: the compute of the rank that computes most, and the share of the "
              "iteration it spends in collectives (a mode may change the compute itself: the fused "
              "backward skips autograd's copies, chunks add per-op overhead). The "

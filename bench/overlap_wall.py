@@ -309,10 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     from xronos.node.emulate.confinement import EmulatorError
     from xronos.node.tp import progress
 
-    # One rank per core: the ranks raise Gloo's threads to real-time priority, safe there, unless
-    # XRONOS_COMM_THREADS says otherwise (node/tp/progress.py: `pinned_default`)
-    try:
-        threads = progress.parse(os.environ.get(progress.ENV, "fifo"))
+    try:  # what the ranks (which inherit it) do with Gloo's threads: node/tp/progress.py
+        threads = progress.mode()
     except ValueError as exc:
         ap.error(str(exc))
 

@@ -29,8 +29,8 @@ Both runs' steal and charge are reported, so what loopback itself costs beyond t
 shows too. Beside them, per size: one blocking all-reduce with the core free, and when the call in
 flight was first seen complete (polled between the burst's GEMMs) — a call beside a busy core
 moves only when Gloo's threads get the core. The ranks raise those threads as a rank's first
-overlapped call does with `XRONOS_COMM_THREADS=fifo` (`node/tp/progress.py`; the probe sets it, one rank
-per core being where it is safe; `XRONOS_COMM_THREADS=off` leaves them normal, and the result says which). Results: bench/results/stack-probe.md and .json.
+overlapped call does with `XRONOS_COMM_THREADS=fifo` (`node/tp/progress.py`; off by default, and
+the result says which). Results: bench/results/stack-probe.md and .json.
 """
 
 from __future__ import annotations
@@ -97,9 +97,6 @@ def stack_of(real: list[dict[str, dict[str, float]]], loop: list[dict[str, dict[
 def worker(job_file: str, rank_s: str) -> None:
     job, rank = json.loads(Path(job_file).read_text()), int(rank_s)
     os.sched_setaffinity(0, {job["cores"][rank]})
-    from xronos.node.tp import progress
-
-    progress.pinned_default(job["cores"])  # Gloo's threads at real-time priority: one rank per core
     import torch
     import torch.distributed as dist
 
@@ -107,6 +104,8 @@ def worker(job_file: str, rank_s: str) -> None:
     from xronos.node.tp.group import TPGroup
 
     group = TPGroup.join(rank, 2, job["host"], job["port"], timeout_s=120)
+    from xronos.node.tp import progress
+
     progress.promote()  # as a rank's first overlapped call does (XRONOS_COMM_THREADS)
     tensors = {n: torch.ones(n // 4) for n in job["sizes"]}
     a, w = torch.randn(64, 384), torch.randn(384, 1536)
@@ -256,10 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     from xronos.node.emulate.confinement import EmulatorError
     from xronos.node.tp import progress
 
-    # One rank per core: the ranks raise Gloo's threads to real-time priority, safe there, unless
-    # XRONOS_COMM_THREADS says otherwise (node/tp/progress.py: `pinned_default`)
-    try:
-        threads = progress.parse(os.environ.get(progress.ENV, "fifo"))
+    try:  # what the ranks (which inherit it) do with Gloo's threads: node/tp/progress.py
+        threads = progress.mode()
     except ValueError as exc:
         ap.error(str(exc))
     t0, start = time.monotonic(), uptime()

@@ -17,12 +17,12 @@ to: root, CAP_SYS_NICE, or an RLIMIT_RTPRIO of at least 1 (systemd: `LimitRTPRIO
 the attempt is logged once and the run goes on, its calls moving only at the computing thread's
 slice ends.
 
-It is off by default (`off`), for only where every rank has cores of its own (one rank per box, or
-ranks pinned one per core, as `bench/overlap_wall.py` and `bench/stack_probe.py` run them, which
-turn it on). A real-time thread is not time-sliced with normal ones, and Gloo's TCP loop does not
-always sleep: with three ranks on two cores (`bench/overlap.py`'s demo cell) two ranks' loops spun
-at 93 % of a core each, the third rank's threads — real-time too, at the same priority — never
-got a core, and the run stood still for 14 minutes.
+It is off by default (`off`), an experiment. A real-time thread is not time-sliced with normal
+ones, and Gloo's TCP loop does not always sleep. With three ranks on two cores (`bench/overlap.py`'s
+demo cell) two ranks' loops spun at 93 % of a core each, the third rank's threads — real-time too,
+at the same priority — never got a core, and the run stood still for 14 minutes. Even with one rank
+pinned per core (`bench/overlap_wall.py`, 2026-12-07) iterations then took up to twice as long
+now and then, overlap off included: the loop took its own rank's core from the computing thread.
 """
 
 from __future__ import annotations
@@ -57,13 +57,6 @@ def parse(text: str) -> str:
     if value not in MODES:
         raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, got {text!r}")
     return value
-
-
-def pinned_default(cores: list[int]) -> None:
-    """A process whose ranks are pinned one per core (the wall-time benches): `fifo` unless the
-    environment says otherwise — the one placement where it is safe (module docstring)."""
-    if len(set(cores)) == len(cores):
-        os.environ.setdefault(ENV, "fifo")
 
 
 def _threads() -> set[int]:

@@ -34,6 +34,8 @@ def test_the_mode_is_off_by_default_and_anything_else_is_refused_by_name(monkeyp
     monkeypatch.setenv(progress.ENV, "rt")
     with pytest.raises(ValueError, match="XRONOS_COMM_THREADS must be one of off, fifo, got 'rt'"):
         progress.mode()
+    with pytest.raises(ValueError, match="got 'sometimes'"):
+        progress.parse("sometimes")
 
 
 def test_threads_that_appear_while_a_group_is_made_are_noted_and_no_others():
@@ -102,19 +104,3 @@ def test_a_thread_gone_is_skipped(monkeypatch):
     monkeypatch.setenv(progress.ENV, "fifo")
     progress._made.update({101, 102})
     assert progress.promote() == 1 and progress._done == {101, 102}
-
-
-def test_pinned_ranks_default_to_fifo_and_shared_cores_do_not(monkeypatch):
-    """The wall-time benches pin one rank per core, the one placement where real-time Gloo threads
-    are safe; ranks sharing a core keep the default; an explicit setting wins."""
-    monkeypatch.setenv(progress.ENV, "unset")  # recorded, so the test's own writes are undone
-    monkeypatch.delenv(progress.ENV)
-    progress.pinned_default([0, 1, 1])
-    assert progress.mode() == "off"
-    progress.pinned_default([0, 1])
-    assert progress.mode() == "fifo"
-    monkeypatch.setenv(progress.ENV, "off")
-    progress.pinned_default([0, 1])
-    assert progress.mode() == "off"
-    with pytest.raises(ValueError, match="got 'sometimes'"):
-        progress.parse("sometimes")
