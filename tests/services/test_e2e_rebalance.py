@@ -47,6 +47,17 @@ def boxes():
     conf.close()
 
 
+def two_box_stack(tmp_path: Path, mqtt_broker) -> Stack:
+    data_dir = tmp_path / "owner-data"
+    data_dir.mkdir()
+    return Stack(tmp_path, mqtt_broker, data_dir, base=f"xr{tmp_path.name[-6:].replace('-', '')}")
+
+
+def block_weights(layout: Layout, rank: int) -> int:
+    """The weights rank holds in a block of make_case's model (H = 192, head dim 16)."""
+    return layout.attn[rank] * 4 * 192 * 16 + layout.mlp[rank] * 2 * 192  # q|k|v + out; in + out
+
+
 def submit_on_two_boxes(stack: Stack, boxes: Confinement, **job) -> tuple[Path, Path, dict]:
     """The case's model and data, the gateway and nodes n0, n1 in the boxes' ranks 0 and 1, and a
     job of `job` (job_spec's fields) on them, owned by n0: (model, data, the submit's answer)."""
@@ -62,9 +73,7 @@ def submit_on_two_boxes(stack: Stack, boxes: Confinement, **job) -> tuple[Path, 
 
 
 def test_a_slowed_box_is_re_planned_live_and_the_export_equals_xronos_run(tmp_path, mqtt_broker, boxes):
-    data_dir = tmp_path / "owner-data"
-    data_dir.mkdir()
-    stack = Stack(tmp_path, mqtt_broker, data_dir, base=f"xr{tmp_path.name[-6:].replace('-', '')}")
+    stack = two_box_stack(tmp_path, mqtt_broker)
     try:
         model, data, accepted = submit_on_two_boxes(stack, boxes, max_steps=120, strategy="uniform")
         job_id, first = accepted["job_id"], m.Plan.model_validate(accepted["plan"]).layout()
@@ -90,8 +99,6 @@ def test_a_slowed_box_is_re_planned_live_and_the_export_equals_xronos_run(tmp_pa
     # towards n1 came before it, on the two boxes' measured noise at equal speed. The move
     # model then read that move's fixed cost as a slow link and never moved the work back
     # (`refit.fit_move`; test_rebalance's small-first-move case).
-    def block_weights(layout: Layout, rank: int) -> int:
-        return layout.attn[rank] * 4 * 192 * 16 + layout.mlp[rank] * 2 * 192  # q|k|v + out; in + out
     assert block_weights(applied[-1][1], 1) < block_weights(first, 1), (first, applied)
 
     ref = tmp_path / "ref"
@@ -108,9 +115,7 @@ def test_a_box_that_changes_twice_is_followed_twice(tmp_path, mqtt_broker, boxes
     run this was written from), and its measured cost — mostly the fixed part a move pays whatever
     it carries — once priced the second, whole move at 10x its cost: the job then ran at n1's pace
     to the end ("the move (0.515 s) is not repaid within 10 iterations")."""
-    data_dir = tmp_path / "owner-data"
-    data_dir.mkdir()
-    stack = Stack(tmp_path, mqtt_broker, data_dir, base=f"xr{tmp_path.name[-6:].replace('-', '')}")
+    stack = two_box_stack(tmp_path, mqtt_broker)
     try:
         _, _, accepted = submit_on_two_boxes(stack, boxes, max_steps=240, strategy="uniform")
         job_id, first = accepted["job_id"], m.Plan.model_validate(accepted["plan"]).layout()
@@ -136,8 +141,5 @@ def test_a_box_that_changes_twice_is_followed_twice(tmp_path, mqtt_broker, boxes
         stack.close()
     applied = [Layout.parse(t) for e in final.events for _, t in APPLIED.findall(e)]
     assert len(applied) >= 2, final.events
-
-    def block_weights(layout: Layout, rank: int) -> int:
-        return layout.attn[rank] * 4 * 192 * 16 + layout.mlp[rank] * 2 * 192
     assert block_weights(applied[0], 1) > block_weights(first, 1), (first, applied)  # n0 slowed: n1 got more
     assert block_weights(applied[-1], 1) < block_weights(first, 1), (first, applied, final.last_replan_reason)
