@@ -320,7 +320,7 @@ class _Tape:
         if tensors:
             # The engine itself, as torch.autograd.backward calls it once it has checked its
             # arguments: these gradients are the tensors' own shapes and types by construction, and
-            # the checks cost ~150 us a call, a pass making 4 per block (chunks x stages).
+            # the checks cost ~150 us a call, made once per chunk and stage of every block.
             _ENGINE.run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)  # type: ignore[attr-defined]
 
     def _launch(self, cell: _Cell):
