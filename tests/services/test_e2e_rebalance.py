@@ -47,12 +47,6 @@ def boxes():
     conf.close()
 
 
-def two_box_stack(tmp_path: Path, mqtt_broker) -> Stack:
-    data_dir = tmp_path / "owner-data"
-    data_dir.mkdir()
-    return Stack(tmp_path, mqtt_broker, data_dir, base=f"xr{tmp_path.name[-6:].replace('-', '')}")
-
-
 def block_weights(layout: Layout, rank: int) -> int:
     """The weights rank holds in a block of make_case's model (H = 192, head dim 16)."""
     return layout.attn[rank] * 4 * 192 * 16 + layout.mlp[rank] * 2 * 192  # q|k|v + out; in + out
@@ -73,7 +67,9 @@ def submit_on_two_boxes(stack: Stack, boxes: Confinement, **job) -> tuple[Path, 
 
 
 def test_a_slowed_box_is_re_planned_live_and_the_export_equals_xronos_run(tmp_path, mqtt_broker, boxes):
-    stack = two_box_stack(tmp_path, mqtt_broker)
+    data_dir = tmp_path / "owner-data"
+    data_dir.mkdir()
+    stack = Stack(tmp_path, mqtt_broker, data_dir, base=f"xr{tmp_path.name[-6:].replace('-', '')}")
     try:
         model, data, accepted = submit_on_two_boxes(stack, boxes, max_steps=120, strategy="uniform")
         job_id, first = accepted["job_id"], m.Plan.model_validate(accepted["plan"]).layout()
