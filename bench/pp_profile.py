@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from xronos.bench.pp_model import ADAPTERS, Stage, StageSpan, _get
 from xronos.node.measure.readings import collective_pause_s
+from xronos.node.rank.optim import adamw
 
 
 def _saved_bytes(fn) -> tuple[torch.Tensor, int]:
@@ -71,7 +72,9 @@ def profile_layers(model_dir: str, micro_rows: int, seq_len: int, *, iters: int 
         "out": [p for n, p in stage.model.named_parameters() if n.startswith(tuple(m + "." for m in ad.head))],
     }
     groups = {k: [p for p in v if p.requires_grad] for k, v in layers.items()}
-    opts = {k: torch.optim.AdamW(v, lr=1e-5) if v else None for k, v in groups.items()}
+    # the stage workers' own optimizer (pp_worker: the trainer's fused AdamW), so the pipeline's
+    # plan is made from the step it will run
+    opts = {k: adamw(v, lr=1e-5) if v else None for k, v in groups.items()}
 
     def run_emb():
         return stage.embed(ids, None)

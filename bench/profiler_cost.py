@@ -29,6 +29,7 @@ def full_model_iteration_s(config: dict, task: str, batch: int, seq: int, iters:
     from xronos.node.models.registry import family_for
     from xronos.node.tp.group import TPGroup
     from xronos.node.tp.layout import ShardLayout
+    from xronos.node.rank.optim import adamw
     from xronos.node.rank.tpengine import clip_global_grad_norm
 
     family = family_for(config)
@@ -36,7 +37,7 @@ def full_model_iteration_s(config: dict, task: str, batch: int, seq: int, iters:
     model = init_random(family.build(config, task, ShardLayout.single(family.sizes(config)), group), 0)
     model.train()
     replicated = {n for n, s in model.tensor_specs().items() if s.dim is None}
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    opt = adamw(model.parameters(), lr=2e-5)  # the trainer's (fused), as the iteration it is set against
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, int(config["vocab_size"]), (batch, seq), generator=g)
     mask = torch.ones_like(ids)
