@@ -115,7 +115,7 @@ def worker(job_file: str, rank_s: str) -> None:
     # on the modelled link (the wall check models its real link's measured latency)
     wall = job.get("clock") == "wall"
     link = Link.mbit(job.get("rate_mbit", RATE_MBIT), job.get("latency_s", LATENCY_S),
-                     job.get("stack_s_per_byte", 0.0))
+                     job.get("stack_s_per_byte", 0.0), job.get("progress_s", 0.0))
     clock = None if wall else VirtualClock(Box(speeds[rank], link, "med"))
     group = TPGroup.join(rank, len(speeds), job.get("host", "127.0.0.1"), job["port"], timeout_s=300, clock=clock)
     config = config_of(cell)
@@ -216,10 +216,14 @@ def iteration_of(rows: list[dict], wall: bool) -> float:
     return max(r["iteration_s"] for r in rows)
 
 
-def markdown(results: list[dict], load: str, argv: list[str], seconds: float, stack_ns: float = 0.0) -> str:
+def markdown(results: list[dict], load: str, argv: list[str], seconds: float, stack_ns: float = 0.0,
+             progress_ms: float = 0.0) -> str:
     stack = (f"; the network stack's CPU charged to each end at {stack_ns:g} ns of a host core a byte carried, "
              "beside each call's measured CPU, at the box's speed" if stack_ns else
              "; no network-stack CPU beyond each call's measured CPU")
+    stack += (f"; a call in flight moves {progress_ms:g} ms late while its rank computes (`Link.progress_s`: "
+              "Gloo's threads wait for the busy core)" if progress_ms else
+              "; a call in flight moves at once beside a busy core (no progress delay)")
     lines = ["# Overlap on vs off (issue #37)", "",
              "Clock: **virtual** (each rank's compute at its box's speed, collectives on a modelled "
              f"{RATE_MBIT:g} Mbit/s link, {LATENCY_S * 1e3:g} ms a call{stack}; wall seconds beside, for scale only: "
@@ -279,10 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stack-ns", type=float, default=0.0,
                     help="the link's network-stack CPU, ns of a host core per byte carried, charged to each end "
                          "beside a call's measured CPU (bench/stack_probe.py measures it on a real link; 0: none)")
+    ap.add_argument("--progress-ms", type=float, default=0.0,
+                    help="how much later a call in flight completes while its rank computes, ms of the box's time "
+                         "(bench/stack_probe.py measures it: Gloo's threads wait for the busy core; 0: none)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
     if not (args.stack_ns >= 0 and args.stack_ns < float("inf")):
         ap.error(f"--stack-ns must be a finite number >= 0, got {args.stack_ns}")
+    if not 0 <= args.progress_ms < 1000:
+        ap.error(f"--progress-ms must be in [0, 1000), got {args.progress_ms}")
     names = [c for c in args.cells.split(",") if c]
     modes = parse_modes(ap, args.modes)
     bad = [c for c in names if c not in CELLS]
@@ -298,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             print(f"== {name} (repeat {rep + 1}/{args.repeats})", flush=True)
             res = run_cell(name, CELLS[name], args.iters, args.warmup, Path(tmp) / f"{name}-{rep}", modes,
-                           {"stack_s_per_byte": args.stack_ns * 1e-9})
+                           {"stack_s_per_byte": args.stack_ns * 1e-9, "progress_s": args.progress_ms * 1e-3})
             res["repeat"] = rep + 1
             print(json.dumps(res), flush=True)
             results.append(res)
@@ -306,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overlap.json").write_text(json.dumps({"load": load, "results": results}, indent=1))
-    (args.out / "overlap.md").write_text(markdown(results, load, argv, time.monotonic() - t0, args.stack_ns))
+    (args.out / "overlap.md").write_text(markdown(results, load, argv, time.monotonic() - t0, args.stack_ns,
+                                                            args.progress_ms))
     print((args.out / "overlap.md").read_text())
     return 0
 

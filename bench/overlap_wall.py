@@ -19,7 +19,10 @@ worker runs where the wall clock is faithful too, and both clocks' gains are set
   beside what the model says of it). The link's `stack_s_per_byte` is measured first too
   (`bench.stack_probe`: what a call in flight takes from a computing core on the real link beyond
   what the clock charges it over loopback, with no training in it); `--stack off` models the link
-  without it, as the grid's virtual runs do. With `--fitted`, a third run per repeat models the
+  without it, as the grid's virtual runs do. The same probe measures how much later a call in
+  flight completes beside the computing core than with the core free (Gloo's threads wait for the
+  scheduler's slice): the link's `progress_s`, which the virtual runs model too unless
+  `--progress off`. With `--fitted`, a third run per repeat models the
   link at the rate the real one delivered at that size as well (`fitted_mbit`).
 
 Modes take turns iteration by iteration inside each run (as in bench/overlap.py); the repeats run
@@ -173,10 +176,15 @@ def _stack_text(doc: dict) -> str:
                    if doc.get("virtual_net") == "netns" else "."))
     sizes = ", ".join(f"{int(n) / 1e3:.0f} kB {(s['real_steal_s'] - s['loop_charge_s']) * 1e3:.2f} ms"
                       for n, s in stack["sizes"].items())
+    progress = (f" A call in flight completes {doc['progress_s'] * 1e3:.2f} ms late while its rank computes "
+                "(`Link.progress_s`: the same probe's median lateness of a call beside the busy core against "
+                "the same call blocking with the core free)." if doc.get("progress_s") else
+                f" No progress delay is modelled (the probe measured {stack['progress_s'] * 1e3:.2f} ms)."
+                if "progress_s" in stack else "")
     return (f"The virtual link charges each end {doc['stack_s_per_byte'] * 1e9:.2f} ns of CPU a byte carried "
             "for the network stack, measured just before (`bench.stack_probe`: a GEMM burst with one all-reduce "
             "in flight on the real link took this much more wall time than alone, beyond what the clock "
-            f"charges the call over loopback: {sizes}; the least-squares slope through the origin).")
+            f"charges the call over loopback: {sizes}; the least-squares slope through the origin)." + progress)
 
 
 def _summary(cells: list[dict], key: str) -> list[str]:
@@ -290,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stack", choices=("probe", "off"), default="probe",
                     help="the virtual link's network-stack CPU per byte: measured by bench.stack_probe on the real "
                          "link first (default), or none (off; also with --virtual-net netns, where it is measured)")
+    ap.add_argument("--progress", choices=("probe", "off"), default=None,
+                    help="the virtual link's progress delay beside a busy core: measured by the same probe "
+                         "(the default with --stack probe), or none (off; the default with --stack off)")
     ap.add_argument("--stack-reps", type=int, default=60, help="the stack probe's repeats per size and kind")
     ap.add_argument("--fitted", action="store_true",
                     help="also a virtual run per repeat on the link fitted to the real one (measured rate too)")
@@ -298,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     names, modes = [c for c in args.cells.split(",") if c], parse_modes(ap, args.modes)
     if args.stack_reps < 5:
         ap.error(f"--stack-reps must be at least 5, got {args.stack_reps}")
+    probing = args.stack == "probe" and args.virtual_net == "loopback"
+    if args.progress is None:
+        args.progress = "probe" if probing else "off"
+    if args.progress == "probe" and not probing:
+        ap.error("--progress probe takes the stack probe's figure: it needs --stack probe and --virtual-net "
+                 "loopback (or --progress off)")
     if modes[0] != "off":
         ap.error(f"--modes must start with off (the baseline the gains are measured from), got {modes[0]!r}")
     bad = [c for c in names if c not in CELLS or len(CELLS[c]["speeds"]) != 2]
@@ -331,14 +348,17 @@ def main(argv: list[str] | None = None) -> int:
             big = first["batch"] * first["seq"] * config["hidden_size"] * 4  # one activation, fp32
             doc["link"] = dict(measure_link(net, tmp, big, args.rate_mbit), cell=names[0])
             print("link:", json.dumps(doc["link"]), flush=True)
-            stack_s = 0.0
+            stack_s = progress_s = 0.0
             if args.stack == "probe" and args.virtual_net == "loopback":
                 probed = stack_probe.measure(net, tmp / "stack", [big // 4, big // 2, big, 2 * big],
                                              args.stack_reps, rate_mbit=args.rate_mbit)
                 doc["stack"] = probed
                 stack_s = probed["stack_s_per_byte"]
-                print(f"stack: {stack_s * 1e9:.2f} ns a byte", flush=True)
-            doc["stack_s_per_byte"] = stack_s
+                if args.progress == "probe":
+                    progress_s = probed["progress_s"]
+                print(f"stack: {stack_s * 1e9:.2f} ns a byte; progress delay {probed['progress_s'] * 1e3:.2f} ms"
+                      f" ({'modelled' if progress_s else 'not modelled'})", flush=True)
+            doc["stack_s_per_byte"], doc["progress_s"] = stack_s, progress_s
             if args.fitted:
                 doc["fit_mbit"] = fitted_mbit(big, doc["link"]["big_s"], doc["link"]["latency_s"])
             runs: dict[str, list] = {n: [] for n in names}
@@ -351,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"== {name} repeat {rep + 1}/{args.repeats}: virtual", flush=True)
                     virtual = run_cell(name, cell, args.iters, args.warmup, tmp / f"{name}-{rep}-virtual", modes,
                                        {"clock": "virtual", "cores": list(CORES), "rate_mbit": args.rate_mbit,
-                                        "latency_s": doc["link"]["latency_s"], "stack_s_per_byte": stack_s},
+                                        "latency_s": doc["link"]["latency_s"], "stack_s_per_byte": stack_s,
+                                        "progress_s": progress_s},
                                        placement=vnet)
                     run = {"rows": pair_rows(wall, virtual), "wall": wall, "virtual": virtual}
                     if args.fitted:
@@ -360,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  modes, {"clock": "virtual", "cores": list(CORES),
                                                          "rate_mbit": doc["fit_mbit"],
                                                          "latency_s": doc["link"]["latency_s"],
-                                                         "stack_s_per_byte": stack_s}, placement=vnet)
+                                                         "stack_s_per_byte": stack_s, "progress_s": progress_s},
+                                                 placement=vnet)
                         run["rows_fitted"] = pair_rows(wall, run["fitted"])
                     print(json.dumps({k: v for k, v in run.items() if k.startswith("rows")}), flush=True)
                     runs[name].append(run)

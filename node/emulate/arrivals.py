@@ -50,13 +50,25 @@ def flight(arrivals: Sequence[float], costs: Sequence[float], link_s: float, fre
     return start, start + max(link_s, max(costs))
 
 
-def land(now: float, own_cost: float, completion: float, latest: float) -> Resolution:
+def land(now: float, own_cost: float, completion: float, latest: float, start: float | None = None,
+         progress_s: float = 0.0) -> Resolution:
     """A rank waits, at `now`, for a collective it launched earlier, which completes at
     `completion` (`flight`) and which the last rank launched at `latest`. The compute since the
     launch hid the call up to `now`; but the CPU the call took on this box (`own_cost`: Gloo's
     threads, at the box's speed) came out of that compute, so the rank leaves at
     max(now + own_cost, completion). Of its wait, the time until the latest launch is idle, the
-    rest communication (the call's own CPU included)."""
+    rest communication (the call's own CPU included).
+
+    `progress_s` (`Link.progress_s`): while the rank computes, the call, which went on the wire at
+    `start`, moves only once its threads get the core, `progress_s` later; once the rank waits they
+    have it at once. So the call completes min(progress_s, now - start) later: the first
+    `progress_s` of compute after it started hides nothing. Each rank sees its own wait only, so
+    this is the rank's view of the delay (a rank that waits early does not know whether the
+    others' threads are still held back by their compute)."""
+    if progress_s:
+        if start is None:
+            raise ValueError("land: a progress delay needs the call's start on the wire")
+        completion += min(progress_s, max(0.0, now - start))
     leave = max(now + own_cost, completion)
     waited = leave - now
     idle = min(max(0.0, latest - now), waited)

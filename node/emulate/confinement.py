@@ -289,6 +289,7 @@ class Confinement(Scoped):
             return [{"rank": r, "box": lim.box, "cpu_share": lim.cpu_share, "cpu_mode": "virtual", "clock": "virtual",
                      "estimator": self.estimator, "bandwidth_Bps": self.link.bandwidth_Bps,
                      "latency_s": self.link.latency_s, "stack_s_per_byte": self.link.stack_s_per_byte,
+                     "progress_s": self.link.progress_s,
                      "core": None if self.cores is None else self.cores[r],
                      "memory_bytes": lim.memory_bytes, "cgroup_version": self.cpu.version}  # type: ignore[union-attr]
                     for r, lim in enumerate(self.limits)]

@@ -20,6 +20,14 @@ takes CPU from it. `stack_s_per_byte` charges that to each end's box, per byte i
 (`wire_bytes`), in seconds of one host core (the clock divides by the box's speed as for compute).
 It is 0 unless a bench measured it on a real link (`bench/stack_probe.py`, which
 `bench/overlap_wall.py` runs first).
+A call in flight also moves late beside a busy core. Gloo's threads carry it step by step, each
+step woken by the network, and a woken thread of the normal scheduling class gets the core only
+when the computing thread's slice ends. So a call launched before a compute burst completes
+about one slice later than the same call with the core free: 4.5-6.9 ms later on this host's
+kernel (6.18, two cores), on the real link and on loopback alike, whatever its size
+(`bench/results/stack-probe-off.md`). `progress_s` models that (`arrivals.land`): the first
+`progress_s` of compute after a launch hides nothing. It is the box's scheduler, not the wire, so
+it is not scaled by the box's speed. It is 0 unless a bench measured it (`bench/stack_probe.py`).
 Not modelled: TCP's dynamics, NIC offloads and interrupts on real boxes, switch queueing.
 """
 
@@ -40,6 +48,9 @@ class Link:
     latency_s: float = DEFAULT_LATENCY_S
     # the network stack's CPU per byte carried beyond what the call's threads show on loopback
     stack_s_per_byte: float = 0.0
+    # how much later a call in flight completes beside a computing thread than with the core free
+    # (seconds of the box's own time: a scheduler slice)
+    progress_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.bandwidth_Bps, bool) or not (isinstance(self.bandwidth_Bps, (int, float))
@@ -53,13 +64,17 @@ class Link:
                                                           and self.stack_s_per_byte >= 0
                                                           and math.isfinite(self.stack_s_per_byte)):
             raise ValueError(f"link stack CPU must be finite and >= 0 s per byte, got {self.stack_s_per_byte!r}")
+        if isinstance(self.progress_s, bool) or not (isinstance(self.progress_s, (int, float))
+                                                    and 0 <= self.progress_s < 1):
+            raise ValueError(f"a call's progress delay beside a busy core must be in [0, 1) s, got {self.progress_s!r}")
 
     @classmethod
-    def mbit(cls, rate_mbit: float, latency_s: float = DEFAULT_LATENCY_S, stack_s_per_byte: float = 0.0) -> Link:
+    def mbit(cls, rate_mbit: float, latency_s: float = DEFAULT_LATENCY_S, stack_s_per_byte: float = 0.0,
+             progress_s: float = 0.0) -> Link:
         """A link of `rate_mbit` Mbit/s (the bench's unit)."""
         if not (isinstance(rate_mbit, (int, float)) and rate_mbit > 0 and math.isfinite(rate_mbit)):
             raise ValueError(f"link rate must be finite and > 0 Mbit/s, got {rate_mbit!r}")
-        return cls(rate_mbit * 1e6 / 8, latency_s, stack_s_per_byte)
+        return cls(rate_mbit * 1e6 / 8, latency_s, stack_s_per_byte, progress_s)
 
     def seconds(self, op: str, nbytes: float, world: int) -> float:
         """The link's time for one collective `op` of `nbytes` (per rank; exchange: the largest any

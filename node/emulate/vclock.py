@@ -24,7 +24,9 @@ ends a compute burst and records the rank's arrival; the call completes at the l
 leaves at that completion or later, so compute between launch and wait hides the link. The CPU
 the call costs this box (Gloo's threads, and the network stack's work the link models) is not
 hidden: it is charged on top of that compute
-(`arrivals.land`); a box with cores to spare would hide it too, which this does not model.
+(`arrivals.land`); a box with cores to spare would hide it too, which this does not model. Nor
+does the call move while the rank computes until its threads get the core, when the link says how
+long that takes (`Link.progress_s`, measured: a scheduler slice).
 """
 
 from __future__ import annotations
@@ -72,18 +74,18 @@ class Box:
     def to_json(self) -> str:
         return json.dumps({"host_cores": self.host_cores, "bandwidth_Bps": self.link.bandwidth_Bps,
                            "latency_s": self.link.latency_s, "stack_s_per_byte": self.link.stack_s_per_byte,
-                           "estimator": self.estimator, "window": self.window})
+                           "progress_s": self.link.progress_s, "estimator": self.estimator, "window": self.window})
 
     @classmethod
     def from_json(cls, text: str) -> Box:
         d = json.loads(text)
         if not isinstance(d, dict) or set(d) != _BOX_KEYS:
             raise ValueError(f"not a box: {text[:200]!r}")
-        return cls(d["host_cores"], Link(d["bandwidth_Bps"], d["latency_s"], d["stack_s_per_byte"]),
+        return cls(d["host_cores"], Link(d["bandwidth_Bps"], d["latency_s"], d["stack_s_per_byte"], d["progress_s"]),
                    d["estimator"], d["window"])
 
 
-_BOX_KEYS = {"host_cores", "bandwidth_Bps", "latency_s", "stack_s_per_byte", "estimator", "window"}
+_BOX_KEYS = {"host_cores", "bandwidth_Bps", "latency_s", "stack_s_per_byte", "progress_s", "estimator", "window"}
 
 
 def box_path(run: str, rank_group: str, root: Path = VCLOCK_ROOT) -> Path:
@@ -273,7 +275,7 @@ class VirtualClock(Clock):
         now = self.t
         if ticket in self._flights:
             self._resolve_flights(ticket)
-        r = land(now, ticket.own_cost, ticket.completion, ticket.latest)
+        r = land(now, ticket.own_cost, ticket.completion, ticket.latest, ticket.start, self.box.link.progress_s)
         self.account.book(r)
         self.t = r.leave
         self._resume()
@@ -289,7 +291,7 @@ class VirtualClock(Clock):
             self.call_est.add(tk.ckey, cpu)
             link_s = self.box.link.seconds(tk.meet.op, tk.meet.nbytes, tk.world)
             arrivals = [tk.base + o for o in offsets]
-            _, tk.completion = flight(arrivals, costs, link_s, self.wire_free)
+            tk.start, tk.completion = flight(arrivals, costs, link_s, self.wire_free)
             tk.latest = max(arrivals)
             self.wire_free = tk.completion
             if tk is upto:
@@ -301,7 +303,7 @@ class VirtualClock(Clock):
         return {"clock": self.name, "cpu_mode": "virtual", "host_cores": self.box.host_cores,
                 "estimator": self.box.estimator, "window": self.box.window,
                 "bandwidth_Bps": self.box.link.bandwidth_Bps, "latency_s": self.box.link.latency_s,
-                "stack_s_per_byte": self.box.link.stack_s_per_byte}
+                "stack_s_per_byte": self.box.link.stack_s_per_byte, "progress_s": self.box.link.progress_s}
 
 
 class _Ticket:
@@ -310,7 +312,7 @@ class _Ticket:
     def __init__(self, meet: Meet, flight, base: float, own_cost: float, ckey: tuple, world: int) -> None:
         self.meet, self.flight, self.base, self.world = meet, flight, base, world
         self.own_cost, self.ckey = own_cost, ckey
-        self.completion = self.latest = 0.0
+        self.start = self.completion = self.latest = 0.0
 
 
 def _float64(values: list[float]):

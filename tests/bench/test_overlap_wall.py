@@ -96,6 +96,11 @@ def test_the_table_names_both_clocks_the_link_the_load_and_the_gain_difference()
     stack = {"sizes": {"393216": {"real_steal_s": 1.1e-3, "loop_charge_s": 0.3e-3}}, "stack_s_per_byte": 2.03e-9}
     assert ("charges each end 2.03 ns of CPU a byte carried" in markdown(dict(doc, stack=stack, stack_s_per_byte=2.03e-9))
             and "393 kB 0.80 ms" in markdown(dict(doc, stack=stack, stack_s_per_byte=2.03e-9)))
+    probed = dict(stack, progress_s=5.5e-3)
+    assert "completes 5.50 ms late while its rank computes" in markdown(dict(doc, stack=probed, stack_s_per_byte=2.03e-9,
+                                                                             progress_s=5.5e-3))
+    assert "No progress delay is modelled (the probe measured 5.50 ms)" in markdown(
+        dict(doc, stack=probed, stack_s_per_byte=2.03e-9, progress_s=0.0))
     fits = [pair_rows(_run({"off": 0.6, "c2": 0.51}), _run({"off": 0.5, "c2": 0.41}))]
     doc["cells"][0].update(repeats_fitted=fits, summary_fitted=summarise(fits))
     text = markdown(dict(doc, fit_mbit=712.4))
@@ -110,6 +115,9 @@ def test_refuses_cells_of_more_than_two_ranks_and_a_baseline_other_than_off(caps
     with pytest.raises(SystemExit):
         overlap_wall.main(["--modes", "bwd,off"])
     assert "--modes must start with off" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        overlap_wall.main(["--stack", "off", "--progress", "probe"])
+    assert "--progress probe takes the stack probe's figure" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -136,6 +144,7 @@ def test_a_tiny_check_runs_both_clocks_and_they_train_the_same_numbers(netns, tm
     # the stack probe ran on the real link and on loopback, and its slope went to the virtual runs
     assert sorted(doc["stack"]["sizes"]) == sorted(str(n) for n in (6144, 12288, 24576, 49152))
     assert doc["stack_s_per_byte"] == doc["stack"]["stack_s_per_byte"] >= 0
+    assert doc["progress_s"] == doc["stack"]["progress_s"] >= 0  # and its progress delay
     assert doc["network"]["rate_mbit"] == 1000.0 and doc["network"]["kind"] == "netns"
     assert 0 < doc["link"]["latency_s"] < 0.1 and doc["link"]["big_bytes"] == 2 * 8 * 384 * 4
     (cell,) = doc["cells"]

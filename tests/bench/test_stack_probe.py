@@ -4,12 +4,13 @@ loopback (nothing timed is asserted: host timing is the bench's)."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
 from xronos.bench import stack_probe
-from xronos.bench.stack_probe import per_byte, stack_of, summarise
+from xronos.bench.stack_probe import per_byte, progress_of, stack_of, summarise
 
 
 def test_the_slope_is_least_squares_through_the_origin_and_never_negative():
@@ -51,6 +52,23 @@ def test_the_stack_is_the_real_links_steal_beyond_loopbacks_charge():
     assert s["real_steal_s"] == pytest.approx(2.4e-3) and s["loop_steal_s"] == pytest.approx(0.8e-3)
     assert s["loop_charge_s"] == pytest.approx(0.4e-3)
     assert doc["stack_s_per_byte"] == pytest.approx(per_byte([(1e6, 2.0e-3), (2e6, 4.0e-3)])) == pytest.approx(2e-9)
+    assert doc["progress_s"] == pytest.approx(1e-3)  # seen complete at 2 ms, blocking 1 ms
+
+
+def test_the_progress_delay_is_the_median_lateness_beside_the_busy_core_on_both_links():
+    def size(real_done, real_blocking, loop_done, loop_blocking):
+        return {"real_done_s": real_done, "real_blocking_s": real_blocking,
+                "loop_done_s": loop_done, "loop_blocking_s": loop_blocking}
+
+    # the stack-probe-off.md figures: 5.4, 6.9, 4.5 ms late on the real link, 6.3, 5.5, 5.4 on loopback
+    per = {"393216": size(8.80e-3, 3.43e-3, 6.66e-3, 0.37e-3), "786432": size(12.84e-3, 5.93e-3, 6.06e-3, 0.53e-3),
+           "1572864": size(17.05e-3, 12.54e-3, 6.33e-3, 0.90e-3)}
+    assert progress_of(per) == pytest.approx(statistics.median([5.37e-3, 6.91e-3, 4.51e-3, 6.29e-3, 5.53e-3, 5.43e-3]))
+    per["1572864"]["real_done_s"] = float("nan")  # never seen complete during its burst: left out
+    assert progress_of(per) == pytest.approx(5.53e-3)
+    assert progress_of({"4": size(1e-3, 2e-3, 1e-3, 2e-3)}) == 0.0  # no later than blocking: no delay
+    with pytest.raises(ValueError, match="no call in flight was seen complete"):
+        progress_of({"4": size(float("nan"), 1e-3, float("nan"), 1e-3)})
 
 
 def test_bad_sizes_and_reps_are_refused_by_name(capsys):
@@ -72,6 +90,6 @@ def test_a_tiny_probe_runs_on_the_real_link_and_on_loopback(tmp_path: Path):
         pytest.skip(f"network namespaces unavailable here: {exc}")
     assert stack_probe.main(["--sizes", "4096,65536", "--reps", "5", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "stack-probe.json").read_text())
-    assert len(doc["real"]) == len(doc["loopback"]) == 2 and doc["stack_s_per_byte"] >= 0
+    assert len(doc["real"]) == len(doc["loopback"]) == 2 and doc["stack_s_per_byte"] >= 0 and doc["progress_s"] >= 0
     assert set(doc["sizes"]) == {"4096", "65536"} and doc["burst_s"] == pytest.approx(0.020)
-    assert "| 65536 |" in (tmp_path / "stack-probe.md").read_text()
+    assert "| 65536 |" in (tmp_path / "stack-probe.md").read_text() and "progress_s =" in (tmp_path / "stack-probe.md").read_text()

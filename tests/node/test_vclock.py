@@ -117,6 +117,13 @@ def test_the_stacks_cpu_is_per_byte_the_link_carries() -> None:
     assert Link.mbit(8.0, 0.0, 1e-9).stack_s_per_byte == 1e-9
 
 
+@pytest.mark.parametrize("bad", [-1e-3, 1.0, math.inf, math.nan, True])
+def test_a_bad_progress_delay_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match=r"progress delay beside a busy core must be in \[0, 1\) s"):
+        Link(progress_s=bad)
+    assert Link().progress_s == 0.0 and Link.mbit(8.0, 0.0, 0.0, 5e-3).progress_s == 5e-3
+
+
 @pytest.mark.parametrize("bad", [-1e-9, math.inf, math.nan, True])
 def test_a_bad_stack_cost_is_refused(bad: float) -> None:
     with pytest.raises(ValueError, match="link stack CPU must be finite and >= 0 s per byte"):
@@ -176,7 +183,7 @@ def test_boxes_beyond_the_hosts_memory_are_refused_by_name() -> None:
 
 
 def test_the_box_file_round_trips_and_refuses_garbage(tmp_path: Path) -> None:
-    box = Box(0.45, Link.mbit(100, 0.2e-3, 1.8e-9), "q25", 16)
+    box = Box(0.45, Link.mbit(100, 0.2e-3, 1.8e-9, 5e-3), "q25", 16)
     write_box(tmp_path / "run" / "rank0", box)
     assert read_box(tmp_path / "run" / "rank0") == box
     (tmp_path / "bad").write_text('{"host_cores": 0, "bandwidth_Bps": 1, "latency_s": 0, "estimator": "min", "window": 3}')

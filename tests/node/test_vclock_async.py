@@ -39,6 +39,25 @@ def test_a_wait_before_completion_splits_into_idle_and_communication() -> None:
     assert r.leave == pytest.approx(0.030) and r.idle == pytest.approx(0.010) and r.comm == pytest.approx(0.010)
 
 
+def test_a_call_in_flight_moves_only_once_its_threads_get_the_busy_core() -> None:
+    # on the wire from 0.020, the link done at 0.030; its threads wait 5 ms for the core while the
+    # rank computes: computing until 0.040 it leaves at 0.035 + its CPU, not at 0.030 + its CPU
+    r = land(now=0.040, own_cost=0.001, completion=0.030, latest=0.020, start=0.020, progress_s=0.005)
+    assert r.leave == pytest.approx(0.041)  # 0.035 <= now: only the call's CPU shows
+    r = land(now=0.032, own_cost=0.001, completion=0.030, latest=0.020, start=0.020, progress_s=0.005)
+    assert r.leave == pytest.approx(0.035) and r.comm == pytest.approx(0.003) and r.idle == 0.0
+    # a wait before the slice ends gives the threads the core at once: the first 3 ms of compute
+    # after the start hid nothing, the call takes its whole link time from the wait
+    r = land(now=0.023, own_cost=0.001, completion=0.030, latest=0.020, start=0.020, progress_s=0.005)
+    assert r.leave == pytest.approx(0.033)
+    # a wait before the last launch: the call has not started, nothing is late
+    r = land(now=0.010, own_cost=0.001, completion=0.030, latest=0.020, start=0.020, progress_s=0.005)
+    assert r.leave == pytest.approx(0.030) and r.idle == pytest.approx(0.010)
+    assert land(0.032, 0.001, 0.030, 0.020, 0.020, 0.0) == land(0.032, 0.001, 0.030, 0.020)  # none unless measured
+    with pytest.raises(ValueError, match="needs the call's start"):
+        land(0.032, 0.001, 0.030, 0.020, progress_s=0.005)
+
+
 def test_a_blocking_collective_queues_behind_the_flights_on_the_link() -> None:
     r = resolve([0.010, 0.012], [0.0, 0.0], 0.004, rank=0, free=0.020)
     assert r.leave == pytest.approx(0.024)
@@ -147,6 +166,19 @@ def test_the_links_stack_cpu_is_charged_beside_the_calls_own_at_the_boxs_speed()
         out = _land(clocks, fakes, tickets, [0.050, 0.100])
     assert out[0][1] - t0[0] == pytest.approx(0.100 + (0.002 + 10e-6) / 0.5)
     assert out[1][1] - t0[1] == pytest.approx(0.100 + 0.002 + 10e-6)
+
+
+def test_the_links_progress_delay_reaches_the_clocks_waits() -> None:
+    # the 10 ms call on the wire from 5 ms, its threads held 4 ms by the compute after it
+    fakes = [Fake(), Fake()]
+    clocks = [VirtualClock(Box(1.0, Link(1e6, 0.0, progress_s=0.004), "min"), thread_time=lambda f=f: f.thread,
+                           wall=lambda: 0.0, slots=list) for f in fakes]
+    tickets = _launch(clocks, fakes, [0.005, 0.005], Wire())
+    assert _land(clocks, fakes, tickets, [0.020, 0.020]) == [pytest.approx((0.025, 0.025))] * 2  # still hidden
+    tickets = _launch(clocks, fakes, [0.0, 0.0], Wire())  # on the wire at 25 ms, done at 35 ms, seen at 39 ms
+    assert _land(clocks, fakes, tickets, [0.012, 0.012]) == [pytest.approx((0.037, 0.039))] * 2
+    assert clocks[0].account.comm == pytest.approx(0.002)
+    assert clocks[0].describe()["progress_s"] == 0.004
 
 
 def test_two_flights_share_the_link_in_launch_order_and_a_blocking_call_queues_behind() -> None:

@@ -104,7 +104,8 @@ def test_a_virtual_rank_finds_its_box_and_bad_boxes_are_refused_before_anything_
         assert [q["clock"] for q in conf.quotas()] == ["virtual", "virtual"]
         described, threads = json.loads(confined_output(conf, 1, VIRTUAL_CHILD))
         assert described == {"clock": "virtual", "cpu_mode": "virtual", "host_cores": 0.3, "estimator": "q25",
-                             "window": 32, "bandwidth_Bps": 100e6 / 8, "latency_s": 0.5e-3, "stack_s_per_byte": 2e-9}
+                             "window": 32, "bandwidth_Bps": 100e6 / 8, "latency_s": 0.5e-3, "stack_s_per_byte": 2e-9,
+                             "progress_s": 0.0}
         assert threads == 1  # the clock counts one thread's CPU time
         conf.set_share(1, 0.15)
         assert json.loads(confined_output(conf, 1, VIRTUAL_CHILD))[0]["host_cores"] == 0.15
