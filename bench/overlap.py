@@ -142,6 +142,7 @@ def worker(job_file: str, rank_s: str) -> None:
         group.drain_timings()
         acc = None if wall else clock.account
         t0, w0 = group.now(), time.perf_counter()
+        c0, p0 = time.thread_time(), time.process_time()
         before = (0.0, 0.0, 0.0) if wall else (acc.compute, acc.comm, acc.idle)
         loss = model(ids, labels=labels)
         loss.backward()
@@ -149,6 +150,7 @@ def worker(job_file: str, rank_s: str) -> None:
         opt.zero_grad(set_to_none=True)
         group.settle()
         t1, w1 = group.now(), time.perf_counter()
+        c1, p1 = time.thread_time(), time.process_time()
         if wall:  # time in collectives (waits for the peer included: wall time cannot tell them apart)
             comm = sum(s for _, s in group.drain_timings())
             after = (t1 - t0 - comm, comm, 0.0)
@@ -157,7 +159,9 @@ def worker(job_file: str, rank_s: str) -> None:
         # w0/w1: perf_counter is CLOCK_MONOTONIC, one clock for every process of the host
         rows.append({"mode": mode, "iteration_s": t1 - t0, "wall_s": w1 - w0, "w0": w0, "w1": w1,
                      **{k: a - b for k, a, b in zip(("compute_s", "comm_s", "idle_s"), after, before)},
-                     "launched": group.launched, "loss": loss.item()})
+                     "launched": group.launched, "loss": loss.item(),
+                     # host CPU: the computing thread's, and the process's other threads' (Gloo's)
+                     "thread_cpu_s": c1 - c0, "others_cpu_s": (p1 - p0) - (c1 - c0)})
     lay = {k: list(getattr(layout, k)) for k in ("attn", "mlp", "vocab")}
     calls = {} if wall else {f"{k[0]} {k[1]} B": clock.call_est.value(k) for k in clock.call_est._hist}  # host s
     Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"layout": lay, "calls_cpu_s": calls, "rows": rows}))
@@ -199,6 +203,9 @@ def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: 
                      "compute_s": statistics.median(ranks[busiest][i]["compute_s"] for i in its), "min_s": min(slowest), "max_s": max(slowest),
                     "exposed_comm_share": statistics.median(exposed),
                     "wall_median_s": statistics.median(max(rk[i]["wall_s"] for rk in ranks) for i in its),
+                    # the busiest rank's host CPU: its computing thread's and its other threads' (Gloo's)
+                    "thread_cpu_s": statistics.median(ranks[busiest][i]["thread_cpu_s"] for i in its),
+                    "others_cpu_s": statistics.median(ranks[busiest][i]["others_cpu_s"] for i in its),
                     "n": len(its)}
     res["modes"] = modes
     res["losses"] = [row["loss"] for row in ranks[0]]  # every iteration's, in order: the same on any clock

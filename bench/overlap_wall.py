@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -81,6 +82,11 @@ def pair_rows(wall: dict, virtual: dict) -> list[dict]:
                      "wall_ratio": wr, "virtual_ratio": vr, "gain_diff_points": gain_points(wr, vr),
                      "wall_comm_share": w["exposed_comm_share"], "virtual_comm_share": v["exposed_comm_share"],
                      "wall_compute_s": w["compute_s"], "virtual_compute_s": v["compute_s"],
+                     # host CPU of the busiest rank: its computing thread, its other threads (Gloo's)
+                     "wall_thread_cpu_s": w.get("thread_cpu_s", math.nan),
+                     "virtual_thread_cpu_s": v.get("thread_cpu_s", math.nan),
+                     "wall_others_cpu_s": w.get("others_cpu_s", math.nan),
+                     "virtual_others_cpu_s": v.get("others_cpu_s", math.nan),
                      "n": min(w["n"], v["n"])})
     return rows
 
@@ -131,13 +137,18 @@ def markdown(doc: dict) -> str:
              "the rank that computes most spends in collectives (wall: waits for the peer included); "
              "`compute s`: that rank's median compute (wall: the iteration less its time in collectives, so "
              "the CPU that communication in flight takes from the core, and the launches, count as compute; "
-             "virtual: its clock's compute, Gloo's CPU for launched calls included).", "",
+             "virtual: its clock's compute bursts, while the CPU it charges a launched call, Gloo's and the "
+             "stack's, is booked as communication). `thread / others CPU`: the host CPU seconds of that "
+             "rank's computing thread and of its process's other threads (Gloo's) per iteration, medians: "
+             "pinned one process per core, the others' CPU on the wall runs is time the computing thread "
+             "waits for its core whenever a call is in flight while it computes.", "",
              f"Command: `python -m xronos.bench.overlap_wall {' '.join(doc['argv'])}`; "
              f"{doc['seconds'] / 60:.1f} min. Load (`uptime`) at the start: {doc['load_start']}; at the end: "
              f"{doc['load_end']}. CPU quota: {doc['quota']}.", "",
              "| cell | run | mode | wall s (min, max) | wall / off | virtual s (min, max) | virtual / off "
-             "| gain diff (points) | comm share wall / virtual | compute s wall / virtual | iterations |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| gain diff (points) | comm share wall / virtual | compute s wall / virtual "
+             "| thread / others CPU s, wall | thread / others CPU s, virtual | iterations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell in doc["cells"]:
         for k, rep in enumerate(cell["repeats"]):
             for r in rep:
@@ -146,7 +157,10 @@ def markdown(doc: dict) -> str:
                     f"{r['wall_max_s']:.4f}) | {r['wall_ratio']:.3f} | {r['virtual_s']:.4f} "
                     f"({r['virtual_min_s']:.4f}, {r['virtual_max_s']:.4f}) | {r['virtual_ratio']:.3f} | "
                     f"{r['gain_diff_points']:+.1f} | {r['wall_comm_share']:.0%} / {r['virtual_comm_share']:.0%} "
-                    f"| {r['wall_compute_s']:.3f} / {r['virtual_compute_s']:.3f} | {r['n']} |")
+                    f"| {r['wall_compute_s']:.3f} / {r['virtual_compute_s']:.3f} "
+                    f"| {r.get('wall_thread_cpu_s', math.nan):.3f} / {r.get('wall_others_cpu_s', math.nan):.3f} "
+                    f"| {r.get('virtual_thread_cpu_s', math.nan):.3f} / {r.get('virtual_others_cpu_s', math.nan):.3f} "
+                    f"| {r['n']} |")
     lines += ["", "Over the repeats (ratios: mean, spread = (max - min) / mean; gain diff: mean, min .. max):", ""]
     lines += _summary(doc["cells"], "summary")
     if "fit_mbit" in doc:
@@ -298,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stack", choices=("probe", "off"), default="probe",
                     help="the virtual link's network-stack CPU per byte: measured by bench.stack_probe on the real "
                          "link first (default), or none (off; also with --virtual-net netns, where it is measured)")
-    ap.add_argument("--progress", choices=("probe", "off"), default=None,
-                    help="the virtual link's progress delay beside a busy core: measured by the same probe "
-                         "(the default with --stack probe), or none (off; the default with --stack off)")
+    ap.add_argument("--progress", choices=("probe", "off"), default="off",
+                    help="the virtual link's progress delay beside a busy core: none (off, the default), or "
+                         "the same probe's figure (probe, with --stack probe; it over-corrects: docs/planning.md)")
     ap.add_argument("--stack-reps", type=int, default=60, help="the stack probe's repeats per size and kind")
     ap.add_argument("--fitted", action="store_true",
                     help="also a virtual run per repeat on the link fitted to the real one (measured rate too)")
@@ -309,10 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     names, modes = [c for c in args.cells.split(",") if c], parse_modes(ap, args.modes)
     if args.stack_reps < 5:
         ap.error(f"--stack-reps must be at least 5, got {args.stack_reps}")
-    probing = args.stack == "probe" and args.virtual_net == "loopback"
-    if args.progress is None:
-        args.progress = "probe" if probing else "off"
-    if args.progress == "probe" and not probing:
+    if args.progress == "probe" and not (args.stack == "probe" and args.virtual_net == "loopback"):
         ap.error("--progress probe takes the stack probe's figure: it needs --stack probe and --virtual-net "
                  "loopback (or --progress off)")
     if modes[0] != "off":

@@ -27,7 +27,9 @@ about one slice later than the same call with the core free: 4.5-6.9 ms later on
 kernel (6.18, two cores), on the real link and on loopback alike, whatever its size
 (`bench/results/stack-probe-off.md`). `progress_s` models that (`arrivals.land`): the first
 `progress_s` of compute after a launch hides nothing. It is the box's scheduler, not the wire, so
-it is not scaled by the box's speed. It is 0 unless a bench measured it (`bench/stack_probe.py`).
+it is not scaled by the box's speed. It is 0 unless a bench asks for it: with the probe's 6.1 ms
+the wall check's virtual gains fell 1.2-7.5 points below the wall's; without it they were 3.2-13.6
+points above them (docs/planning.md, "The slice, modelled").
 Not modelled: TCP's dynamics, NIC offloads and interrupts on real boxes, switch queueing.
 """
 
