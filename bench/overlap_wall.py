@@ -21,8 +21,8 @@ worker runs where the wall clock is faithful too, and both clocks' gains are set
   what the clock charges it over loopback, with no training in it); `--stack off` models the link
   without it, as the grid's virtual runs do. The same probe measures how much later a call in
   flight completes beside the computing core than with the core free (Gloo's threads wait for the
-  scheduler's slice): the link's `progress_s`, which the virtual runs model too unless
-  `--progress off`. With `--fitted`, a third run per repeat models the
+  scheduler's slice): the link's `progress_s`, which the virtual runs model only with `--progress
+  probe` (it over-corrects: docs/planning.md). With `--fitted`, a third run per repeat models the
   link at the rate the real one delivered at that size as well (`fitted_mbit`).
 
 Modes take turns iteration by iteration inside each run (as in bench/overlap.py); the repeats run

@@ -26,7 +26,7 @@ the call costs this box (Gloo's threads, and the network stack's work the link m
 hidden: it is charged on top of that compute
 (`arrivals.land`); a box with cores to spare would hide it too, which this does not model. Nor
 does the call move while the rank computes until its threads get the core, when the link says how
-long that takes (`Link.progress_s`, measured: a scheduler slice).
+long that takes (`Link.progress_s`: a scheduler slice, 0 unless a bench sets it).
 """
 
 from __future__ import annotations
