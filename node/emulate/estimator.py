@@ -97,6 +97,10 @@ class Estimator:
         h = self._hist.get(key)
         return statistic(list(h), self.mode) if h else 0.0
 
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether `key` has a sample."""
+        return key in self._hist
+
     def forget(self) -> None:
         self._hist.clear()
         self._first.clear()

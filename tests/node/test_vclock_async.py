@@ -154,6 +154,20 @@ def test_the_calls_cpu_is_charged_to_the_box_even_when_the_link_is_hidden() -> N
     assert out[1][1] - t0[1] == pytest.approx(0.100 + 0.002)
 
 
+def test_a_launched_call_is_charged_its_typical_cpu_not_its_cheapest() -> None:
+    # charged on top of the compute that hides it, the charges must add up to what Gloo's threads
+    # took: the window's median (the first sample is a warm-up and goes), not its minimum
+    fakes, clocks = _ranks(2)
+    for cpu in (0.009, 0.001, 0.003, 0.002):
+        tickets = _launch(clocks, fakes, [0.001, 0.001], Wire(cpu=cpu))
+        _land(clocks, fakes, tickets, [0.050, 0.050])
+    tickets = _launch(clocks, fakes, [0.001, 0.001], Wire())
+    t0 = clocks[0].t
+    out = _land(clocks, fakes, tickets, [0.050, 0.050])
+    assert out[0][1] - t0 == pytest.approx(0.050 + 0.002)  # median of 1, 3, 2 ms; the minimum would be 1
+    assert clocks[0].call_est.value(("all_reduce_sum", 10_000, 2)) == 0.0  # blocking calls' own window
+
+
 def test_the_links_stack_cpu_is_charged_beside_the_calls_own_at_the_boxs_speed() -> None:
     # 1 ns a byte: the 10 kB call's stack takes 10 us of a host core, 20 us of a half-speed box
     link = Link(1e6, 0.0, 1e-9)
