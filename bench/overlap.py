@@ -163,8 +163,11 @@ def worker(job_file: str, rank_s: str) -> None:
                      # host CPU: the computing thread's, and the process's other threads' (Gloo's)
                      "thread_cpu_s": c1 - c0, "others_cpu_s": (p1 - p0) - (c1 - c0)})
     lay = {k: list(getattr(layout, k)) for k in ("attn", "mlp", "vocab")}
-    calls = {} if wall else {f"{k[0]} {k[1]} B": clock.call_est.value(k) for k in clock.call_est._hist}  # host s
-    Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"layout": lay, "calls_cpu_s": calls, "rows": rows}))
+    # host s: what the clock charges a blocking call (its window minimum) and a launched one (median)
+    calls, flights = ({}, {}) if wall else ({f"{k[0]} {k[1]} B": est.value(k) for k in est._hist}
+                                            for est in (clock.call_est, clock.flight_est))
+    Path(job["out"], f"rank{rank}.json").write_text(json.dumps({"layout": lay, "calls_cpu_s": calls,
+                                                                "flights_cpu_s": flights, "rows": rows}))
     group.leave()
 
 

@@ -367,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
                 stack_s = probed["stack_s_per_byte"]
                 if args.progress == "probe":
                     progress_s = probed["progress_s"]
+                    if not math.isfinite(progress_s):
+                        print("overlap_wall: --progress probe: the stack probe saw no call in flight complete "
+                              "during its burst, so it has no progress delay to model", file=sys.stderr)
+                        return 2
                 print(f"stack: {stack_s * 1e9:.2f} ns a byte; progress delay {probed['progress_s'] * 1e3:.2f} ms"
                       f" ({'modelled' if progress_s else 'not modelled'})", flush=True)
             doc["stack_s_per_byte"], doc["progress_s"] = stack_s, progress_s

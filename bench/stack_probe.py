@@ -104,7 +104,11 @@ def stack_of(real: list[dict[str, dict[str, float]]], loop: list[dict[str, dict[
                          "loop_blocking_s": mean(loop, n, "blocking_s"), "loop_done_s": mean(loop, n, "done_s"),
                          "loop_charge_s": mean(loop, n, "charge_s")} for n in sizes}
     slope = per_byte([(n, per_size[str(n)]["real_steal_s"] - per_size[str(n)]["loop_charge_s"]) for n in sizes])
-    return {"sizes": per_size, "stack_s_per_byte": slope, "progress_s": progress_of(per_size)}
+    try:  # an extra figure: a probe whose calls were never seen complete still gives the stack's
+        progress = progress_of(per_size)
+    except ValueError:
+        progress = math.nan
+    return {"sizes": per_size, "stack_s_per_byte": slope, "progress_s": progress}
 
 
 # -- a rank ----------------------------------------------------------------------------------------

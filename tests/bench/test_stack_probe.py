@@ -53,6 +53,10 @@ def test_the_stack_is_the_real_links_steal_beyond_loopbacks_charge():
     assert s["loop_charge_s"] == pytest.approx(0.4e-3)
     assert doc["stack_s_per_byte"] == pytest.approx(per_byte([(1e6, 2.0e-3), (2e6, 4.0e-3)])) == pytest.approx(2e-9)
     assert doc["progress_s"] == pytest.approx(1e-3)  # seen complete at 2 ms, blocking 1 ms
+    never = [{str(n): dict(r[str(n)], done_s=float("nan")) for n in sizes} for r in real]
+    unseen = stack_of(never, [{str(n): dict(r[str(n)], done_s=float("nan")) for n in sizes} for r in loop], sizes)
+    assert unseen["stack_s_per_byte"] == doc["stack_s_per_byte"]  # the stack's figure does not depend on it
+    assert unseen["progress_s"] != unseen["progress_s"]  # nan: no call seen complete, no delay to take
 
 
 def test_the_progress_delay_is_the_median_lateness_beside_the_busy_core_on_both_links():
