@@ -100,18 +100,25 @@ class LayerProfile(Message):
 class CollectiveProfile(Message):
     """What one all-reduce costs this node's CPU (`xronos.node.measure.commprobe`): two Gloo ranks in the
     profiling process over loopback, under the node's own CPU quota and threads, each all-reducing
-    `nbytes` (the job's [batch, seq, hidden] activation) and `small_bytes`; means of `repeats`."""
+    `nbytes` (the job's [batch, seq, hidden] activation) and `small_bytes`; means of `repeats`.
+    `launched_*`: the CPU one rank pays for the same calls launched asynchronously beside its
+    compute (what an overlapped call takes from that compute), medians; None in a report from
+    before they were probed (the planner then charges a launched call as a blocking one)."""
 
     nbytes: Bytes
     seconds: Seconds
     small_bytes: Bytes
     small_seconds: Seconds
     repeats: Int(gt=0, le=10_000)
+    launched_seconds: Seconds | None = None
+    launched_small_seconds: Seconds | None = None
 
     @model_validator(mode="after")
     def _sizes(self) -> CollectiveProfile:
         if not self.small_bytes < self.nbytes:
             raise ValueError(f"small_bytes: must be below nbytes ({self.nbytes}), got {self.small_bytes}")
+        if (self.launched_seconds is None) != (self.launched_small_seconds is None):
+            raise ValueError("launched_seconds and launched_small_seconds: give both or neither")
         return self
 
 

@@ -64,11 +64,18 @@ class NodeComm:
 
     fixed_s: float
     per_byte_s: float
+    # The same for a call launched beside compute (`commprobe._time_launched`), which costs the CPU
+    # more than a blocking one; None: not probed, charged as a blocking call.
+    launched: NodeComm | None = None
 
     def allreduce_s(self, nbytes: float, n_nodes: int) -> float:
         if n_nodes <= 1:
             return 0.0
         return self.fixed_s * (n_nodes - 1) + self.per_byte_s * 2 * (n_nodes - 1) / n_nodes * nbytes
+
+    def in_flight(self) -> NodeComm:
+        """What the node pays for a call it launched beside compute (the overlap model's calls)."""
+        return self.launched or self
 
 
 def node_comm(nbytes: float, seconds: float, small_bytes: float, small_seconds: float,

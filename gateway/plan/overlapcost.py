@@ -47,7 +47,10 @@ and not per chunk (0.32-0.36 on `bench/choice`'s `overlap-a` profiles, where a c
 extra chunk (chunking 8 x 64 tokens of GPT-2-medium's blocks into two added 6.9 % to the slowest
 box's compute, into four 3 x 5.8 %). Smaller GEMMs pay more (`bench/overlap.py`'s MiniLM at 8 x 16
 tokens: 21 %), which this under-predicts.
-An asynchronous call's own CPU (Gloo's threads) is paid on the CPU beside the compute.
+An asynchronous call's own CPU (Gloo's threads) is paid on the CPU beside the compute, at what the
+profile measured for a call launched beside compute (`NodeComm.in_flight`; a blocking call's
+cost when the profile predates that probe): as the virtual clock charges it, the median of the
+call's CPU, which beside a busy thread is well above a blocking call's minimum.
 
 **Prediction.** A mode's iteration is the plan's (`PlanResult.predicted_iteration_s`, unchanged)
 less what the simulation says the mode saves over `off`; `off` is the plan as it is. The ideal
@@ -142,8 +145,12 @@ def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: in
     g = 1 - f - w
     # one chunk's compute per block: attention's stage, then the MLP's
     stages = [seg.get(kind, 0.0) / max(B, 1) * grow / c for kind in ("attn", "mlp")]
-    l_chunk = _link(shape.act_bytes / c, n, bandwidth_Bps, latency_s, cpu)
-    own = _call_cpu(shape.act_bytes / c, n, cpu) if mode.on else 0.0  # an async call's CPU beside compute
+    # a launched call costs a node's CPU more than a blocking one (`NodeComm.in_flight`): its
+    # share of the link's max and what it takes from the compute beside it
+    fly = [x.in_flight() for x in cpu]
+    l_block = _link(shape.act_bytes / c, n, bandwidth_Bps, latency_s, cpu)
+    l_chunk = _link(shape.act_bytes / c, n, bandwidth_Bps, latency_s, fly) if mode.on else l_block
+    own = _call_cpu(shape.act_bytes / c, n, fly) if mode.on else 0.0  # an async call's CPU beside compute
     # forward: stage-major, chunk-minor (`overlap.run_chunked`); c = 1 blocks at every all-reduce
     t_cpu, t_link, ready = 0.0, 0.0, [0.0] * c
     for _ in range(B):
@@ -151,7 +158,7 @@ def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: in
             for k in range(c):
                 start = max(t_cpu, ready[k])
                 t_cpu = start + f * t_stage + (own if c > 1 else 0.0)
-                t_link = ready[k] = max(t_cpu, t_link) + l_chunk
+                t_link = ready[k] = max(t_cpu, t_link) + (l_chunk if c > 1 else l_block)
                 if c == 1:
                     t_cpu = t_link
     forward = max(t_cpu, *ready)
@@ -175,7 +182,7 @@ def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: in
             if mode.backward:
                 per_region += g * t_stage + max(w * t_stage + own, l_chunk)
             else:
-                per_region += g * t_stage + w * t_stage + l_chunk
+                per_region += g * t_stage + w * t_stage + l_block
         backward = B * per_region
     # the vocabulary segment: the embedding's all-reduce, and a causal LM head's input-gradient one,
     # which a trained head's weight gradient hides under bwd (cross-entropy's three small
@@ -184,7 +191,8 @@ def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: in
     vocab = seg.get("vocab", 0.0) + l_act
     if shape.task == "causal-lm":
         head_w = seg.get("vocab", 0.0) / 3 if shape.trains_weights else 0.0
-        vocab += max(l_act - head_w, 0.0) if mode.backward else l_act
+        l_fly = _link(shape.act_bytes, n, bandwidth_Bps, latency_s, fly)
+        vocab += max(l_fly - head_w, 0.0) if mode.backward else l_act
     return forward + backward + vocab + seg.get("out", 0.0), (grow - 1) * (seg.get("attn", 0.0) + seg.get("mlp", 0.0))
 
 

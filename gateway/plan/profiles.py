@@ -274,7 +274,12 @@ def collective_cost(report: ProfileReport) -> NodeComm | None:
     if c is None:
         return None
     parallel = 2 if report.capabilities.cores >= 2 else 1  # cores: capped by the CPU quota, rounded up
-    return node_comm(c.nbytes, c.seconds, c.small_bytes, c.small_seconds, parallel)
+    blocking = node_comm(c.nbytes, c.seconds, c.small_bytes, c.small_seconds, parallel)
+    if c.launched_seconds is None or c.launched_small_seconds is None:
+        return blocking
+    # one rank's own CPU, measured per rank: as two ranks side by side, whatever the cores
+    launched = node_comm(c.nbytes, c.launched_seconds, c.small_bytes, c.launched_small_seconds, 2)
+    return replace(blocking, launched=launched)
 
 
 def memory_cap(report: ProfileReport, reserve_mb: float = DEFAULT_RESERVE_MB) -> float:

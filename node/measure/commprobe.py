@@ -8,6 +8,10 @@ loopback), so both share this node's CPU quota and threads, and times all-reduce
 activation `[batch, seq, hidden]` (fp32) and of a few bytes. Over loopback the link is not the
 limit: the time is what the CPU needs for two ranks' sending and receiving, which is what one rank
 of a ring pays for its own share of both directions (`gateway.commmodel.node_comm`).
+
+A call launched to overlap with compute (`node/tp/overlap.py`) costs the box differently: its
+Gloo threads run beside a busy computing thread, and what they take comes out of that compute. The
+probe times that too (`_time_launched`), as the CPU the virtual clock charges a launched call.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from xronos.protocol.messages import CollectiveProfile
 
 SMALL_ELEMENTS = 1  # the latency probe: one fp32 (4 bytes)
 _TIMEOUT = timedelta(seconds=120)
+# The compute a launched call flies beside: [rows, 256] @ [256, 256] fp32 GEMMs (about 0.1 ms each
+# on one core), one after another until the call has completed. Small, so the burst ends soon after
+# the call does; a GEMM, so the call competes for the core and its caches as beside a layer's.
+_BURST_ROWS, _BURST_WIDTH = 64, 256
 
 
 def _groups() -> list[dist.ProcessGroup]:
@@ -91,13 +99,79 @@ def _time(pgs: list[dist.ProcessGroup], elements: int, repeats: int, warmup: int
     return max(statistics.fmean(ts[warmup:]) for ts in times)
 
 
+def _time_launched(pgs: list[dist.ProcessGroup], elements: int, repeats: int, warmup: int,
+                   cpu_scale: float | None = None, stat: str = "med") -> float:
+    """One rank's CPU for an all-reduce of `elements` fp32 it launched (`async_op`) and computed
+    beside until the call completed, then waited for: the process's CPU over the two ranks' round
+    less their computing threads' GEMMs, half of it (both ranks' calls fly at once). That is what
+    `flight._Flight` charges a launched call in training (its launch, its share of Gloo's threads,
+    its wait). Its `stat` over the repeats (the virtual clock's for a launched call,
+    `VirtualClock.flight_est`), times `cpu_scale` when given (an emulated box: 1 / its speed in
+    host cores); else this box's own CPU seconds, wherever it runs.
+
+    Gloo's threads beside a busy thread cost more than beside a waiting one (this host: 1.7 ms a
+    2 MiB call against a blocking call's 0.7 ms minimum), which is why it is measured apart."""
+    rounds = warmup + repeats
+    bar = threading.Barrier(2, timeout=_TIMEOUT.total_seconds())
+    gemm: list[list[float]] = [[0.0] * rounds, [0.0] * rounds]
+    marks: list[float] = [0.0] * rounds
+    cpus: list[float] = []
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        # one intra-op thread, as a training rank's: an OpenMP pool's workers would add their
+        # CPU to the process's, not to the thread's GEMM time
+        torch.set_num_threads(1)
+        x = torch.ones(elements)
+        a, w = torch.randn(_BURST_ROWS, _BURST_WIDTH), torch.randn(_BURST_WIDTH, _BURST_WIDTH)
+        try:
+            for i in range(rounds):
+                bar.wait()
+                if rank == 0:
+                    marks[i] = time.process_time()
+                bar.wait()
+                work = pgs[rank].allreduce([x])
+                spent = 0.0
+                while True:
+                    c0 = time.thread_time()
+                    torch.mm(a, w)
+                    spent += time.thread_time() - c0
+                    if work.is_completed():
+                        break
+                gemm[rank][i] = spent
+                work.wait()
+                bar.wait()
+                if rank == 0:
+                    cpus.append(max(0.0, time.process_time() - marks[i] - gemm[0][i] - gemm[1][i]) / 2)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+            bar.abort()
+
+    threads_before = torch.get_num_threads()
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(threads_before)
+    if errors:
+        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)] or errors
+        raise RuntimeError(f"the launched collective probe failed: {real[0]}")
+    from xronos.node.emulate.estimator import statistic
+
+    return statistic(cpus[warmup:], stat) * (1.0 if cpu_scale is None else cpu_scale)
+
+
 def probe_collectives(batch_size: int, seq_len: int, hidden_size: int, *, repeats: int = 30,
                       warmup: int = 3, cpu_scale: float | None = None, cpu_stat: str = "min",
-                      stack_s_per_byte: float = 0.0) -> CollectiveProfile:
+                      stack_s_per_byte: float = 0.0, launched_stat: str = "med") -> CollectiveProfile:
     """All-reduce cost on this node's CPU at the job's activation size and at 4 bytes (`cpu_scale`:
-    see `_time`). On the virtual clock (`cpu_scale`) each is charged the network stack's CPU the
-    clock's link models beside it too (`stack_s_per_byte` per byte carried: a two-rank ring carries
-    the tensor), as `VirtualClock` charges a call, so the profile and the run share one ruler."""
+    see `_time`), blocking and launched beside compute (`_time_launched`, its `launched_stat`). On
+    the virtual clock (`cpu_scale`) each is charged the network stack's CPU the clock's link
+    models beside it too (`stack_s_per_byte` per byte carried: a two-rank ring carries the tensor),
+    as `VirtualClock` charges a call, so the profile and the run share one ruler."""
     elements = batch_size * seq_len * hidden_size
     if elements <= SMALL_ELEMENTS:
         raise ValueError(f"activation of {elements} elements is too small to probe")
@@ -105,13 +179,18 @@ def probe_collectives(batch_size: int, seq_len: int, hidden_size: int, *, repeat
     try:
         small = _time(pgs, SMALL_ELEMENTS, repeats, warmup, cpu_scale, cpu_stat)
         big = _time(pgs, elements, repeats, warmup, cpu_scale, cpu_stat)
+        l_small = _time_launched(pgs, SMALL_ELEMENTS, repeats, warmup, cpu_scale, launched_stat)
+        l_big = _time_launched(pgs, elements, repeats, warmup, cpu_scale, launched_stat)
         if cpu_scale is not None:
             small += stack_s_per_byte * 4 * SMALL_ELEMENTS * cpu_scale
             big += stack_s_per_byte * 4 * elements * cpu_scale
+            l_small += stack_s_per_byte * 4 * SMALL_ELEMENTS * cpu_scale
+            l_big += stack_s_per_byte * 4 * elements * cpu_scale
     finally:
         for pg in pgs:
             shutdown = getattr(pg, "shutdown", None)
             if shutdown is not None:
                 shutdown()
     return CollectiveProfile(nbytes=4 * elements, seconds=big, small_bytes=4 * SMALL_ELEMENTS,
-                             small_seconds=small, repeats=repeats)
+                             small_seconds=small, repeats=repeats, launched_seconds=l_big,
+                             launched_small_seconds=l_small)

@@ -117,7 +117,9 @@ log = structlog.get_logger(__name__)
 # 11: without clipping, the trainer's inf/nan look over the gradients (`all_finite`) is timed with
 #     each layer, as the clipping pass is with it; on the virtual clock the layers sum to the plain
 #     iteration's time (`to_plain_total`).
-PROFILER_VERSION = 11
+# 12: the all-reduce probe times a call launched beside compute too (`CollectiveProfile.launched_*`),
+#     what the overlap model charges an overlapped call.
+PROFILER_VERSION = 12
 
 
 SHARES = (1.0, 0.5, 0.25)  # the widths profiled, as shares of each kind

@@ -106,6 +106,31 @@ def test_a_free_link_gains_nothing_and_chunking_only_costs():
     assert by["bwd"].saved_s == pytest.approx(0.0) and by["c2"].saved_s < 0 and by["c4"].saved_s < by["c2"].saved_s
 
 
+def test_a_launched_call_is_charged_what_the_profile_measured_for_one_beside_compute():
+    # The nodes' CPU per call: blocking 1 ms fixed, launched beside compute 10 ms fixed (no per-byte
+    # part). A blocking call's CPU is under the link's 0.04 s and changes nothing; a launched one is
+    # paid on top of the compute that hides it. bwd: each region's weight gradients (0.1) plus the
+    # call's 0.01 still cover the link, so it saves 0.04 - 0.01 per region, not 0.04.
+    from xronos.gateway.plan.commmodel import NodeComm
+
+    blocking = NodeComm(fixed_s=1e-3, per_byte_s=0.0)
+    launched = NodeComm(fixed_s=1e-3, per_byte_s=0.0, launched=NodeComm(fixed_s=1e-2, per_byte_s=0.0))
+
+    def by(cpu):
+        preds = predict_modes(SEG, 1.0, FULL, 2, bandwidth_Bps=BW, latency_s=0.0, chunk_fixed=1e-12,
+                              node_cpu=[cpu, cpu])
+        return {p.mode.label: p for p in preds}
+
+    old, new = by(blocking), by(launched)
+    assert old["off"].iteration_s == new["off"].iteration_s == 1.0  # nothing launched: unchanged
+    assert old["bwd"].saved_s == pytest.approx(2 * (0.04 - 1e-3))  # charged as a blocking call
+    assert new["bwd"].saved_s == pytest.approx(2 * (0.04 - 1e-2))
+    # c2 launches eight calls (four a pass), each charged on the compute: 8 x 9 ms more than before
+    assert new["c2"].iteration_s - old["c2"].iteration_s == pytest.approx(8 * 9e-3, abs=2e-3)
+    # a profile from before the probe (no `launched`): a launched call costs what a blocking one does
+    assert blocking.in_flight() is blocking and launched.in_flight() is launched.launched
+
+
 @pytest.mark.parametrize("label", ["x", "c1", "c", "c-2", "2", "on"])
 def test_a_bad_mode_label_is_refused_naming_it(label):
     with pytest.raises(ValueError, match=f"overlap mode '{label}': off, bwd or cN"):

@@ -225,6 +225,29 @@ def test_measured_collectives_enter_the_plans_communication():
     assert plan_reports([a, b], "segment", bandwidth_Bps=1e9, latency_s=1e-5).comm_s == pytest.approx(link)
 
 
+def test_a_launched_calls_probe_becomes_the_nodes_in_flight_cost_and_its_absence_the_blocking_one():
+    from xronos.gateway.plan.commmodel import node_comm
+    from xronos.gateway.plan.profiles import collective_cost
+
+    r = _with_collectives(loaded("a").report, seconds=0.004, small=0.001)
+    before = collective_cost(r)
+    assert before.launched is None and before.in_flight() is before  # a report from before the probe
+    probed = r.model_copy(update={"collectives": r.collectives.model_copy(
+        update={"launched_seconds": 0.009, "launched_small_seconds": 0.002})})
+    c = collective_cost(probed)
+    assert (c.fixed_s, c.per_byte_s) == (before.fixed_s, before.per_byte_s)  # the blocking line stays
+    # per rank, measured per rank: two ranks side by side whatever the node's cores
+    assert c.in_flight() == node_comm(r.collectives.nbytes, 0.009, 4, 0.002, parallel=2)
+
+
+def test_a_launched_probe_gives_both_its_points_or_neither():
+    from xronos.protocol.messages import CollectiveProfile
+
+    with pytest.raises(ValueError, match="launched_seconds and launched_small_seconds: give both or neither"):
+        CollectiveProfile(nbytes=1024, seconds=0.001, small_bytes=4, small_seconds=1e-4, repeats=3,
+                          launched_seconds=0.002)
+
+
 def test_time_falling_with_width_is_named_not_refused():
     from xronos.gateway.plan.profiles import falling_times
 
