@@ -3,6 +3,7 @@ cells where the choice matters, in the virtual clock.
 
     .venv/bin/python -m xronos.bench.choice [--cells lora-a,full-a,lora-c,eight] [--iters 8 --warmup 3]
         [--repeats 1] [--out bench/results]
+    .venv/bin/python -m xronos.bench.choice --replan bench/results/choice-X.json [--charge blocking]
 
 Each cell profiles its emulated boxes once (`strategies.profile_devices`: the LoRA job's profile
 for a LoRA cell), then plans and trains, one after another, every strategy a job may ask for —
@@ -294,6 +295,45 @@ def _f(v) -> str:
     return "-" if v is None or v == float("inf") else f"{v:.3f}"
 
 
+def replan(doc: dict, charge: str = "launched") -> str:
+    """A result file's strategies planned again by today's planner over that run's own profiles,
+    against the iterations the run measured: what a change of the cost model moves on the same
+    profiles and runs (so that host drift between two runs does not enter). `charge="blocking"`
+    charges an overlapped call the profile's blocking-call CPU, as before the launched-call probe
+    (`NodeComm.in_flight`)."""
+    from types import SimpleNamespace
+
+    from xronos.gateway.plan.commmodel import NodeComm
+
+    if charge not in ("launched", "blocking"):
+        raise ValueError(f"charge must be launched or blocking, got {charge!r}")
+    c = doc["cell"]
+    # the scenario's devices in rank order, as `run_cell` profiled them
+    ctx = SimpleNamespace(device_names=[d.name for d in _scenario(c["scenario"]).devices], caps=doc["memory_caps"],
+                          bandwidth_mbit=1000.0, batch_size=c["batch_size"])
+    key = "tp-lora" if c["lora"] else "tp"
+    lines = [f"### {c['name']} re-planned, overlapped calls charged the profile's {charge} CPU", "",
+             "| strategy | plan | predicted s | measured s | error |", "|---|---|---|---|---|"]
+    saved = NodeComm.in_flight
+    if charge == "blocking":
+        NodeComm.in_flight = lambda self: self  # type: ignore[method-assign]
+    # what was measured, by plan: a strategy re-planned to another plan is set against that plan's run
+    measured = {e["plan_key"]: e["run"] for e in doc["strategies"].values() if e.get("run") and "plan_key" in e}
+    try:
+        for name in doc["strategies"]:
+            p = _plan(ctx, doc["profiles"], key, name)
+            run = measured.get(p.get("plan_key", ""))
+            if run is None or "infeasible" in p:
+                lines.append(f"| {name} | {p.get('label', '-')} | {_f(p.get('predicted_s'))} | not run | - |")
+                continue
+            m = run["iteration_s"]
+            lines.append(f"| {name} | {p['label']} | {p['predicted_s']:.3f} | {m:.3f} | "
+                         f"{100 * (p['predicted_s'] - m) / m:+.1f}% |")
+    finally:
+        NodeComm.in_flight = saved  # type: ignore[method-assign]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xronos.bench.choice", description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="lora-a,full-a", help=f"comma-separated, of {', '.join(CELLS)}")
@@ -307,7 +347,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stack-ns", type=float, default=0.0,
                     help="the link's network-stack CPU, ns of a host core per byte carried (bench/stack_probe.py "
                          "measures it on a real link), in the profiles and the runs; 0: none")
+    ap.add_argument("--replan", metavar="JSON", help="plan a result file's strategies again over its own profiles and "
+                    "print predicted against its measured iterations (nothing is run)")
+    ap.add_argument("--charge", choices=("launched", "blocking"), default="launched",
+                    help="with --replan: what an overlapped call is charged, the profile's launched-call CPU "
+                         "(today's model) or its blocking-call CPU (the model before the launched-call probe)")
     args = ap.parse_args(argv)
+    if args.replan:
+        try:
+            doc = json.loads(Path(args.replan).read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"--replan {args.replan}: {exc}")
+        print(replan(doc, args.charge))
+        return 0
     if not (args.stack_ns >= 0 and args.stack_ns < float("inf")):
         ap.error(f"--stack-ns must be a finite number >= 0, got {args.stack_ns}")
     names = [n for n in args.cells.split(",") if n]

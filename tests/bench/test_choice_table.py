@@ -43,3 +43,34 @@ def test_an_overlapped_strategy_is_the_planners_strategy_with_its_overlap_keywor
     assert overlap_args("segment+auto") == ("segment", {"overlap": "auto"})
     with pytest.raises(ValueError, match="strategy 'segment\\+x': overlap mode bwd, cN, on or auto"):
         overlap_args("segment+x")
+
+
+def test_a_result_is_replanned_over_its_own_profiles_and_set_against_its_own_runs():
+    # A committed run (planner only: nothing is trained). Today's model re-plans what the run planned;
+    # charged as blocking calls (the model before the launched-call probe) the overlapped modes
+    # come out faster, the plan without overlap the same.
+    import json
+    import re
+    from pathlib import Path
+
+    from xronos.bench.choice import replan
+
+    doc = json.loads((Path(__file__).parents[2] / "bench/results/choice-overlap-a-launched-run2.json").read_text())
+
+    def rows(charge):
+        out = {}
+        for line in replan(doc, charge).splitlines():
+            m = re.match(r"\| (\S+) \| .* \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+)% \|$", line)
+            if m:
+                out[m[1]] = (float(m[2]), float(m[3]))
+        return out
+
+    launched, blocking = rows("launched"), rows("blocking")
+    for name, e in doc["strategies"].items():
+        assert launched[name][0] == pytest.approx(e["predicted_s"], rel=5e-3)
+        assert launched[name][1] == pytest.approx(e["run"]["iteration_s"], abs=1e-3)
+    assert blocking["segment"] == launched["segment"]
+    for name in ("segment+bwd", "segment+c2", "segment+c4"):
+        assert blocking[name][0] < launched[name][0]
+    with pytest.raises(ValueError, match="charge must be launched or blocking"):
+        replan(doc, "min")
