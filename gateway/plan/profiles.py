@@ -148,9 +148,9 @@ def check_report(r: ProfileReport, source: str) -> None:
                          f"(blk.rest: the block's norms and residual adds, which every rank runs whole)")
     c = r.collectives
     if c is not None:
-        for name in ("seconds", "small_seconds"):
+        for name in ("seconds", "small_seconds", "launched_seconds", "launched_small_seconds"):
             v = getattr(c, name)
-            if not (v >= 0 and math.isfinite(v)):
+            if v is not None and not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{source}: field collectives.{name}: must be finite and >= 0, got {v!r}")
         want = 4 * r.batch_size * r.seq_len * r.arch.hidden_size
         if c.nbytes != want:

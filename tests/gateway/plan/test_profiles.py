@@ -190,6 +190,8 @@ def _with_collectives(r, seconds=0.004, small=0.001, nbytes=None):
 @pytest.mark.parametrize("edits, field", [
     ({"collectives__seconds": math.nan}, "field collectives.seconds"),
     ({"collectives__small_seconds": -1.0}, "field collectives.small_seconds"),
+    ({"collectives__launched_seconds": math.inf, "collectives__launched_small_seconds": 1e-4},
+     "field collectives.launched_seconds"),
     ({"collectives__nbytes": 4 * 8 * 64 * 1024}, "field collectives.nbytes: node n0 probed all-reduces of "
                                                    "2097152 bytes, but the activation of batch 8 x seq 32"),
     ({"collectives__small_bytes": 10**9}, "field collectives: small_bytes: must be below nbytes"),
