@@ -109,8 +109,9 @@ def _time_launched(pgs: list[dist.ProcessGroup], elements: int, repeats: int, wa
     `VirtualClock.flight_est`), times `cpu_scale` when given (an emulated box: 1 / its speed in
     host cores); else this box's own CPU seconds, wherever it runs.
 
-    Gloo's threads beside a busy thread cost more than beside a waiting one (this host: 1.7 ms a
-    2 MiB call against a blocking call's 0.7 ms minimum), which is why it is measured apart."""
+    Gloo's threads beside a busy thread cost more than beside a waiting one (a 2-core host, 2 MiB:
+    medians of 1.1-3.3 ms a call against a blocking call's minimum of 0.6-0.7 ms), which is why it
+    is measured apart."""
     rounds = warmup + repeats
     bar = threading.Barrier(2, timeout=_TIMEOUT.total_seconds())
     gemm: list[list[float]] = [[0.0] * rounds, [0.0] * rounds]
