@@ -165,11 +165,20 @@ def _time_launched(pgs: list[dist.ProcessGroup], elements: int, repeats: int, wa
     return statistic(cpus[warmup:], stat) * (1.0 if cpu_scale is None else cpu_scale)
 
 
+def _quota_scale() -> float | None:
+    """1 / the process's CPU limit in cores when it is below one core (a CFS quota), else None."""
+    from xronos.node.box.capabilities import cgroup_cpu_limit
+
+    limit = cgroup_cpu_limit()
+    return 1.0 / limit if limit is not None and 0 < limit < 1 else None
+
+
 def probe_collectives(batch_size: int, seq_len: int, hidden_size: int, *, repeats: int = 30,
                       warmup: int = 3, cpu_scale: float | None = None, cpu_stat: str = "min",
                       stack_s_per_byte: float = 0.0, launched_stat: str = "med") -> CollectiveProfile:
     """All-reduce cost on this node's CPU at the job's activation size and at 4 bytes (`cpu_scale`:
-    see `_time`), blocking and launched beside compute (`_time_launched`, its `launched_stat`). On
+    see `_time`), blocking and launched beside compute (`_time_launched`, its `launched_stat`; off
+    the virtual clock at 1 / the CPU quota in cores when that is below one: `_quota_scale`). On
     the virtual clock (`cpu_scale`) each is charged the network stack's CPU the clock's link
     models beside it too (`stack_s_per_byte` per byte carried: a two-rank ring carries the tensor),
     as `VirtualClock` charges a call, so the profile and the run share one ruler."""
@@ -180,8 +189,11 @@ def probe_collectives(batch_size: int, seq_len: int, hidden_size: int, *, repeat
     try:
         small = _time(pgs, SMALL_ELEMENTS, repeats, warmup, cpu_scale, cpu_stat)
         big = _time(pgs, elements, repeats, warmup, cpu_scale, cpu_stat)
-        l_small = _time_launched(pgs, SMALL_ELEMENTS, repeats, warmup, cpu_scale, launched_stat)
-        l_big = _time_launched(pgs, elements, repeats, warmup, cpu_scale, launched_stat)
+        # off the virtual clock a launched call's CPU comes out of the compute's CPU quota, if any:
+        # under a limit of q cores it costs the computing thread 1/q of its seconds in wall time
+        l_scale = cpu_scale if cpu_scale is not None else _quota_scale()
+        l_small = _time_launched(pgs, SMALL_ELEMENTS, repeats, warmup, l_scale, launched_stat)
+        l_big = _time_launched(pgs, elements, repeats, warmup, l_scale, launched_stat)
         if cpu_scale is not None:
             small += stack_s_per_byte * 4 * SMALL_ELEMENTS * cpu_scale
             big += stack_s_per_byte * 4 * elements * cpu_scale

@@ -47,3 +47,23 @@ def test_off_the_virtual_clock_nothing_is_added(monkeypatch) -> None:
     assert virtual.seconds == pytest.approx(1e-3 * 64 + 1e-3 * 256 * 2.0)
     assert virtual.small_seconds == pytest.approx(1e-3 + 1e-3 * 4 * 2.0)
     assert virtual.launched_seconds == pytest.approx(2e-3 * 64 + 1e-3 * 256 * 2.0)
+
+
+def test_off_the_virtual_clock_a_launched_call_costs_its_cpu_over_the_quota(monkeypatch) -> None:
+    # Under a CFS quota of a quarter core the compute loses four wall seconds for each CPU second
+    # Gloo's threads take from the quota; without a quota (or at one core and more) its CPU seconds.
+    from xronos.node.box import capabilities
+    from xronos.node.measure import commprobe
+
+    scales: list[float | None] = []
+    monkeypatch.setattr(commprobe, "_time", lambda *a: 1e-3)
+    monkeypatch.setattr(commprobe, "_time_launched", lambda pgs, el, rep, wu, scale, stat: scales.append(scale) or 1e-3)
+    for limit, want in ((0.25, 4.0), (None, None), (2.0, None)):
+        monkeypatch.setattr(capabilities, "cgroup_cpu_limit", lambda limit=limit: limit)
+        scales.clear()
+        probe_collectives(2, 4, 8, repeats=3, warmup=1)
+        assert scales == [want, want]
+    scales.clear()
+    monkeypatch.setattr(capabilities, "cgroup_cpu_limit", lambda: 0.25)
+    probe_collectives(2, 4, 8, repeats=3, warmup=1, cpu_scale=2.0)  # the virtual clock's own scale wins
+    assert scales == [2.0, 2.0]
