@@ -1,7 +1,8 @@
 """A rank of tests/node/test_overlap_world.py: compute, an all-reduce, compute, on a virtual clock;
 the all-reduce blocking or launched before the second compute and waited for after it, alternate
 iterations. Writes per iteration the mode, its virtual start and time, the compute before and
-after the all-reduce (the clock's account) and whether the sum came out exact (JSON)."""
+after the all-reduce (the clock's account), a launched call's own CPU charge and whether the sum
+came out exact (JSON)."""
 
 from __future__ import annotations
 
@@ -38,15 +39,18 @@ def main() -> None:
         if overlap:
             pending = group.all_reduce_async(x)
             c1 = clock.account.compute
+            own = pending.ticket.own_cost  # the call's CPU the clock charges this rank at the wait
             work(job["after"])
             pending.wait()
         else:
             group.all_reduce(x)
             c1 = clock.account.compute
+            own = 0.0
             work(job["after"])
         group.settle()
         t1, c2 = group.now(), clock.account.compute
         rows.append({"overlap": overlap, "t0": t0, "iteration_s": t1 - t0, "before_s": c1 - c0, "after_s": c2 - c1,
+                     "own_s": own,
                      "exact": bool(torch.equal(x, torch.full_like(x, sum(range(1, job["world"] + 1)))))})
         group.barrier(timed=False)
     Path(job["out"], f"rank{rank}.json").write_text(json.dumps(rows))

@@ -27,8 +27,10 @@ def test_compute_between_launch_and_wait_hides_the_link_in_virtual_time(tmp_path
             start = max(r[it]["t0"] + r[it]["before_s"] for r in ranks) - row["t0"]
             if row["overlap"]:
                 # The compute since the launch hid the link: it ends at the later of the link's end
-                # and the compute's (plus the call's own CPU, under a millisecond here).
-                expected = max(start + link_s, row["before_s"] + row["after_s"])
+                # and the compute's plus the call's own CPU (Gloo's threads while it flew, the
+                # window median: 0.3-4.6 ms a call in five runs on one 2-core host, above the tolerance).
+                expected = max(start + link_s, row["before_s"] + row["after_s"] + row["own_s"])
+                assert 0 <= row["own_s"] < link_s
                 assert 0.2 * link_s < row["after_s"] < link_s  # the case: compute hides part of it
             else:
                 expected = start + link_s + row["after_s"]
