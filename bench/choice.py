@@ -314,12 +314,12 @@ def replan(doc: dict, charge: str = "launched") -> str:
     key = "tp-lora" if c["lora"] else "tp"
     lines = [f"### {c['name']} re-planned, overlapped calls charged the profile's {charge} CPU", "",
              "| strategy | plan | predicted s | measured s | error |", "|---|---|---|---|---|"]
-    saved = NodeComm.in_flight
-    if charge == "blocking":
-        NodeComm.in_flight = lambda self: self  # type: ignore[method-assign]
     # what was measured, by plan: a strategy re-planned to another plan is set against that plan's run
     measured = {e["plan_key"]: e["run"] for e in doc["strategies"].values() if e.get("run") and "plan_key" in e}
+    saved = NodeComm.in_flight
     try:
+        if charge == "blocking":
+            NodeComm.in_flight = lambda self: self  # type: ignore[method-assign]
         for name in doc["strategies"]:
             p = _plan(ctx, doc["profiles"], key, name)
             run = measured.get(p.get("plan_key", ""))
