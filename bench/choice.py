@@ -299,15 +299,20 @@ def replan(doc: dict, charge: str = "launched") -> str:
     """A result file's strategies planned again by today's planner over that run's own profiles,
     against the iterations the run measured: what a change of the cost model moves on the same
     profiles and runs (so that host drift between two runs does not enter). `charge="blocking"`
-    charges an overlapped call the profile's blocking-call CPU, as before the launched-call probe
-    (`NodeComm.in_flight`)."""
+    plans over the profiles without their launched-call probe, so an overlapped call is charged the
+    blocking call's CPU, as a profile from before that probe is (`NodeComm.in_flight`)."""
     from types import SimpleNamespace
-
-    from xronos.gateway.plan.commmodel import NodeComm
 
     if charge not in ("launched", "blocking"):
         raise ValueError(f"charge must be launched or blocking, got {charge!r}")
     c = doc["cell"]
+    profiles = doc["profiles"]
+    if charge == "blocking":
+        profiles = json.loads(json.dumps(profiles))  # a copy, the caller's document untouched
+        for per_device in profiles.values():
+            for report in per_device.values():
+                if report.get("collectives"):
+                    report["collectives"].update(launched_seconds=None, launched_small_seconds=None)
     # the scenario's devices in rank order, as `run_cell` profiled them
     ctx = SimpleNamespace(device_names=[d.name for d in _scenario(c["scenario"]).devices], caps=doc["memory_caps"],
                           bandwidth_mbit=1000.0, batch_size=c["batch_size"])
@@ -316,21 +321,15 @@ def replan(doc: dict, charge: str = "launched") -> str:
              "| strategy | plan | predicted s | measured s | error |", "|---|---|---|---|---|"]
     # what was measured, by plan: a strategy re-planned to another plan is set against that plan's run
     measured = {e["plan_key"]: e["run"] for e in doc["strategies"].values() if e.get("run") and "plan_key" in e}
-    saved = NodeComm.in_flight
-    try:
-        if charge == "blocking":
-            NodeComm.in_flight = lambda self: self  # type: ignore[method-assign]
-        for name in doc["strategies"]:
-            p = _plan(ctx, doc["profiles"], key, name)
-            run = measured.get(p.get("plan_key", ""))
-            if run is None or "infeasible" in p:
-                lines.append(f"| {name} | {p.get('label', '-')} | {_f(p.get('predicted_s'))} | not run | - |")
-                continue
-            m = run["iteration_s"]
-            lines.append(f"| {name} | {p['label']} | {p['predicted_s']:.3f} | {m:.3f} | "
-                         f"{100 * (p['predicted_s'] - m) / m:+.1f}% |")
-    finally:
-        NodeComm.in_flight = saved  # type: ignore[method-assign]
+    for name in doc["strategies"]:
+        p = _plan(ctx, profiles, key, name)
+        run = measured.get(p.get("plan_key", ""))
+        if run is None or "infeasible" in p:
+            lines.append(f"| {name} | {p.get('label', '-')} | {_f(p.get('predicted_s'))} | not run | - |")
+            continue
+        m = run["iteration_s"]
+        lines.append(f"| {name} | {p['label']} | {p['predicted_s']:.3f} | {m:.3f} | "
+                     f"{100 * (p['predicted_s'] - m) / m:+.1f}% |")
     return "\n".join(lines)
 
 

@@ -110,6 +110,13 @@ def read_box(path: Path | None) -> Box | None:
         return None
 
 
+# The statistic of a call's CPU samples the clock charges: a blocking call its window minimum, a
+# launched one its window median (the reasons at `VirtualClock.__init__`). The profile's all-reduce
+# probe takes the same (`node/measure/commprobe.py`), so plan and run share one ruler.
+CALL_STAT = "min"
+FLIGHT_STAT = "med"
+
+
 class VirtualClock(Clock):
     """One rank's virtual time (seconds since the clock was made)."""
 
@@ -136,13 +143,13 @@ class VirtualClock(Clock):
         # The calls' own process CPU: its window minimum whatever the bursts' estimator. A call's
         # process CPU is small (0.1-1 ms) and what pollutes it is not the call: other threads of the
         # process running while this one waits in it (a profiler's probe read 2.9 ms for 4 bytes).
-        self.call_est = Estimator("min", box.window)
+        self.call_est = Estimator(CALL_STAT, box.window)
         # A launched call's CPU (Gloo's threads while it flies, `flight._Ledger`), its window median:
         # it is charged on top of the compute that hides it, so the charges must add up to what the
         # threads took, and the cheapest call of the window does not. With the minimum the clock
         # over-rated chunking's gain against two pinned wall-clock ranks by 10.5-10.7 points; with
         # the median it agreed within 5 (docs/planning.md, "What a launched call is charged").
-        self.flight_est = Estimator("med", box.window)
+        self.flight_est = Estimator(FLIGHT_STAT, box.window)
         self.t = 0.0
         self.base = 0.0  # the last group-wide departure: the same on every rank
         self.account = Account()

@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from xronos.node.emulate.vclock import CALL_STAT, FLIGHT_STAT
 from xronos.protocol.messages import CollectiveProfile
 
 SMALL_ELEMENTS = 1  # the latency probe: one fp32 (4 bytes)
@@ -60,7 +61,7 @@ def _groups() -> list[dist.ProcessGroup]:
 
 
 def _time(pgs: list[dist.ProcessGroup], elements: int, repeats: int, warmup: int,
-          cpu_scale: float | None = None, cpu_stat: str = "min") -> float:
+          cpu_scale: float | None = None, cpu_stat: str = CALL_STAT) -> float:
     """Mean seconds of one all-reduce of `elements` fp32, the slower of the two ranks. The mean,
     not the median: under a CFS quota a call either fits in the period's quota or waits for the
     next one, and the median of that two-valued distribution flips between them (4 B: 0.1 vs 8.7
@@ -100,7 +101,7 @@ def _time(pgs: list[dist.ProcessGroup], elements: int, repeats: int, warmup: int
 
 
 def _time_launched(pgs: list[dist.ProcessGroup], elements: int, repeats: int, warmup: int,
-                   cpu_scale: float | None = None, stat: str = "med") -> float:
+                   cpu_scale: float | None = None, stat: str = FLIGHT_STAT) -> float:
     """One rank's CPU for an all-reduce of `elements` fp32 it launched (`async_op`) and computed
     beside until the call completed, then waited for: the process's CPU over the two ranks' round
     less their computing threads' GEMMs, half of it (both ranks' calls fly at once). That is what
@@ -174,8 +175,8 @@ def _quota_scale() -> float | None:
 
 
 def probe_collectives(batch_size: int, seq_len: int, hidden_size: int, *, repeats: int = 30,
-                      warmup: int = 3, cpu_scale: float | None = None, cpu_stat: str = "min",
-                      stack_s_per_byte: float = 0.0, launched_stat: str = "med") -> CollectiveProfile:
+                      warmup: int = 3, cpu_scale: float | None = None, cpu_stat: str = CALL_STAT,
+                      stack_s_per_byte: float = 0.0, launched_stat: str = FLIGHT_STAT) -> CollectiveProfile:
     """All-reduce cost on this node's CPU at the job's activation size and at 4 bytes (`cpu_scale`:
     see `_time`), blocking and launched beside compute (`_time_launched`, its `launched_stat`; off
     the virtual clock at 1 / the CPU quota in cores when that is below one: `_quota_scale`). On

@@ -57,10 +57,11 @@ def virtual_cpu_scale() -> tuple[float | None, str]:
     """1 / the box's speed on the virtual clock and the statistic the clock takes of a call's CPU
     (the window minimum, `VirtualClock.call_est`), else (None, "min")."""
     from xronos.node.emulate import process_clock
+    from xronos.node.emulate.vclock import CALL_STAT
 
     clock = process_clock()
     box = getattr(clock, "box", None)
-    return (None, "min") if box is None else (1.0 / box.host_cores, "min")  # as VirtualClock.call_est
+    return (None, CALL_STAT) if box is None else (1.0 / box.host_cores, CALL_STAT)
 
 
 def virtual_stack_s_per_byte() -> float:
