@@ -54,8 +54,11 @@ from pathlib import Path
 STRATEGIES = ("auto", "segment", "dp", "uniform", "paper")
 # TP `segment` with its all-reduces overlapped with compute (issue #37): `segment+MODE`, MODE one of
 # bwd (forced), cN (forced N chunks), on (the planner's fastest overlapping mode) or auto
-# (its fastest mode, none among them). `--strategies` picks any of these and STRATEGIES.
-OVERLAPPED = ("segment+bwd", "segment+c2", "segment+c4", "segment+on", "segment+auto")
+# (its fastest mode, none among them); each planned with its layout (`choose.with_overlap`), or,
+# with `@off`, on the layout planned without overlap (as the planner did before 2026-12-07).
+# `--strategies` picks any of these and STRATEGIES.
+_MODES = ("segment+bwd", "segment+c2", "segment+c4", "segment+on", "segment+auto")
+OVERLAPPED = _MODES + tuple(f"{m}@off" for m in _MODES)
 
 
 def overlap_args(strat: str) -> tuple[str, dict]:
@@ -63,17 +66,21 @@ def overlap_args(strat: str) -> tuple[str, dict]:
     base, _, mode = strat.partition("+")
     if not mode:
         return base, {}
+    mode, at, layout = mode.partition("@")
+    if at and layout != "off":
+        raise ValueError(f"strategy {strat!r}: @off (the layout planned without overlap) or nothing")
+    joint = {"joint": False} if at else {}
     from xronos.gateway.plan.overlapcost import mode_of
 
     if mode in ("on", "auto"):
-        return base, {"overlap": mode}
+        return base, {"overlap": mode, **joint}
     try:
         forced = mode_of(mode)
     except ValueError:
         forced = None
     if forced is None or not forced.on:
         raise ValueError(f"strategy {strat!r}: overlap mode bwd, cN, on or auto")
-    return base, {"overlap": "on", "chunks": forced.chunks}
+    return base, {"overlap": "on", "chunks": forced.chunks, **joint}
 HOST_FRACTION = 0.8  # of this host's memory the cells' caps may take together
 
 
@@ -295,12 +302,13 @@ def _f(v) -> str:
     return "-" if v is None or v == float("inf") else f"{v:.3f}"
 
 
-def replan(doc: dict, charge: str = "launched") -> str:
+def replan(doc: dict, charge: str = "launched", joint: bool = True) -> str:
     """A result file's strategies planned again by today's planner over that run's own profiles,
     against the iterations the run measured: what a change of the cost model moves on the same
     profiles and runs (so that host drift between two runs does not enter). `charge="blocking"`
     plans over the profiles without their launched-call probe, so an overlapped call is charged the
-    blocking call's CPU, as a profile from before that probe is (`NodeComm.in_flight`)."""
+    blocking call's CPU, as a profile from before that probe is (`NodeComm.in_flight`).
+    `joint=False` keeps every overlap mode on the layout planned without overlap (`@off`)."""
     from types import SimpleNamespace
 
     if charge not in ("launched", "blocking"):
@@ -322,7 +330,8 @@ def replan(doc: dict, charge: str = "launched") -> str:
     # what was measured, by plan: a strategy re-planned to another plan is set against that plan's run
     measured = {e["plan_key"]: e["run"] for e in doc["strategies"].values() if e.get("run") and "plan_key" in e}
     for name in doc["strategies"]:
-        p = _plan(ctx, profiles, key, name)
+        kept = not joint and "+" in name and "@" not in name
+        p = _plan(ctx, profiles, key, f"{name}@off" if kept else name)
         run = measured.get(p.get("plan_key", ""))
         if run is None or "infeasible" in p:
             lines.append(f"| {name} | {p.get('label', '-')} | {_f(p.get('predicted_s'))} | not run | - |")

@@ -30,11 +30,12 @@ from xronos.protocol.messages import Overlap, Plan, PlanEntry
 
 def choose_reports(loaded: Sequence[Loaded], strategy: str, *, reserve_mb: float = DEFAULT_RESERVE_MB,
                    batch: int | None = None, overlap: str = "off", chunks: int | None = None,
-                   **kw: Any) -> Choice:
+                   joint: bool = True, **kw: Any) -> Choice:
     """The candidates `strategy` asks for over the reports (ranks in given order) and the pick;
     `kw` as `profiles.cost_inputs` (the job's batch_size, seq_len, ... and the link). `batch`: the
     global batch the shares split (default: the profiles' batch, which a job's must equal).
-    `overlap`/`chunks`: a TP candidate's overlap of its all-reduces (`choose.with_overlap`)."""
+    `overlap`/`chunks`: a TP candidate's overlap of its all-reduces (`choose.with_overlap`);
+    `joint`: its layout planned with its mode (False: the layout planned without overlap)."""
     ins = cost_inputs(loaded, reserve_mb=reserve_mb, **kw)
     bw = kw.get("bandwidth_Bps")
     lat = kw.get("latency_s")
@@ -42,7 +43,7 @@ def choose_reports(loaded: Sequence[Loaded], strategy: str, *, reserve_mb: float
     try:
         choice = choose(list(ins.nodes), ins.sizes, list(ins.caps), ins.volume, ins.comm_s, ins.profile_rows,
                         batch or ins.profile_rows, strategy, node_cpu=ins.node_cpu, overlap=overlap,
-                        chunks=chunks, shape=ins.shape, **link)
+                        chunks=chunks, shape=ins.shape, joint=joint, **link)
     except InfeasiblePlan as exc:
         raise reserve_note(exc, loaded, ins.caps, reserve_mb) from None
     if strategy == "dp":

@@ -15,8 +15,12 @@ Candidates (`auto` predicts all of them):
              group speed (`mesh.py` says which meshes are searched, exactly and beyond).
 
 A TP candidate may hide its all-reduces behind compute (issue #37; the job's `overlap`):
-`overlapcost.predict_modes` predicts each overlap mode for its layout and the fastest is kept
-(`with_overlap`); its label names the mode. The layout is the one planned without overlap.
+`overlapcost.predict_modes` predicts each overlap mode, each node paying its own launched calls
+beside its own compute, and the fastest is kept (`with_overlap`); its label names the mode. The
+layout and the mode are chosen together: for `segment`, each overlapping mode also gets a layout
+planned for it (`for_mode`: chunking's added compute and each node's launched calls' CPU in the
+blocks' segments, so a slow box, which pays a call at its own speed, takes fewer columns), and
+the pair predicted fastest wins, the layout planned without overlap among them.
 
 `auto` picks the feasible candidate with the least predicted iteration; a tie (within
 `TIE_REL`) goes to the earlier candidate in the order above, so to TP `segment` first: the
@@ -34,16 +38,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from xronos.gateway.plan.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, CommVolume, NodeComm
-from xronos.gateway.plan.costmodel import NodeCost
+from xronos.gateway.plan.costmodel import KindCost, NodeCost
 from xronos.gateway.plan.dpcost import DPPrediction, predict_dp
 from xronos.gateway.plan.mesh import MeshPrediction, plan_mesh
 from xronos.gateway.plan.model import MiB
 from xronos.gateway.plan.overlapcost import MODES, OFF, OverlapMode, OverlapPrediction, TPShape, best_mode, \
-    fixed_share, predict_modes
-from xronos.gateway.plan.planner import DEFAULT_BUDGET, InfeasiblePlan, PlanResult, plan
+    chunk_share, fixed_share, predict_modes
+from xronos.gateway.plan.planner import DEFAULT_BUDGET, InfeasiblePlan, PlanResult, plan, relayout
 from xronos.protocol.layout import Sizes
 
-__all__ = ["AUTO_CANDIDATES", "CHOICES", "Candidate", "Choice", "TIE_REL", "choose"]
+__all__ = ["AUTO_CANDIDATES", "CHOICES", "Candidate", "Choice", "TIE_REL", "choose", "for_mode"]
 
 AUTO_CANDIDATES: tuple[str, ...] = ("segment", "dp", "mesh")
 CHOICES: tuple[str, ...] = ("auto", "segment", "dp", "paper", "uniform")  # what a job or `xronos plan` may ask
@@ -111,11 +115,33 @@ def tp_candidate(result: PlanResult, label: str | None = None) -> Candidate:
                      None if result.feasible else "over the memory cap: " + "; ".join(over), tp=result)
 
 
+def for_mode(nd: NodeCost, comm: NodeComm | None, mode: OverlapMode, shape: TPShape, n_nodes: int,
+             fixed: float, worst_call_s: float = 0.0) -> NodeCost:
+    """The node's costs as `mode` runs its blocks, for planning a layout for that mode: chunking's
+    added compute (`1 + (N - 1) fixed` of the blocks' kinds, `overlapcost`) and the CPU of the
+    calls it launches beside its compute, which it pays at its own speed (per block and stage: N
+    in forward and N in backward with N chunks; one in backward for `bwd`). `worst_call_s`: what
+    a node without a collective probe is charged a call. Memory is unchanged (a chunk's
+    activations are the batch's, cut in rows)."""
+    c = mode.chunks
+    grow = 1 + (c - 1) * fixed
+    calls = shape.blocks * (2 * c if c > 1 else 1) if mode.on else 0
+    own = comm.in_flight().allreduce_s(shape.act_bytes / c, n_nodes) if comm is not None else worst_call_s
+
+    def scaled(k: KindCost) -> KindCost:
+        return replace(k, fixed_s=k.fixed_s * grow + calls * own, icpt_s=k.icpt_s * grow, slope_s=k.slope_s * grow)
+
+    return replace(nd, attn=scaled(nd.attn), mlp=scaled(nd.mlp))
+
+
 def with_overlap(c: Candidate, nodes: Sequence[NodeCost], shape: TPShape | None, overlap: str,
                  chunks: int | None, *, bandwidth_Bps: float, latency_s: float,
-                 node_cpu: Sequence[NodeComm | None]) -> Candidate:
+                 node_cpu: Sequence[NodeComm | None], caps: Sequence[float] | None = None,
+                 budget: int = DEFAULT_BUDGET) -> Candidate:
     """A TP candidate with the overlap mode the job asks for: `off` as it is; `auto` the fastest
-    predicted mode (`off` among them); `on` the fastest overlapping one, or `chunks` chunks."""
+    predicted mode (`off` among them); `on` the fastest overlapping one, or `chunks` chunks. With
+    `caps` (the plan's memory caps) a `segment` candidate's overlapping modes are also predicted
+    on a layout planned for each (`for_mode`), and the fastest pair is kept."""
     if overlap not in ("auto", "off", "on"):
         raise ValueError(f"overlap must be auto, off or on, got {overlap!r}")
     if chunks is not None and shape is not None and chunks > shape.rows:
@@ -126,17 +152,41 @@ def with_overlap(c: Candidate, nodes: Sequence[NodeCost], shape: TPShape | None,
     modes: tuple[OverlapMode, ...] = MODES if overlap == "auto" else tuple(m for m in MODES if m != OFF)
     if chunks is not None:
         modes = (OverlapMode(True, chunks),)
-    preds = predict_modes(c.tp.segment_s, c.tp.predicted_iteration_s, shape, len(c.tp.rows),
-                          bandwidth_Bps=bandwidth_Bps, latency_s=latency_s, node_cpu=node_cpu,
-                          rows_fixed=fixed_share([n.rows_fixed for n in nodes]), modes=modes)
+    fixed = fixed_share([n.rows_fixed for n in nodes])
+    n = len(c.tp.rows)
+
+    def predict(tp: PlanResult, ms: Sequence[OverlapMode]) -> tuple[OverlapPrediction, ...]:
+        return predict_modes(tp.segment_s, tp.predicted_iteration_s, shape, n, bandwidth_Bps=bandwidth_Bps,
+                             latency_s=latency_s, node_cpu=node_cpu, rows_fixed=fixed, modes=ms,
+                             node_seg=[r.segment_s for r in tp.rows])
+
+    preds = predict(c.tp, modes)
     if not preds:
         return c
-    p = best_mode(preds)
+    p, tp = best_mode(preds), c.tp
+    if caps is not None and c.tp.strategy == "segment":
+        share = chunk_share(shape, fixed)
+        worst = max((x.in_flight().allreduce_s(shape.act_bytes, n) for x in node_cpu if x is not None), default=0.0)
+        for m in (m for m in modes if m.on and m.chunks <= shape.rows):
+            mode_nodes = [for_mode(nd, node_cpu[d] if d < len(node_cpu) else None, m, shape, n, share, worst)
+                          for d, nd in enumerate(nodes)]
+            try:
+                planned = plan(mode_nodes, c.tp.sizes, "segment", caps, c.tp.comm_s, budget=budget)
+            except InfeasiblePlan:
+                continue
+            if planned.layout == c.tp.layout:
+                continue
+            alt = relayout(c.tp, nodes, caps, planned.layout)
+            q = predict(alt, (m,))
+            if alt.feasible and q and q[0].iteration_s < p.iteration_s * (1 - 1e-6):
+                p, tp = q[0], alt
     if not p.mode.on:
         return c
-    return replace(c, label=f"{c.label}, overlap {p.mode.label}", iteration_s=p.iteration_s,
-                   compute_s=c.compute_s + p.chunk_overhead_s,
-                   comm_s=max(0.0, p.iteration_s - c.compute_s - p.chunk_overhead_s), overlap=p)
+    base = c if tp is c.tp else tp_candidate(tp, c.label)
+    where = "" if tp is c.tp else " (a layout planned for it)"
+    return replace(base, label=f"{c.label}, overlap {p.mode.label}{where}", iteration_s=p.iteration_s,
+                   compute_s=base.compute_s + p.chunk_overhead_s,
+                   comm_s=max(0.0, p.iteration_s - base.compute_s - p.chunk_overhead_s), overlap=p)
 
 
 def dp_candidate(pred: DPPrediction) -> Candidate:
@@ -160,7 +210,8 @@ def choose(nodes: Sequence[NodeCost], sizes: Sizes, caps: Sequence[float], volum
            profile_rows: int, batch: int, strategy: str = "auto", *,
            bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS, latency_s: float = DEFAULT_LATENCY_S,
            node_cpu: Sequence[NodeComm | None] = (), budget: int = DEFAULT_BUDGET,
-           overlap: str = "off", chunks: int | None = None, shape: TPShape | None = None) -> Choice:
+           overlap: str = "off", chunks: int | None = None, shape: TPShape | None = None,
+           joint: bool = True) -> Choice:
     """Predict the candidates `strategy` asks for over `nodes` (rank order, the owner first) and pick.
 
     `volume`/`comm_s`: TP's activation all-reduces over every node at the profile's rows and their
@@ -168,10 +219,11 @@ def choose(nodes: Sequence[NodeCost], sizes: Sizes, caps: Sequence[float], volum
     global batch. A forced TP strategy raises InfeasiblePlan as `planner.plan` does; a forced `dp`
     returns its (possibly infeasible) candidate: `dpcost.require_fit` refuses it by name.
     `overlap`/`chunks`/`shape`: the job's overlap setting and what the overlap model needs
-    (`with_overlap`; without a shape no overlap is predicted)."""
+    (`with_overlap`; without a shape no overlap is predicted); `joint=False` keeps the layout
+    planned without overlap for every mode (the bench's comparison)."""
     def hide(c: Candidate) -> Candidate:
         return with_overlap(c, nodes, shape, overlap, chunks, bandwidth_Bps=bandwidth_Bps, latency_s=latency_s,
-                            node_cpu=node_cpu)
+                            node_cpu=node_cpu, caps=caps if joint else None, budget=budget)
 
     if strategy not in CHOICES:
         raise ValueError(f"strategy must be one of {CHOICES}, got {strategy!r}")

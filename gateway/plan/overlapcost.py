@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from xronos.gateway.plan.commmodel import CommVolume, NodeComm, comm_time
 
 __all__ = ["FULL_CHUNK_FIXED", "MODES", "OverlapMode", "OverlapPrediction", "TPShape", "mode_of",
-           "predict_modes", "best_mode", "fixed_share"]
+           "predict_modes", "best_mode", "chunk_share", "fixed_share"]
 
 FULL_CHUNK_FIXED = 0.07
 
@@ -132,32 +132,62 @@ def _link(nbytes: float, n: int, bandwidth_Bps: float, latency_s: float, cpu: Se
     return comm_time(CommVolume(1, nbytes), n, bandwidth_Bps, latency_s, cpu)
 
 
-def _call_cpu(nbytes: float, n: int, cpu: Sequence[NodeComm]) -> float:
-    return max((c.allreduce_s(nbytes, n) for c in cpu), default=0.0)
+@dataclass(frozen=True)
+class _Lane:
+    """Who the simulation waits for: a node's per-segment compute and the CPU one launched call of
+    the mode's size costs it. Without per-node times there is one lane, the plan's bottleneck
+    segments with the costliest node's call: the slowest node and the costliest call taken as one
+    (which overstates a mode when they are different nodes)."""
+
+    seg: Mapping[str, float]
+    own_s: float
+
+
+def _lanes(seg: Mapping[str, float], node_seg: Sequence[Mapping[str, float]] | None, nbytes: float, n: int,
+           node_cpu: Sequence[NodeComm | None]) -> list[_Lane]:
+    """The simulation's lanes for calls of `nbytes` (`_Lane`). With `node_seg` (the plan's rows,
+    rank order, as `node_cpu`), one lane per node, each paying its own launched call (a node
+    without a probe: the costliest measured one)."""
+    fly = [c.in_flight() if c is not None else None for c in node_cpu]
+    known = [x.allreduce_s(nbytes, n) for x in fly if x is not None]
+    worst = max(known, default=0.0)
+    if node_seg is None:
+        return [_Lane(seg, worst)]
+    own = [fly[d].allreduce_s(nbytes, n) if d < len(fly) and fly[d] is not None else worst  # type: ignore[union-attr]
+           for d in range(len(node_seg))]
+    return [_Lane(s, o) for s, o in zip(node_seg, own)]
 
 
 def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: int, bandwidth_Bps: float,
-              latency_s: float, cpu: Sequence[NodeComm], fixed: float) -> tuple[float, float]:
-    """(iteration seconds, chunking's added compute) of the mode, in the module's model."""
+              latency_s: float, node_cpu: Sequence[NodeComm | None], fixed: float,
+              node_seg: Sequence[Mapping[str, float]] | None = None) -> tuple[float, float]:
+    """(iteration seconds, chunking's added compute) of the mode, in the module's model. Each
+    piece of compute between two all-reduces ends when the last lane's ends (`_lanes`)."""
+    cpu = [c for c in node_cpu if c is not None]
     B, c = shape.blocks, mode.chunks
     grow = 1 + (c - 1) * fixed  # N chunks' compute over one pass's
     f, w = (1 / 3, 1 / 3) if shape.trains_weights else (1 / 2, 0.0)
     g = 1 - f - w
-    # one chunk's compute per block: attention's stage, then the MLP's
-    stages = [seg.get(kind, 0.0) / max(B, 1) * grow / c for kind in ("attn", "mlp")]
+    lanes = _lanes(seg, node_seg, shape.act_bytes / c, n, node_cpu)
+    # one chunk's compute per block and lane: attention's stage, then the MLP's
+    stages = [[ln.seg.get(kind, 0.0) / max(B, 1) * grow / c for kind in ("attn", "mlp")] for ln in lanes]
+
+    def slowest(i: int, share: float, own: bool) -> float:
+        """Stage i's `share` of compute (plus, `own`, a launched call's CPU) on the lane that takes longest."""
+        return max(share * st[i] + (ln.own_s if own else 0.0) for st, ln in zip(stages, lanes))
+
     # a launched call costs a node's CPU more than a blocking one (`NodeComm.in_flight`): its
     # share of the link's max and what it takes from the compute beside it
     fly = [x.in_flight() for x in cpu]
     l_block = _link(shape.act_bytes / c, n, bandwidth_Bps, latency_s, cpu)
     l_chunk = _link(shape.act_bytes / c, n, bandwidth_Bps, latency_s, fly) if mode.on else l_block
-    own = _call_cpu(shape.act_bytes / c, n, fly) if mode.on else 0.0  # an async call's CPU beside compute
     # forward: stage-major, chunk-minor (`overlap.run_chunked`); c = 1 blocks at every all-reduce
     t_cpu, t_link, ready = 0.0, 0.0, [0.0] * c
     for _ in range(B):
-        for t_stage in stages:
+        for i in range(2):
             for k in range(c):
                 start = max(t_cpu, ready[k])
-                t_cpu = start + f * t_stage + (own if c > 1 else 0.0)
+                t_cpu = start + slowest(i, f, c > 1 and mode.on)
                 t_link = ready[k] = max(t_cpu, t_link) + (l_chunk if c > 1 else l_block)
                 if c == 1:
                     t_cpu = t_link
@@ -169,46 +199,52 @@ def _simulate(seg: Mapping[str, float], shape: TPShape, mode: OverlapMode, n: in
         # next chunk computes
         t_cpu, t_link, ready = 0.0, 0.0, [0.0] * c
         for _ in range(B):
-            for t_stage in reversed(stages):
+            for i in (1, 0):
                 for k in range(c):
-                    t_cpu = max(t_cpu, ready[k]) + (g + w) * t_stage + own
+                    t_cpu = max(t_cpu, ready[k]) + slowest(i, g + w, True)
                     t_link = ready[k] = max(t_cpu, t_link) + l_chunk
         backward = max(t_cpu, *ready)
     else:
         # backward: region by region; the input gradient, then the weight gradients beside (bwd)
         # or before (off) the all-reduce
         per_region = 0.0
-        for t_stage in stages:
+        for i in range(2):
             if mode.backward:
-                per_region += g * t_stage + max(w * t_stage + own, l_chunk)
+                per_region += slowest(i, g, False) + max(slowest(i, w, True), l_chunk)
             else:
-                per_region += g * t_stage + w * t_stage + l_block
+                per_region += slowest(i, g + w, False) + l_block
         backward = B * per_region
     # the vocabulary segment: the embedding's all-reduce, and a causal LM head's input-gradient one,
     # which a trained head's weight gradient hides under bwd (cross-entropy's three small
     # all-reduces block in every mode alike: they do not change what a mode saves)
+    v_seg = max(ln.seg.get("vocab", 0.0) for ln in lanes)
     l_act = _link(shape.act_bytes, n, bandwidth_Bps, latency_s, cpu)
-    vocab = seg.get("vocab", 0.0) + l_act
+    vocab = v_seg + l_act
     if shape.task == "causal-lm":
-        head_w = seg.get("vocab", 0.0) / 3 if shape.trains_weights else 0.0
+        head_w = v_seg / 3 if shape.trains_weights else 0.0
         l_fly = _link(shape.act_bytes, n, bandwidth_Bps, latency_s, fly)
         vocab += max(l_fly - head_w, 0.0) if mode.backward else l_act
-    return forward + backward + vocab + seg.get("out", 0.0), (grow - 1) * (seg.get("attn", 0.0) + seg.get("mlp", 0.0))
+    out = max(ln.seg.get("out", 0.0) for ln in lanes)
+    blocks = sum(max(ln.seg.get(kind, 0.0) for ln in lanes) for kind in ("attn", "mlp"))  # the plan's bottleneck's
+    return forward + backward + vocab + out, (grow - 1) * blocks
 
 
 def predict_modes(seg: Mapping[str, float], predicted_s: float, shape: TPShape, n_nodes: int, *,
                   bandwidth_Bps: float, latency_s: float, node_cpu: Sequence[NodeComm | None] = (),
                   rows_fixed: float | None = None, modes: Sequence[OverlapMode] = MODES,
-                  chunk_fixed: float | None = None) -> tuple[OverlapPrediction, ...]:
+                  chunk_fixed: float | None = None,
+                  node_seg: Sequence[Mapping[str, float]] | None = None) -> tuple[OverlapPrediction, ...]:
     """Each mode's prediction for a plan with per-segment bottleneck compute `seg` and predicted
     iteration `predicted_s` (without overlap) on `n_nodes` nodes; `rows_fixed`: the profiles'
     fixed share (`fixed_share`), what a chunk costs under LoRA (module docstring); `chunk_fixed`,
-    when given, is that share whatever the job. Modes with more chunks than the
-    batch has rows are left out; so is everything but `off` for one node (nothing to hide)."""
-    cpu = [c for c in node_cpu if c is not None]
-    lora_probe = not shape.trains_weights and rows_fixed is not None and rows_fixed > 0
-    fixed = chunk_fixed if chunk_fixed is not None else rows_fixed if lora_probe else FULL_CHUNK_FIXED
-    link = (n_nodes, bandwidth_Bps, latency_s, cpu, fixed)
+    when given, is that share whatever the job. `node_seg`: each node's own segment times (the
+    plan's rows, in `node_cpu`'s order), so that each node pays its own launched calls beside its
+    own compute (without them the slowest node pays the costliest call). Modes with more chunks
+    than the batch has rows are left out; so is everything but `off` for one node (nothing to hide)."""
+    fixed = chunk_fixed if chunk_fixed is not None else chunk_share(shape, rows_fixed)
+    if node_seg is not None and len(node_seg) != n_nodes:
+        raise ValueError(f"node_seg: {len(node_seg)} nodes' segment times for {n_nodes} nodes")
+    link = (n_nodes, bandwidth_Bps, latency_s, tuple(node_cpu), fixed, node_seg)
     base, _ = _simulate(seg, shape, OFF, *link)
     out = []
     for m in modes:
@@ -226,6 +262,13 @@ def best_mode(preds: Sequence[OverlapPrediction]) -> OverlapPrediction:
         if p.iteration_s < best.iteration_s * (1 - 1e-6):
             best = p
     return best
+
+
+def chunk_share(shape: TPShape, rows_fixed: float | None) -> float:
+    """What each chunk past the first adds, as a share of the blocks' compute (module docstring):
+    a LoRA job's measured fixed share (`fixed_share`), else `FULL_CHUNK_FIXED`."""
+    lora_probe = not shape.trains_weights and rows_fixed is not None and rows_fixed > 0
+    return rows_fixed if lora_probe and rows_fixed is not None else FULL_CHUNK_FIXED
 
 
 def fixed_share(values: Sequence[float]) -> float | None:

@@ -83,7 +83,7 @@ from xronos.gateway.plan.ideal import IDEAL_BUDGET, ideal_bound
 from xronos.protocol.layout import KINDS, NOUN, QUANTA, Layout, Sizes
 
 __all__ = ["DEFAULT_BUDGET", "STRATEGIES", "InfeasiblePlan", "MiB", "PlanResult", "PlanRow", "SearchStats",
-           "Strategy", "ideal_compute", "plan"]
+           "Strategy", "ideal_compute", "plan", "relayout"]
 
 Strategy = Literal["segment", "paper", "uniform"]
 STRATEGIES: tuple[str, ...] = ("segment", "paper", "uniform")
@@ -281,6 +281,20 @@ def plan(
         layout = Layout.from_quanta([x[0] for x in q], [x[1] for x in q], [x[2] for x in q], sizes, quanta)
     ideal = ideal_bound(pb, IDEAL_BUDGET)  # the same for every strategy
     return _result(strategy, pb, layout, comm_s, ideal, lower, stats)
+
+
+def relayout(base: PlanResult, nodes: Sequence[NodeCost], caps: Sequence[float], layout: Layout, *,
+             quanta: dict[str, int] = QUANTA) -> PlanResult:
+    """`base` (planned over `nodes` and `caps`) with another layout, one planned in another model
+    (an overlap mode's, `choose.with_overlap`): the layout's times and memory in this model, the
+    base's ideal and lower bounds (the bounds of the model without overlap), not proven optimal."""
+    totals = {k: sum(layout.counts(k)) for k in KINDS}
+    if layout.world_size != len(nodes) or totals != {k: base.sizes.total(k) for k in KINDS}:
+        raise ValueError(f"relayout: a layout of {layout.world_size} ranks holding {totals} for a plan of "
+                         f"{len(nodes)} nodes over {base.sizes}")
+    pb = Problem([replace(nodes[0], owner=True), *nodes[1:]], base.sizes, caps, quanta)
+    r = _result(base.strategy, pb, layout, base.comm_s, base.ideal_compute_s, None, None)
+    return replace(r, lower_bound_s=base.lower_bound_s, optimal=False)
 
 
 def _result(strategy: str, pb: Problem, layout: Layout, comm_s: float, ideal: float,
