@@ -107,12 +107,22 @@ CELLS = {
     # issue #37: TP whose activation all-reduces are a large share of the iteration
     "overlap-a": ChoiceCell("overlap-a", "set-a", "gpt2-medium", 6, False, seq_len=64,
                             note="full fine-tuning, TP's activation all-reduces a large share"),
+    # ... and `xronos demo`'s boxes and model at 8 x 64 tokens (`bench.overlap`'s demo-s64), where a
+    # Pi 4 pays a launched call at a third of the N100's speed
+    "overlap-demo": ChoiceCell("overlap-demo", "demo", "minilm", 6, False, seq_len=64,
+                               note="full fine-tuning of MiniLM on the demo's boxes"),
 }
 
 
 def _scenario(name: str):
     from xronos.bench.scenarios import LATTE, MINIPC, PI5, Scenario, get_scenario
 
+    if name == "demo":  # `xronos demo`'s boxes: 0.9, 0.5 and 0.3 host cores (speed x PI5_SHARE)
+        from xronos.bench.scenarios import PI5_SHARE, Device
+        return Scenario("demo", (Device("N100 mini PC", "Intel N100 3.4 GHz", 0.9 / PI5_SHARE, 16),
+                                 Device("Raspberry Pi 5", "ARM Cortex-A76 2.4 GHz", 0.5 / PI5_SHARE, 8),
+                                 Device("Raspberry Pi 4", "ARM Cortex-A72 1.8 GHz", 0.3 / PI5_SHARE, 4)),
+                        "xronos demo's boxes: N100, Raspberry Pi 5, Raspberry Pi 4")
     if name == "eight":
         return Scenario("eight", (MINIPC, MINIPC, LATTE, LATTE, PI5, PI5, PI5, PI5),
                         "eight boxes: two ASUS MiniPCs, two LattePanda Mu, four Raspberry Pi 5")
@@ -124,13 +134,16 @@ def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = No
     from xronos.bench import strategies as st
     from xronos.bench.harness import _param_count, environment
     from xronos.bench.scenarios import GIB, PI5_SHARE, RUNTIME_RESERVE
-    from xronos.bench.workloads import get_shape, kept_fraction, shape_config, write_checkpoint, write_dataset
+    from xronos.bench.workloads import kept_fraction, shape_config, write_checkpoint, write_dataset
     from xronos.node.emulate.cgroupfs import find_controller
     from xronos.node.emulate.request import host_memory_bytes
 
     sc = _scenario(cell.scenario)
-    config = shape_config(cell.model, cell.blocks)
-    scale = kept_fraction(cell.model, cell.blocks)
+    if cell.model == "minilm":  # the demo's model (every block kept), as `bench.overlap` builds it
+        from xronos.bench.overlap import MINILM
+        config, scale = dict(MINILM), 1.0
+    else:
+        config, scale = shape_config(cell.model, cell.blocks), kept_fraction(cell.model, cell.blocks)
     caps, scale_note = sc.memory_caps(scale), None
     host = host_memory_bytes()
     if host is not None and sum(caps) > HOST_FRACTION * host:
@@ -151,7 +164,7 @@ def run_cell(cell: ChoiceCell, iters: int, warmup: int, scratch: str | None = No
         work = Path(tmp)
         model_dir = write_checkpoint(work / "model", config, seed=0)
         data = write_dataset(work / "data.jsonl", cell.batch_size * (iters + 2), cell.seq_len,
-                             get_shape(cell.model)["vocab_size"], seed=0)
+                             config["vocab_size"], seed=0)
         ctx = st.Ctx(work, model_dir, data, config, sc.shares(PI5_SHARE), caps, [d.name for d in sc.devices],
                      cell.batch_size, cell.seq_len, cell.batch_size, iters, 2e-5, 0, bandwidth_mbit=1000.0,
                      lora_r=8, lora_alpha=16.0, lora_targets=("q_proj", "v_proj") if cell.lora else None,

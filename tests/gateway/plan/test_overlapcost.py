@@ -8,6 +8,7 @@ import pytest
 from xronos.bench.plan_speed import synthetic_report
 from xronos.gateway.plan.auto import choice_message
 from xronos.gateway.plan.choose import choose
+from xronos.gateway.plan.commmodel import NodeComm
 from xronos.gateway.plan.compatible import Loaded
 from xronos.gateway.plan.overlapcost import FULL_CHUNK_FIXED, MODES, OFF, OverlapMode, TPShape, best_mode, mode_of, predict_modes
 from xronos.gateway.plan.profiles import cost_inputs
@@ -138,6 +139,30 @@ def test_a_bad_mode_label_is_refused_naming_it(label):
     assert mode_of("c3") == OverlapMode(True, 3) and mode_of("bwd") == OverlapMode(True, 1) and mode_of("off") == OFF
 
 
+def test_each_node_pays_its_own_launched_calls_beside_its_own_compute():
+    # Two nodes: A computes 0.3 s a stage and launches a call for nothing, B computes half as much
+    # and pays 0.05 s a call beside it. As one lane (the slowest node paying the costliest call)
+    # c2's forward chunk-stage costs 0.05 + 0.05; per node, max(0.05, 0.025 + 0.05) = 0.075.
+    free, costly = NodeComm(0.0, 0.0), NodeComm(0.05, 0.0)  # fixed_s: one ring step for two nodes
+    seg_a = dict(SEG)
+    seg_b = {k: v / 2 for k, v in SEG.items()}
+    kw = dict(bandwidth_Bps=1e30, latency_s=0.0, chunk_fixed=1e-12, modes=(OFF, OverlapMode(True, 2)))
+
+    def both(cpu, segs):
+        one = {p.mode.label: p for p in predict_modes(seg_a, 1.0, FULL, 2, node_cpu=cpu, **kw)}
+        per = {p.mode.label: p for p in predict_modes(seg_a, 1.0, FULL, 2, node_cpu=cpu, node_seg=segs, **kw)}
+        return one, per
+
+    one, per = both([free, costly], [seg_a, seg_b])
+    assert per["off"].iteration_s == one["off"].iteration_s == 1.0  # blocking calls: the plan as it is
+    assert per["c2"].iteration_s < one["c2"].iteration_s
+    # the costly node is also the slowest: one lane is exact
+    one, per = both([costly, free], [seg_a, seg_b])
+    assert per["c2"].iteration_s == pytest.approx(one["c2"].iteration_s)
+    with pytest.raises(ValueError, match="node_seg: 1 nodes' segment times for 2 nodes"):
+        predict_modes(seg_a, 1.0, FULL, 2, node_seg=[seg_a], **kw)
+
+
 # -- the planner ----------------------------------------------------------------------------------
 
 SLOW = 100e6 / 8
@@ -185,3 +210,42 @@ def test_auto_overlap_picks_off_when_nothing_gains_and_refuses_chunks_past_the_b
         _choose(ins, shape, overlap="on", chunks=9)
     with pytest.raises(ValueError, match="overlap must be auto, off or on, got 'yes'"):
         _choose(ins, shape, overlap="yes")
+
+
+def test_a_segment_plan_chooses_its_layout_and_chunks_together():
+    # The slowest node pays 3 ms for each call it launches beside compute, the others nothing: the
+    # layout planned for c2 moves attention and MLP off it, predicted faster than c2 on the layout
+    # planned without overlap (`joint=False`, the bench's `@off`); the plan carries that layout,
+    # and the ideal bound stays the one without overlap.
+    ins, shape = _inputs()
+    cpu = [NodeComm(0.0, 0.0, launched=NodeComm(0.0, 0.0))] * 2 + [NodeComm(0.0, 0.0, launched=NodeComm(0.003, 0.0))]
+    kept = _choose(ins, shape, overlap="on", chunks=2, node_cpu=cpu, joint=False).winner
+    joint = _choose(ins, shape, overlap="on", chunks=2, node_cpu=cpu).winner
+    assert kept.tp.layout == _choose(ins, shape).winner.tp.layout and "planned for it" not in kept.label
+    assert joint.label == "segment (TP over 3), overlap c2 (a layout planned for it)"
+    assert joint.tp.layout.mlp[2] < kept.tp.layout.mlp[2] and joint.tp.layout.attn[2] < kept.tp.layout.attn[2]
+    assert joint.iteration_s < kept.iteration_s
+    assert joint.tp.ideal_iteration_s == kept.tp.ideal_iteration_s and not joint.tp.optimal
+    assert joint.tp.rows[2].predicted_compute_s < kept.tp.rows[2].predicted_compute_s
+    msg = choice_message(_choose(ins, shape, overlap="on", chunks=2, node_cpu=cpu), "j")
+    assert msg.layout() == joint.tp.layout and msg.overlap == Overlap(backward=True, chunks=2)
+    assert msg.predicted_iteration_s == pytest.approx(joint.iteration_s)
+    # nothing to gain from moving: the layout planned without overlap is kept
+    free = [NodeComm(0.0, 0.0, launched=NodeComm(0.0, 0.0))] * 3
+    assert _choose(ins, shape, overlap="on", chunks=2, node_cpu=free).winner.tp.layout == kept.tp.layout
+    # a forced baseline's layout is its own: uniform is never re-planned
+    uni = _choose(ins, shape, strategy="uniform", overlap="on", chunks=2, node_cpu=cpu).winner
+    assert "planned for it" not in uni.label
+
+
+def test_relayout_refuses_a_layout_of_another_world_or_model():
+    from xronos.gateway.plan.planner import relayout
+    from xronos.protocol.layout import Layout
+
+    ins, shape = _inputs()
+    base = _choose(ins, shape).winner.tp
+    two = Layout(attn=[8, 8], mlp=[2048, 2048], vocab=[25000, 25000])
+    with pytest.raises(ValueError, match="relayout: a layout of 2 ranks"):
+        relayout(base, list(ins.nodes), list(ins.caps), two)
+    again = relayout(base, list(ins.nodes), list(ins.caps), base.layout)
+    assert again.rows == base.rows and again.predicted_iteration_s == base.predicted_iteration_s
