@@ -85,7 +85,7 @@ from xronos.node.measure.commprobe import probe_collectives
 from xronos.node.measure.heapprobe import blocks_config, measure_in_child, slack_per_depth
 from xronos.node.measure.profset import ProfileTooLarge, ProfilingSet, floor_bytes
 from xronos.node.measure.readings import (  # noqa: F401 (DEFAULT_PAUSE_S: the profiler's public name)
-    DEFAULT_PAUSE_S, collective_pause_s, to_plain_total, virtual_cpu_scale, virtual_stack_s_per_byte,
+    DEFAULT_PAUSE_S, collective_pause_s, profile_passes, to_plain_total, virtual_cpu_scale, virtual_stack_s_per_byte,
     without_hook_overhead,
 )
 from xronos.node.models.registry import arch_spec, config_from_arch, family_for
@@ -119,7 +119,9 @@ log = structlog.get_logger(__name__)
 #     iteration's time (`to_plain_total`).
 # 12: the all-reduce probe times a call launched beside compute too (`CollectiveProfile.launched_*`),
 #     what the overlap model charges an overlapped call.
-PROFILER_VERSION = 12
+# 13: on the virtual clock the widths are timed in two passes, the second in reverse, each width's
+#     times the lesser pass's (`readings.profile_passes`: the host's slow phases)
+PROFILER_VERSION = 13
 
 
 SHARES = (1.0, 0.5, 0.25)  # the widths profiled, as shares of each kind
@@ -296,10 +298,18 @@ def profile(
         largest: dict[str, int] = {}
         params: dict[str, int] = {}
         steps = widths(sizes)
-        for i, run in enumerate(steps):
+        # passes over the widths (`profile_passes`): the second in reverse order; each width keeps
+        # the pass whose iteration was the shorter, all its layers (their split is that pass's)
+        order = [*range(len(steps)), *reversed(range(len(steps)))] if profile_passes() > 1 else list(range(len(steps)))
+        by_width: list[dict[str, tuple[float, float]]] = [{} for _ in steps]
+        for n, i in enumerate(order):
+            run = steps[i]
             if progress is not None:
-                progress(f"timing width {i + 1}/{len(steps)} ({', '.join(f'{k} {run[k]}' for k in KINDS)})")
-            full = i == 0
+                what = f"timing width {i + 1}/{len(steps)}"
+                if len(order) > len(steps):
+                    what += f", pass {1 + n // len(steps)} of {len(order) // len(steps)}"
+                progress(f"{what} ({', '.join(f'{k} {run[k]}' for k in KINDS)})")
+            full = n == 0
             layout = Layout(**{k: (run[k], sizes.total(k) - run[k]) for k in KINDS})
             ps = ProfilingSet(small, task, layout, batch_size, seq_len, seed, clip, weight_decay, adapters, pause)
             try:
@@ -319,13 +329,15 @@ def profile(
                 med = {key: statistics.median(r.get(key, 0.0) for r in runs[warmup:]) for key in ps.groups}
                 # the hooks split the iteration; on the virtual clock the plain one sizes it
                 med = to_plain_total(med, plain) if ps.virtual else without_hook_overhead(med, hooked[warmup:], plain)
-                for key in ps.groups:
-                    seg = ps.segment(key)
-                    share = ps.layout.share(seg, 0) if seg else 1.0
-                    samples[key].append((share, med[key]))
+                if not by_width[i] or sum(med.values()) < sum(t for _, t in by_width[i].values()):
+                    by_width[i] = {key: (ps.layout.share(ps.segment(key), 0) if ps.segment(key) else 1.0, med[key])
+                                   for key in ps.groups}
             finally:
                 ps.close()
             del ps
+        for width in by_width:
+            for key, point in width.items():
+                samples[key].append(point)
         if progress is not None:
             progress("all-reduce probe")
         scale, stat = virtual_cpu_scale()

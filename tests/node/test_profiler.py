@@ -519,3 +519,46 @@ def test_a_profile_without_heap_probes_skips_them_and_its_cache_entry_is_measure
     monkeypatch.setenv(prof.HEAP_ENV, "sometimes")
     with pytest.raises(ValueError, match="XRONOS_PROFILE_HEAP must be auto or always"):
         prof.profile(config, "classify", B, S, threads=1, iters=2, warmup=1)
+
+
+def test_two_passes_on_the_virtual_clock_keep_each_widths_faster_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the window minimum the widths are timed twice, the second pass in reverse order, and
+    each width keeps the pass whose iteration was the shorter, all its layers (a slow phase of the
+    host inflating a whole width's set, as on bench.choice's overlap-demo profiles, is dropped)."""
+    import types
+
+    import xronos.node.emulate as emulate
+    from xronos.node.measure import readings
+
+    box = types.SimpleNamespace(estimator="min")
+    monkeypatch.setattr(emulate, "process_clock", lambda: types.SimpleNamespace(name="virtual", box=box))
+    assert readings.profile_passes() == 2
+    box.estimator = "med"
+    assert readings.profile_passes() == 1
+    monkeypatch.setattr(emulate, "process_clock", lambda: None)
+    assert readings.profile_passes() == 1
+
+    # On the wall clock, with two passes forced: the first pass's widths read three times slower.
+    kept: list[dict[str, float]] = []
+    real = prof.without_hook_overhead
+
+    def sized(med, hooked, plain):
+        out = real(med, hooked, plain)
+        if len(kept) < 3:
+            out = {k: 3 * v for k, v in out.items()}
+        kept.append(out)
+        return out
+
+    monkeypatch.setattr(prof, "profile_passes", lambda: 2)
+    monkeypatch.setattr(prof, "without_hook_overhead", sized)
+    said: list[str] = []
+    torch.set_num_threads(1)
+    report = prof.profile(prof.config_for(arch=TINY), "classify", B, S, threads=1, iters=2, warmup=1,
+                          progress=said.append)
+    assert len(kept) == 6 and any("pass 2 of 2" in s for s in said)
+    # passes: widths 0, 1, 2, then 2, 1, 0; each width's samples are its second pass's
+    second = {0: kept[5], 1: kept[4], 2: kept[3]}
+    for layer in report.layers:
+        if layer.partitioned:
+            assert [t for _, t in layer.time_samples] == [second[i][layer.name] for i in range(3)]
+        assert layer.time_s == second[0][layer.name]
