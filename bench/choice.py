@@ -36,7 +36,10 @@ the wall seconds the run took on this host. The cells:
   `--strategies segment,segment+bwd,segment+c2,segment+c4,segment+auto`: the TP plan with its
   all-reduces overlapped with compute (`segment+bwd`, `+cN` forced; `+on`/`+auto` the planner's
   pick, `gateway/plan/overlapcost.py`), each predicted and measured like the rest. The ideal bound
-  stays the one without overlap.
+  stays the one without overlap. Each mode runs on the layout the planner chose with it
+  (`choose.with_overlap`); `segment+MODE@off` runs it on the layout planned without overlap.
+- `overlap-demo` (issue #37): the same on `xronos demo`'s boxes (N100, Pi 5, Pi 4 at 0.9, 0.5 and
+  0.3 host cores) and model (MiniLM, full fine-tuning, 8 x 64).
 """
 
 from __future__ import annotations
