@@ -170,8 +170,6 @@ def profile_devices(ctx: Ctx, want_tp: bool, want_pp: bool, iters: int | None = 
                 [sys.executable, "-m", "xronos.bench.profile_device", str(ctx.work / f"profile-{d}.json")],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, HEAP_ENV: "always"})
             conf.add(r, procs[name].pid)
-            if os.environ.get("XRONOS_PROFILE_SERIAL") == "1":
-                procs[name].wait()
         errs = {name: p.communicate()[1] for name, p in procs.items()}
     out: dict[str, dict] = {}
     for name, proc in procs.items():

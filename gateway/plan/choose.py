@@ -166,8 +166,9 @@ def with_overlap(c: Candidate, nodes: Sequence[NodeCost], shape: TPShape | None,
     p, tp = best_mode(preds), c.tp
     if caps is not None and c.tp.strategy == "segment":
         share = chunk_share(shape, fixed)
-        worst = max((x.in_flight().allreduce_s(shape.act_bytes, n) for x in node_cpu if x is not None), default=0.0)
         for m in (m for m in modes if m.on and m.chunks <= shape.rows):
+            worst = max((x.in_flight().allreduce_s(shape.act_bytes / m.chunks, n) for x in node_cpu if x is not None),
+                        default=0.0)
             mode_nodes = [for_mode(nd, node_cpu[d] if d < len(node_cpu) else None, m, shape, n, share, worst)
                           for d, nd in enumerate(nodes)]
             try:
