@@ -27,7 +27,9 @@ multiples of their quantum (`protocol.layout.QUANTA`), as a plan would cut them 
 partitioned layer the (share of its kind, seconds) samples the cost model's affine fit needs.
 Each layer's time depends only on its own kind's width, so one run samples every kind at once:
 three model builds, as when the kinds were tied. Statistic: the median over the measured
-iterations (robust to a neighbour's burst of work).
+iterations (robust to a neighbour's burst of work). On the virtual clock under the window minimum
+the three widths are timed twice, the second pass in reverse order, and each width keeps its
+faster pass (`readings.profile_passes`: a host's slow phases can cover a whole width's set).
 
 Waits: where a training rank would block in a collective (every skipped timed collective, and
 before the optimizer step, which follows the clipping all-reduce) the profiled rank sleeps

@@ -58,7 +58,7 @@ def profile_passes() -> int:
     minimum, else 1. This host's thread CPU time has slow phases of about a second (a fixed GEMM
     burst back to back on an idle 2-core guest: per-second medians 16.7-25.0 ms, per-second minima
     16.1-18.4 ms over a minute), and a width's set, timed in a fraction of a second, can fall in
-    one whole: on `bench.choice`'s overlap-demo profiles every layer of one width read 30-45 %
+    one whole: on `bench.choice`'s overlap-demo profiles every layer of one width read 30-50 %
     above the same width on the other boxes (same host, times x speed), which the affine fit turns
     into a node's intercept two to three times the others'. Training's clock takes each burst's
     minimum over a window spanning many seconds; a second pass, in reverse order and seconds
