@@ -100,7 +100,8 @@ class LayerProfile(Message):
 class CollectiveProfile(Message):
     """What one all-reduce costs this node's CPU (`xronos.node.measure.commprobe`): two Gloo ranks in the
     profiling process over loopback, under the node's own CPU quota and threads, each all-reducing
-    `nbytes` (the job's [batch, seq, hidden] activation) and `small_bytes`; means of `repeats`.
+    `nbytes` (the job's [batch, seq, hidden] activation) and `small_bytes`; `repeats` calls of each,
+    pooled over the probe's fresh pairs (profiler version 14 on; before it one pair's).
     `launched_*`: the CPU one rank pays for the same calls launched asynchronously beside its
     compute (what an overlapped call takes from that compute), medians; None in a report from
     before they were probed (the planner then charges a launched call as a blocking one)."""
@@ -150,6 +151,10 @@ class RowsProbe(Message):
     rows: BatchSize
     seconds: Seconds
     full_seconds: Float(gt=0, le=MAX_SECONDS)
+    # Of the batch's iterations, the clipping pass and the optimizer step (median): paid once per
+    # iteration however its rows are cut, so not again per chunk of an overlapped batch
+    # (`gateway.plan.costmodel.chunk_fixed_fraction`). None: not measured (profiler version < 14).
+    step_seconds: Seconds | None = None
 
 
 class ProfileReport(Message):
