@@ -314,10 +314,9 @@ def chunk_fixed_fraction(probe_rows: int, batch: int, seconds: float, full_secon
     pass and the optimizer step (`step_seconds`, the same at any rows) run once per iteration,
     however the batch is cut, so they come out of both points first: the pass's fixed share
     `rows_fixed_fraction` of (seconds - step, full_seconds - step), times the pass's part of the
-    iteration. A full fine-tune's rows probe is mostly its AdamW step (GPT-2-medium's blocks at
-    8 x 64 tokens: rows_fixed 0.32-0.36 where a chunk measured 0.06-0.07); MiniLM's at the same
-    tokens is mostly dispatch and small GEMMs (0.16-0.18, a chunk 0.14-0.2). 0 when the step
-    is the whole iteration."""
+    iteration. A full fine-tune's whole-iteration share is mostly its AdamW step (GPT-2-medium's
+    blocks at 8 x 64 tokens: rows_fixed 0.13-0.36, this 0.03-0.05); MiniLM's at the same tokens
+    less so (rows_fixed 0.16-0.29, this 0.04-0.15). 0 when the step is the whole iteration."""
     if not (step_seconds >= 0 and math.isfinite(step_seconds)):
         raise ValueError(f"step seconds must be finite and >= 0, got {step_seconds!r}")
     pass_full = full_seconds - step_seconds

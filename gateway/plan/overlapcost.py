@@ -42,7 +42,11 @@ chunks cost `T (1 + (N - 1) a)` of the blocks' compute T instead of T: every chu
 operation's dispatch again. `a` is the profiles' own (`costmodel.chunk_fixed_fraction`): the
 rows probe that data parallelism's rows use (the one-block iteration at a quarter of the batch and
 at the batch), its clipping and optimizer step taken out of both points first (profiler version
-14), since they run once per iteration however the rows are cut. Before the step was recorded:
+14), since they run once per iteration however the rows are cut; at least `FULL_CHUNK_FIXED`,
+since the probe sees each chunk's dispatch and small GEMMs but not what the calls flying beside the
+chunks take from the compute (caches, Gloo's threads): on `overlap-a` (GPT-2-medium's blocks,
+8 x 64 tokens) the step-free share read 0.034-0.047 where a chunk cost the bottleneck 7-12 % beside
+`bwd`; on `overlap-demo` (MiniLM) 0.035-0.154, a chunk 6-12 %. Before the step was recorded:
 under LoRA the rows probe's own fixed share (`rows_fixed`: dispatch and small GEMMs' lower speed,
 the tiny adapters' step); for a full fine-tune, whose rows probe is mostly its AdamW step (0.32-0.36
 on `bench/choice`'s `overlap-a` profiles, where a chunk measured 0.06-0.07), `FULL_CHUNK_FIXED`,
@@ -268,10 +272,12 @@ def best_mode(preds: Sequence[OverlapPrediction]) -> OverlapPrediction:
 
 def chunk_share(shape: TPShape, rows_fixed: float | None, measured: float | None = None) -> float:
     """What each chunk past the first adds, as a share of the blocks' compute (module docstring):
-    the profiles' own chunk share when they measured one (`measured`: `chunk_measured`), else a
-    LoRA job's fixed share (`fixed_share`), else `FULL_CHUNK_FIXED`."""
+    the profiles' own chunk share when they measured one (`measured`: `chunk_measured`), at least
+    `FULL_CHUNK_FIXED`; else a LoRA job's fixed share (`fixed_share`); else `FULL_CHUNK_FIXED`."""
     if measured is not None:
-        return measured
+        # the probe sees dispatch and small GEMMs, not what the flights beside the chunks take from
+        # the compute (caches, Gloo's threads): no less than a chunk was measured to cost
+        return max(measured, FULL_CHUNK_FIXED)
     lora_probe = not shape.trains_weights and rows_fixed is not None and rows_fixed > 0
     return rows_fixed if lora_probe and rows_fixed is not None else FULL_CHUNK_FIXED
 

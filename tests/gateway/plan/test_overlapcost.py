@@ -99,7 +99,8 @@ def test_a_chunks_fixed_share_is_the_lora_profiles_own_and_a_full_fine_tunes_the
 def test_a_chunk_share_the_profiles_measured_wins_over_both_fallbacks():
     lora = TPShape(ACT, blocks=1, task="classify", rows=4, trains_weights=False)
     assert chunk_share(FULL, 0.35, measured=0.15) == chunk_share(lora, 0.25, measured=0.15) == 0.15
-    assert chunk_share(FULL, 0.35, measured=0.0) == 0.0  # measured: nothing fixed in the pass
+    # nothing fixed in the pass: the chunks' flights still cost the compute what a chunk measured
+    assert chunk_share(FULL, 0.35, measured=0.0) == chunk_share(FULL, 0.35, measured=0.05) == FULL_CHUNK_FIXED
     assert chunk_share(FULL, 0.35) == FULL_CHUNK_FIXED and chunk_share(lora, 0.25) == 0.25
     assert chunk_measured([None, 0.1, 0.2]) == 0.2  # the costliest node's
     assert chunk_measured([None, None]) is None and chunk_measured([]) is None
@@ -250,9 +251,10 @@ def test_a_segment_plan_chooses_its_layout_and_chunks_together():
 
 def test_the_profiles_step_free_rows_probe_sets_what_a_chunk_costs():
     # A quarter of the batch took 0.4 of its iteration, of which the step was 0.3: the pass alone
-    # (0.1 of 0.7) shrinks in proportion, so a chunk repeats nothing. Without the step figure the
-    # full fine-tune falls back to the constant; with a step of 0.1, the pass's fixed share is
-    # (0.3/0.9 - 0.25) / 0.75 = 1/9 of its 0.9: 0.1 of the iteration per extra chunk.
+    # (0.1 of 0.7) shrinks in proportion, so a chunk repeats no dispatch, and costs the floor
+    # (`FULL_CHUNK_FIXED`). Without the step figure the full fine-tune falls back to the same
+    # constant; with a step of 0.1, the pass's fixed share is (0.3/0.9 - 0.25) / 0.75 = 1/9 of
+    # its 0.9: 0.1 of the iteration per extra chunk.
     def probed(step):
         items = [Loaded(f"n{i}.json", synthetic_report(f"n{i}", slowness=1 + 0.5 * i, units=16, num_blocks=4))
                  for i in range(3)]
@@ -263,7 +265,6 @@ def test_the_profiles_step_free_rows_probe_sets_what_a_chunk_costs():
 
     ins, none = probed(0.3)
     assert [n.chunk_fixed for n in ins.nodes] == [pytest.approx(0.0)] * 3
-    assert none.overlap.chunk_overhead_s == pytest.approx(0.0)
     ins, tenth = probed(0.1)
     assert [n.chunk_fixed for n in ins.nodes] == [pytest.approx(0.1)] * 3
     ins, unknown = probed(None)
@@ -271,6 +272,7 @@ def test_the_profiles_step_free_rows_probe_sets_what_a_chunk_costs():
     # the same layout, only the chunk's cost differs: the overhead scales with the share
     assert tenth.tp.layout == unknown.tp.layout
     assert tenth.overlap.chunk_overhead_s == pytest.approx(unknown.overlap.chunk_overhead_s * 0.1 / FULL_CHUNK_FIXED)
+    assert none.overlap.chunk_overhead_s == pytest.approx(unknown.overlap.chunk_overhead_s)
 
 
 def test_relayout_refuses_a_layout_of_another_world_or_model():
