@@ -151,10 +151,6 @@ class RowsProbe(Message):
     rows: BatchSize
     seconds: Seconds
     full_seconds: Float(gt=0, le=MAX_SECONDS)
-    # Of the batch's iterations, the clipping pass and the optimizer step (median): paid once per
-    # iteration however its rows are cut, so not again per chunk of an overlapped batch
-    # (`gateway.plan.costmodel.chunk_fixed_fraction`). None: not measured (profiler version < 14).
-    step_seconds: Seconds | None = None
 
 
 class ProfileReport(Message):

@@ -43,7 +43,7 @@ from xronos.gateway.plan.dpcost import DPPrediction, predict_dp
 from xronos.gateway.plan.mesh import MeshPrediction, plan_mesh
 from xronos.gateway.plan.model import MiB
 from xronos.gateway.plan.overlapcost import MODES, OFF, OverlapMode, OverlapPrediction, TPShape, best_mode, \
-    chunk_measured, chunk_share, fixed_share, predict_modes
+    chunk_share, fixed_share, predict_modes
 from xronos.gateway.plan.planner import DEFAULT_BUDGET, InfeasiblePlan, PlanResult, plan, relayout
 from xronos.protocol.layout import Sizes
 
@@ -153,12 +153,11 @@ def with_overlap(c: Candidate, nodes: Sequence[NodeCost], shape: TPShape | None,
     if chunks is not None:
         modes = (OverlapMode(True, chunks),)
     fixed = fixed_share([n.rows_fixed for n in nodes])
-    share = chunk_share(shape, fixed, chunk_measured([n.chunk_fixed for n in nodes]))
     n = len(c.tp.rows)
 
     def predict(tp: PlanResult, ms: Sequence[OverlapMode]) -> tuple[OverlapPrediction, ...]:
         return predict_modes(tp.segment_s, tp.predicted_iteration_s, shape, n, bandwidth_Bps=bandwidth_Bps,
-                             latency_s=latency_s, node_cpu=node_cpu, chunk_fixed=share, modes=ms,
+                             latency_s=latency_s, node_cpu=node_cpu, rows_fixed=fixed, modes=ms,
                              node_seg=[r.segment_s for r in tp.rows])
 
     preds = predict(c.tp, modes)
@@ -166,6 +165,7 @@ def with_overlap(c: Candidate, nodes: Sequence[NodeCost], shape: TPShape | None,
         return c
     p, tp = best_mode(preds), c.tp
     if caps is not None and c.tp.strategy == "segment":
+        share = chunk_share(shape, fixed)
         for m in (m for m in modes if m.on and m.chunks <= shape.rows):
             worst = max((x.in_flight().allreduce_s(shape.act_bytes / m.chunks, n) for x in node_cpu if x is not None),
                         default=0.0)

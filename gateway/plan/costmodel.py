@@ -92,9 +92,6 @@ class NodeProfile:
     heap_small: tuple[Mapping[str, float], float] | None = None
     # The iteration's share that does not shrink with the rows trained (`rows_fixed_fraction`)
     rows_fixed: float = 0.0
-    # What each chunk of an overlapped batch adds, as a share of the iteration
-    # (`chunk_fixed_fraction`); None: the profile has no step time to take out
-    chunk_fixed: float | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +142,6 @@ class NodeCost:
     act_repl: float = 0.0  # the M_a in mem_repl (A's replicated part)
     grad_repl: float = 0.0  # the gradients in mem_repl (G's replicated part)
     rows_fixed: float = 0.0  # the share of its times paid whatever the rows (NodeProfile.rows_fixed)
-    chunk_fixed: float | None = None  # NodeProfile.chunk_fixed
 
     def kind(self, kind: str) -> KindCost:
         if kind not in KINDS:
@@ -287,8 +283,7 @@ def node_cost(profile: NodeProfile, fit: Fit = "affine") -> NodeCost:
                     act_fraction=acts_all / resident_all if resident_all > 0 else 0.0,
                     heap_slack=profile.heap_slack + depth * profile.heap_slack_block,
                     work_repl=work_repl, small_slack=small_slack, small_work=small_work,
-                    act_repl=act_repl, grad_repl=grad_repl, rows_fixed=profile.rows_fixed,
-                    chunk_fixed=profile.chunk_fixed)
+                    act_repl=act_repl, grad_repl=grad_repl, rows_fixed=profile.rows_fixed)
 
 
 MAX_ROWS_FIXED = 0.9  # a bound against a noisy probe: some of the time always follows the rows
@@ -305,25 +300,6 @@ def rows_fixed_fraction(probe_rows: int, batch: int, seconds: float, full_second
         raise ValueError(f"probe seconds must be >= 0 and the batch's > 0, got {seconds!r} and {full_seconds!r}")
     x = probe_rows / batch
     return min(MAX_ROWS_FIXED, max(0.0, (seconds / full_seconds - x) / (1 - x)))
-
-
-def chunk_fixed_fraction(probe_rows: int, batch: int, seconds: float, full_seconds: float,
-                         step_seconds: float) -> float:
-    """What each chunk past the first adds to an iteration cut into chunks of rows, as a share of
-    the iteration at `batch` rows: the fixed share of its forward and backward alone. The clipping
-    pass and the optimizer step (`step_seconds`, the same at any rows) run once per iteration,
-    however the batch is cut, so they come out of both points first: the pass's fixed share
-    `rows_fixed_fraction` of (seconds - step, full_seconds - step), times the pass's part of the
-    iteration. A full fine-tune's whole-iteration share is mostly its AdamW step (GPT-2-medium's
-    blocks at 8 x 64 tokens: rows_fixed 0.13-0.36, this 0.03-0.05); MiniLM's at the same tokens
-    less so (rows_fixed 0.16-0.29, this 0.04-0.15). 0 when the step is the whole iteration."""
-    if not (step_seconds >= 0 and math.isfinite(step_seconds)):
-        raise ValueError(f"step seconds must be finite and >= 0, got {step_seconds!r}")
-    pass_full = full_seconds - step_seconds
-    if pass_full <= 0:
-        return 0.0
-    a = rows_fixed_fraction(probe_rows, batch, max(0.0, seconds - step_seconds), pass_full)
-    return a * pass_full / full_seconds
 
 
 def rows_factor(node: NodeCost, rho: float) -> float:

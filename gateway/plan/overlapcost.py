@@ -39,20 +39,14 @@ hides its input gradient's all-reduce.
 
 **What chunks cost.** A chunk of r of the batch's B rows costs `T (a + (1 - a) r / B)`, so N
 chunks cost `T (1 + (N - 1) a)` of the blocks' compute T instead of T: every chunk pays each
-operation's dispatch again. `a` is the profiles' own (`costmodel.chunk_fixed_fraction`): the
-rows probe that data parallelism's rows use (the one-block iteration at a quarter of the batch and
-at the batch), its clipping and optimizer step taken out of both points first (profiler version
-14), since they run once per iteration however the rows are cut; at least `FULL_CHUNK_FIXED`,
-since the probe sees each chunk's dispatch and small GEMMs but not what the calls flying beside the
-chunks take from the compute (caches, Gloo's threads): on `overlap-a` (GPT-2-medium's blocks,
-8 x 64 tokens) the step-free share read 0.034-0.047 where a chunk cost the bottleneck 7-12 % beside
-`bwd`; on `overlap-demo` (MiniLM) 0.035-0.154, a chunk 6-12 %. Before the step was recorded:
-under LoRA the rows probe's own fixed share (`rows_fixed`: dispatch and small GEMMs' lower speed,
-the tiny adapters' step); for a full fine-tune, whose rows probe is mostly its AdamW step (0.32-0.36
-on `bench/choice`'s `overlap-a` profiles, where a chunk measured 0.06-0.07), `FULL_CHUNK_FIXED`,
-what that cell measured per extra chunk (chunking 8 x 64 tokens of GPT-2-medium's blocks into two
-added 6.9 % to the slowest box's compute, into four 3 x 5.8 %); smaller GEMMs pay more
-(`bench/overlap.py`'s MiniLM at 8 x 64 tokens: 14-20 %), which that constant under-predicts.
+operation's dispatch again. Under LoRA `a` is the profile's own fixed share (`rows_fixed`, the
+rows probe that data parallelism's rows use: dispatch and small GEMMs' lower speed, the tiny
+adapters' step). A full fine-tune's rows probe is mostly its AdamW step, paid once per iteration
+and not per chunk (0.32-0.36 on `bench/choice`'s `overlap-a` profiles, where a chunk measured
+0.06-0.07): there, and without a probe, `a` is `FULL_CHUNK_FIXED`, what that cell measured per
+extra chunk (chunking 8 x 64 tokens of GPT-2-medium's blocks into two added 6.9 % to the slowest
+box's compute, into four 3 x 5.8 %). Smaller GEMMs pay more (`bench/overlap.py`'s MiniLM at 8 x 16
+tokens: 21 %), which this under-predicts.
 An asynchronous call's own CPU (Gloo's threads) is paid on the CPU beside the compute, at what the
 profile measured for a call launched beside compute (`NodeComm.in_flight`; a blocking call's
 cost when the profile predates that probe): as the virtual clock charges it, the median of the
@@ -77,7 +71,7 @@ from dataclasses import dataclass
 from xronos.gateway.plan.commmodel import CommVolume, NodeComm, comm_time
 
 __all__ = ["FULL_CHUNK_FIXED", "MODES", "OverlapMode", "OverlapPrediction", "TPShape", "mode_of",
-           "predict_modes", "best_mode", "chunk_share", "chunk_measured", "fixed_share"]
+           "predict_modes", "best_mode", "chunk_share", "fixed_share"]
 
 FULL_CHUNK_FIXED = 0.07
 
@@ -270,23 +264,11 @@ def best_mode(preds: Sequence[OverlapPrediction]) -> OverlapPrediction:
     return best
 
 
-def chunk_share(shape: TPShape, rows_fixed: float | None, measured: float | None = None) -> float:
+def chunk_share(shape: TPShape, rows_fixed: float | None) -> float:
     """What each chunk past the first adds, as a share of the blocks' compute (module docstring):
-    the profiles' own chunk share when they measured one (`measured`: `chunk_measured`), at least
-    `FULL_CHUNK_FIXED`; else a LoRA job's fixed share (`fixed_share`); else `FULL_CHUNK_FIXED`."""
-    if measured is not None:
-        # the probe sees dispatch and small GEMMs, not what the flights beside the chunks take from
-        # the compute (caches, Gloo's threads): no less than a chunk was measured to cost
-        return max(measured, FULL_CHUNK_FIXED)
+    a LoRA job's measured fixed share (`fixed_share`), else `FULL_CHUNK_FIXED`."""
     lora_probe = not shape.trains_weights and rows_fixed is not None and rows_fixed > 0
     return rows_fixed if lora_probe and rows_fixed is not None else FULL_CHUNK_FIXED
-
-
-def chunk_measured(values: Sequence[float | None]) -> float | None:
-    """The chunk share from the nodes' `NodeCost.chunk_fixed` (the largest; None when no profile
-    measured one, profiler version < 14)."""
-    measured = [v for v in values if v is not None and math.isfinite(v) and v >= 0]
-    return max(measured) if measured else None
 
 
 def fixed_share(values: Sequence[float]) -> float | None:

@@ -25,8 +25,7 @@ from xronos.gateway.plan.compatible import Loaded, check_compatible
 from xronos.gateway.plan.commmodel import (
     DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S, CommVolume, NodeComm, comm_time, node_comm, tp_comm_volume,
 )
-from xronos.gateway.plan.costmodel import (Fit, LayerCost, NodeCost, NodeProfile, chunk_fixed_fraction, node_cost,
-                                           rows_fixed_fraction)
+from xronos.gateway.plan.costmodel import Fit, LayerCost, NodeCost, NodeProfile, node_cost, rows_fixed_fraction
 from xronos.gateway.plan.overlapcost import TPShape
 from xronos.gateway.plan.planner import InfeasiblePlan, MiB, PlanResult, Strategy, plan
 from xronos.protocol.codec import MAX_PAYLOAD
@@ -266,15 +265,7 @@ def node_profile(report: ProfileReport) -> NodeProfile:
                            float(report.heap_slack_small_bytes)),
                        rows_fixed=0.0 if report.rows_probe is None else rows_fixed_fraction(
                            report.rows_probe.rows, report.batch_size, report.rows_probe.seconds,
-                           report.rows_probe.full_seconds),
-                       chunk_fixed=_chunk_fixed(report))
-
-
-def _chunk_fixed(report: ProfileReport) -> float | None:
-    rp = report.rows_probe
-    if rp is None or rp.step_seconds is None:
-        return None
-    return chunk_fixed_fraction(rp.rows, report.batch_size, rp.seconds, rp.full_seconds, rp.step_seconds)
+                           report.rows_probe.full_seconds))
 
 
 def collective_cost(report: ProfileReport) -> NodeComm | None:

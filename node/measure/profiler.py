@@ -123,8 +123,7 @@ log = structlog.get_logger(__name__)
 #     what the overlap model charges an overlapped call.
 # 13: on the virtual clock the widths are timed in two passes, the second in reverse, each width's
 #     times the lesser pass's (`readings.profile_passes`: the host's slow phases)
-# 14: the all-reduce probe over three fresh loopback pairs, their calls pooled (`commprobe.PROBE_ROUNDS`);
-#     the rows probe records the batch's clipping and optimizer step (`RowsProbe.step_seconds`)
+# 14: the all-reduce probe over three fresh loopback pairs, their calls pooled (`commprobe.PROBE_ROUNDS`)
 PROFILER_VERSION = 14
 
 
@@ -327,13 +326,9 @@ def profile(
                     mem = ps.memory()
                     largest = {k: ps.largest_tensor(k) for k in ps.groups}
                     params = {k: ps.param_bytes(k) for k in ps.groups}
-                plain, opt_steps = [], []
-                for _ in range(warmup + max(3, iters // 2)):
-                    plain.append(ps.plain_iteration())
-                    opt_steps.append(ps.last_step_s)
-                plain, opt_steps = plain[warmup:], opt_steps[warmup:]
+                plain = [ps.plain_iteration() for _ in range(warmup + max(3, iters // 2))][warmup:]
                 if full:
-                    rows_probe = _rows_probe(ps, batch_size, plain, opt_steps, warmup, iters, progress)
+                    rows_probe = _rows_probe(ps, batch_size, plain, warmup, iters, progress)
                 med = {key: statistics.median(r.get(key, 0.0) for r in runs[warmup:]) for key in ps.groups}
                 # the hooks split the iteration; on the virtual clock the plain one sizes it
                 med = to_plain_total(med, plain) if ps.virtual else without_hook_overhead(med, hooked[warmup:], plain)
@@ -402,13 +397,12 @@ def profile(
     return report
 
 
-def _rows_probe(ps: ProfilingSet, batch_size: int, plain: list[tuple[float, float]], steps: list[float],
-               warmup: int, iters: int, progress: Callable[[str], None] | None) -> RowsProbe | None:
+def _rows_probe(ps: ProfilingSet, batch_size: int, plain: list[tuple[float, float]], warmup: int, iters: int,
+               progress: Callable[[str], None] | None) -> RowsProbe | None:
     """The full-width set's plain iteration at `probe_rows` rows beside the batch's (`plain`, its
-    measured iterations; `steps`, their clipping and optimizer steps), on the same model: a second
-    full-width build would need its memory again, above a heap that the first one's holes still
-    fill (it was OOM-killed on a Pi 5 cap profiling Llama-3.2-1B). Leaves `ps` at those rows: the
-    last thing timed on it."""
+    measured iterations), on the same model: a second full-width build would need its memory
+    again, above a heap that the first one's holes still fill (it was OOM-killed on a Pi 5 cap
+    profiling Llama-3.2-1B). Leaves `ps` at those rows: the last thing timed on it."""
     rows = probe_rows(batch_size)
     full = statistics.median(w for w, _ in plain)
     if rows is None or not full > 0:
@@ -417,8 +411,7 @@ def _rows_probe(ps: ProfilingSet, batch_size: int, plain: list[tuple[float, floa
         progress(f"timing {rows} of the batch's {batch_size} rows")
     ps.use_rows(rows)
     few = [ps.plain_iteration() for _ in range(warmup + max(3, iters // 2))][warmup:]
-    return RowsProbe(rows=rows, seconds=statistics.median(w for w, _ in few), full_seconds=full,
-                     step_seconds=statistics.median(steps) if steps else None)
+    return RowsProbe(rows=rows, seconds=statistics.median(w for w, _ in few), full_seconds=full)
 
 
 def config_for(*, model_dir: str | Path | None = None, arch: dict[str, Any] | ArchSpec | None = None) -> dict[str, Any]:

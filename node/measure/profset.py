@@ -51,7 +51,6 @@ class ProfilingSet:
         self.group = TPGroup.alone(2, pause_s=pause_s, clock=self._clock if self.virtual else None)
         self.group.clock.forget()  # the process's clock may have estimated another width's bursts
         self._plain = False
-        self.last_step_s = 0.0  # the last plain iteration's clipping and optimizer step
         self.model = family.build(config, task, ShardLayout.of(layout, 0), self.group)
         if lora is not None:
             add_lora(self.model, lora)
@@ -225,15 +224,12 @@ class ProfilingSet:
         w0, c0 = self.clock(), time.process_time()
         loss = self.model(self.ids, self.mask, self.labels)
         loss.backward()
-        s0 = self.clock()
         for key in self.opts:
             self._clip(key)
         self.group.pause()
         self.opt_all.step()
         self.opt_all.zero_grad(set_to_none=True)
-        end = self.clock()
-        self.last_step_s = end - s0  # what a chunked batch does not repeat (`RowsProbe.step_seconds`)
-        out = end - w0, time.process_time() - c0
+        out = self.clock() - w0, time.process_time() - c0
         self.group.settle()
         return out
 

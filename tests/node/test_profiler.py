@@ -345,8 +345,6 @@ def test_report_carries_the_iteration_at_fewer_rows(reports: dict[str, ProfileRe
         p = r.rows_probe
         assert p is not None and p.rows == 1
         assert 0 < p.seconds < 1.5 * p.full_seconds  # a median of few iterations on a shared host: loose
-        # the batch's clipping and optimizer step, part of its iteration (what a chunk does not repeat)
-        assert p.step_seconds is not None and 0 < p.step_seconds < p.full_seconds
     with pytest.raises(ValueError, match=r"rows_probe.rows: must be below batch_size \(2\), got 2"):
         ProfileReport.model_validate(r.model_dump() | {"rows_probe": {"rows": 2, "seconds": 0.1, "full_seconds": 0.2}})
 

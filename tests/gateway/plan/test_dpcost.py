@@ -135,21 +135,6 @@ def test_the_share_paid_whatever_the_rows_comes_from_the_profiles_probe():
     assert rows_fixed_fraction(4, 16, 0.25, 1.0) == 0.0  # in proportion: nothing fixed
     assert rows_fixed_fraction(4, 16, 0.1, 1.0) == 0.0  # faster than in proportion: noise, clamped
     assert rows_fixed_fraction(4, 16, 1.5, 1.0) == 0.9  # slower than the batch: noise, bounded
-
-
-def test_a_chunks_share_takes_the_optimizer_step_out_of_both_points():
-    from xronos.gateway.plan.costmodel import chunk_fixed_fraction
-
-    # whole iteration 1.0 s with a 0.1 s step; a quarter of the rows 0.4 s: the pass 0.3 of 0.9
-    assert chunk_fixed_fraction(4, 16, 0.4, 1.0, 0.1) == pytest.approx((0.3 / 0.9 - 0.25) / 0.75 * 0.9)
-    assert chunk_fixed_fraction(4, 16, 0.4, 1.0, 0.0) == pytest.approx(rows_fixed_fraction(4, 16, 0.4, 1.0))
-    # a step that is most of the iteration (a big model's AdamW at a small batch): little per chunk
-    # (the whole iteration's fixed share would read 0.53; the pass's is (0.3 - 0.25) / 0.75 of 0.5)
-    assert rows_fixed_fraction(4, 16, 0.65, 1.0) == pytest.approx(0.4 / 0.75)
-    assert chunk_fixed_fraction(4, 16, 0.65, 1.0, 0.5) == pytest.approx(0.05 / 0.75 * 0.5)
-    assert chunk_fixed_fraction(4, 16, 0.6, 1.0, 1.0) == 0.0  # the step is the whole iteration
-    with pytest.raises(ValueError, match="step seconds must be finite and >= 0"):
-        chunk_fixed_fraction(4, 16, 0.4, 1.0, -0.1)
     with pytest.raises(ValueError, match=r"probe rows must be in \(0, 16\), got 16"):
         rows_fixed_fraction(16, 16, 1.0, 1.0)
     node = replace(FAST, rows_fixed=0.2)

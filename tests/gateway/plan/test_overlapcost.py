@@ -10,10 +10,9 @@ from xronos.gateway.plan.auto import choice_message
 from xronos.gateway.plan.choose import choose
 from xronos.gateway.plan.commmodel import NodeComm
 from xronos.gateway.plan.compatible import Loaded
-from xronos.gateway.plan.overlapcost import (FULL_CHUNK_FIXED, MODES, OFF, OverlapMode, TPShape, best_mode, chunk_measured,
-                                             chunk_share, mode_of, predict_modes)
+from xronos.gateway.plan.overlapcost import FULL_CHUNK_FIXED, MODES, OFF, OverlapMode, TPShape, best_mode, mode_of, predict_modes
 from xronos.gateway.plan.profiles import cost_inputs
-from xronos.protocol.messages import Overlap, Plan, RowsProbe
+from xronos.protocol.messages import Overlap, Plan
 
 ACT = 1000.0  # bytes of one activation all-reduce
 BW = ACT / 0.04  # so that one all-reduce between two nodes takes 0.04 s (no latency)
@@ -94,16 +93,6 @@ def test_a_chunks_fixed_share_is_the_lora_profiles_own_and_a_full_fine_tunes_the
     assert overhead(lora, 0.25) == pytest.approx(0.25 * 0.6)  # the blocks' 0.6 s, once more a quarter
     # a full fine-tune's probe is mostly its AdamW step, paid once: the constant instead
     assert overhead(FULL, 0.35) == overhead(FULL, None) == overhead(lora, None) == pytest.approx(FULL_CHUNK_FIXED * 0.6)
-
-
-def test_a_chunk_share_the_profiles_measured_wins_over_both_fallbacks():
-    lora = TPShape(ACT, blocks=1, task="classify", rows=4, trains_weights=False)
-    assert chunk_share(FULL, 0.35, measured=0.15) == chunk_share(lora, 0.25, measured=0.15) == 0.15
-    # nothing fixed in the pass: the chunks' flights still cost the compute what a chunk measured
-    assert chunk_share(FULL, 0.35, measured=0.0) == chunk_share(FULL, 0.35, measured=0.05) == FULL_CHUNK_FIXED
-    assert chunk_share(FULL, 0.35) == FULL_CHUNK_FIXED and chunk_share(lora, 0.25) == 0.25
-    assert chunk_measured([None, 0.1, 0.2]) == 0.2  # the costliest node's
-    assert chunk_measured([None, None]) is None and chunk_measured([]) is None
 
 
 def test_one_node_and_chunks_past_the_rows_are_not_offered():
@@ -247,32 +236,6 @@ def test_a_segment_plan_chooses_its_layout_and_chunks_together():
     # a forced baseline's layout is its own: uniform is never re-planned
     uni = _choose(ins, shape, strategy="uniform", overlap="on", chunks=2, node_cpu=cpu).winner
     assert "planned for it" not in uni.label
-
-
-def test_the_profiles_step_free_rows_probe_sets_what_a_chunk_costs():
-    # A quarter of the batch took 0.4 of its iteration, of which the step was 0.3: the pass alone
-    # (0.1 of 0.7) shrinks in proportion, so a chunk repeats no dispatch, and costs the floor
-    # (`FULL_CHUNK_FIXED`). Without the step figure the full fine-tune falls back to the same
-    # constant; with a step of 0.1, the pass's fixed share is (0.3/0.9 - 0.25) / 0.75 = 1/9 of
-    # its 0.9: 0.1 of the iteration per extra chunk.
-    def probed(step):
-        items = [Loaded(f"n{i}.json", synthetic_report(f"n{i}", slowness=1 + 0.5 * i, units=16, num_blocks=4))
-                 for i in range(3)]
-        items = [Loaded(x.source, x.report.model_copy(update={"rows_probe": RowsProbe(
-            rows=x.report.batch_size // 4, seconds=0.4, full_seconds=1.0, step_seconds=step)})) for x in items]
-        ins = cost_inputs(items, reserve_mb=0, bandwidth_Bps=SLOW)
-        return ins, _choose(ins, _inputs()[1], overlap="on", chunks=2, joint=False).winner
-
-    ins, none = probed(0.3)
-    assert [n.chunk_fixed for n in ins.nodes] == [pytest.approx(0.0)] * 3
-    ins, tenth = probed(0.1)
-    assert [n.chunk_fixed for n in ins.nodes] == [pytest.approx(0.1)] * 3
-    ins, unknown = probed(None)
-    assert [n.chunk_fixed for n in ins.nodes] == [None] * 3
-    # the same layout, only the chunk's cost differs: the overhead scales with the share
-    assert tenth.tp.layout == unknown.tp.layout
-    assert tenth.overlap.chunk_overhead_s == pytest.approx(unknown.overlap.chunk_overhead_s * 0.1 / FULL_CHUNK_FIXED)
-    assert none.overlap.chunk_overhead_s == pytest.approx(unknown.overlap.chunk_overhead_s)
 
 
 def test_relayout_refuses_a_layout_of_another_world_or_model():
