@@ -14,12 +14,12 @@ Gloo threads run beside a busy computing thread, and what they take comes out of
 probe times that too (`_time_launched`), as the CPU the virtual clock charges a launched call.
 
 The probe runs in `PROBE_ROUNDS` rounds, each on a fresh loopback pair, and every figure is taken
-over the rounds' calls pooled. One pair's calls share a regime: on a 2-core guest the median of a
-launched 196 kB call's CPU over one pair's 30 calls read 0.35-2.8 ms in eight fresh processes (a
-second mode near 3.3 ms, where Gloo's threads and the computing ones interleave badly), while three
-pairs pooled read 0.42-0.75 ms. A single reading decided plans: in one `bench.choice` run two of
-the demo's three boxes read 3.3 ms and the third 0.7 ms, and the planner chose no overlap where
-overlapping the backward pass measured 4 % faster.
+over the rounds' calls pooled. One pair's calls share a regime (why, unknown): on a 2-core guest
+the median of a launched 196 kB call's CPU over one pair's 30 calls read 0.35-2.8 ms in eight fresh
+processes, with a second mode near 3.3 ms, while three pairs pooled read 0.42-0.75 ms; eight
+probes back to back on one pair read 0.44-0.49 ms. A single reading decided plans: in one
+`bench.choice` run two of the demo's three boxes read 3.3 ms and the third 0.7 ms, and the planner
+chose no overlap where overlapping the backward pass measured 4 % faster.
 """
 
 from __future__ import annotations
