@@ -44,6 +44,7 @@ def _fake_timing(monkeypatch, blocking, launched, groups: list | None = None) ->
         return []
 
     monkeypatch.setattr(commprobe, "_groups", make_groups)
+
     def time_blocking(pgs, elements, repeats, warmup):
         samples = blocking(elements)
         return [samples, samples], samples
