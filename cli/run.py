@@ -59,6 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "chunk's all-reduces travelling while the next chunk computes, forward and backward; "
                    "N <= --batch-size) "
                    "or off (default). The sums stay the same ones")
+    p.add_argument("--overlap-trial", metavar="M1,M2[,..]",
+                   help="measure these overlap modes (off, bwd, cN; 2 to 4) against each other at the start "
+                   "and keep the fastest: after 2 steps of warm-up under M1 (which --overlap, if given, "
+                   "must be), each runs 3 steps, in turn; the slowest rank's median iteration decides "
+                   "(a later mode must be 1 %% faster). A job with overlap auto or on does this itself")
     p.add_argument("--cpu-shares", metavar="s1,...,sN",
                    help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
                    "quota, to emulate heterogeneous boxes on one machine (needs a writable cgroup)")
@@ -180,6 +185,31 @@ def parse_overlap(text: str):
     return Overlap(backward=mode.backward, chunks=mode.chunks) if mode.on else None
 
 
+def parse_trial(text: str | None, overlap):
+    """`--overlap-trial M1,M2,..` as RunConfig.trial (None without the flag), and the run's overlap
+    (M1's unless --overlap named one); ValueError naming the value otherwise."""
+    from pydantic import ValidationError
+
+    from xronos.protocol.messages import Overlap, OverlapTrial, overlap_label
+
+    if text is None:
+        return None, overlap
+    try:
+        modes = [parse_overlap(x.strip()) or Overlap(backward=False, chunks=1) for x in text.split(",")]
+    except ValueError as exc:
+        raise ValueError(f"--overlap-trial {text!r}: {str(exc).removeprefix('--overlap ')}") from None
+    try:
+        trial = OverlapTrial(modes=modes)
+    except ValidationError as exc:
+        why = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+        raise ValueError(f"--overlap-trial {text!r}: 2 to 4 distinct modes ({why})") from None
+    first = modes[0] if modes[0].backward or modes[0].chunks > 1 else None
+    if overlap is not None and overlap_label(overlap) != overlap_label(first):
+        raise ValueError(f"--overlap-trial {text!r}: its first mode runs the warm-up, and --overlap says "
+                         f"{overlap_label(overlap)}: name it first")
+    return trial, first
+
+
 def config_from_args(args: argparse.Namespace, layout):
     """The RunConfig the flags describe (`flagtable.RUN`); ValueError naming the flags otherwise."""
     from pydantic import ValidationError
@@ -197,9 +227,10 @@ def config_from_args(args: argparse.Namespace, layout):
     if args.metrics is not None and not Path(args.metrics).resolve().parent.is_dir():
         raise FileNotFoundError(f"--metrics {args.metrics}: directory does not exist")
     fields = flagtable.collect(args, flagtable.RUN)
+    trial, overlap = parse_trial(getattr(args, "overlap_trial", None), parse_overlap(getattr(args, "overlap", "off")))
     try:
         return RunConfig(**fields, layout=layout, progress=True, reshard_at=parse_reshard_at(args.reshard_at),
-                         overlap=parse_overlap(getattr(args, "overlap", "off")))
+                         overlap=overlap, trial=trial)
     except ValidationError as exc:
         msg = flagtable.problems(exc.errors(), args, flagtable.RUN, _RULE_NAMES)
         raise ValueError(re.sub(r"ranks, the run (\d+)", r"ranks, but --nodes is \1", msg)) from None
@@ -210,7 +241,7 @@ _RULE_NAMES = (("epochs/max_steps", "--max-steps"), ("data_format:", "--data-for
                ("export_gguf:", "--export-gguf:"), ("export_merged:", "--export-merged:"),
                ("without lora (LoRA)", "without --lora-r (LoRA)"), ("for task ", "for --task "),
                ("of task ", "of --task "), ("reshard_at", "--reshard-at"), ("or rebalance (", "or --rebalance ("),
-               ("shares:", "--shares:"), ("overlap:", "--overlap:"))
+               ("shares:", "--shares:"), ("overlap:", "--overlap:"), ("trial:", "--overlap-trial:"))
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xronos.protocol.layout import Layout
-from xronos.protocol.messages import JobSpec, Overlap, Recipe, check_overlap_rows
+from xronos.protocol.messages import JobSpec, Overlap, OverlapTrial, Recipe, check_overlap_rows, check_trial
 
 
 class RankConfig(BaseModel):
@@ -97,12 +97,15 @@ class RunConfig(RankConfig):
     rebalance: bool = False  # rank 0 re-plans (with shares: re-splits) live from measured speeds (`relayout`)
     # A tensor-parallel run's overlap of its all-reduces with compute (node/tp/overlap.py; None: none)
     overlap: Overlap | None = None
+    # Overlap modes measured against each other at the start, the fastest kept (node/rank/trial.py)
+    trial: OverlapTrial | None = None
 
     @model_validator(mode="after")
     def _overlap(self) -> RunConfig:
         if self.overlap is not None and self.shares is not None:
             raise ValueError("overlap: a data-parallel run (shares) does not overlap; only a tensor-parallel one")
         check_overlap_rows(self.overlap, self.recipe.batch_size, "overlap")
+        check_trial(self.trial, self.overlap, self.shares, "trial", self.recipe.batch_size)
         return self
 
     @model_validator(mode="after")
@@ -155,12 +158,13 @@ class RunConfig(RankConfig):
     @classmethod
     def for_job(cls, spec: JobSpec, *, layout: Layout, rank: int, host: str, port: int, threads: int,
                 gloo_timeout_s: float, group_key: str | None = None,
-                shares: tuple[int, ...] | None = None, overlap: Overlap | None = None) -> RunConfig:
-        """The rank settings a JobSpec means: its recipe, placed, with its plan's overlap. (The
+                shares: tuple[int, ...] | None = None, overlap: Overlap | None = None,
+                trial: OverlapTrial | None = None) -> RunConfig:
+        """The rank settings a JobSpec means: its recipe, placed, with its plan's overlap and trial. (The
         job's live re-balancing is the gateway's, not its rank 0's: `rebalance` stays off.)"""
         return cls(recipe=spec.recipe, layout=layout, shares=shares, threads=threads, gloo_timeout_s=gloo_timeout_s,
                    progress=False, rank=rank, rendezvous_host=host, rendezvous_port=port, group_key=group_key,
-                   overlap=overlap)
+                   overlap=overlap, trial=trial)
 
 
 class JobRankConfig(BaseModel):

@@ -49,6 +49,60 @@ def check_overlap_rows(overlap: Overlap | None, rows: int, field: str) -> None:
                          f"rows (at most {rows} chunks)")
 
 
+def overlap_label(overlap: Overlap | None) -> str:
+    """`off`, `bwd` or `cN`: the mode's name as the planner and `xronos run --overlap` spell it."""
+    if overlap is None or (not overlap.backward and overlap.chunks == 1):
+        return "off"
+    return f"c{overlap.chunks}" if overlap.chunks > 1 else "bwd"
+
+
+MAX_TRIAL_MODES = 4
+OverlapLabel = Annotated[str, Field(pattern=r"^(off|bwd|c[0-9]{1,2})$")]  # overlap_label's names
+
+
+class OverlapTrial(Part):
+    """Overlap modes measured against each other at the start of a run (issue #37): the planner's
+    prediction of a mode's gain is off by up to a quarter on some boxes (a launched call's CPU),
+    while the modes differ only in timing — the same sums, the same layout — so the ranks can try
+    each for a few steps and keep the fastest. After `after` steps under `modes[0]` (the plan's
+    own mode: warm-up), each mode runs `rounds` steps, taking turns step by step (so a drift of
+    the host falls on every mode alike); the mode whose median iteration, the slowest rank's, is
+    least is kept for the rest of the run (a tie goes to the earlier). `Overlap(backward=False,
+    chunks=1)` is no overlap."""
+
+    modes: Annotated[list[Overlap], Field(min_length=2, max_length=MAX_TRIAL_MODES)]
+    rounds: Annotated[int, Field(ge=1, le=16)] = 3
+    after: Annotated[int, Field(ge=0, le=64)] = 2
+
+    @model_validator(mode="after")
+    def _distinct(self) -> OverlapTrial:
+        labels = [overlap_label(m) for m in self.modes]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"modes: each mode once, got {labels}")
+        return self
+
+    @property
+    def steps(self) -> int:
+        """Steps from the run's start to the decision, warm-up included."""
+        return self.after + self.rounds * len(self.modes)
+
+
+def check_trial(trial: OverlapTrial | None, overlap: Overlap | None, shares: object, field: str,
+                rows: int | None = None) -> None:
+    """ValueError naming `field` when a trial does not fit its plan: a data-parallel one (nothing
+    to overlap), a first mode that is not the plan's `overlap`, or (given the batch's `rows`) a
+    mode with a chunk of no row."""
+    if trial is None:
+        return
+    if shares is not None:
+        raise ValueError(f"{field}: a data-parallel plan (shares) has no overlap modes to try")
+    if overlap_label(trial.modes[0]) != overlap_label(overlap):
+        raise ValueError(f"{field}: the first mode ({overlap_label(trial.modes[0])}) must be the plan's overlap "
+                         f"({overlap_label(overlap)}): it runs the warm-up")
+    for mode in trial.modes if rows is not None else ():
+        check_overlap_rows(mode, rows, field)
+
+
 class JobSpec(Message):
     """A job: its recipe (what is trained and how) plus what only a job has — its name and owner,
     the planner's strategy and the memory it leaves each node, the nodes it may use, checkpoints,
@@ -118,11 +172,14 @@ class Plan(Message):
     shares: Annotated[list[NonNegInt], Field(min_length=1, max_length=MAX_NODES)] | None = None
     # A tensor-parallel plan's overlap of communication with compute (None: every all-reduce blocks).
     overlap: Overlap | None = None
+    # The modes the ranks measure against each other before keeping one (None: `overlap` throughout).
+    trial: OverlapTrial | None = None
 
     @model_validator(mode="after")
     def _covers_model(self) -> Plan:
         if self.overlap is not None and self.shares is not None:
             raise ValueError("overlap: a data-parallel plan (shares) does not overlap; only a tensor-parallel one")
+        check_trial(self.trial, self.overlap, self.shares, "trial")
         if [e.rank for e in self.entries] != list(range(len(self.entries))):
             raise ValueError(f"entries: ranks must be 0..N-1 in order, got {[e.rank for e in self.entries]}")
         if self.entries:
@@ -182,6 +239,7 @@ class Assignment(Message):
     # (node/tp/groupkey.py). Never logged, never retained; kept out of reprs.
     group_key: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", repr=False)]
     overlap: Overlap | None = None  # Plan.overlap
+    trial: OverlapTrial | None = None  # Plan.trial
 
     @model_validator(mode="after")
     def _consistent(self) -> Assignment:
@@ -190,6 +248,7 @@ class Assignment(Message):
         if self.overlap is not None and self.shares is not None:
             raise ValueError("overlap: a data-parallel assignment (shares) does not overlap; only a tensor-parallel one")
         check_overlap_rows(self.overlap, self.spec.recipe.batch_size, "overlap")
+        check_trial(self.trial, self.overlap, self.shares, "trial", self.spec.recipe.batch_size)
         tp = mesh_of(self.world_size, self.shares)
         if self.layout.world_size != tp:
             groups = "" if self.shares is None else f" in data-parallel groups of {tp} (shares {self.shares})"

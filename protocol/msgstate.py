@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from .layout import Layout
-from .msgjob import Plan
+from .msgjob import MAX_TRIAL_MODES, OverlapLabel, Plan
 from .msgtypes import (
     MAX_EVENTS, MAX_NODES, Bytes, Count, Eta, Event, Id, Message, Metric, NonNegInt, PathText, Percent, Phase,
     Rank, Seconds, Text4k, Text256, Timestamp,
@@ -113,4 +113,10 @@ class NodeJobStatus(Message):
     # The owner's latest refused JobReshard (wrong world, counts that do not fit the model): why.
     # The gateway then drops the order it had pending; the job goes on under its plan.
     reshard_refused: Text256 | None = None
+    # The owner's outcome of the plan's overlap trial (Plan.trial): the step it was decided after,
+    # the mode kept from then on, and each mode's median iteration (the slowest rank's, seconds on
+    # the ranks' clock), in the trial's order.
+    trial_step: Count | None = None
+    trial_kept: OverlapLabel | None = None
+    trial_seconds: Annotated[dict[OverlapLabel, Seconds], Field(max_length=MAX_TRIAL_MODES)] | None = None
     sent_at: Timestamp

@@ -58,7 +58,7 @@ def _assign(e: Assign, job: Job, reg: Registry, ports: tuple[int, int]) -> Outgo
             job_id=e.job_id, plan_version=e.plan.version, node_id=x.node_id, rank=x.rank,
             world_size=len(entries), rendezvous_host=host or "127.0.0.1", rendezvous_port=port,
             layout=layout, spec=job.spec, shares=e.plan.shares, resume_step=e.resume_step,
-            group_key=key, overlap=e.plan.overlap), {"node_id": x.node_id}
+            group_key=key, overlap=e.plan.overlap, trial=e.plan.trial), {"node_id": x.node_id}
 
 
 def _jsonable(data: Any) -> Any:

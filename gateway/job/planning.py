@@ -8,7 +8,7 @@ candidates side by side (the plan preview's answer).
 
 from __future__ import annotations
 
-from xronos.gateway.plan.auto import candidates_data, choice_message, choice_note, choose_reports
+from xronos.gateway.plan.auto import candidates_data, choice_message, choice_note, choose_reports, with_trial
 from xronos.gateway.plan.compatible import Loaded, job_settings
 from xronos.protocol import messages as m
 from xronos.protocol.layout import KINDS, NOUN
@@ -42,14 +42,23 @@ def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> Planne
                          f"MiB cap holding " + ", ".join(f"{r.count(k)} {NOUN[k]}" for k in KINDS)
                          for r in result.rows if r.over_cap)
         raise ValueError(f"the {result.strategy} plan exceeds memory caps: {over}")
-    return Planned(choice_message(choice, job.job_id, version), choice_note(choice),
+    # The job let the planner choose the overlap mode: its ranks measure the likeliest few first.
+    msg = choice_message(choice, job.job_id, version)
+    if job.spec.overlap in ("auto", "on") and job.spec.chunks is None:
+        msg = with_trial(msg, choice, job.total_steps)
+    return Planned(msg, choice_note(choice),
                    tuple(candidates_data(choice)))
 
 
 def plan_text(plan: m.Plan) -> str:
-    """Each node's part of a plan, for the job's events: its counts (TP), its rows (DP), or both (a mesh)."""
+    """Each node's part of a plan, for the job's events: its counts (TP), its rows (DP), or both (a
+    mesh); a TP plan's overlap trial after it."""
     if plan.shares is None:
-        return ", ".join(f"{e.node_id}=attn {e.attn}/mlp {e.mlp}/vocab {e.vocab}" for e in plan.entries)
+        text = ", ".join(f"{e.node_id}=attn {e.attn}/mlp {e.mlp}/vocab {e.vocab}" for e in plan.entries)
+        if plan.trial is None:
+            return text
+        modes = ", ".join(m.overlap_label(x) for x in plan.trial.modes)
+        return f"{text}; overlap trial of {modes} over its first {plan.trial.steps} steps"
     tp = plan.tp_size
     if tp == 1:
         return ", ".join(f"{e.node_id}={rows} rows" for e, rows in zip(plan.entries, plan.shares))

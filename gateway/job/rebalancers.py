@@ -111,7 +111,10 @@ class JobRebalance:
         ub = unit_bytes(report.arch, report.num_blocks, recipe.task, lora=recipe.lora is not None)
         policy = Rebalancer(job.plan.sizes, job.plan.layout(), base, [e.memory_cap for e in job.plan.entries],
                             ub, config=config)
-        return cls(job.plan_version, nodes, policy, base, lead)
+        out = cls(job.plan_version, nodes, policy, base, lead)
+        if job.plan.trial is not None:  # the trial's steps run other overlap modes: not the speeds to fit
+            out.ignore_until = job.resume_step + job.plan.trial.steps
+        return out
 
     def moved(self, s: m.NodeJobStatus) -> bool:
         """The owner's word on an applied re-shard: its measured cost refits the policy's move

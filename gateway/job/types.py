@@ -107,6 +107,9 @@ class Job:
     last_reshard_step: int | None = None  # the boundary of the owner's latest applied re-shard
     pending_plan: m.Plan | None = None  # a re-shard ordered, not yet applied: the plan it makes
     reshard_refused: str | None = None  # the owner's latest refusal heard (a repeat is not news)
+    # The overlap trial's outcome the owner told (Plan.trial): plan version, the step the kept mode
+    # runs from, and that mode ("off", "bwd", "cN"). A new plan version tries again.
+    trial_kept: tuple[int, int, str] | None = None
     # A node that joins (`join`): its profile requests in flight (apart from `requests`, which
     # the other phases use), the plan taken with it and the checkpoint step it waits to pass, and
     # the predicted seconds per iteration without it (the same planner, the same profiles).

@@ -10,6 +10,8 @@ candidates and the pick); pure, like both.
   its replica's; a mesh its entries in global rank order (group-major, `protocol.messages.mesh_of`),
   every group the same layout, `shares` the rows per group. `comm_s` is what the iteration pays
   beyond the slowest compute (DP: the gradient all-reduce backward does not hide).
+- `with_trial` adds the overlap modes the ranks measure against each other at the run's start
+  (`Plan.trial`) to a TP plan whose job let the planner choose the mode.
 - `candidates_table` / `candidates_data`: the candidates side by side, for `xronos plan`, the job's
   events and the plan preview's answer.
 """
@@ -20,12 +22,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from xronos.gateway.plan.choose import Candidate, Choice, choose
+from xronos.gateway.plan.choose import Candidate, Choice, choose, trial_modes
 from xronos.gateway.plan.compatible import Loaded
 from xronos.gateway.plan.dpcost import require_fit
 from xronos.gateway.plan.model import MiB, InfeasiblePlan
 from xronos.gateway.plan.profiles import DEFAULT_RESERVE_MB, cost_inputs, plan_message, reserve_note
-from xronos.protocol.messages import Overlap, Plan, PlanEntry
+from xronos.protocol.messages import Overlap, OverlapTrial, Plan, PlanEntry
 
 
 def choose_reports(loaded: Sequence[Loaded], strategy: str, *, reserve_mb: float = DEFAULT_RESERVE_MB,
@@ -80,6 +82,24 @@ def choice_message(choice: Choice, job_id: str, version: int = 0) -> Plan:
     return Plan(job_id=job_id, version=version, strategy="dp", sizes=choice.sizes, entries=entries,
                 predicted_iteration_s=m.iteration_s, ideal_iteration_s=m.iteration_s, comm_s=m.comm_s,
                 shares=list(m.rows))
+
+
+# A plan measures its overlap modes (`Plan.trial`) only in a run at least this many times the
+# trial's length: the trial's slower steps are then at most a small part of the run.
+TRIAL_MIN_RUN = 4
+
+
+def with_trial(plan: Plan, choice: Choice, steps: int) -> Plan:
+    """`plan` with an overlap trial (`protocol.OverlapTrial`: the winner's mode and the next
+    predicted fastest, `choose.trial_modes`, measured against each other at the run's start) when
+    there is a choice to measure and the run of `steps` steps is long enough; else as it is."""
+    modes = trial_modes(choice.winner)
+    if not modes or plan.shares is not None:
+        return plan
+    trial = OverlapTrial(modes=[Overlap(backward=m.backward, chunks=m.chunks) for m in modes])
+    if steps < TRIAL_MIN_RUN * trial.steps:
+        return plan
+    return Plan.model_validate({**plan.model_dump(), "trial": trial.model_dump()})
 
 
 def _mem(c: Candidate) -> str:

@@ -47,12 +47,14 @@ from xronos.gateway.plan.overlapcost import MODES, OFF, OverlapMode, OverlapPred
 from xronos.gateway.plan.planner import DEFAULT_BUDGET, InfeasiblePlan, PlanResult, plan, relayout
 from xronos.protocol.layout import Sizes
 
-__all__ = ["AUTO_CANDIDATES", "CHOICES", "Candidate", "Choice", "TIE_REL", "choose", "for_mode"]
+__all__ = ["AUTO_CANDIDATES", "CHOICES", "Candidate", "Choice", "TIE_REL", "TRIAL_MODES", "choose", "for_mode",
+           "trial_modes"]
 
 AUTO_CANDIDATES: tuple[str, ...] = ("segment", "dp", "mesh")
 CHOICES: tuple[str, ...] = ("auto", "segment", "dp", "paper", "uniform")  # what a job or `xronos plan` may ask
 # Predictions closer than this (relative) are a tie: the cost model is not that exact.
 TIE_REL = 1e-9
+TRIAL_MODES = 3  # overlap modes a plan's trial measures (`trial_modes`)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class Candidate:
     dp: DPPrediction | None = None
     mesh: MeshPrediction | None = None
     overlap: OverlapPrediction | None = None  # a TP candidate's overlap mode (None: every all-reduce blocks)
+    # Every mode the job allows, predicted on this candidate's layout, fastest first (`trial_modes`)
+    ranked: tuple[OverlapPrediction, ...] = ()
 
     def summary(self) -> str:
         """One line: the label and its predicted time, or why it cannot run."""
@@ -181,13 +185,28 @@ def with_overlap(c: Candidate, nodes: Sequence[NodeCost], shape: TPShape | None,
             q = predict(alt, (m,))
             if alt.feasible and q and q[0].iteration_s < p.iteration_s * (1 - 1e-6):
                 p, tp = q[0], alt
+    ranked = tuple(sorted(preds if tp is c.tp else predict(tp, modes), key=lambda q: (q.mode != p.mode, q.iteration_s)))
     if not p.mode.on:
-        return c
+        return replace(c, ranked=ranked)
     base = c if tp is c.tp else tp_candidate(tp, c.label)
     where = "" if tp is c.tp else " (a layout planned for it)"
     return replace(base, label=f"{c.label}, overlap {p.mode.label}{where}", iteration_s=p.iteration_s,
                    compute_s=base.compute_s + p.chunk_overhead_s,
-                   comm_s=max(0.0, p.iteration_s - base.compute_s - p.chunk_overhead_s), overlap=p)
+                   comm_s=max(0.0, p.iteration_s - base.compute_s - p.chunk_overhead_s), overlap=p, ranked=ranked)
+
+
+def trial_modes(c: Candidate, size: int = TRIAL_MODES) -> tuple[OverlapMode, ...]:
+    """The overlap modes worth measuring against each other at the start of a run (the plan's
+    trial, `node/rank/trial.py`): the candidate's own mode first, then the next predicted fastest
+    on its layout, `size` in all; no overlap among them when the job allowed it (the model's
+    errors run both ways, and `off` pays no call's CPU beside compute). Empty when there is no
+    choice to make (a forced mode, or no TP candidate)."""
+    if len(c.ranked) < 2:
+        return ()
+    modes = [q.mode for q in c.ranked[:size]]
+    if OFF not in modes and any(q.mode == OFF for q in c.ranked):
+        modes[-1] = OFF
+    return tuple(modes)
 
 
 def dp_candidate(pred: DPPrediction) -> Candidate:

@@ -33,6 +33,9 @@ def status_update(job_id: str, ev: msg.RankEvent, now: str) -> tuple[str, dict[s
                  reason=ev.reason)
         return now, {"reshard_step": ev.step, "reshard_layout": ev.layout, "reshard_s": ev.seconds,
                      "reshard_bytes": ev.moved_bytes, "reshard_shares": ev.shares}
+    if isinstance(ev, msg.OverlapTried):  # the owner's: the gateway hears which mode the trial kept
+        log.info("overlap_tried", job_id=job_id, step=ev.step, kept=ev.kept, seconds=ev.seconds)
+        return now, {"trial_step": ev.step, "trial_kept": ev.kept, "trial_seconds": dict(ev.seconds)}
     if isinstance(ev, msg.ReshardRefused):  # the owner's: the gateway drops the order it had pending
         log.warning("reshard_refused", job_id=job_id, detail=ev.detail)
         return now, {"reshard_refused": ev.detail[:256] or "refused"}

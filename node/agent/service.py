@@ -327,7 +327,7 @@ class NodeService:
         run = RunConfig.for_job(self.spec, layout=a.layout, rank=a.rank, host=a.rendezvous_host,
                                 port=a.rendezvous_port, threads=threads, gloo_timeout_s=self.cfg.gloo_timeout_s,
                                 group_key=a.group_key, shares=tuple(a.shares) if a.shares else None,
-                                overlap=a.overlap)
+                                overlap=a.overlap, trial=a.trial)
         jobdir = job_dir(self.state_dir, a.job_id)
         config = JobRankConfig(job_id=a.job_id, plan_version=a.plan_version, node_id=self.node_id, run=run,
                                checkpoint_interval=self.spec.checkpoint_interval, resume_step=a.resume_step,

@@ -171,6 +171,10 @@ class JobEvents(Sink):
         if rank.owner:
             self.events.send(msg.ReshardRefused(detail=f"re-shard at step {step} refused: {reason}"[:msg.DETAIL]))
 
+    def tried(self, rank: Rank, outcome: Any) -> None:
+        if rank.owner:
+            self.events.send(msg.OverlapTried(step=outcome.step, kept=outcome.kept_label, seconds=outcome.seconds))
+
     def checkpointed(self, rank: Rank, step: int) -> None:
         if rank.owner:
             self.events.send(msg.Checkpointed(step=step))

@@ -278,6 +278,11 @@ class Engine:
         """Rank 0: the metrics document from every rank's rows ([steps, fields] each)."""
         return None
 
+    def tried(self) -> Any | None:
+        """An overlap trial's outcome (`node/rank/trial.TrialOutcome`), once, after the step that
+        decided it; None otherwise (an engine without overlap modes never has one)."""
+        return None
+
 
 class Sink:
     """Where a rank's numbers and milestones go. Every rank calls every method."""
@@ -288,6 +293,7 @@ class Sink:
     def checkpointed(self, rank: Rank, step: int) -> None: ...
     def resharded(self, rank: Rank, step: int, word: Reshard) -> None: ...
     def reshard_refused(self, rank: Rank, step: int, word: Reshard, reason: str) -> None: ...
+    def tried(self, rank: Rank, outcome: Any) -> None: ...
     def cancelled(self, rank: Rank, step: int) -> None: ...
 
     def finish(self, rank: Rank, result: RankResult) -> None:
@@ -421,6 +427,9 @@ def _loop(rank: Rank, control: Control, sink: Sink, checkpoints: Checkpoints | N
         rec = engine.step(rank, batches, step)
         records.append(rec)
         sink.iteration(rank, rec)
+        outcome = engine.tried()
+        if outcome is not None:
+            sink.tried(rank, outcome)
         done = step + 1
         if checkpoints is not None and checkpoints.due(done, rank.steps):
             engine.checkpoint(rank, checkpoints.dir, {**checkpoints.meta, "step": done, "epoch": done // rank.per_epoch,

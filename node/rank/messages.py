@@ -91,6 +91,16 @@ class Resharded(_Message):
     shares: Annotated[list[NonNegInt], Field(min_length=1, max_length=m.MAX_NODES)] | None = None
 
 
+class OverlapTried(_Message):
+    """The owner's: the overlap trial kept `kept` from step `step` on; each mode's median
+    iteration (the slowest rank's, on the ranks' clock)."""
+
+    kind: Literal["overlap_tried"] = "overlap_tried"
+    step: Count
+    kept: m.OverlapLabel
+    seconds: Annotated[dict[m.OverlapLabel, Seconds], Field(max_length=m.MAX_TRIAL_MODES)]
+
+
 class ReshardRefused(_Message):
     """The owner's: an order it could not follow (the job goes on as it was)."""
 
@@ -119,8 +129,8 @@ class Failed(_Message):
     job_fault: bool = False
 
 
-RankEvent = Annotated[Union[Status, Metrics, Evaluated, Checkpointed, Resharded, ReshardRefused, Cancelled,
-                            Completed, Failed], Field(discriminator="kind")]
+RankEvent = Annotated[Union[Status, Metrics, Evaluated, Checkpointed, Resharded, ReshardRefused, OverlapTried,
+                            Cancelled, Completed, Failed], Field(discriminator="kind")]
 ENDED = (Completed, Failed, Cancelled)  # the events after which a rank reports nothing more
 
 

@@ -301,6 +301,8 @@ class LiveRebalance:
         rec = eng.last
         if rec is None or group.world_size == 1:  # nothing measured yet; one rank has nothing to balance
             return Word.GO
+        if getattr(eng, "trying", False):  # an overlap trial's steps (every rank alike): not the speeds to fit
+            return Word.GO
         n = group.world_size
         # One collective per boundary: every rank's last per-kind compute, and in rank 0's row the
         # decision it took at the previous boundary (a flag and the counts), applied now by all.

@@ -30,6 +30,7 @@ from xronos.node.models.gguf import save_gguf_export
 from xronos.node.models.registry import family_for
 from xronos.node.rank.optim import adamw
 from xronos.node.rank.optstate import allocate_state
+from xronos.node.rank.trial import Trial, TrialOutcome
 from xronos.node.runconfig import RunConfig
 from xronos.node.rank.lifecycle import (Capabilities, Engine, EvalResult, JobFault, Rank, RankResult, Reshard,
                                         WeightSource)
@@ -37,6 +38,7 @@ from xronos.node.tp.group import TPGroup
 from xronos.node.tp.layout import ShardLayout
 from xronos.node.tp.lora import add_lora
 from xronos.protocol.layout import LayoutError
+from xronos.protocol.messages import Overlap
 
 
 def lr_factor(step: int, warmup_steps: int) -> float:
@@ -187,11 +189,15 @@ class TPEngine(Engine):
         self.last: IterationRecord | None = None  # the latest step's record (what a re-balancer measures)
         self.report_extra: dict[str, Any] = {}  # sections others add to the metrics document (re-plans)
         self._reshard_s = 0.0  # booked on the next iteration's record
+        self.trial: Trial | None = None  # the overlap modes tried against each other (node/rank/trial.py)
+        self.trial_note: str | None = None  # why a trial the plan asked for did not run
+        self.outcome: TrialOutcome | None = None
+        self._told = False
 
     def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
         overlap = getattr(rank.cfg, "overlap", None)
         if overlap is not None:  # the plan's overlap of the all-reduces with compute (node/tp/overlap.py)
-            rank.group.overlap, rank.group.chunks = overlap.backward, overlap.chunks
+            _apply(rank.group, overlap)
         self.build_model(rank, weights, start, rank.group, rank.cfg.rank)
 
     def build_model(self, rank: Rank, weights: WeightSource, start: int, group: TPGroup, tp_rank: int) -> None:
@@ -236,14 +242,47 @@ class TPEngine(Engine):
         rank.group.drain_timings()
         self.model.seed(rank.cfg.recipe.seed + start)  # dropout streams start from the same point on every rank
         self.rusage = Rusage()
+        spec = getattr(rank.cfg, "trial", None)
+        if spec is not None and rank.group.world_size > 1:
+            trial = Trial(spec, start)
+            if trial.fits(rank.steps):
+                self.trial = trial
+            else:  # every rank knows the run's length alike: none of them tries
+                self.trial_note = (f"overlap trial not run: it needs {spec.steps} steps from step {start}, "
+                                   f"the run has {rank.steps - start}")
 
     def step(self, rank: Rank, batches: Iterator[tuple[int, Batch]], step: int) -> IterationRecord:
+        trying = self.trial is not None and self.outcome is None
+        if trying:
+            _apply(rank.group, self.trial.mode(step))
         rec = train_step(self.model, self.opt, self.sched, rank.group, rank.cfg, self.replicated, batches, step,
                          self.rusage)
         if self._reshard_s:
             rec, self._reshard_s = replace(rec, reshard_s=self._reshard_s), 0.0
+        if trying:
+            self.trial.record(step, rec.iteration_s)
+            if step == self.trial.last:
+                self._decide(rank.group)
         self.last = rec
         return rec
+
+    def _decide(self, group: TPGroup) -> None:
+        """Every rank gives each mode's median; the slowest rank's counts (untimed: measurement)."""
+        worst = group.all_reduce(torch.tensor(self.trial.medians(), dtype=torch.float64), "max", timed=False)
+        self.outcome = self.trial.decide(worst.tolist())
+        _apply(group, self.outcome.kept)
+
+    @property
+    def trying(self) -> bool:
+        """Whether the latest step ran in the overlap trial (its time is a mode's, not the plan's)."""
+        return self.trial is not None and self.last is not None and self.last.step <= self.trial.last
+
+    def tried(self) -> TrialOutcome | None:
+        """The trial's outcome, once, at the boundary after it was decided."""
+        if self.outcome is None or self._told:
+            return None
+        self._told = True
+        return self.outcome
 
     def reshard(self, rank: Rank, word: Reshard, step: int) -> None:
         """Live, at the boundary: weights and AdamW state move to `word.layout` (xronos.node.rank.relayout)."""
@@ -309,6 +348,10 @@ class TPEngine(Engine):
         for r in self.refused:
             print(f"re-shard before step {r['step']} ({r['reason']}) refused, the run went on as it was: "
                   f"{r['refused']}", flush=True)
+        if self.outcome is not None:
+            print(f"{self.outcome.text(rank.group.clock.name)} from step {self.outcome.step}", flush=True)
+        elif self.trial_note is not None:
+            print(self.trial_note, flush=True)
         from xronos.node.rank.relayout import settled_extra  # (lazy, as reshard's: relayout is above the engines)
 
         return {
@@ -323,7 +366,16 @@ class TPEngine(Engine):
                                                         if r.step == m.step)}
                          for m in self.moves],
             "reshards_refused": self.refused,
+            # the overlap trial: each mode's median iteration (the slowest rank's), the kept one, from when
+            "overlap_trial": None if self.outcome is None else {
+                "seconds": self.outcome.seconds, "kept": self.outcome.kept_label, "from_step": self.outcome.step},
+            "overlap_trial_note": self.trial_note,
             "ranks": [{"summary": asdict(s), "iterations": [asdict(r) for r in recs]}
                       for s, recs in zip(summaries, records)],
             **settled_extra(self),
         }
+
+
+def _apply(group: TPGroup, overlap: Overlap) -> None:
+    """The group's all-reduces from now on as `overlap` says (node/tp/overlap.py reads them per call)."""
+    group.overlap, group.chunks = overlap.backward, overlap.chunks

@@ -28,6 +28,16 @@ def good(tmp_path_factory) -> tuple[Path, Path]:
         (("--overlap", "c1"), "--overlap 'c1': off, bwd or cN with N chunks, 2 <= N <= 64"),
         (("--overlap", "yes"), "--overlap 'yes': off, bwd or cN"),
         (("--overlap", "bwd", "--shares", "4"), "--overlap: a data-parallel run (shares) does not overlap"),
+        (("--overlap-trial", "bwd"), "--overlap-trial 'bwd': 2 to 4 distinct modes"),
+        (("--overlap-trial", "bwd,off,bwd"), "--overlap-trial 'bwd,off,bwd': 2 to 4 distinct modes (modes: each "
+                                             "mode once, got ['bwd', 'off', 'bwd'])"),
+        (("--overlap-trial", "off,c2,c3,c4,bwd"), "--overlap-trial 'off,c2,c3,c4,bwd': 2 to 4 distinct modes"),
+        (("--overlap-trial", "off,c9"), "--overlap-trial: chunks 9 leaves a chunk without a row: the batch has 4"),
+        (("--overlap-trial", "off,fast"), "--overlap-trial 'off,fast': 'fast': off, bwd or cN"),
+        (("--overlap", "bwd", "--overlap-trial", "off,bwd"), "--overlap-trial 'off,bwd': its first mode runs the "
+                                                             "warm-up, and --overlap says bwd: name it first"),
+        (("--overlap-trial", "off,bwd", "--shares", "4"), "--overlap-trial: a data-parallel plan (shares) has no "
+                                                          "overlap modes to try"),
     ],
 )
 def test_bad_overlap_is_one_clean_error_line(good, tmp_path, capsys, monkeypatch, extra, message) -> None:

@@ -35,6 +35,9 @@ CASES = {
                        None),
     "llama-lm-N5-c3": ("llama", "causal-lm", Layout(attn=(1, 2, 0, 3, 2), mlp=(32, 0, 32, 32, 4),
                                                      vocab=(0, 32, 6, 0, 0)), "c3", None),
+    # an overlap trial: the modes take turns step by step, then the kept one runs (node/rank/trial.py)
+    "gpt2-lm-N3-trial": ("gpt2", "causal-lm", Layout(attn=(0, 6, 6), mlp=(64, 32, 4), vocab=(32, 0, 5)),
+                         "c2,off,bwd", None),
 }
 
 
@@ -52,14 +55,19 @@ def test_overlapped_run_equals_single_device_training(name: str, tmp_path: Path)
     argv = runkit.run_argv(start, runkit.write_rows(tmp_path / "data.csv", data), task, layout, tmp_path / "out",
                            steps=STEPS, batch_size=dpkit.BATCH, lr=lr,
                            extra=(*dpkit.FLAGS, "--eval-fraction", str(N_EVAL / ROWS), "--metrics", str(metrics),
-                                  "--overlap", mode))
+                                  "--overlap-trial" if "," in mode else "--overlap", mode))
     if targets is not None:
         argv += ["--lora-r", str(dpkit.R), "--lora-alpha", str(dpkit.ALPHA), "--lora-targets", ",".join(targets),
                  "--export-merged"]
     assert main(argv) == 0
     doc = json.loads(metrics.read_text())
-    assert doc["config"]["overlap"] == {"backward": True, "chunks": int(mode[1:]) if mode[0] == "c" else 1}
+    first = mode.split(",")[0]
+    assert doc["config"]["overlap"] == {"backward": True, "chunks": int(first[1:]) if first[0] == "c" else 1}
     assert doc["async_allreduces"] > 0  # the overlapped path ran
+    if "," in mode:  # every mode timed, one kept from the trial's end (2 warm-up steps, 3 rounds of 3)
+        trial = doc["overlap_trial"]
+        assert list(trial["seconds"]) == mode.split(",") and all(v > 0 for v in trial["seconds"].values())
+        assert trial["kept"] in mode.split(",") and trial["from_step"] == 11
     initial = runkit.model_class(task).from_pretrained(str(model_dir))
     if targets is None:
         reference = dpkit.full_train(model_dir, data, task, STEPS, n_train)

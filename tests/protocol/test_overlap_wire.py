@@ -63,3 +63,34 @@ def test_a_data_parallel_plan_does_not_overlap() -> None:
         m.Plan(job_id="j", version=1, strategy="dp", sizes=Sizes(attn=4, mlp=256, vocab=1000), entries=[entry],
                shares=[8], predicted_iteration_s=0.2, ideal_iteration_s=0.2, comm_s=0.01,
                overlap=m.Overlap(backward=True))
+
+
+OFF, BWD = m.Overlap(backward=False, chunks=1), m.Overlap(backward=True)
+
+
+def test_a_trial_names_two_to_four_distinct_modes_and_its_bounds() -> None:
+    t = m.OverlapTrial(modes=[BWD, OFF, m.Overlap(backward=True, chunks=2)])
+    assert t.steps == 2 + 3 * 3 and [m.overlap_label(x) for x in t.modes] == ["bwd", "off", "c2"]
+    assert m.overlap_label(None) == "off"
+    with pytest.raises(ValidationError, match=r"modes: each mode once, got \['bwd', 'bwd'\]"):
+        m.OverlapTrial(modes=[BWD, BWD])
+    for modes in ([BWD], [BWD, OFF, *(m.Overlap(backward=True, chunks=c) for c in (2, 3, 4))]):
+        with pytest.raises(ValidationError, match="modes"):
+            m.OverlapTrial(modes=modes)
+    for bad in ({"rounds": 0}, {"rounds": 17}, {"after": -1}, {"after": 65}, {"rounds": 2.0}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            m.OverlapTrial(modes=[BWD, OFF], **bad)
+
+
+def test_an_assignment_trial_starts_with_its_overlap_and_fits_the_batch() -> None:
+    batch = SPEC.recipe.batch_size
+    a = _assignment(overlap=BWD, trial=m.OverlapTrial(modes=[BWD, OFF]))
+    assert m.Assignment.model_validate_json(a.model_dump_json()) == a
+    assert _assignment(trial=m.OverlapTrial(modes=[OFF, BWD])).trial is not None  # no overlap: off first
+    with pytest.raises(ValidationError, match=r"trial: the first mode \(off\) must be the plan's overlap \(bwd\)"):
+        _assignment(overlap=BWD, trial=m.OverlapTrial(modes=[OFF, BWD]))
+    with pytest.raises(ValidationError, match=rf"trial: chunks {batch + 1} leaves a chunk without a row"):
+        _assignment(trial=m.OverlapTrial(modes=[OFF, m.Overlap(backward=True, chunks=batch + 1)]))
+    with pytest.raises(ValidationError, match="trial: a data-parallel plan"):
+        _assignment(layout=Layout(attn=(12,), mlp=(3072,), vocab=(50257,)), shares=[batch, 0],
+                    trial=m.OverlapTrial(modes=[OFF, BWD]))

@@ -35,10 +35,10 @@ def report(node: str, slowness: float, mem: int = 8 * GiB, frozen: bool = True) 
 
 
 def submit(reports: dict[str, m.ProfileReport], strategy: str | None = None, net: Net = Net(bandwidth_Bps=100e6 / 8),
-           respond_to: str = "job/submit"):
+           respond_to: str = "job/submit", **spec_kw):
     """Submit job "j" (strategy: the spec's default unless given), answer its inspection and profiles."""
     kw = {} if strategy is None else {"strategy": strategy}
-    spec = m.JobSpec(name="t", owner="a", recipe=RECIPE, **kw)
+    spec = m.JobSpec(name="t", owner="a", recipe=RECIPE, **kw, **spec_kw)
     ctx = J.Ctx(now=0.0, online=frozenset(reports), planner=plan_job, net=net)
     job, effects = J.new_job("j", spec, "tx", ctx, respond_to=respond_to)
     (inspect,) = [e for e in effects if isinstance(e, J.Inspect)]
@@ -222,3 +222,33 @@ def test_the_plan_preview_answers_with_the_candidates_side_by_side():
         ("segment (TP over 4)", False, True), ("dp (4 replicas)", True, True), ("mesh 2x2 (2 groups of TP 2)", False, True)]
     assert all(c["iteration_s"] > 0 and c["worst_memory"] <= c["worst_cap"] for c in rows)
     assert rows[1]["iteration_s"] < rows[2]["iteration_s"] < rows[0]["iteration_s"]
+
+
+def test_a_job_that_lets_the_planner_choose_its_overlap_tries_the_modes_and_hears_which_was_kept():
+    """overlap auto: the plan carries a trial of its mode and the next likeliest (its event says so),
+    the re-balancer skips the trial's steps, and the owner's word on the outcome becomes one event
+    (a repeat is not news)."""
+    from xronos.gateway.job.rebalancers import JobRebalance
+
+    reports = {n: report(n, 1 + 0.5 * i, frozen=False) for i, n in enumerate(NODES[:3])}
+    job, _ = submit(reports, strategy="segment", overlap="auto")
+    trial = job.plan.trial
+    assert trial is not None and m.overlap_label(trial.modes[0]) == m.overlap_label(job.plan.overlap)
+    assert "off" in [m.overlap_label(x) for x in trial.modes]
+    assert f"overlap trial of {', '.join(m.overlap_label(x) for x in trial.modes)} over its first 11 steps" \
+        in job.events[-1]
+    assert JobRebalance.for_job(job).ignore_until == 11
+    assert submit(reports, strategy="segment")[0].plan.trial is None  # overlap off: nothing to try
+    job = replace(job, phase="running", accepted=True)
+    seconds = {m.overlap_label(x): 0.2 + 0.01 * i for i, x in enumerate(trial.modes)}
+    kept = m.overlap_label(trial.modes[0])
+    status = m.NodeJobStatus(node_id="a", job_id="j", plan_version=1, rank=0, status="running", step=12,
+                             trial_step=11, trial_kept=kept, trial_seconds=seconds, sent_at=2.0)
+    ctx = J.Ctx(now=1.0, online=frozenset(NODES))
+    job, _ = J.handle(job, J.Status(status), ctx)
+    assert job.trial_kept == (1, 11, kept)
+    assert job.events[-1].endswith(f"overlap trial (wall clock, median iteration): "
+                                   f"{', '.join(f'{k} {v:.4f} s' for k, v in seconds.items())}; kept {kept} from step 11")
+    n = len(job.events)
+    job, _ = J.handle(job, J.Status(status.model_copy(update={"step": 13})), ctx)
+    assert len(job.events) == n

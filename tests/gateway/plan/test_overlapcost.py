@@ -206,6 +206,8 @@ def test_auto_overlap_picks_off_when_nothing_gains_and_refuses_chunks_past_the_b
     fast = choose(list(ins.nodes), ins.sizes, list(ins.caps), ins.volume, 0.0, ins.profile_rows, ins.profile_rows,
                   "segment", bandwidth_Bps=1e30, latency_s=0.0, shape=frozen, overlap="auto").winner
     assert fast.overlap is None
+    from xronos.gateway.plan.choose import trial_modes
+    assert trial_modes(fast)[0] == OFF  # a trial then starts without overlap, the plan's own mode
     with pytest.raises(ValueError, match=r"chunks 9 leaves a chunk without a row: the batch has 8 rows"):
         _choose(ins, shape, overlap="on", chunks=9)
     with pytest.raises(ValueError, match="overlap must be auto, off or on, got 'yes'"):
@@ -249,3 +251,29 @@ def test_relayout_refuses_a_layout_of_another_world_or_model():
         relayout(base, list(ins.nodes), list(ins.caps), two)
     again = relayout(base, list(ins.nodes), list(ins.caps), base.layout)
     assert again.rows == base.rows and again.predicted_iteration_s == base.predicted_iteration_s
+
+
+def test_a_plan_that_chose_its_mode_measures_the_likeliest_modes_first():
+    # `auto`: the chosen mode first, then the next predicted fastest on its layout, off among them;
+    # `on`: overlapping modes only; a forced chunk count: nothing to choose, no trial; and the
+    # trial only in a run at least TRIAL_MIN_RUN times its length.
+    from xronos.gateway.plan.auto import TRIAL_MIN_RUN, with_trial
+    from xronos.gateway.plan.choose import trial_modes
+
+    ins, shape = _inputs()
+    auto = _choose(ins, shape, overlap="auto")
+    modes = trial_modes(auto.winner)
+    assert len(modes) == 3 and modes[0] == auto.winner.overlap.mode and OFF in modes
+    ranked = [q.iteration_s for q in auto.winner.ranked[1:]]
+    assert ranked == sorted(ranked) and {q.mode for q in auto.winner.ranked} == set(MODES)
+    msg = choice_message(auto, "j")
+    steps = 2 + 3 * 3
+    planned = with_trial(msg, auto, TRIAL_MIN_RUN * steps)
+    assert [OverlapMode(x.backward, x.chunks) for x in planned.trial.modes] == list(modes)
+    assert planned.trial.steps == steps and planned.overlap == msg.overlap
+    assert Plan.model_validate_json(planned.model_dump_json()) == planned
+    assert with_trial(msg, auto, TRIAL_MIN_RUN * steps - 1).trial is None  # too short a run
+    on = _choose(ins, shape, overlap="on")
+    assert OFF not in trial_modes(on.winner) and len(trial_modes(on.winner)) == 3
+    assert trial_modes(_choose(ins, shape, overlap="on", chunks=2).winner) == ()
+    assert trial_modes(_choose(ins, shape).winner) == ()  # overlap off: no modes predicted

@@ -21,7 +21,8 @@ METRICS = msg.Metrics(step=3, epoch=0, loss=2.5, compute_s=0.4, compute_attn_s=0
 EVENTS = [msg.Status(status="paused"), METRICS,
           msg.Evaluated(when="before", name="perplexity", metric=math.inf, loss=7.0),
           msg.Checkpointed(step=10), msg.Resharded(step=4, layout=LAYOUT, reason="gain 9%", seconds=0.3, moved_bytes=9),
-          msg.ReshardRefused(detail="layout has 2 ranks, the job 3"), msg.Cancelled(step=5),
+          msg.ReshardRefused(detail="layout has 2 ranks, the job 3"),
+          msg.OverlapTried(step=11, kept="c2", seconds={"c2": 0.2, "off": 0.25, "bwd": 0.21}), msg.Cancelled(step=5),
           msg.Completed(step=20, epoch=2, export_dir="/srv/out"), msg.Failed(detail="boom", job_fault=True)]
 ORDERS = [msg.Pause(), msg.Resume(), msg.Cancel(), msg.Reshard(at_step=7, layout=LAYOUT, reason="first")]
 
@@ -91,3 +92,15 @@ def test_the_boundary_broadcast_row_reads_back() -> None:
 
     assert counts_row(LAYOUT) == [4, 8, 64, 36, 32, 5]
     assert from_counts_row(counts_row(LAYOUT), 2) == LAYOUT
+
+
+def test_the_overlap_trials_outcome_becomes_the_owners_status() -> None:
+    from xronos.node.agent.rankstatus import status_update
+
+    ev = msg.OverlapTried(step=11, kept="off", seconds={"bwd": 0.2, "off": 0.19})
+    status, fields = status_update("j", ev, "running")
+    assert status == "running" and fields == {"trial_step": 11, "trial_kept": "off",
+                                              "trial_seconds": {"bwd": 0.2, "off": 0.19}}
+    m.NodeJobStatus(node_id="n", job_id="j", plan_version=1, rank=0, status=status, sent_at=1.0, **fields)
+    with pytest.raises(ValidationError, match="kept"):
+        msg.OverlapTried(step=11, kept="c", seconds={})
