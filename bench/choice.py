@@ -38,6 +38,10 @@ the wall seconds the run took on this host. The cells:
   pick, `gateway/plan/overlapcost.py`), each predicted and measured like the rest. The ideal bound
   stays the one without overlap. Each mode runs on the layout the planner chose with it
   (`choose.with_overlap`); `segment+MODE@off` runs it on the layout planned without overlap.
+  `segment+trial` runs auto's plan with its overlap trial (`Plan.trial`, a job's with `overlap`
+  `auto`): the ranks measure auto's mode and the next likeliest against each other, keep the
+  fastest, and are measured over as many iterations after the trial as the others; the table
+  then lists each trial's medians and the mode it kept.
 - `overlap-demo` (issue #37): the same on `xronos demo`'s boxes (N100, Pi 5, Pi 4 at 0.9, 0.5 and
   0.3 host cores) and model (MiniLM, full fine-tuning, 8 x 64).
 """
@@ -51,7 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 STRATEGIES = ("auto", "segment", "dp", "uniform", "paper")
@@ -61,7 +65,10 @@ STRATEGIES = ("auto", "segment", "dp", "uniform", "paper")
 # with `@off`, on the layout planned without overlap (as the planner did before 2026-12-07).
 # `--strategies` picks any of these and STRATEGIES.
 _MODES = ("segment+bwd", "segment+c2", "segment+c4", "segment+on", "segment+auto")
-OVERLAPPED = _MODES + tuple(f"{m}@off" for m in _MODES)
+# `segment+trial`: auto's plan with its overlap trial (`Plan.trial`, node/rank/trial.py): the ranks
+# measure auto's mode and the next likeliest against each other, then run the kept one; measured
+# over the iterations after the trial (the run is the trial's steps longer).
+OVERLAPPED = _MODES + tuple(f"{m}@off" for m in _MODES) + ("segment+trial",)
 
 
 def overlap_args(strat: str) -> tuple[str, dict]:
@@ -75,8 +82,8 @@ def overlap_args(strat: str) -> tuple[str, dict]:
     joint = {"joint": False} if at else {}
     from xronos.gateway.plan.overlapcost import mode_of
 
-    if mode in ("on", "auto"):
-        return base, {"overlap": mode, **joint}
+    if mode in ("on", "auto", "trial"):
+        return base, {"overlap": "auto" if mode == "trial" else mode, **joint}
     try:
         forced = mode_of(mode)
     except ValueError:
@@ -223,7 +230,7 @@ def _median_run(runs: list[dict]) -> dict:
 def _plan(ctx, profiles: dict, key: str, strat: str) -> dict:
     """The strategy's plan over the cell's profiles: its candidates, its layout and shares, or why not."""
     from xronos.bench import strategies as st
-    from xronos.gateway.plan.auto import choice_message, choose_reports
+    from xronos.gateway.plan.auto import choice_message, choose_reports, with_trial
 
     loaded, reserve_mb = st.loaded_profiles(ctx, profiles, key, wire_ids=True)
     base, overlap = overlap_args(strat)
@@ -242,10 +249,17 @@ def _plan(ctx, profiles: dict, key: str, strat: str) -> dict:
         out["infeasible"] = w.why_not
         return out
     plan = choice_message(choice, "bench")
+    if strat.endswith("+trial"):
+        plan = with_trial(plan, choice, 1 << 30)
+        if plan.trial is None:
+            out["infeasible"] = "no overlap modes to try (a plan without tensor parallelism over two nodes or more)"
+            return out
+        out["trial"] = plan.trial.model_dump(mode="json")
     order = [int(e.node_id[1:]) for e in plan.entries]  # "r<d>": the rank's device
     mode = plan.overlap.model_dump(mode="json") if plan.overlap else None
     out.update(layout=plan.layout().model_dump(mode="json"), shares=plan.shares, devices=order, overlap=mode,
-               plan_key=f"{plan.layout().to_text()} {plan.shares} {order} {mode}")
+               plan_key=f"{plan.layout().to_text()} {plan.shares} {order} {mode}"
+               + (f" trial {out['trial']}" if "trial" in out else ""))
     return out
 
 
@@ -254,15 +268,18 @@ def _run(ctx, entry: dict, lora: bool, warmup: int) -> dict:
     from xronos.node.rank.local import launch_local
     from xronos.node.runconfig import RunConfig
     from xronos.protocol.layout import Layout
-    from xronos.protocol.messages import Overlap
+    from xronos.protocol.messages import Overlap, OverlapTrial
     from xronos.protocol.recipe import LoraSpec
 
     metrics = ctx.work / f"metrics-{len(list(ctx.work.glob('metrics-*')))}.json"
     spec = LoraSpec(r=ctx.lora_r, alpha=ctx.lora_alpha, targets=list(ctx.lora_targets)) if lora else None
     shares = tuple(entry["shares"]) if entry["shares"] else None
+    trial = OverlapTrial.model_validate_json(json.dumps(entry["trial"])) if entry.get("trial") else None
+    if trial is not None:  # the trial's steps first; the kept mode then runs as many as the others measure
+        ctx, warmup = replace(ctx, iters=ctx.iters - warmup + 1 + trial.steps), trial.steps + 1
     cfg = RunConfig(recipe=st.cell_recipe(ctx, lora=spec), layout=Layout.model_validate(entry["layout"]),
                     shares=shares, threads=1, metrics_path=str(metrics), progress=False, gloo_timeout_s=600,
-                    overlap=Overlap(**entry["overlap"]) if entry.get("overlap") else None)
+                    overlap=Overlap(**entry["overlap"]) if entry.get("overlap") else None, trial=trial)
     order = entry["devices"]
     with st.confine(ctx, st.limits(ctx, order)) as conf:
         launch_local(cfg, cfg.world_size, wrap=conf.wrap, echo_rank0=False)
@@ -272,6 +289,7 @@ def _run(ctx, entry: dict, lora: bool, warmup: int) -> dict:
         raise ValueError(f"no iteration after the {warmup} warm-up ones")
     med = lambda xs: statistics.median(xs)  # noqa: E731
     return {"clock": doc.get("clock"), "iteration_s": med([it["iteration_s"] for it in ranks[0]]),
+            "overlap_trial": doc.get("overlap_trial"),
             "wall_iteration_s": med([it["wall_s"] for it in ranks[0]]),
             "ranks": [{"device": ctx.device_names[d], "compute_s": med([it["compute_s"] for it in r]),
                        "comm_s": med([it["comm_s"] for it in r]), "idle_s": med([it["idle_s"] for it in r])}
@@ -311,6 +329,13 @@ def table(doc: dict) -> str:
         lines.append(f"| {name} | {e['label']}{same} | {e['predicted_s']:.3f} | {run['iteration_s']:.3f} | {least:.3f} | "
                      f"{spread} | {err:+.1f}% | {err_least:+.1f}% | {rel} | {_f(e.get('ideal_s'))} | "
                      f"{e.get('wall_s', 0):.0f} |")
+    trials = [(name, r["overlap_trial"]) for name, e in doc["strategies"].items() if not e.get("same_plan_as")
+              for r in e.get("runs", []) if r.get("overlap_trial")]
+    if trials:
+        lines += ["", "Overlap trials (each mode's median iteration over its trial steps, the slowest rank's; "
+                  "the kept one ran the measured iterations):", ""]
+        lines += [f"- {name}, run {i + 1}: " + ", ".join(f"{k} {v:.3f} s" for k, v in t["seconds"].items())
+                  + f"; kept {t['kept']}" for i, (name, t) in enumerate(trials)]
     return "\n".join(lines)
 
 

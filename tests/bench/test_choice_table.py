@@ -32,6 +32,12 @@ def test_the_table_shows_the_spread_and_the_same_plan_once_measured():
     assert "| segment | segment (TP over 3) | 6.000 | 6.000 | 5.700 | 10.5% | +0.0% | +5.3% | 1.00 | 5.900 | 90 |" in text
     assert "| auto | segment (TP over 3) (= segment) | 6.000 | 6.000 | 5.700 | 10.5% |" in text
     assert "| dp | - | - | - | - | - | - | - | - | - | data parallelism does not fit" in text
+    assert "Overlap trials" not in text
+    tried = dict(_run(5.5), overlap_trial={"seconds": {"c2": 5.8, "off": 5.6, "bwd": 5.5}, "kept": "bwd",
+                                           "from_step": 11})
+    doc["strategies"]["segment+trial"] = {**seg, "label": "segment (TP over 3), overlap c2", "runs": [tried],
+                                          "run": _median_run([tried])}
+    assert "- segment+trial, run 1: c2 5.800 s, off 5.600 s, bwd 5.500 s; kept bwd" in table(doc)
 
 
 def test_an_overlapped_strategy_is_the_planners_strategy_with_its_overlap_keywords():
@@ -41,6 +47,7 @@ def test_an_overlapped_strategy_is_the_planners_strategy_with_its_overlap_keywor
     assert overlap_args("segment+bwd") == ("segment", {"overlap": "on", "chunks": 1})
     assert overlap_args("segment+c4") == ("segment", {"overlap": "on", "chunks": 4})
     assert overlap_args("segment+auto") == ("segment", {"overlap": "auto"})
+    assert overlap_args("segment+trial") == ("segment", {"overlap": "auto"})  # auto's plan, with its trial
     with pytest.raises(ValueError, match="strategy 'segment\\+x': overlap mode bwd, cN, on or auto"):
         overlap_args("segment+x")
 
