@@ -19,12 +19,13 @@ import sys
 from xronos.cli.profile import id_arg, positive_int
 from xronos.gateway.plan.commmodel import DEFAULT_BANDWIDTH_BPS, DEFAULT_LATENCY_S
 from xronos.gateway.plan.costmodel import FITS, SEGMENTS
-from xronos.gateway.plan.auto import candidates_table, choice_message, choose_reports
-from xronos.gateway.plan.choose import CHOICES, Choice
+from xronos.gateway.plan.auto import TRIAL_MIN_RUN, candidates_table, choice_message, choose_reports
+from xronos.gateway.plan.choose import CHOICES, Choice, trial_modes
 from xronos.gateway.plan.planner import MiB, PlanResult
 from xronos.gateway.plan.compatible import Loaded
 from xronos.gateway.plan.profiles import DEFAULT_RESERVE_MB, falling_times, load_report
 from xronos.protocol.layout import KINDS, NOUN
+from xronos.protocol.messages import Overlap, OverlapTrial
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -119,6 +120,13 @@ def render_choice(choice: Choice) -> str:
         text += (f"\noverlap {o.mode.label}: predicted iteration {o.iteration_s:.4f} s, {o.saved_s:.4f} s less than "
                  f"with every all-reduce blocking (chunking adds {o.chunk_overhead_s:.4f} s of compute)"
                  + (f"; {o.iteration_s / past:.3f} of the ideal bound without overlap" if 0 < past < math.inf else ""))
+    trial = trial_modes(w)
+    if trial and w.tp is not None:
+        steps = OverlapTrial(modes=[Overlap(backward=m.backward, chunks=m.chunks) for m in trial]).steps
+        each = ", ".join(f"{q.mode.label} {q.iteration_s:.4f} s" for q in w.ranked if q.mode in trial)
+        text += (f"\noverlap trial: a job of at least {TRIAL_MIN_RUN * steps} steps measures "
+                 f"{', '.join(m.label for m in trial)} against each other in its first {steps} and keeps the "
+                 f"fastest (predicted: {each})")
     if choice.asked == "auto":
         text += "\n\ncandidates (auto: the fastest that fits; a tie goes to segment):\n" + candidates_table(choice)
     return text

@@ -277,3 +277,9 @@ def test_a_plan_that_chose_its_mode_measures_the_likeliest_modes_first():
     assert OFF not in trial_modes(on.winner) and len(trial_modes(on.winner)) == 3
     assert trial_modes(_choose(ins, shape, overlap="on", chunks=2).winner) == ()
     assert trial_modes(_choose(ins, shape).winner) == ()  # overlap off: no modes predicted
+    from xronos.cli.plan import render_choice  # `xronos plan --overlap auto` says what a job would try
+
+    line = render_choice(auto).splitlines()[-1]
+    assert line.startswith(f"overlap trial: a job of at least {TRIAL_MIN_RUN * steps} steps measures "
+                           f"{', '.join(x.label for x in modes)} against each other in its first {steps} and keeps")
+    assert "overlap trial" not in render_choice(_choose(ins, shape, overlap="on", chunks=2))
