@@ -65,10 +65,11 @@ class OverlapTrial(Part):
     prediction of a mode's gain is off by up to a quarter on some boxes (a launched call's CPU),
     while the modes differ only in timing — the same sums, the same layout — so the ranks can try
     each for a few steps and keep the fastest. After `after` steps under `modes[0]` (the plan's
-    own mode: warm-up), each mode runs `rounds` steps, taking turns step by step (so a drift of
-    the host falls on every mode alike); the mode whose median iteration, the slowest rank's, is
-    least is kept for the rest of the run (a tie goes to the earlier). `Overlap(backward=False,
-    chunks=1)` is no overlap."""
+    own mode: warm-up), the modes take turns step by step (so a drift of the host falls on every
+    mode alike) for `rounds` + 1 rounds, the first not measured (a mode's first step pays its
+    one-time costs); the mode whose median iteration, the slowest rank's, is least is kept for
+    the rest of the run (a tie goes to the earlier). `Overlap(backward=False, chunks=1)` is no
+    overlap."""
 
     modes: Annotated[list[Overlap], Field(min_length=2, max_length=MAX_TRIAL_MODES)]
     rounds: Annotated[int, Field(ge=1, le=16)] = 3
@@ -83,8 +84,8 @@ class OverlapTrial(Part):
 
     @property
     def steps(self) -> int:
-        """Steps from the run's start to the decision, warm-up included."""
-        return self.after + self.rounds * len(self.modes)
+        """Steps from the run's start to the decision, warm-up and the unmeasured round included."""
+        return self.after + (self.rounds + 1) * len(self.modes)
 
 
 def check_trial(trial: OverlapTrial | None, overlap: Overlap | None, shares: object, field: str,

@@ -8,9 +8,11 @@ predicted two chunks 8-26 % fast, docs/planning.md). The modes differ only in wh
 travel, so trying each for a few steps costs a few slower steps and changes nothing else.
 
 The schedule from the run's first step `start`: `after` steps of warm-up under the plan's mode
-(modes[0]); then `rounds` rounds of every mode in turn, one step each (a drift of the host falls
-on every mode alike, as `bench.interleave` found it must); at the last of them every rank gives
-each mode's median iteration, the slowest rank's median counts, and the least wins. A mode must
+(modes[0]); then every mode in turn, one step each, for `rounds` + 1 rounds (a drift of the host
+falls on every mode alike, as `bench.interleave` found it must), the first round not measured: a
+mode's first step pays its one-time costs (new tensor shapes for the allocator; on the virtual
+clock, the first sample of each of its bursts). At the last step every rank gives each mode's
+median iteration, the slowest rank's median counts, and the least wins. A mode must
 beat the earlier ones by `TIE` (relative) to win: the plan's own mode, first, keeps ties. A run
 too short to finish the trial runs the plan's mode throughout.
 """
@@ -73,20 +75,21 @@ class Trial:
         """Whether a run of `steps` steps (0..steps-1) reaches the decision."""
         return self.last < steps
 
-    def _slot(self, step: int) -> int | None:
+    def _turn(self, step: int) -> int | None:
+        """The step's place in the turns (the unmeasured first round included); None outside them."""
         i = step - self.start - self.spec.after
-        return i if 0 <= i < self.spec.rounds * len(self.spec.modes) else None
+        return i if 0 <= i < (self.spec.rounds + 1) * len(self.spec.modes) else None
 
     def mode(self, step: int) -> Overlap:
         """The mode `step` runs: the plan's in the warm-up, then each in turn. (After the trial the
         engine runs the kept one.)"""
-        i = self._slot(step)
+        i = self._turn(step)
         return self.spec.modes[0 if i is None else i % len(self.spec.modes)]
 
     def record(self, step: int, seconds: float) -> None:
-        """This rank's iteration time of `step` (outside the rounds: not counted)."""
-        i = self._slot(step)
-        if i is not None:
+        """This rank's iteration time of `step` (counted in the measured rounds only)."""
+        i = self._turn(step)
+        if i is not None and i >= len(self.spec.modes):
             self.samples[i % len(self.spec.modes)].append(seconds)
 
     def medians(self) -> list[float]:

@@ -70,7 +70,7 @@ OFF, BWD = m.Overlap(backward=False, chunks=1), m.Overlap(backward=True)
 
 def test_a_trial_names_two_to_four_distinct_modes_and_its_bounds() -> None:
     t = m.OverlapTrial(modes=[BWD, OFF, m.Overlap(backward=True, chunks=2)])
-    assert t.steps == 2 + 3 * 3 and [m.overlap_label(x) for x in t.modes] == ["bwd", "off", "c2"]
+    assert t.steps == 2 + 4 * 3 and [m.overlap_label(x) for x in t.modes] == ["bwd", "off", "c2"]
     assert m.overlap_label(None) == "off"
     with pytest.raises(ValidationError, match=r"modes: each mode once, got \['bwd', 'bwd'\]"):
         m.OverlapTrial(modes=[BWD, BWD])

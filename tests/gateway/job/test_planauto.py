@@ -235,20 +235,20 @@ def test_a_job_that_lets_the_planner_choose_its_overlap_tries_the_modes_and_hear
     trial = job.plan.trial
     assert trial is not None and m.overlap_label(trial.modes[0]) == m.overlap_label(job.plan.overlap)
     assert "off" in [m.overlap_label(x) for x in trial.modes]
-    assert f"overlap trial of {', '.join(m.overlap_label(x) for x in trial.modes)} over its first 11 steps" \
+    assert f"overlap trial of {', '.join(m.overlap_label(x) for x in trial.modes)} over its first 14 steps" \
         in job.events[-1]
-    assert JobRebalance.for_job(job).ignore_until == 11
+    assert JobRebalance.for_job(job).ignore_until == 14
     assert submit(reports, strategy="segment")[0].plan.trial is None  # overlap off: nothing to try
     job = replace(job, phase="running", accepted=True)
     seconds = {m.overlap_label(x): 0.2 + 0.01 * i for i, x in enumerate(trial.modes)}
     kept = m.overlap_label(trial.modes[0])
     status = m.NodeJobStatus(node_id="a", job_id="j", plan_version=1, rank=0, status="running", step=12,
-                             trial_step=11, trial_kept=kept, trial_seconds=seconds, sent_at=2.0)
+                             trial_step=14, trial_kept=kept, trial_seconds=seconds, sent_at=2.0)
     ctx = J.Ctx(now=1.0, online=frozenset(NODES))
     job, _ = J.handle(job, J.Status(status), ctx)
-    assert job.trial_kept == (1, 11, kept)
+    assert job.trial_kept == (1, 14, kept)
     assert job.events[-1].endswith(f"overlap trial (wall clock, median iteration): "
-                                   f"{', '.join(f'{k} {v:.4f} s' for k, v in seconds.items())}; kept {kept} from step 11")
+                                   f"{', '.join(f'{k} {v:.4f} s' for k, v in seconds.items())}; kept {kept} from step 14")
     n = len(job.events)
     job, _ = J.handle(job, J.Status(status.model_copy(update={"step": 13})), ctx)
     assert len(job.events) == n

@@ -267,7 +267,7 @@ def test_a_plan_that_chose_its_mode_measures_the_likeliest_modes_first():
     ranked = [q.iteration_s for q in auto.winner.ranked[1:]]
     assert ranked == sorted(ranked) and {q.mode for q in auto.winner.ranked} == set(MODES)
     msg = choice_message(auto, "j")
-    steps = 2 + 3 * 3
+    steps = 2 + 4 * 3
     planned = with_trial(msg, auto, TRIAL_MIN_RUN * steps)
     assert [OverlapMode(x.backward, x.chunks) for x in planned.trial.modes] == list(modes)
     assert planned.trial.steps == steps and planned.overlap == msg.overlap
