@@ -62,8 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overlap-trial", metavar="M1,M2[,..]",
                    help="measure these overlap modes (off, bwd, cN; 2 to 4) against each other at the start "
                    "and keep the fastest: after 2 steps of warm-up under M1 (which --overlap, if given, "
-                   "must be), each runs 4 steps, in turn, the first not measured; the slowest rank's median iteration decides "
-                   "(a later mode must be 1 %% faster). A job with overlap auto or on does this itself")
+                   "must be), each runs 4 steps, in turn, the first not measured; the slowest rank's median "
+                   "iteration decides (a later mode must be 1 %% faster). A job with overlap auto or on does "
+                   "this itself")
     p.add_argument("--cpu-shares", metavar="s1,...,sN",
                    help="confine rank r (its profile and its training) to s_r cores with a cgroup CPU "
                    "quota, to emulate heterogeneous boxes on one machine (needs a writable cgroup)")

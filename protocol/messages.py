@@ -31,7 +31,8 @@ from .msgnode import (
 from .msgjob import (
     JobSpec, PlanEntry, Plan, Assignment, AssignmentAck, JobStart, JobPause, JobResume, JobCancel,
     JobReshard, JobControl, JobControlAdapter, InspectRequest, InspectReport, SPEC_VERSION, mesh_of,
-    MAX_CHUNKS, MAX_TRIAL_MODES, Overlap, OverlapChoice, OverlapLabel, OverlapTrial, check_overlap_rows, check_trial, overlap_label,
+    MAX_CHUNKS, MAX_TRIAL_MODES, Overlap, OverlapChoice, OverlapLabel, OverlapTrial, check_overlap_rows, check_trial,
+    overlap_label,
 )
 from .recipe import LoraShape, LoraSpec, ProfileKey, Recipe
 from .msgcatalog import (

@@ -356,7 +356,8 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
             and job.trial_kept != (s.plan_version, s.trial_step, s.trial_kept):
         each = ", ".join(f"{k} {v:.4f} s" for k, v in (s.trial_seconds or {}).items())
         job = note(job, ctx.now, f"overlap trial ({job.clock or 'wall'} clock, median iteration): {each}; "
-                   f"kept {s.trial_kept} from step {s.trial_step}", trial_kept=(s.plan_version, s.trial_step, s.trial_kept))
+                   f"kept {s.trial_kept} from step {s.trial_step}",
+                   trial_kept=(s.plan_version, s.trial_step, s.trial_kept))
     if s.status == "failed" and s.job_fault and job.phase in ACTIVE:
         # Not a node's failure: any plan would meet it again from the same checkpoint (and in
         # "recovering" too: a peer's broken connection may have arrived before the cause).
