@@ -105,7 +105,7 @@ class RunConfig(RankConfig):
         if self.overlap is not None and self.shares is not None:
             raise ValueError("overlap: a data-parallel run (shares) does not overlap; only a tensor-parallel one")
         check_overlap_rows(self.overlap, self.recipe.batch_size, "overlap")
-        check_trial(self.trial, self.overlap, self.shares, "trial", self.recipe.batch_size)
+        check_trial(self.trial, self.overlap, self.shares, "trial", self.recipe.batch_size, self.layout)
         return self
 
     @model_validator(mode="after")

@@ -69,18 +69,30 @@ class OverlapTrial(Part):
     mode alike) for `rounds` + 1 rounds, the first not measured (a mode's first step pays its
     one-time costs); the mode whose median iteration, the slowest rank's, is least is kept for
     the rest of the run (a tie goes to the earlier). `Overlap(backward=False, chunks=1)` is no
-    overlap."""
+    overlap. `layouts[i]`: the layout planned for modes[i] where it is not the plan's (None: the
+    plan's); every mode is measured on the plan's layout, and the ranks move to the kept mode's
+    own layout right after the trial (a live re-shard)."""
 
     modes: Annotated[list[Overlap], Field(min_length=2, max_length=MAX_TRIAL_MODES)]
     rounds: Annotated[int, Field(ge=1, le=16)] = 3
     after: Annotated[int, Field(ge=0, le=64)] = 2
+    layouts: Annotated[list[Layout | None], Field(max_length=MAX_TRIAL_MODES)] | None = None
 
     @model_validator(mode="after")
     def _distinct(self) -> OverlapTrial:
         labels = [overlap_label(m) for m in self.modes]
         if len(set(labels)) != len(labels):
             raise ValueError(f"modes: each mode once, got {labels}")
+        if self.layouts is not None:
+            if len(self.layouts) != len(self.modes):
+                raise ValueError(f"layouts: one per mode ({len(self.modes)}), got {len(self.layouts)}")
+            if self.layouts[0] is not None:
+                raise ValueError("layouts: the first mode runs on the plan's layout (None)")
         return self
+
+    def layout_for(self, i: int) -> Layout | None:
+        """The layout mode `i` moves to when kept (None: the plan's, no move)."""
+        return self.layouts[i] if self.layouts is not None else None
 
     @property
     def steps(self) -> int:
@@ -89,12 +101,24 @@ class OverlapTrial(Part):
 
 
 def check_trial(trial: OverlapTrial | None, overlap: Overlap | None, shares: object, field: str,
-                rows: int | None = None) -> None:
+                rows: int | None = None, layout: Layout | None = None, sizes: Sizes | None = None) -> None:
     """ValueError naming `field` when a trial does not fit its plan: a data-parallel one (nothing
-    to overlap), a first mode that is not the plan's `overlap`, or (given the batch's `rows`) a
-    mode with a chunk of no row."""
+    to overlap), a first mode that is not the plan's `overlap`, (given the batch's `rows`) a mode
+    with a chunk of no row, or (given the plan's `layout` and the model's `sizes`) a mode's layout
+    of another world or model."""
     if trial is None:
         return
+    for i, other in enumerate(trial.layouts or ()):
+        if other is None:
+            continue
+        if layout is not None and other.world_size != layout.world_size:
+            raise ValueError(f"{field}: the layout for {overlap_label(trial.modes[i])} has {other.world_size} ranks, "
+                             f"the plan {layout.world_size}")
+        if sizes is not None:
+            try:
+                other.check(sizes, quanta=None)
+            except LayoutError as exc:
+                raise ValueError(f"{field}: the layout for {overlap_label(trial.modes[i])}: {exc}") from None
     if shares is not None:
         raise ValueError(f"{field}: a data-parallel plan (shares) has no overlap modes to try")
     if overlap_label(trial.modes[0]) != overlap_label(overlap):
@@ -180,7 +204,6 @@ class Plan(Message):
     def _covers_model(self) -> Plan:
         if self.overlap is not None and self.shares is not None:
             raise ValueError("overlap: a data-parallel plan (shares) does not overlap; only a tensor-parallel one")
-        check_trial(self.trial, self.overlap, self.shares, "trial")
         if [e.rank for e in self.entries] != list(range(len(self.entries))):
             raise ValueError(f"entries: ranks must be 0..N-1 in order, got {[e.rank for e in self.entries]}")
         if self.entries:
@@ -195,6 +218,7 @@ class Plan(Message):
                 self.layout().check(self.sizes, quanta=None)
             except LayoutError as exc:
                 raise ValueError(f"entries: {exc}") from None
+        check_trial(self.trial, self.overlap, self.shares, "trial", layout=self.layout(), sizes=self.sizes)
         return self
 
     @property
@@ -249,7 +273,7 @@ class Assignment(Message):
         if self.overlap is not None and self.shares is not None:
             raise ValueError("overlap: a data-parallel assignment (shares) does not overlap; only a tensor-parallel one")
         check_overlap_rows(self.overlap, self.spec.recipe.batch_size, "overlap")
-        check_trial(self.trial, self.overlap, self.shares, "trial", self.spec.recipe.batch_size)
+        check_trial(self.trial, self.overlap, self.shares, "trial", self.spec.recipe.batch_size, self.layout)
         tp = mesh_of(self.world_size, self.shares)
         if self.layout.world_size != tp:
             groups = "" if self.shares is None else f" in data-parallel groups of {tp} (shares {self.shares})"

@@ -126,6 +126,11 @@ class JobRebalance:
             return False
         self.move_seen = s.reshard_step
         self.policy.observe_move(float(s.reshard_bytes), s.reshard_s)
+        if s.reshard_layout is not None and s.reshard_layout != self.policy.layout:
+            # a move the policy did not order (the overlap trial's): booked as its own, measured afresh
+            self.policy.moved_to(s.reshard_layout)
+            self.pending.clear()
+            self.ignore_until = max(self.ignore_until, s.reshard_step)
         return True
 
     def observe(self, x: m.IterationMetrics) -> Decision | None:

@@ -162,7 +162,7 @@ def _resharded(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
     layout, pending = s.reshard_layout, _ordered(job)
     if pending is not None and pending.layout() == layout:
         plan = pending
-    else:  # not the ordered layout (never from our owner): its counts, the plan's predictions
+    else:  # not the ordered layout (an overlap trial's own move, Plan.trial): its counts, the plan's predictions
         plan = m.Plan.model_validate({**job.plan.model_dump(), "entries": [e.model_copy(update={
             "attn": layout.attn[e.rank], "mlp": layout.mlp[e.rank], "vocab": layout.vocab[e.rank]})
             for e in job.plan.entries]})

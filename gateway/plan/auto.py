@@ -91,12 +91,16 @@ TRIAL_MIN_RUN = 4
 
 def with_trial(plan: Plan, choice: Choice, steps: int) -> Plan:
     """`plan` with an overlap trial (`protocol.OverlapTrial`: the winner's mode and the next
-    predicted fastest, `choose.trial_modes`, measured against each other at the run's start) when
-    there is a choice to measure and the run of `steps` steps is long enough; else as it is."""
+    predicted fastest, `choose.trial_modes`, measured against each other on the plan's layout at
+    the run's start, each with the layout planned for it where that is another) when there is a
+    choice to measure and the run of `steps` steps is long enough; else as it is."""
     modes = trial_modes(choice.winner)
     if not modes or plan.shares is not None:
         return plan
-    trial = OverlapTrial(modes=[Overlap(backward=m.backward, chunks=m.chunks) for m in modes])
+    own = dict(choice.winner.own_layouts)  # a kept mode whose own layout is another: the ranks move there
+    layouts = [None, *(own.get(m) for m in modes[1:])]
+    trial = OverlapTrial(modes=[Overlap(backward=m.backward, chunks=m.chunks) for m in modes],
+                         layouts=layouts if any(x is not None for x in layouts) else None)
     if steps < TRIAL_MIN_RUN * trial.steps:
         return plan
     return Plan.model_validate({**plan.model_dump(), "trial": trial.model_dump()})

@@ -283,6 +283,11 @@ class Engine:
         decided it; None otherwise (an engine without overlap modes never has one)."""
         return None
 
+    def own_move(self) -> Reshard | None:
+        """A move the engine itself calls for at this boundary (an overlap trial that kept a mode
+        with a layout of its own), once; every rank's engine calls for the same one."""
+        return None
+
 
 class Sink:
     """Where a rank's numbers and milestones go. Every rank calls every method."""
@@ -415,6 +420,8 @@ def _loop(rank: Rank, control: Control, sink: Sink, checkpoints: Checkpoints | N
         if word is Word.STOP:
             sink.cancelled(rank, step)
             return RankResult(records, before, None, completed=False)
+        if word is Word.GO:  # an ordered move goes first; the engine's own then waits for a free boundary
+            word = engine.own_move() or word
         if isinstance(word, Reshard):
             try:
                 engine.reshard(rank, word, step)

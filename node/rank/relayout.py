@@ -254,8 +254,11 @@ class Policy(Protocol):
     last_reason: str
     replans: list
 
+    layout: Layout  # the layout it believes the ranks run
+
     def observe(self, per_rank: list[dict[str, float]]) -> None: ...
     def observe_move(self, moved_bytes: float, seconds: float) -> None: ...
+    def moved_to(self, new: Layout) -> None: ...
     def decide(self, step: int) -> Any: ...
 
 
@@ -338,6 +341,8 @@ class LiveRebalance:
         for m in eng.moves[self.moves_seen:]:
             self.policy.observe_move(m.moved_bytes, m.seconds)
         self.moves_seen = len(eng.moves)
+        if self.policy.layout != eng.layout.layout():  # a move the policy did not decide (an overlap trial's)
+            self.policy.moved_to(eng.layout.layout())
         self.policy.observe(per_rank)
         self.pending = self.policy.decide(step + 1)
         self.policy_s += time.perf_counter() - t0

@@ -192,7 +192,7 @@ class TPEngine(Engine):
         self.trial: Trial | None = None  # the overlap modes tried against each other (node/rank/trial.py)
         self.trial_note: str | None = None  # why a trial the plan asked for did not run
         self.outcome: TrialOutcome | None = None
-        self._told = False
+        self._told = self._moved = False
 
     def build(self, rank: Rank, weights: WeightSource, start: int) -> None:
         overlap = getattr(rank.cfg, "overlap", None)
@@ -283,6 +283,16 @@ class TPEngine(Engine):
             return None
         self._told = True
         return self.outcome
+
+    def own_move(self) -> Reshard | None:
+        """After a trial that kept a mode with a layout of its own: that layout, once (none when
+        the ranks already hold it, e.g. moved there by a re-balancer meanwhile)."""
+        if self.outcome is None or self.outcome.layout is None or self._moved:
+            return None
+        self._moved = True
+        if self.outcome.layout == self.layout.layout():
+            return None
+        return Reshard(self.outcome.layout, f"overlap trial kept {self.outcome.kept_label}: the layout planned for it")
 
     def reshard(self, rank: Rank, word: Reshard, step: int) -> None:
         """Live, at the boundary: weights and AdamW state move to `word.layout` (xronos.node.rank.relayout)."""

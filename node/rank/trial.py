@@ -13,8 +13,11 @@ falls on every mode alike, as `bench.interleave` found it must), the first round
 mode's first step pays its one-time costs (new tensor shapes for the allocator; on the virtual
 clock, the first sample of each of its bursts). At the last step every rank gives each mode's
 median iteration, the slowest rank's median counts, and the least wins. A mode must
-beat the earlier ones by `TIE` (relative) to win: the plan's own mode, first, keeps ties. A run
-too short to finish the trial runs the plan's mode throughout.
+beat the earlier ones by `TIE` (relative) to win: the plan's own mode, first, keeps ties. A kept
+mode with a layout planned for it (`OverlapTrial.layouts`) has the ranks move there at the next
+free boundary (the engine's `own_move`): the modes are compared on one layout, since a step cannot
+afford a move, and the layout that suits the kept one is the planner's. A run too short to finish
+the trial runs the plan's mode throughout.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from xronos.protocol.layout import Layout
 from xronos.protocol.messages import Overlap, OverlapTrial, overlap_label
 
 TIE = 0.01  # a later mode must be this much faster (relative) than the best before it to win
@@ -36,6 +40,7 @@ class TrialOutcome:
     step: int
     kept: Overlap
     seconds: dict[str, float]
+    layout: Layout | None = None  # the kept mode's own layout, where the ranks move next (None: stay)
 
     @property
     def kept_label(self) -> str:
@@ -102,6 +107,7 @@ class Trial:
         """The outcome from each mode's slowest-rank median (every rank passes the same `worst`)."""
         if len(worst) != len(self.spec.modes):
             raise ValueError(f"overlap trial: {len(worst)} medians for {len(self.spec.modes)} modes")
-        kept = self.spec.modes[pick(worst)]
-        return TrialOutcome(self.last + 1, kept,
-                            {overlap_label(m): float(s) for m, s in zip(self.spec.modes, worst)})
+        i = pick(worst)
+        return TrialOutcome(self.last + 1, self.spec.modes[i],
+                            {overlap_label(m): float(s) for m, s in zip(self.spec.modes, worst)},
+                            self.spec.layout_for(i))

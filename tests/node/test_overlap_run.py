@@ -79,3 +79,33 @@ def test_overlapped_run_equals_single_device_training(name: str, tmp_path: Path)
     tok = runkit._tokenizer(model_dir)
     loss, _ = runkit.reference_eval(reference, tok, data, task, n_train, dpkit.BATCH)
     assert doc["eval_after"]["rows"] == N_EVAL and doc["eval_after"]["loss"] == pytest.approx(loss, abs=1e-4)
+
+
+def test_a_trial_that_keeps_a_mode_with_its_own_layout_moves_there_and_still_equals_single_device(tmp_path):
+    """Four one-row chunks are far slower than none on this small model, so the trial keeps `off`,
+    whose own layout (`OverlapTrial.layouts`) is another: the ranks move there live (weights and
+    AdamW state) at the next boundary, and the run still reproduces single-device training."""
+    from xronos.node.rank.local import launch_local
+    from xronos.protocol.messages import Overlap, OverlapTrial
+
+    start, other = Layout(attn=(0, 6, 6), mlp=(64, 32, 4), vocab=(32, 0, 5)), \
+        Layout(attn=(4, 4, 4), mlp=(32, 64, 4), vocab=(0, 32, 5))
+    model_dir = runkit.make_model(tmp_path / "model", "gpt2", "causal-lm")
+    data = dpkit.rows(ROWS, seed=7)
+    metrics, out = tmp_path / "metrics.json", tmp_path / "out"
+    c4, off = Overlap(backward=True, chunks=4), Overlap(backward=False, chunks=1)
+    cfg = runkit.run_config(model_dir=str(model_dir), data_path=str(runkit.write_rows(tmp_path / "data.csv", data)),
+                            task="causal-lm", batch_size=dpkit.BATCH, seq_len=runkit.SEQ_LEN, lr=dpkit.LR,
+                            max_steps=STEPS, seed=0, shuffle=False, dropout=0.0, weight_decay=0.0,
+                            eval_fraction=N_EVAL / ROWS, export_dir=str(out), layout=start, threads=1,
+                            metrics_path=str(metrics), progress=False, overlap=c4,
+                            trial=OverlapTrial(modes=[c4, off], layouts=[None, other]))
+    launch_local(cfg, 3, echo_rank0=False)
+    doc = json.loads(metrics.read_text())
+    assert doc["overlap_trial"]["kept"] == "off" and doc["overlap_trial"]["from_step"] == 2 + 4 * 2, doc["overlap_trial"]
+    (move,) = doc["reshards"]
+    assert move["step"] == 10 and move["reason"] == "overlap trial kept off: the layout planned for it"
+    assert move["new"] == other.to_text() and move["moved_bytes"] > 0
+    reference = dpkit.full_train(model_dir, data, "causal-lm", STEPS, ROWS - N_EVAL)
+    exported = runkit.model_class("causal-lm").from_pretrained(str(out))
+    print(dpkit.check(exported, reference, runkit.model_class("causal-lm").from_pretrained(str(model_dir))))

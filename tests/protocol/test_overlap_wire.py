@@ -94,3 +94,25 @@ def test_an_assignment_trial_starts_with_its_overlap_and_fits_the_batch() -> Non
     with pytest.raises(ValidationError, match="trial: a data-parallel plan"):
         _assignment(layout=Layout(attn=(12,), mlp=(3072,), vocab=(50257,)), shares=[batch, 0],
                     trial=m.OverlapTrial(modes=[OFF, BWD]))
+
+
+def test_a_trials_layouts_are_one_per_mode_the_first_the_plans_and_of_its_world() -> None:
+    other = Layout(attn=(8, 4), mlp=(2048, 1024), vocab=(30257, 20000))
+    t = m.OverlapTrial(modes=[OFF, BWD], layouts=[None, other])
+    assert t.layout_for(1) == other and t.layout_for(0) is None and m.OverlapTrial(modes=[OFF, BWD]).layout_for(1) is None
+    assert m.Assignment.model_validate_json(_assignment(trial=t).model_dump_json()).trial == t
+    with pytest.raises(ValidationError, match=r"layouts: one per mode \(2\), got 1"):
+        m.OverlapTrial(modes=[OFF, BWD], layouts=[None])
+    with pytest.raises(ValidationError, match=r"layouts: the first mode runs on the plan's layout \(None\)"):
+        m.OverlapTrial(modes=[OFF, BWD], layouts=[other, None])
+    three = Layout(attn=(4, 4, 4), mlp=(1024, 1024, 1024), vocab=(20000, 20000, 10257))
+    with pytest.raises(ValidationError, match="trial: the layout for bwd has 3 ranks, the plan 2"):
+        _assignment(trial=m.OverlapTrial(modes=[OFF, BWD], layouts=[None, three]))
+    entries = [m.PlanEntry(node_id=n, rank=r, attn=LAYOUT.attn[r], mlp=LAYOUT.mlp[r], vocab=LAYOUT.vocab[r],
+                           predicted_compute_s=0.1, predicted_memory=1e9, memory_cap=2e9) for r, n in enumerate("ab")]
+    plan = dict(job_id="j", version=1, strategy="segment", sizes=Sizes(attn=12, mlp=3072, vocab=50257),
+                entries=entries, predicted_iteration_s=0.2, ideal_iteration_s=0.2, comm_s=0.01)
+    assert m.Plan(**plan, trial=t).trial == t
+    short = Layout(attn=(8, 4), mlp=(2048, 1000), vocab=(30257, 20000))
+    with pytest.raises(ValidationError, match="trial: the layout for bwd: "):
+        m.Plan(**plan, trial=m.OverlapTrial(modes=[OFF, BWD], layouts=[None, short]))

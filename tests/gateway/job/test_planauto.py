@@ -252,3 +252,20 @@ def test_a_job_that_lets_the_planner_choose_its_overlap_tries_the_modes_and_hear
     n = len(job.events)
     job, _ = J.handle(job, J.Status(status.model_copy(update={"step": 13})), ctx)
     assert len(job.events) == n
+
+
+def test_a_move_the_re_balancer_did_not_order_is_booked_as_its_own():
+    """The overlap trial's move to the kept mode's layout: the policy takes that layout as the one
+    running (so its next re-plan starts from it) and measures afresh from that boundary."""
+    from xronos.gateway.job.rebalancers import JobRebalance
+    from xronos.protocol.layout import Layout
+
+    job, _ = submit({n: report(n, 1 + 0.5 * i, frozen=False) for i, n in enumerate(NODES[:3])}, strategy="segment")
+    policy = JobRebalance.for_job(job)
+    old = policy.policy.layout
+    other = Layout(attn=(old.attn[1], old.attn[0], *old.attn[2:]), mlp=old.mlp, vocab=old.vocab)
+    assert other != old
+    status = m.NodeJobStatus(node_id="a", job_id="j", plan_version=1, rank=0, status="running", step=16,
+                             reshard_step=15, reshard_layout=other, reshard_s=0.2, reshard_bytes=1000, sent_at=2.0)
+    assert policy.moved(status)
+    assert policy.policy.layout == other and policy.ignore_until == 15

@@ -238,6 +238,17 @@ def test_a_segment_plan_chooses_its_layout_and_chunks_together():
     # a forced baseline's layout is its own: uniform is never re-planned
     uni = _choose(ins, shape, strategy="uniform", overlap="on", chunks=2, node_cpu=cpu).winner
     assert "planned for it" not in uni.label
+    # `auto` keeps c2 on its own layout; its trial measures the modes there, and a kept `off` moves
+    # the ranks to the layout planned without overlap (its own)
+    from xronos.gateway.plan.auto import with_trial
+
+    auto = _choose(ins, shape, overlap="auto", node_cpu=cpu)
+    assert auto.winner.overlap.mode == OverlapMode(True, 2) and "planned for it" in auto.winner.label
+    assert dict(auto.winner.own_layouts)[OFF] == kept.tp.layout
+    trial = with_trial(choice_message(auto, "j"), auto, 10_000).trial
+    labels = [OverlapMode(x.backward, x.chunks).label for x in trial.modes]
+    assert labels[0] == "c2" and "off" in labels
+    assert trial.layout_for(labels.index("off")) == kept.tp.layout and trial.layout_for(0) is None
 
 
 def test_relayout_refuses_a_layout_of_another_world_or_model():
