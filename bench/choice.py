@@ -40,7 +40,8 @@ the wall seconds the run took on this host. The cells:
   (`choose.with_overlap`); `segment+MODE@off` runs it on the layout planned without overlap.
   `segment+trial` runs auto's plan with its overlap trial (`Plan.trial`, a job's with `overlap`
   `auto`): the ranks measure auto's mode and the next likeliest against each other, keep the
-  fastest, and are measured over as many iterations after the trial as the others; the table
+  fastest (moving to its own layout if it has one), and run the others' warm-up and iterations
+  after the trial, measured as theirs are; the table
   then lists each trial's medians and the mode it kept.
 - `overlap-demo` (issue #37): the same on `xronos demo`'s boxes (N100, Pi 5, Pi 4 at 0.9, 0.5 and
   0.3 host cores) and model (MiniLM, full fine-tuning, 8 x 64).
@@ -275,8 +276,9 @@ def _run(ctx, entry: dict, lora: bool, warmup: int) -> dict:
     spec = LoraSpec(r=ctx.lora_r, alpha=ctx.lora_alpha, targets=list(ctx.lora_targets)) if lora else None
     shares = tuple(entry["shares"]) if entry["shares"] else None
     trial = OverlapTrial.model_validate_json(json.dumps(entry["trial"])) if entry.get("trial") else None
-    if trial is not None:  # the trial's steps first; the kept mode then runs as many as the others measure
-        ctx, warmup = replace(ctx, iters=ctx.iters - warmup + 1 + trial.steps), trial.steps + 1
+    if trial is not None:  # the trial's steps first, then the others' run: the same warm-up (after a
+        # move to the kept mode's layout, the estimator's windows refill as at a start) and iterations
+        ctx, warmup = replace(ctx, iters=ctx.iters + trial.steps), trial.steps + warmup
     cfg = RunConfig(recipe=st.cell_recipe(ctx, lora=spec), layout=Layout.model_validate(entry["layout"]),
                     shares=shares, threads=1, metrics_path=str(metrics), progress=False, gloo_timeout_s=600,
                     overlap=Overlap(**entry["overlap"]) if entry.get("overlap") else None, trial=trial)
