@@ -204,7 +204,7 @@ def parse_trial(text: str | None, overlap):
     except ValidationError as exc:
         why = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
         raise ValueError(f"--overlap-trial {text!r}: 2 to 4 distinct modes ({why})") from None
-    first = modes[0] if modes[0].backward or modes[0].chunks > 1 else None
+    first = None if overlap_label(modes[0]) == "off" else modes[0]
     if overlap is not None and overlap_label(overlap) != overlap_label(first):
         raise ValueError(f"--overlap-trial {text!r}: its first mode runs the warm-up, and --overlap says "
                          f"{overlap_label(overlap)}: name it first")

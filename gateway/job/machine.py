@@ -33,7 +33,7 @@ from .join import after as join_after
 from .join import rejoin
 from .planning import plan_text
 from .progress import apply_metrics
-from .reshard import on_rebalanced, owner_reshard_status
+from .reshard import on_rebalanced, owner_reshard_status, owner_trial_status
 from .retention import finished, prune
 from .types import (
     ACTIVE, TERMINAL, Acked, Agg, Assign, Command, Control, Ctx, Effect, Event, Inspect, Inspected, Job, JoinPolicy,
@@ -351,13 +351,7 @@ def _on_status(job: Job, ev: Status, ctx: Ctx) -> Out:
     if is_owner and s.eval_metric is not None:
         job = replace(job, eval_metric=s.eval_metric, eval_metric_name=s.eval_metric_name)
     if is_owner:
-        job = owner_reshard_status(job, ctx, s)
-    if is_owner and s.trial_kept is not None and s.trial_step is not None \
-            and job.trial_kept != (s.plan_version, s.trial_step, s.trial_kept):
-        each = ", ".join(f"{k} {v:.4f} s" for k, v in (s.trial_seconds or {}).items())
-        job = note(job, ctx.now, f"overlap trial ({job.clock or 'wall'} clock, median iteration): {each}; "
-                   f"kept {s.trial_kept} from step {s.trial_step}",
-                   trial_kept=(s.plan_version, s.trial_step, s.trial_kept))
+        job = owner_trial_status(owner_reshard_status(job, ctx, s), ctx, s)
     if s.status == "failed" and s.job_fault and job.phase in ACTIVE:
         # Not a node's failure: any plan would meet it again from the same checkpoint (and in
         # "recovering" too: a peer's broken connection may have arrived before the cause).

@@ -128,7 +128,10 @@ class JobRebalance:
         self.policy.observe_move(float(s.reshard_bytes), s.reshard_s)
         if s.reshard_layout is not None and s.reshard_layout != self.policy.layout:
             # a move the policy did not order (the overlap trial's): booked as its own, measured afresh
-            self.policy.moved_to(s.reshard_layout)
+            try:
+                self.policy.moved_to(s.reshard_layout)
+            except ValueError:  # not a layout of this job (the job's machine ignores it alike)
+                return True
             self.pending.clear()
             self.ignore_until = max(self.ignore_until, s.reshard_step)
         return True

@@ -3,7 +3,9 @@ dispatches to them. The policy's word (`Rebalanced`, from `rebalancers`) becomes
 owner (`Reshard`) with the plan it makes kept as `Job.pending_plan`, or the reason the plan is
 kept; the owner's status then makes that plan the job's (the ranks moved) or drops it (the owner
 refused the order). A data-parallel plan's word is a re-split (new `Plan.shares`, the layout kept),
-ordered, pending and applied the same way."""
+ordered, pending and applied the same way. The owner also reports its overlap trial's outcome
+(`Plan.trial`): the mode kept, and, where that mode has a layout of its own, a re-shard of the
+ranks' own that arrives as any applied re-shard does."""
 
 from __future__ import annotations
 
@@ -131,6 +133,17 @@ def owner_reshard_status(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
     if s.reshard_refused is not None and s.reshard_refused != job.reshard_refused:
         job = _refused_reshard(job, ctx, s.reshard_refused)
     return job
+
+
+def owner_trial_status(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
+    """The owner's status (already checked to be the owner's) on the plan's overlap trial: one
+    event per plan version and step with each mode's median and the mode kept; else the job as is."""
+    if s.trial_kept is None or s.trial_step is None or job.trial_kept == (s.plan_version, s.trial_step, s.trial_kept):
+        return job
+    each = ", ".join(f"{k} {v:.4f} s" for k, v in (s.trial_seconds or {}).items())
+    return note(job, ctx.now, f"overlap trial ({job.clock or 'wall'} clock, median iteration): {each}; "
+                f"kept {s.trial_kept} from step {s.trial_step}",
+                trial_kept=(s.plan_version, s.trial_step, s.trial_kept))
 
 
 def _refused_reshard(job: Job, ctx: Ctx, why: str) -> Job:

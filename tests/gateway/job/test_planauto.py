@@ -269,3 +269,7 @@ def test_a_move_the_re_balancer_did_not_order_is_booked_as_its_own():
                              reshard_step=15, reshard_layout=other, reshard_s=0.2, reshard_bytes=1000, sent_at=2.0)
     assert policy.moved(status)
     assert policy.policy.layout == other and policy.ignore_until == 15
+    # a layout of another world (a hostile or broken owner) is not booked, and nothing raises
+    wrong = Layout(attn=(sum(old.attn),), mlp=(sum(old.mlp),), vocab=(sum(old.vocab),))
+    assert policy.moved(status.model_copy(update={"reshard_step": 20, "reshard_layout": wrong}))
+    assert policy.policy.layout == other and policy.ignore_until == 15
