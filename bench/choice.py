@@ -41,8 +41,9 @@ the wall seconds the run took on this host. The cells:
   `segment+trial` runs auto's plan with its overlap trial (`Plan.trial`, a job's with `overlap`
   `auto`): the ranks measure auto's mode and the next likeliest against each other, keep the
   fastest (moving to its own layout if it has one), and run the others' warm-up and iterations
-  after the trial, measured as theirs are; the table
-  then lists each trial's medians and the mode it kept.
+  after the trial, measured as theirs are; its predicted figure is the planner's forecast for the
+  mode kept (`OverlapTrial.forecasts`, the median repeat's), and the table then lists each
+  trial's medians and the mode it kept.
 - `overlap-demo` (issue #37): the same on `xronos demo`'s boxes (N100, Pi 5, Pi 4 at 0.9, 0.5 and
   0.3 host cores) and model (MiniLM, full fine-tuning, 8 x 64).
 """
@@ -290,8 +291,12 @@ def _run(ctx, entry: dict, lora: bool, warmup: int) -> dict:
     if not ranks[0]:
         raise ValueError(f"no iteration after the {warmup} warm-up ones")
     med = lambda xs: statistics.median(xs)  # noqa: E731
+    kept = (doc.get("overlap_trial") or {}).get("kept")
+    forecast = trial.forecast(kept) if trial is not None and kept else None
     return {"clock": doc.get("clock"), "iteration_s": med([it["iteration_s"] for it in ranks[0]]),
             "overlap_trial": doc.get("overlap_trial"),
+            # the planner's prediction for the mode the trial kept, on the layout it then ran
+            **({"predicted_s": forecast.iteration_s} if forecast is not None else {}),
             "wall_iteration_s": med([it["wall_s"] for it in ranks[0]]),
             "ranks": [{"device": ctx.device_names[d], "compute_s": med([it["compute_s"] for it in r]),
                        "comm_s": med([it["comm_s"] for it in r]), "idle_s": med([it["idle_s"] for it in r])}
@@ -322,13 +327,16 @@ def table(doc: dict) -> str:
             lines.append(f"| {name} | {e.get('label', '-')} | {_f(e.get('predicted_s'))} | - | - | - | - | - | - | - | "
                          f"{why.splitlines()[0][:160]} |")
             continue
-        err = 100 * (e["predicted_s"] - run["iteration_s"]) / run["iteration_s"]
+        predicted = run.get("predicted_s", e["predicted_s"])  # a trial's: the kept mode's
+        err = 100 * (predicted - run["iteration_s"]) / run["iteration_s"]
         rel = f"{run['iteration_s'] / tp['iteration_s']:.2f}" if tp else "-"
         same = f" (= {e['same_plan_as']})" if e.get("same_plan_as") else ""
         spread = f"{100 * run['spread']:.1f}%" if "spread" in run else "-"
         least = min(run.get("repeats_s") or [run["iteration_s"]])
-        err_least = 100 * (e["predicted_s"] - least) / least
-        lines.append(f"| {name} | {e['label']}{same} | {e['predicted_s']:.3f} | {run['iteration_s']:.3f} | {least:.3f} | "
+        err_least = 100 * (predicted - least) / least
+        kept = (run.get("overlap_trial") or {}).get("kept") if "predicted_s" in run else None
+        label = f"{e['label']}{same}" + (f"; the trial kept {kept}" if kept else "")
+        lines.append(f"| {name} | {label} | {predicted:.3f} | {run['iteration_s']:.3f} | {least:.3f} | "
                      f"{spread} | {err:+.1f}% | {err_least:+.1f}% | {rel} | {_f(e.get('ideal_s'))} | "
                      f"{e.get('wall_s', 0):.0f} |")
     trials = [(name, r["overlap_trial"]) for name, e in doc["strategies"].items() if not e.get("same_plan_as")

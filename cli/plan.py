@@ -123,7 +123,9 @@ def render_choice(choice: Choice) -> str:
     trial = trial_modes(w)
     if trial and w.tp is not None:
         steps = OverlapTrial(modes=[Overlap(backward=m.backward, chunks=m.chunks) for m in trial]).steps
-        each = ", ".join(f"{q.mode.label} {q.iteration_s:.4f} s" for q in w.ranked if q.mode in trial)
+        own = {m: q for m, q, _ in w.own_plans}  # a mode kept on a layout of its own: predicted there
+        each = ", ".join(f"{q.mode.label} {own[q.mode].iteration_s:.4f} s on its own layout" if q.mode in own
+                         else f"{q.mode.label} {q.iteration_s:.4f} s" for q in w.ranked if q.mode in trial)
         text += (f"\noverlap trial: a job of at least {TRIAL_MIN_RUN * steps} steps measures "
                  f"{', '.join(m.label for m in trial)} against each other in its first {steps} and keeps the "
                  f"fastest (predicted: {each})")

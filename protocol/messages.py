@@ -31,7 +31,7 @@ from .msgnode import (
 from .msgjob import (
     JobSpec, PlanEntry, Plan, Assignment, AssignmentAck, JobStart, JobPause, JobResume, JobCancel,
     JobReshard, JobControl, JobControlAdapter, InspectRequest, InspectReport, SPEC_VERSION, mesh_of,
-    MAX_CHUNKS, MAX_TRIAL_MODES, Overlap, OverlapChoice, OverlapLabel, OverlapTrial, check_overlap_rows, check_trial,
+    MAX_CHUNKS, MAX_TRIAL_MODES, ModeForecast, Overlap, OverlapChoice, OverlapLabel, OverlapTrial, check_overlap_rows, check_trial,
     overlap_label,
 )
 from .recipe import LoraShape, LoraSpec, ProfileKey, Recipe
@@ -59,7 +59,7 @@ __all__ = [
     "LoraTarget", "Sample", "Message", "Availability", "ArchSpec", "Capabilities", "ProfileRequest",
     "LayerProfile", "CollectiveProfile", "RowsProbe", "ProfileSettings", "ProfileReport", "JobSpec", "PlanEntry", "Plan", "Assignment",
     "AssignmentAck", "JobStart", "JobPause", "JobResume", "JobCancel", "JobReshard", "JobControl",
-    "JobControlAdapter", "InspectRequest", "InspectReport", "SPEC_VERSION", "mesh_of", "MAX_CHUNKS", "MAX_TRIAL_MODES", "Overlap", "OverlapChoice", "OverlapLabel", "OverlapTrial", "check_overlap_rows", "check_trial", "overlap_label", "LoraShape", "LoraSpec", "ProfileKey", "Recipe", "IterationMetrics", "NodeFloats",
+    "JobControlAdapter", "InspectRequest", "InspectReport", "SPEC_VERSION", "mesh_of", "MAX_CHUNKS", "MAX_TRIAL_MODES", "ModeForecast", "Overlap", "OverlapChoice", "OverlapLabel", "OverlapTrial", "check_overlap_rows", "check_trial", "overlap_label", "LoraShape", "LoraSpec", "ProfileKey", "Recipe", "IterationMetrics", "NodeFloats",
     "NodeBytes", "JobState", "NodeJobStatus", "ErrorResponse", "Transaction", "GatewayRequest",
     "JobSubmitRequest", "JobStatusRequest", "JobPauseRequest", "JobResumeRequest", "JobCancelRequest",
     "NodesListRequest", "PlanPreviewRequest", "GatewayResponse", "REQUEST_MODELS",

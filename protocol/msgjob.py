@@ -60,6 +60,17 @@ MAX_TRIAL_MODES = 4
 OverlapLabel = Annotated[str, Field(pattern=r"^(off|bwd|c[0-9]{1,2})$")]  # overlap_label's names
 
 
+class ModeForecast(Part):
+    """What the planner predicted for one of a trial's modes once kept: its iteration, on the layout
+    it runs then (its own where `OverlapTrial.layouts` gives one, else the plan's), and, on a layout
+    of its own, each rank's compute and peak memory there (what the plan's entries give for the
+    plan's layout). The job then sets what it measures against the prediction for what it runs."""
+
+    iteration_s: Seconds
+    compute_s: Annotated[list[Seconds], Field(max_length=MAX_NODES)] | None = None
+    memory: Annotated[list[ByteFloat], Field(max_length=MAX_NODES)] | None = None
+
+
 class OverlapTrial(Part):
     """Overlap modes measured against each other at the start of a run (issue #37): the planner's
     prediction of a mode's gain is off by up to a quarter on some boxes (a launched call's CPU),
@@ -71,12 +82,14 @@ class OverlapTrial(Part):
     the rest of the run (a tie goes to the earlier). `Overlap(backward=False, chunks=1)` is no
     overlap. `layouts[i]`: the layout planned for modes[i] where it is not the plan's (None: the
     plan's); every mode is measured on the plan's layout, and the ranks move to the kept mode's
-    own layout right after the trial (a live re-shard)."""
+    own layout right after the trial (a live re-shard). `forecasts[i]`: the planner's prediction
+    for modes[i] once kept (None: not given, as from `xronos run --overlap-trial`)."""
 
     modes: Annotated[list[Overlap], Field(min_length=2, max_length=MAX_TRIAL_MODES)]
     rounds: Annotated[int, Field(ge=1, le=16)] = 3
     after: Annotated[int, Field(ge=0, le=64)] = 2
     layouts: Annotated[list[Layout | None], Field(max_length=MAX_TRIAL_MODES)] | None = None
+    forecasts: Annotated[list[ModeForecast], Field(max_length=MAX_TRIAL_MODES)] | None = None
 
     @model_validator(mode="after")
     def _distinct(self) -> OverlapTrial:
@@ -88,11 +101,33 @@ class OverlapTrial(Part):
                 raise ValueError(f"layouts: one per mode ({len(self.modes)}), got {len(self.layouts)}")
             if self.layouts[0] is not None:
                 raise ValueError("layouts: the first mode runs on the plan's layout (None)")
+        if self.forecasts is not None:
+            if len(self.forecasts) != len(self.modes):
+                raise ValueError(f"forecasts: one per mode ({len(self.modes)}), got {len(self.forecasts)}")
+            for i, f in enumerate(self.forecasts):
+                own = self.layout_for(i)
+                for name, per_rank in (("compute_s", f.compute_s), ("memory", f.memory)):
+                    if own is None and per_rank is not None:
+                        raise ValueError(f"forecasts: {labels[i]} runs on the plan's layout, whose entries give "
+                                         f"its {name}; a forecast gives it only for a layout of the mode's own")
+                    if own is not None and per_rank is not None and len(per_rank) != own.world_size:
+                        raise ValueError(f"forecasts: {labels[i]}'s {name} has {len(per_rank)} ranks, its layout "
+                                         f"{own.world_size}")
         return self
 
     def layout_for(self, i: int) -> Layout | None:
         """The layout mode `i` moves to when kept (None: the plan's, no move)."""
         return self.layouts[i] if self.layouts is not None else None
+
+    def index(self, label: str) -> int | None:
+        """The position of the mode named `label` (`overlap_label`), or None: not one of the trial's."""
+        labels = [overlap_label(m) for m in self.modes]
+        return labels.index(label) if label in labels else None
+
+    def forecast(self, label: str) -> ModeForecast | None:
+        """The planner's forecast for the mode named `label` once kept (None: none given)."""
+        i = self.index(label)
+        return None if i is None or self.forecasts is None else self.forecasts[i]
 
     @property
     def steps(self) -> int:

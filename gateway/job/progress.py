@@ -3,7 +3,8 @@
 Pure arithmetic over the job record. Per node the record keeps running sums over the current plan
 version (`Agg`: iterations, compute_s, idle_s, iteration_s); the first iteration after a
 (re)start is left out of them, because it pays one-time costs (allocator warm-up, first Gloo
-connections) and would skew the comparison of measured against predicted compute time.
+connections) and would skew the comparison of measured against predicted compute time, and so are
+an overlap trial's steps and the first after them (they run modes other than the one kept).
 
 A metric counts only from a node of the current plan speaking for its own rank; only rank 0's
 sets the job's step and loss, and never beyond the job's length. Every number of the view is
@@ -28,7 +29,10 @@ def apply_metrics(job: Job, x: m.IterationMetrics, now: float, stall_s: float) -
     changes: dict[str, Any] = {"deadline": now + stall_s, "updated_at": now}
     if x.peak_rss > job.peak_rss.get(x.node_id, 0):
         changes["peak_rss"] = {**job.peak_rss, x.node_id: x.peak_rss}
-    if x.step > job.resume_step + 1:
+    # The first step of a (re)start pays one-time costs; an overlap trial's steps (Plan.trial) run
+    # other modes than the one kept, and the first step after it switches: none is what runs.
+    first = job.resume_step + 1 + (job.plan.trial.steps if job.plan is not None and job.plan.trial is not None else 0)
+    if x.step > first:
         n, compute, idle, iteration, comm = job.agg.get(x.node_id, Agg(0, 0.0, 0.0, 0.0, 0.0))
         changes["agg"] = {**job.agg, x.node_id: Agg(n + 1, compute + x.compute_s, idle + x.idle_s,
                                                     iteration + x.iteration_s, comm + x.comm_s)}

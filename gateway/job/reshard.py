@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from xronos.protocol import messages as m
+from xronos.protocol.layout import Layout
 
 from .history import note, short
 from .types import Ctx, Job, Out, Rebalanced, Reshard
@@ -135,15 +136,45 @@ def owner_reshard_status(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
     return job
 
 
+def _moved_plan(plan: m.Plan, layout: Layout, kept: str | None) -> m.Plan:
+    """`plan` with the ranks on `layout`, a move nobody ordered (an overlap trial's, to its kept
+    mode's own layout): each entry's counts, with the compute and memory the trial's forecast
+    predicted there and the mode's predicted iteration (`kept`: the mode the trial kept, when its
+    outcome came first; two modes may have planned the same layout)."""
+    trial = plan.trial
+    forecast = None
+    for i in range(len(trial.modes) if trial is not None and trial.forecasts is not None else 0):
+        if trial.layout_for(i) == layout and (forecast is None or m.overlap_label(trial.modes[i]) == kept):
+            forecast = trial.forecasts[i]
+    entries = []
+    for e in plan.entries:
+        update = {"attn": layout.attn[e.rank], "mlp": layout.mlp[e.rank], "vocab": layout.vocab[e.rank]}
+        if forecast is not None and forecast.compute_s is not None:
+            update["predicted_compute_s"] = forecast.compute_s[e.rank]
+        if forecast is not None and forecast.memory is not None:
+            update["predicted_memory"] = forecast.memory[e.rank]
+        entries.append(e.model_copy(update=update))
+    extra = {"predicted_iteration_s": forecast.iteration_s} if forecast is not None else {}
+    return m.Plan.model_validate({**plan.model_dump(), "entries": entries, **extra})
+
+
 def owner_trial_status(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
     """The owner's status (already checked to be the owner's) on the plan's overlap trial: one
-    event per plan version and step with each mode's median and the mode kept; else the job as is."""
+    event per plan version and step with each mode's median and the mode kept, and the plan's
+    predicted iteration made the kept mode's (`OverlapTrial.forecasts`: what the job runs from
+    then on is set against its own prediction); else the job as is."""
     if s.trial_kept is None or s.trial_step is None or job.trial_kept == (s.plan_version, s.trial_step, s.trial_kept):
         return job
     each = ", ".join(f"{k} {v:.4f} s" for k, v in (s.trial_seconds or {}).items())
+    changes = {}
+    forecast = job.plan.trial.forecast(s.trial_kept) if job.plan is not None and job.plan.trial is not None else None
+    predicted = ""
+    if forecast is not None and job.plan is not None:
+        changes["plan"] = m.Plan.model_validate({**job.plan.model_dump(), "predicted_iteration_s": forecast.iteration_s})
+        predicted = f" (predicted {forecast.iteration_s:.4f} s)"
     return note(job, ctx.now, f"overlap trial ({job.clock or 'wall'} clock, median iteration): {each}; "
-                f"kept {s.trial_kept} from step {s.trial_step}",
-                trial_kept=(s.plan_version, s.trial_step, s.trial_kept))
+                f"kept {s.trial_kept}{predicted} from step {s.trial_step}",
+                trial_kept=(s.plan_version, s.trial_step, s.trial_kept), **changes)
 
 
 def _refused_reshard(job: Job, ctx: Ctx, why: str) -> Job:
@@ -175,10 +206,10 @@ def _resharded(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
     layout, pending = s.reshard_layout, _ordered(job)
     if pending is not None and pending.layout() == layout:
         plan = pending
-    else:  # not the ordered layout (an overlap trial's own move, Plan.trial): its counts, the plan's predictions
-        plan = m.Plan.model_validate({**job.plan.model_dump(), "entries": [e.model_copy(update={
-            "attn": layout.attn[e.rank], "mlp": layout.mlp[e.rank], "vocab": layout.vocab[e.rank]})
-            for e in job.plan.entries]})
+    else:  # not the ordered layout (an overlap trial's own move, Plan.trial): its counts, and the
+        # planner's predictions for it where the trial gave them (else the plan's)
+        kept = job.trial_kept[2] if job.trial_kept is not None and job.trial_kept[0] == job.plan_version else None
+        plan = _moved_plan(job.plan, layout, kept)
     took = f" ({s.reshard_s:.2f} s at the boundary)" if s.reshard_s is not None else ""
     return note(job, ctx.now, f"re-shard applied at step {s.reshard_step}: {layout.to_text()}{took}",
                 plan=plan, pending_plan=None, agg={}, peak_rss={}, last_reshard_step=s.reshard_step)

@@ -27,7 +27,7 @@ from xronos.gateway.plan.compatible import Loaded
 from xronos.gateway.plan.dpcost import require_fit
 from xronos.gateway.plan.model import MiB, InfeasiblePlan
 from xronos.gateway.plan.profiles import DEFAULT_RESERVE_MB, cost_inputs, plan_message, reserve_note
-from xronos.protocol.messages import Overlap, OverlapTrial, Plan, PlanEntry
+from xronos.protocol.messages import ModeForecast, Overlap, OverlapTrial, Plan, PlanEntry
 
 
 def choose_reports(loaded: Sequence[Loaded], strategy: str, *, reserve_mb: float = DEFAULT_RESERVE_MB,
@@ -92,15 +92,27 @@ TRIAL_MIN_RUN = 4
 def with_trial(plan: Plan, choice: Choice, steps: int) -> Plan:
     """`plan` with an overlap trial (`protocol.OverlapTrial`: the winner's mode and the next
     predicted fastest, `choose.trial_modes`, measured against each other on the plan's layout at
-    the run's start, each with the layout planned for it where that is another) when there is a
-    choice to measure and the run of `steps` steps is long enough; else as it is."""
+    the run's start, each with the layout planned for it where that is another, and each with the
+    prediction for it once kept) when there is a choice to measure and the run of `steps` steps is
+    long enough; else as it is."""
     modes = trial_modes(choice.winner)
     if not modes or plan.shares is not None:
         return plan
-    own = dict(choice.winner.own_layouts)  # a kept mode whose own layout is another: the ranks move there
-    layouts = [None, *(own.get(m) for m in modes[1:])]
+    w = choice.winner
+    own = {m: (q, r) for m, q, r in w.own_plans}  # a kept mode whose own layout is another: the ranks move there
+    on_plan = {q.mode: q for q in w.ranked}
+    layouts = [None, *(own[m][1].layout if m in own else None for m in modes[1:])]
+    forecasts = []
+    for i, m in enumerate(modes):
+        if i and m in own:
+            q, r = own[m]
+            rows = sorted(r.rows, key=lambda x: x.rank)
+            forecasts.append(ModeForecast(iteration_s=q.iteration_s, compute_s=[x.predicted_compute_s for x in rows],
+                                          memory=[x.predicted_memory for x in rows]))
+        else:
+            forecasts.append(ModeForecast(iteration_s=on_plan[m].iteration_s))
     trial = OverlapTrial(modes=[Overlap(backward=m.backward, chunks=m.chunks) for m in modes],
-                         layouts=layouts if any(x is not None for x in layouts) else None)
+                         layouts=layouts if any(x is not None for x in layouts) else None, forecasts=forecasts)
     if steps < TRIAL_MIN_RUN * trial.steps:
         return plan
     return Plan.model_validate({**plan.model_dump(), "trial": trial.model_dump()})

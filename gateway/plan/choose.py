@@ -75,9 +75,14 @@ class Candidate:
     overlap: OverlapPrediction | None = None  # a TP candidate's overlap mode (None: every all-reduce blocks)
     # Every mode the job allows, predicted on this candidate's layout, the candidate's own first
     # and the rest fastest first (`trial_modes`); and the modes whose fastest predicted layout is
-    # another one, with that layout (where a trial that keeps such a mode moves the ranks)
+    # another one, with their prediction and plan there (where a trial that keeps such a mode
+    # moves the ranks)
     ranked: tuple[OverlapPrediction, ...] = ()
-    own_layouts: tuple[tuple[OverlapMode, Layout], ...] = ()
+    own_plans: tuple[tuple[OverlapMode, OverlapPrediction, PlanResult], ...] = ()
+
+    @property
+    def own_layouts(self) -> tuple[tuple[OverlapMode, Layout], ...]:
+        return tuple((m, r.layout) for m, _, r in self.own_plans)
 
     def summary(self) -> str:
         """One line: the label and its predicted time, or why it cannot run."""
@@ -171,7 +176,7 @@ def with_overlap(c: Candidate, nodes: Sequence[NodeCost], shape: TPShape | None,
     if not preds:
         return c
     p, tp = best_mode(preds), c.tp
-    own = {q.mode: (q, c.tp.layout) for q in preds}  # each mode's fastest (prediction, layout) so far
+    own = {q.mode: (q, c.tp) for q in preds}  # each mode's fastest (prediction, plan) so far
     if caps is not None and c.tp.strategy == "segment":
         share = chunk_share(shape, fixed)
         for m in (m for m in modes if m.on and m.chunks <= shape.rows):
@@ -188,19 +193,19 @@ def with_overlap(c: Candidate, nodes: Sequence[NodeCost], shape: TPShape | None,
             alt = relayout(c.tp, nodes, caps, planned.layout)
             q = predict(alt, (m,))
             if alt.feasible and q and m in own and q[0].iteration_s < own[m][0].iteration_s * (1 - 1e-6):
-                own[m] = (q[0], alt.layout)
+                own[m] = (q[0], alt)
             if alt.feasible and q and q[0].iteration_s < p.iteration_s * (1 - 1e-6):
                 p, tp = q[0], alt
     ranked = tuple(sorted(preds if tp is c.tp else predict(tp, modes), key=lambda q: (q.mode != p.mode, q.iteration_s)))
-    elsewhere = tuple((m, lay) for m, (_, lay) in own.items() if lay != tp.layout and m != p.mode)
+    elsewhere = tuple((m, q, r) for m, (q, r) in own.items() if r.layout != tp.layout and m != p.mode)
     if not p.mode.on:
-        return replace(c, ranked=ranked, own_layouts=elsewhere)
+        return replace(c, ranked=ranked, own_plans=elsewhere)
     base = c if tp is c.tp else tp_candidate(tp, c.label)
     where = "" if tp is c.tp else " (a layout planned for it)"
     return replace(base, label=f"{c.label}, overlap {p.mode.label}{where}", iteration_s=p.iteration_s,
                    compute_s=base.compute_s + p.chunk_overhead_s,
                    comm_s=max(0.0, p.iteration_s - base.compute_s - p.chunk_overhead_s), overlap=p, ranked=ranked,
-                   own_layouts=elsewhere)
+                   own_plans=elsewhere)
 
 
 def trial_modes(c: Candidate, size: int = TRIAL_MODES) -> tuple[OverlapMode, ...]:

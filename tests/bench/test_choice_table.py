@@ -38,6 +38,11 @@ def test_the_table_shows_the_spread_and_the_same_plan_once_measured():
     doc["strategies"]["segment+trial"] = {**seg, "label": "segment (TP over 3), overlap c2", "runs": [tried],
                                           "run": _median_run([tried])}
     assert "- segment+trial, run 1: c2 5.800 s, off 5.600 s, bwd 5.500 s; kept bwd" in table(doc)
+    # set against the kept mode's forecast (OverlapTrial.forecasts), not the plan's mode's
+    tried["predicted_s"] = 5.0
+    doc["strategies"]["segment+trial"]["run"] = _median_run([tried])
+    assert "| segment+trial | segment (TP over 3), overlap c2; the trial kept bwd | 5.000 | 5.500 | 5.500 | 0.0% | -9.1% |" \
+        in table(doc)
 
 
 def test_an_overlapped_strategy_is_the_planners_strategy_with_its_overlap_keywords():

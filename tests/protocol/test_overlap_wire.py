@@ -116,3 +116,21 @@ def test_a_trials_layouts_are_one_per_mode_the_first_the_plans_and_of_its_world(
     short = Layout(attn=(8, 4), mlp=(2048, 1000), vocab=(30257, 20000))
     with pytest.raises(ValidationError, match="trial: the layout for bwd: "):
         m.Plan(**plan, trial=m.OverlapTrial(modes=[OFF, BWD], layouts=[None, short]))
+
+
+def test_a_trials_forecasts_are_one_per_mode_with_per_rank_figures_only_for_a_layout_of_its_own() -> None:
+    other = Layout(attn=(8, 4), mlp=(2048, 1024), vocab=(30257, 20000))
+    f = [m.ModeForecast(iteration_s=0.3), m.ModeForecast(iteration_s=0.25, compute_s=[0.2, 0.1], memory=[1e9, 5e8])]
+    t = m.OverlapTrial(modes=[OFF, BWD], layouts=[None, other], forecasts=f)
+    assert t.forecast("bwd") == f[1] and t.forecast("off") == f[0] and t.forecast("c2") is None
+    assert m.OverlapTrial(modes=[OFF, BWD]).forecast("bwd") is None
+    assert m.Assignment.model_validate_json(_assignment(trial=t).model_dump_json()).trial == t
+    with pytest.raises(ValidationError, match=r"forecasts: one per mode \(2\), got 1"):
+        m.OverlapTrial(modes=[OFF, BWD], forecasts=f[:1])
+    with pytest.raises(ValidationError, match="forecasts: bwd runs on the plan's layout, whose entries give its compute_s"):
+        m.OverlapTrial(modes=[OFF, BWD], forecasts=f)
+    with pytest.raises(ValidationError, match="forecasts: bwd's memory has 1 ranks, its layout 2"):
+        m.OverlapTrial(modes=[OFF, BWD], layouts=[None, other],
+                       forecasts=[f[0], m.ModeForecast(iteration_s=0.25, memory=[1e9])])
+    with pytest.raises(ValidationError, match="iteration_s"):
+        m.ModeForecast(iteration_s=float("nan"))

@@ -249,6 +249,13 @@ def test_a_segment_plan_chooses_its_layout_and_chunks_together():
     labels = [OverlapMode(x.backward, x.chunks).label for x in trial.modes]
     assert labels[0] == "c2" and "off" in labels
     assert trial.layout_for(labels.index("off")) == kept.tp.layout and trial.layout_for(0) is None
+    # each mode's forecast once kept: c2's the plan's; off's the plan without overlap, its rows included
+    assert trial.forecasts[0].iteration_s == pytest.approx(auto.winner.iteration_s)
+    off = trial.forecast("off")
+    assert off.iteration_s == pytest.approx(kept.tp.predicted_iteration_s)
+    assert off.compute_s == pytest.approx([r.predicted_compute_s for r in kept.tp.rows])
+    assert off.memory == pytest.approx([r.predicted_memory for r in kept.tp.rows])
+    assert all(f.compute_s is None for f, x in zip(trial.forecasts, trial.layouts) if x is None)
 
 
 def test_relayout_refuses_a_layout_of_another_world_or_model():
