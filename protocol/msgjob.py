@@ -64,9 +64,11 @@ class ModeForecast(Part):
     """What the planner predicted for one of a trial's modes once kept: its iteration, on the layout
     it runs then (its own where `OverlapTrial.layouts` gives one, else the plan's), and, on a layout
     of its own, each rank's compute and peak memory there (what the plan's entries give for the
-    plan's layout). The job then sets what it measures against the prediction for what it runs."""
+    plan's layout), and the communication the iteration waits for with it (`Plan.comm_s`). The job
+    then sets what it measures against the prediction for what it runs."""
 
     iteration_s: Seconds
+    comm_s: Seconds | None = None
     compute_s: Annotated[list[Seconds], Field(max_length=MAX_NODES)] | None = None
     memory: Annotated[list[ByteFloat], Field(max_length=MAX_NODES)] | None = None
 
@@ -226,6 +228,8 @@ class Plan(Message):
     predicted_iteration_s: Seconds
     # inf when nothing fits: the planner's honest "no bound" for an over-cap uniform plan.
     ideal_iteration_s: Annotated[float, Field(ge=0)]
+    # The communication the iteration waits for beyond compute: every all-reduce's, or with an
+    # `overlap` (and a data-parallel plan's gradient all-reduce) what the mode does not hide.
     comm_s: Seconds
     # Data parallelism: rows of each global batch per data-parallel group, in group order (see
     # `mesh_of`). None: one tensor-parallel group over every entry (the TP strategies).

@@ -154,8 +154,16 @@ def _moved_plan(plan: m.Plan, layout: Layout, kept: str | None) -> m.Plan:
         if forecast is not None and forecast.memory is not None:
             update["predicted_memory"] = forecast.memory[e.rank]
         entries.append(e.model_copy(update=update))
-    extra = {"predicted_iteration_s": forecast.iteration_s} if forecast is not None else {}
+    extra = _forecast_figures(forecast)
     return m.Plan.model_validate({**plan.model_dump(), "entries": entries, **extra})
+
+
+def _forecast_figures(forecast: m.ModeForecast | None) -> dict[str, float]:
+    """The plan's fields a mode's forecast sets: its predicted iteration and communication."""
+    if forecast is None:
+        return {}
+    return {"predicted_iteration_s": forecast.iteration_s,
+            **({"comm_s": forecast.comm_s} if forecast.comm_s is not None else {})}
 
 
 def owner_trial_status(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
@@ -170,7 +178,7 @@ def owner_trial_status(job: Job, ctx: Ctx, s: m.NodeJobStatus) -> Job:
     forecast = job.plan.trial.forecast(s.trial_kept) if job.plan is not None and job.plan.trial is not None else None
     predicted = ""
     if forecast is not None and job.plan is not None:
-        changes["plan"] = m.Plan.model_validate({**job.plan.model_dump(), "predicted_iteration_s": forecast.iteration_s})
+        changes["plan"] = m.Plan.model_validate({**job.plan.model_dump(), **_forecast_figures(forecast)})
         predicted = f" (predicted {forecast.iteration_s:.4f} s)"
     return note(job, ctx.now, f"overlap trial ({job.clock or 'wall'} clock, median iteration): {each}; "
                 f"kept {s.trial_kept}{predicted} from step {s.trial_step}",

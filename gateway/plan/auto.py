@@ -62,7 +62,7 @@ def choice_message(choice: Choice, job_id: str, version: int = 0) -> Plan:
             return msg
         mode = w.overlap.mode
         return msg.model_copy(update={"overlap": Overlap(backward=mode.backward, chunks=mode.chunks),
-                                      "predicted_iteration_s": w.iteration_s})
+                                      "predicted_iteration_s": w.iteration_s, "comm_s": w.comm_s})
     if w.dp is not None:
         p = w.dp
         sizes = choice.sizes
@@ -102,15 +102,22 @@ def with_trial(plan: Plan, choice: Choice, steps: int) -> Plan:
     own = {m: (q, r) for m, q, r in w.own_plans}  # a kept mode whose own layout is another: the ranks move there
     on_plan = {q.mode: q for q in w.ranked}
     layouts = [None, *(own[m][1].layout if m in own else None for m in modes[1:])]
+    assert w.tp is not None  # modes to try come only with a TP candidate
+
+    def exposed(q, r) -> float:
+        """What the mode does not hide: its iteration past its layout's compute and chunking's."""
+        return max(0.0, q.iteration_s - r.bottleneck_s - q.chunk_overhead_s)
+
     forecasts = []
     for i, m in enumerate(modes):
         if i and m in own:
             q, r = own[m]
             rows = sorted(r.rows, key=lambda x: x.rank)
-            forecasts.append(ModeForecast(iteration_s=q.iteration_s, compute_s=[x.predicted_compute_s for x in rows],
+            forecasts.append(ModeForecast(iteration_s=q.iteration_s, comm_s=exposed(q, r),
+                                          compute_s=[x.predicted_compute_s for x in rows],
                                           memory=[x.predicted_memory for x in rows]))
         else:
-            forecasts.append(ModeForecast(iteration_s=on_plan[m].iteration_s))
+            forecasts.append(ModeForecast(iteration_s=on_plan[m].iteration_s, comm_s=exposed(on_plan[m], w.tp)))
     trial = OverlapTrial(modes=[Overlap(backward=m.backward, chunks=m.chunks) for m in modes],
                          layouts=layouts if any(x is not None for x in layouts) else None, forecasts=forecasts)
     if steps < TRIAL_MIN_RUN * trial.steps:

@@ -296,7 +296,7 @@ def _trial_job():
                            layouts=[None, None, own],
                            forecasts=[m.ModeForecast(iteration_s=plan.predicted_iteration_s),
                                       m.ModeForecast(iteration_s=0.9 * plan.predicted_iteration_s),
-                                      m.ModeForecast(iteration_s=0.8 * plan.predicted_iteration_s,
+                                      m.ModeForecast(iteration_s=0.8 * plan.predicted_iteration_s, comm_s=0.01,
                                                      compute_s=[0.5, 0.6, 0.7], memory=[1e8, 2e8, 3e8])])
     plan = m.Plan.model_validate({**plan.model_dump(), "overlap": None, "trial": trial.model_dump()})
     return replace(job, plan=plan, phase="running", accepted=True), own
@@ -306,6 +306,8 @@ def test_the_trial_s_move_to_its_kept_mode_s_layout_takes_that_layout_s_predicti
     """An overlap trial keeps c2 and the ranks move to c2's own layout, a re-shard nobody ordered:
     the plan's entries take the counts and the compute and memory the trial forecast there, and its
     predicted iteration is c2's, whichever of the two words comes first."""
+    from xronos.gateway.job.progress import state_view
+
     job, own = _trial_job()
     ctx = J.Ctx(now=1.0, online=frozenset(NODES))
     moved = m.NodeJobStatus(node_id="a", job_id="j", plan_version=1, rank=0, status="running", step=16,
@@ -322,6 +324,7 @@ def test_the_trial_s_move_to_its_kept_mode_s_layout_takes_that_layout_s_predicti
         assert [e.predicted_compute_s for e in j.plan.entries] == forecast.compute_s
         assert [e.predicted_memory for e in j.plan.entries] == forecast.memory
         assert j.plan.predicted_iteration_s == pytest.approx(forecast.iteration_s)
+        assert j.plan.comm_s == 0.01 and all(v == 0.01 for v in state_view(j).predicted_comm_s.values())
 
 
 def test_an_overlap_trial_s_steps_are_not_what_the_job_measures():

@@ -251,6 +251,9 @@ def test_a_segment_plan_chooses_its_layout_and_chunks_together():
     assert trial.layout_for(labels.index("off")) == kept.tp.layout and trial.layout_for(0) is None
     # each mode's forecast once kept: c2's the plan's; off's the plan without overlap, its rows included
     assert trial.forecasts[0].iteration_s == pytest.approx(auto.winner.iteration_s)
+    # and what it does not hide (the plan's comm_s with the mode, as the ranks measure it)
+    assert trial.forecasts[0].comm_s == pytest.approx(auto.winner.comm_s) == choice_message(auto, "j").comm_s
+    assert trial.forecast("off").comm_s == pytest.approx(kept.tp.comm_s)
     off = trial.forecast("off")
     assert off.iteration_s == pytest.approx(kept.tp.predicted_iteration_s)
     assert off.compute_s == pytest.approx([r.predicted_compute_s for r in kept.tp.rows])
