@@ -230,11 +230,16 @@ def config_from_args(args: argparse.Namespace, layout):
     fields = flagtable.collect(args, flagtable.RUN)
     trial, overlap = parse_trial(getattr(args, "overlap_trial", None), parse_overlap(getattr(args, "overlap", "off")))
     try:
-        return RunConfig(**fields, layout=layout, progress=True, reshard_at=parse_reshard_at(args.reshard_at),
-                         overlap=overlap, trial=trial)
+        cfg = RunConfig(**fields, layout=layout, progress=True, reshard_at=parse_reshard_at(args.reshard_at),
+                        overlap=overlap, trial=trial)
     except ValidationError as exc:
         msg = flagtable.problems(exc.errors(), args, flagtable.RUN, _RULE_NAMES)
         raise ValueError(re.sub(r"ranks, the run (\d+)", r"ranks, but --nodes is \1", msg)) from None
+    r = cfg.recipe
+    if r.max_steps is not None and r.warmup_steps > r.max_steps:  # a job's is checked by its owner (jobcheck)
+        raise ValueError(f"--warmup-steps {r.warmup_steps} is longer than the run (--max-steps {r.max_steps}): "
+                         "the learning rate would never reach --lr")
+    return cfg
 
 
 # The names in the recipe's and the config's rules across fields, as the flags name them.

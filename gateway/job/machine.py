@@ -76,6 +76,9 @@ def new_job(job_id: str, spec: m.JobSpec, transaction: str | None, ctx: Ctx,
     if spec.owner not in ctx.online:
         return _refuse(job, ctx, f"owner node {spec.owner!r} is offline or not participating")
     if named is not None:
+        twice = sorted({n for n in named if named.count(n) > 1})
+        if twice:  # refused here, not by JobSpec: a stored job table from before still loads
+            return _refuse(job, ctx, f"nodes: {_few(twice)} named more than once")
         if spec.owner not in named:
             return _refuse(job, ctx, f"nodes: the owner {spec.owner!r} must be one of {_few(named)}")
         missing = sorted(set(named) - ctx.online)
@@ -126,7 +129,7 @@ def abort(job: Job, ctx: Ctx, reason: str) -> Out:
 
 def _candidates(job: Job, ctx: Ctx) -> tuple[str, ...]:
     """Nodes a plan may use now: the named ones (or every online one), online, owner first."""
-    pool = job.spec.nodes or sorted(ctx.online)
+    pool = dict.fromkeys(job.spec.nodes or sorted(ctx.online))  # each once, in order
     usable = [n for n in pool if n in ctx.online and n not in job.excluded and n != job.owner]
     return ((job.owner,) if job.owner in ctx.online else ()) + tuple(usable)
 

@@ -136,3 +136,10 @@ def test_layout_comes_from_one_replaceable_function(good) -> None:
         run_cli.resolve_layout(args)
     args.layout = "attn=0,12;mlp=64,36;vocab=32,5"
     assert run_cli.resolve_layout(args).mlp == (64, 36)
+
+
+def test_a_warmup_longer_than_the_run_is_refused(good, tmp_path, capsys, no_spawn) -> None:
+    argv = _argv(good, tmp_path)
+    steps = argv[argv.index("--max-steps") + 1]
+    assert main([*argv, "--warmup-steps", str(int(steps) + 1)]) == 2
+    assert f"--warmup-steps {int(steps) + 1} is longer than the run (--max-steps {steps})" in _one_error(capsys)

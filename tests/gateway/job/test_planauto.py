@@ -342,3 +342,11 @@ def test_an_overlap_trial_s_steps_are_not_what_the_job_measures():
     for step in range(1, steps + 4):
         job, _ = J.handle(job, J.Metrics(metric(step, 9.0 if step <= steps + 1 else 1.0)), ctx)
     assert job.agg["a"].n == 2 and job.agg["a"].iteration_s == pytest.approx(2.0)
+
+
+def test_a_node_named_twice_is_refused_before_anything_is_asked_of_it():
+    spec = m.JobSpec(name="t", owner="a", recipe=RECIPE, nodes=["a", "b", "b", "c", "a"])
+    job, effects = J.new_job("j", spec, "tx", J.Ctx(now=0.0, online=frozenset(NODES)))
+    assert job.phase == "failed" and not [e for e in effects if isinstance(e, (J.Inspect, J.Profile))]
+    (answer,) = [e for e in effects if isinstance(e, J.Respond)]
+    assert not answer.ok and "nodes: a, b named more than once" in answer.error
