@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         owner = NODES[0][0]
         recipe = Recipe(model_dir=str(model), data_path=str(data), task="classify", batch_size=8, seq_len=SEQ_LEN,
                         lr=1e-4, max_steps=args.steps, eval_fraction=0.2, export_dir=str(root / "export"), seed=0,
-                        warmup_steps=4, max_grad_norm=1.0)
+                        warmup_steps=min(4, args.steps), max_grad_norm=1.0)
         spec = JobSpec(name="minilm-sentiment", owner=owner, recipe=recipe, strategy="segment",
                        checkpoint_interval=max(args.steps // 2, 1), reserve_mb=256)
         slow = "" if conf is not None and conf.cpu_mode == "virtual" else " (the emulated Pi 4 profiles for 2-5 minutes)"
