@@ -21,12 +21,11 @@ from safetensors.torch import save_file
 from xronos.node.tp.lora import TRAINED_HEADS, LoraSettings
 
 from .export import copy_tokenizer, save_hf_dir
+from .exportfiles import ADAPTER_FILE, MERGED_SUBDIR
 from .stage import staged
 from .registry import family_for
 
 PEFT_PREFIX = "base_model.model."
-ADAPTER_FILE = "adapter_model.safetensors"
-MERGED_SUBDIR = "merged"
 
 
 def is_lora_key(name: str) -> bool:

@@ -27,15 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from .exportfiles import gguf_file_name
+
 GGUF_TYPES = ("f32", "f16", "q8_0")
 # Xronos family name -> llama.cpp architecture (the families llama.cpp runs as language models).
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
 GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 ROPE_TYPES = ("default", "linear", "llama3")  # Hugging Face rope_type values this export carries
-
-
-def gguf_file_name(out_type: str) -> str:
-    return f"model-{out_type}.gguf"
 
 
 def gguf_refusal(config: dict[str, Any], task: str) -> str | None:

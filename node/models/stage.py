@@ -149,3 +149,36 @@ def sweep(dfd: int) -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+def remove_entries(out_dir: str | Path, names: list[str]) -> list[str]:
+    """Remove the entries `names` of `out_dir` (files, links, or directories of ours), through the
+    directory's descriptor: a link is removed itself, never followed, and a directory is removed
+    by `shutil.rmtree` on that descriptor (which does not follow links inside either). Return the
+    names removed; a name that is not there is skipped."""
+    import shutil
+
+    out = Path(out_dir)
+    try:
+        dfd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    removed = []
+    try:
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if st.st_uid != os.geteuid():  # not one an export of ours made
+                    continue
+                shutil.rmtree(name, dir_fd=dfd)
+            else:
+                os.unlink(name, dir_fd=dfd)
+            removed.append(name)
+        if removed:
+            os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return removed

@@ -26,6 +26,7 @@ import xronos.node.measure.memwatch as memwatch  # (the module alone: not the me
 from xronos.node.rank.metrics import IterationRecord, Rusage, comm_and_idle, format_table, segment_compute, summarize
 from xronos.node.models.adapters import exported, save_lora_exports
 from xronos.node.models.export import gather_full, save_hf_dir
+from xronos.node.models.exportfiles import remove_leftovers
 from xronos.node.models.gguf import save_gguf_export
 from xronos.node.models.registry import family_for
 from xronos.node.rank.optim import adamw
@@ -338,6 +339,8 @@ class TPEngine(Engine):
             save_hf_dir(r.export_dir, rank.facts.config, r.task, state, r.model_dir)
         if rank.owner and r.export_gguf:  # llama.cpp / Ollama: model-<type>.gguf + Modelfile (merged under LoRA)
             save_gguf_export(r.export_dir, rank.facts.config, state, r.model_dir, r.export_gguf, self.lora)
+        if rank.owner:  # an earlier export's files this one did not replace (an old adapter, GGUF, ...)
+            remove_leftovers(r.export_dir, r)
         del state
         memwatch.phase("export")
         rank.group.drain_timings()
