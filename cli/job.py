@@ -41,6 +41,8 @@ def _run(args: argparse.Namespace) -> int:
     settings, base = broker_from_args(args)
     with GatewayClient(settings, base) as client:
         if args.job_command == "submit":
+            print(f"submitting {spec.name!r}: the owner inspects the model and data, each node profiles it, then the "
+                  f"gateway plans (minutes on slow boxes; waiting up to {args.timeout:g} s) ...", flush=True)
             data = client.request("job/submit", args.timeout, spec=spec)
             print(f"job {data['job_id']} accepted: {data['total_steps']} steps")
             print(format_plan(data["plan"]))

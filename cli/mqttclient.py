@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import sys
@@ -24,6 +25,7 @@ from xronos.protocol.topics import TopicTable
 from xronos.protocol.transport import BrokerSettings, MqttBus
 
 TERMINAL = ("completed", "failed", "cancelled")
+MAX_WAIT_S = 7 * 86400.0  # --timeout's bound: a week (a larger deadline overflows the clock's arithmetic)
 
 
 def add_broker_options(p: argparse.ArgumentParser) -> None:
@@ -35,7 +37,19 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--password-file", help="file holding the MQTT password")
     g.add_argument("--base-topic", help="Xronos base topic (default xronos)")
     # %(default)g, not a fixed number: job submit sets its own (its answer waits for the profiles).
-    g.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the gateway (default %(default)g)")
+    g.add_argument("--timeout", type=_seconds, default=30.0, metavar="S",
+                   help="seconds to wait for the gateway (default %(default)g)")
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse's type: its error names the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_WAIT_S):
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds above 0 and at most {MAX_WAIT_S:g}")
+    return value
 
 
 class _BrokerPart(BaseModel):
@@ -206,7 +220,11 @@ class GatewayClient:
             if resp.status == "error":
                 raise ValueError(f"gateway: {resp.error}")
             return resp.data if resp.data is not None else {}
-        raise TimeoutError(f"no answer to {name} within {timeout:.0f} s (is the gateway running?)")
+        if name == "job/submit":  # its answer comes after the owner's inspection and every node's profile
+            raise TimeoutError(f"no answer to job/submit within {timeout:g} s: if the gateway is running, the job "
+                               "may still be in its inspection or profiling and go on; `xronos job status` lists "
+                               "it (cancel it there before submitting again), and --timeout waits longer")
+        raise TimeoutError(f"no answer to {name} within {timeout:g} s (is the gateway running?)")
 
     def follow(self, job_id: str, on_state, timeout: float | None = None) -> m.JobState:
         """Call on_state(JobState) for each retained job state until the job ends."""

@@ -121,8 +121,17 @@ def test_data_format_and_label_refusals(good, tmp_path, capsys, no_spawn) -> Non
 
 
 def test_export_must_not_overwrite_the_input(good, tmp_path, capsys, no_spawn) -> None:
-    assert main(_argv(good, tmp_path, export=str(good[0]))) == 2
-    assert "would overwrite the input model directory" in capsys.readouterr().err
+    model, data = good
+    # the model or the data itself, a directory holding either, or one inside the model's
+    for export, what in ((model, "the input model directory"), (model.parent, "the input model directory"),
+                         (model / "sub", "the input model directory")):
+        assert main(_argv(good, tmp_path, export=str(export))) == 2
+        assert f"--export {export} would overwrite {what}" in capsys.readouterr().err
+    (tmp_path / "d").mkdir()
+    moved = tmp_path / "d" / data.name
+    moved.write_bytes(data.read_bytes())
+    assert main(_argv(good, tmp_path, data=str(moved), export=str(moved.parent))) == 2
+    assert f"--export {moved.parent} would overwrite the data" in capsys.readouterr().err
 
 
 def test_layout_comes_from_one_replaceable_function(good) -> None:

@@ -102,3 +102,31 @@ def test_state_shows_live_re_plans_and_the_last_reason():
     assert "live re-plans: 2 (now attn=8,4;mlp=64,36;vocab=32,5)" in text
     assert "last re-plan decision: kept: predicted gain 1.0% <= 5.0%" in text
     assert "re-plan" not in format_state({**state, "replans": 0, "last_replan_reason": None})
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e9", "soon"])
+def test_a_timeout_that_is_not_a_positive_finite_number_of_seconds_is_refused(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        xronos(["job", "status", "--port", "1", f"--timeout={value}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--timeout" in err and value in err, err
+
+
+def test_a_submit_nobody_answers_says_the_job_may_still_be_checked(tmp_path, capsys):
+    """A real broker and no gateway: the submit says what it waits for, and at the timeout that a
+    running gateway may still be inspecting or profiling the job (a second submit would duplicate it)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from brokers import start_broker
+
+    (tmp_path / "j.toml").write_text(TOML)
+    with start_broker(tmp_path) as broker:
+        code = xronos(["job", "submit", str(tmp_path / "j.toml"), "--host", broker.host, "--port", str(broker.port),
+                       "--timeout", "1.5"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out.startswith("submitting 't': the owner inspects the model and data")
+    assert "no answer to job/submit within 1.5 s: if the gateway is running, the job may still be in its " \
+           "inspection or profiling" in err and "xronos job status" in err, err
