@@ -144,3 +144,16 @@ def test_every_job_spec_the_docs_show_is_valid(tmp_path):
         assert load_spec(spec).name, doctext.name(path)
         shown = leaves(tomllib.loads(block))
         assert {k: v for k, v in shown.items() if example.get(k, v) != v} == {}, doctext.name(path)
+
+
+def test_the_example_job_spec_names_every_key():
+    """README: examples/job.toml "has every key, commented": each field of the job spec, its recipe
+    and its LoRA table is there, set or commented out."""
+    from xronos.protocol.messages import JobSpec
+    from xronos.protocol.recipe import LoraSpec, Recipe
+
+    text = (REPO / "examples" / "job.toml").read_text()
+    written = set(re.findall(r"^#?\s*([a-z_]+)\s*=", text, re.M))
+    missing = [f"{model.__name__}.{name}" for model in (JobSpec, Recipe, LoraSpec) for name in model.model_fields
+               if name not in written and name not in ("recipe", "lora")]
+    assert missing == []
