@@ -314,6 +314,10 @@ def _on_down(job: Job, ev: NodeDown, ctx: Ctx) -> Out:
                     offline_since={**job.offline_since, node: ctx.now}), []
     if job.phase in ("assigning", "running", "paused") and node in job.plan_nodes:
         return _recover(job, ctx, f"node {node!r} went offline", known_cause=True)
+    if job.phase == "recovering" and node in job.plan_nodes and job.awaiting == "retry":
+        # A survivor's broken connection came first (its rank failed when this node's died): the
+        # events name the cause, and the re-plan need not wait for it any longer.
+        return _replan(note(job, ctx.now, f"node {node!r} went offline (what the rank's failure followed)"), ctx)
     return job, []
 
 

@@ -260,6 +260,22 @@ def test_node_loss_recovers_from_checkpoint_on_survivors():
     assert job.phase == "running"
 
 
+def test_a_survivors_failure_first_then_the_lost_node_is_named_and_re_planned_at_once():
+    """A node dies: its peer's rank fails on the broken connection before the dead node's last-will
+    arrives. The events then name the node that went offline (not only the survivor's failure), and
+    the re-plan does not wait out the regroup delay any more."""
+    job = submit_to_running()
+    job, _ = J.handle(job, status("a", 0, "running", checkpoint_step=4, step=5), ctx(5))
+    job, eff = J.handle(job, status("a", 0, "failed", detail="Connection reset by peer"), ctx(5.5))
+    assert job.phase == "recovering" and job.awaiting == "retry" and "rank 0 on 'a' failed" in job.events[-1]
+    job, eff = J.handle(job, J.NodeDown("c"), ctx(6, online=("a", "b")))
+    assert any("node 'c' went offline (what the rank's failure followed)" in e for e in job.events)
+    assert job.phase == "assigning" and eff == [J.Assign("j", plan(("a", "b"), 2), 4)]
+    n = len(job.events)
+    job, eff = J.handle(job, J.NodeDown("c"), ctx(6.5, online=("a", "b")))  # said once
+    assert len(job.events) == n and eff == []
+
+
 def test_rank_failure_and_waiting_for_memory_or_owner():
     job = submit_to_running()
     job, eff = J.handle(job, status("b", 1, "failed", detail="Gloo timeout"), ctx(5))
