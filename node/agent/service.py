@@ -367,6 +367,21 @@ class NodeService:
                 self._set_status("failed", detail=f"rank process ended ({child.why()}): {child.tail(600)}")
             child.kill(0)
             self.child = None
+            if a.rank == 0 and self.status is not None and self.status.status == "completed":
+                self._drop_checkpoints(a.job_id)
+
+    def _drop_checkpoints(self, job_id: str) -> None:
+        """The owner's checkpoints of a job it completed (its export is written): no resume point any
+        more, and a model's weights with the optimizer's moments, twice, on this node's disk."""
+        from xronos.node.rank.checkpoint import remove_checkpoints
+
+        try:
+            removed = remove_checkpoints(job_dir(self.state_dir, job_id) / "checkpoint")
+        except OSError as exc:  # a disk problem is the operator's to see, not the job's to fail on
+            log.warning("could not remove a completed job's checkpoints", job_id=job_id, error=str(exc))
+            return
+        if removed:
+            log.info("completed job's checkpoints removed", job_id=job_id, paths=removed)
 
     def _child_event(self, a: m.Assignment, ev: msg.RankEvent) -> None:
         """One typed event of the rank as this node's job status (`rankstatus`) or metrics."""

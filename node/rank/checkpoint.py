@@ -214,3 +214,18 @@ def load_moments(opt: torch.optim.Optimizer, model: torch.nn.Module, specs: dict
             t = source.read(TensorSpec(f"{m}.{spec.hf_name}", spec.dim, spec.segments, spec.full_shape))
             state[m] = t.to(p.dtype).reshape(p.shape).clone()
         opt.state[p] = state
+
+
+def remove_checkpoints(ckpt_dir: str | Path) -> list[str]:
+    """Remove a finished job's checkpoints (`ckpt_dir` and the ones kept beside it, `.prev`, and
+    what a save killed half-way left, `.old`, `.tmp`): a completed job resumes from none of them, and
+    a full fine-tune's weights with AdamW's moments are three times the model on the node's disk.
+    Return the paths removed. Only a directory (not a link) is removed."""
+    import shutil
+
+    removed = []
+    for d in (Path(ckpt_dir), *(Path(str(ckpt_dir) + s) for s in (".prev", ".old", ".tmp"))):
+        if d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d)
+            removed.append(str(d))
+    return removed

@@ -65,6 +65,12 @@ def test_job_end_to_end_survives_gateway_restart_and_equals_xronos_run(stack, tm
     assert final.step == 24 and final.eval_metric_name == "accuracy" and final.eval_metric is not None
     # Metrics published while no gateway listened are gone; the aggregate covers the rest.
     assert set(final.idle_ratio) <= {e["node_id"] for e in plan["entries"]}
+    # The owner removes a completed job's checkpoints once its rank has exited (the export is written)
+    ckpt = stack.dir / "n0" / "jobs" / job_id / "checkpoint"
+    deadline = time.monotonic() + 60
+    while any(p.exists() for p in (ckpt, ckpt.with_name("checkpoint.prev"))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not ckpt.exists() and not ckpt.with_name("checkpoint.prev").exists(), stack.logs()
 
     units = final.plan.layout()
     ref = tmp_path / "ref"
