@@ -118,6 +118,9 @@ class RunConfig(RankConfig):
         for r in self.reshard_at:
             if r.shares is not None:
                 self._check_resplit(r)
+            elif r.layout is not None and self.shares is not None:  # before its ranks: a group's, not the run's
+                raise ValueError("shares: a data-parallel run does not re-shard its layout (reshard_at with a "
+                                 "layout); it re-splits its rows (reshard_at with shares, or rebalance)")
             elif r.layout is not None and r.layout.world_size != self.layout.world_size:
                 raise ValueError(f"reshard_at step {r.step}: layout has {r.layout.world_size} ranks, the run "
                                  f"{self.layout.world_size}")

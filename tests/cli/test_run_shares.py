@@ -44,6 +44,10 @@ def _argv(good, tmp_path: Path, nodes: int, *split: str) -> list[str]:
                                                           "or --strategy, not both"),
         (4, ("--shares", "2,2", "--layout=" + LAYOUT2, "--reshard-at", "1:" + LAYOUT2),
          "--shares: a data-parallel run does not re-shard its layout (--reshard-at with a layout)"),
+        # a re-shard layout of the run's every rank: the same rule, not a count of the group's ranks
+        (4, ("--shares", "2,2", "--layout=" + LAYOUT2, "--reshard-at",
+             "1:attn=3,3,3,3;mlp=32,32,32,4;vocab=32,5,0,0"),
+         "--shares: a data-parallel run does not re-shard its layout (--reshard-at with a layout)"),
         # a live re-split of the batch: one share per group, >= 0, summing to the batch; only with --shares
         (2, ("--shares", "2,2", "--reshard-at", "3:shares=3,2"), "--reshard-at step 3: shares [3, 2] must be 2 "
                                                                  "integers >= 0 (one per data-parallel group) summing "
