@@ -89,6 +89,12 @@ def handle(args: argparse.Namespace) -> int:
     if not out.resolve().parent.is_dir():
         raise FileNotFoundError(f"--out {args.out}: directory does not exist")
     key = profile_key(args)
+    if args.threads is not None:  # as a node refuses a profile request (node/agent/boxcheck.py)
+        from xronos.node.box.capabilities import usable_cores
+
+        if args.threads > (cores := usable_cores()):
+            raise ValueError(f"--threads {args.threads}: this box has {cores} usable cores (affinity mask and CPU "
+                             "quota); more threads than cores measure the scheduler, not the box")
 
     from xronos.node.measure import allocator
     from xronos.node.measure.profiler import config_for, profile

@@ -58,4 +58,6 @@ def test_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert main(["profile", "--arch", "tiny-gpt2", *ARGS[:-4], "--seq-len", "4096", "--out", out]) == 2
     assert "max_positions" in capsys.readouterr().err
     assert main(["profile", "--arch", "tiny-gpt2", *ARGS, "--out", str(tmp_path / "no" / "p.json")]) == 2
+    assert main(["profile", "--arch", "tiny-gpt2", *ARGS, "--threads", "999", "--out", out]) == 2
+    assert "--threads 999: this box has " in capsys.readouterr().err
     assert not Path(out).exists()
