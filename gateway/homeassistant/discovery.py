@@ -179,7 +179,9 @@ def gateway_discovery(ctx: HAContext, specs: Iterable[str] = (), form: hastate.J
     form_cmps = haform.components(dev, form or hastate.JobForm(), catalogs or {}, state,
                                   ctx.topic(hastate.GATEWAY_SET))
     payload = {
-        "dev": {"identifiers": [dev], "name": f"Xronos gateway {ctx.gateway_id}",
+        # "Xronos gateway", as the docs name it; a gateway of another id says which
+        "dev": {"identifiers": [dev], "name": "Xronos gateway" if ctx.gateway_id == "gateway"
+                else f"Xronos gateway {ctx.gateway_id}",
                 "manufacturer": "Xronos", "model": "Gateway", "sw_version": SW_VERSION},
         "o": ORIGIN,
         **_avail(ctx.gateway_availability),

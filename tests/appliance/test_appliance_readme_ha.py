@@ -75,6 +75,7 @@ def test_the_dashboard_card_shows_the_form_and_the_job():
     assert card["type"] == "vertical-stack" and all(c["type"] == "entities" for c in card["cards"])
     shown = {e for c in card["cards"] for e in c["entities"]}
     _, gw = ha.gateway_discovery(ha.HAContext(), (), CATALOG_FORM, CATALOGS)
+    assert gw["dev"]["name"] == "Xronos gateway"  # as the docs name the device (not "Xronos gateway gateway")
     form = {c["default_entity_id"] for k, c in gw["cmps"].items() if k.startswith("form_")} - {
         "number.xronos_gateway_form_batch_size", "number.xronos_gateway_form_seq_len"}  # defaults do
     assert form <= shown and {"button.xronos_gateway_start_form", "sensor.xronos_gateway_metric_before",
