@@ -41,7 +41,11 @@ def load_columns(path: str | Path, columns: list[str],
     missing, plus `hint(the file's columns)`)."""
     path = Path(path)
     if not path.is_file():
+        if path.exists():
+            raise FileNotFoundError(f"data file {path} is not a file (a CSV, JSON, JSONL or Parquet file)")
         raise FileNotFoundError(f"data file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise ValueError(f"data file {path} is empty")
     builder = _BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise ValueError(f"data file {path}: unsupported extension {path.suffix!r} (csv, json, jsonl, parquet)")
@@ -52,6 +56,8 @@ def load_columns(path: str | Path, columns: list[str],
     try:
         table = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets raises many types for unparsable files
+        if "corresponds to no data" in str(exc):  # a header and no row (datasets' words for it)
+            raise ValueError(f"data file {path} has no rows") from None
         raise ValueError(f"data file {path} could not be read as {builder}: {exc}") from exc
     missing = [c for c in columns if c not in table.column_names]
     if missing:

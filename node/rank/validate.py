@@ -33,6 +33,9 @@ MAX_CONFIG_BYTES = 1024 * 1024  # real configs are a few KiB
 def read_config(model_dir: str | Path) -> dict:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
+        if model_dir.exists():
+            raise FileNotFoundError(f"model dir {model_dir} is not a directory (a Hugging Face model is a "
+                                    "directory: config.json, safetensors, tokenizer)")
         raise FileNotFoundError(f"model dir {model_dir} does not exist")
     path = model_dir / "config.json"
     if not path.is_file():
