@@ -92,7 +92,7 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     n_train, n_eval = source.n_train, source.n_eval
     config.update(source.config_fields())  # the head the job trains: its classes may come from the data
     total = r.total_steps(n_train)
-    if r.warmup_steps > total:  # max_steps alone is checked by the Recipe; epochs need the data's rows
+    if r.warmup_steps > total:  # here, where the run's steps are known (epochs need the data's rows)
         raise ValueError(f"spec.recipe.warmup_steps {r.warmup_steps} is longer than the run: {total} steps "
                          f"({n_train} training rows, batch {r.batch_size}); the learning rate would never reach lr")
     return {"arch": arch_spec(config, r.task), "train_rows": n_train, "eval_rows": n_eval,
