@@ -257,6 +257,13 @@ def format_plan(plan: dict[str, Any]) -> str:
     tp = len(plan["entries"]) // len(shares) if shares else 0
     if shares:  # data parallelism: rows of each global batch per group (rank r in group r // tp)
         lines[0] += f"; {len(shares)} data-parallel groups of TP {tp}, rows per group {shares}"
+    label = lambda o: m.overlap_label(m.Overlap(**o) if o else None)  # noqa: E731
+    if plan.get("overlap"):
+        lines[0] += f"; overlap {label(plan['overlap'])}"
+    if plan.get("trial"):
+        t = plan["trial"]
+        steps = m.OverlapTrial.model_validate(t).steps
+        lines[0] += f"; overlap trial of {', '.join(label(x) for x in t['modes'])} over its first {steps} steps"
     for e in plan["entries"]:
         lines.append(f"  {e['node_id']:<16} {e['rank']:>4} {e['attn']:>4} {e['mlp']:>6} {e['vocab']:>6} "
                      f"{e['predicted_compute_s']:>9.4f} {e['predicted_memory'] / 2**20:>11.1f} "
@@ -287,6 +294,8 @@ def format_state(s: dict[str, Any]) -> str:
         eta = f", ETA {s['eta_s']:.0f} s" if s.get("eta_s") is not None else ""
         clock = f" ({s['clock']} clock)" if s.get("clock") else ""
         lines.append(f"  iteration {s['iteration_s']:.3f} s{eta}{clock}")
+    if s.get("overlap_kept"):
+        lines.append(f"  overlap: {s['overlap_kept']} (the overlap trial's fastest)")
     nodes = sorted(set(s.get("predicted_s", {})) | set(s.get("measured_s", {})))
     if nodes:
         pc, mc = s.get("predicted_comm_s", {}), s.get("measured_comm_s", {})

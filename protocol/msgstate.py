@@ -74,6 +74,9 @@ class JobState(Message):
     comm_mape_pct: Percent | None = None
     eta_s: Eta | None = None
     plan: Plan | None = None
+    # The mode the plan's overlap trial (Plan.trial) kept, which the ranks run from its decision on
+    # (the plan's `overlap` is the mode they started with); None: no trial decided.
+    overlap_kept: OverlapLabel | None = None
     # Live re-balancing: re-shards ordered so far (the plan's counts follow them) and the last
     # decision's reason (a re-plan's, or why the policy kept the plan).
     replans: Count = 0

@@ -295,12 +295,17 @@ def finish_time(now: float, eta_s: float | None) -> str | None:
     return at.replace(second=0, microsecond=0).isoformat()
 
 
-def plan_strategy(plan: Any) -> str | None:
+def plan_strategy(plan: Any, kept: str | None = None) -> str | None:
     """A plan's parallelism in a few words: its strategy, for data parallelism its groups, for
-    tensor parallelism its overlap of the all-reduces with compute."""
+    tensor parallelism its overlap of the all-reduces with compute (`kept`: the mode its overlap
+    trial kept, `JobState.overlap_kept`, which runs instead of the plan's first)."""
     if plan is None:
         return None
     if not plan.shares:
+        if kept is not None:
+            mode = "no overlap" if kept == "off" else "overlap backward" if kept == "bwd" else \
+                f"overlap {kept.removeprefix('c')} chunks"
+            return f"{plan.strategy}, {mode} (measured fastest)"
         o = getattr(plan, "overlap", None)
         if o is None:
             return plan.strategy
@@ -339,7 +344,7 @@ def gateway_state(job: JobState | None, *, nodes_online: int, now: float,
         nodes_online=nodes_online, last_command=state_text(last_command), updated_at=now,
         steps=steps, finish_at=finish, error=state_text(error or job.error), selected_spec=selected_spec,
         replans=job.replans, last_replan=state_text(job.last_replan_reason),
-        strategy=plan_strategy(job.plan), strategy_asked=spec.strategy if spec is not None else None,
+        strategy=plan_strategy(job.plan, job.overlap_kept), strategy_asked=spec.strategy if spec is not None else None,
         eval_initial=_finite(job.eval_initial), export_dir=state_text(job.export_dir),
         export_gguf=gguf if gguf in get_args(hastate.GGUFChoice) else None, form=form,
         **hastate.job_setup(spec),

@@ -91,5 +91,7 @@ def state_view(job: Job) -> m.JobState:
         if job.plan else {},
         peak_rss_bytes=dict(job.peak_rss),
         eta_s=eta, plan=job.plan, replans=job.replans, last_replan_reason=job.last_replan_reason,
+        overlap_kept=job.trial_kept[2] if job.trial_kept is not None and job.trial_kept[0] == job.plan_version
+        else None,
         events=list(job.events), updated_at=job.updated_at, error=job.error,
     )

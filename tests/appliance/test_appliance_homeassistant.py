@@ -264,6 +264,14 @@ def test_gateway_state_names_the_parallelism_chosen():
         assert render(c["value_template"], value_json) == text
         assert json.loads(render(c["json_attributes_template"], value_json)) == {"asked": "auto"}
     assert json.loads(ha.gateway_state(job(), nodes_online=1, now=0.0).model_dump_json())["strategy"] is None
+    # after an overlap trial: the mode it kept, which the ranks run, not the plan's first
+    tried = plan(None, [half, half], Overlap(backward=True, chunks=2))
+    for kept, text in (("bwd", "segment, overlap backward (measured fastest)"),
+                       ("off", "segment, no overlap (measured fastest)"),
+                       ("c4", "segment, overlap 4 chunks (measured fastest)")):
+        state = job(plan=tried).model_copy(update={"overlap_kept": kept})
+        value_json = json.loads(ha.gateway_state(state, nodes_online=2, now=0.0, spec=spec()).model_dump_json())
+        assert render(c["value_template"], value_json) == text
 
 
 def test_commands_parse_and_refuse():

@@ -78,6 +78,13 @@ def test_displays():
     text = format_state(state)
     assert "0.0500" in text and "0.0400" in text and "prediction MAPE: compute 5.0%, comm 25.0%" in text
     assert "step 3/10" in text and "ETA 4 s" in text and "3.0" in text
+    assert "overlap:" not in text
+    assert "  overlap: bwd (the overlap trial's fastest)" in format_state({**state, "overlap_kept": "bwd"})
+    # a plan that overlaps and tries its modes first says so
+    tried = {**plan, "overlap": {"backward": True, "chunks": 2},
+             "trial": {"modes": [{"backward": True, "chunks": 2}, {"backward": True, "chunks": 1},
+                                 {"backward": False, "chunks": 1}], "rounds": 3, "after": 2}}
+    assert "; overlap c2; overlap trial of c2, bwd, off over its first 14 steps" in format_plan(tried)
 
 
 def test_state_shows_peak_memory_per_node():

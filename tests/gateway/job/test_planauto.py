@@ -254,8 +254,11 @@ def test_a_job_that_lets_the_planner_choose_its_overlap_tries_the_modes_and_hear
     assert job.events[-1].endswith(f"overlap trial (wall clock, median iteration): "
                                    f"{', '.join(f'{k} {v:.4f} s' for k, v in seconds.items())}; kept {kept} "
                                    f"(predicted {want:.4f} s) from step 14")
-    # what the job runs from then on is set against the kept mode's prediction
+    # what the job runs from then on is set against the kept mode's prediction, and its state says which
     assert job.plan.predicted_iteration_s == pytest.approx(want)
+    from xronos.gateway.job.progress import state_view
+
+    assert state_view(job).overlap_kept == kept
     n = len(job.events)
     job, _ = J.handle(job, J.Status(status.model_copy(update={"step": 13})), ctx)
     assert len(job.events) == n
