@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 from pathlib import Path
@@ -227,9 +226,10 @@ def config_from_args(args: argparse.Namespace, layout):
                              "export somewhere else")
     if export.exists() and not export.is_dir():
         raise ValueError(f"--export {args.export}: exists and is not a directory")
-    parent = next(d for d in (export, *export.parents) if d.exists())
-    if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
-        raise ValueError(f"--export {args.export}: cannot create it ({parent} is not a writable directory)")
+    from xronos.node.models.stage import writable_problem
+
+    if (why := writable_problem(export)) is not None:  # tried for real: root passes os.access on a read-only mount
+        raise ValueError(f"--export {args.export}: {why}")
     if args.metrics is not None and not Path(args.metrics).resolve().parent.is_dir():
         raise FileNotFoundError(f"--metrics {args.metrics}: directory does not exist")
     fields = flagtable.collect(args, flagtable.RUN)

@@ -76,6 +76,11 @@ def inspect_job(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     r = confined_spec(spec, allowed, reserved).recipe
     if not Path(r.data_path).is_file():
         raise FileNotFoundError(f"spec.recipe.data_path {spec.recipe.data_path!r}: no such file on the owner")
+    from xronos.node.models.stage import writable_problem
+
+    if (why := writable_problem(r.export_dir)) is not None:  # now, not after the training
+        raise ValueError(f"spec.recipe.export_dir {spec.recipe.export_dir!r}: {why} (the service writes only its "
+                         "state directory and its unit's ReadWritePaths=)")
     config = read_config(r.model_dir)
     family = family_for(config)
     if r.export_gguf is not None:  # refused here, before any training, naming the family

@@ -182,3 +182,23 @@ def remove_entries(out_dir: str | Path, names: list[str]) -> list[str]:
     finally:
         os.close(dfd)
     return removed
+
+
+def writable_problem(out_dir: str | Path) -> str | None:
+    """Why an export into `out_dir` could not be written (None: it can): tried for real, a file
+    created and removed in the directory or, when it does not exist yet, in its nearest existing
+    parent (where it will be made). `os.access` is not enough: root passes it on a read-only mount,
+    and a systemd unit's `ReadWritePaths=` is a mount the service sees read-only. Said before
+    training, not after it, when the trained weights would be lost."""
+    import tempfile
+
+    out = Path(out_dir)
+    where = next((d for d in (out, *out.parents) if d.exists()), None)
+    if where is None or not where.is_dir():
+        return f"{where} is not a directory" if where is not None else "no existing parent"
+    try:
+        with tempfile.TemporaryFile(dir=where, prefix=STAGE_PREFIX):
+            pass
+    except OSError as exc:
+        return f"cannot write in {where}: {exc.strerror or exc}"
+    return None
