@@ -131,10 +131,16 @@ def decide_labels(values: list, n_train: int, config: dict[str, Any], head: bool
         return f"data file {path}: column {column!r} row {row}"
 
     first_name = first_int = None
+    # A CSV column mixing ids and names is read as text throughout ("1" beside "pos"): there an id
+    # written as text counts as an id, so that the mix is refused as it is in a JSON file.
+    texts = [isinstance(v, str) and v.strip().lstrip("-").isdigit() for v in values]
+    mixed = any(texts) and any(isinstance(v, str) and not t for v, t in zip(values, texts))
     for row, v in enumerate(values):
         if v is None:
             raise ValueError(f"{where(row)} has no label")
-        if isinstance(v, str):
+        if mixed and texts[row]:
+            first_int = row if first_int is None else first_int
+        elif isinstance(v, str):
             if not v.strip():
                 raise ValueError(f"{where(row)} has an empty label")
             if len(v) > MAX_LABEL_CHARS:

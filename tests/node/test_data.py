@@ -198,6 +198,11 @@ def test_bad_label_columns_are_named() -> None:
     with pytest.raises(ValueError, match=r"row 2: the column mixes label names \('a', row 0\) and integer ids "
                                          r"\(1, row 2\)"):
         decide_labels(["a", "b", 1], 3, HEADLESS, False, "f.csv", "y")
+    # a CSV reads such a column as text throughout: an id written as text is still an id beside names
+    with pytest.raises(ValueError, match=r"row 1: the column mixes label names \('pos', row 1\) and integer ids "
+                                         r"\('1', row 0\)"):
+        decide_labels(["1", "pos", "0"], 3, HEADLESS, False, "f.csv", "y")
+    assert decide_labels(["0", "1"], 2, HEADLESS, False, "f.csv", "y").names == ("0", "1")  # no name: as before
     with pytest.raises(ValueError, match=r"has 1 distinct label\(s\) \['a'\] in its training rows; classification "
                                          r"needs at least 2"):
         decide_labels(["a", "a"], 2, HEADLESS, False, "f.csv", "y")
