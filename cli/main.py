@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # Only subcommands that exist are listed here; a later feature adds its module name.
@@ -131,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`xronos plan --json | head`): no traceback, and none at exit either
+        # when Python flushes stdout (it is pointed at /dev/null for that).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a process killed by SIGPIPE
     except (ValueError, TypeError, FileNotFoundError) as exc:
         # Bad input: one clear line naming the problem, no traceback.
         print(f"xronos {args.command}: error: {exc}", file=sys.stderr)

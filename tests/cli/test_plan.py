@@ -215,3 +215,17 @@ def test_auto_prints_the_candidates_side_by_side_and_why_the_winner_won(tmp_path
     err = capsys.readouterr().err
     assert "data parallelism does not fit: every node holds a whole replica; s0 needs" in err
     assert "cap 512 MiB (over); s1 needs" in err
+
+
+def test_a_reader_that_goes_away_is_no_traceback(three):
+    """`xronos plan ... | head -1`: the pipe closes early; the command ends quietly with 141 (as a
+    shell reports SIGPIPE), not with a BrokenPipeError traceback (a real process, a real pipe)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "xronos.cli.main", "plan", *three], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader goes away before the plan is printed (the command imports for ~1 s)
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err
+    assert proc.returncode == 141
