@@ -217,11 +217,13 @@ def config_from_args(args: argparse.Namespace, layout):
     from xronos.node.runconfig import RunConfig
 
     export = Path(args.export).resolve()
+    from xronos.common.paths import overlaps
+
     for flag, what in (("--model", "the input model directory"), ("--data", "the data")):
         src = Path(getattr(args, flag[2:])).resolve()
-        # as a job's (node/agent/jobcheck.confined_spec): an export replaces, and removes an earlier
+        # as a job's (jobcheck.confined_spec): an export replaces, and removes an earlier
         # export's files (exportfiles.py), so it may neither be, contain nor lie inside what it reads
-        if export == src or export.is_relative_to(src) or src.is_relative_to(export):
+        if overlaps(export, src):
             raise ValueError(f"--export {args.export} would overwrite {what} ({flag} {getattr(args, flag[2:])}): "
                              "export somewhere else")
     if export.exists() and not export.is_dir():

@@ -33,3 +33,9 @@ def confine_path(path: str | os.PathLike[str], allowed_dirs: Iterable[str | os.P
             return resolved
     via = "" if str(resolved) == raw else f" (resolves to {resolved})"
     raise ValueError(f"{what} {raw!r}{via} is outside the allowed directories: {shown}")
+
+
+def overlaps(a: Path, b: Path) -> bool:
+    """Whether one of two resolved paths is, contains or lies inside the other (an export may not
+    overlap what it reads: `xronos run` and a job's inspection alike)."""
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)

@@ -16,13 +16,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from xronos.common.paths import confine_path
+from xronos.common.paths import confine_path, overlaps
 from xronos.protocol.layout import KINDS, NOUN, QUANTA, Layout, LayoutError
 from xronos.protocol.messages import Assignment, JobReshard, JobSpec
-
-
-def _overlap(a: Path, b: Path) -> bool:
-    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
 
 
 def _confine_symlinks(model_dir: Path, allowed: list) -> None:
@@ -53,12 +49,12 @@ def confined_spec(spec: JobSpec, allowed_dirs: Iterable[str | Path],
     _confine_symlinks(Path(out["model_dir"]), allowed)
     export = Path(out["export_dir"])
     for field in ("model_dir", "data_path"):
-        if _overlap(export, Path(out[field])):
+        if overlaps(export, Path(out[field])):
             raise ValueError(f"spec.recipe.export_dir {spec.recipe.export_dir!r} (resolves to {export}) would "
                              f"overwrite spec.recipe.{field} {out[field]}: export somewhere else")
     for d in reserved:
         root = Path(d).resolve()
-        if _overlap(export, root):
+        if overlaps(export, root):
             raise ValueError(f"spec.recipe.export_dir {spec.recipe.export_dir!r} (resolves to {export}) overlaps {root}, "
                              "where this node keeps its jobs' checkpoints and profiles: export somewhere else")
     return spec.model_copy(update={"recipe": spec.recipe.model_copy(update=out)})
