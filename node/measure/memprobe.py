@@ -34,6 +34,7 @@ Three instruments, all measured on the real tensors of a real fine-tuning iterat
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -44,6 +45,11 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from xronos.node.measure import allocator, memwatch
+
+# Kineto writes a "USDT: ... profiler_start/stop" line to stderr around every window it traces:
+# noise in `xronos profile`'s output and a node's journal. It reads the level when the profiler
+# first starts, so setting it here (before any AllocTrace) is enough; a user's own setting wins.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 REST = "blk.rest"  # the replicated remainder of a block
 

@@ -61,3 +61,16 @@ def test_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert main(["profile", "--arch", "tiny-gpt2", *ARGS, "--threads", "999", "--out", out]) == 2
     assert "--threads 999: this box has " in capsys.readouterr().err
     assert not Path(out).exists()
+
+
+def test_no_profiler_lines_on_stderr(tmp_path: Path) -> None:
+    """Kineto writes "USDT: ... profiler_start" straight to the process's stderr (capsys does not
+    see it), so the command runs as a user runs it, in its own process."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "xronos.cli", "profile", "--arch", "tiny-gpt2", *ARGS,
+                           "--out", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "blk.attn" in proc.stderr and "USDT" not in proc.stderr and "profiler_st" not in proc.stderr
