@@ -215,7 +215,20 @@ def run_cell(name: str, cell: dict, iters: int, warmup: int, work: Path, modes: 
     for mode in modes[1:]:
         res[mode]["ratio"] = res[mode]["median_s"] / res[modes[0]]["median_s"]
     res["layout"] = json.loads((work / "rank0.json").read_text())["layout"]
+    if (extra or {}).get("clock") != "wall":
+        res["call_cpu_ms"] = call_cpu([json.loads((work / f"rank{r}.json").read_text()) for r in range(len(procs))])
     return res
+
+
+def call_cpu(rank_docs: list[dict]) -> list[dict]:
+    """Per rank, the host CPU (ms) the virtual clock charged at the run's end: a blocking
+    all-reduce (its window minimum, by size) and a launched one (its window median, by size). A
+    box pays these at its speed (ms / host cores): where a launched call's comes near the link's
+    time, chunking has nothing left to hide."""
+    def ms(d: dict) -> dict:
+        return {k: round(v * 1e3, 3) for k, v in d.items() if k.startswith("all_reduce")}
+
+    return [{"blocking": ms(doc["calls_cpu_s"]), "launched": ms(doc["flights_cpu_s"])} for doc in rank_docs]
 
 
 def iteration_of(rows: list[dict], wall: bool) -> float:
@@ -262,6 +275,17 @@ def markdown(results: list[dict], load: str, argv: list[str], seconds: float, st
                          f"{m['median_s']:.4f} "
                          f"(min {m['min_s']:.4f}, max {m['max_s']:.4f}) | {ratio} | {m['compute_s']:.4f} | "
                          f"{m['exposed_comm_share']:.0%} | {m['wall_median_s']:.3f} | {m['n']} |")
+    cpu = [r for r in results if r.get("call_cpu_ms")]
+    if cpu:
+        lines += ["", "Host CPU the clock charged an all-reduce at the run's end, per rank (ms of a host core; a "
+                  "box pays it at its speed, ms / host cores): blocking (window minimum) | launched beside "
+                  "compute (window median), by the call's bytes:", "",
+                  "| cell | run | rank (host cores) | blocking | launched |", "|---|---|---|---|---|"]
+        for r in cpu:
+            for rank, (c, speed) in enumerate(zip(r["call_cpu_ms"], r["speeds"])):
+                blk, fly = (", ".join(f"{k.split()[-2]} B {v:g}" for k, v in c[x].items()) or "-"
+                            for x in ("blocking", "launched"))
+                lines.append(f"| {r['cell']} | {r.get('repeat', 1)} | {rank} ({speed:g}) | {blk} | {fly} |")
     cells = list(dict.fromkeys(r["cell"] for r in results))
     if max(r.get("repeat", 1) for r in results) > 1:
         lines += ["", "Ratios to `off` over the repeats (mean, and (max - min) / mean):", "",
