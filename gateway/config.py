@@ -43,7 +43,7 @@ class GatewayConfig(BaseModel):
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
     base_topic: TopicPrefix = "xronos"
     state_dir: AbsPath = Path("/var/lib/xronos-gateway")
-    reserve_mb: Annotated[int, Field(ge=0)] = 512  # default JobSpec.reserve_mb for submitted jobs
+    reserve_mb: Annotated[int, Field(ge=0)] = 512  # a submitted job's reserve_mb when it sets none (JobSpec)
     # The LAN the data plane runs on, for the planner's communication estimate.
     bandwidth_mbps: PosFloat = 1000.0
     latency_ms: Annotated[float, Field(ge=0)] = 0.5

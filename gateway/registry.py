@@ -15,7 +15,6 @@ from typing import Any
 
 from xronos.protocol import messages as m
 
-MiB = 1024 * 1024
 MAX_KNOWN = 256
 
 
@@ -80,14 +79,6 @@ def capabilities(reg: Registry) -> dict[str, m.Capabilities]:
 
 def usable(reg: Registry) -> frozenset[str]:
     return frozenset(n for n, info in reg.items() if info.usable)
-
-
-def memory_cap(reg: Registry, node_id: str, reserve_mb: int) -> float:
-    """Bytes a plan may use on the node: what it reports available minus the job's reserve."""
-    caps = reg[node_id].capabilities
-    if caps is None:
-        raise ValueError(f"node {node_id!r} has not announced its capabilities")
-    return max(float(caps.memory_available) - reserve_mb * MiB, 0.0)
 
 
 _LISTED = ("hostname", "arch", "cpu_model", "cores", "memory_total", "memory_available", "torch_version",

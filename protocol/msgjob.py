@@ -177,7 +177,10 @@ class JobSpec(Message):
     strategy: JobStrategy = "auto"
     checkpoint_interval: Steps = 100
     nodes: Annotated[list[Id], Field(min_length=1, max_length=MAX_NODES)] | None = None
-    reserve_mb: Megabytes = 512
+    # Memory (MiB) each node keeps for its day job; None: the gateway's reserve_mb (gateway.toml,
+    # 512 by default), filled in when the job is submitted. A node's own reserve_mb (node.toml,
+    # `Capabilities.reserve_bytes`) is kept whatever this says: the planner takes the larger.
+    reserve_mb: Megabytes | None = None
     # Live re-balancing (issue 14): the gateway re-plans from the ranks' measured per-kind compute
     # and re-shards the running job at an iteration boundary when the predicted gain repays the move.
     # On by default: a job runs on boxes whose other work changes their speed, the case it is for.

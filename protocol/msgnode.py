@@ -54,6 +54,9 @@ class Capabilities(Message):
     data_host: Host
     participate: bool = True
     cpu_temp_c: Temperature | None = None
+    # What the node keeps for its device's day job (node.toml's reserve_mb): no plan goes into it,
+    # whatever a job's own reserve_mb (the planner takes the larger of the two).
+    reserve_bytes: Bytes = 0
     sent_at: Timestamp
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from xronos.gateway.plan.auto import candidates_data, choice_message, choice_note, choose_reports, with_trial
 from xronos.gateway.plan.compatible import Loaded, job_settings
+from xronos.gateway.plan.profiles import DEFAULT_RESERVE_MB
 from xronos.protocol import messages as m
 from xronos.protocol.layout import KINDS, NOUN
 
@@ -29,7 +30,9 @@ def plan_job(job: Job, nodes: tuple[str, ...], version: int, ctx: Ctx) -> Planne
             report = report.model_copy(update={"capabilities": caps})
         loaded.append(Loaded(source=f"node {node}", report=report))
     recipe = job.spec.recipe
-    choice = choose_reports(loaded, job.spec.strategy, reserve_mb=job.spec.reserve_mb,
+    # None only in a job made outside the gateway's submit, which fills in gateway.toml's
+    reserve = job.spec.reserve_mb if job.spec.reserve_mb is not None else DEFAULT_RESERVE_MB
+    choice = choose_reports(loaded, job.spec.strategy, reserve_mb=reserve,
                             bandwidth_Bps=ctx.net.bandwidth_Bps, latency_s=ctx.net.latency_s,
                             batch_size=recipe.batch_size, seq_len=recipe.seq_len, task=recipe.task,
                             settings=job_settings(job.spec), batch=recipe.batch_size,

@@ -283,10 +283,12 @@ def collective_cost(report: ProfileReport) -> NodeComm | None:
 
 
 def memory_cap(report: ProfileReport, reserve_mb: float = DEFAULT_RESERVE_MB) -> float:
-    """Bytes the job may use on this node: available memory minus the day job's reserve."""
+    """Bytes the job may use on this node: available memory minus the day job's reserve, the
+    job's `reserve_mb` or the node's own (`Capabilities.reserve_bytes`), whichever is larger."""
     if not (reserve_mb >= 0 and math.isfinite(reserve_mb)):
         raise ValueError(f"reserve_mb must be finite and >= 0, got {reserve_mb}")
-    return max(0.0, float(report.capabilities.memory_available) - reserve_mb * MiB)
+    caps = report.capabilities
+    return max(0.0, float(caps.memory_available) - max(reserve_mb * MiB, float(caps.reserve_bytes)))
 
 
 @dataclass(frozen=True)
@@ -349,11 +351,14 @@ def cost_inputs(
 def reserve_note(exc: InfeasiblePlan, loaded: Sequence[Loaded], caps: Sequence[float],
                  reserve_mb: float) -> InfeasiblePlan:
     """`exc` with a word on the reserve: the caps are net of the day job's, or "cap 0.0 MiB" reads as a bug."""
-    if reserve_mb <= 0:
+    own = [(item.report.node_id, item.report.capabilities.reserve_bytes / MiB) for item in loaded
+           if item.report.capabilities.reserve_bytes > reserve_mb * MiB]
+    if reserve_mb <= 0 and not own:
         return exc
     gone = [f"{item.report.node_id} ({item.report.capabilities.memory_available / MiB:,.0f} MiB available)"
             for item, cap in zip(loaded, caps) if cap <= 0]
-    return type(exc)(f"{exc}\neach cap is the node's available memory minus reserve_mb {reserve_mb:,.0f} MiB"
+    nodes = "".join(f"; {n} keeps {mb:,.0f} MiB of its own (node.toml reserve_mb)" for n, mb in own)
+    return type(exc)(f"{exc}\neach cap is the node's available memory minus reserve_mb {reserve_mb:,.0f} MiB{nodes}"
                      + (f"; the reserve takes all of it on {', '.join(gone)}" if gone else ""))
 
 

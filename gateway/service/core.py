@@ -205,6 +205,8 @@ class GatewayService:
     def submit(self, spec: m.JobSpec, transaction: str | None, respond_to: RespondTo = "job/submit") -> J.Job:
         self._room_for_one_more()
         job_id = ("preview-" if respond_to == "plan/preview" else "") + self._new_id(spec.name)
+        if spec.reserve_mb is None:  # the job leaves it to the gateway (gateway.toml's reserve_mb)
+            spec = spec.model_copy(update={"reserve_mb": self.cfg.reserve_mb})
         job, effects = J.new_job(job_id, spec, transaction, self._ctx(job_id), respond_to=respond_to)
         self._run(job_id, (job, effects))
         return J.finished(job)

@@ -42,11 +42,12 @@ class HomeAssistant(Component):
     def register(self, dispatcher: Dispatcher) -> None:
         self.bridge.register(dispatcher)
 
-    def connected(self) -> None:
-        self.bridge.publish_discovery()
-
     def reconnected(self, now: float) -> None:
-        """A broker restarted without persistence has forgotten the gateway's state: publish it again."""
+        """A broker restarted without persistence has forgotten the discovery and the gateway's
+        state: both go out again. Here in the control loop, not in the connect hook (the bus's
+        network thread), because discovery walks the catalogs and the gateway's config entities,
+        which the control loop changes."""
+        self.bridge.publish_discovery()
         self.bridge.forget_published()
 
     def tick(self, now: float) -> None:

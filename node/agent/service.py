@@ -123,7 +123,7 @@ class NodeService:
     def _capabilities(self) -> m.Capabilities:
         from xronos.node.box.capabilities import probe
 
-        return probe(self.node_id, self.data_host, self.participate)
+        return probe(self.node_id, self.data_host, self.participate, self.cfg.reserve_mb)
 
     def _publish_caps(self) -> None:
         self._caps_at = time.monotonic()
@@ -251,46 +251,49 @@ class NodeService:
         if cur is not None and cur.job_id == a.job_id and cur.plan_version > a.plan_version:
             raise ValueError(f"assignment v{a.plan_version} of {a.job_id} is older than v{cur.plan_version}")
         busy = self.child is not None and cur is not None and cur.job_id != a.job_id
-        reason = f"busy with job {cur.job_id}" if busy and cur else self._check(a)
+        reason, spec = (f"busy with job {cur.job_id}", None) if busy and cur else self._check(a)
         if reason is None:
             if self.child is not None:  # the same job re-planned: the old rank makes way
                 self._leaving.append(self.child)
                 self.child.stop()
                 self.child = None
-            self.assignment = a
+            # the spec the rank is built from: only an accepted assignment's (a refused one's
+            # would otherwise stand beside the assignment still held)
+            self.assignment, self.spec = a, spec
             self._set_status("accepted", job=a, step=a.resume_step)
         log.info("assignment", job=a.job_id, version=a.plan_version, rank=a.rank, accepted=reason is None,
                  reason=reason)
         self._ack(a, reason)
 
-    def _check(self, a: m.Assignment) -> str | None:
-        """Why this node cannot take the assignment, or None."""
+    def _check(self, a: m.Assignment) -> tuple[str | None, m.JobSpec | None]:
+        """(why this node cannot take the assignment, None) or (None, the spec its rank runs:
+        the owner's with its paths confined to the allowed directories)."""
         if not self.participate:
-            return "participation is switched off"
+            return "participation is switched off", None
         if a.rank == 0 and a.spec.owner != self.node_id:
-            return f"rank 0 must be the owner {a.spec.owner!r}"
+            return f"rank 0 must be the owner {a.spec.owner!r}", None
         if a.rank != 0 and a.spec.owner == self.node_id:
-            return "the owner must be rank 0"
+            return "the owner must be rank 0", None
         try:
             job_dir(self.state_dir, a.job_id)
         except ValueError as exc:
-            return str(exc)
+            return str(exc), None
+        spec = a.spec
         if a.rank == 0:
             from xronos.node.agent.jobcheck import confined_spec
 
             try:
-                self.spec = confined_spec(a.spec, self.cfg.allowed_dirs, reserved=self._reserved_dirs())
+                spec = confined_spec(a.spec, self.cfg.allowed_dirs, reserved=self._reserved_dirs())
             except ValueError as exc:
-                return str(exc)
+                return str(exc), None
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind(("", a.rendezvous_port))
                 except OSError as exc:
-                    return f"rendezvous port {a.rendezvous_port} is not free: {exc.strerror}"
-        else:
-            self.spec = a.spec
+                    return f"rendezvous port {a.rendezvous_port} is not free: {exc.strerror}", None
         # the layout, then the rank's size: refused before any rank starts
-        return assignment_problem(a, self.spec) or self._assignment_bounds(a, self.spec)
+        reason = assignment_problem(a, spec) or self._assignment_bounds(a, spec)
+        return reason, None if reason else spec
 
     def _on_control(self, c: Any, _params: dict[str, str]) -> None:
         a = self.assignment

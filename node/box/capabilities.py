@@ -183,7 +183,8 @@ def torch_version() -> str | None:
         return None
 
 
-def probe(node_id: str, data_host: str, participate: bool = True) -> Capabilities:
+def probe(node_id: str, data_host: str, participate: bool = True, reserve_mb: int = 0) -> Capabilities:
+    """This box now; `reserve_mb`: what the node keeps for the device's day job (node.toml)."""
     total, available = memory()
     return Capabilities(
         node_id=node_id,
@@ -197,6 +198,7 @@ def probe(node_id: str, data_host: str, participate: bool = True) -> Capabilitie
         data_host=data_host,
         participate=participate,
         cpu_temp_c=cpu_temperature(),
+        reserve_bytes=reserve_mb * 2**20,
         sent_at=time.time(),
     )
 

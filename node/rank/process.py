@@ -11,6 +11,7 @@ nothing behind and returns all of its memory; `stop()` does that on a thread of 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -42,7 +43,12 @@ class RankProcess:
         """Start the rank with `config`, boxed by `limits`."""
         workdir.mkdir(parents=True, exist_ok=True)
         cfg_path = workdir / "rank.json"
-        cfg_path.write_text(config.model_dump_json(indent=1))
+        # It holds the job's group key (`RunConfig.group_key`): readable by this user alone, whatever
+        # the umask (a node run by hand has 022; the unit's UMask=0027 still lets the group read).
+        cfg_path.unlink(missing_ok=True)  # a file left by an earlier version of this rank keeps its mode
+        fd = os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(config.model_dump_json(indent=1))
         self.log_path = workdir / "rank.log"
         self.process = ChildProcess("xronos.node.rank.jobrank", str(cfg_path), env=env, name=f"rank-{config.job_id}",
                                     limits=limits, events=True, orders=True, log=self.log_path)

@@ -17,3 +17,16 @@ def test_no_gateway_module_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parent)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_pure_cores_import_no_transport():
+    """The planner, the cost models and the job state machine are pure logic (ARCHITECTURE.md):
+    tested without a broker, so their import closure holds no MQTT client, socket server or torch."""
+    pure = ["xronos.gateway.plan.planner", "xronos.gateway.plan.costmodel", "xronos.gateway.plan.overlapcost",
+            "xronos.gateway.plan.rebalance", "xronos.gateway.job.machine"]
+    code = "; ".join(f"import {m}" for m in pure)
+    code += ("; import sys; print(sorted({m.split('.')[0] for m in sys.modules} & "
+             "{'torch', 'transformers', 'datasets', 'paho', 'amqtt', 'socketserver', 'structlog'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent)
+    assert out.stdout.strip() == "[]", out.stdout

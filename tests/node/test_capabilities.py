@@ -91,6 +91,7 @@ def test_probe_real_machine() -> None:
     assert again == caps
     fp = cap.fingerprint(caps, threads=1)
     assert caps.cpu_model in fp and "threads=1" in fp
+    assert caps.reserve_bytes == 0 and cap.probe("n1", "10.0.0.5", reserve_mb=512).reserve_bytes == 512 << 20
 
 
 def test_a_process_pinned_to_fewer_cpus_is_another_node() -> None:

@@ -33,9 +33,9 @@ SPEC = m.JobSpec(name="Glue Test", owner="a",
 class Harness:
     # offline_grace_s 0: a node's "offline" reaches its jobs at once (the grace has its own tests below).
     def __init__(self, tmp: Path, broker: FakeBroker | None = None, offline_grace_s: float = 0.0,
-                 reconnect_max_s: int = 30):
+                 reconnect_max_s: int = 30, **cfg):
         self.broker = broker or FakeBroker()
-        self.cfg = GatewayConfig(state_dir=tmp / "gw", homeassistant={"enabled": True},
+        self.cfg = GatewayConfig(state_dir=tmp / "gw", homeassistant={"enabled": True}, **cfg,
                                  rendezvous_port_min=40000, rendezvous_port_max=40009,
                                  offline_grace_s=offline_grace_s,
                                  broker={"reconnect_max_s": reconnect_max_s, "keepalive": 1})
@@ -181,6 +181,44 @@ def test_infeasible_plan_refused(tmp_path):
     h.pump()
     (_, resp), = h.responses("job/submit")
     assert resp.status == "error" and resp.error.startswith("plan cannot fit"), resp
+
+
+def _profiled(h: Harness, spec: m.JobSpec) -> tuple[m.InspectRequest, m.Response]:
+    """`spec` submitted, inspected by its owner "a" and profiled by every node: the inspection
+    request and the answer."""
+    h.client.publish("xronos/gateway/request/job/submit",
+                     json.dumps({"transaction": "r", "spec": spec.model_dump(mode="json")}).encode())
+    h.pump()
+    (_, insp), = h.seen("node.inspect_request")
+    h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=True, arch=ARCH,
+                                train_rows=40, eval_rows=4, total_steps=10), "a")
+    h.pump()
+    for params, req in h.seen("node.profile_request"):
+        h.node_says(report(params["node_id"], req.request_id, req.job_id), params["node_id"])
+    h.pump()
+    (_, resp), = h.responses("job/submit")
+    return insp, resp
+
+
+def test_a_job_without_reserve_takes_the_gateways(tmp_path):
+    """gateway.toml's reserve_mb is what a job that names none keeps free on each node (8 GiB here)."""
+    h = Harness(tmp_path, reserve_mb=8192)
+    announce(h)
+    insp, resp = _profiled(h, SPEC.model_copy(update={"reserve_mb": None}))
+    assert insp.spec.reserve_mb == 8192  # filled in at the submit, before any node sees the job
+    assert resp.status == "error" and "minus reserve_mb 8,192 MiB" in resp.error, resp
+
+
+def test_a_nodes_own_reserve_is_planned_around(tmp_path):
+    """A node's node.toml reserve_mb (Capabilities.reserve_bytes) holds against a job asking for none."""
+    h = Harness(tmp_path)
+    for n in NODES:
+        h.client.publish(T.build("node.availability", node_id=n), "online", retain=True)
+        h.node_says(CAPS.model_copy(update={"node_id": n, "memory_available": 8 << 30, "reserve_bytes": 8 << 30}), n)
+    h.pump()
+    insp, resp = _profiled(h, SPEC)  # reserve_mb 0
+    assert insp.spec.reserve_mb == 0
+    assert resp.status == "error" and "a keeps 8,192 MiB of its own (node.toml reserve_mb)" in resp.error, resp
 
 
 def _running(h: Harness) -> tuple[str, list[m.Assignment]]:

@@ -16,6 +16,7 @@ the held-out tail excluded).
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -63,6 +64,8 @@ def test_a_data_parallel_job_pauses_re_splits_live_checkpoints_and_resumes_on_a_
     spec = job_spec(model, data, tmp_path / "export", max_steps=20, checkpoint_interval=10)
     procs = start(tmp_path, spec, Layout.single(model_sizes(str(model))), (1, 0, 3))
     seen: list[list] = [[] for _ in procs]
+    # the rank's config holds the job's group key: its user's alone, whatever the umask
+    assert all(os.stat(tmp_path / f"v1-rank{r}" / "rank.json").st_mode & 0o777 == 0o600 for r in range(len(procs)))
 
     def pump(until, timeout=180.0):
         deadline = time.monotonic() + timeout

@@ -143,3 +143,27 @@ def test_a_cancel_does_not_hold_the_control_loop(node, tmp_path):
     assert rank.poll() is not None  # and gone after it, killed with its process group
     with pytest.raises(ProcessLookupError):
         os.killpg(rank.pid, 0)
+
+
+def test_a_refused_assignment_leaves_the_accepted_ones_spec(node, tmp_path):
+    """The rank is built from the spec of the assignment the node holds: a newer version it refuses
+    (here its layout does not fit the model's shape) changes neither."""
+    svc, client = node
+    spec = m.JobSpec(name="t", owner="other",
+                     recipe=m.Recipe(model_dir=str(tmp_path / "m"), data_path=str(tmp_path / "d.csv"),
+                                     task="classify", batch_size=2, seq_len=16, lr=1e-4, max_steps=2,
+                                     export_dir=str(tmp_path / "o")))
+    a = m.Assignment(job_id="j", plan_version=1, node_id="n0", rank=1, world_size=2, rendezvous_host="127.0.0.1",
+                     rendezvous_port=free_port(), group_key="ab" * 32,
+                     layout=Layout(attn=(6, 6), mlp=(64, 36), vocab=(32, 5)), spec=spec)
+    svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(a))
+    (ack,) = replies(svc, client, "node.ack")
+    assert ack.accepted, ack.reason
+    other = spec.model_copy(update={"recipe": spec.recipe.model_copy(update={"lr": 0.5})})
+    # an MLP cut off its quantum: refused after the spec was looked at
+    bad = a.model_copy(update={"plan_version": 2, "spec": other,
+                               "layout": Layout(attn=(6, 6), mlp=(63, 37), vocab=(32, 5))})
+    svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(bad))
+    (ack,) = replies(svc, client, "node.ack")
+    assert not ack.accepted and "not a multiple of the" in ack.reason, ack.reason
+    assert svc.assignment == a and svc.spec == spec

@@ -34,16 +34,8 @@ def test_registry_tracks_availability_capabilities_and_participation():
     reg, change = R.on_availability(reg, "a", False, 5.0)
     assert change == "down"
     assert R.on_availability({}, "z", False, 1.0)[1] == "down"  # first word about a node
-    assert R.memory_cap(R.on_capabilities(reg, CAPS, 6), "a", 1024) == (4 << 30) - (1024 << 20)
-    assert R.memory_cap(R.on_capabilities(reg, CAPS, 6), "a", 10**6) == 0.0
     row = R.listing(reg)[0]
     assert row["node_id"] == "a" and row["online"] is False and row["cores"] == 2
-
-
-def test_memory_cap_needs_capabilities():
-    reg, _ = R.on_availability({}, "b", True, 1.0)
-    with pytest.raises(ValueError, match="'b' has not announced"):
-        R.memory_cap(reg, "b", 0)
 
 
 def test_registry_is_bounded():

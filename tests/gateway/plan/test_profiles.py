@@ -73,6 +73,15 @@ def test_memory_cap_is_available_minus_reserve():
         memory_cap(r, -1)
 
 
+def test_a_nodes_own_reserve_is_kept_whatever_the_jobs():
+    """node.toml's reserve_mb travels as Capabilities.reserve_bytes: the larger reserve wins."""
+    r = synthetic_report("n0", memory_available=1000 * MiB)
+    r = r.model_copy(update={"capabilities": r.capabilities.model_copy(update={"reserve_bytes": 300 * MiB})})
+    assert memory_cap(r, 200) == 700 * MiB  # the node's 300 over the job's 200
+    assert memory_cap(r, 400) == 600 * MiB
+    assert memory_cap(r, 0) == 700 * MiB
+
+
 @pytest.mark.parametrize("edits, field", [
     ({"schema_version": 3}, "field schema_version: unknown schema version 3"),
     ({"layers__1__time_s": math.nan}, "field layers[1].time_s"),
