@@ -330,6 +330,8 @@ def _launch(args: argparse.Namespace, layout, wrap, planned=None) -> int:
             report_run(*planned, cfg.metrics_path, keep=args.metrics is not None)
     print(f"xronos run: exported to {cfg.recipe.export_dir}", file=sys.stderr)
     r = cfg.recipe
-    for line in using_lines(r.export_dir, r.task, lora=r.lora is not None, gguf=r.export_gguf, merged=r.export_merged):
+    labels = list(pre.labels.names) if pre.labels is not None else None
+    for line in using_lines(r.export_dir, r.task, lora=r.lora is not None, gguf=r.export_gguf, merged=r.export_merged,
+                            labels=labels):
         print(f"xronos run: {line}", file=sys.stderr)
     return 0

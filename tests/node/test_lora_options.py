@@ -167,3 +167,39 @@ def test_xronos_run_with_lora_exports_a_peft_adapter_and_the_merged_model(tmp_pa
         merged = AutoModelForCausalLM.from_pretrained(str(out / "merged")).eval()(ids).logits
     assert float((adapted - merged).abs().max()) <= 1e-5 * float(adapted.abs().max())
     assert float((adapted - before).abs().max()) > 1e-3  # the adapters were trained
+
+
+def test_the_printed_line_loads_a_lora_classifier_of_three_named_labels(tmp_path: Path, capsys) -> None:
+    """A base without a head (as MiniLM's: config.json says 2 labels) fine-tuned with LoRA on three
+    named labels: the line `xronos run` prints loads the adapter with the job's head and labels,
+    and it computes what the merged export computes."""
+    import shutil
+
+    import torch
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    src = runkit.make_model(tmp_path / "src", "bert", "classify")
+    base = tmp_path / "base"
+    AutoModel.from_pretrained(str(src)).save_pretrained(str(base))  # the encoder alone, no head
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab")):
+            shutil.copy(f, base / f.name)
+    assert "num_labels" not in json.loads((base / "config.json").read_text())
+    rows = [{"text": t, "label": "abc"[i % 3]} for i, t in enumerate(runkit.texts(12))]
+    data = runkit.write_rows(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["run", "--model", str(base), "--data", str(data), "--task", "classify", "--nodes", "2", "--units", "4,8",
+                 "--batch-size", "4", "--seq-len", "16", "--lr", "1e-2", "--max-steps", "3", "--seed", "0",
+                 "--export", str(out), "--lora-r", "4", "--export-merged"]) == 0
+    line, = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("xronos run: load it: ")]
+    assert "id2label={0: 'a', 1: 'b', 2: 'c'}" in line
+    scope: dict = {}
+    exec(line.removeprefix("xronos run: load it: "), scope)  # the user's line, as printed
+    model = scope["model"].eval()
+    merged = AutoModelForSequenceClassification.from_pretrained(str(out / "merged")).eval()
+    assert model.config.id2label == merged.config.id2label == {0: "a", 1: "b", 2: "c"}
+    ids = torch.randint(5, 30, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert a.shape == (2, 3) and float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
