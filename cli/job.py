@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from xronos.cli.mqttclient import (GatewayClient, add_broker_options, broker_from_args, dump, format_candidates,
                                    format_plan, format_state, load_spec, progress_bar)
@@ -43,7 +44,12 @@ def _run(args: argparse.Namespace) -> int:
         if args.job_command == "submit":
             print(f"submitting {spec.name!r}: the owner inspects the model and data, each node profiles it, then the "
                   f"gateway plans (minutes on slow boxes; waiting up to {args.timeout:g} s) ...", flush=True)
-            data = client.request("job/submit", args.timeout, spec=spec)
+            try:
+                data = client.request("job/submit", args.timeout, spec=spec)
+            except KeyboardInterrupt:  # the job may exist already: Ctrl-C stops the waiting, not the gateway
+                print(f"stopped waiting: the gateway may still plan and start {spec.name!r}; `xronos job status` "
+                      "lists it, `xronos job cancel JOB` stops it", file=sys.stderr)
+                raise
             print(f"job {data['job_id']} accepted: {data['total_steps']} steps")
             print(format_plan(data["plan"]))
             if data.get("candidates"):
@@ -86,7 +92,13 @@ def _status(client: GatewayClient, args: argparse.Namespace) -> int:
 
 def _follow(client: GatewayClient, job_id: str, spec=None) -> int:
     on_state, bar = progress_bar()
-    final = client.follow(job_id, on_state)
+    try:
+        final = client.follow(job_id, on_state)
+    except KeyboardInterrupt:  # only the following stops: the job runs on the nodes
+        bar.close()
+        print(f"job {job_id} goes on: `xronos job status {job_id} --follow` follows it again, "
+              f"`xronos job cancel {job_id}` stops it", file=sys.stderr)
+        raise
     bar.close()
     print(format_state(final.model_dump(mode="json")))
     if spec is not None and final.phase == "completed":  # what to do with it, on the owner's disk

@@ -14,7 +14,10 @@ import argparse
 import importlib
 import logging
 import os
+import re
+import signal
 import sys
+import threading
 
 # Only subcommands that exist are listed here; a later feature adds its module name.
 SUBCOMMANDS: tuple[str, ...] = ("plan", "broker", "run", "profile", "node", "gateway", "job", "nodes", "demo")
@@ -26,6 +29,9 @@ CLIENTS = ("job", "nodes", "demo", "profile")
 # takes such a value for an unknown flag and says only "expected one argument"; joined as
 # `--units=-2,10,4` it reaches the command's own check, which names the flag and the number.
 DASH_VALUES = ("--units", "--layout", "--cpu-shares", "--reshard-at")
+# A negative number argparse does not take for one (`--lr -1e-3`, `--reserve-mb -inf`: it knows
+# only -12 and -1.5) after any long option: joined too, so the option's own check names it.
+NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-(inf|infinity|nan)", re.IGNORECASE)
 
 
 def version() -> str:
@@ -103,7 +109,8 @@ def plugins() -> dict[str, str]:
 
 def join_dash_values(argv: list[str]) -> list[str]:
     """`OPT VALUE` as `OPT=VALUE` for the DASH_VALUES options when VALUE starts with a single '-'
-    (not another long option, not -h); nothing after `--` is touched."""
+    (not another long option, not -h), and for any long option when VALUE is a negative number;
+    nothing after `--` is touched."""
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -111,7 +118,8 @@ def join_dash_values(argv: list[str]) -> list[str]:
         if arg == "--":
             return out + argv[i:]
         nxt = argv[i + 1] if i + 1 < len(argv) else ""
-        if arg in DASH_VALUES and nxt.startswith("-") and not nxt.startswith("--") and nxt != "-h":
+        dash = arg in DASH_VALUES and nxt.startswith("-") and not nxt.startswith("--") and nxt != "-h"
+        if dash or (arg.startswith("--") and "=" not in arg and NEGATIVE_NUMBER.fullmatch(nxt)):
             out.append(f"{arg}={nxt}")
             i += 2
             continue
@@ -120,7 +128,30 @@ def join_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
+class Terminated(BaseException):
+    """SIGTERM (`timeout`, `kill`, a supervisor): raised in the main thread like Ctrl-C's
+    KeyboardInterrupt, so a command's `finally` blocks run (its rank processes stopped, its temporary
+    files removed) before it exits 143. The services (`xronos node`, `xronos gateway`, `xronos
+    broker`) set their own handler."""
+
+
+def _terminated(_signum: int, _frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM's default (die at once) only: a caller's own handler (a test harness, a service) stays
+    mine = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if mine:
+        signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _main(argv)
+    finally:
+        if mine and signal.getsignal(signal.SIGTERM) is _terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(join_dash_values(sys.argv[1:] if argv is None else list(argv)))
     if not getattr(args, "func", None):
@@ -131,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
+        print(f"xronos {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"xronos {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except BrokenPipeError:
         # The reader went away (`xronos plan --json | head`): no traceback, and none at exit either
         # when Python flushes stdout (it is pointed at /dev/null for that).

@@ -137,3 +137,29 @@ def test_a_submit_nobody_answers_says_the_job_may_still_be_checked(tmp_path, cap
     assert code == 2 and out.startswith("submitting 't': the owner inspects the model and data")
     assert "no answer to job/submit within 1.5 s: if the gateway is running, the job may still be in its " \
            "inspection or profiling" in err and "xronos job status" in err, err
+
+
+def test_ctrl_c_while_a_submit_waits_says_the_job_may_go_on(tmp_path):
+    """Ctrl-C stops the waiting, not the gateway: the user is told how to find and stop the job."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from brokers import start_broker
+
+    (tmp_path / "j.toml").write_text(TOML)
+    with start_broker(tmp_path) as broker:
+        proc = subprocess.Popen([sys.executable, "-m", "xronos.cli", "job", "submit", str(tmp_path / "j.toml"),
+                                 "--host", broker.host, "--port", str(broker.port), "--timeout", "60"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+        assert proc.stdout.readline().startswith("submitting 't'")
+        time.sleep(1.0)  # waiting for the answer
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "stopped waiting: the gateway may still plan and start 't'; `xronos job status` lists it" in err
+    assert "xronos job: interrupted" in err and "Traceback" not in err, err
