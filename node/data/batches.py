@@ -26,7 +26,8 @@ import torch
 from xronos.node.data.instructions import (
     IGNORE_INDEX, answer_labels, as_messages, check_instruction_tokenizer, render_chat, render_prompt_completion,
 )
-from xronos.node.data.labels import LabelSpace, decide_labels, default_label_names, label_head_in_checkpoint
+from xronos.node.data.labels import (LabelSpace, as_written, decide_labels, default_label_names,
+                                     label_head_in_checkpoint)
 from xronos.protocol.recipe import Recipe
 from xronos.node.tp.group import TPGroup
 
@@ -173,7 +174,7 @@ def read_rows(cfg: Recipe, config: dict[str, Any], head: bool, tokenizer: Any = 
         pairs = as_texts(table[cfg.text_pair_column], path, cfg.text_pair_column) if cfg.text_pair_column else None
         labels = space = None
         if cfg.task == "classify":
-            values = table[cfg.label_column]
+            values = as_written(table[cfg.label_column])
             space = decide_labels(values, n_train, config, head, path, cfg.label_column)
             labels = space.encode(values, path, cfg.label_column, n_train)
         return Rows(texts, pairs, None, labels, space, n_train, n_eval)

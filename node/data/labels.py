@@ -120,6 +120,12 @@ class LabelSpace:
         return out
 
 
+def as_written(values: list) -> list:
+    """A label column's values as the file wrote them: a CSV reader (and JSON's true/false) makes
+    booleans of "True"/"False", which are names, not integer ids."""
+    return [str(v) if isinstance(v, bool) else v for v in values]
+
+
 def decide_labels(values: list, n_train: int, config: dict[str, Any], head: bool, path: str | Path,
                   column: str) -> LabelSpace:
     """The classes of `values` (every row's label; the first n_train are the training rows) for a
@@ -154,6 +160,16 @@ def decide_labels(values: list, n_train: int, config: dict[str, Any], head: bool
             raise ValueError(f"{where(max(first_name, first_int))}: the column mixes label names "
                              f"({short_repr(values[first_name])}, row {first_name}) and integer ids "
                              f"({short_repr(values[first_int])}, row {first_int}); use one or the other")
+    if first_name is not None:  # "pos" and "pos " would be two classes: a typo, never meant
+        alike: dict[str, set[str]] = {}
+        for v in values:
+            if isinstance(v, str):
+                alike.setdefault(v.strip(), set()).add(v)
+        twins = next((sorted(s) for s in alike.values() if len(s) > 1), None)
+        if twins is not None:
+            raise ValueError(f"data file {path}: column {column!r} has labels {', '.join(short_repr(t) for t in twins[:3])} "
+                             "that differ only in leading or trailing spaces; a label is taken as written, so "
+                             "they would be different classes: make them one")
     n_config = num_labels(config)
     named = config_label_names(config)
     train = values[:n_train]

@@ -208,6 +208,23 @@ def test_bad_label_columns_are_named() -> None:
         decide_labels(["a", "a"], 2, HEADLESS, False, "f.csv", "y")
     with pytest.raises(ValueError, match=r"row 0 has a label of 300 characters \(at most 256\)"):
         decide_labels(["x" * 300, "a"], 2, HEADLESS, False, "f.csv", "y")
+    with pytest.raises(ValueError, match=r"column 'y' has labels 'neg', 'neg ' that differ only in leading or "
+                                         r"trailing spaces"):
+        decide_labels(["neg", "pos", "neg ", "pos"], 4, HEADLESS, False, "f.csv", "y")
+
+
+def test_true_and_false_in_a_csv_are_names(tmp_path: Path) -> None:
+    """A CSV reader makes booleans of True/False: they are the names the file wrote."""
+    from xronos.node.rank.validate import read_config
+
+    lm = runkit.make_model(tmp_path / "lm", "gpt2", "causal-lm", num_labels=2)  # no score head
+    (tmp_path / "d.csv").write_text("text,label\n" + "".join(f"{t},{'True' if i % 2 else 'False'}\n"
+                                                             for i, t in enumerate(runkit.texts(8))))
+    src = owner_batches(_recipe(lm, tmp_path / "d.csv", "classify", shuffle=False, eval_fraction=0.0),
+                        read_config(lm))
+    assert src.label_space == LabelSpace(("False", "True"), by_name=True)
+    _, b = next(src.train_batches())
+    assert b.labels.tolist() == [0, 1, 0, 1]
 
 
 def test_the_head_is_found_in_the_checkpoint(tmp_path: Path) -> None:
