@@ -141,7 +141,7 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], table: tu
     for row in table:
         info = field_info(model, row.field)
         kind = _bare(info.annotation)
-        kw: dict[str, Any] = {"dest": row.dest, "help": row.help}
+        kw: dict[str, Any] = {"dest": row.dest, "help": _with_default(row, info, kind)}
         if kind is bool:
             kw.update(action="store_true", default=None)
         else:
@@ -154,6 +154,27 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], table: tu
             elif kind in (int, float):
                 kw["type"] = kind
         parser.add_argument(row.flag, **{k: v for k, v in kw.items() if v is not None or k == "default"})
+
+
+def _with_default(row: Flag, info: Any, kind: Any) -> str | None:
+    """The row's help with the default it runs with when not typed, and the model's (a job's) where
+    the command's own differs (a local run holds out no rows and does not clip)."""
+    from pydantic_core import PydanticUndefined
+
+    if kind is bool or row.required or "default" in (row.help or ""):
+        return row.help
+    model = None if info.default is PydanticUndefined else info.default
+
+    def text(v: Any) -> str:
+        return "none" if v is None else ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+    if row.default is not _MODEL and row.default != model:
+        note = f"default {text(row.default)} here; a job's: {text(model)}"
+    elif info.default is PydanticUndefined or model is None:
+        return row.help
+    else:
+        note = f"default {text(model)}"
+    return f"{row.help} ({note})" if row.help else note
 
 
 def collect(args: argparse.Namespace, table: tuple[Flag, ...]) -> dict[str, Any]:
