@@ -112,7 +112,7 @@ def handle(args: argparse.Namespace) -> int:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report.model_dump(mode="json"), indent=1))
     tmp.replace(out)
-    print(f"xronos profile: {report.arch.family} ({report.sizes.describe()}) B={report.num_blocks} "
+    print(f"xronos profile: {report.arch.family} ({report.sizes.describe()}) blocks={report.num_blocks} "
           f"profiled in {report.profile_seconds:.1f} s -> {out}", file=sys.stderr)
     for lay in report.layers:
         print(f"  {lay.name:<14} {'part' if lay.partitioned else 'repl'}  T={lay.time_s * 1e3:9.2f} ms  "

@@ -310,7 +310,7 @@ def _launch(args: argparse.Namespace, layout, wrap, planned=None) -> int:
     pre = preflight(cfg, layout.world_size)  # with --shares: each group's layout
     mesh = f"; {len(cfg.shares)} data-parallel groups, rows {list(cfg.shares)}" if cfg.shares else ""
     print(
-        f"xronos run: {pre.family} model ({pre.sizes.describe()}) on {args.nodes} ranks, "
+        f"xronos run: {pre.family} model ({pre.sizes.describe()}) on {args.nodes} rank{'s' * (args.nodes != 1)}, "
         f"layout {layout.describe()}{mesh}; {pre.train_rows} training rows"
         + (f", {pre.eval_rows} eval rows" if pre.eval_rows else "")
         + (f"; {pre.num_labels} labels" + (f" {list(pre.labels.names)[:8]}" if pre.labels.by_name else "")

@@ -207,7 +207,7 @@ def _start(job: Job, ctx: Ctx) -> Out:
     if job.want_paused:
         effects.append(Control(job.job_id, job.plan_version, nodes, "pause"))
         phase = "paused"
-    job = note(job, ctx.now, f"started plan v{job.plan_version} on {len(nodes)} nodes", phase=phase,
+    job = note(job, ctx.now, f"started plan v{job.plan_version} on {len(nodes)} node{'s' * (len(nodes) != 1)}", phase=phase,
                 awaiting="", waiting=(), deadline=ctx.now + ctx.timeouts.stall_s, recover_deadline=None)
     return job, effects
 

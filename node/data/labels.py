@@ -204,8 +204,10 @@ def decide_labels(values: list, n_train: int, config: dict[str, Any], head: bool
                                  "the head's unnamed outputs LABEL_i")
         else:
             if len(distinct) < 2:
+                held = (f" ({n_train} of its {len(values)} rows train, the rest are held out for evaluation: "
+                        "a smaller eval fraction leaves more)" if n_train < len(values) else "")
                 raise ValueError(f"data file {path}: column {column!r} has {len(distinct)} distinct label(s) "
-                                 f"{distinct} in its training rows; classification needs at least 2")
+                                 f"{distinct} in its training rows; classification needs at least 2{held}")
             names = tuple(distinct)
         space = LabelSpace(names, by_name=True)
     space.encode(values, path, column, n_train)  # every row, the evaluation rows included

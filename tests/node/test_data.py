@@ -206,6 +206,9 @@ def test_bad_label_columns_are_named() -> None:
     with pytest.raises(ValueError, match=r"has 1 distinct label\(s\) \['a'\] in its training rows; classification "
                                          r"needs at least 2"):
         decide_labels(["a", "a"], 2, HEADLESS, False, "f.csv", "y")
+    with pytest.raises(ValueError, match=r"needs at least 2 \(1 of its 3 rows train, the rest are held out for "
+                                         r"evaluation: a smaller eval fraction leaves more\)"):
+        decide_labels(["a", "b", "a"], 1, HEADLESS, False, "f.csv", "y")
     with pytest.raises(ValueError, match=r"row 0 has a label of 300 characters \(at most 256\)"):
         decide_labels(["x" * 300, "a"], 2, HEADLESS, False, "f.csv", "y")
     with pytest.raises(ValueError, match=r"column 'y' has labels 'neg', 'neg ' that differ only in leading or "
