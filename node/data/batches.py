@@ -36,6 +36,19 @@ _VOCAB_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", 
                 "sentencepiece.bpe.model")
 
 
+def _root_cause(exc: BaseException) -> str:
+    """What went wrong, not datasets' wrapper ("An error occurred while generating the dataset"):
+    the first cause in the chain that says more (a JSON parse error and its row, a CSV's field
+    count), at most 300 characters."""
+    seen, at = [], exc
+    while at is not None and len(seen) < 8:
+        seen.append(at)
+        at = at.__cause__ or at.__context__
+    says = next((e for e in seen[1:] if str(e).strip()), exc)
+    text = str(says).strip() or type(says).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def load_columns(path: str | Path, columns: list[str],
                  hint: Callable[[list[str]], str] | None = None) -> dict[str, list]:
     """The named columns of a CSV/JSON/JSONL/Parquet file as lists (ValueError naming what is
@@ -59,11 +72,14 @@ def load_columns(path: str | Path, columns: list[str],
     except Exception as exc:  # datasets raises many types for unparsable files
         if "corresponds to no data" in str(exc):  # a header and no row (datasets' words for it)
             raise ValueError(f"data file {path} has no rows") from None
-        raise ValueError(f"data file {path} could not be read as {builder}: {exc}") from exc
+        raise ValueError(f"data file {path} could not be read as {builder}: {_root_cause(exc)}") from exc
     missing = [c for c in columns if c not in table.column_names]
     if missing:
+        sep = next((name for c, name in (("\t", "tabs"), (";", "semicolons"))
+                    if len(table.column_names) == 1 and c in table.column_names[0]), None)
         raise ValueError(
             f"data file {path} lacks column(s) {missing}; it has {table.column_names}"
+            + (f" (its header is separated by {sep}: a CSV file's fields are separated by commas)" if sep else "")
             + (hint(table.column_names) if hint is not None else "")
         )
     return table.select_columns(columns).to_dict()

@@ -51,6 +51,12 @@ def test_missing_column_and_bad_files_are_named(tmp_path: Path) -> None:
     (tmp_path / "d.parquet").write_text("x")
     with pytest.raises(ValueError, match=r"d.parquet could not be read as parquet"):
         load_columns(tmp_path / "d.parquet", ["text"])
+    (tmp_path / "bad.jsonl").write_text('{"a":1\n')  # the parser's own words, not datasets' wrapper
+    with pytest.raises(ValueError, match=r"bad.jsonl could not be read as json: .*JSON parse error: Missing a comma"):
+        load_columns(tmp_path / "bad.jsonl", ["text"])
+    (tmp_path / "tabs.csv").write_text("text\tlabel\na b\t0\n")
+    with pytest.raises(ValueError, match=r"its header is separated by tabs: a CSV file's fields are separated by commas"):
+        load_columns(tmp_path / "tabs.csv", ["text", "label"])
     (tmp_path / "d.tsv").write_text("x")
     with pytest.raises(ValueError, match=r"unsupported extension '.tsv' \(csv, json, jsonl, parquet\)"):
         load_columns(tmp_path / "d.tsv", ["text"])
