@@ -22,13 +22,14 @@ from xronos.node.rank.spawn import main_process
 from xronos.node.rank.tpengine import TPEngine
 
 
-def make_policy(engine: TPEngine, world_size: int) -> Rebalancer:
-    """The owner's policy for the engine's model, starting from its current layout."""
+def make_policy(engine: TPEngine, world_size: int, total_steps: int | None = None) -> Rebalancer:
+    """The owner's policy for the engine's model, starting from its current layout; `total_steps`:
+    the run's length (its payback test weighs a move against the iterations left)."""
     model = engine.model
     return Rebalancer(engine.family.sizes(model.config), engine.layout.layout(),
                       unit_costs([f"rank{r}" for r in range(world_size)]), [NO_CAP] * world_size,
                       unit_bytes(engine.family, model.config, model.task,
-                                 moments=0 if engine.lora is not None else 2))
+                                 moments=0 if engine.lora is not None else 2), total_steps=total_steps)
 
 
 def make_split_policy(engine: DPEngine, groups: int) -> Resplitter:
@@ -43,7 +44,8 @@ def main(argv: list[str]) -> int:
         control = LiveResplit(engine, make_split_policy)
     else:
         engine = TPEngine()
-        control = LiveRebalance(engine, make_policy)
+        steps = cfg.recipe.max_steps  # `xronos run` insists on --max-steps
+        control = LiveRebalance(engine, lambda e, n: make_policy(e, n, steps))
     run(cfg, engine, weights=LocalFiles(cfg.recipe.model_dir), control=control, sink=MetricsFile(progress=cfg.progress))
     return 0
 

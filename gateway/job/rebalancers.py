@@ -110,7 +110,7 @@ class JobRebalance:
         report = job.profiles[nodes[0]]
         ub = unit_bytes(report.arch, report.num_blocks, recipe.task, lora=recipe.lora is not None)
         policy = Rebalancer(job.plan.sizes, job.plan.layout(), base, [e.memory_cap for e in job.plan.entries],
-                            ub, config=config)
+                            ub, config=config, total_steps=job.total_steps or None)
         out = cls(job.plan_version, nodes, policy, base, lead)
         if job.plan.trial is not None:  # the trial's steps run other overlap modes: not the speeds to fit
             out.ignore_until = job.resume_step + job.plan.trial.steps

@@ -26,7 +26,9 @@ the node has been measured there. Switch only when
   - the predicted gain (current - planned) / current exceeds `threshold` plus `noise_margin`
     relative standard errors of the current prediction (`noise`: noisy boxes need a larger gain),
   - the move pays for itself: its predicted cost is repaid by the predicted gain within `payback`
-    iterations. The cost is bytes that change hands (`moved_units` x `unit_bytes`, weights and
+    iterations, or within `payback_share` of the iterations the run has left when that is longer
+    (`total_steps` known: a job of thousands of steps gives up a lasting gain for a move of a
+    second no more than a short one risks a move it cannot earn back). The cost is bytes that change hands (`moved_units` x `unit_bytes`, weights and
     AdamW moments) / `bandwidth_Bps` + `move_fixed_s` until a move was measured, then the move
     model refitted from the last five measured moves (`observe_move`; `refit.fit_move`: a fixed
     part and a part per byte, so a small move's fixed cost is not read as a slow link),
@@ -41,8 +43,8 @@ memory caps (the planner refuses, or a node ends over its cap) is not applied; `
 why, as it does for every evaluation that kept the plan.
 
 Defaults (`PolicyConfig`): window 12, warmup 2, shift_run 4, shift_tol 0.2, settle 4, anchor_gap
-0.2, interval 1, threshold 5 %, noise_margin 2, payback 10, confirm 2, cooldown 20, max_cooldown
-320, reach 2. A box slowed 2x is followed 5 iterations after the change (4 samples show the shift,
+0.2, interval 1, threshold 5 %, noise_margin 2, payback 10, payback_share 0.25, confirm 2, cooldown
+20, max_cooldown 320, reach 2. A box slowed 2x is followed 5 iterations after the change (4 samples show the shift,
 then two evaluations agree); steady boxes with +-10 % jitter and 5 % of 2x outliers do not move the
 plan.
 """
@@ -76,7 +78,8 @@ class PolicyConfig:
     interval: int = 1  # iterations between evaluations
     threshold: float = 0.05  # least predicted gain, a fraction of the current iteration's barriers
     noise_margin: float = 2.0  # ... plus this many relative standard errors of the measurement
-    payback: int = 10  # the move's predicted cost must be repaid within this many iterations
+    payback: int = 10  # the move's predicted cost must be repaid within this many iterations ...
+    payback_share: float = 0.25  # ... or this share of the iterations left, when more (total_steps known)
     confirm: int = 2  # consecutive evaluations that must call for a switch
     cooldown: int = 20  # iterations after a switch before the next evaluation
     max_cooldown: int = 320  # back-off ceiling
@@ -98,6 +101,8 @@ class PolicyConfig:
             raise ValueError(f"reach must be >= 1 (math.inf: no limit), got {self.reach}")
         if not self.noise_margin >= 0:
             raise ValueError(f"noise_margin must be >= 0, got {self.noise_margin}")
+        if not 0 <= self.payback_share <= 1:
+            raise ValueError(f"payback_share must be in [0, 1], got {self.payback_share}")
         if not self.threshold >= 0 or self.max_cooldown < self.cooldown:
             raise ValueError(f"threshold must be >= 0 and max_cooldown >= cooldown, got {self.threshold}, "
                              f"{self.max_cooldown} < {self.cooldown}")
@@ -132,6 +137,7 @@ class Rebalancer:
     bandwidth_Bps: float = 1e9 / 8  # the move model's prior (scaled by measured moves)
     move_fixed_s: float = 0.0  # a move's cost beyond its bytes, in the prior
     config: PolicyConfig = field(default_factory=PolicyConfig)
+    total_steps: int | None = None  # the run's length in iterations (None: not known; `payback` alone)
     samples: list[dict[str, deque]] = field(init=False)  # per rank and kind, the recent factors
     last_reason: str = field(init=False, default="warming up")
     replans: list[Replan] = field(init=False, default_factory=list)
@@ -270,6 +276,14 @@ class Rebalancer:
         fixed, per_byte = self.move_model
         return fixed + nbytes * per_byte
 
+    def payback_horizon(self, step: int) -> float:
+        """Iterations within which a move at `step` must be repaid: `payback`, or `payback_share` of
+        the iterations the run has left (`total_steps`) when that is more."""
+        cfg = self.config
+        if self.total_steps is None:
+            return float(cfg.payback)
+        return max(float(cfg.payback), math.floor(cfg.payback_share * max(0, self.total_steps - step)))
+
     # -- decision ----------------------------------------------------------------------------
     def decide(self, step: int) -> Replan | None:
         """At the boundary before `step`: a Replan to apply now, or None (`last_reason` says why)."""
@@ -319,9 +333,10 @@ class Rebalancer:
                                 f"{100 * cfg.threshold:.1f}% + measurement noise)")
             return None
         whole_s = self.move_seconds(target)
-        if whole_s > cfg.payback * (current - full):
+        horizon = self.payback_horizon(step)
+        if whole_s > horizon * (current - full):
             self._streak = 0
-            self.last_reason = (f"kept: the move ({whole_s:.3f} s) is not repaid within {cfg.payback} "
+            self.last_reason = (f"kept: the move ({whole_s:.3f} s) is not repaid within {horizon:g} "
                                 f"iterations by the gain ({current - full:.4f} s per iteration)")
             return None
         new, alpha = self._within_reach(target)

@@ -89,6 +89,26 @@ def test_a_move_that_is_not_repaid_is_not_made():
     assert "is not repaid within 10 iterations" in policy.last_reason
 
 
+def test_a_long_run_makes_a_move_a_short_one_cannot_earn_back():
+    """The same slowed box and a move of about 37 gains' worth (10 MB/s): not made within the
+    default 10 iterations nor with 100 steps to go (a quarter: 25), made with 100,000 to go."""
+    before, after = cell([1.5, 1.0, 1.0]), cell([0.75, 1.0, 1.0])
+    outcomes = {}
+    for total in (None, 120, 100_000):
+        policy = policy_for(before)
+        policy.bandwidth_Bps, policy.total_steps = 1e7, total
+        replans, _ = simulate(policy, lambda s: before if s < 20 else after, 100)
+        outcomes[total] = (len(replans), policy.last_reason)
+    assert outcomes[None][0] == 0 and "is not repaid within 10 iterations" in outcomes[None][1]
+    assert outcomes[120][0] == 0 and "is not repaid within" in outcomes[120][1]  # a quarter of what is left: < 37
+    assert outcomes[100_000][0] == 1
+    policy = policy_for(before)
+    policy.total_steps = 1000
+    assert policy.payback_horizon(0) == 250 and policy.payback_horizon(990) == 10  # never below `payback`
+    with pytest.raises(ValueError, match="payback_share must be in"):
+        PolicyConfig(payback_share=1.5)
+
+
 def test_a_replan_over_the_memory_caps_is_not_applied():
     true = [node(f"n{i}", {"attn": 1.0, "mlp": 2.0, "vocab": 0.5}, mem=1 * GiB) for i in range(3)]
     caps = [2 * GiB] * 3
