@@ -68,9 +68,10 @@ def register(subparsers) -> None:
                         "fraction of the model's parameters the cell keeps (bench/scenarios.py); 'none' = no caps")
     p.add_argument("--unit-share", type=float, default=0.30,
                    help="cores per unit of device speed (a Raspberry Pi 5 rank gets this share)")
-    p.add_argument("--bandwidth-mbit", type=float, default=1000.0,
+    p.add_argument("--bandwidth-mbit", "--bandwidth-mbps", type=float, default=1000.0,
                    help="every rank's link rate, emulated with network namespaces + tc (default 1000: the "
-                        "paper's 1 Gbit/s LAN; needs root); 0 = plain loopback, no limit")
+                        "paper's 1 Gbit/s LAN; needs root); 0 = plain loopback, no limit (--bandwidth-mbps: the "
+                        "same, as `xronos run` and `xronos plan` spell it)")
     p.add_argument("--lora-r", type=int, default=8,
                    help="the LoRA strategies (xronos-lora, uniform-lora, pp-lora): the adapters' rank (default 8)")
     p.add_argument("--lora-alpha", type=float, default=16.0, help="the LoRA strategies: adapter scale alpha / r (default 16)")
