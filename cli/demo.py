@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         job_id = accepted["job_id"]
         print(f"job {job_id} accepted, {accepted['total_steps']} steps")
         print(format_plan(accepted["plan"]))
-        on_state, bar = progress_bar("fine-tuning")
+        on_state, bar = progress_bar("fine-tuning", total=accepted["total_steps"])
         final = stack.client.follow(job_id, on_state, timeout=600.0)
         bar.close()
         print(format_state(final.model_dump(mode="json")))

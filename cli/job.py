@@ -54,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
             print(format_plan(data["plan"]))
             if data.get("candidates"):
                 print(format_candidates(data["candidates"], data.get("chosen", "")))
-            return _follow(client, data["job_id"], spec) if args.follow else 0
+            return _follow(client, data["job_id"], spec, data.get("total_steps")) if args.follow else 0
         if args.job_command == "status":
             return _status(client, args)
         data = client.request(f"job/{args.job_command}", args.timeout, job_id=args.job_id)
@@ -90,8 +90,8 @@ def _status(client: GatewayClient, args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow(client: GatewayClient, job_id: str, spec=None) -> int:
-    on_state, bar = progress_bar()
+def _follow(client: GatewayClient, job_id: str, spec=None, total: int | None = None) -> int:
+    on_state, bar = progress_bar(total=total)
     try:
         final = client.follow(job_id, on_state)
     except KeyboardInterrupt:  # only the following stops: the job runs on the nodes

@@ -340,14 +340,15 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def progress_bar(desc: str = "training"):
-    """A tqdm bar driven by JobState updates (returns the on_state callback and the bar)."""
+def progress_bar(desc: str = "training", total: int | None = None):
+    """A tqdm bar driven by JobState updates (returns the on_state callback and the bar); `total`:
+    the job's steps when known already (the submit's answer), so the bar does not start at 0/1."""
     from tqdm import tqdm
 
-    bar = tqdm(total=1, desc=desc, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total or None, desc=desc, unit="step", dynamic_ncols=True)
 
     def on_state(state: m.JobState) -> None:
-        bar.total = max(state.total_steps or 1, 1)
+        bar.total = max(state.total_steps or bar.total or 1, 1)
         bar.n = min(state.step, bar.total)
         post = {"phase": state.phase}
         if state.loss is not None:
