@@ -81,6 +81,7 @@ def usable(reg: Registry) -> frozenset[str]:
     return frozenset(n for n, info in reg.items() if info.usable)
 
 
+LISTED_CHARS = 64
 _LISTED = ("hostname", "arch", "cpu_model", "cores", "memory_total", "memory_available", "torch_version",
            "data_host", "cpu_temp_c")
 
@@ -92,6 +93,9 @@ def listing(reg: Registry) -> list[dict[str, Any]]:
         info, caps = reg[node_id], reg[node_id].capabilities
         row: dict[str, Any] = {"node_id": node_id, "online": info.online, "participate": info.participate}
         for name in _LISTED:
-            row[name] = getattr(caps, name) if caps is not None else None
+            value = getattr(caps, name) if caps is not None else None
+            # a node's texts are its own to choose (up to 255 characters each): trimmed, the answer
+            # for every known node stays within the response's size cap
+            row[name] = value[:LISTED_CHARS] if isinstance(value, str) else value
         rows.append(row)
     return rows

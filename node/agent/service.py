@@ -38,7 +38,7 @@ from typing import Any
 import structlog
 
 from xronos.common import sdnotify
-from xronos.node.agent import participation
+from xronos.node.agent import jobdirs, participation
 from xronos.node.agent.boxcheck import Box, assignment_problem_on_box, owner_arch, resident_bytes
 from xronos.node.agent.catalog import CatalogPublisher
 from xronos.node.agent.config import NodeConfig, detect_data_host, job_dir
@@ -339,6 +339,9 @@ class NodeService:
         ifname = self.cfg.data_interface or ("lo" if a.rendezvous_host.startswith("127.") else None)
         for old in self._leaving:  # a rank still in its grace holds memory and ports the new one needs
             old.process.kill()
+        gone = jobdirs.prune(jobdir.parent, a.job_id, a.plan_version)  # bounded: every assignment adds one
+        if gone:
+            log.info("old job directories removed", count=len(gone))
         self.child = RankProcess(jobdir / f"v{a.plan_version}", config, child_env(threads, ifname),
                                  limits=self.requests.child_limits())
 

@@ -393,8 +393,27 @@ def profile(
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(report.model_dump(mode="json"), indent=1))
         tmp.replace(path)
+        prune_cache(path.parent)
     log.info("profile.done", seconds=round(report.profile_seconds, 2), layers=len(layers), H=H)
     return report
+
+
+CACHE_KEEP = 64  # profile cache entries kept (the newest): a shape per request would fill the disk
+
+
+def prune_cache(cache_dir: Path, keep: int = CACHE_KEEP) -> list[Path]:
+    """Remove all but the `keep` newest `profile-*.json` of `cache_dir` (by modification time):
+    the entries removed. Every request with a new shape adds one, and the gateway's requests are
+    not the only ones a node answers."""
+    entries = sorted(cache_dir.glob("profile-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    gone = []
+    for old in entries[keep:]:
+        try:
+            old.unlink()
+            gone.append(old)
+        except OSError:  # gone already, or not ours to remove: the next write tries again
+            pass
+    return gone
 
 
 def _rows_probe(ps: ProfilingSet, batch_size: int, plain: list[tuple[float, float]], warmup: int, iters: int,

@@ -48,6 +48,24 @@ def test_registry_is_bounded():
     assert "new" not in R.on_capabilities(full, CAPS.model_copy(update={"node_id": "new"}), 1.0)
 
 
+def test_a_full_registry_of_long_names_still_lists_within_the_answers_cap():
+    """Every node's texts are its own to choose (255 characters each): `nodes/list` trims them, so
+    the answer for a full registry still fits the response's size cap."""
+    from xronos.protocol.codec import MAX_PAYLOAD, encode
+
+    long = "x" * 255
+    reg: R.Registry = {}
+    for i in range(R.MAX_KNOWN):
+        caps = CAPS.model_copy(update={"node_id": f"n{i:03d}", "hostname": long, "arch": long, "cpu_model": long,
+                                       "torch_version": long, "data_host": long})
+        reg, _ = R.on_availability(reg, caps.node_id, True, 1.0)
+        reg = R.on_capabilities(reg, caps, 2.0)
+    rows = R.listing(reg)
+    assert len(rows) == R.MAX_KNOWN and rows[0]["hostname"] == "x" * R.LISTED_CHARS
+    answer = m.GatewayResponse(transaction="t", status="ok", data={"nodes": rows})
+    assert len(encode(answer)) <= MAX_PAYLOAD
+
+
 def _a_job():
     ctx = J.Ctx(now=1.0, online=frozenset({"a"}))
     job, _ = J.new_job("j1", SPEC, "t", ctx)
