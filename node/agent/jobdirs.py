@@ -3,8 +3,9 @@ plan version it started a rank of (`v<N>/`: the rank's config, with the job's gr
 log) and, on the owner, the job's checkpoints (`checkpoint/`). Pure file handling, no service.
 
 Every accepted assignment adds a version directory, and a job id from the broker adds a job
-directory, so both are bounded (`prune`): a job keeps only the version it runs now (the ranks of
-the ones before are gone), and beyond `KEEP_JOBS` the oldest job directories go — except one that
+directory, so both are bounded (`prune`): a job keeps the directories of its `KEEP_VERSIONS` latest
+versions (the ranks of the ones before are gone; their logs say how a rank failed in a move or a
+recovery), and beyond `KEEP_JOBS` the oldest job directories go — except one that
 holds checkpoints, which are a failed or cancelled job's way to resume and stay until the job
 completes (docs/jobs.md).
 """
@@ -19,6 +20,7 @@ import structlog
 log = structlog.get_logger(__name__)
 
 KEEP_JOBS = 32  # job directories kept besides the current one and those with checkpoints
+KEEP_VERSIONS = 4  # a job's latest plan versions whose rank directories are kept (logs)
 
 
 def _has_checkpoints(job: Path) -> bool:
@@ -26,10 +28,12 @@ def _has_checkpoints(job: Path) -> bool:
     return ckpt.is_dir() and any(ckpt.iterdir())
 
 
-def prune(jobs_root: Path, job_id: str, version: int, keep_jobs: int = KEEP_JOBS) -> list[Path]:
-    """Before a rank of `job_id` v`version` starts under `jobs_root`: remove that job's other
-    version directories, and the oldest job directories without checkpoints beyond `keep_jobs`.
-    The paths removed; a directory that cannot be removed is logged and left."""
+def prune(jobs_root: Path, job_id: str, version: int, keep_jobs: int = KEEP_JOBS,
+          keep_versions: int = KEEP_VERSIONS) -> list[Path]:
+    """Before a rank of `job_id` v`version` starts under `jobs_root`: remove that job's version
+    directories but `version` and the `keep_versions` - 1 latest others, and the oldest job
+    directories without checkpoints beyond `keep_jobs`. The paths removed; a directory that cannot
+    be removed is logged and left."""
     gone: list[Path] = []
 
     def remove(path: Path) -> None:
@@ -43,9 +47,10 @@ def prune(jobs_root: Path, job_id: str, version: int, keep_jobs: int = KEEP_JOBS
 
     mine = jobs_root / job_id
     if mine.is_dir():
-        for v in mine.glob("v*"):
-            if v.name != f"v{version}" and v.name[1:].isdigit():
-                remove(v)
+        others = sorted((v for v in mine.glob("v*") if v.name[1:].isdigit() and v.name != f"v{version}"),
+                        key=lambda v: int(v.name[1:]), reverse=True)
+        for v in others[max(0, keep_versions - 1):]:
+            remove(v)
     if jobs_root.is_dir():
         others = [d for d in jobs_root.iterdir() if d.name != job_id and d.is_dir() and not d.is_symlink()
                   and not _has_checkpoints(d)]

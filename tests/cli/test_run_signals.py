@@ -19,6 +19,12 @@ import runkit  # noqa: E402  (the run test kit lives with the node tests)
 from xronos.cli.main import join_dash_values  # noqa: E402
 
 
+def interruptible() -> None:
+    """As at a terminal: a suite started in the background (`cmd &` without job control) passes
+    SIGINT on ignored, and Python then installs no KeyboardInterrupt handler, so Ctrl-C is lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
                                              (signal.SIGINT, 130, "interrupted")])
 def test_a_signal_stops_the_run_and_cleans_up(tmp_path: Path, sig, code, said) -> None:
@@ -29,7 +35,7 @@ def test_a_signal_stops_the_run_and_cleans_up(tmp_path: Path, sig, code, said) -
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "xronos.cli", *argv], env={**os.environ, "TMPDIR": str(tmp)},
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=interruptible)
     deadline = time.monotonic() + 120
     while not list(tmp.glob("xronos-ranks-*/rank1.json")) and time.monotonic() < deadline:
         time.sleep(0.2)

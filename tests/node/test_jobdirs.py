@@ -25,17 +25,17 @@ def _job(root: Path, job: str, versions=(1,), ckpt: bool = False, age: float = 0
 
 def test_a_job_keeps_the_version_it_runs_and_old_jobs_go_but_checkpoints_stay(tmp_path: Path) -> None:
     root = tmp_path / "jobs"
-    _job(root, "j", versions=(1, 2, 3))
+    _job(root, "j", versions=(1, 2, 3, 4, 5, 6))
     for i in range(5):
         _job(root, f"old{i}", age=100 + i)  # old0 newest
     kept_ckpt = _job(root, "failed", ckpt=True, age=10_000)
     (tmp_path / "elsewhere").mkdir()
     (root / "link").symlink_to(tmp_path / "elsewhere")
-    gone = prune(root, "j", 3, keep_jobs=2)
-    assert sorted(p.name for p in (root / "j").iterdir()) == ["v3"]
+    gone = prune(root, "j", 6, keep_jobs=2, keep_versions=3)
+    assert sorted(p.name for p in (root / "j").iterdir()) == ["v4", "v5", "v6"]  # their logs: how a move failed
     assert sorted(p.name for p in root.iterdir()) == ["failed", "j", "link", "old0", "old1"]
     assert (kept_ckpt / "checkpoint" / "step-5").exists() and (tmp_path / "elsewhere").is_dir()
-    assert {p.name for p in gone} == {"v1", "v2", "old2", "old3", "old4"}
+    assert {p.name for p in gone} == {"v1", "v2", "v3", "old2", "old3", "old4"}
     assert prune(tmp_path / "none", "j", 1) == []  # nothing there yet
 
 

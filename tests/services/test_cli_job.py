@@ -155,7 +155,9 @@ def test_ctrl_c_while_a_submit_waits_says_the_job_may_go_on(tmp_path):
     with start_broker(tmp_path) as broker:
         proc = subprocess.Popen([sys.executable, "-m", "xronos.cli", "job", "submit", str(tmp_path / "j.toml"),
                                  "--host", broker.host, "--port", str(broker.port), "--timeout", "60"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
+                                # as at a terminal: a suite run in the background passes SIGINT on ignored
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         assert proc.stdout.readline().startswith("submitting 't'")
         time.sleep(1.0)  # waiting for the answer
         proc.send_signal(signal.SIGINT)
