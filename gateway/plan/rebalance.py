@@ -27,8 +27,9 @@ the node has been measured there. Switch only when
     relative standard errors of the current prediction (`noise`: noisy boxes need a larger gain),
   - the move pays for itself: its predicted cost is repaid by the predicted gain within `payback`
     iterations, or within `payback_share` of the iterations the run has left when that is longer
-    (`total_steps` known: a job of thousands of steps gives up a lasting gain for a move of a
-    second no more than a short one risks a move it cannot earn back). The cost is bytes that change hands (`moved_units` x `unit_bytes`, weights and
+    (`total_steps` known): a job of thousands of steps does not give up a lasting gain to save a
+    move of a second, and a short one still makes no move it cannot earn back. The cost is bytes
+    that change hands (`moved_units` x `unit_bytes`, weights and
     AdamW moments) / `bandwidth_Bps` + `move_fixed_s` until a move was measured, then the move
     model refitted from the last five measured moves (`observe_move`; `refit.fit_move`: a fixed
     part and a part per byte, so a small move's fixed cost is not read as a slow link),

@@ -276,6 +276,10 @@ def profile(
                     log.info("profile.cache_without_heap", path=str(path))
                 else:
                     log.info("profile.cache_hit", path=str(path))
+                    try:  # used now: the cache keeps its most recently used entries (`prune_cache`)
+                        os.utime(path)
+                    except OSError:
+                        pass
                     return cached.model_copy(update=ids)
 
     sizes = family.sizes(config)
@@ -402,10 +406,17 @@ CACHE_KEEP = 64  # profile cache entries kept (the newest): a shape per request 
 
 
 def prune_cache(cache_dir: Path, keep: int = CACHE_KEEP) -> list[Path]:
-    """Remove all but the `keep` newest `profile-*.json` of `cache_dir` (by modification time):
+    """Remove all but the `keep` most recently used `profile-*.json` of `cache_dir` (by
+    modification time, which a cache hit refreshes):
     the entries removed. Every request with a new shape adds one, and the gateway's requests are
     not the only ones a node answers."""
-    entries = sorted(cache_dir.glob("profile-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    def used(p: Path) -> float:
+        try:
+            return p.stat().st_mtime  # written or served last (a hit touches it)
+        except OSError:  # removed meanwhile by another profile's prune
+            return 0.0
+
+    entries = sorted(cache_dir.glob("profile-*.json"), key=used, reverse=True)
     gone = []
     for old in entries[keep:]:
         try:
