@@ -166,23 +166,6 @@ def test_refusals_answered_at_submit(tmp_path):
     assert resp.status == "error" and "outside the allowed directories" in resp.error
 
 
-def test_infeasible_plan_refused(tmp_path):
-    h = Harness(tmp_path)
-    announce(h)
-    h.client.publish("xronos/gateway/request/job/submit", json.dumps(
-        {"transaction": "z", "spec": SPEC.model_copy(update={"reserve_mb": 9000}).model_dump(mode="json")}).encode())
-    h.pump()
-    (_, insp), = h.seen("node.inspect_request")
-    h.node_says(m.InspectReport(node_id="a", request_id=insp.request_id, job_id=insp.job_id, ok=True, arch=ARCH,
-                                train_rows=40, eval_rows=4, total_steps=10), "a")
-    h.pump()
-    for params, req in h.seen("node.profile_request"):
-        h.node_says(report(params["node_id"], req.request_id, req.job_id), params["node_id"])
-    h.pump()
-    (_, resp), = h.responses("job/submit")
-    assert resp.status == "error" and resp.error.startswith("plan cannot fit"), resp
-
-
 def _profiled(h: Harness, spec: m.JobSpec) -> tuple[m.InspectRequest, m.Response]:
     """`spec` submitted, inspected by its owner "a" and profiled by every node: the inspection
     request and the answer."""
@@ -198,6 +181,13 @@ def _profiled(h: Harness, spec: m.JobSpec) -> tuple[m.InspectRequest, m.Response
     h.pump()
     (_, resp), = h.responses("job/submit")
     return insp, resp
+
+
+def test_infeasible_plan_refused(tmp_path):
+    h = Harness(tmp_path)
+    announce(h)
+    _, resp = _profiled(h, SPEC.model_copy(update={"reserve_mb": 9000}))
+    assert resp.status == "error" and resp.error.startswith("plan cannot fit"), resp
 
 
 def test_a_job_without_reserve_takes_the_gateways(tmp_path):

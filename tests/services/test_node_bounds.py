@@ -114,10 +114,8 @@ def test_a_profile_child_past_its_limit_fails_alone_with_the_reason(tmp_path, mo
         svc.shutdown()
 
 
-def test_a_cancel_does_not_hold_the_control_loop(node, tmp_path):
-    """A rank that does not stop at once (here: waiting at its rendezvous for a peer that never
-    comes) is stopped on a thread of its own: the cancel is answered while it is still going."""
-    svc, client = node
+def _accepted_rank1(svc, client, tmp_path) -> m.Assignment:
+    """Rank 1 of a two-rank job owned elsewhere, assigned to the node and accepted."""
     spec = m.JobSpec(name="t", owner="other",
                      recipe=m.Recipe(model_dir=str(tmp_path / "m"), data_path=str(tmp_path / "d.csv"),
                                      task="classify", batch_size=2, seq_len=16, lr=1e-4, max_steps=2,
@@ -128,6 +126,14 @@ def test_a_cancel_does_not_hold_the_control_loop(node, tmp_path):
     svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(a))
     (ack,) = replies(svc, client, "node.ack")
     assert ack.accepted, ack.reason
+    return a
+
+
+def test_a_cancel_does_not_hold_the_control_loop(node, tmp_path):
+    """A rank that does not stop at once (here: waiting at its rendezvous for a peer that never
+    comes) is stopped on a thread of its own: the cancel is answered while it is still going."""
+    svc, client = node
+    a = _accepted_rank1(svc, client, tmp_path)
     ctl = T.build("node.control", node_id="n0")
     svc.bus.publish(ctl, encode(m.JobStart(job_id="j", plan_version=1)))
     pump(svc, until=lambda: svc.child is not None)
@@ -149,16 +155,8 @@ def test_a_refused_assignment_leaves_the_accepted_ones_spec(node, tmp_path):
     """The rank is built from the spec of the assignment the node holds: a newer version it refuses
     (here its layout does not fit the model's shape) changes neither."""
     svc, client = node
-    spec = m.JobSpec(name="t", owner="other",
-                     recipe=m.Recipe(model_dir=str(tmp_path / "m"), data_path=str(tmp_path / "d.csv"),
-                                     task="classify", batch_size=2, seq_len=16, lr=1e-4, max_steps=2,
-                                     export_dir=str(tmp_path / "o")))
-    a = m.Assignment(job_id="j", plan_version=1, node_id="n0", rank=1, world_size=2, rendezvous_host="127.0.0.1",
-                     rendezvous_port=free_port(), group_key="ab" * 32,
-                     layout=Layout(attn=(6, 6), mlp=(64, 36), vocab=(32, 5)), spec=spec)
-    svc.bus.publish(T.build("node.assignment", node_id="n0"), encode(a))
-    (ack,) = replies(svc, client, "node.ack")
-    assert ack.accepted, ack.reason
+    a = _accepted_rank1(svc, client, tmp_path)
+    spec = a.spec
     other = spec.model_copy(update={"recipe": spec.recipe.model_copy(update={"lr": 0.5})})
     # an MLP cut off its quantum: refused after the spec was looked at
     bad = a.model_copy(update={"plan_version": 2, "spec": other,
